@@ -1,0 +1,144 @@
+"""The ``lbbsp`` command: run a coordinator, show a job's status, run the demo or the simulator."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Sequence
+
+from .config import JobConfig
+from .coordinator import Coordinator
+from .embedded import EmbeddedRedis
+from .errors import LBBSPError
+from .store import REDIS_ERRORS, Store
+
+#: Subcommands that live beside a framework or a heavy module; each module has add_arguments() and run().
+_EXTERNAL = {
+    "demo": ("lbbsp.integrations.demo", "train a model with plain BSP and with LB-BSP, side by side"),
+    "simulate": ("lbbsp.sim.cli", "compare balancing policies on a simulated cluster"),
+}
+
+
+def _redis_url(args: argparse.Namespace) -> str | None:
+    return args.redis or os.environ.get("LBBSP_REDIS_URL")
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    server = None
+    url = _redis_url(args)
+    if url is None:
+        server = EmbeddedRedis()
+        url = server.url
+        print(f"started an embedded redis-server: --redis {url}", flush=True)
+    store = Store.from_url(url, args.job)
+    try:
+        store.ping()
+        config = JobConfig(args.job, args.workers, args.global_batch, min_batch=args.min_batch,
+                           max_batch=args.max_batch, assignment_timeout_s=args.timeout)
+        coordinator = Coordinator(store, config)
+        signal.signal(signal.SIGTERM, lambda *_: coordinator.stop(timeout_s=0))
+        print(f"coordinating job {args.job!r}: {args.workers} workers, global batch {args.global_batch}", flush=True)
+        try:
+            coordinator.run(max_decisions=args.max_decisions)
+        except KeyboardInterrupt:
+            pass
+    finally:
+        store.close()
+        if server is not None:
+            server.close()
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from rich.console import Console  # noqa: PLC0415  (only this subcommand draws tables)
+    from rich.table import Table  # noqa: PLC0415
+
+    url = _redis_url(args)
+    if url is None:
+        raise LBBSPError("no Redis to read: pass --redis URL or set LBBSP_REDIS_URL (the coordinator prints it)")
+    console = Console()
+    with Store.from_url(url, args.job or "_") as probe:
+        probe.ping()
+        jobs = [args.job] if args.job else sorted(probe.jobs())
+    if not jobs:
+        console.print("no lbbsp jobs on this Redis")
+        return 0
+    for job in jobs:
+        with Store.from_url(url, job) as store:
+            config = store.load_config()
+            decisions = [json.loads(d) for d in store.decisions(1)]
+            statuses = {int(k): json.loads(v) for k, v in store.worker_statuses().items()}
+        last = decisions[0] if decisions else {}
+        title = f"job {job}" + (f": {config.num_workers} workers, global batch {config.global_batch}" if config else "")
+        table = Table(title=title, caption=f"iteration {last.get('iteration', '-')}: {last.get('reason', 'no decision yet')}")
+        for column in ("worker", "size", "predicted /s", "measured /s", "compute s", "wait s"):
+            table.add_column(column, justify="right")
+        for worker in sorted(statuses):
+            s = statuses[worker]
+            table.add_row(str(worker), str(s["size"]), _fmt(s["predicted_throughput"]), _fmt(s["measured_throughput"]),
+                          _fmt(s["compute_s"]), _fmt(s["wait_s"]))
+        console.print(table)
+    return 0
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lbbsp", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    coordinator = sub.add_parser("coordinator", help="run the BatchSize Manager for one job")
+    coordinator.add_argument("--redis", help="Redis URL (redis://, rediss://, unix://); default: start an embedded one")
+    coordinator.add_argument("--job", default="default", help="job name shared with the workers")
+    coordinator.add_argument("--workers", type=int, required=True, help="number of workers")
+    coordinator.add_argument("--global-batch", type=int, required=True, help="global batch size B")
+    coordinator.add_argument("--min-batch", type=int, default=1, help="smallest per-worker batch")
+    coordinator.add_argument("--max-batch", type=int, default=None, help="largest per-worker batch")
+    coordinator.add_argument("--timeout", type=float, default=10.0, help="assignment timeout of the workers, s")
+    coordinator.add_argument("--max-decisions", type=int, default=None, help="exit after this many decisions")
+    coordinator.set_defaults(handler=_coordinator)
+
+    status = sub.add_parser("status", help="show each worker's size, speed and wait, and the last decision")
+    status.add_argument("--redis", help="Redis URL (default: $LBBSP_REDIS_URL)")
+    status.add_argument("--job", help="job name (default: every job on this Redis)")
+    status.set_defaults(handler=_status)
+
+    for name, (module, help_text) in _EXTERNAL.items():
+        external = sub.add_parser(name, help=help_text)
+        external.set_defaults(module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] in _EXTERNAL:  # these parse their own flags, after importing their module
+        module = importlib.import_module(_EXTERNAL[argv[0]][0])
+        external = argparse.ArgumentParser(prog=f"lbbsp {argv[0]}", description=_EXTERNAL[argv[0]][1])
+        module.add_arguments(external)
+        args = external.parse_args(argv[1:])
+        runner = module.run
+    else:
+        args = parser.parse_args(argv)
+        runner = args.handler
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(runner(args) or 0)
+    except LBBSPError as exc:
+        print(f"lbbsp: error: {exc}", file=sys.stderr)
+        return 2
+    except REDIS_ERRORS as exc:
+        print(f"lbbsp: error: cannot reach Redis ({exc}); check --redis or LBBSP_REDIS_URL", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

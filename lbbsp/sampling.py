@@ -1,0 +1,100 @@
+"""Split each global batch of a seeded epoch permutation by the agreed batch-size vector.
+
+Framework-free and deterministic: every worker computes the same permutation from (seed, epoch) and
+takes positions [offset_i, offset_i + x_i) of global batch k, where offset_i is the sum of the sizes
+before it. Two workers, B = 8, sizes (3, 5): worker 0 takes positions 0-2 of the batch, worker 1 takes
+positions 3-7; with sizes (6, 2) next iteration, worker 0 takes 0-5 and worker 1 takes 6-7. Every sample
+is used exactly once per epoch, whatever the splits were.
+
+A dataset of n samples gives ``n // B`` full batches. The rest (``n % B`` samples) is either dropped
+(``drop_last=True``, as ``DataLoader`` does) or served as a short final batch, split in proportion to
+the agreed vector by :func:`scale_split`, so that it too is covered exactly once.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .errors import ConfigError
+
+
+def scale_split(sizes: Sequence[int], total: int) -> tuple[int, ...]:
+    """Scale a split to a new total, proportionally, by largest remainders (ties to the lower index)."""
+    sizes_arr = np.asarray(sizes, dtype=np.int64)
+    whole = int(sizes_arr.sum())
+    if whole == total:
+        return tuple(int(s) for s in sizes_arr)
+    if whole <= 0:
+        raise ConfigError("cannot scale an empty split")
+    exact = sizes_arr * total / whole
+    floor = np.floor(exact).astype(np.int64)
+    short = total - int(floor.sum())
+    order = np.argsort(-(exact - floor), kind="stable")
+    floor[order[:short]] += 1
+    return tuple(int(s) for s in floor)
+
+
+class GlobalBatchSampler:
+    """Indices of global batch k, and each worker's slice of it, for a dataset of ``dataset_size`` samples."""
+
+    def __init__(self, dataset_size: int, global_batch: int, *, seed: int = 0, shuffle: bool = True,
+                 drop_last: bool = False) -> None:
+        if dataset_size < 1:
+            raise ConfigError(f"dataset_size must be positive, got {dataset_size}")
+        if not 1 <= global_batch:
+            raise ConfigError(f"global_batch must be positive, got {global_batch}")
+        if drop_last and dataset_size < global_batch:
+            raise ConfigError(f"drop_last with {dataset_size} samples and global batch {global_batch} leaves "
+                              "no batch at all")
+        self.dataset_size = dataset_size
+        self.global_batch = global_batch
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.epoch = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.dataset_size)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.dataset_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's permutation, as ``DistributedSampler.set_epoch`` does."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._order = self._permutation(epoch)
+
+    def __len__(self) -> int:
+        """Global batches per epoch."""
+        full, rest = divmod(self.dataset_size, self.global_batch)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def batch_size(self, step: int) -> int:
+        """Samples in global batch ``step`` of the epoch: B, or fewer for a short final batch."""
+        self._check_step(step)
+        return min(self.global_batch, self.dataset_size - step * self.global_batch)
+
+    def global_indices(self, step: int) -> np.ndarray:
+        """Dataset indices of global batch ``step`` within the current epoch."""
+        start = step * self.global_batch
+        return self._order[start:start + self.batch_size(step)]
+
+    def split_for(self, step: int, sizes: Sequence[int]) -> tuple[int, ...]:
+        """The split actually used at ``step``: ``sizes``, scaled down for a short final batch."""
+        if sum(sizes) != self.global_batch:
+            raise ConfigError(f"sizes {tuple(sizes)} sum to {sum(sizes)}, not the global batch {self.global_batch}")
+        return scale_split(sizes, self.batch_size(step))
+
+    def worker_indices(self, step: int, sizes: Sequence[int], worker: int) -> np.ndarray:
+        """Dataset indices that ``worker`` computes at ``step`` of the epoch under the agreed ``sizes``."""
+        split = self.split_for(step, sizes)
+        if not 0 <= worker < len(split):
+            raise ConfigError(f"worker {worker} is not in a split of {len(split)} workers")
+        offset = sum(split[:worker])
+        return self.global_indices(step)[offset:offset + split[worker]]
+
+    def _check_step(self, step: int) -> None:
+        if not 0 <= step < len(self):
+            raise ConfigError(f"step {step} is outside the epoch's {len(self)} global batches")

@@ -1,0 +1,1 @@
+"""Trace-driven cluster simulator that runs the production policy code."""

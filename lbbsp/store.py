@@ -1,0 +1,208 @@
+"""Redis key layout of one job, and the atomic operations the coordinator and workers perform on it.
+
+Keys (all under ``lbbsp:{job}:``, all with a TTL so that finished jobs do not leak memory):
+
+=====================  =======  ==========================================================================
+``config``             string   the :class:`JobConfig` as JSON, written once by whoever comes first
+``reports:{k}``        hash     worker id -> report JSON for iteration k (first report per worker wins)
+``ready``              list     iterations whose reports are all in, for the coordinator to pop
+``assign:{k}``         string   the assignment JSON for iteration k, written once (SET NX)
+``assigned``           channel  iteration numbers, published when ``assign:{k}`` is written
+``decisions``          list     the latest decisions with their reasons, newest first (capped)
+``workers``            hash     worker id -> status JSON for ``lbbsp status``
+=====================  =======  ==========================================================================
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from .config import JobConfig
+from .errors import ConfigError, StoreUnavailable
+from .protocol import MAX_PAYLOAD_BYTES, Assignment, Report
+
+DECISION_LOG_LENGTH = 1000
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
+    """A client from one URL (redis://, rediss:// for TLS, unix://; password and db in the URL).
+
+    Retries a failed command briefly with backoff, and never blocks longer than ``socket_timeout_s``.
+    """
+    return redis.Redis.from_url(
+        url, socket_timeout=socket_timeout_s, socket_connect_timeout=min(socket_timeout_s, 2.0),
+        retry=Retry(ExponentialBackoff(cap=0.1, base=0.005), 2),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError], health_check_interval=0,
+    )
+
+
+class Store:
+    """Atomic operations on one job's keys; owns its Redis connections only if it made them."""
+
+    # KEYS[1] = reports:{k} hash, KEYS[2] = ready list
+    # ARGV[1] = worker id, ARGV[2] = report JSON, ARGV[3] = number of workers, ARGV[4] = TTL s,
+    # ARGV[5] = iteration k, ARGV[6] = max payload bytes
+    # Returns 1 if stored, 0 if this worker already reported iteration k, -1 if the payload is too big.
+    POST_REPORT = """
+    if string.len(ARGV[2]) > tonumber(ARGV[6]) then return -1 end
+    local added = redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+    redis.call('EXPIRE', KEYS[1], ARGV[4])
+    if added == 1 and redis.call('HLEN', KEYS[1]) == tonumber(ARGV[3]) then
+        redis.call('RPUSH', KEYS[2], ARGV[5])
+        redis.call('EXPIRE', KEYS[2], ARGV[4])
+    end
+    return added
+    """
+
+    # KEYS[1] = assign:{k} string, KEYS[2] = assigned channel
+    # ARGV[1] = assignment JSON, ARGV[2] = TTL s, ARGV[3] = iteration k
+    # Returns 1 if this call wrote the assignment, 0 if one was already there (write-once).
+    PUBLISH_ASSIGNMENT = """
+    if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
+        redis.call('PUBLISH', KEYS[2], ARGV[3])
+        return 1
+    end
+    return 0
+    """
+
+    def __init__(self, client: redis.Redis, job: str, *, ttl_s: int = 3600, owns_client: bool = False) -> None:
+        self.client = client
+        self.job = job
+        self.ttl_s = ttl_s
+        self.prefix = f"lbbsp:{job}:"
+        self._owns_client = owns_client
+        self._post_report = client.register_script(self.POST_REPORT)
+        self._publish = client.register_script(self.PUBLISH_ASSIGNMENT)
+
+    @classmethod
+    def from_url(cls, url: str, job: str, *, ttl_s: int = 3600, socket_timeout_s: float = 5.0) -> "Store":
+        return cls(connect(url, socket_timeout_s=socket_timeout_s), job, ttl_s=ttl_s, owns_client=True)
+
+    def key(self, *parts: object) -> str:
+        return self.prefix + ":".join(str(p) for p in parts)
+
+    def close(self) -> None:
+        """Close the connections this store opened; safe to call twice."""
+        if self._owns_client:
+            self._owns_client = False
+            self.client.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def ping(self) -> None:
+        """Raise :class:`StoreUnavailable` with the URL's error if Redis does not answer."""
+        try:
+            self.client.ping()
+        except REDIS_ERRORS as exc:
+            raise StoreUnavailable(f"cannot reach Redis: {exc}", job=self.job) from exc
+
+    # -- configuration ------------------------------------------------------------------------------------
+    def register(self, config: JobConfig) -> JobConfig:
+        """Store the job's configuration if none is stored; raise if a different one is."""
+        if config.job != self.job:
+            raise ConfigError(f"config is for job {config.job!r}, store for {self.job!r}", job=self.job)
+        key = self.key("config")
+        self.client.set(key, config.to_json(), nx=True, ex=self.ttl_s)
+        stored = JobConfig.from_json(self.client.get(key) or b"{}")
+        if stored != config:
+            raise ConfigError(f"job {self.job!r} already runs with {stored}, not {config}; "
+                              "use another job name or the same settings", job=self.job)
+        return stored
+
+    def load_config(self) -> JobConfig | None:
+        data = self.client.get(self.key("config"))
+        return JobConfig.from_json(data) if data is not None else None
+
+    # -- reports ------------------------------------------------------------------------------------------
+    def post_report(self, report: Report, num_workers: int) -> bool:
+        """Store a report; when it completes iteration k, queue k for the coordinator. False if duplicate."""
+        return self.post_raw_report(report.iteration, str(report.worker), report.to_json(), num_workers) == 1
+
+    def post_raw_report(self, iteration: int, worker: str, payload: bytes, num_workers: int) -> int:
+        """Store a payload as-is (the coordinator validates it later); used by tests of hostile input."""
+        return int(self._post_report(
+            keys=[self.key("reports", iteration), self.key("ready")],
+            args=[worker, payload, num_workers, self.ttl_s, iteration, MAX_PAYLOAD_BYTES],
+        ))
+
+    def next_ready(self, timeout_s: float) -> int | None:
+        """Pop the next iteration whose reports are complete, waiting up to ``timeout_s``."""
+        item = self.client.blpop([self.key("ready")], timeout=timeout_s)
+        if item is None:
+            return None
+        try:
+            return int(item[1])
+        except ValueError:
+            return None
+
+    def reports(self, iteration: int) -> dict[bytes, bytes]:
+        """The raw payloads posted for ``iteration``, keyed by the worker field as posted."""
+        return self.client.hgetall(self.key("reports", iteration))
+
+    def report_count(self, iteration: int) -> int:
+        return int(self.client.hlen(self.key("reports", iteration)))
+
+    # -- assignments --------------------------------------------------------------------------------------
+    def publish(self, assignment: Assignment) -> bool:
+        """Write the assignment for its iteration if none exists yet; True if this call wrote it."""
+        return self._publish(
+            keys=[self.key("assign", assignment.iteration), self.key("assigned")],
+            args=[assignment.to_json(), self.ttl_s, assignment.iteration],
+        ) == 1
+
+    def get_assignment(self, iteration: int) -> bytes | None:
+        return self.client.get(self.key("assign", iteration))
+
+    def subscribe(self) -> redis.client.PubSub:
+        """A subscription to the channel that announces each newly written assignment."""
+        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(self.key("assigned"))
+        return pubsub
+
+    # -- decision log and status --------------------------------------------------------------------------
+    def record_decision(self, payload: str, statuses: dict[int, str] | None = None) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.lpush(self.key("decisions"), payload)
+        pipe.ltrim(self.key("decisions"), 0, DECISION_LOG_LENGTH - 1)
+        pipe.expire(self.key("decisions"), self.ttl_s)
+        if statuses:
+            pipe.hset(self.key("workers"), mapping={str(k): v for k, v in statuses.items()})
+            pipe.expire(self.key("workers"), self.ttl_s)
+        pipe.execute()
+
+    def decisions(self, count: int = 20) -> list[bytes]:
+        """The newest ``count`` decision records, newest first."""
+        return self.client.lrange(self.key("decisions"), 0, count - 1)
+
+    def worker_statuses(self) -> dict[bytes, bytes]:
+        return self.client.hgetall(self.key("workers"))
+
+    def jobs(self) -> Iterator[str]:
+        """Names of the jobs with a stored configuration on this Redis."""
+        for key in self.client.scan_iter(match="lbbsp:*:config", count=1000):
+            yield key.decode()[len("lbbsp:"):-len(":config")]
+
+
+def wait_for_redis(url: str, timeout_s: float) -> redis.Redis:
+    """Connect and ping until Redis answers or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        client = connect(url)
+        try:
+            client.ping()
+            return client
+        except REDIS_ERRORS as exc:
+            last = exc
+            client.close()
+            time.sleep(0.05)
+    raise StoreUnavailable(f"Redis at {url} did not answer within {timeout_s}s: {last}")

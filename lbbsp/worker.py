@@ -1,0 +1,179 @@
+"""The worker side: report each iteration without blocking, then fetch the one agreed assignment.
+
+Agreement rule (GUIDE step 5): the assignment of iteration k lives in a write-once key. The coordinator
+writes it when all reports of k-1 are in. A worker that has waited ``assignment_timeout_s`` writes its
+fallback (the vector of k-1) with the same write-once operation and then uses whatever the key holds, so
+every worker ends up with the same vector. If Redis itself cannot be reached within the bound, the worker
+falls back to the vector of k-1 and, when the integration gives an ``agree`` function (a broadcast over the
+training framework's own process group), that function makes every worker use the same one.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Mapping
+
+from .config import JobConfig
+from .errors import LBBSPError, ProtocolError
+from .protocol import Assignment, Report
+from .store import REDIS_ERRORS, Store
+
+log = logging.getLogger("lbbsp.worker")
+
+Agree = Callable[[Assignment], Assignment]
+_KEEP_ASSIGNMENTS = 8
+
+
+class WorkerClient:
+    """One worker's connection to the job: ``report`` after computing, ``assignment`` before the next step."""
+
+    def __init__(self, store: Store, config: JobConfig, worker: int, *, agree: Agree | None = None,
+                 device: str = "cpu") -> None:
+        if not isinstance(worker, int) or not 0 <= worker < config.num_workers:
+            raise LBBSPError(f"worker must be in [0, {config.num_workers}), got {worker!r}", job=config.job)
+        self.store = store
+        self.config = store.register(config)
+        self.worker = worker
+        self.device = device
+        self.agree = agree
+        self.fallbacks = 0
+        self._known: dict[int, Assignment] = {}
+        self._outbox: queue.SimpleQueue[Report | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name=f"lbbsp-report-{worker}", daemon=True)
+        self._sender.start()
+        self._pubsub = None
+
+    # -- reporting --------------------------------------------------------------------------------------
+    def report(self, iteration: int, samples: int, compute_s: float, *, comm_s: float | None = None,
+               wait_s: float | None = None, features: Mapping[str, float] | None = None) -> Report:
+        """Validate and queue this iteration's measurement; returns at once (a thread sends it)."""
+        report = Report(job=self.config.job, worker=self.worker, iteration=iteration, samples=samples,
+                        compute_s=compute_s, comm_s=comm_s, wait_s=wait_s, features=dict(features or {}),
+                        device=self.device)
+        report.to_json()  # size check at the edge, before it is queued
+        self._outbox.put(report)
+        return report
+
+    def _send_loop(self) -> None:
+        while True:
+            report = self._outbox.get()
+            if report is None:
+                return
+            deadline = time.monotonic() + self.config.assignment_timeout_s
+            while True:
+                try:
+                    self.store.post_report(report, self.config.num_workers)
+                    break
+                except REDIS_ERRORS as exc:
+                    if time.monotonic() > deadline:
+                        log.warning("dropped report of iteration %d: Redis unreachable (%s)", report.iteration, exc)
+                        break
+                    time.sleep(0.05)
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait until queued reports are sent (for tests and shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._outbox.empty() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    # -- the agreed assignment --------------------------------------------------------------------------
+    def assignment(self, iteration: int) -> Assignment:
+        """The vector every worker uses at ``iteration``; waits at most about ``assignment_timeout_s``."""
+        known = self._known.get(iteration)
+        if known is not None:
+            return known
+        deadline = time.monotonic() + self.config.assignment_timeout_s
+        while True:
+            try:
+                agreed = self._fetch(iteration, deadline)
+                break
+            except REDIS_ERRORS as exc:  # retry within the bound: Redis may be restarting
+                self._drop_subscription()
+                if time.monotonic() >= deadline:
+                    log.warning("worker %d, iteration %d: Redis unreachable (%s); using the previous vector",
+                                self.worker, iteration, exc)
+                    agreed = self._fallback(iteration, f"Redis unreachable ({type(exc).__name__})")
+                    break
+                time.sleep(0.05)
+        if self.agree is not None:
+            agreed = self.agree(agreed)
+        self._remember(agreed)
+        return agreed
+
+    def _fetch(self, iteration: int, deadline: float) -> Assignment:
+        found = self._read(iteration)
+        if found is not None:
+            return found
+        if iteration == 0:
+            # Nothing to wait for: iteration 0 starts from the initial split, agreed through the same key.
+            self.store.publish(self._fallback(iteration, "initial split"))
+            return self._read_required(iteration)
+        pubsub = self._subscription()
+        found = self._read(iteration)
+        while found is None and (remaining := deadline - time.monotonic()) > 0:
+            pubsub.get_message(timeout=min(remaining, 0.25))
+            found = self._read(iteration)
+        if found is not None:
+            return found
+        waited = self.config.assignment_timeout_s
+        self.store.publish(self._fallback(iteration, f"coordinator late: worker {self.worker} waited {waited:g}s"))
+        return self._read_required(iteration)
+
+    def _fallback(self, iteration: int, why: str) -> Assignment:
+        previous = self._known.get(iteration - 1)
+        sizes = previous.sizes if previous is not None else self.config.initial_sizes()
+        if iteration > 0:
+            self.fallbacks += 1
+        return Assignment(self.config.job, iteration, sizes, "fallback" if iteration > 0 else "initial", why,
+                          fallback=iteration > 0)
+
+    def _read(self, iteration: int) -> Assignment | None:
+        raw = self.store.get_assignment(iteration)
+        if raw is None:
+            return None
+        try:
+            return Assignment.from_json(raw, job=self.config.job, num_workers=self.config.num_workers,
+                                        global_batch=self.config.global_batch)
+        except ProtocolError as exc:
+            raise LBBSPError(f"stored assignment is invalid: {exc}", job=self.config.job, worker=self.worker,
+                             iteration=iteration) from exc
+
+    def _read_required(self, iteration: int) -> Assignment:
+        found = self._read(iteration)
+        if found is None:  # the key expired between write and read: only with a tiny TTL
+            raise LBBSPError("assignment vanished right after it was written", job=self.config.job,
+                             worker=self.worker, iteration=iteration)
+        return found
+
+    def _remember(self, assignment: Assignment) -> None:
+        self._known[assignment.iteration] = assignment
+        for old in [k for k in self._known if k < assignment.iteration - _KEEP_ASSIGNMENTS]:
+            del self._known[old]
+
+    def _subscription(self):  # type: ignore[no-untyped-def]
+        if self._pubsub is None:
+            self._pubsub = self.store.subscribe()
+        return self._pubsub
+
+    def _drop_subscription(self) -> None:
+        if self._pubsub is not None:
+            try:
+                self._pubsub.close()
+            except REDIS_ERRORS:
+                pass
+            self._pubsub = None
+
+    def close(self) -> None:
+        """Send what is queued, stop the sender thread and the subscription; safe to call twice."""
+        if self._sender.is_alive():
+            self._outbox.put(None)
+            self._sender.join(self.config.assignment_timeout_s + 1)
+        self._drop_subscription()
+
+    def __enter__(self) -> "WorkerClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
