@@ -2,11 +2,16 @@
 
 A capacity model learns each worker's speed from the reports of past iterations and predicts its
 throughput for the next one. ``__init__`` only stores keyword arguments; learned state ends in ``_``.
+
+Cold start: every model remembers each reporting worker's hardware (device family, cores), also from
+reports with ``samples == 0``, which a joining worker can send to announce itself. A worker with no
+throughput history of its own is predicted from the median of workers on similar hardware.
 """
 from __future__ import annotations
 
 import inspect
-from typing import Iterable, Sequence
+import re
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -14,9 +19,47 @@ from ..allocation import LinearTime, TimeModel
 from ..errors import LBBSPError
 from ..protocol import Report
 
+#: What a model knows about a worker's hardware: (device family, cores); cores 0 when not reported.
+Hardware = tuple[str, int]
+
+_DEVICE_INDEX = re.compile(r"[:/]\d+$")
+
 
 class NotFittedError(LBBSPError, AttributeError):
     """A model was asked to predict before it saw any report."""
+
+
+def hardware_of(report: Report) -> Hardware:
+    """The hardware key of a report: its device without a trailing index ("cuda:3" -> "cuda"), and cores."""
+    device = _DEVICE_INDEX.sub("", report.device.strip().lower()) or "cpu"
+    return device, int(report.features.get("cores", 0))
+
+
+def similar_hardware_prior(values: Mapping[int, float], hardware: Mapping[int, Hardware],
+                           workers: Sequence[int], default: float = np.nan) -> np.ndarray:
+    """For each worker, the median of ``values`` over workers with the same hardware, then the same
+    device family, then all workers; ``default`` when nothing at all is known. Pure function."""
+    known = {w: v for w, v in values.items() if np.isfinite(v)}
+    if not known:
+        return np.full(len(workers), default, dtype=float)
+    overall = float(np.median(list(known.values())))
+    by_exact: dict[Hardware, list[float]] = {}
+    by_device: dict[str, list[float]] = {}
+    for worker, value in known.items():
+        key = hardware.get(worker)
+        if key is not None:
+            by_exact.setdefault(key, []).append(value)
+            by_device.setdefault(key[0], []).append(value)
+    medians_exact = {k: float(np.median(v)) for k, v in by_exact.items()}
+    medians_device = {k: float(np.median(v)) for k, v in by_device.items()}
+    prior = np.empty(len(workers), dtype=float)
+    for i, worker in enumerate(workers):
+        key = hardware.get(int(worker))
+        if key is None:
+            prior[i] = overall
+        else:
+            prior[i] = medians_exact.get(key, medians_device.get(key[0], overall))
+    return prior
 
 
 class CapacityModel:
@@ -39,7 +82,8 @@ class CapacityModel:
         raise NotImplementedError
 
     def predict(self, workers: Sequence[int]) -> np.ndarray:
-        """Predicted samples per second for each worker; NaN for a worker never seen."""
+        """Predicted samples per second for each worker; a similar-hardware prior for a worker with no
+        history, NaN only when no worker has any."""
         raise NotImplementedError
 
     def time_model(self, workers: Sequence[int]) -> TimeModel:
@@ -52,3 +96,19 @@ class CapacityModel:
     def _check_is_fitted(self, attribute: str) -> None:
         if not hasattr(self, attribute):
             raise NotFittedError(f"{type(self).__name__} has seen no report yet; call partial_fit first")
+
+    def _remember_hardware(self, reports: Sequence[Report]) -> None:
+        """Record each reporting worker's hardware key in ``hardware_`` (for the cold-start prior)."""
+        if not hasattr(self, "hardware_"):
+            self.hardware_: dict[int, Hardware] = {}
+        for report in reports:
+            self.hardware_[report.worker] = hardware_of(report)
+
+    def _with_prior(self, values: Mapping[int, float], workers: Sequence[int]) -> np.ndarray:
+        """``values`` per worker, the similar-hardware prior where a worker has none."""
+        out = np.array([values.get(int(w), np.nan) for w in workers], dtype=float)
+        missing = ~np.isfinite(out)
+        if missing.any():
+            unknown = [workers[i] for i in np.flatnonzero(missing)]
+            out[missing] = similar_hardware_prior(values, getattr(self, "hardware_", {}), unknown)
+        return out

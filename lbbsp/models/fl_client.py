@@ -1,0 +1,78 @@
+"""Federated clients: a round costs local compute plus the model's download and upload.
+
+The client's *batch size* b is what LB-BSP adapts, with the number of local steps fixed (as in the
+paper), so one round takes  time_i(b) = transfer_i + local_steps * b / speed_i.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..allocation import LinearTime
+from ..errors import ConfigError
+from ..protocol import Report
+from .base import CapacityModel
+
+
+class FLClientModel(CapacityModel):
+    """Learns each client's compute throughput and model-transfer seconds (exponentially weighted).
+
+    Reports carry ``samples`` (local_steps * batch), ``compute_s`` (local compute only) and features
+    ``download_s``/``upload_s``; without those, ``model_bytes`` over ``bandwidth_down``/``bandwidth_up``
+    gives the transfer time. Clients never seen get the median of clients on similar hardware.
+    """
+
+    def __init__(self, local_steps: int = 1, *, alpha: float = 0.5, model_bytes: float | None = None) -> None:
+        self.local_steps = local_steps
+        self.alpha = alpha
+        self.model_bytes = model_bytes
+
+    def partial_fit(self, reports: Sequence[Report]) -> "FLClientModel":
+        if not isinstance(self.local_steps, int) or self.local_steps < 1:
+            raise ConfigError(f"local_steps must be a positive integer, got {self.local_steps!r}")
+        if not 0 < self.alpha <= 1:
+            raise ConfigError(f"alpha must be in (0, 1], got {self.alpha}")
+        if not hasattr(self, "speed_"):
+            self.speed_: dict[int, float] = {}
+            self.transfer_s_: dict[int, float] = {}
+        self._remember_hardware(reports)
+        for report in reports:
+            if report.throughput > 0:
+                self._update(self.speed_, report.worker, report.throughput)
+            transfer = self._transfer_seconds(report)
+            if transfer is not None:
+                self._update(self.transfer_s_, report.worker, transfer)
+        return self
+
+    def predict(self, workers: Sequence[int]) -> np.ndarray:
+        """Local compute throughput, samples per second."""
+        self._check_is_fitted("speed_")
+        return self._with_prior(self.speed_, workers)
+
+    def transfer_s(self, workers: Sequence[int]) -> np.ndarray:
+        """Predicted download + upload seconds per round; 0 when no client ever reported a transfer."""
+        self._check_is_fitted("transfer_s_")
+        return np.nan_to_num(self._with_prior(self.transfer_s_, workers), nan=0.0)
+
+    def time_model(self, workers: Sequence[int]) -> LinearTime:
+        """Round seconds as a function of the client's batch size, local steps fixed."""
+        speed = self.predict(workers)
+        speed = np.where(np.isfinite(speed) & (speed > 0), speed, 1.0)
+        return LinearTime(speed / self.local_steps, overhead=self.transfer_s(workers))
+
+    def _update(self, table: dict[int, float], worker: int, value: float) -> None:
+        previous = table.get(worker)
+        table[worker] = value if previous is None else self.alpha * value + (1 - self.alpha) * previous
+
+    def _transfer_seconds(self, report: Report) -> float | None:
+        features = report.features
+        if "download_s" in features or "upload_s" in features:
+            return features.get("download_s", 0.0) + features.get("upload_s", 0.0)
+        if self.model_bytes is None:
+            return None
+        seconds = 0.0
+        for name in ("bandwidth_down", "bandwidth_up"):
+            if features.get(name, 0.0) > 0:
+                seconds += self.model_bytes / features[name]
+        return seconds if seconds > 0 else None
