@@ -1,0 +1,89 @@
+"""The integer min-max allocator: exact sum, bounds, and optimality against single-unit moves."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lbbsp import AllocationError, LinearTime, allocate
+from lbbsp.allocation import damp
+
+
+class StepCurve:
+    """A GPU-like curve without an inverse: flat up to a knee, then linear (exercises the generic search)."""
+
+    def __init__(self, knee: np.ndarray, slope: np.ndarray, floor: np.ndarray) -> None:
+        self.knee, self.slope, self.floor = knee, slope, floor
+
+    def time(self, sizes: np.ndarray) -> np.ndarray:
+        return self.floor + self.slope * np.maximum(np.asarray(sizes, dtype=float) - self.knee, 0.0)
+
+
+def no_single_move_helps(model, x: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> bool:
+    times = model.time(x)
+    worst = times.max()
+    for j in np.flatnonzero(times >= worst * (1 - 1e-12)):  # only moving off a slowest worker can help
+        if x[j] <= lower[j]:
+            continue
+        for k in np.flatnonzero(x < upper):
+            if k == j:
+                continue
+            y = x.copy()
+            y[j] -= 1
+            y[k] += 1
+            if model.time(y).max() < worst * (1 - 1e-9):
+                return False
+    return True
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_linear_allocation_properties(data: st.DataObject) -> None:
+    n = data.draw(st.integers(1, 12))
+    speeds = np.array(data.draw(st.lists(st.floats(0.1, 1000), min_size=n, max_size=n)))
+    overhead = np.array(data.draw(st.lists(st.floats(0, 2), min_size=n, max_size=n)))
+    lower = np.array(data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n)))
+    upper = lower + np.array(data.draw(st.lists(st.integers(0, 60), min_size=n, max_size=n)))
+    batch = data.draw(st.integers(int(lower.sum()), int(upper.sum())))
+    model = LinearTime(speeds, overhead)
+    x = allocate(model, batch, lower, upper)
+    assert x.sum() == batch
+    assert (x >= lower).all() and (x <= upper).all()
+    assert no_single_move_helps(model, x, lower, upper)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_curve_allocation_properties(data: st.DataObject) -> None:
+    n = data.draw(st.integers(1, 8))
+    knee = np.array(data.draw(st.lists(st.integers(0, 30), min_size=n, max_size=n)), dtype=float)
+    slope = np.array(data.draw(st.lists(st.floats(0.01, 5), min_size=n, max_size=n)))
+    floor = np.array(data.draw(st.lists(st.floats(0.0, 3), min_size=n, max_size=n)))
+    upper = np.array(data.draw(st.lists(st.integers(1, 80), min_size=n, max_size=n)))
+    lower = np.zeros(n, dtype=int)
+    batch = data.draw(st.integers(0, int(upper.sum())))
+    model = StepCurve(knee, slope, floor)
+    x = allocate(model, batch, lower, upper)
+    assert x.sum() == batch
+    assert (x >= lower).all() and (x <= upper).all()
+    assert no_single_move_helps(model, x, lower, upper)
+
+
+def test_proportional_to_speed() -> None:
+    x = allocate(LinearTime(np.array([1.0, 2.0, 3.0, 4.0])), 100, [1] * 4, [100] * 4)
+    assert x.tolist() == [10, 20, 30, 40]
+
+
+def test_infeasible_bounds_raise_a_clear_error() -> None:
+    with pytest.raises(AllocationError, match="cannot be placed within the bounds: they allow 4 to 40"):
+        allocate(LinearTime(np.ones(4)), 41, [1] * 4, [10] * 4)
+
+
+def test_dead_band_keeps_the_current_split_for_small_gains() -> None:
+    model = LinearTime(np.array([1.0, 1.02]))
+    kept, changed = damp([50, 50], np.array([49, 51]), model, deadband=0.05)
+    assert not changed and kept.tolist() == [50, 50]
+    model = LinearTime(np.array([1.0, 3.0]))
+    moved, changed = damp([50, 50], np.array([25, 75]), model, deadband=0.05)
+    assert changed and moved.tolist() == [25, 75]

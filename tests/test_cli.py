@@ -1,0 +1,44 @@
+"""The lbbsp command: a coordinator process serves workers, status shows them, errors are clear."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from lbbsp import JobConfig, Store, WorkerClient
+
+LBBSP = [sys.executable, "-m", "lbbsp.cli"]
+
+
+@pytest.mark.timeout(60)
+def test_coordinator_process_and_status_table(redis_url: str, job: str) -> None:
+    coordinator = subprocess.Popen([*LBBSP, "coordinator", "--redis", redis_url, "--job", job, "--workers", "2",
+                                    "--global-batch", "30", "--max-decisions", "2"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    config = JobConfig(job, 2, 30)
+    clients = [WorkerClient(Store.from_url(redis_url, job), config, i) for i in range(2)]
+    for k in range(2):
+        for i, client in enumerate(clients):
+            size = client.assignment(k).sizes[i]
+            client.report(k, size, size / (100.0 * (1 + 2 * i)))
+    assert clients[0].assignment(2).sizes == (7, 23)
+    out, _ = coordinator.communicate(timeout=30)
+    assert coordinator.returncode == 0, out
+    assert f"coordinating job '{job}'" in out
+    status = subprocess.run([*LBBSP, "status", "--redis", redis_url, "--job", job], capture_output=True, text=True,
+                            env={"COLUMNS": "160", "PATH": ""}, timeout=30)
+    assert status.returncode == 0, status.stderr
+    assert "rebalanced" in status.stdout or "kept" in status.stdout
+    assert " 23 " in status.stdout
+    for client in clients:
+        client.close()
+        client.store.close()
+
+
+def test_unreachable_redis_is_reported_plainly(tmp_path) -> None:
+    result = subprocess.run([*LBBSP, "status", "--redis", f"unix://{tmp_path}/none.sock"], capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 2
+    assert "cannot reach Redis" in result.stderr
+    assert "Traceback" not in result.stderr

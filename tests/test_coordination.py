@@ -1,0 +1,173 @@
+"""Coordinator and workers in real processes over a real redis-server: convergence, agreement, bad input."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+import pytest
+
+from emulated import run_coordinator, run_worker
+from lbbsp import Coordinator, EmbeddedRedis, JobConfig, ProtocolError, Report, Store, WorkerClient
+
+SPAWN = mp.get_context("spawn")
+
+
+def read_logs(paths: list[Path]) -> list[list[dict]]:
+    return [[json.loads(line) for line in p.read_text().splitlines()] for p in paths]
+
+
+def start_workers(url: str, config: JobConfig, speeds: list[list[float]], iterations: int,
+                  tmp_path: Path) -> tuple[list[mp.Process], list[Path]]:
+    paths = [tmp_path / f"worker{i}.jsonl" for i in range(config.num_workers)]
+    procs = [SPAWN.Process(target=run_worker, args=(url, config.to_json(), i, speeds[i], iterations, str(paths[i])))
+             for i in range(config.num_workers)]
+    for p in procs:
+        p.start()
+    return procs, paths
+
+
+def join_all(procs: list[mp.Process], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 0.1))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a worker hung"
+    assert all(p.exitcode == 0 for p in procs)
+
+
+@pytest.mark.timeout(120)
+def test_sizes_converge_to_speed_within_three_iterations(redis_url: str, job: str, tmp_path: Path) -> None:
+    config = JobConfig(job, 4, 100, assignment_timeout_s=5.0)
+    store = Store.from_url(redis_url, job)
+    coordinator = Coordinator(store, config).start()
+    try:
+        speeds = [[1000.0 * (i + 1)] for i in range(4)]
+        procs, paths = start_workers(redis_url, config, speeds, 8, tmp_path)
+        join_all(procs, 90)
+    finally:
+        coordinator.stop()
+        store.close()
+    logs = read_logs(paths)
+    for k in range(8):
+        vectors = {tuple(log[k]["sizes"]) for log in logs}
+        assert len(vectors) == 1
+        assert sum(vectors.pop()) == 100
+    for k in range(3, 8):
+        sizes = logs[0][k]["sizes"]
+        assert all(abs(s - 10 * (i + 1)) <= 1 for i, s in enumerate(sizes)), sizes
+
+
+@pytest.mark.timeout(240)
+def test_every_worker_uses_one_vector_through_delays_crashes_and_a_redis_restart(job: str, tmp_path: Path) -> None:
+    timeout = 0.4
+    iterations = 60
+    config = JobConfig(job, 4, 120, assignment_timeout_s=timeout)
+    speeds = [[2000.0], [4000.0, 1500.0], [3000.0], [6000.0, 6000.0, 1000.0]]
+    with EmbeddedRedis(tmp_path / "redis") as server:
+        coordinator = SPAWN.Process(target=run_coordinator, args=(server.url, config.to_json(), 0.6, 0.15, 1))
+        coordinator.start()
+        procs, paths = start_workers(server.url, config, speeds, iterations, tmp_path)
+
+        def progress() -> int:
+            lines = [p.read_text().count("\n") if p.exists() else 0 for p in paths]
+            return min(lines)
+
+        def wait_for(k: int) -> None:
+            deadline = time.monotonic() + 60
+            while progress() < k and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+        wait_for(15)
+        coordinator.kill()  # the coordinator dies without a word
+        coordinator.join()
+        wait_for(20)  # the workers go on, on fallback vectors
+        coordinator = SPAWN.Process(target=run_coordinator, args=(server.url, config.to_json(), 0.6, 0.15, 2))
+        coordinator.start()
+        wait_for(35)
+        server.restart(kill=True)  # redis-server crashes and comes back on the same socket
+        join_all(procs, 150)
+        coordinator.kill()
+        coordinator.join()
+    logs = read_logs(paths)
+    assert all(len(log) == iterations for log in logs)
+    for k in range(iterations):
+        vectors = {tuple(log[k]["sizes"]) for log in logs}
+        assert len(vectors) == 1, f"iteration {k}: workers used {vectors}"
+        assert sum(vectors.pop()) == 120
+    waits = [entry["waited"] for log in logs for entry in log]
+    assert max(waits) < timeout + 1.5, max(waits)  # every wait is bounded
+    policies = {entry["policy"] for log in logs for entry in log}
+    assert {"fallback", "lbbsp"} <= policies  # both paths really ran
+
+
+@pytest.mark.timeout(60)
+def test_hostile_reports_are_rejected_and_the_coordinator_keeps_serving(redis_url: str, job: str) -> None:
+    config = JobConfig(job, 3, 30)
+    store = Store.from_url(redis_url, job)
+    coordinator = Coordinator(store, config)
+    clients = [WorkerClient(Store.from_url(redis_url, job), config, i) for i in range(3)]
+    hostile = {
+        "NaN": b'{"v":1,"job":"%s","worker":1,"iteration":%d,"samples":10,"compute_s":NaN}',
+        "negative": b'{"v":1,"job":"%s","worker":1,"iteration":%d,"samples":-10,"compute_s":0.1}',
+        "huge": b'{"v":1,"job":"%s","worker":1,"iteration":%d,"samples":10,"compute_s":1e300}',
+        "wrong job": b'{"v":1,"job":"x%s","worker":1,"iteration":%d,"samples":10,"compute_s":0.1}',
+        "wrong type": b'{"v":1,"job":"%s","worker":"1","iteration":%d,"samples":10,"compute_s":0.1}',
+        "pickle": b"\x80\x04\x95%s%d.",
+    }
+    expected_field = {"NaN": "payload", "negative": "samples", "huge": "compute_s", "wrong job": "job",
+                      "wrong type": "worker", "pickle": "payload"}
+    for k, (kind, template) in enumerate(hostile.items()):
+        sizes = clients[0].assignment(k).sizes
+        assert store.post_raw_report(k, "1", template % (job.encode(), k), 3) == 1
+        for i in (0, 2):
+            clients[i].report(k, sizes[i], 0.01 * (i + 1))
+            clients[i].flush()
+        outcome = coordinator.step(timeout_s=5)
+        assert outcome is not None and outcome.written, kind
+        assert [r.worker for r in outcome.rejected] == ["1"], kind
+        assert f"{expected_field[kind]}:" in outcome.rejected[0].error, (kind, outcome.rejected[0].error)
+        assert clients[2].assignment(k + 1) == outcome.assignment
+    oversized = b'{"v":1,"pad":"' + b"x" * 5000 + b'"}'
+    assert store.post_raw_report(99, "1", oversized, 3) == -1  # refused inside Redis, never stored
+    record = json.loads(store.decisions(1)[0])
+    assert record["rejected"][0]["worker"] == "1"
+    with pytest.raises(ProtocolError, match="compute_s"):
+        clients[0].report(50, 10, float("nan"))  # rejected at the edge, before it is sent
+    with pytest.raises(ProtocolError, match="features.bogus"):
+        Report(job, 0, 0, 1, 0.1, features={"bogus": 1.0})
+    for client in clients:
+        client.close()
+        client.store.close()
+    store.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_late_coordinator_loses_to_the_fallback_and_says_so(redis_url: str, job: str) -> None:
+    config = JobConfig(job, 2, 10, assignment_timeout_s=0.2)
+    store = Store.from_url(redis_url, job)
+    clients = [WorkerClient(Store.from_url(redis_url, job), config, i) for i in range(2)]
+    for i, client in enumerate(clients):
+        assert client.assignment(0).sizes == (5, 5)
+        client.report(0, 5, 0.05 * (i + 1))
+        client.flush()
+    late = clients[0].assignment(1)  # no coordinator yet: the worker writes its fallback
+    assert late.fallback and late.sizes == (5, 5)
+    outcome = Coordinator(store, config).step(timeout_s=5)
+    assert outcome is not None and not outcome.written and outcome.assignment == late
+    assert clients[1].assignment(1) == late
+    assert json.loads(store.decisions(1)[0])["written_by_coordinator"] is False
+    for client in clients:
+        client.close()
+        client.store.close()
+    store.close()
+
+
+def test_a_job_cannot_be_joined_with_other_settings(redis_url: str, job: str) -> None:
+    with Store.from_url(redis_url, job) as store:
+        store.register(JobConfig(job, 2, 10))
+        with pytest.raises(Exception, match="already runs with"):
+            store.register(JobConfig(job, 2, 12))

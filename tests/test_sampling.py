@@ -1,0 +1,62 @@
+"""The global-batch sampler covers every sample exactly once per epoch, whatever the splits were."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lbbsp import ConfigError, GlobalBatchSampler, scale_split
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_every_sample_exactly_once_per_epoch(data: st.DataObject) -> None:
+    n_workers = data.draw(st.integers(1, 6))
+    batch = data.draw(st.integers(n_workers, 40))
+    size = data.draw(st.integers(1, 300))
+    drop_last = data.draw(st.booleans()) and size >= batch
+    sampler = GlobalBatchSampler(size, batch, seed=data.draw(st.integers(0, 99)), drop_last=drop_last)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        seen: list[int] = []
+        for step in range(len(sampler)):
+            cuts = sorted(data.draw(st.lists(st.integers(0, batch), min_size=n_workers - 1,
+                                             max_size=n_workers - 1)))
+            sizes = np.diff([0, *cuts, batch]).tolist()
+            parts = [sampler.worker_indices(step, sizes, w) for w in range(n_workers)]
+            assert sum(len(p) for p in parts) == sampler.batch_size(step)
+            seen.extend(int(i) for p in parts for i in p)
+        expected = size - (size % batch if drop_last else 0)
+        assert len(seen) == expected
+        assert len(set(seen)) == expected  # no sample twice
+
+
+def test_two_rank_example_from_the_docstring() -> None:
+    sampler = GlobalBatchSampler(16, 8, shuffle=False)
+    assert sampler.worker_indices(0, (3, 5), 0).tolist() == [0, 1, 2]
+    assert sampler.worker_indices(0, (3, 5), 1).tolist() == [3, 4, 5, 6, 7]
+    assert sampler.worker_indices(1, (6, 2), 1).tolist() == [14, 15]
+
+
+def test_epochs_differ_and_repeat_under_a_seed() -> None:
+    a, b = GlobalBatchSampler(50, 10, seed=3), GlobalBatchSampler(50, 10, seed=3)
+    first = a.global_indices(0).tolist()
+    assert first == b.global_indices(0).tolist()
+    a.set_epoch(1)
+    assert a.global_indices(0).tolist() != first
+
+
+def test_short_final_batch_is_split_in_proportion() -> None:
+    sampler = GlobalBatchSampler(25, 10, shuffle=False)
+    assert len(sampler) == 3 and sampler.batch_size(2) == 5
+    assert sampler.split_for(2, (2, 8)) == (1, 4)
+    assert scale_split((3, 3, 4), 5) == (2, 1, 2)
+
+
+def test_bad_sizes_and_steps_are_rejected() -> None:
+    sampler = GlobalBatchSampler(25, 10)
+    with pytest.raises(ConfigError, match="sum to 9"):
+        sampler.worker_indices(0, (4, 5), 0)
+    with pytest.raises(ConfigError, match="outside the epoch"):
+        sampler.global_indices(3)
