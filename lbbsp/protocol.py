@@ -14,7 +14,8 @@ from typing import Any, Mapping, Sequence
 from .errors import ProtocolError
 
 PROTOCOL_VERSION = 1
-MAX_PAYLOAD_BYTES = 4096
+MAX_PAYLOAD_BYTES = 4096  # one report
+MAX_ASSIGNMENT_BYTES = 1024 + 12 * 100_000  # one vector for up to MAX_WORKERS workers
 MAX_BATCH = 10_000_000
 MAX_ITERATION = 2**53
 MAX_SECONDS = 86_400.0
@@ -73,10 +74,10 @@ def _str(value: Any, name: str, max_chars: int, **where: Any) -> str:
     return value
 
 
-def _decode(data: bytes | str, kind: str, allowed: set[str]) -> dict[str, Any]:
+def _decode(data: bytes | str, kind: str, allowed: set[str], max_bytes: int) -> dict[str, Any]:
     raw = data.encode() if isinstance(data, str) else bytes(data)
-    if len(raw) > MAX_PAYLOAD_BYTES:
-        raise _fail(f"{kind} payload is {len(raw)} bytes, more than {MAX_PAYLOAD_BYTES}", "payload")
+    if len(raw) > max_bytes:
+        raise _fail(f"{kind} payload is {len(raw)} bytes, more than {max_bytes}", "payload")
     try:
         obj = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except ProtocolError:
@@ -123,6 +124,8 @@ class Report:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if isinstance(self.features, Mapping) and not isinstance(self.features, dict):
+            object.__setattr__(self, "features", dict(self.features))
         self.validate()
 
     @property
@@ -130,15 +133,13 @@ class Report:
         """Samples per second of compute; 0.0 when nothing was measured."""
         return self.samples / self.compute_s if self.samples > 0 and self.compute_s > 0 else 0.0
 
-    def validate(self, *, job: str | None = None, num_workers: int | None = None) -> "Report":
-        """Check every field; with ``job``/``num_workers`` also check it belongs to that job."""
-        where = {"job": self.job if isinstance(self.job, str) else None}
+    def validate(self) -> "Report":
+        """Check every field's type and range."""
+        where: dict[str, Any] = {"job": self.job if isinstance(self.job, str) else None}
         _str(self.job, "job", 128, **where)
         if not self.job:
             raise _fail("must not be empty", "job")
-        if job is not None and self.job != job:
-            raise _fail(f"report is for job {self.job!r}, not {job!r}", "job", job=job)
-        _int(self.worker, "worker", 0, (num_workers or MAX_WORKERS) - 1, **where)
+        _int(self.worker, "worker", 0, MAX_WORKERS - 1, **where)
         where["worker"] = self.worker
         _int(self.iteration, "iteration", 0, MAX_ITERATION, **where)
         where["iteration"] = self.iteration
@@ -148,13 +149,22 @@ class Report:
             _float(self.comm_s, "comm_s", 0.0, MAX_SECONDS, **where)
         if self.wait_s is not None:
             _float(self.wait_s, "wait_s", 0.0, MAX_SECONDS, **where)
-        if not isinstance(self.features, Mapping):
+        if not isinstance(self.features, dict):
             raise _fail("must be an object", "features", **where)
         for name, value in self.features.items():
             if name not in FEATURE_RANGES:
                 raise _fail(f"unknown feature {name!r}", f"features.{name}", **where)
             _float(value, f"features.{name}", *FEATURE_RANGES[name], **where)
         _str(self.device, "device", 64, **where)
+        return self
+
+    def check_belongs(self, *, job: str | None = None, num_workers: int | None = None) -> "Report":
+        """Raise unless the report is for ``job`` and its worker id is below ``num_workers``."""
+        if job is not None and self.job != job:
+            raise _fail(f"report is for job {self.job!r}, not {job!r}", "job", job=job)
+        if num_workers is not None and self.worker >= num_workers:
+            raise _fail(f"must be in [0, {num_workers - 1}], got {self.worker}", "worker", job=self.job,
+                        iteration=self.iteration)
         return self
 
     def to_json(self) -> bytes:
@@ -176,7 +186,7 @@ class Report:
     def from_json(cls, data: bytes | str, *, job: str | None = None,
                   num_workers: int | None = None) -> "Report":
         """Parse and validate; raises :class:`ProtocolError` naming the bad field."""
-        obj = _decode(data, "report", _REPORT_FIELDS)
+        obj = _decode(data, "report", _REPORT_FIELDS, MAX_PAYLOAD_BYTES)
         features = obj.get("features", {})
         if not isinstance(features, dict):
             raise _fail("must be an object", "features")
@@ -186,7 +196,7 @@ class Report:
             comm_s=obj.get("comm_s"), wait_s=obj.get("wait_s"), features=features,
             device=obj.get("device", "cpu"),
         )
-        return report.validate(job=job, num_workers=num_workers)
+        return report.check_belongs(job=job, num_workers=num_workers)
 
 
 @dataclass(frozen=True)
@@ -247,7 +257,7 @@ class Assignment:
     @classmethod
     def from_json(cls, data: bytes | str, *, job: str | None = None, num_workers: int | None = None,
                   global_batch: int | None = None) -> "Assignment":
-        obj = _decode(data, "assignment", _ASSIGNMENT_FIELDS)
+        obj = _decode(data, "assignment", _ASSIGNMENT_FIELDS, MAX_ASSIGNMENT_BYTES)
         sizes = _require(obj, "sizes")
         if not isinstance(sizes, list):
             raise _fail("must be a list", "sizes")

@@ -1,0 +1,120 @@
+"""What lbbsp adds to an iteration's critical path, and how long one decision takes at scale.
+
+Critical path: N worker processes meet at a barrier (standing in for the gradient all-reduce), each sends
+its report and fetches the next assignment from a real local redis-server, while the coordinator runs in
+this process. Added time per iteration = from the last worker's report to the moment the last worker holds
+the next vector. Decision time: the policy's prediction + allocation, and the whole coordinator step with
+Redis I/O and validation, for 1,024 and 10,000 workers.
+
+    python experiments/bench_coordinator.py [--iterations 200] [--workers 4 16 64]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import time
+
+import numpy as np
+
+from lbbsp import Coordinator, EmbeddedRedis, JobConfig, LBBSPPolicy, Report, Store, WorkerClient
+
+FORK = mp.get_context("fork")
+
+
+def _worker(url: str, config_json: str, worker: int, iterations: int, barrier, times) -> None:  # type: ignore[no-untyped-def]
+    config = JobConfig.from_json(config_json)
+    client = WorkerClient(Store.from_url(url, config.job), config, worker)
+    rng = np.random.default_rng(worker)
+    speed = 1000.0 * (1 + worker % 4)
+    sizes = client.assignment(0).sizes
+    for k in range(iterations):
+        barrier.wait()  # everyone has computed iteration k: the all-reduce
+        reported = time.perf_counter()
+        client.report(k, sizes[worker], sizes[worker] / speed * rng.uniform(0.9, 1.1))
+        sizes = client.assignment(k + 1).sizes
+        done = time.perf_counter()
+        times[(k * config.num_workers + worker) * 2] = reported
+        times[(k * config.num_workers + worker) * 2 + 1] = done
+    client.close()
+
+
+def critical_path(url: str, workers: int, iterations: int) -> np.ndarray:
+    config = JobConfig(f"bench-{workers}-{time.time_ns()}", workers, 64 * workers, assignment_timeout_s=10.0)
+    store = Store.from_url(url, config.job)
+    coordinator = Coordinator(store, config).start()
+    barrier = FORK.Barrier(workers)
+    times = FORK.Array("d", iterations * workers * 2, lock=False)
+    procs = [FORK.Process(target=_worker, args=(url, config.to_json(), i, iterations, barrier, times))
+             for i in range(workers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    coordinator.stop()
+    store.close()
+    stamps = np.frombuffer(times, dtype=float).reshape(iterations, workers, 2)
+    return (stamps[:, :, 1].max(axis=1) - stamps[:, :, 0].max(axis=1))[5:]  # skip warm-up
+
+
+def decision_times(url: str, workers: int, repeats: int) -> tuple[np.ndarray, np.ndarray]:
+    """(policy observe+decide, whole coordinator step with Redis) in seconds, ``repeats`` times each."""
+    config = JobConfig(f"decide-{workers}-{time.time_ns()}", workers, 64 * workers)
+    rng = np.random.default_rng(0)
+    sizes = config.initial_sizes()
+    policy_s, step_s = [], []
+    with Store.from_url(url, config.job) as store:
+        coordinator = Coordinator(store, config, LBBSPPolicy())
+        for k in range(repeats):
+            speeds = rng.uniform(500, 5000, workers)
+            reports = [Report(config.job, i, k, sizes[i], sizes[i] / speeds[i], features={"cpu_util": 0.5})
+                       for i in range(workers)]
+            policy = LBBSPPolicy()
+            policy.observe(reports[:1])
+            started = time.perf_counter()
+            policy.observe(reports)
+            policy.decide(k + 1, sizes, config)
+            policy_s.append(time.perf_counter() - started)
+            pipe = store.client.pipeline(transaction=False)
+            for report in reports:
+                pipe.hset(store.key("reports", k), str(report.worker), report.to_json())
+            pipe.execute()
+            outcome = coordinator.decide(k)
+            step_s.append(outcome.decision_s)
+            sizes = outcome.assignment.sizes
+    return np.array(policy_s), np.array(step_s)
+
+
+def _ms(values: np.ndarray, q: float) -> str:
+    return f"{np.percentile(values, q) * 1e3:8.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=200)
+    parser.add_argument("--workers", type=int, nargs="+", default=[4, 16, 64])
+    parser.add_argument("--decision-workers", type=int, nargs="+", default=[1024, 10_000])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--redis", help="Redis URL (default: an embedded redis-server)")
+    args = parser.parse_args()
+    server = None if args.redis else EmbeddedRedis()
+    url = args.redis or server.url
+    try:
+        print("critical path added per iteration (last report -> last worker holds the next vector)")
+        print(f"{'workers':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+        for n in args.workers:
+            added = critical_path(url, n, args.iterations)
+            print(f"{n:>8} {_ms(added, 50)} {_ms(added, 99)} {_ms(added, 100)}", flush=True)
+        print("\ndecision time (LB-BSP with EWMA)")
+        print(f"{'workers':>8} {'policy p50':>11} {'policy p99':>11} {'step p50':>9} {'step p99':>9}   (ms; step = "
+              "validation + Redis I/O + policy + write)")
+        for n in args.decision_workers:
+            policy_s, step_s = decision_times(url, n, args.repeats)
+            print(f"{n:>8} {_ms(policy_s, 50):>11} {_ms(policy_s, 99):>11} {_ms(step_s, 50):>9} {_ms(step_s, 99):>9}",
+                  flush=True)
+    finally:
+        if server is not None:
+            server.close()
+
+
+if __name__ == "__main__":
+    main()
