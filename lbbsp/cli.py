@@ -70,7 +70,7 @@ def _status(args: argparse.Namespace) -> int:
     for job in jobs:
         with Store.from_url(url, job) as store:
             config = store.load_config()
-            decisions = [json.loads(d) for d in store.decisions(1)]
+            decisions = [json.loads(d) for d in store.decisions(max(args.decisions, 1))]
             statuses = {int(k): json.loads(v) for k, v in store.worker_statuses().items()}
         last = decisions[0] if decisions else {}
         title = f"job {job}" + (f": {config.num_workers} workers, global batch {config.global_batch}" if config else "")
@@ -82,6 +82,15 @@ def _status(args: argparse.Namespace) -> int:
             table.add_row(str(worker), str(s["size"]), _fmt(s["predicted_throughput"]), _fmt(s["measured_throughput"]),
                           _fmt(s["compute_s"]), _fmt(s["wait_s"]))
         console.print(table)
+        if args.decisions:
+            log = Table(title=f"last {len(decisions)} decisions of job {job}, newest first")
+            for column in ("iteration", "sizes", "policy", "by", "reason", "rejected"):
+                log.add_column(column)
+            for d in decisions:
+                log.add_row(str(d["iteration"]), " ".join(map(str, d["sizes"][:16])) + (" ..." if len(d["sizes"]) > 16 else ""),
+                            d["policy"], "coordinator" if d["written_by_coordinator"] else "fallback", d["reason"],
+                            "; ".join(f"worker {r['worker']}: {r['error']}" for r in d["rejected"]))
+            console.print(log)
     return 0
 
 
@@ -108,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show each worker's size, speed and wait, and the last decision")
     status.add_argument("--redis", help="Redis URL (default: $LBBSP_REDIS_URL)")
     status.add_argument("--job", help="job name (default: every job on this Redis)")
+    status.add_argument("--decisions", type=int, default=0, metavar="N",
+                        help="also list the last N decisions with their reasons and rejected reports")
     status.set_defaults(handler=_status)
 
     for name, (module, help_text) in _EXTERNAL.items():

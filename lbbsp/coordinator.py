@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from .config import JobConfig
-from .errors import ProtocolError
+from .errors import LBBSPError, ProtocolError
 from .policies import LBBSPPolicy, Policy
 from .protocol import Assignment, Report
 from .store import REDIS_ERRORS, Store
@@ -140,6 +140,8 @@ class Coordinator:
                 log.warning("Redis unavailable (%s); retrying", exc)
                 self._stop.wait(0.05)
                 self._republish()
+            except LBBSPError as exc:  # a policy that cannot decide: the workers fall back, we keep serving
+                log.error("decision failed: %s", exc)
 
     def _republish(self) -> None:
         """After an outage, write the last assignment again (write-once) in case Redis lost it."""

@@ -47,9 +47,12 @@ class Store:
     # KEYS[1] = reports:{k} hash, KEYS[2] = ready list
     # ARGV[1] = worker id, ARGV[2] = report JSON, ARGV[3] = number of workers, ARGV[4] = TTL s,
     # ARGV[5] = iteration k, ARGV[6] = max payload bytes
-    # Returns 1 if stored, 0 if this worker already reported iteration k, -1 if the payload is too big.
+    # Returns 1 if stored, 0 if this worker already reported iteration k, -1 if the payload is too big,
+    # -2 if the worker id is not one of the job's.
     POST_REPORT = """
     if string.len(ARGV[2]) > tonumber(ARGV[6]) then return -1 end
+    local worker = tonumber(ARGV[1])
+    if not worker or worker < 0 or worker >= tonumber(ARGV[3]) or worker % 1 ~= 0 then return -2 end
     local added = redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
     redis.call('EXPIRE', KEYS[1], ARGV[4])
     if added == 1 and redis.call('HLEN', KEYS[1]) == tonumber(ARGV[3]) then

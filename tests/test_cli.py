@@ -26,11 +26,12 @@ def test_coordinator_process_and_status_table(redis_url: str, job: str) -> None:
     out, _ = coordinator.communicate(timeout=30)
     assert coordinator.returncode == 0, out
     assert f"coordinating job '{job}'" in out
-    status = subprocess.run([*LBBSP, "status", "--redis", redis_url, "--job", job], capture_output=True, text=True,
+    status = subprocess.run([*LBBSP, "status", "--redis", redis_url, "--job", job, "--decisions", "2"], capture_output=True, text=True,
                             env={"COLUMNS": "160", "PATH": ""}, timeout=30)
     assert status.returncode == 0, status.stderr
     assert "rebalanced" in status.stdout or "kept" in status.stdout
     assert " 23 " in status.stdout
+    assert "7 23" in status.stdout and "coordinator" in status.stdout  # the decision log, with who wrote it
     for client in clients:
         client.close()
         client.store.close()

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from emulated import run_coordinator, run_worker
-from lbbsp import Coordinator, EmbeddedRedis, JobConfig, ProtocolError, Report, Store, WorkerClient
+from lbbsp import (AllocationError, Coordinator, EmbeddedRedis, JobConfig, LBBSPPolicy, ProtocolError, Report, Store,
+                   WorkerClient)
 
 SPAWN = mp.get_context("spawn")
 
@@ -133,6 +134,8 @@ def test_hostile_reports_are_rejected_and_the_coordinator_keeps_serving(redis_ur
         assert clients[2].assignment(k + 1) == outcome.assignment
     oversized = b'{"v":1,"pad":"' + b"x" * 5000 + b'"}'
     assert store.post_raw_report(99, "1", oversized, 3) == -1  # refused inside Redis, never stored
+    assert store.post_raw_report(99, "7", b"{}", 3) == -2  # not one of the job's workers: never counted
+    assert store.report_count(99) == 0
     record = json.loads(store.decisions(1)[0])
     assert record["rejected"][0]["worker"] == "1"
     with pytest.raises(ProtocolError, match="compute_s"):
@@ -171,3 +174,37 @@ def test_a_job_cannot_be_joined_with_other_settings(redis_url: str, job: str) ->
         store.register(JobConfig(job, 2, 10))
         with pytest.raises(Exception, match="already runs with"):
             store.register(JobConfig(job, 2, 12))
+
+
+class FailsOnce(LBBSPPolicy):
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    def decide(self, iteration, current, config):  # type: ignore[no-untyped-def]
+        if not self.failed:
+            self.failed = True
+            raise AllocationError("injected")
+        return super().decide(iteration, current, config)
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_decision_does_not_stop_the_coordinator(redis_url: str, job: str) -> None:
+    config = JobConfig(job, 2, 10, assignment_timeout_s=0.3)
+    store = Store.from_url(redis_url, job)
+    coordinator = Coordinator(store, config, FailsOnce()).start()
+    clients = [WorkerClient(Store.from_url(redis_url, job), config, i) for i in range(2)]
+    vectors = []
+    for k in range(3):
+        sizes = [client.assignment(k) for client in clients]
+        assert sizes[0] == sizes[1]
+        vectors.append(sizes[0])
+        for i, client in enumerate(clients):
+            client.report(k, sizes[0].sizes[i], 0.01 * (i + 1) * sizes[0].sizes[i])
+    assert vectors[1].fallback  # the failed decision: the workers fell back together
+    assert clients[0].assignment(3).policy == "lbbsp"  # and the coordinator serves again
+    coordinator.stop()
+    for client in clients:
+        client.close()
+        client.store.close()
+    store.close()
