@@ -1,0 +1,100 @@
+"""The data side: serve, at each step, this rank's slice of the global batch at the size agreed for that step.
+
+The size of step k is decided from every rank's compute time of step k-1, so it exists only once step k-1
+is computed everywhere. A ``DataLoader`` that prefetches would ask for indices of steps whose size nobody
+knows yet. :class:`BalancedLoader` therefore drives its ``DataLoader`` one step at a time: it fetches the
+agreed vector, plans exactly one batch, and pulls it through the loader (with worker processes, persistent,
+and pinned memory if asked). Sizes are never guessed and never stale; the price is that loading of step k
+cannot overlap the compute of step k-1.
+
+Two ranks, global batch 8, epoch permutation p: with sizes (3, 5) rank 0 gets p[0:3] and rank 1 gets
+p[3:8]; if the next step agrees (6, 2), rank 0 gets p[8:14] and rank 1 gets p[14:16].
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lbbsp.errors import ConfigError
+from lbbsp.sampling import GlobalBatchSampler
+
+if TYPE_CHECKING:
+    from lbbsp.integrations.torch import Balancer
+
+_RESERVED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "persistent_workers")
+
+
+class PlannedBatch:
+    """A batch sampler that yields the one batch planned for the current step, then stops."""
+
+    def __init__(self) -> None:
+        self.indices: list[int] | None = None
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.indices is not None:
+            batch, self.indices = self.indices, None
+            yield batch
+
+    def __len__(self) -> int:
+        return 1
+
+
+class BalancedLoader:
+    """Iterate over this rank's slices of an epoch's global batches, one agreed size per step.
+
+    Replaces ``DataLoader(dataset, batch_size, sampler=DistributedSampler(...))``: call
+    :meth:`set_epoch` at the start of each epoch as with ``DistributedSampler``. Every rank yields the same
+    number of batches per epoch; a rank whose slice is empty (a short final batch) yields a zero-length
+    batch so that it still takes part in the step's collectives.
+    """
+
+    def __init__(self, dataset: Dataset, balancer: "Balancer", *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, **dataloader_kwargs: Any) -> None:
+        reserved = sorted(set(dataloader_kwargs) & set(_RESERVED))
+        if reserved:
+            raise ConfigError(f"BalancedLoader chooses {', '.join(reserved)} itself; pass shuffle/seed/drop_last "
+                              "and set the global batch on the Balancer")
+        self.dataset = dataset
+        self.balancer = balancer
+        self.sampler = GlobalBatchSampler(len(dataset), balancer.config.global_batch, seed=seed,  # type: ignore[arg-type]
+                                          shuffle=shuffle, drop_last=drop_last)
+        self._plan = PlannedBatch()
+        workers = int(dataloader_kwargs.get("num_workers", 0))
+        self._loader = DataLoader(dataset, batch_sampler=self._plan, persistent_workers=workers > 0,
+                                  **dataloader_kwargs)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the permutation of ``epoch``, as ``DistributedSampler.set_epoch`` does."""
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        """Steps per epoch, the same on every rank."""
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[Any]:
+        for step in range(len(self.sampler)):
+            indices = self.balancer.begin_step(self.sampler, step)
+            if len(indices):
+                yield self._load(indices)
+            else:
+                first = self.sampler.global_indices(step)[:1]
+                yield _empty_like(self._load(first))
+
+    def _load(self, indices: Sequence[int]) -> Any:
+        self._plan.indices = [int(i) for i in indices]
+        return next(iter(self._loader))
+
+
+def _empty_like(batch: Any) -> Any:
+    """The same structure with every tensor cut to zero rows."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _empty_like(v) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_empty_like(v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_empty_like(v) for v in batch)
+    return batch

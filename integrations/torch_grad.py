@@ -1,0 +1,169 @@
+"""Gradient weighting and compute timing for LB-BSP under torch.distributed.
+
+(No ``from __future__ import annotations`` here: DDP checks a comm hook's annotations as real objects.)
+
+With unequal local batches, the update must be the gradient of the mean loss over the whole global batch:
+``sum_i (b_i / B) * g_i``, where ``g_i`` is rank i's gradient of its local mean loss. Two forms give it:
+
+* **loss** form: multiply the local mean loss by ``W * b_i / B``; DDP's usual mean over W ranks finishes
+  the job. Weights are baked into each backward, so gradient accumulation (``no_sync``) and batch
+  statistics shared across ranks (SyncBatchNorm) stay exact.
+* **hook** form: a DDP communication hook multiplies each gradient bucket by ``b_i / B`` and sums. The
+  training code stays untouched, but the weight applies to whatever the bucket holds, so it is exact only
+  when each synchronised backward covers one step of one rank's own samples.
+
+Both forms use a hook for timing: the hook of DDP's last bucket fires when every gradient is computed and
+before any wait for the slower ranks, which is where this rank's compute time ends.
+"""
+
+import time
+import warnings
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lbbsp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lbbsp.integrations.torch import Balancer
+
+WEIGHTINGS = ("hook", "loss")
+
+
+class BatchNormWarning(UserWarning):
+    """Plain BatchNorm normalises each rank's slice alone, so unequal slices change the update."""
+
+
+_warned_batch_norm = False
+
+
+def batch_norm_layers(model: nn.Module) -> tuple[list[str], list[str]]:
+    """Names of the plain BatchNorm layers and of the SyncBatchNorm layers in ``model``."""
+    plain, synced = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.SyncBatchNorm):
+            synced.append(name)
+        elif isinstance(module, nn.modules.batchnorm._BatchNorm):
+            plain.append(name)
+    return plain, synced
+
+
+def check_batch_norm(model: nn.Module, weighting: str) -> None:
+    """Warn once about plain BatchNorm; refuse SyncBatchNorm with the hook form, which it makes inexact."""
+    global _warned_batch_norm
+    plain, synced = batch_norm_layers(model)
+    if synced and weighting == "hook":
+        raise ConfigError(
+            f"SyncBatchNorm layers ({', '.join(synced[:3])}) share batch statistics across ranks, so each "
+            "rank's gradient also carries the other ranks' losses and a per-rank weight cannot be applied "
+            "afterwards; use attach(model, weighting='loss') and scale_loss(loss)")
+    if plain and not _warned_batch_norm:
+        _warned_batch_norm = True
+        warnings.warn(
+            f"the model has plain BatchNorm layers ({', '.join(plain[:3])}{', ...' if len(plain) > 3 else ''}): "
+            "each rank normalises its own slice, and lbbsp gives ranks slices of different sizes, so the update "
+            "is no longer exactly that of BSP on the global batch. Convert with "
+            "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) (GPU) and use weighting='loss' for exact "
+            "updates.", BatchNormWarning, stacklevel=3)
+
+
+def scaled_loss(loss: torch.Tensor, samples: int, total: int, world_size: int) -> torch.Tensor:
+    """``loss * W * samples / total``; for no samples a zero that still carries the graph (mean of none is NaN)."""
+    if samples == 0:
+        return torch.nan_to_num(loss) * 0.0
+    return loss * (world_size * samples / total)
+
+
+def weighted_hook(balancer: "Balancer", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: ``sum_i (b_i / B) g_i``; marks the end of compute at the last bucket."""
+    return _all_reduce(balancer, bucket, balancer.gradient_weight())
+
+
+def timing_hook(balancer: "Balancer", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook for the loss form: DDP's own mean, plus the end of compute at the last bucket."""
+    return _all_reduce(balancer, bucket, 1.0 / balancer.world_size)
+
+
+def _all_reduce(balancer: "Balancer", bucket: dist.GradBucket, weight: float) -> torch.futures.Future[torch.Tensor]:
+    if bucket.is_last():
+        balancer.gradients_ready()
+    buffer = bucket.buffer()
+    if weight == 0.0:
+        buffer.zero_()  # an empty slice: its mean is undefined, its share is nothing
+    else:
+        buffer.mul_(weight)
+    work = dist.all_reduce(buffer, group=balancer.group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def all_reduce_gradients(balancer: "Balancer", parameters: Iterable[nn.Parameter]) -> None:
+    """Without DDP: sum ``(b_i / B) * grad`` over ranks in one flat all-reduce; missing grads count as zero."""
+    balancer.gradients_ready()
+    params = [p for p in parameters if p.requires_grad]
+    if not params:
+        return
+    weight = balancer.gradient_weight()
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    flat = flat.zero_() if weight == 0.0 else flat.mul_(weight)
+    dist.all_reduce(flat, group=balancer.group)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        chunk = flat[offset:offset + n].view_as(p)
+        if p.grad is None:
+            p.grad = chunk.clone()
+        else:
+            p.grad.copy_(chunk)
+        offset += n
+
+
+class ComputeClock:
+    """Measures one step's compute: wall time on CPU, CUDA events on a GPU (read once the step is over)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._start: float | torch.cuda.Event = 0.0
+        self._end: float | torch.cuda.Event | None = None
+
+    def start(self) -> None:
+        self._end = None
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        """Mark the end of compute (first call wins)."""
+        if self._end is not None:
+            return
+        if self.cuda:
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._end.record()
+        else:
+            self._end = time.perf_counter()
+
+    @property
+    def stopped(self) -> bool:
+        return self._end is not None
+
+    @property
+    def ready(self) -> bool:
+        """Whether :meth:`seconds` can answer without blocking the host."""
+        return self._end is not None and (not self.cuda or self._end.query())  # type: ignore[union-attr]
+
+    def seconds(self) -> float:
+        if self._end is None:
+            raise ConfigError("the compute clock was read before it was stopped")
+        if self.cuda:
+            self._end.synchronize()  # type: ignore[union-attr]
+            return self._start.elapsed_time(self._end) / 1e3  # type: ignore[union-attr]
+        return float(self._end - self._start)  # type: ignore[operator]
+
+
+def check_weighting(weighting: str) -> str:
+    if weighting not in WEIGHTINGS:
+        raise ConfigError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+    return weighting
