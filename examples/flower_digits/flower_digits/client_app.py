@@ -1,0 +1,36 @@
+"""ClientApp: train on the client's own non-IID slice with the workload the server assigned, timed by lbbsp."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from flwr.app import ArrayRecord, Context, Message
+from flwr.clientapp import ClientApp
+
+from lbbsp.integrations.flower import EmulatedLink, LocalRound, Workload
+
+from . import task
+
+app = ClientApp()
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    cfg, node = context.run_config, context.node_config
+    pid, parts, seed = int(node["partition-id"]), int(node["num-partitions"]), int(cfg["seed"])
+    prof = task.profile(pid, parts, seed)
+    link = EmulatedLink(prof.down_bps, prof.up_bps) if cfg["emulate"] else None
+    mine = task.partitions(parts, float(cfg["alpha"]), seed)[pid]
+    rnd = LocalRound(msg, link=link, default=Workload(int(cfg["batch-size"]), int(cfg["local-steps"])),
+                     data_size=len(mine))
+    x, y = task.load_digits()
+    rng = np.random.default_rng([seed, pid, int(msg.content["config"]["server-round"])])
+    params = msg.content["arrays"].to_numpy_ndarrays()
+    loss = 0.0
+    for batch_size in rnd.batches():
+        started = time.perf_counter()
+        batch = task.draw_batch(mine, batch_size, rng)
+        params, loss = task.sgd_step(params, x[batch], y[batch], float(cfg["lr"]))
+        if cfg["emulate"]:
+            task.emulate_compute(batch_size, prof.speed, started)
+    return rnd.reply(ArrayRecord(params), {"train-loss": loss})

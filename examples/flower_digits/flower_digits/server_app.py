@@ -1,0 +1,65 @@
+"""ServerApp: FedAvg, wrapped in lbbsp's LoadBalanced unless mode = "fedavg"; central test accuracy per round."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Mapping
+
+from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg, Strategy
+
+from lbbsp.integrations.flower import ClientHistory, LoadBalanced
+
+from . import task
+
+app = ServerApp()
+Config = Mapping[str, int | float | str | bool]
+
+
+def build_strategy(cfg: Config, history: ClientHistory | None) -> Strategy:
+    """FedAvg over all clients (no client-side evaluation); LoadBalanced around it when history is given.
+
+    Both weight replies by samples processed, or both by client data size (weight-by = "data").
+    """
+    clients, weight_by = int(cfg["num-clients"]), str(cfg["weight-by"])
+    base = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=clients, min_available_nodes=clients,
+                  weighted_by_key="lbbsp-data-size" if weight_by == "data" and history is None else "num-examples")
+    if history is None:
+        return base
+    slack = float(cfg["deadline-slack"])
+    return LoadBalanced(base, history, batch_size=int(cfg["batch-size"]), local_steps=int(cfg["local-steps"]),
+                        adapt=str(cfg["adapt"]), min_size=int(cfg["min-size"]), deadline_slack=slack if slack > 0 else None,  # type: ignore[arg-type]
+                        weight_by=weight_by)  # type: ignore[arg-type]
+
+
+def run(grid: Grid, cfg: Config, history: ClientHistory | None) -> dict[str, object]:
+    """Train for num-server-rounds; returns the accuracy and wall time after every round."""
+    x_test, y_test = task.test_set(int(cfg["seed"]))
+    rounds: list[dict[str, float]] = []
+    started = time.perf_counter()
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        acc = task.accuracy(arrays.to_numpy_ndarrays(), x_test, y_test)
+        rounds.append({"round": server_round, "accuracy": acc, "elapsed_s": time.perf_counter() - started})
+        return MetricRecord({"accuracy": acc})
+
+    result = build_strategy(cfg, history).start(
+        grid=grid, initial_arrays=ArrayRecord(task.init_params()), num_rounds=int(cfg["num-server-rounds"]),
+        timeout=float(cfg["round-timeout"]), evaluate_fn=evaluate)
+    train = {r: dict(m) for r, m in result.train_metrics_clientapp.items()}
+    return {"mode": "lbbsp" if history is not None else "fedavg", "rounds": rounds, "train_metrics": train}
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    cfg = context.run_config
+    history = ClientHistory.from_url(str(cfg["redis-url"]), str(cfg["job"])) if cfg["mode"] == "lbbsp" else None
+    try:
+        summary = run(grid, cfg, history)
+    finally:
+        if history is not None:
+            history.close()
+    if cfg["out"]:
+        with open(str(cfg["out"]), "w", encoding="utf-8") as handle:
+            json.dump(summary, handle, indent=1)

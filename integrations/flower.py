@@ -1,0 +1,14 @@
+"""Flower (message API) plugin: LB-BSP for federated rounds.
+
+Server: wrap any strategy in :class:`LoadBalanced`; each sampled client gets its own workload per round,
+replies are weighted by the samples processed and FedNova-normalised when step counts differ, and per-client
+history lives in Redis (:class:`lbbsp.client_history.ClientHistory`). Client: run the loop inside a
+:class:`LocalRound`, which applies the workload, times download, compute and upload, and builds the reply.
+"""
+from lbbsp.client_history import ClientHistory, ClientStatus
+
+from .flower_client import EmulatedLink, Link, LocalRound, MessageClock, Workload
+from .flower_server import ClientResult, LoadBalanced
+
+__all__ = ["ClientHistory", "ClientResult", "ClientStatus", "EmulatedLink", "Link", "LoadBalanced", "LocalRound",
+           "MessageClock", "Workload"]

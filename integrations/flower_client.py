@@ -1,0 +1,178 @@
+"""Client side of the Flower plugin: run the workload the server assigned, time it, and say so in the reply.
+
+The server sends each client its own :class:`Workload` in the train message's ConfigRecord. A ClientApp
+wraps its local loop in a :class:`LocalRound`, which yields the batch size once per local step, times only
+the loop body (local compute), stops early if the round's compute deadline would pass, and builds the reply
+with the samples actually processed and the download, compute and upload seconds.
+
+Inside a ClientApp the model has already arrived and the reply leaves after it returns, so transfer time is
+not directly observable. A :class:`Link` says what it was: :class:`MessageClock` (the default) takes the time
+since the server created the message as the download and assumes the upload takes as long per byte;
+:class:`EmulatedLink` sleeps bytes / bandwidth each way, for experiments with emulated clients.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Protocol
+
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+
+from lbbsp.errors import ConfigError, ProtocolError
+from lbbsp.protocol import MAX_BATCH, MAX_SECONDS
+
+#: Keys of the per-client ConfigRecord entries the server sends.
+BATCH_SIZE = "lbbsp-batch-size"
+LOCAL_STEPS = "lbbsp-local-steps"
+DEADLINE_S = "lbbsp-deadline-s"
+#: Keys of the reply metrics the client sends back (besides the strategy's weight key, "num-examples").
+SAMPLES, STEPS, DATA_SIZE = "lbbsp-samples", "lbbsp-steps", "lbbsp-data-size"
+COMPUTE_S, DOWNLOAD_S, UPLOAD_S = "lbbsp-compute-s", "lbbsp-download-s", "lbbsp-upload-s"
+MAX_LOCAL_STEPS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One client's share of one round: ``local_steps`` steps of ``batch_size`` samples each.
+
+    ``deadline_s``, when set, is the local compute time the client may spend; it stops before a step that
+    would end past it, and the server's aggregation accounts for the steps it did not take.
+    """
+
+    batch_size: int
+    local_steps: int
+    deadline_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name, value, hi in (("batch_size", self.batch_size, MAX_BATCH),
+                                ("local_steps", self.local_steps, MAX_LOCAL_STEPS)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
+                raise ConfigError(f"{name} must be an integer in [1, {hi}], got {value!r}")
+        if self.deadline_s is not None and not (
+                isinstance(self.deadline_s, (int, float)) and 0 < self.deadline_s <= MAX_SECONDS):
+            raise ConfigError(f"deadline_s must be in (0, {MAX_SECONDS}], got {self.deadline_s!r}")
+
+    @property
+    def samples(self) -> int:
+        return self.batch_size * self.local_steps
+
+    def to_config(self) -> dict[str, int | float]:
+        config: dict[str, int | float] = {BATCH_SIZE: self.batch_size, LOCAL_STEPS: self.local_steps}
+        if self.deadline_s is not None:
+            config[DEADLINE_S] = float(self.deadline_s)
+        return config
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], default: "Workload | None" = None) -> "Workload":
+        """Read a workload from a ConfigRecord; ``default`` when the server sent none (a plain strategy)."""
+        if BATCH_SIZE not in config and default is not None:
+            return default
+        try:
+            return cls(config[BATCH_SIZE], config[LOCAL_STEPS], config.get(DEADLINE_S))
+        except KeyError as exc:
+            raise ProtocolError("is missing from the train config", field=str(exc.args[0])) from None
+        except ConfigError as exc:
+            raise ProtocolError(exc.message, field="config") from None
+
+
+class Link(Protocol):
+    """Says how long the model took to arrive and to leave, in seconds."""
+
+    def download(self, msg: Message) -> float: ...
+
+    def upload(self, nbytes: int) -> float: ...
+
+
+def array_bytes(content: RecordDict) -> int:
+    """Bytes of all arrays in a message's content: what crosses the network each way."""
+    return sum(record.count_bytes() for record in content.array_records.values())
+
+
+class MessageClock:
+    """Download = now - the message's creation time (clocks assumed in sync); upload at the same bytes/s."""
+
+    def __init__(self) -> None:
+        self._bytes_per_s: float | None = None
+
+    def download(self, msg: Message) -> float:
+        seconds = max(0.0, time.time() - msg.metadata.created_at)
+        nbytes = array_bytes(msg.content)
+        self._bytes_per_s = nbytes / seconds if seconds > 0 and nbytes > 0 else None
+        return seconds
+
+    def upload(self, nbytes: int) -> float:
+        return nbytes / self._bytes_per_s if self._bytes_per_s else 0.0
+
+
+@dataclass(frozen=True)
+class EmulatedLink:
+    """A link of ``down_bps``/``up_bps`` bytes per second: sleeps bytes / bandwidth and reports that time."""
+
+    down_bps: float
+    up_bps: float
+
+    def download(self, msg: Message) -> float:
+        return self._transfer(array_bytes(msg.content), self.down_bps)
+
+    def upload(self, nbytes: int) -> float:
+        return self._transfer(nbytes, self.up_bps)
+
+    @staticmethod
+    def _transfer(nbytes: int, bps: float) -> float:
+        seconds = nbytes / bps
+        time.sleep(seconds)
+        return seconds
+
+
+class LocalRound:
+    """One client's round: the assigned workload, timed, then the reply.
+
+    >>> rnd = LocalRound(msg)                     # reads the workload, measures the download
+    >>> for batch_size in rnd.batches():          # one local step per batch; only this body is timed
+    ...     model.step(next_batch(batch_size))
+    >>> return rnd.reply(ArrayRecord(model.arrays()), {"train-loss": loss})
+    """
+
+    def __init__(self, msg: Message, *, link: Link | None = None, default: Workload | None = None,
+                 data_size: int | None = None, config_key: str = "config",
+                 weighted_by_key: str = "num-examples") -> None:
+        self.msg = msg
+        self.data_size = data_size
+        self.link = link if link is not None else MessageClock()
+        self.weighted_by_key = weighted_by_key
+        config = msg.content.config_records.get(config_key, {})
+        self.workload = Workload.from_config(config, default)
+        self.download_s = self.link.download(msg)
+        self.steps = 0
+        self.samples = 0
+        self.compute_s = 0.0
+
+    def batches(self) -> Iterator[int]:
+        """Yield the batch size once per local step, until the steps are done or the deadline would pass."""
+        work = self.workload
+        for _ in range(work.local_steps):
+            if work.deadline_s is not None and self.steps and (
+                    self.compute_s * (self.steps + 1) / self.steps > work.deadline_s):
+                return
+            start = time.perf_counter()
+            yield work.batch_size
+            self.compute_s += time.perf_counter() - start
+            self.steps += 1
+            self.samples += work.batch_size
+
+    def reply(self, arrays: ArrayRecord, metrics: Mapping[str, int | float] | None = None,
+              array_key: str = "arrays", metric_key: str = "metrics") -> Message:
+        """The train reply: the arrays, samples processed (the default weight), local data size if given, and
+        the round's timings (an emulated upload happens here)."""
+        upload_s = self.link.upload(arrays.count_bytes())
+        record = MetricRecord(dict(metrics or {}))
+        timings = {COMPUTE_S: self.compute_s, DOWNLOAD_S: self.download_s, UPLOAD_S: upload_s}
+        for name, value in timings.items():
+            record[name] = float(value) if math.isfinite(value) else 0.0
+        record[self.weighted_by_key] = self.samples
+        record[SAMPLES] = self.samples
+        record[STEPS] = self.steps
+        if self.data_size is not None:
+            record[DATA_SIZE] = int(self.data_size)
+        return Message(RecordDict({array_key: arrays, metric_key: record}), reply_to=self.msg)

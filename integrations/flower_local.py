@@ -1,0 +1,85 @@
+"""A Flower Grid that runs ClientApps on threads of this process: for tests and benchmarks, not deployment.
+
+Flower's own simulation engine needs Ray. ``LocalGrid`` drives the same ``Strategy.start`` loop and the same
+``ClientApp`` objects with real ``Message``s, but delivers them by function call instead of through a
+SuperLink. Like a SuperNode, it turns an exception in a ClientApp into an error reply; a reply that comes
+after ``send_and_receive``'s timeout is dropped, as a late node's would be.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Iterable, Mapping, Sequence
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+_SERVER_NODE_ID = 0
+_CLIENT_APP_RAISED = 0  # Flower's ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+
+
+class LocalGrid(Grid):
+    """One node per entry of ``node_configs`` (its ``context.node_config``), node ids 1..N."""
+
+    def __init__(self, client_app: ClientApp, node_configs: Sequence[Mapping[str, int | float | str | bool]], *,
+                 run_config: Mapping[str, int | float | str | bool] | None = None, run_id: int = 1) -> None:
+        self.client_app = client_app
+        self._run = Run.create_empty(run_id)
+        self._contexts = {
+            i + 1: Context(run_id=run_id, node_id=i + 1, node_config=dict(cfg), state=RecordDict(),
+                           run_config=dict(run_config or {}))
+            for i, cfg in enumerate(node_configs)
+        }
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._contexts)), thread_name_prefix="lbbsp-node")
+        self._futures: dict[str, Future[Message]] = {}
+        self._ids = itertools.count()
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, _SERVER_NODE_ID, 0
+
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self._contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for message in messages:
+            message_id = f"local-{next(self._ids)}"
+            self._futures[message_id] = self._pool.submit(self._deliver, message)
+            ids.append(message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        done = [i for i in message_ids if i in self._futures and self._futures[i].done()]
+        return [self._futures.pop(i).result() for i in done]
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        ids = list(self.push_messages(messages))
+        wait([self._futures[i] for i in ids], timeout=timeout)
+        replies = list(self.pull_messages(ids))
+        for message_id in ids:  # late replies are dropped, as a SuperLink drops them after the round
+            self._futures.pop(message_id, None)
+        return replies
+
+    def close(self) -> None:
+        """Stop accepting work; ClientApps still running finish on their threads."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _deliver(self, message: Message) -> Message:
+        message.metadata.delivered_at = str(time.time())
+        try:
+            return self.client_app(message, self._contexts[message.metadata.dst_node_id])
+        except Exception as exc:  # noqa: BLE001  (a SuperNode reports any ClientApp exception as an error)
+            return Message(Error(code=_CLIENT_APP_RAISED, reason=f"{type(exc).__name__}: {exc}"), reply_to=message)

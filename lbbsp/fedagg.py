@@ -1,0 +1,72 @@
+"""Federated aggregation maths: weight by samples processed, normalise unequal local steps as FedNova does.
+
+Client i starts from the global model x, runs ``steps[i]`` local SGD steps over ``samples[i]`` samples in
+all, and returns x_i. Every processed sample should count once, so client i's weight is
+p_i = samples_i / sum(samples). Plain weighted averaging, x + sum_i p_i (x_i - x), over-weights clients that
+ran more steps: their update is roughly steps_i times longer. FedNova (Wang et al., NeurIPS 2020) divides
+each update by its own step count and rescales by the weighted mean step count tau_eff = sum_i p_i steps_i:
+
+    x_new = x + tau_eff * sum_i p_i (x_i - x) / steps_i
+
+With equal steps this is exactly the weighted average. On non-IID clients, weighting by samples processed
+moves the objective towards the clients given more work; weighting by each client's data size instead
+(``weights`` below may be either) keeps the objective sum_i (n_i / n) F_i of standard FedAvg.
+Pure functions on lists of numpy arrays.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .errors import LBBSPError
+
+Arrays = Sequence[np.ndarray]
+
+
+def sample_weights(samples: Sequence[float]) -> np.ndarray:
+    """p_i = samples_i / sum(samples); raises if any count is negative or all are zero."""
+    counts = np.asarray(samples, dtype=float)
+    if counts.ndim != 1 or counts.size == 0 or not np.isfinite(counts).all() or (counts < 0).any():
+        raise LBBSPError(f"sample counts must be a non-empty list of finite non-negative numbers, got {samples}")
+    total = counts.sum()
+    if total <= 0:
+        raise LBBSPError("no client processed any sample: nothing to aggregate")
+    return counts / total
+
+
+def fednova_scales(steps: Sequence[int], weights: Sequence[float]) -> np.ndarray:
+    """tau_eff / steps_i per client: the factor FedNova applies to client i's update x_i - x.
+
+    ``weights`` are the clients' aggregation weights up to a factor (samples processed, or data sizes).
+    """
+    tau = np.asarray(steps, dtype=float)
+    if tau.shape != (len(weights),) or (tau <= 0).any() or not np.isfinite(tau).all():
+        raise LBBSPError(f"steps must be one positive count per client, got {steps}")
+    return float(sample_weights(weights) @ tau) / tau
+
+
+def rescale_update(global_arrays: Arrays, local_arrays: Arrays, scale: float) -> list[np.ndarray]:
+    """x + scale * (x_i - x): a client's model with its update stretched by ``scale``."""
+    if len(global_arrays) != len(local_arrays):
+        raise LBBSPError(f"model has {len(global_arrays)} arrays, client sent {len(local_arrays)}")
+    out = []
+    for x, xi in zip(global_arrays, local_arrays):
+        x = np.asarray(x)
+        out.append((x + scale * (np.asarray(xi) - x)).astype(np.result_type(x, xi), copy=False))
+    return out
+
+
+def weighted_average(local_arrays: Sequence[Arrays], weights: Sequence[float]) -> list[np.ndarray]:
+    """sum_i p_i x_i with p_i = weights_i / sum(weights): FedAvg."""
+    p = sample_weights(weights)
+    return [sum(w * np.asarray(arrays[j]) for w, arrays in zip(p, local_arrays))
+            for j in range(len(local_arrays[0]))]
+
+
+def fednova(global_arrays: Arrays, local_arrays: Sequence[Arrays], steps: Sequence[int],
+            weights: Sequence[float]) -> list[np.ndarray]:
+    """x + tau_eff * sum_i p_i (x_i - x) / steps_i, the FedNova aggregate for vanilla local SGD."""
+    scales = fednova_scales(steps, weights)
+    rescaled = [rescale_update(global_arrays, arrays, s) for arrays, s in zip(local_arrays, scales)]
+    return weighted_average(rescaled, weights)
