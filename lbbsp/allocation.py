@@ -145,3 +145,37 @@ def damp(current: Sequence[int], proposed: np.ndarray, model: TimeModel, deadban
     if predicted_makespan(model, proposed) * (1 + deadband) < predicted_makespan(model, current_arr):
         return proposed, True
     return current_arr, False
+
+
+@dataclass(frozen=True)
+class HingeTime:
+    """The GPU model: time_i(x) = base_i + slope_i * max(x - knee_i, 0), flat while the device is under-used.
+
+    Beyond ``observed_max_i`` (the largest batch ever measured) the time is also at least the straight line
+    through the origin and the last measured point, so an unexplored flat region is never taken as free.
+    """
+
+    base: np.ndarray
+    knee: np.ndarray
+    slope: np.ndarray
+    observed_max: np.ndarray
+
+    def time(self, sizes: np.ndarray) -> np.ndarray:
+        x = np.asarray(sizes, dtype=float)
+        hinge = self.base + self.slope * np.maximum(x - self.knee, 0.0)
+        return np.where(x > self.observed_max, np.maximum(hinge, self._ratio() * x), hinge)
+
+    def capacity(self, deadline: float) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            along_hinge = np.where(self.slope > 0, self.knee + (deadline - self.base) / self.slope, np.inf)
+            beyond = np.minimum(along_hinge, deadline / self._ratio())
+        x = np.where(deadline * (1 + 1e-12) >= self._observed_time(), np.maximum(beyond, self.observed_max),
+                     np.minimum(along_hinge, self.observed_max))
+        x = np.where(deadline < self.base, -1.0, x)
+        return np.floor(np.minimum(x, 1e15) * (1 + 1e-12) + 1e-9)
+
+    def _observed_time(self) -> np.ndarray:
+        return self.base + self.slope * np.maximum(self.observed_max - self.knee, 0.0)
+
+    def _ratio(self) -> np.ndarray:
+        return self._observed_time() / np.maximum(self.observed_max, 1.0)

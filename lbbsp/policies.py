@@ -1,7 +1,8 @@
 """Balancing policies: each turns the reports of iteration k into the batch-size vector of iteration k+1.
 
 The coordinator drives a policy through two small steps, ``observe`` and ``decide``; a variant overrides
-one of them. Allocation maths live in :mod:`lbbsp.allocation`.
+one of them (or one of LB-BSP's hooks: ``bounds``, ``propose``). Allocation maths live in
+:mod:`lbbsp.allocation`. Every policy returns a split with sum B within the job's bounds.
 """
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .allocation import allocate, damp, predicted_makespan
+from .allocation import TimeModel, allocate, damp, predicted_makespan
 from .config import JobConfig
+from .errors import ConfigError
 from .models import CapacityModel, EWMAThroughput
 from .protocol import Report, equal_split
 
@@ -37,6 +39,10 @@ class Policy:
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         return Decision(tuple(int(s) for s in current), "static split")
 
+    def aggregated(self, num_workers: int) -> int:
+        """How many workers' gradients an iteration waits for (all of them, in synchronous training)."""
+        return num_workers
+
 
 class BSPPolicy(Policy):
     """Plain bulk synchronous parallel: the equal split, always."""
@@ -47,8 +53,27 @@ class BSPPolicy(Policy):
         return Decision(equal_split(config.global_batch, config.num_workers), "equal split (BSP)")
 
 
+class BackupWorkersPolicy(BSPPolicy):
+    """Equal split; each iteration aggregates the first N - ``backups`` gradients and drops the rest
+    (Chen et al., "Revisiting distributed synchronous SGD", 2016)."""
+
+    name = "backup"
+
+    def __init__(self, backups: int = 1) -> None:
+        self.backups = backups
+
+    def aggregated(self, num_workers: int) -> int:
+        if not 0 <= self.backups < num_workers:
+            raise ConfigError(f"backups must be in [0, {num_workers}), got {self.backups}")
+        return num_workers - self.backups
+
+
 class LBBSPPolicy(Policy):
-    """LB-BSP: predict each worker's speed, allocate for equal predicted finish, damp small changes."""
+    """LB-BSP: predict each worker's speed, allocate for equal predicted finish, damp small changes.
+
+    Bounds are the job's, tightened by the model's memory caps; a model that is still learning a curve
+    may nudge the result (``CapacityModel.explore``).
+    """
 
     name = "lbbsp"
 
@@ -62,17 +87,33 @@ class LBBSPPolicy(Policy):
             self.model.partial_fit(reports)
             self._seen = True
 
+    def bounds(self, workers: Sequence[int], current: np.ndarray, config: JobConfig) -> tuple[np.ndarray, np.ndarray]:
+        """The job's bounds, with each upper bound lowered to the model's memory cap where that is feasible."""
+        lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
+        caps = self.model.max_batch(workers)
+        if caps is None:
+            return lower, upper
+        capped = np.maximum(np.minimum(upper, caps), lower)
+        if capped.sum() < config.global_batch:  # caps too tight to place B: never shrink below today's sizes
+            capped = np.maximum(capped, np.minimum(current, upper)) if current.shape == upper.shape else upper
+        return lower, capped if capped.sum() >= config.global_batch else upper
+
+    def propose(self, time_model: TimeModel, config: JobConfig, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
+        """The split with the earliest predicted finish."""
+        return allocate(time_model, config.global_batch, lower, upper)
+
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         if not self._seen:
             return Decision(tuple(int(s) for s in current), "no measurements yet: keep the split")
         workers = range(config.num_workers)
         time_model = self.model.time_model(workers)
-        lower, upper = config.bounds()
-        proposed = allocate(time_model, config.global_batch, lower, upper)
         current_arr = np.asarray(current, dtype=np.int64)
+        lower, upper = self.bounds(workers, current_arr, config)
+        proposed = self.propose(time_model, config, lower, upper)
         in_bounds = current_arr.shape == proposed.shape and bool(
             ((current_arr >= lower) & (current_arr <= upper)).all())
         sizes, changed = damp(current_arr, proposed, time_model, self.deadband) if in_bounds else (proposed, True)
+        sizes = self.model.explore(workers, sizes, lower, upper)
         predicted = time_model.time(sizes)
         throughput = self.model.predict(workers)
         slowest = int(np.argmin(np.where(np.isfinite(throughput), throughput, np.inf)))
@@ -85,3 +126,124 @@ class LBBSPPolicy(Policy):
                       f"(finish {predicted_makespan(time_model, sizes):.4g}s)")
         return Decision(tuple(int(s) for s in sizes), reason, tuple(float(t) for t in predicted),
                         tuple(float(t) for t in throughput))
+
+
+class StaticProportionalPolicy(LBBSPPolicy):
+    """Sizes proportional to each worker's speed, profiled over the first ``profile_iterations`` and then fixed."""
+
+    name = "static-proportional"
+
+    def __init__(self, profile_iterations: int = 3) -> None:
+        super().__init__(EWMAThroughput(alpha=0.5), deadband=0.0)
+        self.profile_iterations = profile_iterations
+        self._observed = 0
+        self._fixed: Decision | None = None
+
+    def observe(self, reports: Sequence[Report]) -> None:
+        if self._observed < self.profile_iterations and reports:
+            self._observed += 1
+            super().observe(reports)
+
+    def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
+        if self._observed < self.profile_iterations:
+            return Decision(tuple(int(s) for s in current), "profiling")
+        if self._fixed is None:
+            decision = super().decide(iteration, current, config)
+            self._fixed = Decision(decision.sizes, "proportional to the speeds profiled at the start")
+        return self._fixed
+
+
+class PerEpochPolicy(LBBSPPolicy):
+    """Re-balances once per epoch from the epoch's average speed, as DBS and OmniLearn do."""
+
+    name = "per-epoch"
+
+    def __init__(self, iterations_per_epoch: int = 50, model: CapacityModel | None = None) -> None:
+        super().__init__(model if model is not None else EWMAThroughput(alpha=0.05), deadband=0.0)
+        self.iterations_per_epoch = iterations_per_epoch
+
+    def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
+        if iteration % self.iterations_per_epoch != 0:
+            return Decision(tuple(int(s) for s in current), "within the epoch: keep the split")
+        return super().decide(iteration, current, config)
+
+
+class LeaderStragglerPolicy(Policy):
+    """The LB-BSP paper's search for GPU clusters: every ``window`` iterations move ``step`` samples from the
+    slowest worker (straggler) to the fastest one with memory to spare (leader); when a worker that just
+    received samples becomes the straggler (the sizes oscillate), halve the step."""
+
+    name = "leader-straggler"
+
+    def __init__(self, window: int = 3, initial_step_fraction: float = 0.25, model: CapacityModel | None = None) -> None:
+        self.window = window
+        self.initial_step_fraction = initial_step_fraction
+        self.model = model
+        self._times: dict[int, list[float]] = {}
+        self._observed = 0
+        self._step: int | None = None
+        self._last_leader: int | None = None
+
+    def observe(self, reports: Sequence[Report]) -> None:
+        if self.model is not None and reports:
+            self.model.partial_fit(reports)
+        for report in reports:
+            self._times.setdefault(report.worker, []).append(report.compute_s)
+        self._observed += 1
+
+    def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
+        sizes = np.asarray(current, dtype=np.int64).copy()
+        if self._observed < self.window or len(self._times) < config.num_workers:
+            return Decision(tuple(int(s) for s in sizes), "observing")
+        mean_time = np.array([np.mean(self._times[w][-self.window:]) for w in range(config.num_workers)])
+        self._times.clear()
+        self._observed = 0
+        lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
+        if self.model is not None and (caps := self.model.max_batch(range(config.num_workers))) is not None:
+            upper = np.maximum(np.minimum(upper, caps), lower)
+        if self._step is None:
+            self._step = max(1, int(self.initial_step_fraction * config.global_batch / config.num_workers))
+        straggler = int(np.argmax(mean_time))
+        if straggler == self._last_leader:
+            self._step = max(1, self._step // 2)
+        has_room = np.flatnonzero(sizes < upper)
+        has_room = has_room[has_room != straggler]
+        if has_room.size == 0:
+            return Decision(tuple(int(s) for s in sizes), "no worker has memory to spare")
+        leader = int(has_room[np.argmin(mean_time[has_room])])
+        moved = int(min(self._step, sizes[straggler] - lower[straggler], upper[leader] - sizes[leader]))
+        sizes[straggler] -= moved
+        sizes[leader] += moved
+        self._last_leader = leader
+        return Decision(tuple(int(s) for s in sizes), f"moved {moved} samples from straggler {straggler} "
+                                                        f"to leader {leader} (step {self._step})")
+
+
+class OraclePolicy(LBBSPPolicy):
+    """The limit: allocates with each worker's true time model for the coming iteration, which a simulator
+    hands it through :meth:`reveal` before each decision."""
+
+    name = "oracle"
+
+    def __init__(self) -> None:
+        super().__init__(EWMAThroughput(), deadband=0.0)
+        self._truth: TimeModel | None = None
+        self._caps: np.ndarray | None = None
+
+    def reveal(self, truth: TimeModel, max_batch: np.ndarray | None = None) -> None:
+        """The true time model (and memory caps) of the iteration about to be decided."""
+        self._truth, self._caps = truth, max_batch
+
+    def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
+        if self._truth is None:
+            raise ConfigError("the oracle needs reveal(truth) before each decision")
+        lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
+        if self._caps is not None:
+            upper = np.maximum(np.minimum(upper, self._caps), lower)
+        sizes = allocate(self._truth, config.global_batch, lower, upper)
+        return Decision(tuple(int(s) for s in sizes), "true speeds of the coming iteration",
+                        tuple(float(t) for t in self._truth.time(sizes)))
+
+
+__all__ = ["BSPPolicy", "BackupWorkersPolicy", "Decision", "LBBSPPolicy", "LeaderStragglerPolicy",
+           "OraclePolicy", "PerEpochPolicy", "Policy", "StaticProportionalPolicy"]

@@ -1,7 +1,12 @@
 """Capacity models: learn each worker's speed from its reports and predict the next iteration's."""
+from .auto import AutoCapacityModel, MixedTime, worker_kind
 from .base import CapacityModel, NotFittedError, hardware_of, similar_hardware_prior
 from .ewma import EWMAThroughput
 from .fl_client import FLClientModel
+from .gpu_curve import BatchTimeCurve, fit_hinge, fit_memory_cap
+from .last_value import LastValue
+from .narx import NARXThroughput
 
-__all__ = ["CapacityModel", "EWMAThroughput", "FLClientModel", "NotFittedError", "hardware_of",
-           "similar_hardware_prior"]
+__all__ = ["AutoCapacityModel", "BatchTimeCurve", "CapacityModel", "EWMAThroughput", "FLClientModel", "LastValue",
+           "MixedTime", "NARXThroughput", "NotFittedError", "fit_hinge", "fit_memory_cap", "hardware_of",
+           "similar_hardware_prior", "worker_kind"]

@@ -93,6 +93,14 @@ class CapacityModel:
         fill = float(np.median(speed[known])) if known.any() else 1.0
         return LinearTime(np.where(known, speed, fill))
 
+    def max_batch(self, workers: Sequence[int]) -> np.ndarray | None:
+        """The largest batch each worker can hold (GPU memory), or None when the model sets no cap."""
+        return None
+
+    def explore(self, workers: Sequence[int], sizes: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
+        """Sizes nudged to learn what the model does not know yet (same sum, within bounds); as is by default."""
+        return sizes
+
     def _check_is_fitted(self, attribute: str) -> None:
         if not hasattr(self, attribute):
             raise NotFittedError(f"{type(self).__name__} has seen no report yet; call partial_fit first")

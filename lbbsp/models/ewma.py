@@ -21,6 +21,7 @@ class EWMAThroughput(CapacityModel):
             raise ConfigError(f"alpha must be in (0, 1], got {self.alpha}")
         if not hasattr(self, "throughput_"):
             self.throughput_: dict[int, float] = {}
+        self._remember_hardware(reports)
         for report in reports:
             measured = report.throughput
             if measured <= 0:
@@ -33,4 +34,4 @@ class EWMAThroughput(CapacityModel):
 
     def predict(self, workers: Sequence[int]) -> np.ndarray:
         self._check_is_fitted("throughput_")
-        return np.array([self.throughput_.get(int(w), np.nan) for w in workers], dtype=float)
+        return self._with_prior(self.throughput_, workers)

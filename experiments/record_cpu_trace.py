@@ -1,0 +1,174 @@
+"""Record a real CPU training trace under real co-located load, for the cpu-contention scenario and bench_models.
+
+A small MLP (numpy or torch) trains on one core. Beside it, "co-located jobs" (busy-loop processes pinned to
+the same core with ``os.sched_setaffinity``) are switched on and off at random times, independently of the
+iterations, with exponentially distributed dwell times: level 0, 1 or 2 busy processes. After each
+iteration the recorder writes the measured throughput and the worker's :class:`lbbsp.ResourceMonitor`
+features, exactly as a worker would report them, plus the true contention level (for analysis only).
+
+    python experiments/record_cpu_trace.py --backend numpy --seconds 180 --out experiments/traces/cpu_numpy.json
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core for the training step, before numpy/torch load
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import platform  # noqa: E402
+import signal  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from lbbsp import ResourceMonitor  # noqa: E402
+
+FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util", "cores")
+COLUMNS = ("iteration", "t_s", "samples", "compute_s", "throughput", *FEATURES, "hog_level")
+
+
+def _busy_loop(core: int) -> None:
+    """A co-located CPU-bound job on ``core``."""
+    os.sched_setaffinity(0, {core})
+    x = 0
+    while True:
+        x = (x * 1103515245 + 12345) & 0xFFFFFFFF
+
+
+def numpy_step(batch: int, rng: np.random.Generator) -> Callable[[], None]:
+    """One SGD step of a 784-256-10 MLP with softmax loss in numpy."""
+    w1, w2 = rng.normal(0, 0.05, (784, 256)), rng.normal(0, 0.05, (256, 10))
+    x, y = rng.normal(size=(batch, 784)), rng.integers(0, 10, batch)
+
+    def step() -> None:
+        nonlocal w1, w2
+        h = np.maximum(x @ w1, 0)
+        logits = h @ w2
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        p[np.arange(batch), y] -= 1
+        g2 = h.T @ p / batch
+        gh = (p @ w2.T) * (h > 0)
+        w1 = w1 - 0.01 * (x.T @ gh / batch)
+        w2 = w2 - 0.01 * g2
+
+    return step
+
+
+def torch_step(batch: int, rng: np.random.Generator) -> Callable[[], None]:
+    """One SGD step of a small CNN on 28x28 inputs in torch (one thread)."""
+    import torch  # noqa: PLC0415  (optional backend)
+
+    torch.set_num_threads(1)
+    torch.manual_seed(int(rng.integers(1 << 31)))
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                              torch.nn.Flatten(), torch.nn.Linear(8 * 13 * 13, 10))
+    optimiser = torch.optim.SGD(net.parameters(), lr=0.01)
+    x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+
+    def step() -> None:
+        optimiser.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        optimiser.step()
+
+    return step
+
+
+class ContentionSchedule:
+    """Switches ``max_level`` pinned busy-loop processes between levels at exponential random times."""
+
+    def __init__(self, core: int, max_level: int, mean_dwell_s: float, seed: int) -> None:
+        self.level = 0
+        self._rng = np.random.default_rng(seed)
+        self._mean_dwell_s = mean_dwell_s
+        self._procs = [mp.Process(target=_busy_loop, args=(core,), daemon=True) for _ in range(max_level)]
+        for proc in self._procs:
+            proc.start()
+            os.kill(proc.pid, signal.SIGSTOP)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> "ContentionSchedule":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(float(self._rng.exponential(self._mean_dwell_s))):
+            self._set(int(self._rng.integers(0, len(self._procs) + 1)))
+
+    def _set(self, level: int) -> None:
+        for i, proc in enumerate(self._procs):
+            os.kill(proc.pid, signal.SIGCONT if i < level else signal.SIGSTOP)
+        self.level = level
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for proc in self._procs:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.terminate()
+            proc.join()
+
+
+def record(step: Callable[[], None], batch: int, seconds: float, schedule: ContentionSchedule,
+           progress_every_s: float = 15.0) -> list[list[float]]:
+    """Run ``step`` until ``seconds`` have passed; one row per iteration (see COLUMNS)."""
+    monitor = ResourceMonitor()
+    rows: list[list[float]] = []
+    started = last_progress = time.perf_counter()
+    while (now := time.perf_counter()) - started < seconds:
+        t0 = time.perf_counter()
+        step()
+        compute_s = time.perf_counter() - t0
+        level = schedule.level
+        features = monitor.sample()
+        rows.append([len(rows), round(t0 - started, 4), batch, round(compute_s, 6), round(batch / compute_s, 2),
+                     *(round(features[name], 4) for name in FEATURES), level])
+        if now - last_progress > progress_every_s:
+            last_progress = now
+            recent = np.mean([r[4] for r in rows[-50:]])
+            print(f"  {now - started:5.0f}s  {len(rows)} iterations, recent throughput {recent:.0f}/s", flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=("numpy", "torch"), default="numpy")
+    parser.add_argument("--batch", type=int, default=256, help="samples per iteration")
+    parser.add_argument("--seconds", type=float, default=180.0, help="how long to record")
+    parser.add_argument("--core", type=int, default=0, help="the core the worker and its co-located jobs share")
+    parser.add_argument("--max-level", type=int, default=2, help="most co-located busy loops at once")
+    parser.add_argument("--mean-dwell-s", type=float, default=3.0, help="mean seconds between load switches")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, help="trace file to write (JSON)")
+    args = parser.parse_args()
+
+    os.sched_setaffinity(0, {args.core})
+    rng = np.random.default_rng(args.seed)
+    step = (numpy_step if args.backend == "numpy" else torch_step)(args.batch, rng)
+    step()  # warm up caches and allocators outside the trace
+    schedule = ContentionSchedule(args.core, args.max_level, args.mean_dwell_s, args.seed).start()
+    print(f"recording {args.backend} on core {args.core} for {args.seconds:.0f}s", flush=True)
+    try:
+        rows = record(step, args.batch, args.seconds, schedule)
+    finally:
+        schedule.close()
+    meta = {"backend": args.backend, "batch": args.batch, "core": args.core, "max_level": args.max_level,
+            "mean_dwell_s": args.mean_dwell_s, "seed": args.seed, "machine": platform.machine(),
+            "processor": platform.processor(), "cpu_count": os.cpu_count(), "recorded": time.strftime("%Y-%m-%d %H:%M:%S")}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "columns": list(COLUMNS), "rows": rows}, f, separators=(",", ":"))
+    throughput = np.array([r[4] for r in rows])
+    print(f"wrote {args.out}: {len(rows)} iterations, throughput p10/p50/p90 "
+          f"{np.percentile(throughput, 10):.0f}/{np.median(throughput):.0f}/{np.percentile(throughput, 90):.0f} samples/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

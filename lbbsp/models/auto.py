@@ -1,0 +1,131 @@
+"""Mixed clusters: one capacity model per worker kind (CPU, GPU, federated client), chosen per worker.
+
+A worker's kind is set from its first report (device string and features) and can be overridden; each
+kind's model sees only its own workers' reports. The job's time model stitches the kinds' time models
+together, so one allocation balances GPU and CPU workers against each other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from ..allocation import InvertibleTimeModel, TimeModel
+from ..errors import ConfigError
+from ..protocol import Report
+from .base import CapacityModel
+from .fl_client import FLClientModel
+from .gpu_curve import BatchTimeCurve
+from .narx import NARXThroughput
+
+KINDS = ("cpu", "gpu", "fl")
+_GPU_DEVICES = ("cuda", "gpu", "rocm", "hip", "mps", "xpu", "tpu")
+
+
+def worker_kind(report: Report) -> str:
+    """'fl' for a report with model-transfer features, 'gpu' for an accelerator device or GPU features, else 'cpu'."""
+    features = report.features
+    if any(name in features for name in ("download_s", "upload_s", "bandwidth_down", "bandwidth_up")):
+        return "fl"
+    if report.device.lower().startswith(_GPU_DEVICES) or "gpu_mem_used" in features:
+        return "gpu"
+    return "cpu"
+
+
+def default_models() -> dict[str, CapacityModel]:
+    """NARX for CPU workers, the batch-time curve for GPUs, the client model for federated clients."""
+    return {"cpu": NARXThroughput(), "gpu": BatchTimeCurve(), "fl": FLClientModel()}
+
+
+@dataclass(frozen=True)
+class MixedTime:
+    """Time model of a job whose workers are split into groups, each with its own invertible time model."""
+
+    groups: tuple[tuple[np.ndarray, InvertibleTimeModel], ...]  # (positions in the job's worker list, model)
+    size: int
+
+    def time(self, sizes: np.ndarray) -> np.ndarray:
+        out = np.empty(self.size)
+        for positions, model in self.groups:
+            out[positions] = model.time(np.asarray(sizes)[positions])
+        return out
+
+    def capacity(self, deadline: float) -> np.ndarray:
+        out = np.empty(self.size)
+        for positions, model in self.groups:
+            out[positions] = model.capacity(deadline)
+        return out
+
+
+class AutoCapacityModel(CapacityModel):
+    """Routes each worker to the model of its kind; ``models`` replaces any kind's model, ``kinds`` pins
+    a worker's kind (``{worker: "gpu"}``)."""
+
+    def __init__(self, models: Mapping[str, CapacityModel] | None = None,
+                 kinds: Mapping[int, str] | None = None) -> None:
+        self.models = models
+        self.kinds = kinds
+
+    def partial_fit(self, reports: Sequence[Report]) -> "AutoCapacityModel":
+        if not hasattr(self, "models_"):
+            chosen = default_models() | dict(self.models or {})
+            unknown = set(chosen) - set(KINDS) | {k for k in (self.kinds or {}).values() if k not in KINDS}
+            if unknown:
+                raise ConfigError(f"unknown worker kind(s) {sorted(unknown)}; kinds are {KINDS}")
+            self.models_ = chosen
+            self.kind_: dict[int, str] = {}
+        self._remember_hardware(reports)
+        by_kind: dict[str, list[Report]] = {}
+        for report in reports:
+            kind = self.kind_.setdefault(report.worker, (self.kinds or {}).get(report.worker) or worker_kind(report))
+            by_kind.setdefault(kind, []).append(report)
+        for kind, group in by_kind.items():
+            self.models_[kind].partial_fit(group)
+        return self
+
+    def predict(self, workers: Sequence[int]) -> np.ndarray:
+        self._check_is_fitted("models_")
+        return self._per_kind(workers, lambda model, ids: model.predict(ids), np.nan)
+
+    def max_batch(self, workers: Sequence[int]) -> np.ndarray | None:
+        self._check_is_fitted("models_")
+        caps = self._per_kind(workers, lambda model, ids: _or_no_cap(model.max_batch(ids), len(ids)), np.inf)
+        return None if np.isinf(caps).all() else np.minimum(caps, np.iinfo(np.int64).max // 4).astype(np.int64)
+
+    def explore(self, workers: Sequence[int], sizes: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
+        self._check_is_fitted("models_")
+        out = np.asarray(sizes, dtype=np.int64).copy()
+        for kind, positions in self._groups(workers).items():
+            ids = [workers[p] for p in positions]
+            out[positions] = self.models_[kind].explore(ids, out[positions], np.asarray(lower)[positions],
+                                                        np.asarray(upper)[positions])
+        return out
+
+    def time_model(self, workers: Sequence[int]) -> TimeModel:
+        self._check_is_fitted("models_")
+        workers = list(workers)
+        groups = self._groups(workers)
+        if len(groups) == 1:
+            return self.models_[next(iter(groups))].time_model(workers)
+        return MixedTime(tuple((positions, self.models_[kind].time_model([workers[p] for p in positions]))
+                               for kind, positions in groups.items()), len(workers))
+
+    def _groups(self, workers: Sequence[int]) -> dict[str, np.ndarray]:
+        """Positions of each kind in ``workers``; a worker never seen joins the most common kind."""
+        kinds = [self.kind_.get(int(w)) for w in workers]
+        seen = [k for k in kinds if k is not None]
+        common = max(set(seen), key=seen.count) if seen else "cpu"
+        labels = np.array([k or common for k in kinds])
+        return {kind: np.flatnonzero(labels == kind) for kind in KINDS if (labels == kind).any()}
+
+    def _per_kind(self, workers: Sequence[int], ask: Callable[[CapacityModel, list[int]], np.ndarray],
+                  fill: float) -> np.ndarray:
+        out = np.full(len(workers), fill, dtype=float)
+        for kind, positions in self._groups(workers).items():
+            out[positions] = ask(self.models_[kind], [int(workers[p]) for p in positions])
+        return out
+
+
+def _or_no_cap(caps: np.ndarray | None, count: int) -> np.ndarray:
+    return np.full(count, np.inf) if caps is None else np.asarray(caps, dtype=float)

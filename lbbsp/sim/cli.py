@@ -1,0 +1,97 @@
+"""``lbbsp simulate``: compare balancing policies on a simulated cluster; print, write JSON and a PNG."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .engine import PolicyRun, compare
+from .redis_check import check_through_redis
+from .scenarios import SCENARIOS, Scenario
+
+DEFAULT_OUT = Path("experiments") / "results"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), required=True)
+    parser.add_argument("--workers", type=int, default=16, help="number of simulated workers")
+    parser.add_argument("--iterations", type=int, default=200, help="barriers to simulate per policy")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the scenario (same trace for every policy)")
+    parser.add_argument("--redis", action="store_true",
+                        help="also run LB-BSP through a real Coordinator and Store on an embedded Redis for a few "
+                             "iterations and check it decides exactly as the in-process run")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the JSON and PNG results")
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    print(f"building {args.scenario} with {args.workers} workers, {args.iterations} iterations, seed {args.seed}",
+          flush=True)
+    scenario = SCENARIOS[args.scenario](args.workers, args.iterations, args.seed)
+    runs = compare(scenario, args.iterations, progress=lambda line: print(line, flush=True))
+    summary = summarise(runs)
+    print(table(scenario, summary))
+    result = {"scenario": args.scenario, "workers": args.workers, "iterations": args.iterations, "seed": args.seed,
+              "global_batch": scenario.config.global_batch, "notes": scenario.notes, "policies": summary,
+              "iteration_s": {name: r.iteration_s for name, r in runs.items()}}
+    if args.redis:
+        check = check_through_redis(scenario, min(args.iterations, 5))
+        result["redis_check"] = check
+        print(f"through Redis: {check['iterations']} iterations, same sizes as in-process: {check['identical']}, "
+              f"coordinator decision {check['decision_ms_mean']:.2f} ms mean")
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"simulate_{args.scenario}_{args.workers}w_seed{args.seed}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=_plain))
+    plot(scenario, runs, summary, stem.with_suffix(".png"))
+    print(f"wrote {stem}.json and {stem}.png ({time.perf_counter() - started:.0f}s)")
+    return 0
+
+
+def summarise(runs: dict[str, PolicyRun]) -> dict[str, dict[str, float]]:
+    """Each policy's figures, relative to the oracle's mean iteration time."""
+    oracle = float(np.mean(runs["oracle"].iteration_s))
+    return {name: r.summary(oracle) for name, r in runs.items()}
+
+
+def table(scenario: Scenario, summary: dict[str, dict[str, float]]) -> str:
+    lines = [f"{scenario.name}: {scenario.config.num_workers} workers, global batch {scenario.config.global_batch}",
+             f"{'policy':<20} {'s/iteration':>12} {'/ oracle':>9} {'idle':>7} {'decide ms':>10}"]
+    for name, s in sorted(summary.items(), key=lambda item: item[1]["vs_oracle"]):
+        lines.append(f"{name:<20} {s['mean_iteration_s']:>12.4g} {s['vs_oracle']:>9.3f} "
+                     f"{s['idle_fraction']:>6.1%} {s['decision_ms_mean']:>10.2f}")
+    return "\n".join(lines)
+
+
+def plot(scenario: Scenario, runs: dict[str, PolicyRun], summary: dict[str, dict[str, float]], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415  (plotting only here)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    names = sorted(summary, key=lambda n: summary[n]["vs_oracle"])
+    fig, (bars, lines) = plt.subplots(1, 2, figsize=(12, 4.5))
+    bars.barh(names, [summary[n]["vs_oracle"] for n in names], color="tab:blue")
+    bars.axvline(1.0, color="black", linewidth=0.8)
+    bars.invert_yaxis()
+    bars.set_xlabel("mean iteration time / oracle")
+    for i, n in enumerate(names):
+        bars.text(summary[n]["vs_oracle"], i, f" {summary[n]['vs_oracle']:.3f}, idle {summary[n]['idle_fraction']:.0%}",
+                  va="center", fontsize=8)
+    oracle = np.asarray(runs["oracle"].iteration_s)
+    for n in names:
+        lines.plot(np.asarray(runs[n].iteration_s) / oracle, label=n, linewidth=1)
+    lines.set_yscale("log")
+    lines.set_xlabel("iteration")
+    lines.set_ylabel("iteration time / oracle")
+    lines.legend(fontsize=7)
+    fig.suptitle(f"{scenario.name}, {scenario.config.num_workers} workers, B = {scenario.config.global_batch}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plain(value: object) -> object:
+    return value.tolist() if isinstance(value, np.ndarray) else str(value)

@@ -1,0 +1,95 @@
+"""Run balancing policies side by side on one simulated cluster, through the production policy code."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import numpy as np
+
+from ..models import EWMAThroughput
+from ..policies import (BackupWorkersPolicy, BSPPolicy, LBBSPPolicy, LeaderStragglerPolicy, OraclePolicy,
+                        PerEpochPolicy, Policy, StaticProportionalPolicy)
+from ..protocol import Report
+from .scenarios import Scenario
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class PolicyRun:
+    """One policy's per-iteration record on one scenario."""
+
+    name: str
+    iteration_s: list[float] = field(default_factory=list)
+    idle_fraction: list[float] = field(default_factory=list)
+    decision_s: list[float] = field(default_factory=list)
+    sizes: list[list[int]] = field(default_factory=list)
+
+    def summary(self, oracle_mean_s: float) -> dict[str, float]:
+        mean = float(np.mean(self.iteration_s))
+        return {"mean_iteration_s": mean, "vs_oracle": mean / oracle_mean_s,
+                "idle_fraction": float(np.mean(self.idle_fraction)),
+                "decision_ms_mean": 1e3 * float(np.mean(self.decision_s)),
+                "decision_ms_p99": 1e3 * float(np.percentile(self.decision_s, 99))}
+
+
+def standard_policies(scenario: Scenario) -> dict[str, Policy]:
+    """Every policy of the comparison, fresh: the oracle first, LB-BSP with the scenario's automatic model."""
+    n = scenario.config.num_workers
+    return {
+        "oracle": OraclePolicy(),
+        "lbbsp": LBBSPPolicy(scenario.capacity_model()),
+        "lbbsp-ewma": LBBSPPolicy(EWMAThroughput()),
+        "bsp": BSPPolicy(),
+        "static-proportional": StaticProportionalPolicy(),
+        "per-epoch": PerEpochPolicy(),
+        "leader-straggler": LeaderStragglerPolicy(model=scenario.capacity_model()),
+        "backup": BackupWorkersPolicy(backups=max(1, n // 20)),
+    }
+
+
+def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int) -> PolicyRun:
+    """Drive ``policy`` for ``iterations`` barriers: true times -> reports -> observe -> decide."""
+    config = scenario.config
+    n = config.num_workers
+    aggregated = policy.aggregated(n)
+    run = PolicyRun(name)
+    sizes = np.asarray(config.initial_sizes(), dtype=np.int64)
+    for k in range(iterations):
+        truth = scenario.truth(k)
+        seconds = truth.time_model.time(sizes)
+        present = truth.present if truth.present is not None else np.ones(n, dtype=bool)
+        finish = np.sort(seconds[present])
+        waited_for = finish[:max(1, round(aggregated * present.sum() / n))]
+        iteration_s = float(waited_for[-1]) * (n / aggregated)  # time per full global batch of B samples
+        run.iteration_s.append(iteration_s)
+        run.idle_fraction.append(float(np.mean(1.0 - np.minimum(seconds[present], waited_for[-1]) / waited_for[-1])))
+        run.sizes.append(sizes.tolist())
+        samples, compute_s = scenario.measured(sizes, seconds)
+        features = scenario.features(k, sizes)
+        reports = [Report(config.job, int(i), k, int(samples[i]), float(compute_s[i]), features=features[i],
+                          device=scenario.devices[i]) for i in np.flatnonzero(present)]
+        started = time.perf_counter()
+        policy.observe(reports)
+        if isinstance(policy, OraclePolicy):
+            coming = scenario.truth(k + 1)
+            policy.reveal(coming.time_model, coming.max_batch)
+        decision = policy.decide(k + 1, tuple(sizes.tolist()), config)
+        run.decision_s.append(time.perf_counter() - started)
+        sizes = np.asarray(decision.sizes, dtype=np.int64)
+    return run
+
+
+def compare(scenario: Scenario, iterations: int, policies: Mapping[str, Policy] | None = None,
+            progress: Progress | None = None) -> dict[str, PolicyRun]:
+    """Run every policy on the same scenario, one after the other."""
+    policies = policies if policies is not None else standard_policies(scenario)
+    runs = {}
+    for name, policy in policies.items():
+        started = time.perf_counter()
+        runs[name] = run_policy(scenario, name, policy, iterations)
+        if progress is not None:
+            progress(f"  {name:<20} {np.mean(runs[name].iteration_s):.4g} s/iteration "
+                     f"({time.perf_counter() - started:.1f}s to simulate)")
+    return runs

@@ -1,0 +1,196 @@
+"""Simulated clusters: each worker's true time model per iteration, and the features it would report.
+
+A scenario is generated in full from its seed before any policy runs, so every policy sees the same trace.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from ..allocation import HingeTime, LinearTime
+from ..config import JobConfig
+from ..errors import ConfigError
+from ..models import AutoCapacityModel, CapacityModel, FLClientModel
+from .traces import TRACE_FEATURES, CPUTrace, load_traces
+
+
+@dataclass(frozen=True)
+class Truth:
+    """What is really going to happen in one iteration: each worker's time model, memory cap, presence."""
+
+    time_model: LinearTime | HingeTime
+    max_batch: np.ndarray | None = None
+    present: np.ndarray | None = None  # False for a federated client that drops out this round
+
+
+@dataclass
+class Scenario:
+    """Base class: a job config, device names, ``truth(k)`` and the ``features(k, sizes)`` reports carry."""
+
+    name: str
+    config: JobConfig
+    devices: Sequence[str]
+    notes: dict[str, object] = field(default_factory=dict)
+
+    def truth(self, iteration: int) -> Truth:
+        raise NotImplementedError
+
+    def features(self, iteration: int, sizes: np.ndarray) -> list[dict[str, float]]:
+        raise NotImplementedError
+
+    def measured(self, sizes: np.ndarray, seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """What each worker reports as (samples, compute_s) after taking ``seconds`` for ``sizes``."""
+        return sizes, seconds
+
+    def capacity_model(self) -> CapacityModel:
+        """LB-BSP's model here: the automatic per-kind choice."""
+        return AutoCapacityModel()
+
+
+class CPUContention(Scenario):
+    """CPU workers on shared machines, calibrated from recorded traces.
+
+    Each worker follows a contention level (co-located busy loops, 0 to 2) that switches with probability
+    1/``mean_dwell`` per iteration. While at a level it replays, in order, the recorded iterations of one
+    trace at that level: their real throughput (scaled by the worker's machine speed, lognormal with sigma
+    ``machine_spread``) and their real resource features.
+    """
+
+    def __init__(self, num_workers: int, iterations: int, seed: int, *, traces: Sequence[CPUTrace] | None = None,
+                 batch_per_worker: int = 64, mean_dwell: float = 200.0, machine_spread: float = 0.25) -> None:
+        traces = list(traces) if traces is not None else load_traces()
+        rng = np.random.default_rng(seed)
+        super().__init__("cpu-contention", JobConfig("sim-cpu", num_workers, batch_per_worker * num_workers),
+                         ["cpu"] * num_workers,
+                         {"traces": [t.name for t in traces], "mean_dwell_iterations": mean_dwell,
+                          "machine_spread": machine_spread})
+        which = np.arange(num_workers) % len(traces)
+        machine = rng.lognormal(0.0, machine_spread, num_workers)
+        rows = np.empty((iterations + 1, num_workers), dtype=np.int64)
+        for t, trace in enumerate(traces):
+            members = np.flatnonzero(which == t)
+            rows[:, members] = _level_replay(trace, members.size, iterations + 1, mean_dwell, rng)
+        scale = np.array([1000.0 / np.median(t.throughput[t.level == t.level.min()]) for t in traces])[which]
+        self.speed = np.stack([traces[t].throughput[rows[:, i]] for i, t in enumerate(which)], axis=1) * (
+            machine * scale)
+        self.feature_rows = np.stack([traces[t].features[rows[:, i]] for i, t in enumerate(which)], axis=1)
+
+    def truth(self, iteration: int) -> Truth:
+        return Truth(LinearTime(self.speed[iteration]))
+
+    def features(self, iteration: int, sizes: np.ndarray) -> list[dict[str, float]]:
+        return [dict(zip(TRACE_FEATURES, row)) for row in self.feature_rows[iteration].tolist()]
+
+
+def _level_replay(trace: CPUTrace, workers: int, iterations: int, mean_dwell: float,
+                  rng: np.random.Generator) -> np.ndarray:
+    """Row indices (iterations, workers): a Markov level per worker, replaying that level's rows in order."""
+    levels = np.unique(trace.level)
+    rows_at = [np.flatnonzero(trace.level == lv) for lv in levels]
+    level = rng.integers(0, levels.size, workers)
+    pointer = rng.integers(0, 1 << 30, (workers, levels.size))
+    out = np.empty((iterations, workers), dtype=np.int64)
+    for k in range(iterations):
+        switch = rng.random(workers) < 1.0 / mean_dwell
+        level = np.where(switch, rng.integers(0, levels.size, workers), level)
+        for j, rows in enumerate(rows_at):
+            at = level == j
+            out[k, at] = rows[pointer[at, j] % rows.size]
+            pointer[at, j] += 1
+    return out
+
+
+#: GPU generations for ``gpu-mix``: memory from the vendors' spec sheets; throughput is the order of
+#: ResNet-50 training images/s published for each card (rounded, see docs/simulator.md); the knee is the
+#: batch below which the card is under-used (time stays flat), an assumption per generation.
+GPU_GENERATIONS: dict[str, dict[str, float]] = {
+    "k80": {"share": 0.15, "memory_gb": 12, "images_per_s": 55, "knee": 8},
+    "p100": {"share": 0.20, "memory_gb": 16, "images_per_s": 220, "knee": 16},
+    "t4": {"share": 0.20, "memory_gb": 16, "images_per_s": 250, "knee": 16},
+    "v100": {"share": 0.30, "memory_gb": 16, "images_per_s": 800, "knee": 32},
+    "a100": {"share": 0.15, "memory_gb": 40, "images_per_s": 1800, "knee": 64},
+}
+
+
+class GPUMix(Scenario):
+    """A mix of GPU generations: time(b) = overhead + max(b, knee) / speed, memory a + b * batch, small jitter."""
+
+    def __init__(self, num_workers: int, iterations: int, seed: int, *, batch_per_worker: int = 112,
+                 overhead_s: float = 0.015, fixed_gb: float = 1.5, gb_per_sample: float = 0.085,
+                 jitter: float = 0.005) -> None:
+        rng = np.random.default_rng(seed)
+        names = list(GPU_GENERATIONS)
+        shares = np.array([GPU_GENERATIONS[n]["share"] for n in names])
+        kind = rng.choice(len(names), size=num_workers, p=shares / shares.sum())
+        table = {key: np.array([GPU_GENERATIONS[names[k]][key] for k in kind], dtype=float)
+                 for key in ("memory_gb", "images_per_s", "knee")}
+        self.total_bytes = table["memory_gb"] * 1e9
+        self.fixed_bytes = np.full(num_workers, fixed_gb * 1e9)
+        self.bytes_per_sample = np.full(num_workers, gb_per_sample * 1e9)
+        self.cap = np.floor((self.total_bytes - self.fixed_bytes) / self.bytes_per_sample).astype(np.int64)
+        global_batch = batch_per_worker * num_workers
+        if (self.cap < batch_per_worker).any():
+            raise ConfigError(f"batch_per_worker {batch_per_worker} does not fit the smallest GPU (cap {self.cap.min()})")
+        super().__init__("gpu-mix", JobConfig("sim-gpu", num_workers, global_batch),
+                         [f"cuda:{names[k]}" for k in kind],
+                         {"generations": GPU_GENERATIONS, "overhead_s": overhead_s, "fixed_gb": fixed_gb,
+                          "gb_per_sample": gb_per_sample, "jitter": jitter})
+        self.speed, self.knee, self.overhead = table["images_per_s"], table["knee"], overhead_s
+        self.jitter = rng.lognormal(0.0, jitter, (iterations + 1, num_workers))
+
+    def truth(self, iteration: int) -> Truth:
+        factor = self.jitter[iteration]
+        slope = factor / self.speed
+        return Truth(HingeTime(factor * self.overhead + self.knee * slope, self.knee, slope,
+                               np.full(self.speed.size, 1e12)), max_batch=self.cap)
+
+    def features(self, iteration: int, sizes: np.ndarray) -> list[dict[str, float]]:
+        used = self.fixed_bytes + self.bytes_per_sample * np.asarray(sizes, dtype=float)
+        return [{"gpu_mem_used": u, "gpu_mem_free": f, "gpu_util": min(1.0, s / k)}
+                for u, f, s, k in zip(used.tolist(), (self.total_bytes - used).tolist(), list(sizes), self.knee.tolist())]
+
+
+class FLClients(Scenario):
+    """Federated clients, FedScale-style: round = transfer + local_steps * batch * 3 * ms_per_sample / 1000.
+
+    ms per sample and up/down kbps are lognormal across clients (a spread of about two orders of magnitude
+    each); each round every client's speed wobbles by ``round_noise`` and drops out with ``dropout``.
+    """
+
+    def __init__(self, num_workers: int, iterations: int, seed: int, *, batch_per_client: int = 20,
+                 local_steps: int = 5, model_mb: float = 4.0, median_ms_per_sample: float = 40.0,
+                 median_kbps_down: float = 5000.0, median_kbps_up: float = 2000.0, spread: float = 1.0,
+                 round_noise: float = 0.05, dropout: float = 0.05) -> None:
+        rng = np.random.default_rng(seed)
+        super().__init__("fl-clients", JobConfig("sim-fl", num_workers, batch_per_client * num_workers),
+                         ["phone"] * num_workers,
+                         {"local_steps": local_steps, "model_mb": model_mb, "median_ms_per_sample": median_ms_per_sample,
+                          "median_kbps_down": median_kbps_down, "median_kbps_up": median_kbps_up, "spread": spread,
+                          "round_noise": round_noise, "dropout": dropout})
+        self.local_steps = local_steps
+        ms_per_sample = rng.lognormal(np.log(median_ms_per_sample), spread, num_workers)
+        self.samples_per_s = 1000.0 / (3.0 * ms_per_sample)  # FedScale counts forward + backward as 3x
+        bits = model_mb * 8e6
+        self.download_s = bits / (1e3 * rng.lognormal(np.log(median_kbps_down), spread, num_workers))
+        self.upload_s = bits / (1e3 * rng.lognormal(np.log(median_kbps_up), spread, num_workers))
+        self.noise = rng.lognormal(0.0, round_noise, (iterations + 1, num_workers))
+        self.present = rng.random((iterations + 1, num_workers)) >= dropout
+
+    def truth(self, iteration: int) -> Truth:
+        speed = self.samples_per_s / self.noise[iteration] / self.local_steps  # batch -> seconds, steps fixed
+        return Truth(LinearTime(speed, overhead=self.download_s + self.upload_s), present=self.present[iteration])
+
+    def measured(self, sizes: np.ndarray, seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Clients report local samples (steps x batch) and compute seconds without the transfers."""
+        return self.local_steps * sizes, np.maximum(seconds - self.download_s - self.upload_s, 0.0)
+
+    def capacity_model(self) -> CapacityModel:
+        return AutoCapacityModel(models={"fl": FLClientModel(local_steps=self.local_steps)})
+
+    def features(self, iteration: int, sizes: np.ndarray) -> list[dict[str, float]]:
+        return [{"download_s": d, "upload_s": u} for d, u in zip(self.download_s.tolist(), self.upload_s.tolist())]
+
+
+SCENARIOS = {"cpu-contention": CPUContention, "gpu-mix": GPUMix, "fl-clients": FLClients}

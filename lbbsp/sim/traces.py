@@ -1,0 +1,44 @@
+"""Recorded CPU traces (experiments/record_cpu_trace.py): load them and serve them as per-iteration rows."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError
+
+#: The resource features a trace carries, in the order of :attr:`CPUTrace.features`.
+TRACE_FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util", "cores")
+DEFAULT_TRACE_DIR = Path(__file__).resolve().parents[2] / "experiments" / "traces"
+
+
+@dataclass(frozen=True)
+class CPUTrace:
+    """One recorded run: per-iteration throughput, the worker's features, and the true contention level."""
+
+    name: str
+    throughput: np.ndarray  # (iterations,)
+    features: np.ndarray  # (iterations, len(TRACE_FEATURES))
+    level: np.ndarray  # (iterations,) co-located busy loops at the end of each iteration (ground truth)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CPUTrace":
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+            columns = {name: i for i, name in enumerate(data["columns"])}
+            rows = np.asarray(data["rows"], dtype=float)
+            return cls(path.stem, rows[:, columns["throughput"]],
+                       rows[:, [columns[f] for f in TRACE_FEATURES]], rows[:, columns["hog_level"]].astype(int))
+        except (OSError, ValueError, KeyError, IndexError) as exc:
+            raise ConfigError(f"cannot read CPU trace {path}: {exc}") from None
+
+
+def load_traces(directory: str | Path = DEFAULT_TRACE_DIR) -> list[CPUTrace]:
+    """Every ``*.json`` trace in ``directory``, sorted by name."""
+    paths = sorted(Path(directory).glob("*.json"))
+    if not paths:
+        raise ConfigError(f"no CPU traces in {directory}; record one with experiments/record_cpu_trace.py")
+    return [CPUTrace.load(p) for p in paths]
