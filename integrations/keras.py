@@ -1,0 +1,259 @@
+"""LB-BSP for Keras ``model.fit``: a callback that reports and agrees, and a data source that resizes.
+
+Works with tf_keras (``TF_USE_LEGACY_KERAS=1``) single- and multi-worker under
+``MultiWorkerMirroredStrategy``, and with Keras 3 single-worker. See docs/keras.md.
+
+>>> session = WorkerSession(config, worker=task_index())          # Redis + coordinator on worker 0
+>>> source = BalancedSource(x, y, config, worker=session.worker)
+>>> model.fit(source.tf_dataset(), epochs=3, steps_per_epoch=len(source),
+...           callbacks=[LBBSPCallback(session.client, source)])
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from lbbsp.config import JobConfig
+from lbbsp.coordinator import Coordinator
+from lbbsp.embedded import EmbeddedRedis
+from lbbsp.errors import ConfigError
+from lbbsp.policies import Policy
+from lbbsp.store import Store, wait_for_redis
+from lbbsp.telemetry import ResourceMonitor
+from lbbsp.worker import WorkerClient
+
+from .keras_data import BalancedSource, ServedBatch
+
+log = logging.getLogger("lbbsp.keras")
+
+__all__ = ["BalancedSource", "LBBSPCallback", "ServedBatch", "WorkerSession", "callback_class", "keras_module",
+           "task_index"]
+
+
+def keras_module() -> ModuleType:
+    """The Keras that ``tf.keras`` means here: tf_keras when ``TF_USE_LEGACY_KERAS`` is set, else Keras 3."""
+    if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes"):
+        import tf_keras  # noqa: PLC0415
+
+        return tf_keras
+    import keras  # noqa: PLC0415
+
+    return keras
+
+
+def task_index() -> int:
+    """This worker's index in ``TF_CONFIG`` (0 when there is none: a single worker)."""
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return 0
+    task = json.loads(raw).get("task", {})
+    if task.get("type", "worker") not in ("worker", "chief"):
+        raise ConfigError(f"TF_CONFIG task type {task.get('type')!r} is not a training worker")
+    return int(task.get("index", 0))
+
+
+class WorkerSession:
+    """One worker's connection to its job: Redis, the coordinator (on worker 0) and a :class:`WorkerClient`.
+
+    Without ``url``, worker 0 starts an embedded redis-server on a unix socket that the other workers on
+    the same machine find from the job name; across machines, pass a ``redis://`` URL on every worker.
+    """
+
+    def __init__(self, config: JobConfig, worker: int, *, url: str | None = None, policy: Policy | None = None,
+                 connect_timeout_s: float = 60.0) -> None:
+        self.config = config
+        self.worker = worker
+        self.server: EmbeddedRedis | None = None
+        self.coordinator: Coordinator | None = None
+        self.client: WorkerClient | None = None
+        if url is None:
+            directory = _embedded_directory(config.job)
+            if worker == 0:
+                shutil.rmtree(directory, ignore_errors=True)  # never reload another run's assignments
+                self.server = EmbeddedRedis(directory)
+            url = f"unix://{directory / 'redis.sock'}"
+        self.url = url
+        try:
+            if worker == 0:
+                coordinator_store = Store(wait_for_redis(url, connect_timeout_s), config.job, ttl_s=config.ttl_s,
+                                          owns_client=True)
+                self.coordinator = Coordinator(coordinator_store, config, policy).start()
+            store = Store(wait_for_redis(url, connect_timeout_s), config.job, ttl_s=config.ttl_s, owns_client=True)
+            self.client = WorkerClient(store, config, worker)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the client, the coordinator and the embedded server that this session started; idempotent."""
+        if self.client is not None:
+            self.client.close()
+            self.client.store.close()
+            self.client = None
+        if self.coordinator is not None:
+            self.coordinator.stop()
+            self.coordinator.store.close()
+            self.coordinator = None
+        if self.server is not None:
+            self.server.close()
+            shutil.rmtree(self.server.directory, ignore_errors=True)
+            self.server = None
+
+    def __enter__(self) -> "WorkerSession":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _embedded_directory(job: str) -> Path:
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return Path(base) / f"lbbsp-{hashlib.sha1(job.encode()).hexdigest()[:16]}"
+
+
+class StepProbe:
+    """Marks, inside the train step, when local gradients are ready and when their all-reduce returned.
+
+    Installed on a tf_keras optimizer by wrapping its ``aggregate_gradients``; the callback reads it to time
+    compute without the wait for other workers inside the all-reduce.
+    """
+
+    def __init__(self) -> None:
+        self.computed: list[float] = []
+        self.reduced: list[float] = []
+
+    def clear(self) -> None:
+        self.computed.clear()
+        self.reduced.clear()
+
+    def compute_s(self, started: float) -> float | None:
+        """Seconds of local work since ``started``, the all-reduce waits left out; None without marks."""
+        if not self.computed or len(self.reduced) != len(self.computed):
+            return None
+        starts = [started] + self.reduced[:-1]
+        return sum(max(end - start, 0.0) for start, end in zip(starts, self.computed))
+
+    def _mark(self, marks: list[float]) -> Any:
+        import numpy as np  # noqa: PLC0415
+
+        marks.append(time.perf_counter())
+        return np.float64(0.0)
+
+
+def install_probe(optimizer: Any) -> StepProbe | None:
+    """Wrap a tf_keras optimizer's ``aggregate_gradients`` with time marks (once); None if it has none."""
+    probe = getattr(optimizer, "_lbbsp_probe", None)
+    if probe is not None:
+        return probe
+    original = getattr(optimizer, "aggregate_gradients", None)
+    if original is None:
+        return None
+    import tensorflow as tf  # noqa: PLC0415
+
+    probe = StepProbe()
+
+    def mark_after(marks: list[float], grads: list[Any]) -> list[Any]:
+        with tf.control_dependencies([g for g in grads if g is not None]):
+            stamp = tf.py_function(functools.partial(probe._mark, marks), [], tf.float64)
+        with tf.control_dependencies([stamp]):
+            return [None if g is None else tf.identity(g) for g in grads]
+
+    def aggregate_gradients(grads_and_vars: Any) -> Any:
+        grads, variables = zip(*grads_and_vars)
+        reduced = original(list(zip(mark_after(probe.computed, list(grads)), variables)))
+        reduced_grads, reduced_vars = zip(*reduced)
+        return list(zip(mark_after(probe.reduced, list(reduced_grads)), reduced_vars))
+
+    optimizer.aggregate_gradients = aggregate_gradients
+    optimizer._lbbsp_probe = probe
+    return probe
+
+
+class _CallbackLogic:
+    """The LB-BSP callback, independent of which Keras provides the ``Callback`` base class."""
+
+    def __init__(self, client: WorkerClient, source: BalancedSource, *, monitor: ResourceMonitor | None = None) -> None:
+        super().__init__()
+        if client.worker != source.worker or client.config.job != source.config.job:
+            raise ConfigError("the client and the source belong to different workers or jobs", job=client.config.job)
+        self.client = client
+        self.source = source
+        self.monitor = monitor if monitor is not None else ResourceMonitor()
+        self.iteration = 0
+        self.epochs_done = 0
+        self.probe: StepProbe | None = None
+        self._started = 0.0
+        self._epoch = 0
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self._check_schedule()
+        if type(self.model).__module__.startswith("tf_keras"):
+            self.probe = install_probe(self.model.optimizer)
+        self.source.attach(self.iteration, self.epochs_done)
+        self.source.publish(self.client.assignment(self.iteration))
+
+    def _check_schedule(self) -> None:
+        per_execution = getattr(self.model, "_steps_per_execution", None)  # tf_keras: a tf.Variable
+        per_execution = int(per_execution.numpy()) if per_execution is not None else int(self.model.steps_per_execution)
+        job = self.source.config.job
+        if per_execution != self.source.steps_per_execution:
+            raise ConfigError(f"model.compile(steps_per_execution={per_execution}) but the source was built with "
+                              f"steps_per_execution={self.source.steps_per_execution}", job=job)
+        steps = self.params.get("steps")
+        if steps is not None and steps != len(self.source):
+            raise ConfigError(f"model.fit runs {steps} steps per epoch but the source has {len(self.source)}: "
+                              "pass steps_per_epoch=len(source)", job=job)
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self.probe is not None:
+            self.probe.clear()
+        self._started = time.perf_counter()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """Report this execution's compute time, then fetch and publish the vector of the next one."""
+        wall_s = time.perf_counter() - self._started
+        probed = self.probe.compute_s(self._started) if self.probe is not None else None
+        compute_s = max(probed if probed is not None else wall_s, 1e-9)
+        self.client.report(self.iteration, self.source.samples_in(self.iteration), compute_s,
+                           wait_s=max(wall_s - compute_s, 0.0), features=self.monitor.sample())
+        self.iteration += 1
+        if not (self._epoch == self.params.get("epochs", 0) - 1 and batch >= len(self.source) - 1):
+            self.source.publish(self.client.assignment(self.iteration))  # the next fit fetches it otherwise
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.epochs_done += 1
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self.source.detach()
+        self.client.flush()
+
+
+@functools.cache
+def callback_class(keras: ModuleType) -> type:
+    """``LBBSPCallback`` built on ``keras.callbacks.Callback`` of the given Keras (tf_keras or Keras 3)."""
+    return type("LBBSPCallback", (_CallbackLogic, keras.callbacks.Callback), {
+        "__doc__": """Times each step's compute, reports it, and publishes the agreed size of the next step.
+
+        One report per Keras execution: with ``steps_per_execution = N`` the batch hooks fire every N steps,
+        so an LB-BSP iteration is N steps that share one vector. Build the source with the same N.
+        """,
+        "__module__": __name__,
+    })
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LBBSPCallback":  # resolved on use, for the Keras that tf.keras means in this process
+        return callback_class(keras_module())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

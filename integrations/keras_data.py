@@ -1,0 +1,260 @@
+"""The data side of the Keras integration: serve this worker's slice of every global batch at the agreed size.
+
+A callback alone cannot resize a batch in ``model.fit`` (keras-team/keras #10143, #12314, #13058): the
+pipeline has already cut the next batches when the callback runs. :class:`BalancedSource` cooperates with
+:class:`~lbbsp.integrations.keras.LBBSPCallback` instead. The callback publishes the agreed vector of each
+iteration here; the source cuts batch k only once the vector of k's iteration is known, so prefetching
+threads block rather than serve a stale size. Vectors are write-once, so a vector once known never changes.
+
+Two workers, B = 8, vectors (4, 4) then (3, 5): worker 1 serves positions 4-7 of global batch 0, then
+positions 3-7 of global batch 1, each sample weighted W * b_i / B = 2 * 5 / 8 (see :meth:`sample_weight`).
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Iterator
+
+import numpy as np
+
+from lbbsp.config import JobConfig
+from lbbsp.errors import ConfigError, LBBSPError
+from lbbsp.protocol import Assignment
+from lbbsp.sampling import GlobalBatchSampler
+
+_KEEP_ITERATIONS = 64
+
+
+@dataclass(frozen=True)
+class ServedBatch:
+    """One batch this worker served: where it sits in training and how many samples it held."""
+
+    iteration: int
+    epoch: int
+    step: int
+    size: int
+    sizes: tuple[int, ...]
+
+
+class BalancedSource:
+    """This worker's slices of the global batches of in-memory arrays ``x``, ``y``, at the agreed sizes.
+
+    One LB-BSP iteration is one Keras execution: ``steps_per_execution`` consecutive global batches share
+    the vector agreed for that iteration. Before a callback attaches (for example while Keras probes the
+    first batches for their shapes), the source serves the equal split and records nothing. ``served``
+    keeps the latest ``record_limit`` batches served: what this worker actually trained on.
+    """
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, config: JobConfig, worker: int, *,
+                 sample_weight: np.ndarray | None = None, seed: int = 0, shuffle: bool = True,
+                 drop_last: bool = False, steps_per_execution: int = 1, wait_timeout_s: float | None = None,
+                 record_limit: int = 100_000) -> None:
+        x, y = np.asarray(x), np.asarray(y)
+        if len(x) != len(y) or (sample_weight is not None and len(sample_weight) != len(x)):
+            raise ConfigError(f"x, y and sample_weight differ in length ({len(x)}, {len(y)})", job=config.job)
+        if not 0 <= worker < config.num_workers:
+            raise ConfigError(f"worker must be in [0, {config.num_workers}), got {worker}", job=config.job)
+        if config.min_batch < 1:
+            raise ConfigError("Keras cannot train on an empty batch: set min_batch >= 1", job=config.job)
+        if steps_per_execution < 1:
+            raise ConfigError(f"steps_per_execution must be positive, got {steps_per_execution}", job=config.job)
+        self.x, self.y = x, y
+        self.sample_weights = None if sample_weight is None else np.asarray(sample_weight)
+        self.config = config
+        self.worker = worker
+        self.sampler = GlobalBatchSampler(len(x), config.global_batch, seed=seed, shuffle=shuffle,
+                                          drop_last=drop_last)
+        self.steps_per_execution = steps_per_execution
+        self.wait_timeout_s = wait_timeout_s if wait_timeout_s is not None else 3 * config.assignment_timeout_s + 30
+        self.weight_dtype = x.dtype if np.issubdtype(x.dtype, np.floating) else np.dtype(np.float32)
+        self.served: deque[ServedBatch] = deque(maxlen=record_limit)
+        self._samples: dict[int, int] = {}
+        self._vectors: dict[int, tuple[int, ...]] = {}
+        self._changed = threading.Condition()
+        self._attached = False
+        self._first_iteration = 0
+        self._first_epoch = 0
+        self._generator_epochs = 0
+        self._index_calls: dict[int, int] = {}
+        self._samplers: dict[int, GlobalBatchSampler] = {}
+        self._owner_pid = os.getpid()
+
+    # -- shape of an epoch ------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Steps (global batches) per epoch: pass it to ``model.fit(steps_per_epoch=...)``."""
+        return len(self.sampler)
+
+    @property
+    def iterations_per_epoch(self) -> int:
+        """LB-BSP iterations (Keras executions) per epoch."""
+        return math.ceil(len(self) / self.steps_per_execution)
+
+    def iteration_of(self, epoch: int, step: int) -> int:
+        """The LB-BSP iteration of ``step`` in the ``epoch``-th epoch of the current ``fit``."""
+        return self._first_iteration + epoch * self.iterations_per_epoch + step // self.steps_per_execution
+
+    # -- the callback's side ----------------------------------------------------------------------------
+    def attach(self, first_iteration: int, first_epoch: int) -> None:
+        """Start serving agreed sizes: the next ``fit`` starts at this iteration and sampler epoch."""
+        with self._changed:
+            self._attached = True
+            self._first_iteration = first_iteration
+            self._first_epoch = first_epoch
+            self._generator_epochs = 0
+            self._index_calls.clear()
+
+    def detach(self) -> None:
+        """Back to the equal split (after ``fit``); a prefetch still waiting gets an unrecorded batch."""
+        with self._changed:
+            self._attached = False
+            self._changed.notify_all()
+
+    def publish(self, assignment: Assignment) -> None:
+        """Make the agreed vector of ``assignment.iteration`` available to the batches of that iteration."""
+        with self._changed:
+            self._vectors[assignment.iteration] = assignment.sizes
+            for old in [k for k in self._vectors if k < assignment.iteration - _KEEP_ITERATIONS]:
+                del self._vectors[old]
+                self._samples.pop(old, None)
+            self._changed.notify_all()
+
+    def samples_in(self, iteration: int) -> int:
+        """Samples this worker served for ``iteration`` (the report's ``samples``)."""
+        with self._changed:
+            return self._samples.get(iteration, 0)
+
+    # -- cutting batches --------------------------------------------------------------------------------
+    def _agreed(self, iteration: int) -> tuple[int, ...] | None:
+        """The vector of ``iteration`` once the callback publishes it; None when no callback is attached."""
+        if os.getpid() != self._owner_pid:
+            raise LBBSPError("BalancedSource cannot run in a separate process (use_multiprocessing=True): the "
+                             "size of each batch is agreed after the previous step, in the training process; "
+                             "use worker threads instead", job=self.config.job, worker=self.worker,
+                             iteration=iteration)
+        with self._changed:
+            if not self._changed.wait_for(lambda: iteration in self._vectors or not self._attached,
+                                          self.wait_timeout_s):
+                raise LBBSPError(f"no agreed vector after {self.wait_timeout_s:g}s: is LBBSPCallback in "
+                                 "model.fit's callbacks?", job=self.config.job, worker=self.worker,
+                                 iteration=iteration)
+            return self._vectors.get(iteration) if self._attached else None
+
+    def batch(self, epoch: int, step: int) -> tuple[np.ndarray, ...]:
+        """``(x, y, sample_weight)`` of this worker at ``step`` of the ``epoch``-th epoch of this ``fit``."""
+        iteration = self.iteration_of(epoch, step)
+        sizes = self._agreed(iteration)
+        if sizes is None:  # a shape probe, training without the callback, or a prefetch past the end of fit
+            return self._cut(self._first_epoch + epoch, step, self.config.initial_sizes())
+        batch = self._cut(self._first_epoch + epoch, step, sizes)
+        with self._changed:
+            self.served.append(ServedBatch(iteration, self._first_epoch + epoch, step, len(batch[0]), sizes))
+            self._samples[iteration] = self._samples.get(iteration, 0) + len(batch[0])
+        return batch
+
+    def _sampler_for(self, epoch: int) -> GlobalBatchSampler:
+        """A sampler per epoch, so that threads cutting two epochs at once never share a permutation."""
+        with self._changed:
+            sampler = self._samplers.get(epoch)
+            if sampler is None:
+                sampler = GlobalBatchSampler(len(self.x), self.config.global_batch, seed=self.sampler.seed,
+                                             shuffle=self.sampler.shuffle, drop_last=self.sampler.drop_last)
+                sampler.set_epoch(epoch)
+                self._samplers = {e: s for e, s in self._samplers.items() if e >= epoch - 1} | {epoch: sampler}
+            return sampler
+
+    def _cut(self, epoch: int, step: int, sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+        sampler = self._sampler_for(epoch)
+        split = sampler.split_for(step, sizes)
+        indices = sampler.worker_indices(step, sizes, self.worker)
+        weight = self.sample_weight(split)
+        weights = np.full(len(indices), weight, dtype=self.weight_dtype)
+        if self.sample_weights is not None:
+            weights = weights * self.sample_weights[indices]
+        return self.x[indices], self.y[indices], weights
+
+    def sample_weight(self, split: tuple[int, ...]) -> float:
+        """The weight W * b_i / B that makes the summed per-worker mean losses the global mean.
+
+        Keras averages each worker's loss over its own b_i samples and divides by the W replicas; the
+        strategy then sums the gradients. Weighting every local sample by W * b_i / B turns that sum
+        into (1 / B) * sum of all B per-sample gradients, exactly the single-process gradient.
+        """
+        return self.config.num_workers * split[self.worker] / sum(split)
+
+    def _epoch_batches(self) -> Iterator[tuple[np.ndarray, ...]]:
+        with self._changed:
+            epoch = self._generator_epochs
+            self._generator_epochs += 1
+        for step in range(len(self)):
+            yield self.batch(epoch, step)
+
+    def _indexed_batch(self, index: int) -> tuple[np.ndarray, ...]:
+        with self._changed:
+            epoch = self._index_calls.get(index, 0)
+            if self._attached:
+                self._index_calls[index] = epoch + 1
+        return self.batch(epoch, index)
+
+    # -- the two Keras pipelines ------------------------------------------------------------------------
+    def tf_dataset(self, strategy: Any = None) -> Any:
+        """A ``tf.data.Dataset`` of this worker's batches (batch dimension None: no retracing per size).
+
+        It repeats, one epoch per pass, so pass ``steps_per_epoch=len(source)`` to ``fit``. Under a multi-worker ``strategy``, pass it: the dataset then
+        comes from ``strategy.distribute_datasets_from_function``, since ``experimental_distribute_dataset``
+        would treat each batch as a global one and rebatch it across the replicas.
+        """
+        import tensorflow as tf  # noqa: PLC0415  (the framework stays at the edge)
+
+        def spec(array: np.ndarray) -> Any:
+            return tf.TensorSpec((None,) + array.shape[1:], tf.as_dtype(array.dtype))
+
+        signature = (spec(self.x), spec(self.y), tf.TensorSpec((None,), tf.as_dtype(self.weight_dtype)))
+        dataset = tf.data.Dataset.from_generator(self._epoch_batches, output_signature=signature)
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(self))).repeat()
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        dataset = dataset.with_options(options)
+        if strategy is None or strategy.num_replicas_in_sync == 1:
+            return dataset
+        if strategy.extended._num_workers != strategy.num_replicas_in_sync:  # noqa: SLF001
+            raise ConfigError("one replica per worker is supported (one device per worker process)",
+                              job=self.config.job)
+        return strategy.distribute_datasets_from_function(lambda context: dataset)
+
+    def py_dataset(self, keras: ModuleType | None = None, **kwargs: Any) -> Any:
+        """A ``keras.utils.PyDataset`` (Keras 3) or ``Sequence`` (tf_keras) of this worker's batches.
+
+        ``kwargs`` go to ``PyDataset`` (``workers``, ``max_queue_size``); worker threads are fine, worker
+        processes are refused, since sizes are agreed in the training process.
+        """
+        if kwargs.get("use_multiprocessing"):
+            raise ConfigError("use_multiprocessing=True is not supported: the agreed size of each batch is only "
+                              "known in the training process; use workers=N threads", job=self.config.job)
+        from .keras import keras_module  # noqa: PLC0415
+
+        keras = keras or keras_module()
+        base = getattr(keras.utils, "PyDataset", None) or keras.utils.Sequence
+        source = self
+
+        class BalancedPyDataset(base):  # type: ignore[misc, valid-type]
+            """Index k of an epoch is global batch k, cut at the size agreed for its iteration."""
+
+            def __init__(self) -> None:
+                if base is keras.utils.Sequence:  # tf_keras: workers are model.fit arguments
+                    if kwargs:
+                        raise ConfigError(f"tf_keras takes {sorted(kwargs)} as model.fit arguments, not here",
+                                          job=source.config.job)
+                else:
+                    super().__init__(**kwargs)
+
+            def __len__(self) -> int:
+                return len(source)
+
+            def __getitem__(self, index: int) -> tuple[np.ndarray, ...]:
+                return source._indexed_batch(index)
+
+        return BalancedPyDataset()
