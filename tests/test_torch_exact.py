@@ -1,7 +1,10 @@
 """Exactness and coverage of LB-BSP under DDP: real gloo processes, a real Redis, splits that change every step."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +18,7 @@ from sklearn.datasets import load_digits  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
-from lbbsp import GlobalBatchSampler, JobConfig, Policy  # noqa: E402
+from lbbsp import EmbeddedRedis, GlobalBatchSampler, JobConfig, Policy  # noqa: E402
 from lbbsp.integrations.torch import Balancer  # noqa: E402
 from lbbsp.policies import Decision  # noqa: E402
 
@@ -49,38 +52,64 @@ def mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10)).double()
 
 
-def _worker(rank: int, world: int, init: str, url: str, job: str, weighting: str, out: str, workers: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+ACCUMULATE = 2
+#: mode -> (weighting, DataLoader workers); "accumulate" steps the optimizer every 2 global batches (no_sync),
+#: "amp" runs the hook form under a GradScaler.
+MODES = {"hook": ("hook", 0), "loss": ("loss", 2), "accumulate": ("loss", 0), "amp": ("hook", 0)}
+
+
+def _train(mode: str, rank: int, url: str, job: str) -> dict:
+    weighting, workers = MODES[mode]
     model = DDP(mlp())
-    lb = Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, policy=ChangingSplit(), min_batch=0)
+    lb = Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-{mode}", policy=ChangingSplit(), min_batch=0)
     lb.attach(model, weighting)
     loader = lb.loader(digits(), seed=SEED, num_workers=workers)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    seen, splits = [], []
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if mode == "amp" else None
+    seen: list[list[int]] = []
+    splits = []
     for epoch in range(EPOCHS):
         loader.set_epoch(epoch)
         seen.append([])
-        for x, y, index in loader:
-            loss = F.cross_entropy(model(x), y)
-            (lb.scale_loss(loss) if weighting == "loss" else loss).backward()
-            opt.step()
-            opt.zero_grad()
+        for step, (x, y, index) in enumerate(loader):
+            last = mode != "accumulate" or step % ACCUMULATE == ACCUMULATE - 1 or step == len(loader) - 1
+            with model.no_sync() if not last else contextlib.nullcontext():
+                loss = F.cross_entropy(model(x), y)
+                if weighting == "loss":
+                    loss = lb.scale_loss(loss) / (ACCUMULATE if mode == "accumulate" else 1)
+                (scaler.scale(loss) if scaler else loss).backward()
+            if last:
+                if scaler:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
+                opt.zero_grad()
             seen[-1].extend(index.tolist())
             splits.append(list(lb.step.split))
     lb.close()
-    params = [p.detach().tolist() for p in model.module.parameters()]
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"seen": seen, "splits": splits, "params": params}))
+    return {"seen": seen, "splits": splits, "params": [p.detach().tolist() for p in model.module.parameters()]}
+
+
+def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    results = {mode: _train(mode, rank, url, job) for mode in MODES}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
-def run_ranks(tmp_path: Path, url: str, job: str, weighting: str, world: int, workers: int = 0) -> list[dict]:
-    mp.spawn(_worker, args=(world, str(tmp_path / "rdv"), url, job, weighting, str(tmp_path), workers),
-             nprocs=world, join=True)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, redis_server: EmbeddedRedis) -> list[dict]:
+    """One run of 3 gloo ranks that trains every mode in turn (process start-up is the slow part)."""
+    tmp = tmp_path_factory.mktemp("exact")
+    url = os.environ.get("LBBSP_TEST_REDIS_URL", redis_server.url)
+    job = f"test-{uuid.uuid4().hex[:10]}"
+    mp.spawn(_worker, args=(3, str(tmp / "rdv"), url, job, str(tmp)), nprocs=3, join=True)
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(3)]
 
 
-def single_process_params() -> list[torch.Tensor]:
+def single_process_params(accumulate: int = 1) -> list[torch.Tensor]:
     """The same global batches, in one process: the mean loss over each whole global batch."""
     data = digits()
     model = mlp()
@@ -90,35 +119,33 @@ def single_process_params() -> list[torch.Tensor]:
         sampler.set_epoch(epoch)
         for step in range(len(sampler)):
             x, y, _ = data[torch.as_tensor(sampler.global_indices(step))]
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+            (F.cross_entropy(model(x), y) / accumulate).backward()
+            if step % accumulate == accumulate - 1 or step == len(sampler) - 1:
+                opt.step()
+                opt.zero_grad()
     return [p.detach() for p in model.parameters()]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("weighting", ["hook", "loss"])
-def test_uneven_changing_splits_match_single_process(tmp_path: Path, redis_url: str, job: str,
-                                                     weighting: str) -> None:
-    results = run_ranks(tmp_path, redis_url, job, weighting, world=3)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_uneven_changing_splits_match_single_process(trained: list[dict], mode: str) -> None:
+    results = [r[mode] for r in trained]
     splits = results[0]["splits"]
     assert all(r["splits"] == splits for r in results), "ranks used different vectors"
     assert len({tuple(s) for s in splits}) > len(splits) // 2, "the splits did not change"
     assert any(0 in s for s in splits) and any(len(set(s)) == 3 for s in splits)
-    expected = single_process_params()
+    expected = single_process_params(ACCUMULATE if mode == "accumulate" else 1)
     for result in results:
         for got, want in zip(result["params"], expected):
             np.testing.assert_allclose(np.array(got), want.numpy(), rtol=1e-6, atol=1e-9)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_every_sample_once_per_epoch_with_loader_workers(tmp_path: Path, redis_url: str, job: str) -> None:
-    results = run_ranks(tmp_path, redis_url, job, "hook", world=2, workers=2)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["hook", "loss"])
+def test_every_sample_once_per_epoch(trained: list[dict], mode: str) -> None:
     n = len(digits())
     for epoch in range(EPOCHS):
-        used = sorted(i for r in results for i in r["seen"][epoch])
+        used = sorted(i for r in trained for i in r[mode]["seen"][epoch])
         assert used == list(range(n)), f"epoch {epoch}: samples missing or repeated"
-    first = [sorted(r["seen"][0]) for r in results]
-    assert not set(first[0]) & set(first[1])
