@@ -1,0 +1,176 @@
+"""The Flower plugin end to end on LocalGrid: real Strategy.start loop, real ClientApp, in one process."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
+from flwr.serverapp.strategy import FedAvg  # noqa: E402
+
+from lbbsp import EmbeddedRedis, ProtocolError, Report  # noqa: E402
+from lbbsp.integrations.flower import (  # noqa: E402
+    ClientHistory, ClientStatus, EmulatedLink, LoadBalanced, LocalRound, Workload,
+)
+from lbbsp.integrations.flower_local import LocalGrid  # noqa: E402
+
+SECONDS_PER_SAMPLE = {1: 0.0002, 2: 0.0006, 3: 0.0018}  # emulated client speeds: 5,000 to 556 samples/s
+trained: dict[tuple[int, int], list[int]] = defaultdict(list)  # (round, node) -> batch size of each step
+lock = threading.Lock()
+behaviour: dict[tuple[int, int], str] = {}  # (round, node) -> "raise" | "hang"
+
+
+def make_app() -> ClientApp:
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        node, rnd = context.node_id, int(msg.content["config"]["server-round"])
+        if behaviour.get((rnd, node)) == "raise":
+            raise RuntimeError("device went away")
+        if behaviour.get((rnd, node)) == "hang":
+            time.sleep(4)
+        local = LocalRound(msg, link=EmulatedLink(1e7, 1e7))
+        w = msg.content["arrays"].to_numpy_ndarrays()[0]
+        for batch_size in local.batches():
+            with lock:
+                trained[(rnd, node)].append(batch_size)
+            time.sleep(batch_size * SECONDS_PER_SAMPLE[node])
+            w = w + 0.01 * batch_size
+        return local.reply(ArrayRecord([w]))
+
+    return app
+
+
+class RecordingStrategy(LoadBalanced):
+    """Keeps every plan and every message sent, to compare with what the clients did."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.plans: dict[int, dict[int, Workload]] = {}
+        self.sent: dict[int, list[Message]] = {}
+
+    def plan(self, server_round: int, nodes: list[int]) -> dict[int, Workload]:
+        self.plans[server_round] = super().plan(server_round, nodes)
+        return self.plans[server_round]
+
+    def configure_train(self, server_round, arrays, config, grid):  # type: ignore[no-untyped-def]
+        self.sent[server_round] = list(super().configure_train(server_round, arrays, config, grid))
+        return self.sent[server_round]
+
+
+def run(history: ClientHistory, rounds: int, timeout: float = 30.0, **kwargs: object) -> RecordingStrategy:
+    grid = LocalGrid(make_app(), [{}, {}, {}])
+    strategy = RecordingStrategy(FedAvg(fraction_evaluate=0.0, min_available_nodes=3, min_train_nodes=3), history,
+                                 batch_size=40, local_steps=3, **kwargs)  # type: ignore[arg-type]
+    strategy.start(grid=grid, initial_arrays=ArrayRecord([np.zeros(2)]), num_rounds=rounds, timeout=timeout)
+    grid.close()
+    return strategy
+
+
+@pytest.mark.timeout(120)
+def test_each_client_gets_its_own_config_and_trains_exactly_on_it(redis_url: str, job: str) -> None:
+    trained.clear()
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = run(history, rounds=3)
+    for rnd in (1, 2, 3):
+        messages = strategy.sent[rnd]
+        configs = [m.content["config"] for m in messages]
+        assert len({id(c) for c in configs}) == 3, "one ConfigRecord object shared by several clients"
+        assert all(c["server-round"] == rnd for c in configs)
+        for message in messages:
+            node, work = message.metadata.dst_node_id, strategy.plans[rnd][message.metadata.dst_node_id]
+            assert message.content["config"]["lbbsp-batch-size"] == work.batch_size
+            assert trained[(rnd, node)] == [work.batch_size] * work.local_steps
+        assert sum(w.batch_size for w in strategy.plans[rnd].values()) == 120
+    later = strategy.plans[3]
+    assert len({w.batch_size for w in later.values()}) == 3, "measured speeds differ 9x, so must the batches"
+    assert later[1].batch_size > later[2].batch_size > later[3].batch_size
+
+
+@pytest.mark.timeout(120)
+def test_failed_and_vanished_clients_do_not_stall_the_round_and_keep_history(redis_url: str, job: str) -> None:
+    behaviour.clear()
+    behaviour[(2, 3)] = "raise"
+    behaviour[(3, 2)] = "hang"
+    with ClientHistory.from_url(redis_url, job) as history:
+        started = time.monotonic()
+        strategy = run(history, rounds=3, timeout=1.5)
+        assert time.monotonic() - started < 12, "a vanished client held the round past its timeout"
+        statuses = history.statuses()
+        workers = history.workers()
+        index = {int(node): i for node, i in workers.items()}
+        assert statuses[index[3]].status == "ok" and statuses[index[3]].round == 3
+        assert statuses[index[2]] == ClientStatus(3, "missed", "no reply before the timeout", statuses[index[2]].at)
+        assert [r.iteration for r in history.reports(index[2])] == [1, 2]  # kept after it vanished
+        assert [r.iteration for r in history.reports(index[3])] == [1, 3]  # the failed round 2 left out
+        # A restarted server learns from the stored history before its first round.
+        restarted = LoadBalanced(FedAvg(), history, batch_size=40, local_steps=3)
+        assert set(restarted.model.speed_) == set(index.values())
+        plan = restarted.plan(1, [1, 2, 3])
+        assert plan[1].batch_size > plan[3].batch_size
+    behaviour.clear()
+
+
+@pytest.mark.timeout(60)
+def test_deadline_stops_local_steps_early() -> None:
+    LocalGrid(make_app(), [{}])  # sets Flower's task identity so that messages can be built here
+    config = ConfigRecord({**Workload(4, 50, deadline_s=0.1).to_config(), "server-round": 1})
+    msg = Message(RecordDict({"arrays": ArrayRecord([np.zeros(2)]), "config": config}), dst_node_id=1,
+                  message_type=MessageType.TRAIN)
+    local = LocalRound(msg, link=EmulatedLink(1e9, 1e9))
+    for _ in local.batches():
+        time.sleep(0.02)
+    assert 2 <= local.steps < 10
+    metrics = local.reply(ArrayRecord([np.zeros(2)])).content["metrics"]
+    assert metrics["lbbsp-samples"] == metrics["num-examples"] == 4 * local.steps
+    assert metrics["lbbsp-compute-s"] <= 0.1 + 0.05
+
+
+@pytest.mark.parametrize("config", [{"lbbsp-batch-size": 0, "lbbsp-local-steps": 1},
+                                    {"lbbsp-batch-size": 3.5, "lbbsp-local-steps": 1},
+                                    {"lbbsp-batch-size": 8},
+                                    {"lbbsp-batch-size": 8, "lbbsp-local-steps": 1, "lbbsp-deadline-s": -1.0}])
+def test_bad_workloads_are_rejected(config: dict[str, float]) -> None:
+    with pytest.raises(ProtocolError):
+        Workload.from_config(config)
+
+
+@pytest.mark.timeout(60)
+def test_hostile_reply_metrics_are_partitioned_out(redis_url: str, job: str) -> None:
+    grid = LocalGrid(make_app(), [{}, {}])
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = LoadBalanced(FedAvg(min_available_nodes=2), history, batch_size=2, local_steps=1)
+        sent = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord([np.zeros(1)]),
+                                                                             ConfigRecord(), grid)}
+        good = {"lbbsp-samples": 2, "lbbsp-steps": 1, "lbbsp-compute-s": 0.1, "lbbsp-download-s": 0.0,
+                "lbbsp-upload-s": 0.0, "num-examples": 2}
+        replies = [Message(RecordDict({"arrays": ArrayRecord([np.ones(1) * node]),
+                                       "metrics": MetricRecord({**good, "lbbsp-compute-s": value})}),
+                           reply_to=sent[node]) for node, value in ((1, 0.1), (2, float("nan")))]
+        arrays, _ = strategy.aggregate_train(1, replies)
+        assert arrays is not None and arrays.to_numpy_ndarrays()[0][0] == 1.0  # node 2 left out
+        assert history.statuses()[history.worker_index(2)].status == "failed"
+    grid.close()
+
+
+def test_history_validates_what_it_reads_and_survives_a_redis_restart(job: str) -> None:
+    with EmbeddedRedis() as server:
+        with ClientHistory.from_url(server.url, job) as history:
+            worker = history.worker_index(123456789)
+            assert history.worker_index("123456789") == worker
+            history.record([Report(job, worker, 1, 64, 0.5, features={"download_s": 0.1, "upload_s": 0.2})],
+                           {worker: ClientStatus(1, "ok", "", time.time())})
+            history.client.rpush(history.key("reports", worker), b'{"v":1,"job":"x"}', b"\xff" * 10)
+            history.client.hset(history.key("status"), "7", b'{"round": "pickle"}')
+        server.restart()
+        with ClientHistory.from_url(server.url, job) as history:
+            assert [r.samples for r in history.reports(worker)] == [64]
+            assert list(history.statuses()) == [worker]
+            assert history.rounds()[0][0].features["upload_s"] == 0.2

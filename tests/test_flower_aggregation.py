@@ -1,0 +1,79 @@
+"""Aggregation maths: FedNova against a hand-computed reference, and the plugin applying it to real replies."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
+from flwr.serverapp.strategy import FedAvg  # noqa: E402
+
+from lbbsp.errors import LBBSPError  # noqa: E402
+from lbbsp.fedagg import fednova, fednova_scales, sample_weights, weighted_average  # noqa: E402
+from lbbsp.integrations.flower import ClientHistory, LoadBalanced  # noqa: E402
+from lbbsp.integrations.flower_local import LocalGrid  # noqa: E402
+
+
+def sgd_linear(w: np.ndarray, x: np.ndarray, y: float, lr: float, steps: int) -> np.ndarray:
+    """Local SGD on the loss 0.5 * (w . x - y)^2 of one sample."""
+    for _ in range(steps):
+        w = w - lr * (w @ x - y) * x
+    return w
+
+
+# Two clients of a 2-weight linear model, from w = (0, 0), lr = 0.5, one sample per step (batch 1):
+#   A: x = (1, 0), y = 2, 1 step:  w_A = (1, 0)                      1 sample processed
+#   B: x = (0, 1), y = 4, 2 steps: (0, 2) then (0, 3) -> w_B = (0, 3)  2 samples processed
+# p = (1/3, 2/3); tau_eff = 1/3 * 1 + 2/3 * 2 = 5/3; normalised updates d_A = (1, 0), d_B = (0, 1.5)
+# FedNova: 5/3 * (1/3 * (1, 0) + 2/3 * (0, 1.5)) = (5/9, 5/3). Plain sample-weighted FedAvg: (1/3, 2).
+W0 = np.zeros(2)
+W_A = sgd_linear(W0, np.array([1.0, 0.0]), 2.0, 0.5, 1)
+W_B = sgd_linear(W0, np.array([0.0, 1.0]), 4.0, 0.5, 2)
+FEDNOVA = np.array([5 / 9, 5 / 3])
+
+
+def test_local_models_match_the_hand_computation() -> None:
+    np.testing.assert_allclose(W_A, [1.0, 0.0])
+    np.testing.assert_allclose(W_B, [0.0, 3.0])
+
+
+def test_fednova_matches_hand_computed_reference() -> None:
+    out = fednova([W0], [[W_A], [W_B]], steps=[1, 2], weights=[1, 2])
+    np.testing.assert_allclose(out[0], FEDNOVA, rtol=1e-12)
+    np.testing.assert_allclose(weighted_average([[W_A], [W_B]], [1, 2])[0], [1 / 3, 2.0], rtol=1e-12)
+
+
+def test_fednova_with_equal_steps_is_the_weighted_average() -> None:
+    rng = np.random.default_rng(0)
+    glob = [rng.normal(size=(3, 2)), rng.normal(size=2)]
+    local = [[g + rng.normal(size=g.shape) for g in glob] for _ in range(3)]
+    for got, want in zip(fednova(glob, local, [4, 4, 4], [5, 1, 2]), weighted_average(local, [5, 1, 2])):
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+    np.testing.assert_allclose(fednova_scales([4, 4, 4], [5, 1, 2]), 1.0)
+
+
+@pytest.mark.parametrize("weights", [[-1, 2], [0, 0], [np.nan, 1], []])
+def test_bad_weights_are_rejected(weights: list[float]) -> None:
+    with pytest.raises(LBBSPError):
+        sample_weights(weights)
+
+
+def _reply(instruction: Message, w: np.ndarray, samples: int, steps: int) -> Message:
+    metrics = MetricRecord({"num-examples": 999, "lbbsp-samples": samples, "lbbsp-steps": steps,
+                            "lbbsp-compute-s": 0.1 * samples, "lbbsp-download-s": 0.01, "lbbsp-upload-s": 0.01})
+    return Message(RecordDict({"arrays": ArrayRecord([w]), "metrics": metrics}), reply_to=instruction)
+
+
+@pytest.mark.timeout(60)
+def test_plugin_aggregate_is_fednova_on_replies(redis_url: str, job: str) -> None:
+    grid = LocalGrid(client_app=None, node_configs=[{}, {}])  # type: ignore[arg-type]  # no ClientApp is called
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = LoadBalanced(FedAvg(min_available_nodes=2), history, batch_size=1, local_steps=1, adapt="steps")
+        sent = list(strategy.configure_train(1, ArrayRecord([W0]), ConfigRecord(), grid))
+        by_node = {m.metadata.dst_node_id: m for m in sent}
+        replies = [_reply(by_node[1], W_A, samples=1, steps=1), _reply(by_node[2], W_B, samples=2, steps=2)]
+        arrays, _ = strategy.aggregate_train(1, replies)
+    grid.close()
+    assert arrays is not None
+    np.testing.assert_allclose(arrays.to_numpy_ndarrays()[0], FEDNOVA, rtol=1e-9)
