@@ -110,7 +110,8 @@ class CapacityModel:
         if not hasattr(self, "hardware_"):
             self.hardware_: dict[int, Hardware] = {}
         for report in reports:
-            self.hardware_[report.worker] = hardware_of(report)
+            if report.worker not in self.hardware_:  # hardware does not change under a running worker
+                self.hardware_[report.worker] = hardware_of(report)
 
     def _with_prior(self, values: Mapping[int, float], workers: Sequence[int]) -> np.ndarray:
         """``values`` per worker, the similar-hardware prior where a worker has none."""

@@ -40,7 +40,10 @@ def fit_hinge(sizes: np.ndarray, times: np.ndarray, valid: np.ndarray) -> tuple[
         base = (s_t - slope * s_z) / np.maximum(s_w, 1.0)
     residual = (t[:, None, :] - base[:, :, None] - slope[:, :, None] * z) * weight[:, None, :]
     sse = (residual ** 2).sum(2)
-    sse[:, 1:] *= 1.0 + 1e-6  # a knee must fit better than the plain line to be chosen
+    smallest = np.where(valid, sizes, np.inf).min(1)
+    # A knee must sit above the smallest size (flat observations exist) and fit clearly better than the line.
+    tolerance = 0.99 * sse[:, :1] - 1e-12 * (t * t).sum(1)[:, None]
+    sse[:, 1:] = np.where((knees[:, 1:] > smallest[:, None]) & (sse[:, 1:] < tolerance), sse[:, 1:], np.inf)
     pick = np.arange(n), np.argmin(sse, axis=1)
     base, knee, slope = np.maximum(base[pick], 1e-9), knees[pick], slope[pick]
     spread = np.where(valid, sizes, -np.inf).max(1) - np.where(valid, sizes, np.inf).min(1)
@@ -121,8 +124,9 @@ class BatchTimeCurve(CapacityModel):
     def predict(self, workers: Sequence[int]) -> np.ndarray:
         """Throughput at each worker's latest batch size, as the curve predicts it."""
         self._check_is_fitted("sizes_")
-        known = {int(w): float(self.sizes_[w, -1] / self._curve([w]).time(self.sizes_[w, -1:])[0])
-                 for w in np.flatnonzero(self.count_ > 0)}
+        seen = np.flatnonzero(self.count_ > 0)
+        latest = self.sizes_[seen, -1]
+        known = dict(zip(seen.tolist(), (latest / self._curve(seen).time(latest)).tolist()))
         return self._with_prior(known, list(workers))
 
     def time_model(self, workers: Sequence[int]) -> HingeTime:

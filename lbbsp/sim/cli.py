@@ -58,10 +58,10 @@ def summarise(runs: dict[str, PolicyRun]) -> dict[str, dict[str, float]]:
 
 def table(scenario: Scenario, summary: dict[str, dict[str, float]]) -> str:
     lines = [f"{scenario.name}: {scenario.config.num_workers} workers, global batch {scenario.config.global_batch}",
-             f"{'policy':<20} {'s/iteration':>12} {'/ oracle':>9} {'idle':>7} {'decide ms':>10}"]
+             f"{'policy':<20} {'s/iteration':>12} {'/ oracle':>9} {'idle':>7} {'decide ms':>10} {'over mem':>9}"]
     for name, s in sorted(summary.items(), key=lambda item: item[1]["vs_oracle"]):
         lines.append(f"{name:<20} {s['mean_iteration_s']:>12.4g} {s['vs_oracle']:>9.3f} "
-                     f"{s['idle_fraction']:>6.1%} {s['decision_ms_mean']:>10.2f}")
+                     f"{s['idle_fraction']:>6.1%} {s['decision_ms_mean']:>10.2f} {s['over_memory_iterations']:>9d}")
     return "\n".join(lines)
 
 

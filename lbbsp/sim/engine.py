@@ -25,13 +25,15 @@ class PolicyRun:
     idle_fraction: list[float] = field(default_factory=list)
     decision_s: list[float] = field(default_factory=list)
     sizes: list[list[int]] = field(default_factory=list)
+    over_memory: int = 0  # iterations in which some worker was given more than its GPU memory holds
 
     def summary(self, oracle_mean_s: float) -> dict[str, float]:
         mean = float(np.mean(self.iteration_s))
         return {"mean_iteration_s": mean, "vs_oracle": mean / oracle_mean_s,
                 "idle_fraction": float(np.mean(self.idle_fraction)),
                 "decision_ms_mean": 1e3 * float(np.mean(self.decision_s)),
-                "decision_ms_p99": 1e3 * float(np.percentile(self.decision_s, 99))}
+                "decision_ms_p99": 1e3 * float(np.percentile(self.decision_s, 99)),
+                "over_memory_iterations": self.over_memory}
 
 
 def standard_policies(scenario: Scenario) -> dict[str, Policy]:
@@ -66,6 +68,7 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int) -
         run.iteration_s.append(iteration_s)
         run.idle_fraction.append(float(np.mean(1.0 - np.minimum(seconds[present], waited_for[-1]) / waited_for[-1])))
         run.sizes.append(sizes.tolist())
+        run.over_memory += int(truth.max_batch is not None and bool((sizes > truth.max_batch).any()))
         samples, compute_s = scenario.measured(sizes, seconds)
         features = scenario.features(k, sizes)
         reports = [Report(config.job, int(i), k, int(samples[i]), float(compute_s[i]), features=features[i],

@@ -148,6 +148,7 @@ class GPUMix(Scenario):
 
     def features(self, iteration: int, sizes: np.ndarray) -> list[dict[str, float]]:
         used = self.fixed_bytes + self.bytes_per_sample * np.asarray(sizes, dtype=float)
+        used = np.minimum(used, self.total_bytes)  # past the cap a real GPU would fail; the engine counts it
         return [{"gpu_mem_used": u, "gpu_mem_free": f, "gpu_util": min(1.0, s / k)}
                 for u, f, s, k in zip(used.tolist(), (self.total_bytes - used).tolist(), list(sizes), self.knee.tolist())]
 

@@ -1,0 +1,97 @@
+"""Prediction benchmark: one-step-ahead MAPE of NARX, EWMA and LastValue on the recorded CPU traces.
+
+Each model is fed a trace one iteration at a time (as a coordinator would) and asked, before each report,
+for that iteration's throughput. The first ``--skip`` iterations (warm-up) are not scored.
+Also provides :func:`decision_time`, the observe + decide time of LB-BSP with each real model, for
+experiments/bench_coordinator.py.
+
+    python experiments/bench_models.py [--traces experiments/traces] [--decision-workers 1024 10000]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import numpy as np
+
+from lbbsp import JobConfig, LBBSPPolicy, Report
+from lbbsp.models import (BatchTimeCurve, CapacityModel, EWMAThroughput, FLClientModel, LastValue,
+                          NARXThroughput)
+from lbbsp.sim.traces import DEFAULT_TRACE_DIR, TRACE_FEATURES, CPUTrace, load_traces
+
+MODELS: dict[str, Callable[[], CapacityModel]] = {
+    "NARX": NARXThroughput, "EWMA": EWMAThroughput, "LastValue": LastValue,
+}
+
+
+def mape(model: CapacityModel, trace: CPUTrace, skip: int) -> float:
+    """Mean absolute percentage error of the one-step-ahead throughput forecast over the trace."""
+    errors = []
+    for k, (throughput, features) in enumerate(zip(trace.throughput, trace.features)):
+        report = Report("bench", 0, k, 1000, 1000.0 / throughput, features=dict(zip(TRACE_FEATURES, features)))
+        if k >= skip:
+            errors.append(abs(model.predict([0])[0] - throughput) / throughput)
+        model.partial_fit([report])
+    return 100.0 * float(np.mean(errors))
+
+
+def decision_time(model_name: str, workers: int, iterations: int = 20, seed: int = 0) -> dict[str, float]:
+    """Observe + decide seconds (median, p99) of LB-BSP with a real model at ``workers`` workers."""
+    rng = np.random.default_rng(seed)
+    model = {"NARX": NARXThroughput, "EWMA": EWMAThroughput, "LastValue": LastValue,
+             "BatchTimeCurve": BatchTimeCurve, "FLClientModel": FLClientModel}[model_name]()
+    policy = LBBSPPolicy(model)
+    config = JobConfig("bench", workers, 64 * workers)
+    speed = rng.lognormal(np.log(1000.0), 0.3, workers)
+    sizes = np.asarray(config.initial_sizes())
+    gpu = model_name == "BatchTimeCurve"
+    spent = []
+    for k in range(iterations):
+        seconds = sizes / (speed * rng.lognormal(0, 0.05, workers))
+        reports = [Report("bench", i, k, int(sizes[i]), float(seconds[i]), device="cuda" if gpu else "cpu",
+                          features=({"gpu_mem_used": 1e9 + 5e7 * sizes[i], "gpu_mem_free": 4e10} if gpu else
+                                    {"cpu_util": 0.5, "proc_cpu": 1.0, "colocated_load": 0.2, "mem_util": 0.4,
+                                     "download_s": 1.0, "upload_s": 1.0} if model_name == "FLClientModel" else
+                                    {"cpu_util": 0.5, "proc_cpu": 1.0, "colocated_load": 0.2, "mem_util": 0.4}))
+                   for i in range(workers)]
+        started = time.perf_counter()
+        policy.observe(reports)
+        sizes = np.asarray(policy.decide(k + 1, tuple(sizes.tolist()), config).sizes)
+        spent.append(time.perf_counter() - started)
+    steady = np.asarray(spent[iterations // 2:])
+    return {"median_ms": 1e3 * float(np.median(steady)), "p99_ms": 1e3 * float(np.percentile(steady, 99))}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--traces", default=str(DEFAULT_TRACE_DIR))
+    parser.add_argument("--skip", type=int, default=50, help="warm-up iterations not scored")
+    parser.add_argument("--decision-workers", type=int, nargs="*", default=[1024, 10000])
+    args = parser.parse_args()
+
+    traces = load_traces(args.traces)
+    print(f"{'trace':<16} {'iterations':>10} " + " ".join(f"{name + ' MAPE%':>15}" for name in MODELS))
+    scores: dict[str, list[float]] = {name: [] for name in MODELS}
+    for trace in traces:
+        row = []
+        for name, factory in MODELS.items():
+            scores[name].append(mape(factory(), trace, args.skip))
+            row.append(f"{scores[name][-1]:>15.2f}")
+        print(f"{trace.name:<16} {trace.throughput.size:>10} " + " ".join(row), flush=True)
+    mean = {name: float(np.mean(v)) for name, v in scores.items()}
+    best_baseline = min(mean["EWMA"], mean["LastValue"])
+    print(f"{'mean':<16} {'':>10} " + " ".join(f"{mean[n]:>15.2f}" for n in MODELS))
+    print(f"NARX vs best baseline: {100 * (1 - mean['NARX'] / best_baseline):+.1f}% lower MAPE (goal: >= 20% lower)")
+    if args.decision_workers:
+        print("\nLB-BSP decision time (observe + decide), steady state:")
+        for workers in args.decision_workers:
+            for name in ("NARX", "EWMA", "LastValue", "BatchTimeCurve", "FLClientModel"):
+                t = decision_time(name, workers, iterations=10 if workers > 2000 else 20)
+                print(f"  {workers:>6} workers  {name:<15} median {t['median_ms']:7.2f} ms   p99 {t['p99_ms']:7.2f} ms",
+                      flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""Capacity models learn known synthetic relations; memory caps hold; cold start gives sane sizes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lbbsp.allocation import HingeTime, allocate
+from lbbsp.models import (AutoCapacityModel, BatchTimeCurve, EWMAThroughput, LastValue, NARXThroughput,
+                          NotFittedError, fit_hinge, worker_kind)
+from lbbsp.policies import LBBSPPolicy
+from lbbsp.config import JobConfig
+from lbbsp.protocol import Report
+
+
+def test_fit_hinge_recovers_a_piecewise_linear_curve_within_1_percent() -> None:
+    sizes = np.array([[8, 16, 24, 48, 64, 96, 128, 160.0]])
+    times = 0.05 + 0.004 * np.maximum(sizes - 24, 0)
+    base, knee, slope = fit_hinge(sizes, times * np.random.default_rng(0).normal(1, 0.002, sizes.shape),
+                                  np.ones_like(sizes, dtype=bool))
+    assert base[0] == pytest.approx(0.05, rel=0.01)
+    assert knee[0] == 24
+    assert slope[0] == pytest.approx(0.004, rel=0.01)
+
+
+def _gpu_reports(iteration: int, sizes: np.ndarray, base: np.ndarray, knee: np.ndarray, speed: np.ndarray,
+                 total: np.ndarray) -> list[Report]:
+    times = base + np.maximum(sizes - knee, 0) / speed
+    used = 1e9 + 1e8 * sizes
+    return [Report("gpu", i, iteration, int(sizes[i]), float(times[i]), device="cuda:0",
+                   features={"gpu_mem_used": float(used[i]), "gpu_mem_free": float(total[i] - used[i])})
+            for i in range(sizes.size)]
+
+
+def test_gpu_curve_balances_hinge_workers_and_never_exceeds_memory() -> None:
+    base, knee, speed = np.array([0.05, 0.05, 0.2]), np.array([32.0, 64.0, 8.0]), np.array([1000.0, 2500.0, 100.0])
+    total = np.array([10e9, 16e9, 16e9])
+    true_cap = np.floor((total - 1e9) / 1e8)  # 90, 150, 150 samples
+    config = JobConfig("gpu", 3, 240)
+    policy = LBBSPPolicy(BatchTimeCurve())
+    sizes = np.asarray(config.initial_sizes())
+    for k in range(30):
+        assert (sizes <= true_cap).all(), f"iteration {k}: {sizes} exceeds the memory caps {true_cap}"
+        policy.observe(_gpu_reports(k, sizes, base, knee, speed, total))
+        sizes = np.asarray(policy.decide(k + 1, tuple(sizes.tolist()), config).sizes)
+    truth = HingeTime(base, knee, 1 / speed, np.full(3, 1e12))
+    safe_cap = np.floor((0.95 * total - 1e9) / 1e8).astype(int)  # the model keeps a 5% memory margin
+    best = allocate(truth, 240, [1] * 3, safe_cap)
+    assert truth.time(sizes).max() <= 1.02 * truth.time(best).max()
+
+
+def test_narx_learns_an_ar_process_with_an_exogenous_driver() -> None:
+    """log x(t+1) = 0.5 log x(t) + 0.5 log x(t-1) - 0.8 u(t) + noise, u a sticky on/off load: NARX must beat
+    LastValue and EWMA by at least 20% MAPE after warm-up."""
+    rng = np.random.default_rng(1)
+    n, workers = 300, 8
+    u = np.zeros((n, workers))
+    for t in range(1, n):
+        u[t] = np.where(rng.random(workers) < 0.1, 1 - u[t - 1], u[t - 1])
+    log_x = np.zeros((n, workers)) + np.log(100)
+    for t in range(2, n):
+        log_x[t] = np.log(100) + 0.5 * (log_x[t - 1] - np.log(100)) + 0.3 * (log_x[t - 2] - np.log(100)) \
+            - 0.8 * u[t - 1] + rng.normal(0, 0.02, workers)
+    models = {"narx": NARXThroughput(warmup=20), "ewma": EWMAThroughput(), "last": LastValue()}
+    errors: dict[str, list[float]] = {m: [] for m in models}
+    for t in range(n):
+        reports = [Report("ar", w, t, 100, 100 / float(np.exp(log_x[t, w])),
+                          features={"colocated_load": float(u[t, w])}) for w in range(workers)]
+        for name, model in models.items():
+            if t > 150:
+                errors[name].extend(np.abs(model.predict(range(workers)) / np.exp(log_x[t]) - 1))
+            model.partial_fit(reports)
+    mape = {name: float(np.mean(e)) for name, e in errors.items()}
+    assert mape["narx"] <= 0.8 * min(mape["ewma"], mape["last"]), mape
+
+
+def test_cold_start_gives_a_new_worker_the_speed_of_similar_hardware() -> None:
+    policy = LBBSPPolicy(EWMAThroughput(), deadband=0)
+    policy.observe([Report("c", 0, 0, 100, 1.0, device="cuda:0", features={"cores": 8.0}),
+                    Report("c", 1, 0, 100, 0.1, device="cpu", features={"cores": 32.0}),
+                    Report("c", 2, 0, 0, 0.0, device="cuda:1", features={"cores": 8.0})])  # announces itself
+    assert policy.model.predict([2])[0] == pytest.approx(100.0)
+    sizes = policy.decide(1, (300, 300, 300), JobConfig("c", 3, 900))
+    assert sizes.sizes[1] > sizes.sizes[0] > 0 and sizes.sizes[2] == sizes.sizes[0]
+
+
+def test_auto_model_picks_per_kind_and_can_be_overridden() -> None:
+    gpu = Report("m", 0, 0, 64, 0.1, device="cuda:0", features={"gpu_mem_used": 2e9, "gpu_mem_free": 1e10})
+    cpu = Report("m", 1, 0, 64, 0.4, features={"cpu_util": 0.5})
+    fl = Report("m", 2, 0, 64, 0.4, features={"download_s": 1.0})
+    assert [worker_kind(r) for r in (gpu, cpu, fl)] == ["gpu", "cpu", "fl"]
+    model = AutoCapacityModel(models={"cpu": LastValue()}, kinds={2: "cpu"}).partial_fit([gpu, cpu, fl])
+    assert isinstance(model.models_["gpu"], BatchTimeCurve) and model.kind_ == {0: "gpu", 1: "cpu", 2: "cpu"}
+    np.testing.assert_allclose(model.predict([0, 1, 2]), [640, 160, 160])
+    sizes = allocate(model.time_model([0, 1, 2]), 300, [1] * 3, [300] * 3)
+    assert sizes.sum() == 300 and sizes[0] > sizes[1]
+
+
+@pytest.mark.parametrize("factory", [LastValue, EWMAThroughput, NARXThroughput, BatchTimeCurve, AutoCapacityModel])
+def test_contract(factory: type) -> None:
+    model = factory()
+    with pytest.raises(NotFittedError):
+        model.predict([0])
+    clone = type(model)(**model.get_params())
+    assert clone.get_params() == model.get_params()
+    model.fit([[Report("c", 0, 0, 10, 0.1)], [Report("c", 0, 1, 10, 0.1)]])
+    assert model.predict([0])[0] == pytest.approx(100.0, rel=0.05)

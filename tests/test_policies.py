@@ -1,0 +1,63 @@
+"""Balancing policies: each returns a valid split and behaves as its paper describes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lbbsp.allocation import LinearTime
+from lbbsp.config import JobConfig
+from lbbsp.errors import ConfigError
+from lbbsp.policies import (BackupWorkersPolicy, BSPPolicy, LBBSPPolicy, LeaderStragglerPolicy, OraclePolicy,
+                            PerEpochPolicy, StaticProportionalPolicy)
+from lbbsp.protocol import Report
+
+SPEEDS = np.array([100.0, 200.0, 400.0, 100.0])
+CONFIG = JobConfig("p", 4, 800)
+
+
+def _reports(k: int, sizes: np.ndarray, speeds: np.ndarray = SPEEDS) -> list[Report]:
+    return [Report("p", i, k, int(s), float(s / v)) for i, (s, v) in enumerate(zip(sizes, speeds))]
+
+
+def _drive(policy, iterations: int, speeds=lambda k: SPEEDS) -> list[np.ndarray]:
+    sizes, history = np.asarray(CONFIG.initial_sizes()), []
+    for k in range(iterations):
+        history.append(sizes)
+        policy.observe(_reports(k, sizes, speeds(k)))
+        if isinstance(policy, OraclePolicy):
+            policy.reveal(LinearTime(speeds(k + 1)))
+        sizes = np.asarray(policy.decide(k + 1, tuple(sizes.tolist()), CONFIG).sizes)
+        assert sizes.sum() == CONFIG.global_batch and (sizes >= 1).all()
+    return history + [sizes]
+
+
+def test_bsp_and_backup_keep_the_equal_split() -> None:
+    assert _drive(BSPPolicy(), 3)[-1].tolist() == [200] * 4
+    assert BackupWorkersPolicy(backups=1).aggregated(4) == 3
+    with pytest.raises(ConfigError):
+        BackupWorkersPolicy(backups=4).aggregated(4)
+
+
+def test_lbbsp_and_oracle_split_in_proportion_to_speed() -> None:
+    assert _drive(LBBSPPolicy(), 3)[-1].tolist() == [100, 200, 400, 100]
+    assert _drive(OraclePolicy(), 1)[-1].tolist() == [100, 200, 400, 100]
+
+
+def test_static_proportional_profiles_once_and_then_ignores_changes() -> None:
+    history = _drive(StaticProportionalPolicy(profile_iterations=2), 6,
+                     speeds=lambda k: SPEEDS if k < 3 else SPEEDS[::-1].copy())
+    assert history[-1].tolist() == [100, 200, 400, 100]
+
+
+def test_per_epoch_changes_only_at_epoch_boundaries() -> None:
+    history = _drive(PerEpochPolicy(iterations_per_epoch=4), 9)
+    changes = [k for k in range(1, len(history)) if (history[k] != history[k - 1]).any()]
+    assert changes and all(k % 4 == 0 for k in changes)
+
+
+def test_leader_straggler_search_converges_and_halves_its_step() -> None:
+    policy = LeaderStragglerPolicy(window=1, initial_step_fraction=0.5)
+    final = _drive(policy, 120)[-1]
+    times = final / SPEEDS
+    assert times.max() / times.min() < 1.3
+    assert policy._step is not None and policy._step < 100  # halved at least once on oscillation

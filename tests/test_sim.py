@@ -1,0 +1,46 @@
+"""The simulator: deterministic under a seed, LB-BSP beats BSP, JSON + PNG written, Redis path identical."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from lbbsp.sim import cli
+from lbbsp.sim.engine import compare, run_policy, standard_policies
+from lbbsp.sim.redis_check import check_through_redis
+from lbbsp.sim.scenarios import CPUContention, FLClients, GPUMix
+from lbbsp.policies import LBBSPPolicy
+
+
+def test_same_seed_same_results_for_every_scenario() -> None:
+    for factory in (CPUContention, GPUMix, FLClients):
+        first = compare(factory(8, 15, seed=3), 15)
+        second = compare(factory(8, 15, seed=3), 15)
+        for name in first:
+            assert first[name].sizes == second[name].sizes
+            assert first[name].iteration_s == second[name].iteration_s
+
+
+def test_lbbsp_is_close_to_the_oracle_and_ahead_of_bsp_on_gpus() -> None:
+    scenario = GPUMix(16, 40, seed=0)
+    runs = compare(scenario, 40, {k: v for k, v in standard_policies(scenario).items()
+                                  if k in ("oracle", "lbbsp", "bsp")})
+    mean = {k: float(np.mean(r.iteration_s[5:])) for k, r in runs.items()}
+    assert mean["lbbsp"] <= 1.05 * mean["oracle"] < mean["bsp"]
+    assert all((np.asarray(s) <= scenario.cap).all() for s in runs["lbbsp"].sizes)  # memory never exceeded
+
+
+def test_cli_writes_json_and_png(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--scenario", "fl-clients", "--workers", "6", "--iterations", "10", "--out", str(tmp_path)])
+    assert cli.run(args) == 0
+    result = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert result["policies"]["oracle"]["vs_oracle"] == 1.0
+    assert next(tmp_path.glob("*.png")).stat().st_size > 0
+
+
+def test_redis_path_decides_exactly_as_in_process() -> None:
+    assert check_through_redis(CPUContention(4, 6, seed=1), 4)["identical"]
