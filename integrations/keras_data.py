@@ -139,7 +139,8 @@ class BalancedSource:
             if not self._changed.wait_for(lambda: iteration in self._vectors or not self._attached,
                                           self.wait_timeout_s):
                 raise LBBSPError(f"no agreed vector after {self.wait_timeout_s:g}s: is LBBSPCallback in "
-                                 "model.fit's callbacks?", job=self.config.job, worker=self.worker,
+                                 "model.fit's callbacks, and fit(shuffle=False) for a PyDataset (batch k must be "
+                                 "step k; the source shuffles by itself)?", job=self.config.job, worker=self.worker,
                                  iteration=iteration)
             return self._vectors.get(iteration) if self._attached else None
 
@@ -229,7 +230,9 @@ class BalancedSource:
         """A ``keras.utils.PyDataset`` (Keras 3) or ``Sequence`` (tf_keras) of this worker's batches.
 
         ``kwargs`` go to ``PyDataset`` (``workers``, ``max_queue_size``); worker threads are fine, worker
-        processes are refused, since sizes are agreed in the training process.
+        processes are refused, since sizes are agreed in the training process. Call ``fit`` with
+        ``shuffle=False``: Keras would otherwise reorder the batches, and batch k must be trained at step k
+        (the source already shuffles samples with its seeded permutation).
         """
         if kwargs.get("use_multiprocessing"):
             raise ConfigError("use_multiprocessing=True is not supported: the agreed size of each batch is only "
@@ -237,19 +240,19 @@ class BalancedSource:
         from .keras import keras_module  # noqa: PLC0415
 
         keras = keras or keras_module()
-        base = getattr(keras.utils, "PyDataset", None) or keras.utils.Sequence
+        has_py_dataset = hasattr(keras.utils, "PyDataset")  # Keras 3; tf_keras has only Sequence
+        base = keras.utils.PyDataset if has_py_dataset else keras.utils.Sequence
         source = self
 
         class BalancedPyDataset(base):  # type: ignore[misc, valid-type]
             """Index k of an epoch is global batch k, cut at the size agreed for its iteration."""
 
             def __init__(self) -> None:
-                if base is keras.utils.Sequence:  # tf_keras: workers are model.fit arguments
-                    if kwargs:
-                        raise ConfigError(f"tf_keras takes {sorted(kwargs)} as model.fit arguments, not here",
-                                          job=source.config.job)
-                else:
+                if has_py_dataset:
                     super().__init__(**kwargs)
+                elif kwargs:  # tf_keras: workers are model.fit arguments
+                    raise ConfigError(f"tf_keras takes {sorted(kwargs)} as model.fit arguments, not here",
+                                      job=source.config.job)
 
             def __len__(self) -> int:
                 return len(source)

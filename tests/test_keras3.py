@@ -1,0 +1,92 @@
+"""Keras 3 single-worker model.fit with the lbbsp callback: trains, reports, serves the agreed sizes."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from lbbsp import JobConfig, Store
+from lbbsp.errors import ConfigError
+
+keras = pytest.importorskip("keras")
+tf = pytest.importorskip("tensorflow")
+
+if keras.__version__.startswith("2") or os.environ.get("TF_USE_LEGACY_KERAS"):
+    pytest.skip("these tests are for Keras 3", allow_module_level=True)
+try:
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+except RuntimeError:  # TF already initialised by another test module
+    pass
+
+from lbbsp.integrations.keras import BalancedSource, LBBSPCallback, WorkerSession  # noqa: E402
+
+
+def _data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, 6)).astype("float32")
+    return x, (x[:, :1] > 0).astype("float32")
+
+
+def _model(steps_per_execution: int = 1):  # type: ignore[no-untyped-def]
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(1, activation="sigmoid")])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="binary_crossentropy",
+                  steps_per_execution=steps_per_execution)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pipeline", ["py_dataset", "tf_dataset"])
+def test_single_worker_fit_trains_and_reports(redis_url: str, job: str, pipeline: str) -> None:
+    config = JobConfig(job, num_workers=1, global_batch=32)
+    x, y = _data()
+    with WorkerSession(config, 0, url=redis_url) as session:
+        source = BalancedSource(x, y, config, 0, seed=1)
+        data = source.py_dataset(workers=2, max_queue_size=8) if pipeline == "py_dataset" else source.tf_dataset()
+        model = _model()
+        callback = LBBSPCallback(session.client, source)
+        history = model.fit(data, epochs=3, steps_per_epoch=len(source), callbacks=[callback], verbose=0,
+                            shuffle=False)
+        session.client.flush()
+        assert session.coordinator is not None
+        decided = session.coordinator.decisions_made
+
+    losses = history.history["loss"]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+    assert callback.iteration == 3 * len(source) == 12
+    served = list(source.served)
+    assert [b.iteration for b in served] == list(range(12))  # every step, once, in order
+    assert [b.size for b in served] == [32, 32, 32, 24] * 3  # the short final batch of 120 = 3 * 32 + 24
+    assert decided >= 11  # the coordinator got every report but the last few in flight
+    with Store.from_url(redis_url, job) as store:
+        assert store.get_assignment(11) is not None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_steps_per_execution_reports_once_per_execution(redis_url: str, job: str) -> None:
+    config = JobConfig(job, num_workers=1, global_batch=32)
+    x, y = _data()
+    with WorkerSession(config, 0, url=redis_url) as session:
+        source = BalancedSource(x, y, config, 0, steps_per_execution=2)
+        callback = LBBSPCallback(session.client, source)
+        _model(2).fit(source.tf_dataset(), epochs=2, steps_per_epoch=len(source), callbacks=[callback], verbose=0)
+    assert callback.iteration == 2 * source.iterations_per_epoch == 4
+    assert [b.iteration for b in source.served] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+@pytest.mark.timeout(120)
+def test_mismatched_schedule_is_refused(redis_url: str, job: str) -> None:
+    config = JobConfig(job, num_workers=1, global_batch=32)
+    x, y = _data()
+    with WorkerSession(config, 0, url=redis_url) as session:
+        source = BalancedSource(x, y, config, 0, steps_per_execution=2)
+        with pytest.raises(ConfigError, match="steps_per_execution"):
+            _model(1).fit(source.tf_dataset(), epochs=1, steps_per_epoch=len(source),
+                          callbacks=[LBBSPCallback(session.client, source)], verbose=0)
+        with pytest.raises(ConfigError, match="use_multiprocessing"):
+            source.py_dataset(workers=2, use_multiprocessing=True)
