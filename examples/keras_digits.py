@@ -1,0 +1,116 @@
+"""Train a small Keras MLP on scikit-learn's digits with LB-BSP.
+
+    python examples/keras_digits.py                 # one worker, Keras 3 (or tf_keras with TF_USE_LEGACY_KERAS=1)
+    python examples/keras_digits.py --workers 2     # two local tf_keras workers under MultiWorkerMirroredStrategy
+
+With ``--workers N`` this script starts N copies of itself (``--index i``) with TF_CONFIG on free localhost
+ports; worker 0 starts the embedded Redis and the coordinator, the others find it from the job name.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=1, help="local worker processes to start")
+    parser.add_argument("--index", type=int, default=None, help="(internal) run as this worker")
+    parser.add_argument("--ports", default="", help="(internal) the workers' localhost ports")
+    parser.add_argument("--job", default=None, help="job name (fresh per run by default)")
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--global-batch", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=128, help="width of the two hidden layers")
+    parser.add_argument("--policy", choices=["lbbsp", "bsp"], default="lbbsp")
+    parser.add_argument("--url", default=None, help="Redis URL (default: embedded on worker 0)")
+    parser.add_argument("--cpu", type=int, default=None, help="pin this worker to one CPU core")
+    parser.add_argument("--result", default=None, help="write this worker's figures as JSON here")
+    return parser.parse_args()
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Start ``args.workers`` local workers of this script and wait for them."""
+    ports = []
+    for _ in range(args.workers):
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            ports.append(str(s.getsockname()[1]))
+    job = args.job or f"digits-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1"}
+    passthrough = [a for a in sys.argv[1:] if not a.startswith("--workers")]
+    if "--workers" in sys.argv:
+        at = sys.argv.index("--workers")
+        passthrough = sys.argv[1:at] + sys.argv[at + 2:]
+    procs = [subprocess.Popen([sys.executable, __file__, *passthrough, "--index", str(i), "--ports", ",".join(ports),
+                               "--job", job], env=env) for i in range(args.workers)]
+    return max(p.wait() for p in procs)
+
+
+def train(args: argparse.Namespace) -> None:
+    """One worker: load digits, build the model, fit with the lbbsp callback and data source."""
+    index = args.index or 0
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
+    if args.ports:
+        os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in args.ports.split(",")]},
+                                              "task": {"type": "worker", "index": index}})
+    import numpy as np
+    import tensorflow as tf
+    from sklearn.datasets import load_digits
+
+    from lbbsp import BSPPolicy, JobConfig, LBBSPPolicy
+    from lbbsp.integrations.keras import BalancedSource, LBBSPCallback, WorkerSession, keras_module
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    keras = keras_module()
+    workers = len(args.ports.split(",")) if args.ports else 1
+    strategy = tf.distribute.MultiWorkerMirroredStrategy() if workers > 1 else tf.distribute.get_strategy()
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype("float32")
+    y = digits.target.astype("int64")
+    config = JobConfig(args.job or f"digits-{uuid.uuid4().hex[:8]}", num_workers=workers,
+                       global_batch=args.global_batch, min_batch=8)
+    policy = LBBSPPolicy() if args.policy == "lbbsp" else BSPPolicy()
+    with WorkerSession(config, index, url=args.url, policy=policy) as session:
+        source = BalancedSource(x, y, config, index, seed=0)
+        with strategy.scope():
+            model = keras.Sequential([keras.layers.Input((64,)),
+                                      keras.layers.Dense(args.hidden, activation="relu"),
+                                      keras.layers.Dense(args.hidden, activation="relu"),
+                                      keras.layers.Dense(10)])
+            model.compile(optimizer=keras.optimizers.Adam(1e-3), metrics=["accuracy"],
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        callback = LBBSPCallback(session.client, source)
+        started = time.perf_counter()
+        history = model.fit(source.tf_dataset(strategy), epochs=args.epochs, steps_per_epoch=len(source),
+                            callbacks=[callback], verbose=2 if index == 0 else 0)
+        elapsed = time.perf_counter() - started
+        trained = sum(b.size for b in source.served)
+        last = [b.sizes for b in source.served][-1]
+        print(f"worker {index}: {trained} samples in {elapsed:.1f}s, last split {last}, "
+              f"final loss {history.history['loss'][-1]:.4f}", flush=True)
+        if args.result:
+            with open(args.result, "w") as out:
+                json.dump({"worker": index, "seconds": elapsed, "samples": trained, "steps": callback.iteration,
+                           "global_samples_per_s": args.global_batch * len(source) * args.epochs / elapsed,
+                           "sizes": [list(b.sizes) for b in source.served]}, out)
+
+
+def main() -> int:
+    args = parse_args()
+    if args.index is None and args.workers > 1:
+        return launch(args)
+    train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

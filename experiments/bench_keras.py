@@ -1,0 +1,97 @@
+"""Plain BSP versus LB-BSP under MultiWorkerMirroredStrategy, with one worker slowed by real co-located load.
+
+    python experiments/bench_keras.py [--epochs 6] [--hidden 512] [--global-batch 256]
+
+Two tf_keras workers train the digits MLP of examples/keras_digits.py, worker 0 pinned to CPU 0 and
+worker 1 to CPU 1, where a busy-loop process (also pinned to CPU 1) takes about half of the core. Both
+modes run the same pipeline (data source, callback, coordinator); "plain" uses BSPPolicy, the equal split,
+"lbbsp" uses LBBSPPolicy. Prints global throughput (samples/s) of each mode and the ratio, and writes
+experiments/results/bench_keras.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "keras_digits.py"
+
+
+def busy_loop(cpu: int) -> None:
+    """Co-located load: spin on one core forever."""
+    os.sched_setaffinity(0, {cpu})
+    while True:
+        pass
+
+
+def free_ports(count: int) -> list[str]:
+    ports = []
+    for _ in range(count):
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            ports.append(str(s.getsockname()[1]))
+    return ports
+
+
+def run_mode(policy: str, args: argparse.Namespace, out: Path) -> dict:
+    """Two workers under MWMS with the busy loop on worker 1's core; returns their figures."""
+    ports = ",".join(free_ports(2))
+    job = f"bench-{policy}-{uuid.uuid4().hex[:6]}"
+    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    load = multiprocessing.Process(target=busy_loop, args=(1,), daemon=True)
+    load.start()
+    try:
+        procs = [subprocess.Popen([sys.executable, str(EXAMPLE), "--index", str(i), "--ports", ports, "--job", job,
+                                   "--cpu", str(i), "--policy", policy, "--epochs", str(args.epochs),
+                                   "--hidden", str(args.hidden), "--global-batch", str(args.global_batch),
+                                   "--result", str(out / f"{policy}{i}.json")], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+        logs = [p.communicate()[0] for p in procs]
+    finally:
+        load.kill()
+        load.join()
+    for proc, log in zip(procs, logs):
+        if proc.returncode != 0:
+            raise SystemExit(f"{policy} worker failed:\n{log[-3000:]}")
+    results = [json.loads((out / f"{policy}{i}.json").read_text()) for i in range(2)]
+    return {"seconds": max(r["seconds"] for r in results),
+            "samples_per_s": min(r["global_samples_per_s"] for r in results),
+            "final_split": results[0]["sizes"][-1], "steps": results[0]["steps"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--global-batch", type=int, default=256)
+    args = parser.parse_args()
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("needs two CPU cores: one per worker")
+    figures = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for policy in ("bsp", "lbbsp"):
+            print(f"[{time.strftime('%H:%M:%S')}] running {policy}: 2 workers, busy loop on worker 1's core ...",
+                  flush=True)
+            figures[policy] = run_mode(policy, args, Path(tmp))
+            f = figures[policy]
+            print(f"  {policy:5s}: {f['samples_per_s']:8.1f} samples/s over {f['steps']} steps "
+                  f"({f['seconds']:.1f}s), final split {f['final_split']}", flush=True)
+    ratio = figures["lbbsp"]["samples_per_s"] / figures["bsp"]["samples_per_s"]
+    print(f"lbbsp / plain BSP throughput: {ratio:.2f}x")
+    results = ROOT / "experiments" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "bench_keras.json").write_text(json.dumps({"args": vars(args), "figures": figures, "ratio": ratio,
+                                                          "time": time.time()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
