@@ -1,0 +1,331 @@
+"""``lbbsp demo``: train one model with plain BSP and then with LB-BSP while real co-located load slows a worker.
+
+It starts an embedded Redis and several real worker processes (torch.distributed, gloo), each pinned to its
+own CPU core. A busy-loop process pinned to the slow worker's core competes with it for that core and is
+switched on and off by step (the same steps in both runs). Both runs go through the same lbbsp code path;
+only the policy differs (equal split, then balanced), so the speedup measures balancing alone, and because
+both see the same global batches their parameters must agree along the whole trajectory.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from lbbsp.errors import ConfigError, LBBSPError
+
+_PR_SET_PDEATHSIG = 1
+
+
+# -- co-located load --------------------------------------------------------------------------------------------
+class ColocatedLoad:
+    """``procs`` busy-loop processes pinned to one core, paused (SIGSTOP) until :meth:`set` switches them on.
+
+    One busy process on a core makes a single-threaded worker pinned there run at about half speed (the
+    kernel shares the core fairly); two make it about a third.
+    """
+
+    def __init__(self, core: int, procs: int) -> None:
+        if procs < 0:
+            raise ConfigError(f"load processes must be non-negative, got {procs}")
+        self.core = core
+        self.on = False
+        self._procs: list[subprocess.Popen[bytes]] = []
+        for _ in range(procs):
+            proc = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=self._pin_and_die_with_parent)
+            os.kill(proc.pid, signal.SIGSTOP)
+            self._procs.append(proc)
+
+    def _pin_and_die_with_parent(self) -> None:
+        os.sched_setaffinity(0, {self.core})
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    def set(self, on: bool) -> None:
+        """Switch the load on or off (a no-op if it already is)."""
+        if on != self.on:
+            for proc in self._procs:
+                os.kill(proc.pid, signal.SIGCONT if on else signal.SIGSTOP)
+            self.on = on
+
+    def close(self) -> None:
+        """Kill the busy processes; safe to call twice."""
+        procs, self._procs = self._procs, []
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        self.on = False
+
+
+def parse_schedule(text: str) -> tuple[tuple[float, float], ...]:
+    """``"0-0.5,0.75-1"`` -> the fractions of the run during which the load is on."""
+    spans = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            lo, hi = (float(v) for v in part.split("-"))
+        except ValueError:
+            raise ConfigError(f"load schedule spans look like 0-0.5, got {part!r}") from None
+        if not 0 <= lo < hi <= 1:
+            raise ConfigError(f"load schedule span {part!r} must satisfy 0 <= start < end <= 1")
+        spans.append((lo, hi))
+    return tuple(spans)
+
+
+def load_on(schedule: tuple[tuple[float, float], ...], step: int, steps: int) -> bool:
+    return any(lo <= step / steps < hi for lo, hi in schedule)
+
+
+def cores_for(workers: int) -> list[int]:
+    """One core per worker, round robin over the cores this process may use."""
+    allowed = sorted(os.sched_getaffinity(0))
+    return [allowed[r % len(allowed)] for r in range(workers)]
+
+
+# -- the training run in each worker ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DemoConfig:
+    """The demo's knobs; validated once in the launcher."""
+
+    workers: int = 2
+    global_batch: int = 512
+    hidden: int = 512
+    steps: int = 120
+    slow_worker: int = 1
+    load_procs: int = 1
+    schedule: tuple[tuple[float, float], ...] = ((0.0, 0.5), (0.75, 1.0))
+    lr: float = 0.05
+    checkpoints: int = 6
+
+    def __post_init__(self) -> None:
+        if self.workers < 2:
+            raise ConfigError(f"the demo needs at least 2 workers, got {self.workers}")
+        if not 0 <= self.slow_worker < self.workers:
+            raise ConfigError(f"slow worker {self.slow_worker} is not one of {self.workers} workers")
+        if self.global_batch < self.workers or self.global_batch > 1797:
+            raise ConfigError(f"global batch must be in [{self.workers}, 1797] (the digits data), "
+                              f"got {self.global_batch}")
+        if self.steps < 10 or self.hidden < 1 or self.load_procs < 0 or not self.lr > 0:
+            raise ConfigError("steps must be at least 10, hidden positive, load processes non-negative, lr positive")
+
+
+def build(hidden: int) -> tuple[Any, Any]:
+    """The digits data set (float64, for a crisp trajectory check) and a seeded MLP."""
+    import torch  # noqa: PLC0415  (torch is imported only by the demo's workers)
+    from sklearn.datasets import load_digits  # noqa: PLC0415
+    from torch.utils.data import TensorDataset  # noqa: PLC0415
+
+    x, y = load_digits(return_X_y=True)
+    data = TensorDataset(torch.tensor(x / 16.0, dtype=torch.float64), torch.tensor(y))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, hidden),
+                                torch.nn.Tanh(), torch.nn.Linear(hidden, 10)).double()
+    return data, model
+
+
+def _worker(rank: int, config: DemoConfig, init: str, url: str, events: Any) -> None:
+    try:
+        _train_both(rank, config, init, url, events)
+    except BaseException:  # the launcher shows it and stops the others
+        events.put(("error", rank, traceback.format_exc()))
+        raise
+
+
+def _train_both(rank: int, config: DemoConfig, init: str, url: str, events: Any) -> None:
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
+
+    from lbbsp.integrations.torch import Balancer  # noqa: PLC0415
+    from lbbsp.policies import BSPPolicy, LBBSPPolicy  # noqa: PLC0415
+
+    os.sched_setaffinity(0, {cores_for(config.workers)[rank]})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=config.workers)
+    load = ColocatedLoad(cores_for(config.workers)[config.slow_worker], config.load_procs) if rank == 0 else None
+    every = max(config.steps // config.checkpoints, 1)
+    reference: dict[int, Any] = {}
+    try:
+        for phase, policy in (("BSP", BSPPolicy()), ("LB-BSP", LBBSPPolicy())):
+            data, model = build(config.hidden)
+            model = DDP(model)
+            lb = Balancer.from_env(config.global_batch, redis=url, policy=policy)
+            lb.attach(model)
+            loader = lb.loader(data, seed=0, drop_last=True)
+            opt = torch.optim.SGD(model.parameters(), lr=config.lr)
+            drift = 0.0
+            dist.barrier()
+            started = time.perf_counter()
+            step = 0
+            while step < config.steps:
+                loader.set_epoch(step // len(loader))
+                for x, y in loader:
+                    if load is not None:
+                        load.set(load_on(config.schedule, step, config.steps))
+                    began = time.perf_counter()
+                    F.cross_entropy(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    report = lb.last_report
+                    events.put(("step", phase, rank, step, lb.step.samples, report.compute_s if report else None,
+                                time.perf_counter() - began, bool(load and load.on)))
+                    step += 1
+                    if rank == 0 and (step % every == 0 or step == config.steps):
+                        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+                        if phase == "BSP":
+                            reference[step] = flat
+                        else:
+                            drift = max(drift, float((flat - reference[step]).norm() / reference[step].norm()))
+                    if step == config.steps:
+                        break
+            lb.close()
+            if rank == 0:
+                events.put(("phase", phase, time.perf_counter() - started, drift, len(reference)))
+    finally:
+        if load is not None:
+            load.close()
+        dist.destroy_process_group()
+
+
+# -- the launcher and its live table ----------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=2, help="worker processes, each pinned to a core")
+    parser.add_argument("--global-batch", type=int, default=512, help="global batch B (kept in both runs)")
+    parser.add_argument("--hidden", type=int, default=512, help="MLP width: the compute per sample")
+    parser.add_argument("--steps", type=int, default=120, help="training steps per run")
+    parser.add_argument("--slow-worker", type=int, default=1, help="the worker whose core gets the load")
+    parser.add_argument("--load-procs", type=int, default=1,
+                        help="busy processes on the slow worker's core (1: about 2x slower, 2: about 3x)")
+    parser.add_argument("--load-schedule", default="0-0.5,0.75-1",
+                        help="fractions of the run with the load on, e.g. 0-0.5,0.75-1")
+    parser.add_argument("--redis", default=None, help="Redis URL; default: an embedded redis-server")
+
+
+def run(args: argparse.Namespace) -> int:
+    import multiprocessing as mp  # noqa: PLC0415
+
+    from rich.console import Console  # noqa: PLC0415
+    from rich.live import Live  # noqa: PLC0415
+
+    from lbbsp.embedded import EmbeddedRedis  # noqa: PLC0415
+
+    config = DemoConfig(workers=args.workers, global_batch=args.global_batch, hidden=args.hidden,
+                        steps=args.steps, slow_worker=args.slow_worker, load_procs=args.load_procs,
+                        schedule=parse_schedule(args.load_schedule))
+    console = Console()
+    cores = cores_for(config.workers)
+    console.print(f"[bold]lbbsp demo[/]: {config.workers} gloo workers on cores {cores}, global batch "
+                  f"{config.global_batch}, {config.steps} steps per run; {config.load_procs} busy process(es) on "
+                  f"core {cores[config.slow_worker]} (worker {config.slow_worker}) during {args.load_schedule} "
+                  "of each run")
+    server = EmbeddedRedis() if args.redis is None else None
+    url = args.redis or server.url  # type: ignore[union-attr]
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    view = _View(config, cores)
+    with tempfile.TemporaryDirectory(prefix="lbbsp-demo-") as tmp:
+        procs = [ctx.Process(target=_worker, args=(r, config, os.path.join(tmp, "rdv"), url, events), daemon=True)
+                 for r in range(config.workers)]
+        for proc in procs:
+            proc.start()
+        try:
+            live = Live(view.table(), console=console, refresh_per_second=4) if console.is_terminal else None
+            with live or contextlib.nullcontext():
+                while len(view.phases) < 2:
+                    try:
+                        event = events.get(timeout=0.5)
+                    except queue.Empty:
+                        if any(p.exitcode not in (None, 0) for p in procs):
+                            raise LBBSPError("a demo worker died; see its output above") from None
+                        continue
+                    if event[0] == "error":
+                        raise LBBSPError(f"demo worker {event[1]} failed:\n{event[2]}")
+                    view.update(event)
+                    if live is not None:
+                        live.update(view.table())
+                    elif (line := view.progress_line(event)) is not None:
+                        console.print(line)
+            for proc in procs:
+                proc.join(30)
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.terminate()
+            if server is not None:
+                server.close()
+    return view.summary(console)
+
+
+class _View:
+    """The live per-worker table and the closing summary, fed by the workers' events."""
+
+    def __init__(self, config: DemoConfig, cores: list[int]) -> None:
+        self.config = config
+        self.cores = cores
+        self.phase = "BSP"
+        self.step = 0
+        self.rows: dict[int, tuple[int, float | None, bool]] = {}
+        self.load = False
+        self.phases: dict[str, tuple[float, float, int]] = {}
+
+    def update(self, event: tuple[Any, ...]) -> None:
+        if event[0] == "step":
+            _, self.phase, rank, step, samples, compute_s, _, load = event
+            self.rows[rank] = (samples, compute_s, False)
+            if rank == 0:
+                self.step, self.load = step, load
+        elif event[0] == "phase":
+            _, phase, seconds, drift, checkpoints = event
+            self.phases[phase] = (seconds, drift, checkpoints)
+
+    def table(self) -> Any:
+        from rich.table import Table  # noqa: PLC0415
+
+        table = Table(title=f"{self.phase}: step {self.step + 1}/{self.config.steps}, load "
+                            f"{'ON' if self.load else 'off'} on worker {self.config.slow_worker}")
+        for column in ("worker", "core", "load", "batch", "compute ms", "samples/s"):
+            table.add_column(column, justify="right")
+        for rank in sorted(self.rows):
+            samples, compute_s, _ = self.rows[rank]
+            loaded = self.load and rank == self.config.slow_worker
+            table.add_row(str(rank), str(self.cores[rank]), "busy" if loaded else "-", str(samples),
+                          f"{compute_s * 1e3:.1f}" if compute_s else "-",
+                          f"{samples / compute_s:.0f}" if compute_s else "-")
+        return table
+
+    def progress_line(self, event: tuple[Any, ...]) -> str | None:
+        """Without a terminal: one line per tenth of each run."""
+        if event[0] != "step" or event[2] != self.config.workers - 1:
+            return None
+        if (event[3] + 1) % max(self.config.steps // 10, 1):
+            return None
+        cells = ", ".join(f"w{r}: {s} @ {c * 1e3:.0f} ms" if c else f"w{r}: {s}"
+                          for r, (s, c, _) in sorted(self.rows.items()))
+        return f"{self.phase:>6} step {event[3] + 1:4d}/{self.config.steps}  load {'ON ' if self.load else 'off'}  {cells}"
+
+    def summary(self, console: Any) -> int:
+        from rich.table import Table  # noqa: PLC0415
+
+        samples = self.config.steps * self.config.global_batch
+        table = Table(title="BSP vs LB-BSP (same model, same global batches)")
+        for column in ("run", "seconds", "samples/s"):
+            table.add_column(column, justify="right")
+        for phase, (seconds, _, _) in self.phases.items():
+            table.add_row(phase, f"{seconds:.2f}", f"{samples / seconds:.0f}")
+        console.print(table)
+        bsp, lb = self.phases["BSP"][0], self.phases["LB-BSP"][0]
+        drift, checkpoints = self.phases["LB-BSP"][1], self.phases["LB-BSP"][2]
+        console.print(f"speedup of LB-BSP over BSP: [bold]{bsp / lb:.2f}x[/]")
+        match = drift <= 1e-9
+        console.print(f"parameter trajectories: max relative difference {drift:.2e} over {checkpoints} checkpoints "
+                      f"-> {'[green]match[/]' if match else '[red]DIFFER[/]'}")
+        return 0 if match else 1
