@@ -1,0 +1,97 @@
+"""FedAvg with a fixed batch against the lbbsp plugin, on the same emulated heterogeneous Flower clients.
+
+    python experiments/bench_flower.py [--clients 12] [--rounds 15] [--target 0.88]
+
+One run trains the flower_digits example three times from the same start: standard FedAvg (every client
+batch 32 x 5 local steps, weighted by client data size as FedAvg usually is), lbbsp weighting by samples
+processed, and lbbsp weighting by data size. It prints the mean round time, the time to reach the target
+test accuracy, and lbbsp / FedAvg ratios, and writes them to experiments/results/bench_flower.json.
+
+The clients are emulated (see examples/flower_digits/flower_digits/task.py): compute speed and link
+bandwidths differ per client, and each client sleeps its emulated compute and transfer times, so the
+times below are emulated times measured with a real clock. The rounds run on lbbsp's LocalGrid, which
+drives Flower's Strategy.start and ClientApp in one process (Flower's simulation engine needs Ray; a real
+SuperLink/SuperNode run spawns a process per client per round, whose start-up would swamp the emulated
+times on this machine). The real deployment path is exercised by tests/test_flower_deployment.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "flower_digits"))
+
+from flower_digits import client_app, server_app  # noqa: E402
+
+from lbbsp import EmbeddedRedis  # noqa: E402
+from lbbsp.integrations.flower import ClientHistory  # noqa: E402
+from lbbsp.integrations.flower_local import LocalGrid  # noqa: E402
+
+RUNS = (("fedavg", "data"), ("lbbsp", "samples"), ("lbbsp", "data"))
+
+
+def run_one(mode: str, weight_by: str, clients: int, rounds: int, redis_url: str) -> list[dict[str, float]]:
+    cfg = {"num-server-rounds": rounds, "num-clients": clients, "mode": mode, "adapt": "batch", "batch-size": 32,
+           "local-steps": 5, "min-size": 8, "weight-by": weight_by, "deadline-slack": 0.0, "lr": 0.5, "alpha": 0.5,
+           "seed": 0, "emulate": True, "round-timeout": 120.0}
+    grid = LocalGrid(client_app.app, [{"partition-id": i, "num-partitions": clients} for i in range(clients)],
+                     run_config=cfg)
+    history = ClientHistory.from_url(redis_url, f"bench-{uuid.uuid4().hex[:8]}") if mode == "lbbsp" else None
+    try:
+        return server_app.run(grid, cfg, history)["rounds"]  # type: ignore[return-value]
+    finally:
+        grid.close()
+        if history is not None:
+            history.close()
+
+
+def summarise(rows: list[dict[str, float]], target: float) -> dict[str, float | None]:
+    elapsed = np.array([r["elapsed_s"] for r in rows])
+    reached = [r["elapsed_s"] for r in rows if r["accuracy"] >= target]
+    return {"mean_round_s": float(np.diff(elapsed).mean()), "time_to_target_s": reached[0] if reached else None,
+            "rounds_to_target": next((r["round"] for r in rows if r["accuracy"] >= target), None),
+            "final_accuracy": rows[-1]["accuracy"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--target", type=float, default=0.88)
+    args = parser.parse_args()
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    results: dict[str, dict[str, object]] = {}
+    with EmbeddedRedis() as redis:
+        for mode, weight_by in RUNS:
+            name = f"{mode} (weight by {weight_by})"
+            print(f"-- {name}: {args.clients} emulated clients, {args.rounds} rounds", flush=True)
+            rows = run_one(mode, weight_by, args.clients, args.rounds, redis.url)
+            for row in rows[1:]:
+                print(f"   round {row['round']:3d}  accuracy {row['accuracy']:.3f}  elapsed {row['elapsed_s']:7.2f}s")
+            results[name] = {**summarise(rows, args.target), "rounds": rows}
+    base = results["fedavg (weight by data)"]
+    print(f"\nemulated times; target test accuracy {args.target}")
+    print(f"{'run':32s} {'mean round s':>12s} {'to target s':>12s} {'rounds':>7s} {'final acc':>9s}"
+          f" {'round ratio':>11s} {'target ratio':>12s}")
+    for name, res in results.items():
+        ttt, base_ttt = res["time_to_target_s"], base["time_to_target_s"]
+        ratio_t = f"{ttt / base_ttt:.3f}" if ttt is not None and base_ttt else "n/a"
+        print(f"{name:32s} {res['mean_round_s']:12.2f} {ttt if ttt is None else round(ttt, 2)!s:>12s} "
+              f"{res['rounds_to_target']!s:>7s} {res['final_accuracy']:9.3f} "
+              f"{res['mean_round_s'] / base['mean_round_s']:11.3f} {ratio_t:>12s}")
+    out = ROOT / "experiments" / "results" / "bench_flower.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"clients": args.clients, "rounds": args.rounds, "target": args.target,
+                               "emulated": True, "runs": results}, indent=1))
+    print(f"written to {out.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
