@@ -117,7 +117,6 @@ class LoadBalanced(Strategy):
         self.weight_by = weight_by
         self.model = model if model is not None else FLClientModel(local_steps)
         self.weighted_by_key: str = getattr(strategy, "weighted_by_key", "num-examples")
-        self.arrayrecord_key: str = getattr(strategy, "arrayrecord_key", "arrays")
         self.configrecord_key: str = getattr(strategy, "configrecord_key", "config")
         self._pending: dict[int, _Round] = {}
         stored = history.rounds()
@@ -184,7 +183,7 @@ class LoadBalanced(Strategy):
         for message in replies:
             node = message.metadata.src_node_id
             worker = workers.get(node)
-            reason = message.error.reason if message.has_error() else ""
+            reason = (message.error.reason or "error reply") if message.has_error() else ""
             if not reason:
                 try:
                     metrics = next(iter(message.content.metric_records.values()), MetricRecord())
