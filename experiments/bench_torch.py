@@ -1,0 +1,181 @@
+"""Plain DDP vs lbbsp on real gloo workers with real co-located load (prints figures; not a timed test).
+
+    python experiments/bench_torch.py [--steps 60] [--hidden 512] [--global-batch 512]
+
+Two workers, each pinned to its own core; busy-loop processes pinned to worker 1's core slow it down.
+(a) static load: 1 busy process (about 2x slower) and 2 (about 3x), with the oracle split, profiled under
+the same load, run as a fixed split for reference. (b) fluctuating load: 0, 1 or 2 busy processes,
+changing every few steps by a seeded schedule. Every run sees the same global batches, so plain DDP and
+lbbsp must end with the same parameters. Figures go to stdout and to experiments/results/bench_torch.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+
+from lbbsp import EmbeddedRedis, GlobalBatchSampler, JobConfig, LBBSPPolicy, LinearTime, Policy, allocate, equal_split
+from lbbsp.integrations.demo import ColocatedLoad, build, cores_for
+from lbbsp.integrations.torch import Balancer
+from lbbsp.policies import Decision
+
+WORLD = 2
+SLOW = 1
+
+
+class FixedSplit(Policy):
+    """The oracle of case (a): one split, known in advance, for every iteration."""
+
+    name = "oracle"
+
+    def __init__(self, sizes: tuple[int, ...]) -> None:
+        self.sizes = sizes
+
+    def decide(self, iteration: int, current: Any, config: JobConfig) -> Decision:
+        return Decision(self.sizes, "oracle split from profiled speeds")
+
+
+def load_level(case: str, step: int) -> int:
+    """Busy processes on the slow core at ``step``: fixed in (a), a seeded walk over 0-2 in (b)."""
+    if case == "a2x":
+        return 1
+    if case == "a3x":
+        return 2
+    return int(np.random.default_rng([7, step // 8]).integers(0, 3))
+
+
+def profile_split(model: torch.nn.Module, data: Any, global_batch: int) -> tuple[int, ...]:
+    """Each rank's throughput on half a global batch under the current load; the min-max split of B."""
+    x, y = data[torch.arange(global_batch // 2)]
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        F.cross_entropy(model(x), y).backward()
+        times.append(time.perf_counter() - started)
+    model.zero_grad()
+    speed = torch.tensor([len(x) / float(np.median(times))], dtype=torch.float64)
+    speeds = [torch.zeros_like(speed) for _ in range(WORLD)]
+    dist.all_gather(speeds, speed)
+    sizes = allocate(LinearTime(np.array([float(s) for s in speeds])), global_batch, [1] * WORLD,
+                     [global_batch] * WORLD)
+    return tuple(int(s) for s in sizes)
+
+
+def train(mode: str, case: str, args: argparse.Namespace, url: str, loads: list[ColocatedLoad] | None,
+          oracle: tuple[int, ...] | None = None) -> tuple[float, torch.Tensor]:
+    """One run; returns (seconds, final flat parameters)."""
+    rank = dist.get_rank()
+    data, model = build(args.hidden)
+    model = DDP(model)
+    if mode == "ddp":  # plain DDP: equal split of the same global batches, DDP's own mean
+        sampler = GlobalBatchSampler(len(data), args.global_batch, seed=0, drop_last=True)
+        split = equal_split(args.global_batch, WORLD)
+        plan = [sampler.worker_indices(k, split, rank).tolist() for k in range(len(sampler))]
+        loader: Any = DataLoader(data, batch_sampler=plan)
+        lb = None
+    else:
+        lb = Balancer.from_env(args.global_batch, redis=url,
+                               policy=LBBSPPolicy() if mode == "lbbsp" else FixedSplit(oracle or ()))
+        lb.attach(model)
+        loader = lb.loader(data, seed=0, drop_last=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    dist.barrier()
+    started = time.perf_counter()
+    step = 0
+    while step < args.steps:
+        for x, y in loader:
+            if loads is not None:
+                level = load_level(case, step)
+                for i, load in enumerate(loads):
+                    load.set(i < level)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            if step == args.steps:
+                break
+    dist.barrier()
+    seconds = time.perf_counter() - started
+    if lb is not None:
+        lb.close()
+    return seconds, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _worker(rank: int, args: argparse.Namespace, init: str, url: str, out: str) -> None:
+    os.sched_setaffinity(0, {cores_for(WORLD)[rank]})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD)
+    loads = [ColocatedLoad(cores_for(WORLD)[SLOW], 1) for _ in range(2)] if rank == 0 else None
+    results = []
+    try:
+        for case in ("a2x", "a3x", "b"):
+            oracle = None
+            if case != "b":
+                if loads is not None:
+                    for i, load in enumerate(loads):
+                        load.set(i < load_level(case, 0))
+                data, model = build(args.hidden)
+                oracle = profile_split(model, data, args.global_batch)
+            ddp_s, ddp_params = train("ddp", case, args, url, loads)
+            lb_s, lb_params = train("lbbsp", case, args, url, loads)
+            oracle_s = train("oracle", case, args, url, loads, oracle)[0] if oracle else None
+            samples = args.steps * args.global_batch
+            results.append({
+                "case": case, "ddp_samples_per_s": samples / ddp_s, "lbbsp_samples_per_s": samples / lb_s,
+                "ratio": ddp_s / lb_s, "oracle_split": oracle,
+                "oracle_samples_per_s": samples / oracle_s if oracle_s else None,
+                "lbbsp_vs_oracle": oracle_s / lb_s if oracle_s else None,
+                "param_rel_diff": float((lb_params - ddp_params).norm() / ddp_params.norm()),
+            })
+            if rank == 0:
+                print(f"  done: {case}", flush=True)
+    finally:
+        if loads is not None:
+            for load in loads:
+                load.close()
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60, help="training steps per run")
+    parser.add_argument("--hidden", type=int, default=512, help="MLP width (compute per sample)")
+    parser.add_argument("--global-batch", type=int, default=512)
+    args = parser.parse_args()
+    print(f"bench_torch: {WORLD} gloo workers on cores {cores_for(WORLD)}, load on worker {SLOW}'s core; "
+          f"{args.steps} steps x global batch {args.global_batch}, MLP width {args.hidden} (float64)", flush=True)
+    results_dir = Path(__file__).resolve().parent / "results"
+    results_dir.mkdir(exist_ok=True)
+    out = results_dir / "bench_torch.json"
+    with EmbeddedRedis() as server, tempfile.TemporaryDirectory(prefix="lbbsp-bench-") as tmp:
+        mp.spawn(_worker, args=(args, os.path.join(tmp, "rdv"), server.url, str(out)), nprocs=WORLD, join=True)
+    results = json.loads(out.read_text())
+    print(f"\n{'case':<6}{'DDP /s':>10}{'lbbsp /s':>10}{'lbbsp/DDP':>11}{'oracle /s':>11}{'lbbsp/oracle':>14}"
+          f"{'oracle split':>14}{'param diff':>12}")
+    for r in results:
+        oracle = f"{r['oracle_samples_per_s']:.0f}" if r["oracle_samples_per_s"] else "-"
+        versus = f"{r['lbbsp_vs_oracle']:.2f}" if r["lbbsp_vs_oracle"] else "-"
+        split = "/".join(map(str, r["oracle_split"])) if r["oracle_split"] else "-"
+        print(f"{r['case']:<6}{r['ddp_samples_per_s']:>10.0f}{r['lbbsp_samples_per_s']:>10.0f}{r['ratio']:>11.2f}"
+              f"{oracle:>11}{versus:>14}{split:>14}{r['param_rel_diff']:>12.1e}")
+    print(f"\nwritten to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
