@@ -42,7 +42,8 @@ class ColocatedLoad:
         self.on = False
         self._procs: list[subprocess.Popen[bytes]] = []
         for _ in range(procs):
-            proc = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=self._pin_and_die_with_parent)
+            proc = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                    preexec_fn=self._pin_and_die_with_parent)
             os.kill(proc.pid, signal.SIGSTOP)
             self._procs.append(proc)
 
@@ -171,13 +172,12 @@ def _train_both(rank: int, config: DemoConfig, init: str, url: str, events: Any)
                 for x, y in loader:
                     if load is not None:
                         load.set(load_on(config.schedule, step, config.steps))
-                    began = time.perf_counter()
                     F.cross_entropy(model(x), y).backward()
                     opt.step()
                     opt.zero_grad()
                     report = lb.last_report
                     events.put(("step", phase, rank, step, lb.step.samples, report.compute_s if report else None,
-                                time.perf_counter() - began, bool(load and load.on)))
+                                bool(load and load.on)))
                     step += 1
                     if rank == 0 and (step % every == 0 or step == config.steps):
                         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -273,14 +273,14 @@ class _View:
         self.cores = cores
         self.phase = "BSP"
         self.step = 0
-        self.rows: dict[int, tuple[int, float | None, bool]] = {}
+        self.rows: dict[int, tuple[int, float | None]] = {}
         self.load = False
         self.phases: dict[str, tuple[float, float, int]] = {}
 
     def update(self, event: tuple[Any, ...]) -> None:
         if event[0] == "step":
-            _, self.phase, rank, step, samples, compute_s, _, load = event
-            self.rows[rank] = (samples, compute_s, False)
+            _, self.phase, rank, step, samples, compute_s, load = event
+            self.rows[rank] = (samples, compute_s)
             if rank == 0:
                 self.step, self.load = step, load
         elif event[0] == "phase":
@@ -295,7 +295,7 @@ class _View:
         for column in ("worker", "core", "load", "batch", "compute ms", "samples/s"):
             table.add_column(column, justify="right")
         for rank in sorted(self.rows):
-            samples, compute_s, _ = self.rows[rank]
+            samples, compute_s = self.rows[rank]
             loaded = self.load and rank == self.config.slow_worker
             table.add_row(str(rank), str(self.cores[rank]), "busy" if loaded else "-", str(samples),
                           f"{compute_s * 1e3:.1f}" if compute_s else "-",
@@ -309,8 +309,9 @@ class _View:
         if (event[3] + 1) % max(self.config.steps // 10, 1):
             return None
         cells = ", ".join(f"w{r}: {s} @ {c * 1e3:.0f} ms" if c else f"w{r}: {s}"
-                          for r, (s, c, _) in sorted(self.rows.items()))
-        return f"{self.phase:>6} step {event[3] + 1:4d}/{self.config.steps}  load {'ON ' if self.load else 'off'}  {cells}"
+                          for r, (s, c) in sorted(self.rows.items()))
+        load = "ON " if self.load else "off"
+        return f"{self.phase:>6} step {event[3] + 1:4d}/{self.config.steps}  load {load}  {cells}"
 
     def summary(self, console: Any) -> int:
         from rich.table import Table  # noqa: PLC0415

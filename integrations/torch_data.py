@@ -58,8 +58,9 @@ class BalancedLoader:
                               "and set the global batch on the Balancer")
         self.dataset = dataset
         self.balancer = balancer
-        self.sampler = GlobalBatchSampler(len(dataset), balancer.config.global_batch, seed=seed,  # type: ignore[arg-type]
-                                          shuffle=shuffle, drop_last=drop_last)
+        size = len(dataset)  # type: ignore[arg-type]
+        self.sampler = GlobalBatchSampler(size, balancer.config.global_batch, seed=seed, shuffle=shuffle,
+                                          drop_last=drop_last)
         self._plan = PlannedBatch()
         workers = int(dataloader_kwargs.get("num_workers", 0))
         self._loader = DataLoader(dataset, batch_sampler=self._plan, persistent_workers=workers > 0,
