@@ -17,7 +17,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.nn.functional import all_reduce  # noqa: E402
@@ -26,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from lbbsp import ConfigError, EmbeddedRedis, GlobalBatchSampler  # noqa: E402
 from lbbsp.integrations.torch import Balancer, BatchNormWarning, batch_norm_layers  # noqa: E402
 from lbbsp.integrations.torch_grad import check_batch_norm  # noqa: E402
-from test_torch_exact import SEED, ChangingSplit, digits  # noqa: E402
+from test_torch_exact import SEED, ChangingSplit, digits, spawn  # noqa: E402
 
 GLOBAL_BATCH = 150
 
@@ -85,8 +84,8 @@ def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> N
 @pytest.mark.timeout(180)
 def test_batch_norm_warning_and_synchronised_batch_norm_exact(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
     url = os.environ.get("LBBSP_TEST_REDIS_URL", redis_server.url)
-    mp.spawn(_worker, args=(2, str(tmp_path / "rdv"), url, f"test-{uuid.uuid4().hex[:10]}", str(tmp_path)),
-             nprocs=2, join=True)
+    spawn(_worker, (2, str(tmp_path / "rdv"), url, f"test-{uuid.uuid4().hex[:10]}", str(tmp_path)), nprocs=2,
+          timeout_s=150)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for result in results:
         assert len(result["plain_warnings"]) <= 1

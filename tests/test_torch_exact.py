@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -99,13 +100,28 @@ def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> N
     dist.destroy_process_group()
 
 
+def spawn(fn, args: tuple, nprocs: int, timeout_s: float) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; kill them all if they overrun or one fails."""
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{nprocs} ranks did not finish within {timeout_s}s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, redis_server: EmbeddedRedis) -> list[dict]:
     """One run of 3 gloo ranks that trains every mode in turn (process start-up is the slow part)."""
     tmp = tmp_path_factory.mktemp("exact")
     url = os.environ.get("LBBSP_TEST_REDIS_URL", redis_server.url)
     job = f"test-{uuid.uuid4().hex[:10]}"
-    mp.spawn(_worker, args=(3, str(tmp / "rdv"), url, job, str(tmp)), nprocs=3, join=True)
+    spawn(_worker, (3, str(tmp / "rdv"), url, job, str(tmp)), nprocs=3, timeout_s=200)
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(3)]
 
 
