@@ -1,10 +1,11 @@
 """What lbbsp adds to an iteration's critical path, and how long one decision takes at scale.
 
-Critical path: N worker processes meet at a barrier (standing in for the gradient all-reduce), each sends
-its report and fetches the next assignment from a real local redis-server, while the coordinator runs in
-this process. Added time per iteration = from the last worker's report to the moment the last worker holds
-the next vector. Decision time: the policy's prediction + allocation, and the whole coordinator step with
-Redis I/O and validation, for 1,024 and 10,000 workers.
+Critical path: N worker processes 'compute' (sleep --compute-ms), send their report, meet at a barrier
+(standing in for the gradient all-reduce) and fetch the next assignment from a real local redis-server,
+while the coordinator runs in this process. Added time = the report call plus the wait for the next vector
+after the barrier, for the slowest worker of each iteration. With lag 2 (the default) the decision overlaps
+the next iteration; with lag 1 it does not. The floor row does one plain Redis GET instead. Decision time:
+the policy's prediction + allocation, and the whole coordinator step with Redis I/O and validation.
 
     python experiments/bench_coordinator.py [--iterations 200] [--workers 4 16 64]
 """
@@ -21,30 +22,37 @@ from lbbsp import Coordinator, EmbeddedRedis, JobConfig, LBBSPPolicy, Report, St
 FORK = mp.get_context("fork")
 
 
-def _worker(url: str, config_json: str, worker: int, iterations: int, barrier, times) -> None:  # type: ignore[no-untyped-def]
+def _worker(url: str, config_json: str, worker: int, iterations: int, compute_s: float, floor: bool,  # type: ignore[no-untyped-def]
+            barrier, times) -> None:
     config = JobConfig.from_json(config_json)
     client = WorkerClient(Store.from_url(url, config.job), config, worker)
     rng = np.random.default_rng(worker)
     speed = 1000.0 * (1 + worker % 4)
     sizes = client.assignment(0).sizes
     for k in range(iterations):
-        barrier.wait()  # everyone has computed iteration k: the all-reduce
+        time.sleep(compute_s)  # the forward and backward pass of iteration k
+        started = time.perf_counter()
+        if not floor:
+            client.report(k, sizes[worker], sizes[worker] / speed * rng.uniform(0.9, 1.1))
         reported = time.perf_counter()
-        client.report(k, sizes[worker], sizes[worker] / speed * rng.uniform(0.9, 1.1))
-        sizes = client.assignment(k + 1).sizes
-        done = time.perf_counter()
-        times[(k * config.num_workers + worker) * 2] = reported
-        times[(k * config.num_workers + worker) * 2 + 1] = done
+        barrier.wait()  # the gradient all-reduce: BSP would go on from here
+        released = time.perf_counter()
+        if floor:  # what one Redis read costs here, with no lbbsp logic at all
+            client.store.client.get(client.store.key("assign", 0))
+        else:
+            sizes = client.assignment(k + 1).sizes
+        times[k * config.num_workers + worker] = (reported - started) + (time.perf_counter() - released)
     client.close()
 
 
-def critical_path(url: str, workers: int, iterations: int) -> np.ndarray:
-    config = JobConfig(f"bench-{workers}-{time.time_ns()}", workers, 64 * workers, assignment_timeout_s=10.0)
+def critical_path(url: str, workers: int, iterations: int, lag: int, compute_s: float, floor: bool = False) -> np.ndarray:
+    config = JobConfig(f"bench-{workers}-{time.time_ns()}", workers, 64 * workers, assignment_timeout_s=10.0,
+                       lag=lag)
     store = Store.from_url(url, config.job)
     coordinator = Coordinator(store, config).start()
     barrier = FORK.Barrier(workers)
-    times = FORK.Array("d", iterations * workers * 2, lock=False)
-    procs = [FORK.Process(target=_worker, args=(url, config.to_json(), i, iterations, barrier, times))
+    times = FORK.Array("d", iterations * workers, lock=False)
+    procs = [FORK.Process(target=_worker, args=(url, config.to_json(), i, iterations, compute_s, floor, barrier, times))
              for i in range(workers)]
     for p in procs:
         p.start()
@@ -52,8 +60,8 @@ def critical_path(url: str, workers: int, iterations: int) -> np.ndarray:
         p.join()
     coordinator.stop()
     store.close()
-    stamps = np.frombuffer(times, dtype=float).reshape(iterations, workers, 2)
-    return (stamps[:, :, 1].max(axis=1) - stamps[:, :, 0].max(axis=1))[5:]  # skip warm-up
+    added = np.frombuffer(times, dtype=float).reshape(iterations, workers)
+    return added.max(axis=1)[5:]  # the slowest worker's added time, per iteration; skip warm-up
 
 
 def decision_times(url: str, workers: int, repeats: int) -> tuple[np.ndarray, np.ndarray]:
@@ -92,6 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--workers", type=int, nargs="+", default=[4, 16, 64])
+    parser.add_argument("--compute-ms", type=float, default=20.0, help="emulated compute per iteration")
     parser.add_argument("--decision-workers", type=int, nargs="+", default=[1024, 10_000])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--redis", help="Redis URL (default: an embedded redis-server)")
@@ -99,11 +108,14 @@ def main() -> None:
     server = None if args.redis else EmbeddedRedis()
     url = args.redis or server.url
     try:
-        print("critical path added per iteration (last report -> last worker holds the next vector)")
-        print(f"{'workers':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
-        for n in args.workers:
-            added = critical_path(url, n, args.iterations)
-            print(f"{n:>8} {_ms(added, 50)} {_ms(added, 99)} {_ms(added, 100)}", flush=True)
+        print("critical path added per iteration (report call + fetch of the next vector after the barrier; slowest worker)")
+        print("(floor: each worker only does one plain Redis GET, the least any coordination could cost here)")
+        print(f"{'lag':>5} {'workers':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+        for lag in ("floor", 2, 1):
+            for n in args.workers:
+                added = critical_path(url, n, args.iterations, 2 if lag == "floor" else lag, args.compute_ms / 1e3,
+                                      floor=lag == "floor")
+                print(f"{lag:>5} {n:>8} {_ms(added, 50)} {_ms(added, 99)} {_ms(added, 100)}", flush=True)
         print("\ndecision time (LB-BSP with EWMA)")
         print(f"{'workers':>8} {'policy p50':>11} {'policy p99':>11} {'step p50':>9} {'step p99':>9}   (ms; step = "
               "validation + Redis I/O + policy + write)")

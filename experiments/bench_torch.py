@@ -115,10 +115,11 @@ def train(mode: str, case: str, args: argparse.Namespace, url: str, loads: list[
 
 
 def _worker(rank: int, args: argparse.Namespace, init: str, url: str, out: str) -> None:
-    os.sched_setaffinity(0, {cores_for(WORLD)[rank]})
+    cores = cores_for(WORLD)  # before pinning: afterwards this process may use its own core only
+    os.sched_setaffinity(0, {cores[rank]})
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD)
-    loads = [ColocatedLoad(cores_for(WORLD)[SLOW], 1) for _ in range(2)] if rank == 0 else None
+    loads = [ColocatedLoad(cores[SLOW], 1) for _ in range(2)] if rank == 0 else None
     results = []
     try:
         for case in ("a2x", "a3x", "b"):

@@ -149,10 +149,11 @@ def _train_both(rank: int, config: DemoConfig, init: str, url: str, events: Any)
     from lbbsp.integrations.torch import Balancer  # noqa: PLC0415
     from lbbsp.policies import BSPPolicy, LBBSPPolicy  # noqa: PLC0415
 
-    os.sched_setaffinity(0, {cores_for(config.workers)[rank]})
+    cores = cores_for(config.workers)  # before pinning: afterwards this process may use its own core only
+    os.sched_setaffinity(0, {cores[rank]})
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=config.workers)
-    load = ColocatedLoad(cores_for(config.workers)[config.slow_worker], config.load_procs) if rank == 0 else None
+    load = ColocatedLoad(cores[config.slow_worker], config.load_procs) if rank == 0 else None
     every = max(config.steps // config.checkpoints, 1)
     reference: dict[int, Any] = {}
     try:

@@ -19,6 +19,9 @@ class JobConfig:
     ``max_batch`` caps every worker (an int) or each worker (a sequence), for example from GPU memory.
     ``assignment_timeout_s`` bounds how long a worker waits for the coordinator's vector before it
     falls back to the previous one (agreed through Redis with a write-once key).
+    ``lag`` is how many iterations a decision runs ahead: the vector of iteration k is decided from the
+    reports of iteration k - lag. With the default 2 the decision overlaps iteration k-1, so the
+    coordinator is off the critical path; 1 reacts an iteration sooner but every step waits for it.
     """
 
     job: str
@@ -28,6 +31,7 @@ class JobConfig:
     max_batch: int | tuple[int, ...] | None = None
     assignment_timeout_s: float = 10.0
     ttl_s: int = 3600
+    lag: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.job, str) or not _JOB_NAME.match(self.job):
@@ -57,6 +61,8 @@ class JobConfig:
         if not self.assignment_timeout_s > 0:
             raise ConfigError(f"assignment_timeout_s must be positive, got {self.assignment_timeout_s}",
                               job=self.job)
+        if not isinstance(self.lag, int) or not 1 <= self.lag <= 8:
+            raise ConfigError(f"lag must be an integer in [1, 8], got {self.lag!r}", job=self.job)
         if not isinstance(self.ttl_s, int) or self.ttl_s < 10:
             raise ConfigError(f"ttl_s must be an integer of at least 10 seconds, got {self.ttl_s!r}", job=self.job)
 
@@ -72,7 +78,7 @@ class JobConfig:
         return lower, upper
 
     def initial_sizes(self) -> tuple[int, ...]:
-        """The vector of iteration 0: the equal (BSP) split."""
+        """The vector of the first ``lag`` iterations, before any decision: the equal (BSP) split."""
         return equal_split(self.global_batch, self.num_workers)
 
     def to_json(self) -> str:

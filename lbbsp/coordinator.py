@@ -1,4 +1,4 @@
-"""The BatchSize Manager: turns the reports of iteration k into the one assignment of iteration k+1."""
+"""The BatchSize Manager: turns the reports of iteration k into the one assignment of iteration k + lag."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from .config import JobConfig
 from .errors import LBBSPError, ProtocolError
-from .policies import LBBSPPolicy, Policy
+from .policies import Decision, LBBSPPolicy, Policy
 from .protocol import Assignment, Report
 from .store import REDIS_ERRORS, Store
 
@@ -60,19 +60,20 @@ class Coordinator:
         return self.decide(iteration)
 
     def decide(self, iteration: int) -> Outcome:
-        """Decide the assignment of ``iteration + 1`` from the stored reports of ``iteration``."""
+        """Decide the assignment of ``iteration + lag`` from the stored reports of ``iteration``."""
         started = time.perf_counter()
+        target = iteration + self.config.lag
         reports, rejected = self._parse_reports(iteration)
         self.policy.observe(reports)
-        current = self._assignment(iteration)
-        decision = self.policy.decide(iteration + 1, current.sizes, self.config)
-        assignment = Assignment(self.config.job, iteration + 1, decision.sizes, self.policy.name, decision.reason)
+        current = self._assignment(target - 1)
+        decision = self.policy.decide(target, current.sizes, self.config)
+        assignment = Assignment(self.config.job, target, decision.sizes, self.policy.name, decision.reason)
         written = self.store.publish(assignment)
         decision_s = time.perf_counter() - started
         if written:
             self._last_written = assignment
         else:
-            assignment = self._assignment(iteration + 1)
+            assignment = self._assignment(target)
         self._record(iteration, assignment, written, decision, reports, rejected, decision_s)
         self.decisions_made += 1
         return Outcome(iteration, assignment, written, decision_s, rejected)
@@ -97,6 +98,8 @@ class Coordinator:
 
     def _assignment(self, iteration: int) -> Assignment:
         """The stored assignment of ``iteration`` (validated), or the initial split if none is stored."""
+        if self._last_written is not None and self._last_written.iteration == iteration:
+            return self._last_written  # what this coordinator wrote, once: no need to read it back
         raw = self.store.get_assignment(iteration)
         if raw is not None:
             try:
@@ -106,10 +109,10 @@ class Coordinator:
                 log.error("stored assignment of iteration %d is invalid: %s", iteration, exc)
         return Assignment(self.config.job, iteration, self.config.initial_sizes(), "initial", "equal split")
 
-    def _record(self, iteration: int, assignment: Assignment, written: bool, decision: object,
+    def _record(self, iteration: int, assignment: Assignment, written: bool, decision: Decision,
                 reports: list[Report], rejected: list[Rejection], decision_s: float) -> None:
         by_worker = {r.worker: r for r in reports}
-        predicted = getattr(decision, "predicted_throughput", None)
+        predicted = decision.predicted_throughput
         statuses = {}
         for worker, size in enumerate(assignment.sizes):
             report = by_worker.get(worker)

@@ -1,4 +1,4 @@
-"""Balancing policies: each turns the reports of iteration k into the batch-size vector of iteration k+1.
+"""Balancing policies: each turns the reports of iteration k into the batch-size vector of a coming iteration.
 
 The coordinator drives a policy through two small steps, ``observe`` and ``decide``; a variant overrides
 one of them (or one of LB-BSP's hooks: ``bounds``, ``propose``). Allocation maths live in

@@ -1,7 +1,7 @@
 """The worker side: report each iteration without blocking, then fetch the one agreed assignment.
 
 Agreement rule (GUIDE step 5): the assignment of iteration k lives in a write-once key. The coordinator
-writes it when all reports of k-1 are in. A worker that has waited ``assignment_timeout_s`` writes its
+writes it when all reports of k - lag are in (``JobConfig.lag``). A worker that has waited ``assignment_timeout_s`` writes its
 fallback (the vector of k-1) with the same write-once operation and then uses whatever the key holds, so
 every worker ends up with the same vector. If Redis itself cannot be reached within the bound, the worker
 falls back to the vector of k-1 and, when the integration gives an ``agree`` function (a broadcast over the
@@ -106,9 +106,10 @@ class WorkerClient:
         found = self._read(iteration)
         if found is not None:
             return found
-        if iteration == 0:
-            # Nothing to wait for: iteration 0 starts from the initial split, agreed through the same key.
-            self.store.publish(self._fallback(iteration, "initial split"))
+        if iteration < self.config.lag:
+            # Nothing to wait for: no decision covers the first ``lag`` iterations. They use the initial
+            # split, agreed through the same write-once key.
+            self.store.publish(self._initial(iteration))
             return self._read_required(iteration)
         pubsub = self._subscription()
         found = self._read(iteration)
@@ -121,13 +122,17 @@ class WorkerClient:
         self.store.publish(self._fallback(iteration, f"coordinator late: worker {self.worker} waited {waited:g}s"))
         return self._read_required(iteration)
 
+    def _initial(self, iteration: int) -> Assignment:
+        return Assignment(self.config.job, iteration, self.config.initial_sizes(), "initial", "initial split")
+
     def _fallback(self, iteration: int, why: str) -> Assignment:
+        """The previous iteration's vector (the initial split if unknown), marked as a fallback."""
+        if iteration < self.config.lag:
+            return self._initial(iteration)
         previous = self._known.get(iteration - 1)
         sizes = previous.sizes if previous is not None else self.config.initial_sizes()
-        if iteration > 0:
-            self.fallbacks += 1
-        return Assignment(self.config.job, iteration, sizes, "fallback" if iteration > 0 else "initial", why,
-                          fallback=iteration > 0)
+        self.fallbacks += 1
+        return Assignment(self.config.job, iteration, sizes, "fallback", why, fallback=True)
 
     def _read(self, iteration: int) -> Assignment | None:
         raw = self.store.get_assignment(iteration)

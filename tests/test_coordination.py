@@ -107,7 +107,7 @@ def test_every_worker_uses_one_vector_through_delays_crashes_and_a_redis_restart
 
 @pytest.mark.timeout(60)
 def test_hostile_reports_are_rejected_and_the_coordinator_keeps_serving(redis_url: str, job: str) -> None:
-    config = JobConfig(job, 3, 30)
+    config = JobConfig(job, 3, 30, lag=1)
     store = Store.from_url(redis_url, job)
     coordinator = Coordinator(store, config)
     clients = [WorkerClient(Store.from_url(redis_url, job), config, i) for i in range(3)]
@@ -150,7 +150,7 @@ def test_hostile_reports_are_rejected_and_the_coordinator_keeps_serving(redis_ur
 
 @pytest.mark.timeout(60)
 def test_a_late_coordinator_loses_to_the_fallback_and_says_so(redis_url: str, job: str) -> None:
-    config = JobConfig(job, 2, 10, assignment_timeout_s=0.2)
+    config = JobConfig(job, 2, 10, assignment_timeout_s=0.2, lag=1)
     store = Store.from_url(redis_url, job)
     clients = [WorkerClient(Store.from_url(redis_url, job), config, i) for i in range(2)]
     for i, client in enumerate(clients):
@@ -190,7 +190,7 @@ class FailsOnce(LBBSPPolicy):
 
 @pytest.mark.timeout(60)
 def test_a_failing_decision_does_not_stop_the_coordinator(redis_url: str, job: str) -> None:
-    config = JobConfig(job, 2, 10, assignment_timeout_s=0.3)
+    config = JobConfig(job, 2, 10, assignment_timeout_s=0.3, lag=1)
     store = Store.from_url(redis_url, job)
     coordinator = Coordinator(store, config, FailsOnce()).start()
     clients = [WorkerClient(Store.from_url(redis_url, job), config, i) for i in range(2)]
