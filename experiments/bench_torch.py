@@ -1,9 +1,9 @@
 """Plain DDP vs lbbsp on real gloo workers with real co-located load (prints figures; not a timed test).
 
-    python experiments/bench_torch.py [--steps 60] [--hidden 512] [--global-batch 512]
+    python experiments/bench_torch.py [--steps 60] [--hidden 512] [--global-batch 1024]
 
 Two workers, each pinned to its own core; busy-loop processes pinned to worker 1's core slow it down.
-(a) static load: 1 busy process (about 2x slower) and 2 (about 3x), with the oracle split, profiled under
+(none) no load: what lbbsp costs when there is nothing to balance. (a) static load: 1 busy process (about 2x slower) and 2 (about 3x), with the oracle split, profiled under
 the same load, run as a fixed split for reference. (b) fluctuating load: 0, 1 or 2 busy processes,
 changing every few steps by a seeded schedule. Every run sees the same global batches, so plain DDP and
 lbbsp must end with the same parameters. Figures go to stdout and to experiments/results/bench_torch.json.
@@ -50,6 +50,8 @@ class FixedSplit(Policy):
 
 def load_level(case: str, step: int) -> int:
     """Busy processes on the slow core at ``step``: fixed in (a), a seeded walk over 0-2 in (b)."""
+    if case == "none":
+        return 0
     if case == "a2x":
         return 1
     if case == "a3x":
@@ -122,12 +124,13 @@ def _worker(rank: int, args: argparse.Namespace, init: str, url: str, out: str) 
     loads = [ColocatedLoad(cores[SLOW], 1) for _ in range(2)] if rank == 0 else None
     results = []
     try:
-        for case in ("a2x", "a3x", "b"):
+        for case in ("none", "a2x", "a3x", "b"):
             oracle = None
-            if case != "b":
+            if case.startswith("a"):
                 if loads is not None:
                     for i, load in enumerate(loads):
                         load.set(i < load_level(case, 0))
+                dist.barrier()  # the load is on before any rank profiles
                 data, model = build(args.hidden)
                 oracle = profile_split(model, data, args.global_batch)
             ddp_s, ddp_params = train("ddp", case, args, url, loads)
@@ -156,7 +159,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="training steps per run")
     parser.add_argument("--hidden", type=int, default=512, help="MLP width (compute per sample)")
-    parser.add_argument("--global-batch", type=int, default=512)
+    parser.add_argument("--global-batch", type=int, default=1024, help="at most 1797 (the digits data)")
     args = parser.parse_args()
     print(f"bench_torch: {WORLD} gloo workers on cores {cores_for(WORLD)}, load on worker {SLOW}'s core; "
           f"{args.steps} steps x global batch {args.global_batch}, MLP width {args.hidden} (float64)", flush=True)
