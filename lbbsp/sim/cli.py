@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -20,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=16, help="number of simulated workers")
     parser.add_argument("--iterations", type=int, default=200, help="barriers to simulate per policy")
     parser.add_argument("--seed", type=int, default=0, help="seed of the scenario (same trace for every policy)")
+    parser.add_argument("--lag", type=int, default=2,
+                        help="iterations a decision runs ahead, as JobConfig.lag (2: production default)")
     parser.add_argument("--redis", action="store_true",
                         help="also run LB-BSP through a real Coordinator and Store on an embedded Redis for a few "
                              "iterations and check it decides exactly as the in-process run")
@@ -31,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"building {args.scenario} with {args.workers} workers, {args.iterations} iterations, seed {args.seed}",
           flush=True)
     scenario = SCENARIOS[args.scenario](args.workers, args.iterations, args.seed)
+    scenario.config = dataclasses.replace(scenario.config, lag=args.lag)
     runs = compare(scenario, args.iterations, progress=lambda line: print(line, flush=True))
     summary = summarise(runs)
     print(table(scenario, summary))

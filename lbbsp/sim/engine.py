@@ -52,13 +52,19 @@ def standard_policies(scenario: Scenario) -> dict[str, Policy]:
 
 
 def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int) -> PolicyRun:
-    """Drive ``policy`` for ``iterations`` barriers: true times -> reports -> observe -> decide."""
+    """Drive ``policy`` for ``iterations`` barriers: true times -> reports -> observe -> decide.
+
+    As in production, the reports of iteration k decide iteration k + lag (``JobConfig.lag``); the first
+    ``lag`` iterations use the initial split.
+    """
     config = scenario.config
     n = config.num_workers
     aggregated = policy.aggregated(n)
     run = PolicyRun(name)
-    sizes = np.asarray(config.initial_sizes(), dtype=np.int64)
+    initial = np.asarray(config.initial_sizes(), dtype=np.int64)
+    planned = {k: initial for k in range(config.lag)}
     for k in range(iterations):
+        sizes = planned.pop(k)
         truth = scenario.truth(k)
         seconds = truth.time_model.time(sizes)
         present = truth.present if truth.present is not None else np.ones(n, dtype=bool)
@@ -73,14 +79,15 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int) -
         features = scenario.features(k, sizes)
         reports = [Report(config.job, int(i), k, int(samples[i]), float(compute_s[i]), features=features[i],
                           device=scenario.devices[i]) for i in np.flatnonzero(present)]
+        target = k + config.lag
         started = time.perf_counter()
         policy.observe(reports)
         if isinstance(policy, OraclePolicy):
-            coming = scenario.truth(k + 1)
+            coming = scenario.truth(target)
             policy.reveal(coming.time_model, coming.max_batch)
-        decision = policy.decide(k + 1, tuple(sizes.tolist()), config)
+        decision = policy.decide(target, tuple(planned.get(target - 1, sizes).tolist()), config)
         run.decision_s.append(time.perf_counter() - started)
-        sizes = np.asarray(decision.sizes, dtype=np.int64)
+        planned[target] = np.asarray(decision.sizes, dtype=np.int64)
     return run
 
 

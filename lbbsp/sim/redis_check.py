@@ -1,11 +1,11 @@
 """The simulator's ``--redis`` path: LB-BSP through a real Coordinator and Store on an embedded Redis."""
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import numpy as np
 
-from ..config import JobConfig
 from ..coordinator import Coordinator
 from ..embedded import EmbeddedRedis
 from ..policies import LBBSPPolicy
@@ -20,13 +20,14 @@ def check_through_redis(scenario: Scenario, iterations: int) -> dict[str, object
     in-process run of the same policy: the production path must decide exactly the same."""
     in_process = run_policy(scenario, "lbbsp", LBBSPPolicy(scenario.capacity_model()), iterations)
     base = scenario.config
-    config = JobConfig(f"sim-{uuid.uuid4().hex[:8]}", base.num_workers, base.global_batch, base.min_batch,
-                       base.max_batch)
+    config = dataclasses.replace(base, job=f"sim-{uuid.uuid4().hex[:8]}")
     through_redis, decision_s = [], []
     with EmbeddedRedis() as server, Store.from_url(server.url, config.job) as store:
         coordinator = Coordinator(store, config, LBBSPPolicy(scenario.capacity_model()))
-        sizes = np.asarray(config.initial_sizes(), dtype=np.int64)
         for k in range(iterations):
+            if k < config.lag:  # the workers' initial split, agreed through the same write-once key
+                store.publish(Assignment(config.job, k, config.initial_sizes(), "initial"))
+            sizes = np.asarray(Assignment.from_json(store.get_assignment(k), job=config.job).sizes, dtype=np.int64)
             through_redis.append(sizes.tolist())
             truth = scenario.truth(k)
             present = truth.present if truth.present is not None else np.ones(config.num_workers, dtype=bool)
@@ -37,7 +38,5 @@ def check_through_redis(scenario: Scenario, iterations: int) -> dict[str, object
                                          features=features[i], device=scenario.devices[i]), config.num_workers)
             outcome = coordinator.decide(k)
             decision_s.append(outcome.decision_s)
-            raw = store.get_assignment(k + 1)
-            sizes = np.asarray(Assignment.from_json(raw, job=config.job).sizes, dtype=np.int64)
     return {"iterations": iterations, "identical": through_redis == in_process.sizes,
             "decision_ms_mean": 1e3 * float(np.mean(decision_s))}

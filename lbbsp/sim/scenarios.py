@@ -16,6 +16,11 @@ from ..models import AutoCapacityModel, CapacityModel, FLClientModel
 from .traces import TRACE_FEATURES, CPUTrace, load_traces
 
 
+#: Iterations past the last simulated one that a scenario generates: decisions run up to ``lag`` (at most 8)
+#: iterations ahead, and the oracle is shown the truth of the iteration it decides.
+LOOKAHEAD = 8
+
+
 @dataclass(frozen=True)
 class Truth:
     """What is really going to happen in one iteration: each worker's time model, memory cap, presence."""
@@ -68,10 +73,10 @@ class CPUContention(Scenario):
                           "machine_spread": machine_spread})
         which = np.arange(num_workers) % len(traces)
         machine = rng.lognormal(0.0, machine_spread, num_workers)
-        rows = np.empty((iterations + 1, num_workers), dtype=np.int64)
+        rows = np.empty((iterations + LOOKAHEAD, num_workers), dtype=np.int64)
         for t, trace in enumerate(traces):
             members = np.flatnonzero(which == t)
-            rows[:, members] = _level_replay(trace, members.size, iterations + 1, mean_dwell, rng)
+            rows[:, members] = _level_replay(trace, members.size, iterations + LOOKAHEAD, mean_dwell, rng)
         scale = np.array([1000.0 / np.median(t.throughput[t.level == t.level.min()]) for t in traces])[which]
         self.speed = np.stack([traces[t].throughput[rows[:, i]] for i, t in enumerate(which)], axis=1) * (
             machine * scale)
@@ -138,7 +143,7 @@ class GPUMix(Scenario):
                          {"generations": GPU_GENERATIONS, "overhead_s": overhead_s, "fixed_gb": fixed_gb,
                           "gb_per_sample": gb_per_sample, "jitter": jitter})
         self.speed, self.knee, self.overhead = table["images_per_s"], table["knee"], overhead_s
-        self.jitter = rng.lognormal(0.0, jitter, (iterations + 1, num_workers))
+        self.jitter = rng.lognormal(0.0, jitter, (iterations + LOOKAHEAD, num_workers))
 
     def truth(self, iteration: int) -> Truth:
         factor = self.jitter[iteration]
@@ -176,8 +181,8 @@ class FLClients(Scenario):
         bits = model_mb * 8e6
         self.download_s = bits / (1e3 * rng.lognormal(np.log(median_kbps_down), spread, num_workers))
         self.upload_s = bits / (1e3 * rng.lognormal(np.log(median_kbps_up), spread, num_workers))
-        self.noise = rng.lognormal(0.0, round_noise, (iterations + 1, num_workers))
-        self.present = rng.random((iterations + 1, num_workers)) >= dropout
+        self.noise = rng.lognormal(0.0, round_noise, (iterations + LOOKAHEAD, num_workers))
+        self.present = rng.random((iterations + LOOKAHEAD, num_workers)) >= dropout
 
     def truth(self, iteration: int) -> Truth:
         speed = self.samples_per_s / self.noise[iteration] / self.local_steps  # batch -> seconds, steps fixed
