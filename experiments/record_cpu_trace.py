@@ -119,7 +119,7 @@ class ContentionSchedule:
 def record(step: Callable[[], None], batch: int, seconds: float, schedule: ContentionSchedule,
            progress_every_s: float = 15.0) -> list[list[float]]:
     """Run ``step`` until ``seconds`` have passed; one row per iteration (see COLUMNS)."""
-    monitor = ResourceMonitor()
+    monitor = ResourceMonitor(min_interval_s=0.0)  # a fresh sample every iteration: the trace is the data
     rows: list[list[float]] = []
     started = last_progress = time.perf_counter()
     while (now := time.perf_counter()) - started < seconds:

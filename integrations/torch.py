@@ -187,6 +187,11 @@ class Balancer:
         """For code without DDP: after backward, set every grad to ``sum_i (b_i / B) grad_i``."""
         all_reduce_gradients(self, parameters)
 
+    def compute_finished(self) -> None:
+        """Stop this step's compute clock (the first call of a step counts)."""
+        if self.step is not None:
+            self._clock.stop()
+
     def gradients_ready(self) -> None:
         """Mark the end of this step's compute; on CPU, report at once (before any wait for other ranks)."""
         if self.step is None:

@@ -87,14 +87,17 @@ def timing_hook(balancer: "Balancer", bucket: dist.GradBucket) -> torch.futures.
 
 
 def _all_reduce(balancer: "Balancer", bucket: dist.GradBucket, weight: float) -> torch.futures.Future[torch.Tensor]:
-    if bucket.is_last():
-        balancer.gradients_ready()
+    last = bucket.is_last()
+    if last:
+        balancer.compute_finished()  # the clock stops before any communication
     buffer = bucket.buffer()
     if weight == 0.0:
         buffer.zero_()  # an empty slice: its mean is undefined, its share is nothing
     else:
         buffer.mul_(weight)
     work = dist.all_reduce(buffer, group=balancer.group, async_op=True)
+    if last:
+        balancer.gradients_ready()  # the report is built and queued while the all-reduce runs
     return work.get_future().then(lambda fut: fut.value()[0])
 
 

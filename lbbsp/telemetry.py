@@ -1,13 +1,22 @@
 """Resource features for reports: CPU, memory and co-located load (psutil); GPU memory and use (NVML)."""
 from __future__ import annotations
 
+import time
+
 import psutil
 
 
 class ResourceMonitor:
-    """Samples resource use since the previous call, as the feature names of :data:`FEATURE_RANGES`."""
+    """Samples resource use since the previous sample, as the feature names of :data:`FEATURE_RANGES`.
 
-    def __init__(self, gpu_index: int | None = None) -> None:
+    A sample costs about a millisecond of /proc reads, so calls closer together than ``min_interval_s``
+    return the previous sample: short training steps do not pay for it every time.
+    """
+
+    def __init__(self, gpu_index: int | None = None, *, min_interval_s: float = 0.2) -> None:
+        self.min_interval_s = min_interval_s
+        self._last: dict[str, float] | None = None
+        self._last_at = 0.0
         self._process = psutil.Process()
         self._cores = psutil.cpu_count() or 1
         self._process.cpu_percent(None)
@@ -16,6 +25,9 @@ class ResourceMonitor:
 
     def sample(self) -> dict[str, float]:
         """Machine CPU use, this process's cores, others' load per core, memory use; GPU when known."""
+        now = time.monotonic()
+        if self._last is not None and now - self._last_at < self.min_interval_s:
+            return dict(self._last)
         cpu_util = min(psutil.cpu_percent(None) / 100.0, 1.0)
         proc_cpu = self._process.cpu_percent(None) / 100.0
         features = {
@@ -27,7 +39,8 @@ class ResourceMonitor:
         }
         if self._nvml is not None:
             features.update(_nvml_sample(*self._nvml))
-        return features
+        self._last, self._last_at = features, now
+        return dict(features)
 
 
 def _nvml_handle(index: int) -> tuple[object, object] | None:
