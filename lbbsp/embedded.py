@@ -39,10 +39,15 @@ def redis_server_binary() -> str:
 
 
 def _die_with_parent() -> None:
-    """Runs in the child before exec: ask Linux to SIGTERM the server when its parent dies."""
+    """Runs in the child before exec: SIGTERM the server when its parent dies, and undo any CPU pinning
+    the parent (a training worker pinned to its core) passed on, so the server does not steal that core."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
+        pass
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except OSError:  # a cpuset that excludes some cores: keep what was inherited
         pass
 
 
