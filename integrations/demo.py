@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     events = ctx.Queue()
     view = _View(config, cores)
     with tempfile.TemporaryDirectory(prefix="lbbsp-demo-") as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, config, os.path.join(tmp, "rdv"), url, events), daemon=True)
+        procs = [ctx.Process(target=_worker, args=(r, config, os.path.join(tmp, "rdv"), url, events), daemon=False)
                  for r in range(config.workers)]
         for proc in procs:
             proc.start()

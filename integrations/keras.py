@@ -23,7 +23,7 @@ from types import ModuleType
 from typing import Any
 
 from lbbsp.config import JobConfig
-from lbbsp.coordinator import Coordinator
+from lbbsp.coordinator import CoordinatorProcess
 from lbbsp.embedded import EmbeddedRedis
 from lbbsp.errors import ConfigError
 from lbbsp.policies import Policy
@@ -73,7 +73,7 @@ class WorkerSession:
         self.config = config
         self.worker = worker
         self.server: EmbeddedRedis | None = None
-        self.coordinator: Coordinator | None = None
+        self.coordinator: CoordinatorProcess | None = None
         self.client: WorkerClient | None = None
         if url is None:
             directory = _embedded_directory(config.job)
@@ -83,11 +83,10 @@ class WorkerSession:
             url = f"unix://{directory / 'redis.sock'}"
         self.url = url
         try:
-            if worker == 0:
-                coordinator_store = Store(wait_for_redis(url, connect_timeout_s), config.job, ttl_s=config.ttl_s,
-                                          owns_client=True)
-                self.coordinator = Coordinator(coordinator_store, config, policy).start()
             store = Store(wait_for_redis(url, connect_timeout_s), config.job, ttl_s=config.ttl_s, owns_client=True)
+            if worker == 0:
+                store.register(config)  # before the coordinator process, so a mismatch is raised here
+                self.coordinator = CoordinatorProcess(url, config, policy)
             self.client = WorkerClient(store, config, worker)
         except BaseException:
             self.close()
@@ -101,7 +100,6 @@ class WorkerSession:
             self.client = None
         if self.coordinator is not None:
             self.coordinator.stop()
-            self.coordinator.store.close()
             self.coordinator = None
         if self.server is not None:
             self.server.close()

@@ -2,7 +2,7 @@
 
 An adapter only: it times each rank's compute, reports it through :class:`~lbbsp.WorkerClient`, fetches the
 agreed vector, applies it through :class:`~lbbsp.GlobalBatchSampler`, and weights gradients by ``b_i / B``.
-The balancing itself is the coordinator's, which runs in-process on rank 0 unless told otherwise.
+The balancing itself is the coordinator's, which runs in a child process started by rank 0 unless told otherwise.
 
     lb = Balancer.from_env(global_batch=256)          # after dist.init_process_group
     loader = lb.loader(dataset, num_workers=2)        # instead of DataLoader + DistributedSampler
@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lbbsp.config import JobConfig
-from lbbsp.coordinator import Coordinator
+from lbbsp.coordinator import CoordinatorProcess
 from lbbsp.embedded import EmbeddedRedis
 from lbbsp.errors import ConfigError, LBBSPError
 from lbbsp.policies import Policy
@@ -68,7 +68,7 @@ class Balancer:
     """
 
     def __init__(self, client: WorkerClient, *, group: Any = None, device: torch.device | None = None,
-                 coordinator: Coordinator | None = None, owned: Sequence[Any] = ()) -> None:
+                 coordinator: CoordinatorProcess | None = None, owned: Sequence[Any] = ()) -> None:
         self.client = client
         self.config = client.config
         self.group = group
@@ -122,13 +122,12 @@ class Balancer:
         url, job = str(shared[0]), str(shared[1])
         config = JobConfig(job, world, global_batch, min_batch=min_batch, max_batch=max_batch,
                            assignment_timeout_s=assignment_timeout_s)
-        running = None
-        if rank == 0 and coordinator:
-            coordinator_store = Store.from_url(url, job, ttl_s=config.ttl_s)
-            owned.append(coordinator_store)
-            running = Coordinator(coordinator_store, config, policy).start()
         store = Store.from_url(url, job, ttl_s=config.ttl_s)
         owned.append(store)
+        running = None
+        if rank == 0 and coordinator:  # a child process: no GIL or pinned core shared with this rank
+            store.register(config)
+            running = CoordinatorProcess(url, config, policy)
         client = WorkerClient(store, config, rank, agree=functools.partial(agree_with_rank0, device=device),
                               device=device.type)
         return cls(client, device=device, coordinator=running, owned=owned)

@@ -5,7 +5,7 @@ finish together while the global batch stays the same.
 """
 from .allocation import LinearTime, allocate
 from .config import JobConfig
-from .coordinator import Coordinator
+from .coordinator import Coordinator, CoordinatorProcess
 from .embedded import EmbeddedRedis
 from .errors import AllocationError, ConfigError, LBBSPError, ProtocolError, StoreUnavailable
 from .models import CapacityModel, EWMAThroughput
@@ -19,7 +19,7 @@ from .worker import WorkerClient
 __version__ = "0.1.0"
 
 __all__ = [
-    "AllocationError", "Assignment", "BSPPolicy", "CapacityModel", "ConfigError", "Coordinator", "Decision",
+    "AllocationError", "Assignment", "BSPPolicy", "CapacityModel", "ConfigError", "Coordinator", "CoordinatorProcess", "Decision",
     "EWMAThroughput", "EmbeddedRedis", "GlobalBatchSampler", "JobConfig", "LBBSPError", "LBBSPPolicy",
     "LinearTime", "Policy", "ProtocolError", "Report", "ResourceMonitor", "Store", "StoreUnavailable",
     "WorkerClient", "allocate", "equal_split", "scale_split",

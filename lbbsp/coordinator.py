@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -170,3 +173,54 @@ class Coordinator:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
+
+
+class CoordinatorProcess:
+    """A coordinator in a child process of its own: no GIL or CPU core shared with a training worker.
+
+    ``CoordinatorProcess(url, config, policy)`` starts serving at once; :meth:`stop` ends it. The child
+    drops any CPU pinning it inherited, so the kernel can run it beside whichever worker is idle.
+    """
+
+    def __init__(self, url: str, config: JobConfig, policy: Policy | None = None, *,
+                 start_timeout_s: float = 60.0) -> None:
+        if multiprocessing.current_process().daemon:
+            raise LBBSPError("a daemonic process cannot start the coordinator process: start this worker with "
+                             "daemon=False, or run Coordinator(store, config).start() in a thread", job=config.job)
+        context = multiprocessing.get_context("spawn")
+        ready = context.Event()
+        self._process = context.Process(target=_serve, args=(url, config.to_json(), policy, ready),
+                                        name=f"lbbsp-coordinator-{config.job}", daemon=True)
+        self._process.start()
+        if not ready.wait(start_timeout_s):  # serving before training starts, or a clear error
+            self.stop()
+            raise LBBSPError(f"the coordinator process did not start within {start_timeout_s}s", job=config.job)
+
+    @property
+    def alive(self) -> bool:
+        return self._process.is_alive()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop serving; safe to call twice."""
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(timeout_s)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()
+
+
+def _serve(url: str, config_json: str, policy: Policy | None, ready: threading.Event) -> None:
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except OSError:
+        pass
+    config = JobConfig.from_json(config_json)
+    store = Store.from_url(url, config.job)
+    coordinator = Coordinator(store, config, policy)
+    signal.signal(signal.SIGTERM, lambda *_: coordinator.stop(timeout_s=0))
+    ready.set()
+    try:
+        coordinator.run()
+    finally:
+        store.close()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from emulated import run_coordinator, run_worker
-from lbbsp import (AllocationError, Coordinator, EmbeddedRedis, JobConfig, LBBSPPolicy, ProtocolError, Report, Store,
+from lbbsp import (AllocationError, Coordinator, CoordinatorProcess, EmbeddedRedis, JobConfig, LBBSPPolicy, ProtocolError, Report, Store,
                    WorkerClient)
 
 SPAWN = mp.get_context("spawn")
@@ -208,3 +208,21 @@ def test_a_failing_decision_does_not_stop_the_coordinator(redis_url: str, job: s
         client.close()
         client.store.close()
     store.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_coordinator_process_serves_and_stops(redis_url: str, job: str) -> None:
+    config = JobConfig(job, 2, 30)
+    coordinator = CoordinatorProcess(redis_url, config)  # returns once it serves
+    clients = [WorkerClient(Store.from_url(redis_url, job), config, i) for i in range(2)]
+    for k in range(3):
+        for i, client in enumerate(clients):
+            size = client.assignment(k).sizes[i]
+            client.report(k, size, size / (100.0 * (1 + 2 * i)))
+    assert clients[1].assignment(3).sizes == (7, 23)  # decided in the child process from iteration 1
+    coordinator.stop()
+    coordinator.stop()
+    assert not coordinator.alive
+    for client in clients:
+        client.close()
+        client.store.close()
