@@ -60,7 +60,6 @@ def train(args: argparse.Namespace) -> None:
     if args.ports:
         os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in args.ports.split(",")]},
                                               "task": {"type": "worker", "index": index}})
-    import numpy as np
     import tensorflow as tf
     from sklearn.datasets import load_digits
 

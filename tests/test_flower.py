@@ -101,7 +101,7 @@ def test_failed_and_vanished_clients_do_not_stall_the_round_and_keep_history(red
     behaviour[(3, 2)] = "hang"
     with ClientHistory.from_url(redis_url, job) as history:
         started = time.monotonic()
-        strategy = run(history, rounds=3, timeout=1.5)
+        run(history, rounds=3, timeout=1.5)
         assert time.monotonic() - started < 12, "a vanished client held the round past its timeout"
         statuses = history.statuses()
         workers = history.workers()

@@ -8,10 +8,9 @@ from pathlib import Path
 import numpy as np
 
 from lbbsp.sim import cli
-from lbbsp.sim.engine import compare, run_policy, standard_policies
+from lbbsp.sim.engine import compare, standard_policies
 from lbbsp.sim.redis_check import check_through_redis
 from lbbsp.sim.scenarios import CPUContention, FLClients, GPUMix
-from lbbsp.policies import LBBSPPolicy
 
 
 def test_same_seed_same_results_for_every_scenario() -> None:
