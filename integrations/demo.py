@@ -101,7 +101,7 @@ class DemoConfig:
     hidden: int = 512
     steps: int = 120
     slow_worker: int = 1
-    load_procs: int = 1
+    load_procs: int = 2
     schedule: tuple[tuple[float, float], ...] = ((0.0, 0.5), (0.75, 1.0))
     lr: float = 0.05
     checkpoints: int = 6
@@ -204,7 +204,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=512, help="MLP width: the compute per sample")
     parser.add_argument("--steps", type=int, default=120, help="training steps per run")
     parser.add_argument("--slow-worker", type=int, default=1, help="the worker whose core gets the load")
-    parser.add_argument("--load-procs", type=int, default=1,
+    parser.add_argument("--load-procs", type=int, default=2,
                         help="busy processes on the slow worker's core (1: about 2x slower, 2: about 3x)")
     parser.add_argument("--load-schedule", default="0-0.5,0.75-1",
                         help="fractions of the run with the load on, e.g. 0-0.5,0.75-1")
