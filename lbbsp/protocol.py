@@ -215,10 +215,6 @@ class Assignment:
         object.__setattr__(self, "sizes", tuple(self.sizes))
         self.validate()
 
-    @property
-    def global_batch(self) -> int:
-        return sum(self.sizes)
-
     def offset(self, worker: int) -> int:
         """Position in the global batch where ``worker``'s slice starts."""
         return sum(self.sizes[:worker])
@@ -273,11 +269,3 @@ def equal_split(global_batch: int, num_workers: int) -> tuple[int, ...]:
     """The BSP split: sizes differ by at most one, larger ones first."""
     base, extra = divmod(global_batch, num_workers)
     return tuple(base + (1 if i < extra else 0) for i in range(num_workers))
-
-
-def check_sizes(sizes: Sequence[int], global_batch: int) -> None:
-    """Raise if ``sizes`` is not a split of ``global_batch`` into non-negative integers."""
-    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sizes):
-        raise ProtocolError("sizes must be non-negative integers", field="sizes")
-    if sum(sizes) != global_batch:
-        raise ProtocolError(f"sizes sum to {sum(sizes)}, not {global_batch}", field="sizes")

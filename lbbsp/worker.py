@@ -38,7 +38,6 @@ class WorkerClient:
         self.worker = worker
         self.device = device
         self.agree = agree
-        self.fallbacks = 0
         self._known: dict[int, Assignment] = {}
         self._outbox: queue.SimpleQueue[Report | None] = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name=f"lbbsp-report-{worker}", daemon=True)
@@ -131,7 +130,6 @@ class WorkerClient:
             return self._initial(iteration)
         previous = self._known.get(iteration - 1)
         sizes = previous.sizes if previous is not None else self.config.initial_sizes()
-        self.fallbacks += 1
         return Assignment(self.config.job, iteration, sizes, "fallback", why, fallback=True)
 
     def _read(self, iteration: int) -> Assignment | None:
