@@ -85,7 +85,6 @@ class WorkerSession:
         try:
             store = Store(wait_for_redis(url, connect_timeout_s), config.job, ttl_s=config.ttl_s, owns_client=True)
             if worker == 0:
-                store.register(config)  # before the coordinator process, so a mismatch is raised here
                 self.coordinator = CoordinatorProcess(url, config, policy)
             self.client = WorkerClient(store, config, worker)
         except BaseException:

@@ -126,7 +126,6 @@ class Balancer:
         owned.append(store)
         running = None
         if rank == 0 and coordinator:  # a child process: no GIL or pinned core shared with this rank
-            store.register(config)
             running = CoordinatorProcess(url, config, policy)
         client = WorkerClient(store, config, rank, agree=functools.partial(agree_with_rank0, device=device),
                               device=device.type)

@@ -187,14 +187,19 @@ class CoordinatorProcess:
         if multiprocessing.current_process().daemon:
             raise LBBSPError("a daemonic process cannot start the coordinator process: start this worker with "
                              "daemon=False, or run Coordinator(store, config).start() in a thread", job=config.job)
+        with Store.from_url(url, config.job, ttl_s=config.ttl_s) as store:
+            store.register(config)  # a mismatch with the job's stored settings is raised here, not in the child
         context = multiprocessing.get_context("spawn")
         ready = context.Event()
         self._process = context.Process(target=_serve, args=(url, config.to_json(), policy, ready),
                                         name=f"lbbsp-coordinator-{config.job}", daemon=True)
         self._process.start()
-        if not ready.wait(start_timeout_s):  # serving before training starts, or a clear error
-            self.stop()
-            raise LBBSPError(f"the coordinator process did not start within {start_timeout_s}s", job=config.job)
+        deadline = time.monotonic() + start_timeout_s
+        while not ready.wait(0.1):  # serving before training starts, or a clear error
+            if not self._process.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise LBBSPError(f"the coordinator process exited or did not start within {start_timeout_s}s "
+                                 f"(exit code {self._process.exitcode})", job=config.job)
 
     @property
     def alive(self) -> bool:

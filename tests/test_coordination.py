@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from emulated import run_coordinator, run_worker
-from lbbsp import (AllocationError, Coordinator, CoordinatorProcess, EmbeddedRedis, JobConfig, LBBSPPolicy, ProtocolError, Report, Store,
-                   WorkerClient)
+from lbbsp import (AllocationError, ConfigError, Coordinator, CoordinatorProcess, EmbeddedRedis, JobConfig,
+                   LBBSPPolicy, ProtocolError, Report, Store, WorkerClient)
 
 SPAWN = mp.get_context("spawn")
 
@@ -226,3 +226,10 @@ def test_a_coordinator_process_serves_and_stops(redis_url: str, job: str) -> Non
     for client in clients:
         client.close()
         client.store.close()
+
+
+def test_a_coordinator_process_refuses_other_settings_before_it_starts(redis_url: str, job: str) -> None:
+    with Store.from_url(redis_url, job) as store:
+        store.register(JobConfig(job, 2, 30))
+    with pytest.raises(ConfigError, match="already runs with"):
+        CoordinatorProcess(redis_url, JobConfig(job, 2, 32))
