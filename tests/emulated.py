@@ -1,13 +1,26 @@
 """Worker and coordinator processes for the coordination tests: compute is emulated as size / speed."""
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from lbbsp import Coordinator, JobConfig, LBBSPPolicy, Store, WorkerClient
 from lbbsp.policies import Decision
+
+
+@contextlib.contextmanager
+def worker_clients(url: str, config: JobConfig) -> Iterator[list[WorkerClient]]:
+    """One client per worker of the job, each with its own connection; all closed on the way out."""
+    clients = [WorkerClient(Store.from_url(url, config.job), config, i) for i in range(config.num_workers)]
+    try:
+        yield clients
+    finally:
+        for client in clients:
+            client.close()
+            client.store.close()
 
 
 def run_worker(url: str, config_json: str, worker: int, speeds: Sequence[float], iterations: int,

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from lbbsp import JobConfig, Store, WorkerClient
+from emulated import worker_clients
+from lbbsp import JobConfig
 
 LBBSP = [sys.executable, "-m", "lbbsp.cli"]
 
@@ -17,24 +18,21 @@ def test_coordinator_process_and_status_table(redis_url: str, job: str) -> None:
                                     "--global-batch", "30", "--max-decisions", "2"],
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     config = JobConfig(job, 2, 30)
-    clients = [WorkerClient(Store.from_url(redis_url, job), config, i) for i in range(2)]
-    for k in range(2):
-        for i, client in enumerate(clients):
-            size = client.assignment(k).sizes[i]
-            client.report(k, size, size / (100.0 * (1 + 2 * i)))
-    assert clients[0].assignment(2).sizes == (7, 23)
-    out, _ = coordinator.communicate(timeout=30)
-    assert coordinator.returncode == 0, out
-    assert f"coordinating job '{job}'" in out
-    status = subprocess.run([*LBBSP, "status", "--redis", redis_url, "--job", job, "--decisions", "2"], capture_output=True, text=True,
-                            env={"COLUMNS": "160", "PATH": ""}, timeout=30)
-    assert status.returncode == 0, status.stderr
-    assert "rebalanced" in status.stdout or "kept" in status.stdout
-    assert " 23 " in status.stdout
-    assert "7 23" in status.stdout and "coordinator" in status.stdout  # the decision log, with who wrote it
-    for client in clients:
-        client.close()
-        client.store.close()
+    with worker_clients(redis_url, config) as clients:
+        for k in range(2):
+            for i, client in enumerate(clients):
+                size = client.assignment(k).sizes[i]
+                client.report(k, size, size / (100.0 * (1 + 2 * i)))
+        assert clients[0].assignment(2).sizes == (7, 23)
+        out, _ = coordinator.communicate(timeout=30)
+        assert coordinator.returncode == 0, out
+        assert f"coordinating job '{job}'" in out
+        status = subprocess.run([*LBBSP, "status", "--redis", redis_url, "--job", job, "--decisions", "2"],
+                                capture_output=True, text=True, env={"COLUMNS": "160", "PATH": ""}, timeout=30)
+        assert status.returncode == 0, status.stderr
+        assert "rebalanced" in status.stdout or "kept" in status.stdout
+        assert " 23 " in status.stdout
+        assert "7 23" in status.stdout and "coordinator" in status.stdout  # the decision log, with who wrote it
 
 
 def test_unreachable_redis_is_reported_plainly(tmp_path) -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from emulated import run_coordinator, run_worker
+from emulated import run_coordinator, run_worker, worker_clients
 from lbbsp import (AllocationError, ConfigError, Coordinator, CoordinatorProcess, EmbeddedRedis, JobConfig,
-                   LBBSPPolicy, ProtocolError, Report, Store, WorkerClient)
+                   LBBSPPolicy, ProtocolError, Report, Store)
 
 SPAWN = mp.get_context("spawn")
 
@@ -110,41 +110,38 @@ def test_hostile_reports_are_rejected_and_the_coordinator_keeps_serving(redis_ur
     config = JobConfig(job, 3, 30, lag=1)
     store = Store.from_url(redis_url, job)
     coordinator = Coordinator(store, config)
-    clients = [WorkerClient(Store.from_url(redis_url, job), config, i) for i in range(3)]
-    hostile = {
-        "NaN": b'{"v":1,"job":"%s","worker":1,"iteration":%d,"samples":10,"compute_s":NaN}',
-        "negative": b'{"v":1,"job":"%s","worker":1,"iteration":%d,"samples":-10,"compute_s":0.1}',
-        "huge": b'{"v":1,"job":"%s","worker":1,"iteration":%d,"samples":10,"compute_s":1e300}',
-        "wrong job": b'{"v":1,"job":"x%s","worker":1,"iteration":%d,"samples":10,"compute_s":0.1}',
-        "wrong type": b'{"v":1,"job":"%s","worker":"1","iteration":%d,"samples":10,"compute_s":0.1}',
-        "pickle": b"\x80\x04\x95%s%d.",
-    }
-    expected_field = {"NaN": "payload", "negative": "samples", "huge": "compute_s", "wrong job": "job",
-                      "wrong type": "worker", "pickle": "payload"}
-    for k, (kind, template) in enumerate(hostile.items()):
-        sizes = clients[0].assignment(k).sizes
-        assert store.post_raw_report(k, "1", template % (job.encode(), k), 3) == 1
-        for i in (0, 2):
-            clients[i].report(k, sizes[i], 0.01 * (i + 1))
-            clients[i].flush()
-        outcome = coordinator.step(timeout_s=5)
-        assert outcome is not None and outcome.written, kind
-        assert [r.worker for r in outcome.rejected] == ["1"], kind
-        assert f"{expected_field[kind]}:" in outcome.rejected[0].error, (kind, outcome.rejected[0].error)
-        assert clients[2].assignment(k + 1) == outcome.assignment
-    oversized = b'{"v":1,"pad":"' + b"x" * 5000 + b'"}'
-    assert store.post_raw_report(99, "1", oversized, 3) == -1  # refused inside Redis, never stored
-    assert store.post_raw_report(99, "7", b"{}", 3) == -2  # not one of the job's workers: never counted
-    assert store.report_count(99) == 0
-    record = json.loads(store.decisions(1)[0])
-    assert record["rejected"][0]["worker"] == "1"
-    with pytest.raises(ProtocolError, match="compute_s"):
-        clients[0].report(50, 10, float("nan"))  # rejected at the edge, before it is sent
-    with pytest.raises(ProtocolError, match="features.bogus"):
-        Report(job, 0, 0, 1, 0.1, features={"bogus": 1.0})
-    for client in clients:
-        client.close()
-        client.store.close()
+    with worker_clients(redis_url, config) as clients:
+        hostile = {
+            "NaN": b'{"v":1,"job":"%s","worker":1,"iteration":%d,"samples":10,"compute_s":NaN}',
+            "negative": b'{"v":1,"job":"%s","worker":1,"iteration":%d,"samples":-10,"compute_s":0.1}',
+            "huge": b'{"v":1,"job":"%s","worker":1,"iteration":%d,"samples":10,"compute_s":1e300}',
+            "wrong job": b'{"v":1,"job":"x%s","worker":1,"iteration":%d,"samples":10,"compute_s":0.1}',
+            "wrong type": b'{"v":1,"job":"%s","worker":"1","iteration":%d,"samples":10,"compute_s":0.1}',
+            "pickle": b"\x80\x04\x95%s%d.",
+        }
+        expected_field = {"NaN": "payload", "negative": "samples", "huge": "compute_s", "wrong job": "job",
+                          "wrong type": "worker", "pickle": "payload"}
+        for k, (kind, template) in enumerate(hostile.items()):
+            sizes = clients[0].assignment(k).sizes
+            assert store.post_raw_report(k, "1", template % (job.encode(), k), 3) == 1
+            for i in (0, 2):
+                clients[i].report(k, sizes[i], 0.01 * (i + 1))
+                clients[i].flush()
+            outcome = coordinator.step(timeout_s=5)
+            assert outcome is not None and outcome.written, kind
+            assert [r.worker for r in outcome.rejected] == ["1"], kind
+            assert f"{expected_field[kind]}:" in outcome.rejected[0].error, (kind, outcome.rejected[0].error)
+            assert clients[2].assignment(k + 1) == outcome.assignment
+        oversized = b'{"v":1,"pad":"' + b"x" * 5000 + b'"}'
+        assert store.post_raw_report(99, "1", oversized, 3) == -1  # refused inside Redis, never stored
+        assert store.post_raw_report(99, "7", b"{}", 3) == -2  # not one of the job's workers: never counted
+        assert store.report_count(99) == 0
+        record = json.loads(store.decisions(1)[0])
+        assert record["rejected"][0]["worker"] == "1"
+        with pytest.raises(ProtocolError, match="compute_s"):
+            clients[0].report(50, 10, float("nan"))  # rejected at the edge, before it is sent
+        with pytest.raises(ProtocolError, match="features.bogus"):
+            Report(job, 0, 0, 1, 0.1, features={"bogus": 1.0})
     store.close()
 
 
@@ -152,20 +149,17 @@ def test_hostile_reports_are_rejected_and_the_coordinator_keeps_serving(redis_ur
 def test_a_late_coordinator_loses_to_the_fallback_and_says_so(redis_url: str, job: str) -> None:
     config = JobConfig(job, 2, 10, assignment_timeout_s=0.2, lag=1)
     store = Store.from_url(redis_url, job)
-    clients = [WorkerClient(Store.from_url(redis_url, job), config, i) for i in range(2)]
-    for i, client in enumerate(clients):
-        assert client.assignment(0).sizes == (5, 5)
-        client.report(0, 5, 0.05 * (i + 1))
-        client.flush()
-    late = clients[0].assignment(1)  # no coordinator yet: the worker writes its fallback
-    assert late.fallback and late.sizes == (5, 5)
-    outcome = Coordinator(store, config).step(timeout_s=5)
-    assert outcome is not None and not outcome.written and outcome.assignment == late
-    assert clients[1].assignment(1) == late
-    assert json.loads(store.decisions(1)[0])["written_by_coordinator"] is False
-    for client in clients:
-        client.close()
-        client.store.close()
+    with worker_clients(redis_url, config) as clients:
+        for i, client in enumerate(clients):
+            assert client.assignment(0).sizes == (5, 5)
+            client.report(0, 5, 0.05 * (i + 1))
+            client.flush()
+        late = clients[0].assignment(1)  # no coordinator yet: the worker writes its fallback
+        assert late.fallback and late.sizes == (5, 5)
+        outcome = Coordinator(store, config).step(timeout_s=5)
+        assert outcome is not None and not outcome.written and outcome.assignment == late
+        assert clients[1].assignment(1) == late
+        assert json.loads(store.decisions(1)[0])["written_by_coordinator"] is False
     store.close()
 
 
@@ -193,20 +187,17 @@ def test_a_failing_decision_does_not_stop_the_coordinator(redis_url: str, job: s
     config = JobConfig(job, 2, 10, assignment_timeout_s=0.3, lag=1)
     store = Store.from_url(redis_url, job)
     coordinator = Coordinator(store, config, FailsOnce()).start()
-    clients = [WorkerClient(Store.from_url(redis_url, job), config, i) for i in range(2)]
-    vectors = []
-    for k in range(3):
-        sizes = [client.assignment(k) for client in clients]
-        assert sizes[0] == sizes[1]
-        vectors.append(sizes[0])
-        for i, client in enumerate(clients):
-            client.report(k, sizes[0].sizes[i], 0.01 * (i + 1) * sizes[0].sizes[i])
-    assert vectors[1].fallback  # the failed decision: the workers fell back together
-    assert clients[0].assignment(3).policy == "lbbsp"  # and the coordinator serves again
-    coordinator.stop()
-    for client in clients:
-        client.close()
-        client.store.close()
+    with worker_clients(redis_url, config) as clients:
+        vectors = []
+        for k in range(3):
+            sizes = [client.assignment(k) for client in clients]
+            assert sizes[0] == sizes[1]
+            vectors.append(sizes[0])
+            for i, client in enumerate(clients):
+                client.report(k, sizes[0].sizes[i], 0.01 * (i + 1) * sizes[0].sizes[i])
+        assert vectors[1].fallback  # the failed decision: the workers fell back together
+        assert clients[0].assignment(3).policy == "lbbsp"  # and the coordinator serves again
+        coordinator.stop()
     store.close()
 
 
@@ -214,18 +205,15 @@ def test_a_failing_decision_does_not_stop_the_coordinator(redis_url: str, job: s
 def test_a_coordinator_process_serves_and_stops(redis_url: str, job: str) -> None:
     config = JobConfig(job, 2, 30)
     coordinator = CoordinatorProcess(redis_url, config)  # returns once it serves
-    clients = [WorkerClient(Store.from_url(redis_url, job), config, i) for i in range(2)]
-    for k in range(3):
-        for i, client in enumerate(clients):
-            size = client.assignment(k).sizes[i]
-            client.report(k, size, size / (100.0 * (1 + 2 * i)))
-    assert clients[1].assignment(3).sizes == (7, 23)  # decided in the child process from iteration 1
-    coordinator.stop()
-    coordinator.stop()
-    assert not coordinator.alive
-    for client in clients:
-        client.close()
-        client.store.close()
+    with worker_clients(redis_url, config) as clients:
+        for k in range(3):
+            for i, client in enumerate(clients):
+                size = client.assignment(k).sizes[i]
+                client.report(k, size, size / (100.0 * (1 + 2 * i)))
+        assert clients[1].assignment(3).sizes == (7, 23)  # decided in the child process from iteration 1
+        coordinator.stop()
+        coordinator.stop()
+        assert not coordinator.alive
 
 
 def test_a_coordinator_process_refuses_other_settings_before_it_starts(redis_url: str, job: str) -> None:
