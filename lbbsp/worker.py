@@ -39,7 +39,7 @@ class WorkerClient:
         self.device = device
         self.agree = agree
         self._known: dict[int, Assignment] = {}
-        self._outbox: queue.SimpleQueue[Report | None] = queue.SimpleQueue()
+        self._outbox: queue.Queue[Report | None] = queue.Queue()
         self._sender = threading.Thread(target=self._send_loop, name=f"lbbsp-report-{worker}", daemon=True)
         self._sender.start()
         self._pubsub = None
@@ -59,6 +59,7 @@ class WorkerClient:
         while True:
             report = self._outbox.get()
             if report is None:
+                self._outbox.task_done()
                 return
             deadline = time.monotonic() + self.config.assignment_timeout_s
             while True:
@@ -70,11 +71,12 @@ class WorkerClient:
                         log.warning("dropped report of iteration %d: Redis unreachable (%s)", report.iteration, exc)
                         break
                     time.sleep(0.05)
+            self._outbox.task_done()
 
     def flush(self, timeout_s: float = 5.0) -> None:
-        """Wait until queued reports are sent (for tests and shutdown)."""
+        """Wait until every queued report has been sent, including the one in flight (tests, shutdown)."""
         deadline = time.monotonic() + timeout_s
-        while not self._outbox.empty() and time.monotonic() < deadline:
+        while self._outbox.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.001)
 
     # -- the agreed assignment --------------------------------------------------------------------------
