@@ -89,20 +89,32 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
     t_lo = float(np.nextafter(t_lower.min(), -np.inf))  # capacity(t_lo) == lower, whose sum is < B
     t_hi = float(t_upper.max())  # capacity(t_hi) == upper, whose sum is >= B
     x_lo, x_hi = lower.copy(), upper.copy()
-    # Narrow [t_lo, t_hi] until each worker can add at most one sample between the
-    # two deadlines (then the greedy fill below is exact), or until the floats run out (flat curves).
+    # Narrow [t_lo, t_hi] until each worker can add at most one sample between the two deadlines (then the
+    # greedy fill below is exact), or until the floats run out (flat curves). The next deadline interpolates
+    # the total linearly between the ends, Illinois style (the weight of an end kept twice is halved), so
+    # a few steps usually land on B exactly; a bisection stands in when interpolation would not move.
+    f_lo, f_hi = float(x_lo.sum() - global_batch), float(x_hi.sum() - global_batch)
+    kept = 0  # +1 after the upper end moved, -1 after the lower end moved
     for _ in range(_SEARCH_STEPS):
-        mid = 0.5 * (t_lo + t_hi)
-        if not t_lo < mid < t_hi or int((x_hi - x_lo).max()) <= 1:
+        if int((x_hi - x_lo).max()) <= 1:
             break
+        mid = (t_lo * f_hi - t_hi * f_lo) / (f_hi - f_lo)
+        if not t_lo < mid < t_hi:
+            mid = 0.5 * (t_lo + t_hi)
+            if not t_lo < mid < t_hi:
+                break
         x_mid = capacity(mid)
-        total = int(x_mid.sum())
-        if total == global_batch:
+        excess = int(x_mid.sum()) - global_batch
+        if excess == 0:
             return x_mid
-        if total > global_batch:
-            t_hi, x_hi = mid, x_mid
+        if excess > 0:
+            t_hi, x_hi, f_hi = mid, x_mid, float(excess)
+            f_lo = f_lo / 2 if kept > 0 else f_lo
+            kept = 1
         else:
-            t_lo, x_lo = mid, x_mid
+            t_lo, x_lo, f_lo = mid, x_mid, float(excess)
+            f_hi = f_hi / 2 if kept < 0 else f_hi
+            kept = -1
     x_hi = np.maximum(x_hi, x_lo)
     deficit = global_batch - int(x_lo.sum())
     if deficit <= 0:  # only possible through a non-monotone model; stay feasible anyway

@@ -124,8 +124,7 @@ class LBBSPPolicy(Policy):
         else:
             reason = (f"kept: predicted gain under the {self.deadband:.0%} dead band "
                       f"(finish {predicted_makespan(time_model, sizes):.4g}s)")
-        return Decision(tuple(int(s) for s in sizes), reason, tuple(float(t) for t in predicted),
-                        tuple(float(t) for t in throughput))
+        return Decision(tuple(sizes.tolist()), reason, tuple(predicted.tolist()), tuple(throughput.tolist()))
 
 
 class StaticProportionalPolicy(LBBSPPolicy):
@@ -241,8 +240,8 @@ class OraclePolicy(LBBSPPolicy):
         if self._caps is not None:
             upper = np.maximum(np.minimum(upper, self._caps), lower)
         sizes = allocate(self._truth, config.global_batch, lower, upper)
-        return Decision(tuple(int(s) for s in sizes), "true speeds of the coming iteration",
-                        tuple(float(t) for t in self._truth.time(sizes)))
+        return Decision(tuple(sizes.tolist()), "true speeds of the coming iteration",
+                        tuple(self._truth.time(sizes).tolist()))
 
 
 __all__ = ["BSPPolicy", "BackupWorkersPolicy", "Decision", "LBBSPPolicy", "LeaderStragglerPolicy",

@@ -76,12 +76,16 @@ class AutoCapacityModel(CapacityModel):
             self.models_ = chosen
             self.kind_: dict[int, str] = {}
         self._remember_hardware(reports)
-        by_kind: dict[str, list[Report]] = {}
         for report in reports:
-            kind = self.kind_.setdefault(report.worker, (self.kinds or {}).get(report.worker) or worker_kind(report))
-            by_kind.setdefault(kind, []).append(report)
+            if report.worker not in self.kind_:
+                self.kind_[report.worker] = (self.kinds or {}).get(report.worker) or worker_kind(report)
+                self._groups_cache = None
+        by_kind: dict[str, list[Report]] = {kind: [] for kind in KINDS}
+        for report in reports:
+            by_kind[self.kind_[report.worker]].append(report)
         for kind, group in by_kind.items():
-            self.models_[kind].partial_fit(group)
+            if group:
+                self.models_[kind].partial_fit(group)
         return self
 
     def predict(self, workers: Sequence[int]) -> np.ndarray:
@@ -96,34 +100,42 @@ class AutoCapacityModel(CapacityModel):
     def explore(self, workers: Sequence[int], sizes: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
         self._check_is_fitted("models_")
         out = np.asarray(sizes, dtype=np.int64).copy()
-        for kind, positions in self._groups(workers).items():
-            ids = [workers[p] for p in positions]
-            out[positions] = self.models_[kind].explore(ids, out[positions], np.asarray(lower)[positions],
+        ids = np.asarray(workers, dtype=np.int64).reshape(-1)
+        for kind, positions in self._groups(ids).items():
+            out[positions] = self.models_[kind].explore(ids[positions], out[positions], np.asarray(lower)[positions],
                                                         np.asarray(upper)[positions])
         return out
 
     def time_model(self, workers: Sequence[int]) -> TimeModel:
         self._check_is_fitted("models_")
-        workers = list(workers)
-        groups = self._groups(workers)
+        ids = np.asarray(workers, dtype=np.int64).reshape(-1)
+        groups = self._groups(ids)
         if len(groups) == 1:
-            return self.models_[next(iter(groups))].time_model(workers)
-        return MixedTime(tuple((positions, self.models_[kind].time_model([workers[p] for p in positions]))
-                               for kind, positions in groups.items()), len(workers))
+            return self.models_[next(iter(groups))].time_model(ids)
+        return MixedTime(tuple((positions, self.models_[kind].time_model(ids[positions]))
+                               for kind, positions in groups.items()), ids.size)
 
-    def _groups(self, workers: Sequence[int]) -> dict[str, np.ndarray]:
-        """Positions of each kind in ``workers``; a worker never seen joins the most common kind."""
-        kinds = [self.kind_.get(int(w)) for w in workers]
+    def _groups(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """Positions of each kind in ``ids``; a worker never seen joins the most common kind. Cached until a
+        new worker reports, since a decision asks several times for the same workers."""
+        key = ids.tobytes()
+        cached = getattr(self, "_groups_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        kinds = [self.kind_.get(w) for w in ids.tolist()]
         seen = [k for k in kinds if k is not None]
         common = max(set(seen), key=seen.count) if seen else "cpu"
         labels = np.array([k or common for k in kinds])
-        return {kind: np.flatnonzero(labels == kind) for kind in KINDS if (labels == kind).any()}
+        groups = {kind: np.flatnonzero(labels == kind) for kind in KINDS if (labels == kind).any()}
+        self._groups_cache = (key, groups)
+        return groups
 
-    def _per_kind(self, workers: Sequence[int], ask: Callable[[CapacityModel, list[int]], np.ndarray],
+    def _per_kind(self, workers: Sequence[int], ask: Callable[[CapacityModel, np.ndarray], np.ndarray],
                   fill: float) -> np.ndarray:
-        out = np.full(len(workers), fill, dtype=float)
-        for kind, positions in self._groups(workers).items():
-            out[positions] = ask(self.models_[kind], [int(workers[p]) for p in positions])
+        ids = np.asarray(workers, dtype=np.int64).reshape(-1)
+        out = np.full(ids.size, fill, dtype=float)
+        for kind, positions in self._groups(ids).items():
+            out[positions] = ask(self.models_[kind], ids[positions])
         return out
 
 

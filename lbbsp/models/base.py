@@ -113,11 +113,44 @@ class CapacityModel:
             if report.worker not in self.hardware_:  # hardware does not change under a running worker
                 self.hardware_[report.worker] = hardware_of(report)
 
-    def _with_prior(self, values: Mapping[int, float], workers: Sequence[int]) -> np.ndarray:
-        """``values`` per worker, the similar-hardware prior where a worker has none."""
-        out = np.array([values.get(int(w), np.nan) for w in workers], dtype=float)
+    def _with_prior(self, values: Mapping[int, float] | np.ndarray, workers: Sequence[int]) -> np.ndarray:
+        """``values`` per worker (a mapping, or an array indexed by worker id with NaN where unknown), the
+        similar-hardware prior where a worker has none."""
+        ids = np.asarray(workers, dtype=np.int64).reshape(-1)
+        if isinstance(values, np.ndarray):
+            out = np.full(ids.size, np.nan)
+            inside = ids < values.size
+            out[inside] = values[ids[inside]]
+        else:
+            out = np.fromiter((values.get(w, np.nan) for w in ids.tolist()), dtype=float, count=ids.size)
         missing = ~np.isfinite(out)
         if missing.any():
-            unknown = [workers[i] for i in np.flatnonzero(missing)]
-            out[missing] = similar_hardware_prior(values, getattr(self, "hardware_", {}), unknown)
+            if isinstance(values, np.ndarray):
+                finite = np.flatnonzero(np.isfinite(values))
+                values = dict(zip(finite.tolist(), values[finite].tolist()))
+            out[missing] = similar_hardware_prior(values, getattr(self, "hardware_", {}), ids[missing].tolist())
         return out
+
+
+def smoothed(table: np.ndarray | None, workers: np.ndarray, values: np.ndarray, alpha: float) -> np.ndarray:
+    """A per-worker-id table (NaN where unknown, grown as ids appear) with ``values`` blended in at ``workers``
+    by exponential weighting: alpha * new + (1 - alpha) * old, the first value taken as is. Pure function."""
+    size = int(workers.max()) + 1 if workers.size else 0
+    if table is None:
+        table = np.full(size, np.nan)
+    elif table.size < size:
+        table = np.concatenate([table, np.full(size - table.size, np.nan)])
+    else:
+        table = table.copy()
+    previous = table[workers]
+    table[workers] = np.where(np.isnan(previous), values, alpha * values + (1 - alpha) * previous)
+    return table
+
+
+def measured_throughput(reports: Sequence[Report]) -> tuple[np.ndarray, np.ndarray]:
+    """(worker ids, samples per second) of the reports that measured something, as arrays."""
+    pairs = [(r.worker, r.samples / r.compute_s) for r in reports if r.samples > 0 and r.compute_s > 0]
+    if not pairs:
+        return np.empty(0, dtype=np.int64), np.empty(0)
+    workers, throughput = zip(*pairs)
+    return np.array(workers, dtype=np.int64), np.array(throughput, dtype=float)

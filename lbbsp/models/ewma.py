@@ -7,7 +7,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel
+from .base import CapacityModel, measured_throughput, smoothed
 
 
 class EWMAThroughput(CapacityModel):
@@ -19,17 +19,10 @@ class EWMAThroughput(CapacityModel):
     def partial_fit(self, reports: Sequence[Report]) -> "EWMAThroughput":
         if not 0 < self.alpha <= 1:
             raise ConfigError(f"alpha must be in (0, 1], got {self.alpha}")
-        if not hasattr(self, "throughput_"):
-            self.throughput_: dict[int, float] = {}
         self._remember_hardware(reports)
-        for report in reports:
-            measured = report.throughput
-            if measured <= 0:
-                continue  # nothing computed (an empty final slice): no information about speed
-            previous = self.throughput_.get(report.worker)
-            self.throughput_[report.worker] = (
-                measured if previous is None else self.alpha * measured + (1 - self.alpha) * previous
-            )
+        # a report that computed nothing (an empty final slice) says nothing about speed
+        workers, measured = measured_throughput(reports)
+        self.throughput_ = smoothed(getattr(self, "throughput_", None), workers, measured, self.alpha)
         return self
 
     def predict(self, workers: Sequence[int]) -> np.ndarray:

@@ -12,7 +12,7 @@ import numpy as np
 from ..allocation import LinearTime
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel
+from .base import CapacityModel, measured_throughput, smoothed
 
 
 class FLClientModel(CapacityModel):
@@ -33,16 +33,13 @@ class FLClientModel(CapacityModel):
             raise ConfigError(f"local_steps must be a positive integer, got {self.local_steps!r}")
         if not 0 < self.alpha <= 1:
             raise ConfigError(f"alpha must be in (0, 1], got {self.alpha}")
-        if not hasattr(self, "speed_"):
-            self.speed_: dict[int, float] = {}
-            self.transfer_s_: dict[int, float] = {}
         self._remember_hardware(reports)
-        for report in reports:
-            if report.throughput > 0:
-                self._update(self.speed_, report.worker, report.throughput)
-            transfer = self._transfer_seconds(report)
-            if transfer is not None:
-                self._update(self.transfer_s_, report.worker, transfer)
+        workers, measured = measured_throughput(reports)
+        self.speed_ = smoothed(getattr(self, "speed_", None), workers, measured, self.alpha)
+        transfers = [(r.worker, seconds) for r in reports if (seconds := self._transfer_seconds(r)) is not None]
+        ids = np.array([worker for worker, _ in transfers], dtype=np.int64)
+        seconds = np.array([seconds for _, seconds in transfers], dtype=float)
+        self.transfer_s_ = smoothed(getattr(self, "transfer_s_", None), ids, seconds, self.alpha)
         return self
 
     def predict(self, workers: Sequence[int]) -> np.ndarray:
@@ -60,10 +57,6 @@ class FLClientModel(CapacityModel):
         speed = self.predict(workers)
         speed = np.where(np.isfinite(speed) & (speed > 0), speed, 1.0)
         return LinearTime(speed / self.local_steps, overhead=self.transfer_s(workers))
-
-    def _update(self, table: dict[int, float], worker: int, value: float) -> None:
-        previous = table.get(worker)
-        table[worker] = value if previous is None else self.alpha * value + (1 - self.alpha) * previous
 
     def _transfer_seconds(self, report: Report) -> float | None:
         features = report.features

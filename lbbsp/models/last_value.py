@@ -6,7 +6,7 @@ from typing import Sequence
 import numpy as np
 
 from ..protocol import Report
-from .base import CapacityModel
+from .base import CapacityModel, measured_throughput, smoothed
 
 
 class LastValue(CapacityModel):
@@ -16,12 +16,9 @@ class LastValue(CapacityModel):
         pass
 
     def partial_fit(self, reports: Sequence[Report]) -> "LastValue":
-        if not hasattr(self, "throughput_"):
-            self.throughput_: dict[int, float] = {}
         self._remember_hardware(reports)
-        for report in reports:
-            if report.throughput > 0:
-                self.throughput_[report.worker] = report.throughput
+        workers, measured = measured_throughput(reports)
+        self.throughput_ = smoothed(getattr(self, "throughput_", None), workers, measured, alpha=1.0)
         return self
 
     def predict(self, workers: Sequence[int]) -> np.ndarray:
