@@ -1,10 +1,13 @@
 """GPU workers: a batch-time curve per worker (flat while under-used, then linear) and a memory cap.
 
 Speed on a dedicated GPU is stable, but time(batch) is not proportional to the batch: small batches leave
-the device under-used, so the time stays flat up to a knee and grows linearly after it. Each worker's last
-``window`` (batch, seconds) measurements are fitted with the best hinge whose knee is 0 or one of the
-measured sizes (non-negative slope, so the fit is monotone, i.e. isotonic). Memory: bytes = a + b * batch is
-fitted from the reported ``gpu_mem_used`` and capped at (1 - memory_margin) of used + free.
+the device under-used, so the time stays flat up to a knee and grows linearly after it. Each worker keeps
+``window`` slots of distinct batch sizes, each holding the decayed-weight mean time and GPU memory measured
+at that size. Repeats of a size average the noise out instead of pushing old sizes out, and when a new size
+needs a slot the two closest sizes merge, so the widest spread of sizes (what pins the slope) survives a
+long run at one size. The slots are fitted with the best hinge whose knee is 0 or one of the slot sizes
+(non-negative slope, so the fit is monotone). Memory: bytes = a + b * batch is fitted from the slots' mean
+``gpu_mem_used`` and capped at (1 - memory_margin) of used + free.
 """
 from __future__ import annotations
 
@@ -20,37 +23,49 @@ from .base import CapacityModel
 _NO_CAP = np.iinfo(np.int64).max // 4
 
 
-def fit_hinge(sizes: np.ndarray, times: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Least-squares hinge  t = base + slope * max(x - knee, 0)  per row, slope >= 0; knee from {0} and the row's
-    sizes. Arrays are (workers, window). A row with a single distinct size says nothing about the shape: it
-    gets the proportional line through the origin (the CPU assumption) until exploration adds a second
-    size. Pure function."""
+def fit_hinge(sizes: np.ndarray, times: np.ndarray, weight: np.ndarray,
+              knee: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Weighted least-squares hinge  t = base + slope * max(x - knee, 0)  per row, slope >= 0.
+
+    Arrays are (workers, points); ``weight`` 0 (or False) marks an absent point. Without ``knee`` the knee
+    is 0 or one of the row's sizes above its smallest (so some points lie on the flat part), taken only
+    when it fits clearly better than the straight line; with ``knee`` the rows are refitted at that knee.
+    A row with a single distinct size says nothing about the shape: it gets the proportional line through
+    the origin (the CPU assumption). Pure function.
+    """
+    w = np.asarray(weight, dtype=float)
+    present = w > 0
     n = sizes.shape[0]
-    weight = valid.astype(float)
-    knees = np.concatenate([np.zeros((n, 1)), np.where(valid, sizes, 0.0)], axis=1)  # (n, J)
-    z = np.maximum(sizes[:, None, :] - knees[:, :, None], 0.0) * weight[:, None, :]  # (n, J, W)
-    t = np.where(valid, times, 0.0)
-    s_w = weight.sum(1)[:, None]
-    s_z, s_zz = z.sum(2), (z * z).sum(2)
-    s_t, s_zt = t.sum(1)[:, None], (z * t[:, None, :]).sum(2)
+    if knee is None:
+        knees = np.concatenate([np.zeros((n, 1)), np.where(present, sizes, 0.0)], axis=1)  # (n, J)
+    else:
+        knees = np.asarray(knee, dtype=float).reshape(n, 1)
+    z = np.maximum(sizes[:, None, :] - knees[:, :, None], 0.0)  # (n, J, P)
+    t = np.where(present, times, 0.0)
+    wz = z * w[:, None, :]
+    s_w, s_t = w.sum(1)[:, None], (w * t).sum(1)[:, None]
+    s_z, s_zz, s_zt = wz.sum(2), (wz * z).sum(2), (wz * t[:, None, :]).sum(2)
     det = s_w * s_zz - s_z ** 2
     with np.errstate(divide="ignore", invalid="ignore"):
         slope = np.where(det > 1e-9 * np.maximum(s_w * s_zz, 1e-300), (s_w * s_zt - s_z * s_t) / det, 0.0)
         slope = np.maximum(slope, 0.0)
-        base = (s_t - slope * s_z) / np.maximum(s_w, 1.0)
-    residual = (t[:, None, :] - base[:, :, None] - slope[:, :, None] * z) * weight[:, None, :]
-    sse = (residual ** 2).sum(2)
-    smallest = np.where(valid, sizes, np.inf).min(1)
-    # A knee must sit above the smallest size (flat observations exist) and fit clearly better than the line.
-    tolerance = 0.99 * sse[:, :1] - 1e-12 * (t * t).sum(1)[:, None]
-    sse[:, 1:] = np.where((knees[:, 1:] > smallest[:, None]) & (sse[:, 1:] < tolerance), sse[:, 1:], np.inf)
-    pick = np.arange(n), np.argmin(sse, axis=1)
-    base, knee, slope = np.maximum(base[pick], 1e-9), knees[pick], slope[pick]
-    spread = np.where(valid, sizes, -np.inf).max(1) - np.where(valid, sizes, np.inf).min(1)
+        base = (s_t - slope * s_z) / np.where(s_w > 0, s_w, 1.0)
+    if knee is None:
+        residual = t[:, None, :] - base[:, :, None] - slope[:, :, None] * z
+        sse = (w[:, None, :] * residual ** 2).sum(2)
+        smallest = np.where(present, sizes, np.inf).min(1)
+        # A knee must sit above the smallest size (flat observations exist) and fit clearly better than the line.
+        tolerance = 0.99 * sse[:, :1] - 1e-12 * (w * t * t).sum(1)[:, None]
+        sse[:, 1:] = np.where((knees[:, 1:] > smallest[:, None]) & (sse[:, 1:] < tolerance), sse[:, 1:], np.inf)
+        pick = np.arange(n), np.argmin(sse, axis=1)
+    else:
+        pick = np.arange(n), np.zeros(n, dtype=np.int64)
+    base, knee_out, slope = np.maximum(base[pick], 1e-9), knees[pick], slope[pick]
+    spread = np.where(present, sizes, -np.inf).max(1) - np.where(present, sizes, np.inf).min(1)
     single = ~(spread > 0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        proportional = (t / np.maximum(sizes, 1.0)).sum(1) / np.maximum(weight.sum(1), 1.0)
-    return np.where(single, 1e-9, base), np.where(single, 0.0, knee), np.where(single, proportional, slope)
+        proportional = (w * t / np.maximum(sizes, 1.0)).sum(1) / np.where(s_w[:, 0] > 0, s_w[:, 0], 1.0)
+    return np.where(single, 1e-9, base), np.where(single, 0.0, knee_out), np.where(single, proportional, slope)
 
 
 def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budget: np.ndarray) -> np.ndarray:
@@ -79,55 +94,64 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
 
 
 class BatchTimeCurve(CapacityModel):
-    """Per-worker hinge curve time(batch) and memory cap, from a sliding window of measurements."""
+    """Per-worker hinge curve time(batch) and memory cap, from ``window`` slots of distinct batch sizes.
 
-    def __init__(self, window: int = 8, *, memory_margin: float = 0.05, explore_fraction: float = 0.05) -> None:
+    ``half_life``: iterations after which a measurement counts half, so a curve follows a GPU that slows
+    down. A worker's curve is *known* once its sizes span ``explore_fraction`` / 2 of its largest size (at
+    least one sample); until then ``explore`` moves ``explore_fraction`` of a batch between such workers.
+    """
+
+    def __init__(self, window: int = 8, *, memory_margin: float = 0.05, explore_fraction: float = 0.05,
+                 half_life: float = 20.0) -> None:
         self.window = window
         self.memory_margin = memory_margin
         self.explore_fraction = explore_fraction
+        self.half_life = half_life
 
     def partial_fit(self, reports: Sequence[Report]) -> "BatchTimeCurve":
-        if not hasattr(self, "sizes_"):
-            if not isinstance(self.window, int) or self.window < 2:
-                raise ConfigError(f"window must be an integer >= 2, got {self.window!r}")
-            if not 0 <= self.memory_margin < 1:
-                raise ConfigError(f"memory_margin must be in [0, 1), got {self.memory_margin}")
-            self.sizes_ = np.zeros((0, self.window))
-            self.times_ = np.zeros((0, self.window))
-            self.mem_used_ = np.full((0, self.window), np.nan)
-            self.mem_total_ = np.full(0, np.nan)
-            self.count_ = np.zeros(0, dtype=np.int64)
+        if not hasattr(self, "slot_size_"):
+            self._check_params()
+            self.slot_size_ = np.zeros((0, self.window))
+            self.slot_time_ = np.zeros((0, self.window))
+            self.slot_mem_ = np.full((0, self.window), np.nan)
+            self.slot_weight_ = np.zeros((0, self.window))
         self._remember_hardware(reports)
         measured = [r for r in reports if r.samples > 0 and r.compute_s > 0]
         if not measured:
             return self
-        workers = np.array([r.worker for r in measured], dtype=np.int64)
-        self._grow(int(workers.max()) + 1)
-        used = np.array([r.features.get("gpu_mem_used", np.nan) for r in measured])
-        free = np.array([r.features.get("gpu_mem_free", np.nan) for r in measured])
-        self.sizes_[workers] = np.column_stack([self.sizes_[workers, 1:], [r.samples for r in measured]])
-        self.times_[workers] = np.column_stack([self.times_[workers, 1:], [r.compute_s for r in measured]])
-        self.mem_used_[workers] = np.column_stack([self.mem_used_[workers, 1:], used])
-        self.mem_total_[workers] = np.where(np.isfinite(used + free), used + free, self.mem_total_[workers])
-        self.count_[workers] += 1
-        valid = self._valid(workers)
-        base, knee, slope = fit_hinge(self.sizes_[workers], self.times_[workers], valid)
-        window = np.where(valid, self.sizes_[workers], np.nan)
-        shaped = np.nanmax(window, axis=1) > np.nanmin(window, axis=1)
-        keep = ~shaped & self.known_[workers]  # a window of one size says less than the curve already known
-        self.base_[workers] = np.where(keep, self.base_[workers], base)
-        self.knee_[workers] = np.where(keep, self.knee_[workers], knee)
-        self.slope_[workers] = np.where(keep, self.slope_[workers], slope)
-        self.known_[workers] |= shaped
+        rows = np.array([r.worker for r in measured], dtype=np.int64)
+        self._grow(int(rows.max()) + 1)
+        size = np.array([r.samples for r in measured], dtype=float)
+        seconds = np.array([r.compute_s for r in measured])
+        used = np.array([r.features.get("gpu_mem_used", np.nan) for r in measured], dtype=float)
+        free = np.array([r.features.get("gpu_mem_free", np.nan) for r in measured], dtype=float)
+        new_size = self._record(rows, size, seconds, used)
+        self.latest_[rows] = size
+        self.count_[rows] += 1
+        self.mem_total_[rows] = np.where(np.isfinite(used + free), used + free, self.mem_total_[rows])
+        # A new size can move the knee: search it again there (and, in turn, on 1/window of the workers,
+        # as the means drift); elsewhere refit the line at the knee already chosen.
+        search = new_size | ((self.count_[rows] + rows) % self.window == 0)
+        self._fit(rows[search], None)
+        self._fit(rows[~search], self.knee_[rows[~search]])
+        self._fit_memory(rows)
         return self
 
     def predict(self, workers: Sequence[int]) -> np.ndarray:
         """Throughput at each worker's latest batch size, as the curve predicts it."""
-        self._check_is_fitted("sizes_")
-        seen = np.flatnonzero(self.count_ > 0)
-        latest = self.sizes_[seen, -1]
-        known = dict(zip(seen.tolist(), (latest / self._curve(seen).time(latest)).tolist()))
-        return self._with_prior(known, list(workers))
+        self._check_is_fitted("slot_size_")
+        workers_arr = np.asarray(list(workers), dtype=np.int64)
+        seen = workers_arr < self.count_.size
+        seen[seen] = self.count_[workers_arr[seen]] > 0
+        out = np.full(workers_arr.size, np.nan)
+        ids = workers_arr[seen]
+        latest = self.latest_[ids]
+        out[seen] = latest / self._curve(ids).time(latest)
+        if not seen.all():  # cold start: the similar-hardware prior
+            known = np.flatnonzero(self.count_ > 0)
+            values = dict(zip(known.tolist(), (self.latest_[known] / self._curve(known).time(self.latest_[known])).tolist()))
+            out[~seen] = self._with_prior(values, workers_arr[~seen].tolist())
+        return out
 
     def time_model(self, workers: Sequence[int]) -> HingeTime:
         workers_arr = np.asarray(list(workers), dtype=np.int64)
@@ -140,53 +164,120 @@ class BatchTimeCurve(CapacityModel):
 
     def max_batch(self, workers: Sequence[int]) -> np.ndarray:
         """Largest batch each worker's GPU memory holds (with the margin); a huge number where unknown."""
-        self._check_is_fitted("sizes_")
+        self._check_is_fitted("slot_size_")
         workers_arr = np.asarray(list(workers), dtype=np.int64)
         inside = workers_arr < self.count_.size
-        caps = np.full(workers_arr.size, _NO_CAP, dtype=np.int64)
-        seen = workers_arr[inside]
-        if seen.size:
-            valid = self._valid(seen) & np.isfinite(self.mem_used_[seen])
-            budget = (1 - self.memory_margin) * self.mem_total_[seen]
-            caps[inside] = np.where(np.isfinite(budget),
-                                    fit_memory_cap(self.sizes_[seen], self.mem_used_[seen], valid,
-                                                   np.nan_to_num(budget)), _NO_CAP)
-        return caps
+        return np.where(inside, self.cap_[np.where(inside, workers_arr, 0)], _NO_CAP)
 
     def explore(self, workers: Sequence[int], sizes: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
-        """Move ``explore_fraction`` of a batch between pairs of workers whose curve is still unknown
-        (never two distinct sizes in one window), so the next reports reveal each slope; sum unchanged."""
-        self._check_is_fitted("sizes_")
+        """Move ``explore_fraction`` of a batch between pairs of workers of similar size whose curve is still
+        unknown and whose coming size would not reveal it either, so the next reports pin each slope; sum
+        unchanged. Stops for a worker once its curve is known."""
+        self._check_is_fitted("slot_size_")
+        sizes = np.asarray(sizes, dtype=np.int64)
         workers_arr = np.asarray(list(workers), dtype=np.int64)
         inside = workers_arr < self.count_.size
-        known = np.zeros(workers_arr.size, dtype=bool)
-        known[inside] = self.known_[workers_arr[inside]]
-        unknown = np.flatnonzero(~known)
-        return perturb_pairs(np.asarray(sizes, dtype=np.int64), unknown, self.explore_fraction, lower, upper)
+        ids = np.where(inside, workers_arr, 0)
+        present = self.slot_weight_[ids] > 0
+        low = np.where(present, self.slot_size_[ids], np.inf).min(1)
+        high = np.where(present, self.slot_size_[ids], -np.inf).max(1)
+        needed = self._needed_spread(np.maximum(high, sizes))
+        revealing = np.maximum(high, sizes) - np.minimum(low, sizes) >= needed
+        unknown = np.flatnonzero(inside & (self.count_[ids] > 0) & ~revealing)
+        unknown = unknown[np.argsort(sizes[unknown], kind="stable")]
+        return perturb_pairs(sizes, unknown, self.explore_fraction, lower, upper)
+
+    def _check_params(self) -> None:
+        if not isinstance(self.window, int) or self.window < 2:
+            raise ConfigError(f"window must be an integer >= 2, got {self.window!r}")
+        if not 0 <= self.memory_margin < 1:
+            raise ConfigError(f"memory_margin must be in [0, 1), got {self.memory_margin}")
+        if not self.half_life > 0:
+            raise ConfigError(f"half_life must be positive, got {self.half_life}")
+
+    def _needed_spread(self, largest: np.ndarray) -> np.ndarray:
+        """The span of sizes that makes a curve known: explore_fraction / 2 of the largest, at least 1."""
+        return np.maximum(1.0, 0.5 * self.explore_fraction * largest)
+
+    def _record(self, rows: np.ndarray, size: np.ndarray, seconds: np.ndarray, used: np.ndarray) -> np.ndarray:
+        """Decay the rows' weights and add one measurement each to the slot of its size (a new slot, merging
+        the two closest sizes when all are taken). Returns which rows got a new slot."""
+        sizes, times, mem = self.slot_size_[rows], self.slot_time_[rows], self.slot_mem_[rows]
+        weight = self.slot_weight_[rows] * 0.5 ** (1.0 / self.half_life)
+        match = (sizes == size[:, None]) & (weight > 0)
+        new = ~match.any(1)
+        if new.any():
+            fresh = np.flatnonzero(new)
+            full = fresh[(weight[fresh] > 0).all(1)]
+            if full.size:
+                _merge_closest(sizes, times, mem, weight, full)
+            slot = np.argmin(weight[fresh] > 0, axis=1)  # first empty slot
+            sizes[fresh, slot], times[fresh, slot], mem[fresh, slot] = size[fresh], 0.0, np.nan
+            match[fresh] = False
+            match[fresh, slot] = True
+        at = np.arange(rows.size), np.argmax(match, axis=1)
+        before = weight[at]
+        times[at] = (before * times[at] + seconds) / (before + 1.0)
+        old_mem = mem[at]
+        mem[at] = np.where(np.isfinite(used), np.where(np.isfinite(old_mem), (before * old_mem + used) / (before + 1.0),
+                                                       used), old_mem)
+        weight[at] = before + 1.0
+        self.slot_size_[rows], self.slot_time_[rows], self.slot_mem_[rows] = sizes, times, mem
+        self.slot_weight_[rows] = weight
+        return new
+
+    def _fit(self, rows: np.ndarray, knee: np.ndarray | None) -> None:
+        if rows.size:
+            weight = self.slot_weight_[rows]
+            self.base_[rows], self.knee_[rows], self.slope_[rows] = fit_hinge(
+                self.slot_size_[rows], self.slot_time_[rows], weight, knee)
+            self.observed_max_[rows] = np.where(weight > 0, self.slot_size_[rows], 0.0).max(1)
+
+    def _fit_memory(self, rows: np.ndarray) -> None:
+        mem = self.slot_mem_[rows]
+        valid = (self.slot_weight_[rows] > 0) & np.isfinite(mem)
+        budget = (1 - self.memory_margin) * self.mem_total_[rows]
+        caps = fit_memory_cap(self.slot_size_[rows], mem, valid, np.nan_to_num(budget))
+        self.cap_[rows] = np.where(np.isfinite(budget) & valid.any(1), caps, _NO_CAP)
 
     def _grow(self, size: int) -> None:
-        extra = size - self.count_.size
+        extra = size - self.slot_size_.shape[0]
         if extra > 0:
-            self.sizes_ = np.vstack([self.sizes_, np.zeros((extra, self.window))])
-            self.times_ = np.vstack([self.times_, np.zeros((extra, self.window))])
-            self.mem_used_ = np.vstack([self.mem_used_, np.full((extra, self.window), np.nan)])
-            self.mem_total_ = np.concatenate([self.mem_total_, np.full(extra, np.nan)])
-            self.count_ = np.concatenate([self.count_, np.zeros(extra, dtype=np.int64)])
-            for name in ("base_", "knee_", "slope_"):
-                setattr(self, name, np.concatenate([getattr(self, name, np.zeros(0)), np.zeros(extra)]))
-            self.known_ = np.concatenate([getattr(self, "known_", np.zeros(0, dtype=bool)), np.zeros(extra, dtype=bool)])
+            for name, fill in (("slot_size_", 0.0), ("slot_time_", 0.0), ("slot_mem_", np.nan), ("slot_weight_", 0.0)):
+                setattr(self, name, np.vstack([getattr(self, name), np.full((extra, self.window), fill)]))
+            for name, fill, dtype in (("mem_total_", np.nan, float), ("count_", 0, np.int64), ("latest_", 0.0, float),
+                                      ("base_", 0.0, float), ("knee_", 0.0, float), ("slope_", 0.0, float),
+                                      ("observed_max_", 0.0, float), ("cap_", _NO_CAP, np.int64)):
+                setattr(self, name, np.concatenate([getattr(self, name, np.zeros(0, dtype=dtype)),
+                                                    np.full(extra, fill, dtype=dtype)]))
 
-    def _valid(self, workers: np.ndarray) -> np.ndarray:
-        filled = np.minimum(self.count_[workers], self.window)
-        return np.arange(self.window)[None, :] >= (self.window - filled)[:, None]
-
-    def _curve(self, workers: Sequence[int] | np.ndarray) -> HingeTime:
-        workers_arr = np.asarray(workers, dtype=np.int64)
-        inside = workers_arr < self.count_.size
-        safe = np.where(inside, workers_arr, 0)
-        observed = np.where(inside, np.where(self._valid(safe), self.sizes_[safe], 0.0).max(axis=1), 0.0)
+    def _curve(self, workers: np.ndarray) -> HingeTime:
+        inside = workers < self.count_.size
+        if inside.all():
+            return HingeTime(self.base_[workers], self.knee_[workers], self.slope_[workers],
+                             self.observed_max_[workers])
+        safe = np.where(inside, workers, 0)
         return HingeTime(np.where(inside, self.base_[safe], 0.0), np.where(inside, self.knee_[safe], 0.0),
-                         np.where(inside, self.slope_[safe], 0.0), observed)
+                         np.where(inside, self.slope_[safe], 0.0), np.where(inside, self.observed_max_[safe], 0.0))
+
+
+def _merge_closest(sizes: np.ndarray, times: np.ndarray, mem: np.ndarray, weight: np.ndarray,
+                   rows: np.ndarray) -> None:
+    """In each of ``rows`` (all slots taken), merge the two sizes closest in ratio into one weighted slot
+    and empty the other, in place."""
+    order = np.argsort(sizes[rows], axis=1)
+    ordered = np.take_along_axis(sizes[rows], order, axis=1)
+    k = np.argmin(np.diff(ordered, axis=1) / ordered[:, 1:], axis=1)
+    r = np.arange(rows.size)
+    keep, drop = (rows, order[r, k]), (rows, order[r, k + 1])
+    w_keep, w_drop = weight[keep], weight[drop]
+    total = w_keep + w_drop
+    sizes[keep] = (w_keep * sizes[keep] + w_drop * sizes[drop]) / total
+    times[keep] = (w_keep * times[keep] + w_drop * times[drop]) / total
+    m_keep, m_drop = mem[keep], mem[drop]
+    mem[keep] = np.where(np.isfinite(m_keep) & np.isfinite(m_drop), (w_keep * m_keep + w_drop * m_drop) / total,
+                         np.where(np.isfinite(m_keep), m_keep, m_drop))
+    weight[keep], weight[drop], sizes[drop] = total, 0.0, 0.0
 
 
 def perturb_pairs(sizes: np.ndarray, who: np.ndarray, fraction: float, lower: np.ndarray,
