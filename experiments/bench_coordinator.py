@@ -5,7 +5,8 @@ Critical path: N worker processes 'compute' (sleep --compute-ms), send their rep
 while the coordinator runs in this process. Added time = the report call plus the wait for the next vector
 after the barrier, for the slowest worker of each iteration. With lag 2 (the default) the decision overlaps
 the next iteration; with lag 1 it does not. The floor row does one plain Redis GET instead. Decision time:
-the policy's prediction + allocation, and the whole coordinator step with Redis I/O and validation.
+the policy's prediction + allocation with each real capacity model in steady state, and the whole coordinator
+step with Redis I/O and validation.
 
     python experiments/bench_coordinator.py [--iterations 200] [--workers 4 16 64]
 """
@@ -14,10 +15,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import time
+from typing import Callable, Sequence
 
 import numpy as np
 
 from lbbsp import Coordinator, EmbeddedRedis, JobConfig, LBBSPPolicy, Report, Store, WorkerClient
+from lbbsp.models import AutoCapacityModel, BatchTimeCurve, CapacityModel, EWMAThroughput, FLClientModel, NARXThroughput
+from lbbsp.policies import Decision, Policy
 
 FORK = mp.get_context("fork")
 
@@ -64,30 +68,73 @@ def critical_path(url: str, workers: int, iterations: int, lag: int, compute_s: 
     return added.max(axis=1)[5:]  # the slowest worker's added time, per iteration; skip warm-up
 
 
-def decision_times(url: str, workers: int, repeats: int) -> tuple[np.ndarray, np.ndarray]:
-    """(policy observe+decide, whole coordinator step with Redis) in seconds, ``repeats`` times each."""
+class _Timed(Policy):
+    """Runs a policy and adds up the seconds its observe and decide take (prediction + allocation)."""
+
+    def __init__(self, inner: Policy) -> None:
+        self.inner, self.name, self.seconds = inner, inner.name, 0.0
+
+    def observe(self, reports: Sequence[Report]) -> None:
+        started = time.perf_counter()
+        self.inner.observe(reports)
+        self.seconds += time.perf_counter() - started
+
+    def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
+        started = time.perf_counter()
+        decision = self.inner.decide(iteration, current, config)
+        self.seconds += time.perf_counter() - started
+        return decision
+
+
+#: The real capacity models, each with the kind of worker it is made for ("mixed": half GPUs, half CPUs).
+MODELS: dict[str, tuple[Callable[[], CapacityModel], str]] = {
+    "EWMA (baseline)": (EWMAThroughput, "cpu"),
+    "NARX (cpu)": (NARXThroughput, "cpu"),
+    "batch-time curve (gpu)": (BatchTimeCurve, "gpu"),
+    "FL client": (FLClientModel, "fl"),
+    "auto (half gpu, half cpu)": (AutoCapacityModel, "mixed"),
+}
+
+
+def _reports(job: str, kind: str, k: int, sizes: Sequence[int], speed: np.ndarray,
+             rng: np.random.Generator) -> list[Report]:
+    """One iteration's reports from workers of ``kind`` with drifting speeds, features as a worker sends them."""
+    now = speed * rng.lognormal(0.0, 0.05, speed.size)
+    out = []
+    for i, (size, s) in enumerate(zip(sizes, now.tolist())):
+        if kind == "gpu" or (kind == "mixed" and i % 2 == 0):
+            out.append(Report(job, i, k, size, 0.01 + max(size, 32) / s, device="cuda:0",
+                              features={"gpu_mem_used": 2e9 + 5e7 * size, "gpu_mem_free": 3e10 - 5e7 * size}))
+        elif kind == "fl":
+            out.append(Report(job, i, k, size, size / s, device="phone", features={"download_s": 1.0, "upload_s": 2.0}))
+        else:
+            out.append(Report(job, i, k, size, size / s, features={
+                "cpu_util": 0.5, "proc_cpu": 0.9, "colocated_load": float(i % 3), "mem_util": 0.4, "cores": 8}))
+    return out
+
+
+def decision_times(url: str, workers: int, model: Callable[[], CapacityModel], kind: str, warmup: int,
+                   repeats: int) -> tuple[np.ndarray, np.ndarray]:
+    """(policy observe+decide, whole coordinator step with Redis) in seconds, for ``repeats`` iterations after
+    ``warmup`` iterations that fill the model's history (steady state, as in a long run)."""
     config = JobConfig(f"decide-{workers}-{time.time_ns()}", workers, 64 * workers)
     rng = np.random.default_rng(0)
+    speed = rng.uniform(500, 5000, workers)
     sizes = config.initial_sizes()
     policy_s, step_s = [], []
     with Store.from_url(url, config.job) as store:
-        coordinator = Coordinator(store, config, LBBSPPolicy())
-        for k in range(repeats):
-            speeds = rng.uniform(500, 5000, workers)
-            reports = [Report(config.job, i, k, sizes[i], sizes[i] / speeds[i], features={"cpu_util": 0.5})
-                       for i in range(workers)]
-            policy = LBBSPPolicy()
-            policy.observe(reports[:1])
-            started = time.perf_counter()
-            policy.observe(reports)
-            policy.decide(k + 1, sizes, config)
-            policy_s.append(time.perf_counter() - started)
+        timed = _Timed(LBBSPPolicy(model()))
+        coordinator = Coordinator(store, config, timed)
+        for k in range(warmup + repeats):
             pipe = store.client.pipeline(transaction=False)
-            for report in reports:
+            for report in _reports(config.job, kind, k, sizes, speed, rng):
                 pipe.hset(store.key("reports", k), str(report.worker), report.to_json())
             pipe.execute()
+            timed.seconds = 0.0
             outcome = coordinator.decide(k)
-            step_s.append(outcome.decision_s)
+            if k >= warmup:
+                policy_s.append(timed.seconds)
+                step_s.append(outcome.decision_s)
             sizes = outcome.assignment.sizes
     return np.array(policy_s), np.array(step_s)
 
@@ -102,27 +149,32 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[4, 16, 64])
     parser.add_argument("--compute-ms", type=float, default=20.0, help="emulated compute per iteration")
     parser.add_argument("--decision-workers", type=int, nargs="+", default=[1024, 10_000])
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=30, help="iterations that fill each model's history first")
+    parser.add_argument("--repeats", type=int, default=20, help="timed decisions per model and size")
+    parser.add_argument("--skip-critical-path", action="store_true", help="only time the decisions")
     parser.add_argument("--redis", help="Redis URL (default: an embedded redis-server)")
     args = parser.parse_args()
     server = None if args.redis else EmbeddedRedis()
     url = args.redis or server.url
     try:
-        print("critical path added per iteration (report call + fetch of the next vector after the barrier; slowest worker)")
-        print("(floor: each worker only does one plain Redis GET, the least any coordination could cost here)")
-        print(f"{'lag':>5} {'workers':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
-        for lag in ("floor", 2, 1):
-            for n in args.workers:
-                added = critical_path(url, n, args.iterations, 2 if lag == "floor" else lag, args.compute_ms / 1e3,
-                                      floor=lag == "floor")
-                print(f"{lag:>5} {n:>8} {_ms(added, 50)} {_ms(added, 99)} {_ms(added, 100)}", flush=True)
-        print("\ndecision time (LB-BSP with EWMA)")
-        print(f"{'workers':>8} {'policy p50':>11} {'policy p99':>11} {'step p50':>9} {'step p99':>9}   (ms; step = "
-              "validation + Redis I/O + policy + write)")
-        for n in args.decision_workers:
-            policy_s, step_s = decision_times(url, n, args.repeats)
-            print(f"{n:>8} {_ms(policy_s, 50):>11} {_ms(policy_s, 99):>11} {_ms(step_s, 50):>9} {_ms(step_s, 99):>9}",
-                  flush=True)
+        if not args.skip_critical_path:
+            print("critical path added per iteration (report call + fetch of the next vector after the barrier; "
+                  "slowest worker)")
+            print("(floor: each worker only does one plain Redis GET, the least any coordination could cost here)")
+            print(f"{'lag':>5} {'workers':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+            for lag in ("floor", 2, 1):
+                for n in args.workers:
+                    added = critical_path(url, n, args.iterations, 2 if lag == "floor" else lag,
+                                          args.compute_ms / 1e3, floor=lag == "floor")
+                    print(f"{lag:>5} {n:>8} {_ms(added, 50)} {_ms(added, 99)} {_ms(added, 100)}", flush=True)
+        print(f"\ndecision time in steady state (after {args.warmup} iterations), LB-BSP with each real model")
+        print(f"{'model':<26} {'workers':>8} {'policy p50':>11} {'policy p99':>11} {'step p50':>9} {'step p99':>9}"
+              "   (ms; policy = prediction + allocation; step = + validation + Redis I/O + write)")
+        for name, (model, kind) in MODELS.items():
+            for n in args.decision_workers:
+                policy_s, step_s = decision_times(url, n, model, kind, args.warmup, args.repeats)
+                print(f"{name:<26} {n:>8} {_ms(policy_s, 50):>11} {_ms(policy_s, 99):>11} {_ms(step_s, 50):>9} "
+                      f"{_ms(step_s, 99):>9}", flush=True)
     finally:
         if server is not None:
             server.close()
