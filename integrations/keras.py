@@ -61,6 +61,18 @@ def task_index() -> int:
     return int(task.get("index", 0))
 
 
+def device_label() -> str:
+    """What this worker reports as its device: "gpu:<model>" for its first visible GPU, so that a joining
+    worker's cold-start prior comes from workers with the same GPU model, else "cpu"."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return "cpu"
+    name = tf.config.experimental.get_device_details(gpus[0]).get("device_name", "")
+    return f"gpu:{name}"[:64] if name else "gpu"
+
+
 class WorkerSession:
     """One worker's connection to its job: Redis, the coordinator (on worker 0) and a :class:`WorkerClient`.
 
@@ -86,7 +98,7 @@ class WorkerSession:
             store = Store(wait_for_redis(url, connect_timeout_s), config.job, ttl_s=config.ttl_s, owns_client=True)
             if worker == 0:
                 self.coordinator = CoordinatorProcess(url, config, policy)
-            self.client = WorkerClient(store, config, worker)
+            self.client = WorkerClient(store, config, worker, device=device_label())
         except BaseException:
             self.close()
             raise

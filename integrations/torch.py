@@ -128,7 +128,7 @@ class Balancer:
         if rank == 0 and coordinator:  # a child process: no GIL or pinned core shared with this rank
             running = CoordinatorProcess(url, config, policy)
         client = WorkerClient(store, config, rank, agree=functools.partial(agree_with_rank0, device=device),
-                              device=device.type)
+                              device=device_label(device))
         return cls(client, device=device, coordinator=running, owned=owned)
 
     # -- the data side --------------------------------------------------------------------------------------
@@ -249,6 +249,14 @@ def agree_with_rank0(assignment: Assignment, *, device: torch.device) -> Assignm
                 assignment.iteration, agreed)
     return Assignment(assignment.job, assignment.iteration, agreed, assignment.policy,
                       "rank 0's vector, agreed over the process group", fallback=True)
+
+
+def device_label(device: torch.device) -> str:
+    """What a rank reports as its device: "cuda:<GPU model>" on a GPU, so that a joining worker's cold-start
+    prior comes from workers with the same GPU model, and the device type elsewhere ("cpu")."""
+    if device.type != "cuda":
+        return device.type
+    return f"cuda:{torch.cuda.get_device_name(device)}"[:64]
 
 
 def _collective_device() -> torch.device:

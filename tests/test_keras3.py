@@ -47,6 +47,7 @@ def test_single_worker_fit_trains_and_reports(redis_url: str, job: str, pipeline
     config = JobConfig(job, num_workers=1, global_batch=32)
     x, y = _data()
     with WorkerSession(config, 0, url=redis_url) as session:
+        assert session.client.device == "cpu"  # "gpu:<model>" where TensorFlow sees a GPU
         source = BalancedSource(x, y, config, 0, seed=1)
         data = source.py_dataset(workers=2, max_queue_size=8) if pipeline == "py_dataset" else source.tf_dataset()
         model = _model()

@@ -7,10 +7,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from lbbsp import ConfigError  # noqa: E402
+from lbbsp import ConfigError, Report  # noqa: E402
+from lbbsp.integrations.torch import device_label  # noqa: E402
 from lbbsp.integrations.demo import DemoConfig, load_on, parse_schedule  # noqa: E402
 from lbbsp.integrations.torch_data import PlannedBatch, _empty_like  # noqa: E402
 from lbbsp.integrations.torch_grad import ComputeClock, check_weighting, scaled_loss  # noqa: E402
+from lbbsp.models import EWMAThroughput  # noqa: E402
 
 
 def test_planned_batch_yields_the_plan_once() -> None:
@@ -59,3 +61,14 @@ def test_demo_flags_are_validated() -> None:
         DemoConfig(workers=1)
     with pytest.raises(ConfigError):
         DemoConfig(slow_worker=2)
+
+
+def test_device_label_names_the_gpu_model_so_cold_start_learns_from_the_same_model(monkeypatch) -> None:
+    assert device_label(torch.device("cpu")) == "cpu"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")  # no GPU here
+    a100 = device_label(torch.device("cuda", 3))
+    assert a100 == "cuda:NVIDIA A100-SXM4-80GB"
+    model = EWMAThroughput().partial_fit([Report("g", 0, 0, 100, 0.1, device=a100),
+                                          Report("g", 1, 0, 100, 1.0, device="cuda:Tesla V100-SXM2-16GB"),
+                                          Report("g", 2, 0, 0, 0.0, device=a100)])  # joins: nothing measured yet
+    assert model.predict([2])[0] == pytest.approx(1000.0)  # the A100's speed, not the V100's or a median
