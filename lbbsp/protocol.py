@@ -66,6 +66,11 @@ def _float(value: Any, name: str, lo: float, hi: float, **where: Any) -> float:
     return value
 
 
+def _in_range(value: Any, lo: float, hi: float) -> bool:
+    """The fast check: a plain int or float in [lo, hi] (NaN fails the range); anything else gets _float's."""
+    return type(value) in (int, float) and lo <= value <= hi
+
+
 def _str(value: Any, name: str, max_chars: int, **where: Any) -> str:
     if not isinstance(value, str):
         raise _fail(f"must be a string, got {type(value).__name__}", name, **where)
@@ -79,7 +84,7 @@ def _decode(data: bytes | str, kind: str, allowed: set[str], max_bytes: int) -> 
     if len(raw) > max_bytes:
         raise _fail(f"{kind} payload is {len(raw)} bytes, more than {max_bytes}", "payload")
     try:
-        obj = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        obj = _DECODER.decode(raw.decode("utf-8"))
     except ProtocolError:
         raise
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -97,6 +102,9 @@ def _decode(data: bytes | str, kind: str, allowed: set[str], max_bytes: int) -> 
 
 def _reject_constant(name: str) -> None:
     raise _fail(f"{name} is not allowed", "payload")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)  # one decoder: NaN and Infinity are refused
 
 
 def _require(obj: Mapping[str, Any], name: str) -> Any:
@@ -124,7 +132,7 @@ class Report:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        if isinstance(self.features, Mapping) and not isinstance(self.features, dict):
+        if not isinstance(self.features, dict) and isinstance(self.features, Mapping):
             object.__setattr__(self, "features", dict(self.features))
         self.validate()
 
@@ -144,17 +152,18 @@ class Report:
         _int(self.iteration, "iteration", 0, MAX_ITERATION, **where)
         where["iteration"] = self.iteration
         _int(self.samples, "samples", 0, MAX_BATCH, **where)
-        _float(self.compute_s, "compute_s", 0.0, MAX_SECONDS, **where)
-        if self.comm_s is not None:
-            _float(self.comm_s, "comm_s", 0.0, MAX_SECONDS, **where)
-        if self.wait_s is not None:
-            _float(self.wait_s, "wait_s", 0.0, MAX_SECONDS, **where)
+        for name, value, optional in (("compute_s", self.compute_s, False), ("comm_s", self.comm_s, True),
+                                      ("wait_s", self.wait_s, True)):
+            if not (optional and value is None or _in_range(value, 0.0, MAX_SECONDS)):
+                _float(value, name, 0.0, MAX_SECONDS, **where)  # raises, naming what is wrong
         if not isinstance(self.features, dict):
             raise _fail("must be an object", "features", **where)
         for name, value in self.features.items():
-            if name not in FEATURE_RANGES:
+            bounds = FEATURE_RANGES.get(name)
+            if bounds is None:
                 raise _fail(f"unknown feature {name!r}", f"features.{name}", **where)
-            _float(value, f"features.{name}", *FEATURE_RANGES[name], **where)
+            if not _in_range(value, *bounds):
+                _float(value, f"features.{name}", *bounds, **where)
         _str(self.device, "device", 64, **where)
         return self
 
