@@ -23,49 +23,53 @@ from .base import CapacityModel
 _NO_CAP = np.iinfo(np.int64).max // 4
 
 
-def fit_hinge(sizes: np.ndarray, times: np.ndarray, weight: np.ndarray,
-              knee: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def fit_hinge(sizes: np.ndarray, times: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Weighted least-squares hinge  t = base + slope * max(x - knee, 0)  per row, slope >= 0.
 
-    Arrays are (workers, points); ``weight`` 0 (or False) marks an absent point. Without ``knee`` the knee
-    is 0 or one of the row's sizes above its smallest (so some points lie on the flat part), taken only
-    when it fits clearly better than the straight line; with ``knee`` the rows are refitted at that knee.
-    A row with a single distinct size says nothing about the shape: it gets the proportional line through
-    the origin (the CPU assumption). Pure function.
+    Arrays are (workers, points); ``weight`` 0 (or False) marks an absent point. The knee is 0 or one of the
+    row's sizes above its smallest (so some points lie on the flat part), taken only when it fits clearly
+    better than the straight line. A row with a single distinct size says nothing about the shape: it gets
+    the proportional line through the origin (the CPU assumption). Pure function.
     """
     w = np.asarray(weight, dtype=float)
     present = w > 0
     n = sizes.shape[0]
-    if knee is None:
-        knees = np.concatenate([np.zeros((n, 1)), np.where(present, sizes, 0.0)], axis=1)  # (n, J)
-    else:
-        knees = np.asarray(knee, dtype=float).reshape(n, 1)
-    z = np.maximum(sizes[:, None, :] - knees[:, :, None], 0.0)  # (n, J, P)
+    knees = np.concatenate([np.zeros((n, 1)), np.where(present, sizes, 0.0)], axis=1)  # (n, J)
     t = np.where(present, times, 0.0)
-    wz = z * w[:, None, :]
-    s_w, s_t = w.sum(1)[:, None], (w * t).sum(1)[:, None]
-    s_z, s_zz, s_zt = wz.sum(2), (wz * z).sum(2), (wz * t[:, None, :]).sum(2)
+    base, slope, proportional = line_from_sums(hinge_sums(sizes[:, None, :], t[:, None, :], w[:, None, :],
+                                                          knees[:, :, None]))
+    z = np.maximum(sizes[:, None, :] - knees[:, :, None], 0.0)
+    sse = (w[:, None, :] * (t[:, None, :] - base[:, :, None] - slope[:, :, None] * z) ** 2).sum(2)
+    smallest = np.where(present, sizes, np.inf).min(1)
+    # A knee must sit above the smallest size (flat observations exist) and fit clearly better than the line.
+    tolerance = 0.99 * sse[:, :1] - 1e-12 * (w * t * t).sum(1)[:, None]
+    sse[:, 1:] = np.where((knees[:, 1:] > smallest[:, None]) & (sse[:, 1:] < tolerance), sse[:, 1:], np.inf)
+    pick = np.arange(n), np.argmin(sse, axis=1)
+    single = ~(np.where(present, sizes, -np.inf).max(1) > smallest)
+    return (np.where(single, 1e-9, np.maximum(base[pick], 1e-9)), np.where(single, 0.0, knees[pick]),
+            np.where(single, proportional[:, 0], slope[pick]))
+
+
+def hinge_sums(sizes: np.ndarray, times: np.ndarray, w: np.ndarray, knees: np.ndarray) -> np.ndarray:
+    """The weighted sums a hinge fit at ``knees`` needs, stacked on a new last axis: w, w t, w z, w z^2,
+    w z t and w t / x, with z = max(x - knee, 0). The points lie on the last axis of the inputs, the other
+    axes broadcast (one set of sums per knee). Sums of decayed measurements decay and grow one by one."""
+    z = np.maximum(sizes - knees, 0.0)
+    wz = w * z
+    return np.stack(np.broadcast_arrays(w.sum(-1), (w * times).sum(-1), wz.sum(-1), (wz * z).sum(-1),
+                                        (wz * times).sum(-1), (w * times / np.maximum(sizes, 1.0)).sum(-1)), axis=-1)
+
+
+def line_from_sums(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(base, slope, proportional slope) of the least-squares hinge at a fixed knee from :func:`hinge_sums`;
+    slope clipped at 0 (a flat fit where every point lies at or below the knee)."""
+    s_w, s_t, s_z, s_zz, s_zt, s_p = np.moveaxis(sums, -1, 0)
     det = s_w * s_zz - s_z ** 2
     with np.errstate(divide="ignore", invalid="ignore"):
         slope = np.where(det > 1e-9 * np.maximum(s_w * s_zz, 1e-300), (s_w * s_zt - s_z * s_t) / det, 0.0)
         slope = np.maximum(slope, 0.0)
-        base = (s_t - slope * s_z) / np.where(s_w > 0, s_w, 1.0)
-    if knee is None:
-        residual = t[:, None, :] - base[:, :, None] - slope[:, :, None] * z
-        sse = (w[:, None, :] * residual ** 2).sum(2)
-        smallest = np.where(present, sizes, np.inf).min(1)
-        # A knee must sit above the smallest size (flat observations exist) and fit clearly better than the line.
-        tolerance = 0.99 * sse[:, :1] - 1e-12 * (w * t * t).sum(1)[:, None]
-        sse[:, 1:] = np.where((knees[:, 1:] > smallest[:, None]) & (sse[:, 1:] < tolerance), sse[:, 1:], np.inf)
-        pick = np.arange(n), np.argmin(sse, axis=1)
-    else:
-        pick = np.arange(n), np.zeros(n, dtype=np.int64)
-    base, knee_out, slope = np.maximum(base[pick], 1e-9), knees[pick], slope[pick]
-    spread = np.where(present, sizes, -np.inf).max(1) - np.where(present, sizes, np.inf).min(1)
-    single = ~(spread > 0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        proportional = (w * t / np.maximum(sizes, 1.0)).sum(1) / np.where(s_w[:, 0] > 0, s_w[:, 0], 1.0)
-    return np.where(single, 1e-9, base), np.where(single, 0.0, knee_out), np.where(single, proportional, slope)
+        positive = np.where(s_w > 0, s_w, 1.0)
+        return (s_t - slope * s_z) / positive, slope, s_p / positive
 
 
 def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budget: np.ndarray) -> np.ndarray:
@@ -116,25 +120,31 @@ class BatchTimeCurve(CapacityModel):
             self.slot_mem_ = np.full((0, self.window), np.nan)
             self.slot_weight_ = np.zeros((0, self.window))
         self._remember_hardware(reports)
-        measured = [r for r in reports if r.samples > 0 and r.compute_s > 0]
+        nan = np.nan
+        measured = [(r.worker, r.samples, r.compute_s, r.features.get("gpu_mem_used", nan),
+                     r.features.get("gpu_mem_free", nan)) for r in reports if r.samples > 0 and r.compute_s > 0]
         if not measured:
             return self
-        rows = np.array([r.worker for r in measured], dtype=np.int64)
+        columns = np.array(measured, dtype=float)
+        rows = columns[:, 0].astype(np.int64)
+        size, seconds, used, free = columns[:, 1], columns[:, 2], columns[:, 3], columns[:, 4]
         self._grow(int(rows.max()) + 1)
-        size = np.array([r.samples for r in measured], dtype=float)
-        seconds = np.array([r.compute_s for r in measured])
-        used = np.array([r.features.get("gpu_mem_used", np.nan) for r in measured], dtype=float)
-        free = np.array([r.features.get("gpu_mem_free", np.nan) for r in measured], dtype=float)
         new_size = self._record(rows, size, seconds, used)
         self.latest_[rows] = size
         self.count_[rows] += 1
         self.mem_total_[rows] = np.where(np.isfinite(used + free), used + free, self.mem_total_[rows])
-        # A new size can move the knee: search it again there (and, in turn, on 1/window of the workers,
-        # as the means drift); elsewhere refit the line at the knee already chosen.
-        search = new_size | ((self.count_[rows] + rows) % self.window == 0)
-        self._fit(rows[search], None)
-        self._fit(rows[~search], self.knee_[rows[~search]])
-        self._fit_memory(rows)
+        # A new size can move the knee and the memory line: search and fit them again from the slots (and, in
+        # turn, on 1/(4 window) of the workers, as the means drift). Elsewhere the set of sizes is unchanged:
+        # decay the sums at the chosen knee and add the new measurement, O(1) per worker.
+        search = new_size | ((self.count_[rows] + rows) % (4 * self.window) == 0)
+        self._fit(rows[search])
+        self._fit_memory(rows[search])
+        rest = rows[~search]
+        z = np.maximum(size[~search] - self.knee_[rest], 0.0)
+        t = seconds[~search]
+        self.sums_[rest] = self._decay * self.sums_[rest] + np.column_stack(
+            [np.ones_like(z), t, z, z * z, z * t, t / size[~search]])
+        self._line(rest)
         return self
 
     def predict(self, workers: Sequence[int]) -> np.ndarray:
@@ -178,12 +188,10 @@ class BatchTimeCurve(CapacityModel):
         workers_arr = np.asarray(list(workers), dtype=np.int64)
         inside = workers_arr < self.count_.size
         ids = np.where(inside, workers_arr, 0)
-        present = self.slot_weight_[ids] > 0
-        low = np.where(present, self.slot_size_[ids], np.inf).min(1)
-        high = np.where(present, self.slot_size_[ids], -np.inf).max(1)
-        needed = self._needed_spread(np.maximum(high, sizes))
-        revealing = np.maximum(high, sizes) - np.minimum(low, sizes) >= needed
-        unknown = np.flatnonzero(inside & (self.count_[ids] > 0) & ~revealing)
+        unknown = np.flatnonzero(inside & (self.count_[ids] > 0) & ~self.known_[ids])
+        low, high, coming = self.observed_min_[ids[unknown]], self.observed_max_[ids[unknown]], sizes[unknown]
+        largest = np.maximum(high, coming)
+        unknown = unknown[largest - np.minimum(low, coming) < self._needed_spread(largest)]  # not revealing
         unknown = unknown[np.argsort(sizes[unknown], kind="stable")]
         return perturb_pairs(sizes, unknown, self.explore_fraction, lower, upper)
 
@@ -195,6 +203,11 @@ class BatchTimeCurve(CapacityModel):
         if not self.half_life > 0:
             raise ConfigError(f"half_life must be positive, got {self.half_life}")
 
+    @property
+    def _decay(self) -> float:
+        """The factor every weight takes per measurement of its worker."""
+        return 0.5 ** (1.0 / self.half_life)
+
     def _needed_spread(self, largest: np.ndarray) -> np.ndarray:
         """The span of sizes that makes a curve known: explore_fraction / 2 of the largest, at least 1."""
         return np.maximum(1.0, 0.5 * self.explore_fraction * largest)
@@ -203,7 +216,7 @@ class BatchTimeCurve(CapacityModel):
         """Decay the rows' weights and add one measurement each to the slot of its size (a new slot, merging
         the two closest sizes when all are taken). Returns which rows got a new slot."""
         sizes, times, mem = self.slot_size_[rows], self.slot_time_[rows], self.slot_mem_[rows]
-        weight = self.slot_weight_[rows] * 0.5 ** (1.0 / self.half_life)
+        weight = self.slot_weight_[rows] * self._decay
         match = (sizes == size[:, None]) & (weight > 0)
         new = ~match.any(1)
         if new.any():
@@ -226,12 +239,24 @@ class BatchTimeCurve(CapacityModel):
         self.slot_weight_[rows] = weight
         return new
 
-    def _fit(self, rows: np.ndarray, knee: np.ndarray | None) -> None:
+    def _fit(self, rows: np.ndarray) -> None:
+        """Search the knee on ``rows``, take the sums at it from the slots, fit; note each row's span of sizes."""
         if rows.size:
-            weight = self.slot_weight_[rows]
-            self.base_[rows], self.knee_[rows], self.slope_[rows] = fit_hinge(
-                self.slot_size_[rows], self.slot_time_[rows], weight, knee)
-            self.observed_max_[rows] = np.where(weight > 0, self.slot_size_[rows], 0.0).max(1)
+            weight, sizes, times = self.slot_weight_[rows], self.slot_size_[rows], self.slot_time_[rows]
+            _, self.knee_[rows], _ = fit_hinge(sizes, times, weight)
+            self.sums_[rows] = hinge_sums(sizes, np.where(weight > 0, times, 0.0), weight, self.knee_[rows][:, None])
+            high = np.where(weight > 0, sizes, 0.0).max(1)
+            low = np.where(weight > 0, sizes, np.inf).min(1)
+            self.observed_max_[rows], self.observed_min_[rows] = high, low
+            self.known_[rows] = high - low >= self._needed_spread(high)
+            self._line(rows)
+
+    def _line(self, rows: np.ndarray) -> None:
+        """base_ and slope_ of ``rows`` from their sums: the proportional line for a single size."""
+        base, slope, proportional = line_from_sums(self.sums_[rows])
+        single = self.observed_max_[rows] <= self.observed_min_[rows]
+        self.base_[rows] = np.where(single, 1e-9, np.maximum(base, 1e-9))
+        self.slope_[rows] = np.where(single, proportional, slope)
 
     def _fit_memory(self, rows: np.ndarray) -> None:
         mem = self.slot_mem_[rows]
@@ -245,9 +270,11 @@ class BatchTimeCurve(CapacityModel):
         if extra > 0:
             for name, fill in (("slot_size_", 0.0), ("slot_time_", 0.0), ("slot_mem_", np.nan), ("slot_weight_", 0.0)):
                 setattr(self, name, np.vstack([getattr(self, name), np.full((extra, self.window), fill)]))
+            self.sums_ = np.vstack([getattr(self, "sums_", np.zeros((0, 6))), np.zeros((extra, 6))])
             for name, fill, dtype in (("mem_total_", np.nan, float), ("count_", 0, np.int64), ("latest_", 0.0, float),
                                       ("base_", 0.0, float), ("knee_", 0.0, float), ("slope_", 0.0, float),
-                                      ("observed_max_", 0.0, float), ("cap_", _NO_CAP, np.int64)):
+                                      ("observed_max_", 0.0, float), ("observed_min_", 0.0, float),
+                                      ("known_", False, bool), ("cap_", _NO_CAP, np.int64)):
                 setattr(self, name, np.concatenate([getattr(self, name, np.zeros(0, dtype=dtype)),
                                                     np.full(extra, fill, dtype=dtype)]))
 
