@@ -1,7 +1,10 @@
-"""Prediction benchmark: one-step-ahead MAPE of NARX, EWMA and LastValue on the recorded CPU traces.
+"""Prediction benchmark: MAPE of NARX, EWMA and LastValue on the recorded CPU traces, 1 and 2 iterations ahead.
 
-Each model is fed a trace one iteration at a time (as a coordinator would) and asked, before each report,
-for that iteration's throughput. The first ``--skip`` iterations (warm-up) are not scored.
+Each model is fed a trace one iteration at a time (as a coordinator would). At horizon h the forecast of
+iteration k is the one the model gives after the report of k - h: h = 2 is what production uses
+(``JobConfig.lag`` = 2: the vector of iteration k is decided from the reports of k - 2), h = 1 is the
+one-step-ahead figure. NARX is built with ``horizon=h``; EWMA and LastValue forecast a flat line. The first
+``--skip`` iterations (warm-up) are not scored.
 Also provides :func:`decision_time`, the observe + decide time of LB-BSP with each real model, for
 experiments/bench_coordinator.py.
 
@@ -20,19 +23,24 @@ from lbbsp.models import (BatchTimeCurve, CapacityModel, EWMAThroughput, FLClien
                           NARXThroughput)
 from lbbsp.sim.traces import DEFAULT_TRACE_DIR, TRACE_FEATURES, CPUTrace, load_traces
 
-MODELS: dict[str, Callable[[], CapacityModel]] = {
-    "NARX": NARXThroughput, "EWMA": EWMAThroughput, "LastValue": LastValue,
+#: Each model for a forecast horizon (iterations ahead).
+MODELS: dict[str, Callable[[int], CapacityModel]] = {
+    "NARX": lambda horizon: NARXThroughput(horizon=horizon),
+    "EWMA": lambda horizon: EWMAThroughput(),
+    "LastValue": lambda horizon: LastValue(),
 }
+HORIZONS = (2, 1)
 
 
-def mape(model: CapacityModel, trace: CPUTrace, skip: int) -> float:
-    """Mean absolute percentage error of the one-step-ahead throughput forecast over the trace."""
-    errors = []
+def mape(model: CapacityModel, trace: CPUTrace, skip: int, horizon: int = 2) -> float:
+    """Mean absolute percentage error over the trace of the forecast made ``horizon`` iterations ahead."""
+    errors, forecasts = [], {}
     for k, (throughput, features) in enumerate(zip(trace.throughput, trace.features)):
+        if k >= max(skip, horizon):  # the model has seen the reports up to k - horizon
+            errors.append(abs(forecasts[k - horizon] - throughput) / throughput)
         report = Report("bench", 0, k, 1000, 1000.0 / throughput, features=dict(zip(TRACE_FEATURES, features)))
-        if k >= skip:
-            errors.append(abs(model.predict([0])[0] - throughput) / throughput)
         model.partial_fit([report])
+        forecasts[k] = model.predict([0])[0]
     return 100.0 * float(np.mean(errors))
 
 
@@ -71,18 +79,20 @@ def main() -> int:
     args = parser.parse_args()
 
     traces = load_traces(args.traces)
-    print(f"{'trace':<16} {'iterations':>10} " + " ".join(f"{name + ' MAPE%':>15}" for name in MODELS))
-    scores: dict[str, list[float]] = {name: [] for name in MODELS}
-    for trace in traces:
-        row = []
-        for name, factory in MODELS.items():
-            scores[name].append(mape(factory(), trace, args.skip))
-            row.append(f"{scores[name][-1]:>15.2f}")
-        print(f"{trace.name:<16} {trace.throughput.size:>10} " + " ".join(row), flush=True)
-    mean = {name: float(np.mean(v)) for name, v in scores.items()}
-    best_baseline = min(mean["EWMA"], mean["LastValue"])
-    print(f"{'mean':<16} {'':>10} " + " ".join(f"{mean[n]:>15.2f}" for n in MODELS))
-    print(f"NARX vs best baseline: {100 * (1 - mean['NARX'] / best_baseline):+.1f}% lower MAPE (goal: >= 20% lower)")
+    for horizon in HORIZONS:
+        print(f"\n{horizon} iteration{'s' * (horizon > 1)} ahead" + (" (production: JobConfig.lag = 2)" if horizon == 2 else ""))
+        print(f"{'trace':<16} {'iterations':>10} " + " ".join(f"{name + ' MAPE%':>15}" for name in MODELS))
+        scores: dict[str, list[float]] = {name: [] for name in MODELS}
+        for trace in traces:
+            row = []
+            for name, factory in MODELS.items():
+                scores[name].append(mape(factory(horizon), trace, args.skip, horizon))
+                row.append(f"{scores[name][-1]:>15.2f}")
+            print(f"{trace.name:<16} {trace.throughput.size:>10} " + " ".join(row), flush=True)
+        mean = {name: float(np.mean(v)) for name, v in scores.items()}
+        best_baseline = min(mean["EWMA"], mean["LastValue"])
+        print(f"{'mean':<16} {'':>10} " + " ".join(f"{mean[n]:>15.2f}" for n in MODELS))
+        print(f"NARX vs best baseline: {100 * (1 - mean['NARX'] / best_baseline):+.1f}% lower MAPE (goal: >= 20% lower)")
     if args.decision_workers:
         print("\nLB-BSP decision time (observe + decide), steady state:")
         for workers in args.decision_workers:
