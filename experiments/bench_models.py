@@ -44,6 +44,22 @@ def mape(model: CapacityModel, trace: CPUTrace, skip: int, horizon: int = 2) -> 
     return 100.0 * float(np.mean(errors))
 
 
+def references(trace: CPUTrace, skip: int, window: int = 4) -> dict[str, float]:
+    """MAPE of two references that are not forecasts (they see the whole trace), to show the noise floor:
+    ``level oracle``, the median throughput of the iteration's true contention level; ``smoother``, the
+    median of the ``window`` iterations either side in the same run at one level (the scored one left out;
+    a run of a single iteration is not scored)."""
+    y, log_y, n = trace.throughput, np.log(trace.throughput), trace.throughput.size
+    run = np.concatenate([[0], np.cumsum(np.diff(trace.level) != 0)])  # id of each uninterrupted level run
+    level_median = {lv: np.median(y[trace.level == lv]) for lv in np.unique(trace.level)}
+    oracle = np.array([level_median[lv] for lv in trace.level])
+    smooth = np.array([np.exp(np.median([log_y[j] for j in range(k - window, k + window + 1)
+                                         if j != k and 0 <= j < n and run[j] == run[k]] or [np.nan]))
+                       for k in range(n)])
+    return {name: 100.0 * float(np.nanmean(np.abs(p[skip:] - y[skip:]) / y[skip:]))
+            for name, p in (("level oracle", oracle), ("smoother", smooth))}
+
+
 def decision_time(model_name: str, workers: int, iterations: int = 20, seed: int = 0) -> dict[str, float]:
     """Observe + decide seconds (median, p99) of LB-BSP with a real model at ``workers`` workers."""
     rng = np.random.default_rng(seed)
@@ -80,7 +96,8 @@ def main() -> int:
 
     traces = load_traces(args.traces)
     for horizon in HORIZONS:
-        print(f"\n{horizon} iteration{'s' * (horizon > 1)} ahead" + (" (production: JobConfig.lag = 2)" if horizon == 2 else ""))
+        print(f"\n{horizon} iteration{'s' * (horizon > 1)} ahead"
+              + (" (production: JobConfig.lag = 2)" if horizon == 2 else ""))
         print(f"{'trace':<16} {'iterations':>10} " + " ".join(f"{name + ' MAPE%':>15}" for name in MODELS))
         scores: dict[str, list[float]] = {name: [] for name in MODELS}
         for trace in traces:
@@ -92,7 +109,14 @@ def main() -> int:
         mean = {name: float(np.mean(v)) for name, v in scores.items()}
         best_baseline = min(mean["EWMA"], mean["LastValue"])
         print(f"{'mean':<16} {'':>10} " + " ".join(f"{mean[n]:>15.2f}" for n in MODELS))
-        print(f"NARX vs best baseline: {100 * (1 - mean['NARX'] / best_baseline):+.1f}% lower MAPE (goal: >= 20% lower)")
+        print(f"NARX vs best baseline: {100 * (1 - mean['NARX'] / best_baseline):+.1f}% lower MAPE "
+              f"(goal: >= 20% lower, i.e. NARX mean <= {0.8 * best_baseline:.2f})")
+    refs = {trace.name: references(trace, args.skip) for trace in traces}
+    print("\nnoise floor: references that see the whole trace (not forecasts, any horizon)")
+    for name in ("level oracle", "smoother"):
+        values = [r[name] for r in refs.values()]
+        print(f"  {name:<13} " + " ".join(f"{t} {v:.2f}" for t, v in zip(refs, values))
+              + f"   mean {np.mean(values):.2f}")
     if args.decision_workers:
         print("\nLB-BSP decision time (observe + decide), steady state:")
         for workers in args.decision_workers:
