@@ -48,6 +48,64 @@ def test_gpu_curve_balances_hinge_workers_and_never_exceeds_memory() -> None:
     assert truth.time(sizes).max() <= 1.02 * truth.time(best).max()
 
 
+def _hinge_reports(iteration: int, sizes: np.ndarray, rng: np.random.Generator, noise: float = 0.005,
+                   speed: float | np.ndarray = 800.0, device: str = "cuda:v100") -> list[Report]:
+    """GPUs with time = (15 ms + max(b, 32) / speed) * lognormal jitter, memory 1.5 GB + 85 MB per sample of 16 GB."""
+    times = (0.015 + np.maximum(sizes, 32) / speed) * rng.lognormal(0, noise, sizes.size)
+    used = 1.5e9 + 8.5e7 * sizes
+    return [Report("h", i, iteration, int(sizes[i]), float(times[i]), device=device,
+                   features={"gpu_mem_used": float(used[i]), "gpu_mem_free": float(16e9 - used[i])})
+            for i in range(sizes.size)]
+
+
+def test_gpu_curve_learns_a_hinge_within_half_a_percent_and_keeps_the_slope_through_long_runs_at_one_size() -> None:
+    """Two sizes, then 60 iterations at one size (far longer than the window): the curve stays right at
+    both ends and beyond the knee; flat below it."""
+    rng = np.random.default_rng(0)
+    model = BatchTimeCurve()
+    for k, size in enumerate([64] * 3 + [160] * 3 + [150] * 60):
+        model.partial_fit(_hinge_reports(k, np.array([size]), rng))
+    predicted = model.time_model([0]).time(np.array([16.0, 32, 64, 100, 150, 160]))
+    truth = 0.015 + np.maximum([16.0, 32, 64, 100, 150, 160], 32) / 800
+    np.testing.assert_allclose(predicted[2:], truth[2:], rtol=0.005)
+    assert predicted[0] <= predicted[1] <= truth[2]  # below the sizes seen: never slower than the smallest
+
+
+def test_gpu_curve_pools_identical_gpus_and_keeps_different_ones_apart() -> None:
+    """40 workers of one GPU model share one precise curve after their first measurements; workers that
+    report the same device but differ by up to 2x keep their own curves."""
+    rng = np.random.default_rng(1)
+    sizes = np.array([100, 140] * 20)
+    same, mixed = BatchTimeCurve(), BatchTimeCurve()
+    speed = np.linspace(500.0, 1000.0, 40)
+    for k in range(4):
+        same.partial_fit(_hinge_reports(k, np.roll(sizes, k), rng, noise=0.01))
+        mixed.partial_fit(_hinge_reports(k, np.roll(sizes, k), rng, noise=0.01, speed=speed))
+    predicted = same.time_model(range(40)).time(np.full(40, 120))
+    assert np.abs(predicted / (0.015 + 120 / 800) - 1).max() < 0.004  # one measurement alone misses by ~1%
+    predicted = mixed.time_model(range(40)).time(np.full(40, 120))
+    assert np.abs(predicted / (0.015 + 120 / speed) - 1).max() < 0.03
+
+
+def test_gpu_curve_explores_only_until_each_curve_is_known() -> None:
+    """Identical GPUs already balanced by the equal split: exploration moves samples between pairs at first
+    (the sum unchanged), then stops for good once every worker has measured two sizes."""
+    rng = np.random.default_rng(2)
+    config = JobConfig("h", 6, 6 * 120)
+    policy = LBBSPPolicy(BatchTimeCurve())
+    sizes = np.asarray(config.initial_sizes())
+    history = [sizes]
+    for k in range(12):
+        policy.observe(_hinge_reports(k, sizes, rng))
+        sizes = np.asarray(policy.decide(k + 1, tuple(sizes.tolist()), config).sizes)
+        history.append(sizes)
+        assert sizes.sum() == config.global_batch
+    assert (history[1] != history[0]).any()
+    assert policy.model.known_.all()
+    lower, upper = (np.asarray(b) for b in config.bounds())
+    np.testing.assert_array_equal(policy.model.explore(range(6), sizes, lower, upper), sizes)
+
+
 def test_narx_learns_an_ar_process_with_an_exogenous_driver() -> None:
     """log x(t+1) = 0.5 log x(t) + 0.5 log x(t-1) - 0.8 u(t) + noise, u a sticky on/off load: NARX must beat
     LastValue and EWMA by at least 20% MAPE after warm-up."""

@@ -119,6 +119,7 @@ class BatchTimeCurve(CapacityModel):
             self.slot_time_ = np.zeros((0, self.window))
             self.slot_mem_ = np.full((0, self.window), np.nan)
             self.slot_weight_ = np.zeros((0, self.window))
+            self.noise_ = np.nan
         self._remember_hardware(reports)
         nan = np.nan
         measured = [(r.worker, r.samples, r.compute_s, r.features.get("gpu_mem_used", nan),
@@ -129,6 +130,7 @@ class BatchTimeCurve(CapacityModel):
         rows = columns[:, 0].astype(np.int64)
         size, seconds, used, free = columns[:, 1], columns[:, 2], columns[:, 3], columns[:, 4]
         self._grow(int(rows.max()) + 1)
+        self._assign_groups(rows)
         new_size = self._record(rows, size, seconds, used)
         self.latest_[rows] = size
         self.count_[rows] += 1
@@ -145,6 +147,7 @@ class BatchTimeCurve(CapacityModel):
         self.sums_[rest] = self._decay * self.sums_[rest] + np.column_stack(
             [np.ones_like(z), t, z, z * z, z * t, t / size[~search]])
         self._line(rest)
+        self._pool()
         return self
 
     def predict(self, workers: Sequence[int]) -> np.ndarray:
@@ -230,11 +233,13 @@ class BatchTimeCurve(CapacityModel):
             match[fresh, slot] = True
         at = np.arange(rows.size), np.argmax(match, axis=1)
         before = weight[at]
+        self._track_noise(seconds[~new] / times[at][~new] - 1.0, before[~new])
         times[at] = (before * times[at] + seconds) / (before + 1.0)
         old_mem = mem[at]
         mem[at] = np.where(np.isfinite(used), np.where(np.isfinite(old_mem), (before * old_mem + used) / (before + 1.0),
                                                        used), old_mem)
         weight[at] = before + 1.0
+        self.latest_weight_[rows] = before + 1.0
         self.slot_size_[rows], self.slot_time_[rows], self.slot_mem_[rows] = sizes, times, mem
         self.slot_weight_[rows] = weight
         return new
@@ -258,6 +263,45 @@ class BatchTimeCurve(CapacityModel):
         self.base_[rows] = np.where(single, 1e-9, np.maximum(base, 1e-9))
         self.slope_[rows] = np.where(single, proportional, slope)
 
+    def _assign_groups(self, rows: np.ndarray) -> None:
+        """Number each new worker's hardware key (device, cores): workers that share one pool their curves."""
+        if not hasattr(self, "group_ids_"):
+            self.group_ids_: dict[tuple[str, int], int] = {}
+        for row in rows[self.group_[rows] < 0].tolist():
+            self.group_[row] = self.group_ids_.setdefault(self.hardware_[row], len(self.group_ids_))
+
+    def _track_noise(self, miss: np.ndarray, weight: np.ndarray) -> None:
+        """Update noise_, the variance of one measurement's time relative to the truth, from the relative
+        misses of repeated sizes against their slot's mean (itself off by 1 / weight of that variance);
+        exponentially weighted over iterations."""
+        if miss.size >= 2:
+            variance = float(np.mean(miss ** 2 / (1.0 + 1.0 / weight)))
+            self.noise_ = variance if np.isnan(self.noise_) else 0.9 * self.noise_ + 0.1 * variance
+
+    def _pool(self) -> None:
+        """Shrink each known curve toward its hardware group's mean curve (empirical Bayes): a worker keeps
+        the share tau^2 / (tau^2 + noise_ / n) of its own curve, where n counts its measurements at its latest
+        size and tau^2 is how much the group's workers really differ (their spread beyond what the noise
+        explains). Identical GPUs then share one precise curve from their first measurements; GPUs that
+        differ, groups of under three and curves still unknown keep their own."""
+        self.pooled_base_, self.pooled_knee_, self.pooled_slope_ = self.base_.copy(), self.knee_.copy(), self.slope_.copy()
+        own = self.known_ & (self.count_ > 0)
+        if not np.isfinite(self.noise_) or own.sum() < 3:
+            return
+        group, groups = self.group_[own], len(self.group_ids_)
+        members = np.bincount(group, minlength=groups)
+        params = self.base_[own], self.knee_[own], self.slope_[own]
+        means = [(np.bincount(group, p, minlength=groups) / np.maximum(members, 1))[group] for p in params]
+        x = self.latest_[own]
+        mine = params[0] + params[2] * np.maximum(x - params[1], 0.0)
+        theirs = means[0] + means[2] * np.maximum(x - means[1], 0.0)
+        noise = self.noise_ / self.latest_weight_[own]
+        beyond_noise = np.bincount(group, (mine / theirs - 1.0) ** 2 - noise, minlength=groups) / np.maximum(members - 1, 1)
+        tau2 = np.where(members >= 3, np.maximum(beyond_noise, 0.0), np.inf)[group]
+        keep = np.where(np.isinf(tau2), 1.0, tau2 / np.where(np.isinf(tau2), 1.0, tau2 + noise))
+        self.pooled_base_[own], self.pooled_knee_[own], self.pooled_slope_[own] = (
+            keep * p + (1 - keep) * m for p, m in zip(params, means))
+
     def _fit_memory(self, rows: np.ndarray) -> None:
         mem = self.slot_mem_[rows]
         valid = (self.slot_weight_[rows] > 0) & np.isfinite(mem)
@@ -274,18 +318,21 @@ class BatchTimeCurve(CapacityModel):
             for name, fill, dtype in (("mem_total_", np.nan, float), ("count_", 0, np.int64), ("latest_", 0.0, float),
                                       ("base_", 0.0, float), ("knee_", 0.0, float), ("slope_", 0.0, float),
                                       ("observed_max_", 0.0, float), ("observed_min_", 0.0, float),
-                                      ("known_", False, bool), ("cap_", _NO_CAP, np.int64)):
+                                      ("known_", False, bool), ("cap_", _NO_CAP, np.int64),
+                                      ("latest_weight_", 0.0, float), ("group_", -1, np.int64),
+                                      ("pooled_base_", 0.0, float), ("pooled_knee_", 0.0, float),
+                                      ("pooled_slope_", 0.0, float)):
                 setattr(self, name, np.concatenate([getattr(self, name, np.zeros(0, dtype=dtype)),
                                                     np.full(extra, fill, dtype=dtype)]))
 
     def _curve(self, workers: np.ndarray) -> HingeTime:
         inside = workers < self.count_.size
         if inside.all():
-            return HingeTime(self.base_[workers], self.knee_[workers], self.slope_[workers],
+            return HingeTime(self.pooled_base_[workers], self.pooled_knee_[workers], self.pooled_slope_[workers],
                              self.observed_max_[workers])
         safe = np.where(inside, workers, 0)
-        return HingeTime(np.where(inside, self.base_[safe], 0.0), np.where(inside, self.knee_[safe], 0.0),
-                         np.where(inside, self.slope_[safe], 0.0), np.where(inside, self.observed_max_[safe], 0.0))
+        return HingeTime(np.where(inside, self.pooled_base_[safe], 0.0), np.where(inside, self.pooled_knee_[safe], 0.0),
+                         np.where(inside, self.pooled_slope_[safe], 0.0), np.where(inside, self.observed_max_[safe], 0.0))
 
 
 def _merge_closest(sizes: np.ndarray, times: np.ndarray, mem: np.ndarray, weight: np.ndarray,
