@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import ConfigError
 from .engine import PolicyRun, compare
 from .redis_check import check_through_redis
 from .scenarios import SCENARIOS, Scenario
@@ -23,6 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the scenario (same trace for every policy)")
     parser.add_argument("--lag", type=int, default=2,
                         help="iterations a decision runs ahead, as JobConfig.lag (2: production default)")
+    parser.add_argument("--mean-dwell", type=float, default=None,
+                        help="cpu-contention only: mean iterations between contention-level switches (default 200; "
+                             "inf: no switches)")
+    parser.add_argument("--no-noise", action="store_true",
+                        help="cpu-contention only: replay each level's median throughput instead of the recorded "
+                             "per-iteration noise")
     parser.add_argument("--redis", action="store_true",
                         help="also run LB-BSP through a real Coordinator and Store on an embedded Redis for a few "
                              "iterations and check it decides exactly as the in-process run")
@@ -33,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     print(f"building {args.scenario} with {args.workers} workers, {args.iterations} iterations, seed {args.seed}",
           flush=True)
-    scenario = SCENARIOS[args.scenario](args.workers, args.iterations, args.seed)
+    options, suffix = _scenario_options(args)
+    scenario = SCENARIOS[args.scenario](args.workers, args.iterations, args.seed, **options)
     scenario.config = dataclasses.replace(scenario.config, lag=args.lag)
     runs = compare(scenario, args.iterations, progress=lambda line: print(line, flush=True))
     summary = summarise(runs)
@@ -47,11 +55,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"through Redis: {check['iterations']} iterations, same sizes as in-process: {check['identical']}, "
               f"coordinator decision {check['decision_ms_mean']:.2f} ms mean")
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"simulate_{args.scenario}_{args.workers}w_seed{args.seed}"
+    stem = args.out / f"simulate_{args.scenario}_{args.workers}w_seed{args.seed}{suffix}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=_plain))
     plot(scenario, runs, summary, stem.with_suffix(".png"))
     print(f"wrote {stem}.json and {stem}.png ({time.perf_counter() - started:.0f}s)")
     return 0
+
+
+def _scenario_options(args: argparse.Namespace) -> tuple[dict[str, object], str]:
+    """The cpu-contention options given on the command line, and a file-name suffix that names them (so a
+    decomposition run never overwrites the default scenario's results)."""
+    options: dict[str, object] = {}
+    if args.mean_dwell is not None:
+        options["mean_dwell"] = args.mean_dwell
+    if args.no_noise:
+        options["noise"] = False
+    if options and args.scenario != "cpu-contention":
+        raise ConfigError("--mean-dwell and --no-noise apply to --scenario cpu-contention only")
+    suffix = f"_dwell{args.mean_dwell:g}" if args.mean_dwell is not None else ""
+    suffix += "_nonoise" if args.no_noise else ""
+    return options, suffix
 
 
 def summarise(runs: dict[str, PolicyRun]) -> dict[str, dict[str, float]]:

@@ -12,7 +12,7 @@ import numpy as np
 from ..allocation import HingeTime, LinearTime
 from ..config import JobConfig
 from ..errors import ConfigError
-from ..models import AutoCapacityModel, CapacityModel, FLClientModel
+from ..models import AutoCapacityModel, CapacityModel, FLClientModel, NARXThroughput
 from .traces import TRACE_FEATURES, CPUTrace, load_traces
 
 
@@ -61,25 +61,33 @@ class CPUContention(Scenario):
     1/``mean_dwell`` per iteration. While at a level it replays, in order, the recorded iterations of one
     trace at that level: their real throughput (scaled by the worker's machine speed, lognormal with sigma
     ``machine_spread``) and their real resource features.
+
+    Two options take the scenario apart, to show where a policy loses time against the oracle (which knows
+    every worker's speed of the coming iteration, noise included): a huge ``mean_dwell`` leaves out the
+    level switches; ``noise=False`` replaces each replayed throughput by the median of its level in its
+    trace, which leaves out the per-iteration noise (the features stay as recorded).
     """
 
     def __init__(self, num_workers: int, iterations: int, seed: int, *, traces: Sequence[CPUTrace] | None = None,
-                 batch_per_worker: int = 64, mean_dwell: float = 200.0, machine_spread: float = 0.25) -> None:
+                 batch_per_worker: int = 64, mean_dwell: float = 200.0, machine_spread: float = 0.25,
+                 noise: bool = True) -> None:
+        if not mean_dwell >= 1:
+            raise ConfigError(f"mean_dwell must be >= 1 iteration, got {mean_dwell}")
         traces = list(traces) if traces is not None else load_traces()
         rng = np.random.default_rng(seed)
         super().__init__("cpu-contention", JobConfig("sim-cpu", num_workers, batch_per_worker * num_workers),
                          ["cpu"] * num_workers,
                          {"traces": [t.name for t in traces], "mean_dwell_iterations": mean_dwell,
-                          "machine_spread": machine_spread})
+                          "machine_spread": machine_spread, "noise": noise})
         which = np.arange(num_workers) % len(traces)
         machine = rng.lognormal(0.0, machine_spread, num_workers)
         rows = np.empty((iterations + LOOKAHEAD, num_workers), dtype=np.int64)
         for t, trace in enumerate(traces):
             members = np.flatnonzero(which == t)
             rows[:, members] = _level_replay(trace, members.size, iterations + LOOKAHEAD, mean_dwell, rng)
+        throughput = [t.throughput if noise else _level_medians(t) for t in traces]
         scale = np.array([1000.0 / np.median(t.throughput[t.level == t.level.min()]) for t in traces])[which]
-        self.speed = np.stack([traces[t].throughput[rows[:, i]] for i, t in enumerate(which)], axis=1) * (
-            machine * scale)
+        self.speed = np.stack([throughput[t][rows[:, i]] for i, t in enumerate(which)], axis=1) * (machine * scale)
         self.feature_rows = np.stack([traces[t].features[rows[:, i]] for i, t in enumerate(which)], axis=1)
 
     def truth(self, iteration: int) -> Truth:
@@ -87,6 +95,16 @@ class CPUContention(Scenario):
 
     def features(self, iteration: int, sizes: np.ndarray) -> list[dict[str, float]]:
         return [dict(zip(TRACE_FEATURES, row)) for row in self.feature_rows[iteration].tolist()]
+
+    def capacity_model(self) -> CapacityModel:
+        """The automatic choice, with NARX forecasting as far ahead as decisions run (``config.lag``)."""
+        return AutoCapacityModel(models={"cpu": NARXThroughput(horizon=self.config.lag)})
+
+
+def _level_medians(trace: CPUTrace) -> np.ndarray:
+    """Each row's throughput replaced by the median throughput of its contention level in the trace."""
+    levels, index = np.unique(trace.level, return_inverse=True)
+    return np.array([np.median(trace.throughput[trace.level == lv]) for lv in levels])[index]
 
 
 def _level_replay(trace: CPUTrace, workers: int, iterations: int, mean_dwell: float,
