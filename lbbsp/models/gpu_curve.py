@@ -121,31 +121,32 @@ class BatchTimeCurve(CapacityModel):
             self.slot_weight_ = np.zeros((0, self.window))
             self.noise_ = np.nan
         self._remember_hardware(reports)
-        nan = np.nan
-        measured = [(r.worker, r.samples, r.compute_s, r.features.get("gpu_mem_used", nan),
-                     r.features.get("gpu_mem_free", nan)) for r in reports if r.samples > 0 and r.compute_s > 0]
-        if not measured:
+        count = len(reports)
+        size = np.fromiter([r.samples for r in reports], float, count)
+        seconds = np.fromiter([r.compute_s for r in reports], float, count)
+        measured = (size > 0) & (seconds > 0)
+        if not measured.any():
             return self
-        columns = np.array(measured, dtype=float)
-        rows = columns[:, 0].astype(np.int64)
-        size, seconds, used, free = columns[:, 1], columns[:, 2], columns[:, 3], columns[:, 4]
+        rows = np.fromiter([r.worker for r in reports], np.int64, count)
+        features = [r.features for r in reports]
+        used, free = _feature(features, "gpu_mem_used"), _feature(features, "gpu_mem_free")
+        if not measured.all():
+            rows, size, seconds, used, free = rows[measured], size[measured], seconds[measured], used[measured], free[measured]
         self._grow(int(rows.max()) + 1)
         self._assign_groups(rows)
-        new_size = self._record(rows, size, seconds, used)
+        new_size = self._record(_all_or(rows, self.count_.size), size, seconds, used)
         self.latest_[rows] = size
         self.count_[rows] += 1
         self.mem_total_[rows] = np.where(np.isfinite(used + free), used + free, self.mem_total_[rows])
-        # A new size can move the knee and the memory line: search and fit them again from the slots (and, in
-        # turn, on 1/(4 window) of the workers, as the means drift). Elsewhere the set of sizes is unchanged:
-        # decay the sums at the chosen knee and add the new measurement, O(1) per worker.
-        search = new_size | ((self.count_[rows] + rows) % (4 * self.window) == 0)
-        self._fit(rows[search])
-        self._fit_memory(rows[search])
-        rest = rows[~search]
-        z = np.maximum(size[~search] - self.knee_[rest], 0.0)
-        t = seconds[~search]
-        self.sums_[rest] = self._decay * self.sums_[rest] + np.column_stack(
-            [np.ones_like(z), t, z, z * z, z * t, t / size[~search]])
+        # A new size can move the knee and the memory line: search and fit them again from the slots. Elsewhere
+        # the set of sizes is unchanged: decay the sums at the chosen knee and add the measurement, O(1) each.
+        if new_size.any():
+            self._fit(rows[new_size])
+            self._fit_memory(rows[new_size])
+        rest, x, t = rows[~new_size], size[~new_size], seconds[~new_size]
+        rest = _all_or(rest, self.count_.size)
+        z = np.maximum(x - self.knee_[rest], 0.0)
+        self.sums_[rest] = self._decay * self.sums_[rest] + np.column_stack([np.ones_like(z), t, z, z * z, z * t, t / x])
         self._line(rest)
         self._pool()
         return self
@@ -192,6 +193,8 @@ class BatchTimeCurve(CapacityModel):
         inside = workers_arr < self.count_.size
         ids = np.where(inside, workers_arr, 0)
         unknown = np.flatnonzero(inside & (self.count_[ids] > 0) & ~self.known_[ids])
+        if unknown.size == 0:
+            return sizes
         low, high, coming = self.observed_min_[ids[unknown]], self.observed_max_[ids[unknown]], sizes[unknown]
         largest = np.maximum(high, coming)
         unknown = unknown[largest - np.minimum(low, coming) < self._needed_spread(largest)]  # not revealing
@@ -215,7 +218,7 @@ class BatchTimeCurve(CapacityModel):
         """The span of sizes that makes a curve known: explore_fraction / 2 of the largest, at least 1."""
         return np.maximum(1.0, 0.5 * self.explore_fraction * largest)
 
-    def _record(self, rows: np.ndarray, size: np.ndarray, seconds: np.ndarray, used: np.ndarray) -> np.ndarray:
+    def _record(self, rows: np.ndarray | slice, size: np.ndarray, seconds: np.ndarray, used: np.ndarray) -> np.ndarray:
         """Decay the rows' weights and add one measurement each to the slot of its size (a new slot, merging
         the two closest sizes when all are taken). Returns which rows got a new slot."""
         sizes, times, mem = self.slot_size_[rows], self.slot_time_[rows], self.slot_mem_[rows]
@@ -231,7 +234,7 @@ class BatchTimeCurve(CapacityModel):
             sizes[fresh, slot], times[fresh, slot], mem[fresh, slot] = size[fresh], 0.0, np.nan
             match[fresh] = False
             match[fresh, slot] = True
-        at = np.arange(rows.size), np.argmax(match, axis=1)
+        at = np.arange(size.size), np.argmax(match, axis=1)
         before = weight[at]
         self._track_noise(seconds[~new] / times[at][~new] - 1.0, before[~new])
         times[at] = (before * times[at] + seconds) / (before + 1.0)
@@ -246,17 +249,16 @@ class BatchTimeCurve(CapacityModel):
 
     def _fit(self, rows: np.ndarray) -> None:
         """Search the knee on ``rows``, take the sums at it from the slots, fit; note each row's span of sizes."""
-        if rows.size:
-            weight, sizes, times = self.slot_weight_[rows], self.slot_size_[rows], self.slot_time_[rows]
-            _, self.knee_[rows], _ = fit_hinge(sizes, times, weight)
-            self.sums_[rows] = hinge_sums(sizes, np.where(weight > 0, times, 0.0), weight, self.knee_[rows][:, None])
-            high = np.where(weight > 0, sizes, 0.0).max(1)
-            low = np.where(weight > 0, sizes, np.inf).min(1)
-            self.observed_max_[rows], self.observed_min_[rows] = high, low
-            self.known_[rows] = high - low >= self._needed_spread(high)
-            self._line(rows)
+        weight, sizes, times = self.slot_weight_[rows], self.slot_size_[rows], self.slot_time_[rows]
+        _, self.knee_[rows], _ = fit_hinge(sizes, times, weight)
+        self.sums_[rows] = hinge_sums(sizes, np.where(weight > 0, times, 0.0), weight, self.knee_[rows][:, None])
+        high = np.where(weight > 0, sizes, 0.0).max(1)
+        low = np.where(weight > 0, sizes, np.inf).min(1)
+        self.observed_max_[rows], self.observed_min_[rows] = high, low
+        self.known_[rows] = high - low >= self._needed_spread(high)
+        self._line(rows)
 
-    def _line(self, rows: np.ndarray) -> None:
+    def _line(self, rows: np.ndarray | slice) -> None:
         """base_ and slope_ of ``rows`` from their sums: the proportional line for a single size."""
         base, slope, proportional = line_from_sums(self.sums_[rows])
         single = self.observed_max_[rows] <= self.observed_min_[rows]
@@ -333,6 +335,19 @@ class BatchTimeCurve(CapacityModel):
         safe = np.where(inside, workers, 0)
         return HingeTime(np.where(inside, self.pooled_base_[safe], 0.0), np.where(inside, self.pooled_knee_[safe], 0.0),
                          np.where(inside, self.pooled_slope_[safe], 0.0), np.where(inside, self.observed_max_[safe], 0.0))
+
+
+def _feature(features: list[dict[str, float]], name: str) -> np.ndarray:
+    """One feature from every report, NaN where a report lacks it."""
+    try:
+        return np.fromiter([f[name] for f in features], float, len(features))
+    except KeyError:
+        return np.fromiter([f.get(name, np.nan) for f in features], float, len(features))
+
+
+def _all_or(rows: np.ndarray, total: int) -> np.ndarray | slice:
+    """``rows``, or the full slice when they are every row in order (plain views instead of copies)."""
+    return slice(None) if rows.size == total and bool((rows == np.arange(total)).all()) else rows
 
 
 def _merge_closest(sizes: np.ndarray, times: np.ndarray, mem: np.ndarray, weight: np.ndarray,
