@@ -87,6 +87,17 @@ def test_gpu_curve_pools_identical_gpus_and_keeps_different_ones_apart() -> None
     assert np.abs(predicted / (0.015 + 120 / speed) - 1).max() < 0.03
 
 
+def test_gpu_curve_updates_in_o1_to_the_same_fit_as_a_refit_from_its_slots() -> None:
+    rng = np.random.default_rng(3)
+    model = BatchTimeCurve()
+    for k, size in enumerate([40, 40, 90, 90, 60] + [60, 61] * 10):
+        model.partial_fit(_hinge_reports(k, np.array([size, size + 5]), rng))
+    base, knee, slope = fit_hinge(model.slot_size_, model.slot_time_, model.slot_weight_)
+    np.testing.assert_allclose(model.knee_, knee)
+    np.testing.assert_allclose(model.base_, base, rtol=1e-9)
+    np.testing.assert_allclose(model.slope_, slope, rtol=1e-9)
+
+
 def test_gpu_curve_explores_only_until_each_curve_is_known() -> None:
     """Identical GPUs already balanced by the equal split: exploration moves samples between pairs at first
     (the sum unchanged), then stops for good once every worker has measured two sizes."""
