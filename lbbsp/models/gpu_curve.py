@@ -6,8 +6,9 @@ the device under-used, so the time stays flat up to a knee and grows linearly af
 at that size. Repeats of a size average the noise out instead of pushing old sizes out, and when a new size
 needs a slot the two closest sizes merge, so the widest spread of sizes (what pins the slope) survives a
 long run at one size. The slots are fitted with the best hinge whose knee is 0 or one of the slot sizes
-(non-negative slope, so the fit is monotone). Memory: bytes = a + b * batch is fitted from the slots' mean
-``gpu_mem_used`` and capped at (1 - memory_margin) of used + free.
+(non-negative slope, so the fit is monotone). Workers with the same hardware key share what they learn:
+each curve is shrunk toward its group's mean as far as the group's spread allows. Memory: bytes = a + b *
+batch is fitted from the slots' mean ``gpu_mem_used`` and capped at (1 - memory_margin) of used + free.
 """
 from __future__ import annotations
 
@@ -305,6 +306,7 @@ class BatchTimeCurve(CapacityModel):
             keep * p + (1 - keep) * m for p, m in zip(params, means))
 
     def _fit_memory(self, rows: np.ndarray) -> None:
+        """Cache each row's memory cap (refitted when its set of sizes changes)."""
         mem = self.slot_mem_[rows]
         valid = (self.slot_weight_[rows] > 0) & np.isfinite(mem)
         budget = (1 - self.memory_margin) * self.mem_total_[rows]
