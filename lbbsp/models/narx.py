@@ -7,12 +7,13 @@ throughput, and the last ``exog_lags`` values of its resource features; the targ
 throughput ``horizon`` iterations later to the latest one. ``horizon`` should equal ``JobConfig.lag`` (2 by
 default): a decision for iteration k is made from the reports of k - lag. The loss is a Huber loss on the
 relative error forecast / actual - 1, which is what a wrong split costs and what MAPE scores; with a small
-``huber_delta`` it is close to absolute error, so the forecast is a median rather than a mean: co-located
-load makes rare very slow iterations that a squared loss would chase. An untrained network outputs about zero, i.e.
-the last value, and until ``warmup`` updates have run the model answers with the EWMA level instead.
+``huber_delta`` it is close to the absolute relative error, so the forecast is a (1/actual-weighted) median
+rather than a mean: co-located load makes rare very slow iterations that a squared loss would chase. An
+untrained network outputs about zero, i.e. the last value, and until ``warmup`` updates have run the model
+answers with the EWMA level instead.
 
-The network is a few lines of numpy (ReLU layers, Adam) rather than ``MLPRegressor``, whose input checks
-alone cost about 1 ms per update at 1,024 workers, several times the arithmetic.
+The network is a few lines of numpy (ReLU layers, Adam) rather than ``MLPRegressor``, whose partial_fit
+costs about 1 ms per update (mostly input checks), several times the arithmetic.
 """
 from __future__ import annotations
 
