@@ -5,22 +5,19 @@ iteration k is the one the model gives after the report of k - h: h = 2 is what 
 (``JobConfig.lag`` = 2: the vector of iteration k is decided from the reports of k - 2), h = 1 is the
 one-step-ahead figure. NARX is built with ``horizon=h``; EWMA and LastValue forecast a flat line. The first
 ``--skip`` iterations (warm-up) are not scored.
-Also provides :func:`decision_time`, the observe + decide time of LB-BSP with each real model, for
-experiments/bench_coordinator.py.
+The decision time of LB-BSP with each real model is printed by experiments/bench_coordinator.py.
 
-    python experiments/bench_models.py [--traces experiments/traces] [--decision-workers 1024 10000]
+    python experiments/bench_models.py [--traces experiments/traces]
 """
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Callable
 
 import numpy as np
 
-from lbbsp import JobConfig, LBBSPPolicy, Report
-from lbbsp.models import (BatchTimeCurve, CapacityModel, EWMAThroughput, FLClientModel, LastValue,
-                          NARXThroughput)
+from lbbsp import Report
+from lbbsp.models import CapacityModel, EWMAThroughput, LastValue, NARXThroughput
 from lbbsp.sim.traces import DEFAULT_TRACE_DIR, TRACE_FEATURES, CPUTrace, load_traces
 
 #: Each model for a forecast horizon (iterations ahead).
@@ -60,38 +57,10 @@ def references(trace: CPUTrace, skip: int, window: int = 4) -> dict[str, float]:
             for name, p in (("level oracle", oracle), ("smoother", smooth))}
 
 
-def decision_time(model_name: str, workers: int, iterations: int = 20, seed: int = 0) -> dict[str, float]:
-    """Observe + decide seconds (median, p99) of LB-BSP with a real model at ``workers`` workers."""
-    rng = np.random.default_rng(seed)
-    model = {"NARX": NARXThroughput, "EWMA": EWMAThroughput, "LastValue": LastValue,
-             "BatchTimeCurve": BatchTimeCurve, "FLClientModel": FLClientModel}[model_name]()
-    policy = LBBSPPolicy(model)
-    config = JobConfig("bench", workers, 64 * workers)
-    speed = rng.lognormal(np.log(1000.0), 0.3, workers)
-    sizes = np.asarray(config.initial_sizes())
-    gpu = model_name == "BatchTimeCurve"
-    spent = []
-    for k in range(iterations):
-        seconds = sizes / (speed * rng.lognormal(0, 0.05, workers))
-        reports = [Report("bench", i, k, int(sizes[i]), float(seconds[i]), device="cuda" if gpu else "cpu",
-                          features=({"gpu_mem_used": 1e9 + 5e7 * sizes[i], "gpu_mem_free": 4e10} if gpu else
-                                    {"cpu_util": 0.5, "proc_cpu": 1.0, "colocated_load": 0.2, "mem_util": 0.4,
-                                     "download_s": 1.0, "upload_s": 1.0} if model_name == "FLClientModel" else
-                                    {"cpu_util": 0.5, "proc_cpu": 1.0, "colocated_load": 0.2, "mem_util": 0.4}))
-                   for i in range(workers)]
-        started = time.perf_counter()
-        policy.observe(reports)
-        sizes = np.asarray(policy.decide(k + 1, tuple(sizes.tolist()), config).sizes)
-        spent.append(time.perf_counter() - started)
-    steady = np.asarray(spent[iterations // 2:])
-    return {"median_ms": 1e3 * float(np.median(steady)), "p99_ms": 1e3 * float(np.percentile(steady, 99))}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", default=str(DEFAULT_TRACE_DIR))
     parser.add_argument("--skip", type=int, default=50, help="warm-up iterations not scored")
-    parser.add_argument("--decision-workers", type=int, nargs="*", default=[1024, 10000])
     args = parser.parse_args()
 
     traces = load_traces(args.traces)
@@ -117,13 +86,6 @@ def main() -> int:
         values = [r[name] for r in refs.values()]
         print(f"  {name:<13} " + " ".join(f"{t} {v:.2f}" for t, v in zip(refs, values))
               + f"   mean {np.mean(values):.2f}")
-    if args.decision_workers:
-        print("\nLB-BSP decision time (observe + decide), steady state:")
-        for workers in args.decision_workers:
-            for name in ("NARX", "EWMA", "LastValue", "BatchTimeCurve", "FLClientModel"):
-                t = decision_time(name, workers, iterations=10 if workers > 2000 else 20)
-                print(f"  {workers:>6} workers  {name:<15} median {t['median_ms']:7.2f} ms   p99 {t['p99_ms']:7.2f} ms",
-                      flush=True)
     return 0
 
 

@@ -9,8 +9,10 @@ default): a decision for iteration k is made from the reports of k - lag. The lo
 relative error forecast / actual - 1, which is what a wrong split costs and what MAPE scores; with a small
 ``huber_delta`` it is close to the absolute relative error, so the forecast is a (1/actual-weighted) median
 rather than a mean: co-located load makes rare very slow iterations that a squared loss would chase. An
-untrained network outputs about zero, i.e. the last value, and until ``warmup`` updates have run the model
-answers with the EWMA level instead.
+untrained network outputs about zero, i.e. the last value. The model answers with the EWMA level instead
+until ``warmup`` updates have run and for as long as the network's recent error, scored on each pair
+before it is trained on, is not below the EWMA level's: a small job with little data never gets a worse
+forecast than the smoothed speed.
 
 The network is a few lines of numpy (ReLU layers, Adam) rather than ``MLPRegressor``, whose partial_fit
 costs about 1 ms per update (mostly input checks), several times the arithmetic.
@@ -78,7 +80,9 @@ class NARXThroughput(CapacityModel):
         due = count >= self.lags + self.horizon - 1
         if due.any():
             slot = count[due] % self.horizon
-            self._remember_pairs(self.rows_[workers[due], slot], log_thr[due] - self.bases_[workers[due], slot])
+            rows, targets = self.rows_[workers[due], slot], log_thr[due] - self.bases_[workers[due], slot]
+            self._score(rows, targets)
+            self._remember_pairs(rows, targets)
         # shift the new measurement into each worker's history
         self.log_thr_[workers, :-1] = self.log_thr_[workers, 1:]
         self.log_thr_[workers, -1] = log_thr
@@ -149,6 +153,7 @@ class NARXThroughput(CapacityModel):
         self.rows_ = np.zeros((0, self.horizon, width))  # input row made at each of the last horizon reports
         self.bases_ = np.zeros((0, self.horizon))  # the log-throughput each of those rows is relative to
         self.forecast_ = None
+        self.recent_error_ = np.full(2, np.inf)  # (network, EWMA level), smoothed over updates
 
     def _grow(self, size: int) -> None:
         extra = size - self.count_.size
@@ -181,11 +186,20 @@ class NARXThroughput(CapacityModel):
         """Every known worker's forecast (NaN for ids never seen): the network's once warm, else the EWMA level."""
         forecast = np.where(self.count_ > 0, np.exp(self.log_level_), np.nan)
         full = np.flatnonzero(self.count_ >= self.lags)
-        if self.updates_ >= self.warmup and full.size:
+        trusted = self.updates_ >= self.warmup and self.recent_error_[0] < self.recent_error_[1]
+        if trusted and full.size:
             slot = (self.count_[full] - 1) % self.horizon
             delta = np.clip(self._net(self.rows_[full, slot])[-1][:, 0], -3.0, 3.0)
             forecast[full] = np.exp(self.bases_[full, slot] + delta)
         return forecast
+
+    def _score(self, rows: np.ndarray, targets: np.ndarray, weight: float = 0.1) -> None:
+        """Track the mean relative error of the network and of the EWMA level on pairs not yet trained on."""
+        network = np.clip(self._net(rows)[-1][:, 0], -3.0, 3.0)
+        level = rows[:, self.lags - 1]  # the input column that holds log(EWMA level / latest)
+        errors = np.array([np.mean(np.abs(np.expm1(network - targets))), np.mean(np.abs(np.expm1(level - targets)))])
+        self.recent_error_ = errors if np.isinf(self.recent_error_).all() else (
+            (1 - weight) * self.recent_error_ + weight * errors)
 
     def _net(self, x: np.ndarray) -> list[np.ndarray]:
         """The activations of every layer for inputs ``x``, the input first and the output last."""
