@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from .config import JobConfig
 from .errors import LBBSPError, ProtocolError
+from .models import AutoCapacityModel
 from .policies import Decision, LBBSPPolicy, Policy
 from .protocol import Assignment, Report
 from .store import REDIS_ERRORS, Store
@@ -48,7 +49,7 @@ class Coordinator:
     def __init__(self, store: Store, config: JobConfig, policy: Policy | None = None) -> None:
         self.store = store
         self.config = store.register(config)
-        self.policy = policy if policy is not None else LBBSPPolicy()
+        self.policy = policy if policy is not None else LBBSPPolicy(AutoCapacityModel(horizon=self.config.lag))
         self.decisions_made = 0
         self._last_written: Assignment | None = None
         self._stop = threading.Event()

@@ -14,7 +14,7 @@ import numpy as np
 from .allocation import TimeModel, allocate, damp, predicted_makespan
 from .config import JobConfig
 from .errors import ConfigError
-from .models import CapacityModel, EWMAThroughput
+from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
 from .protocol import Report, equal_split
 
 
@@ -78,7 +78,7 @@ class LBBSPPolicy(Policy):
     name = "lbbsp"
 
     def __init__(self, model: CapacityModel | None = None, *, deadband: float = 0.03) -> None:
-        self.model = model if model is not None else EWMAThroughput()
+        self.model = model if model is not None else AutoCapacityModel()
         self.deadband = deadband
         self._seen = False
 

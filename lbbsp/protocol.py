@@ -9,7 +9,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from .errors import ProtocolError
 

@@ -112,7 +112,7 @@ def test_failed_and_vanished_clients_do_not_stall_the_round_and_keep_history(red
         assert [r.iteration for r in history.reports(index[3])] == [1, 3]  # the failed round 2 left out
         # A restarted server learns from the stored history before its first round.
         restarted = LoadBalanced(FedAvg(), history, batch_size=40, local_steps=3)
-        assert set(restarted.model.speed_) == set(index.values())
+        assert set(np.flatnonzero(np.isfinite(restarted.model.speed_)).tolist()) == set(index.values())
         plan = restarted.plan(1, [1, 2, 3])
         assert plan[1].batch_size > plan[3].batch_size
     behaviour.clear()

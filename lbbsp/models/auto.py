@@ -33,9 +33,10 @@ def worker_kind(report: Report) -> str:
     return "cpu"
 
 
-def default_models() -> dict[str, CapacityModel]:
-    """NARX for CPU workers, the batch-time curve for GPUs, the client model for federated clients."""
-    return {"cpu": NARXThroughput(), "gpu": BatchTimeCurve(), "fl": FLClientModel()}
+def default_models(horizon: int = 2) -> dict[str, CapacityModel]:
+    """NARX for CPU workers (forecasting ``horizon`` iterations ahead), the batch-time curve for GPUs, the
+    client model for federated clients."""
+    return {"cpu": NARXThroughput(horizon=horizon), "gpu": BatchTimeCurve(), "fl": FLClientModel()}
 
 
 @dataclass(frozen=True)
@@ -60,16 +61,17 @@ class MixedTime:
 
 class AutoCapacityModel(CapacityModel):
     """Routes each worker to the model of its kind; ``models`` replaces any kind's model, ``kinds`` pins
-    a worker's kind (``{worker: "gpu"}``)."""
+    a worker's kind (``{worker: "gpu"}``); ``horizon`` is how far ahead forecasts are used (``JobConfig.lag``)."""
 
     def __init__(self, models: Mapping[str, CapacityModel] | None = None,
-                 kinds: Mapping[int, str] | None = None) -> None:
+                 kinds: Mapping[int, str] | None = None, *, horizon: int = 2) -> None:
         self.models = models
         self.kinds = kinds
+        self.horizon = horizon
 
     def partial_fit(self, reports: Sequence[Report]) -> "AutoCapacityModel":
         if not hasattr(self, "models_"):
-            chosen = default_models() | dict(self.models or {})
+            chosen = default_models(self.horizon) | dict(self.models or {})
             unknown = set(chosen) - set(KINDS) | {k for k in (self.kinds or {}).values() if k not in KINDS}
             if unknown:
                 raise ConfigError(f"unknown worker kind(s) {sorted(unknown)}; kinds are {KINDS}")

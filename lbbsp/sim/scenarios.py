@@ -12,7 +12,7 @@ import numpy as np
 from ..allocation import HingeTime, LinearTime
 from ..config import JobConfig
 from ..errors import ConfigError
-from ..models import AutoCapacityModel, CapacityModel, FLClientModel, NARXThroughput
+from ..models import AutoCapacityModel, CapacityModel, FLClientModel
 from .traces import TRACE_FEATURES, CPUTrace, load_traces
 
 
@@ -50,8 +50,8 @@ class Scenario:
         return sizes, seconds
 
     def capacity_model(self) -> CapacityModel:
-        """LB-BSP's model here: the automatic per-kind choice."""
-        return AutoCapacityModel()
+        """LB-BSP's model here: the automatic per-kind choice, forecasting as far ahead as decisions run."""
+        return AutoCapacityModel(horizon=self.config.lag)
 
 
 class CPUContention(Scenario):
@@ -95,10 +95,6 @@ class CPUContention(Scenario):
 
     def features(self, iteration: int, sizes: np.ndarray) -> list[dict[str, float]]:
         return [dict(zip(TRACE_FEATURES, row)) for row in self.feature_rows[iteration].tolist()]
-
-    def capacity_model(self) -> CapacityModel:
-        """The automatic choice, with NARX forecasting as far ahead as decisions run (``config.lag``)."""
-        return AutoCapacityModel(models={"cpu": NARXThroughput(horizon=self.config.lag)})
 
 
 def _level_medians(trace: CPUTrace) -> np.ndarray:
@@ -211,7 +207,7 @@ class FLClients(Scenario):
         return self.local_steps * sizes, np.maximum(seconds - self.download_s - self.upload_s, 0.0)
 
     def capacity_model(self) -> CapacityModel:
-        return AutoCapacityModel(models={"fl": FLClientModel(local_steps=self.local_steps)})
+        return AutoCapacityModel(models={"fl": FLClientModel(local_steps=self.local_steps)}, horizon=self.config.lag)
 
     def features(self, iteration: int, sizes: np.ndarray) -> list[dict[str, float]]:
         return [{"download_s": d, "upload_s": u} for d, u in zip(self.download_s.tolist(), self.upload_s.tolist())]
