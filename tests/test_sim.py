@@ -31,6 +31,16 @@ def test_lbbsp_is_close_to_the_oracle_and_ahead_of_bsp_on_gpus() -> None:
     assert all((np.asarray(s) <= scenario.cap).all() for s in runs["lbbsp"].sizes)  # memory never exceeded
 
 
+def test_cpu_contention_without_noise_or_switches_is_balanced_to_the_oracle() -> None:
+    """What is left against the oracle is only what cannot be known ahead: with each level's median speed
+    (no per-iteration noise) and no load switches, LB-BSP with NARX finishes within 2% of the oracle."""
+    scenario = CPUContention(16, 60, seed=0, noise=False, mean_dwell=1e9)
+    assert all(np.unique(scenario.speed[:, w]).size == 1 for w in range(16))  # one level, one speed each
+    runs = compare(scenario, 60, {k: v for k, v in standard_policies(scenario).items() if k in ("oracle", "lbbsp")})
+    mean = {k: float(np.mean(r.iteration_s[5:])) for k, r in runs.items()}
+    assert mean["lbbsp"] <= 1.02 * mean["oracle"], mean
+
+
 def test_cli_writes_json_and_png(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
