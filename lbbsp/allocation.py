@@ -96,7 +96,9 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
     f_lo, f_hi = float(x_lo.sum() - global_batch), float(x_hi.sum() - global_batch)
     kept = 0  # +1 after the upper end moved, -1 after the lower end moved
     for _ in range(_SEARCH_STEPS):
-        if int((x_hi - x_lo).max()) <= 1:
+        # Also done once the deadlines agree to 1e-7: a curve that is flat where the bracket ends (a GPU
+        # under its knee) can jump by many samples at one deadline, and the fill below is then exact enough.
+        if int((x_hi - x_lo).max()) <= 1 or t_hi - t_lo <= 1e-7 * abs(t_hi):
             break
         mid = (t_lo * f_hi - t_hi * f_lo) / (f_hi - f_lo)
         if not t_lo < mid < t_hi:
