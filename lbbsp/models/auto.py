@@ -78,13 +78,13 @@ class AutoCapacityModel(CapacityModel):
             self.models_ = chosen
             self.kind_: dict[int, str] = {}
         self._remember_hardware(reports)
-        for report in reports:
-            if report.worker not in self.kind_:
-                self.kind_[report.worker] = (self.kinds or {}).get(report.worker) or worker_kind(report)
-                self._groups_cache = None
         by_kind: dict[str, list[Report]] = {kind: [] for kind in KINDS}
         for report in reports:
-            by_kind[self.kind_[report.worker]].append(report)
+            kind = self.kind_.get(report.worker)
+            if kind is None:  # a worker's kind is set by its first report
+                kind = self.kind_[report.worker] = (self.kinds or {}).get(report.worker) or worker_kind(report)
+                self._groups_cache = None
+            by_kind[kind].append(report)
         for kind, group in by_kind.items():
             if group:
                 self.models_[kind].partial_fit(group)
