@@ -105,7 +105,7 @@ class LBBSPPolicy(Policy):
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         if not self._seen:
             return Decision(tuple(int(s) for s in current), "no measurements yet: keep the split")
-        workers = range(config.num_workers)
+        workers = np.arange(config.num_workers)
         time_model = self.model.time_model(workers)
         current_arr = np.asarray(current, dtype=np.int64)
         lower, upper = self.bounds(workers, current_arr, config)
