@@ -8,6 +8,7 @@ so one decision costs O(n log(1/eps)) vectorised work: milliseconds at 10,000 wo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -177,19 +178,22 @@ class HingeTime:
     def time(self, sizes: np.ndarray) -> np.ndarray:
         x = np.asarray(sizes, dtype=float)
         hinge = self.base + self.slope * np.maximum(x - self.knee, 0.0)
-        return np.where(x > self.observed_max, np.maximum(hinge, self._ratio() * x), hinge)
+        return np.where(x > self.observed_max, np.maximum(hinge, self._ratio * x), hinge)
 
     def capacity(self, deadline: float) -> np.ndarray:
         with np.errstate(divide="ignore", invalid="ignore"):
             along_hinge = np.where(self.slope > 0, self.knee + (deadline - self.base) / self.slope, np.inf)
-            beyond = np.minimum(along_hinge, deadline / self._ratio())
-        x = np.where(deadline * (1 + 1e-12) >= self._observed_time(), np.maximum(beyond, self.observed_max),
+            beyond = np.minimum(along_hinge, deadline / self._ratio)
+        x = np.where(deadline * (1 + 1e-12) >= self._observed_time, np.maximum(beyond, self.observed_max),
                      np.minimum(along_hinge, self.observed_max))
         x = np.where(deadline < self.base, -1.0, x)
         return np.floor(np.minimum(x, 1e15) * (1 + 1e-12) + 1e-9)
 
+    # Computed on first use (the allocator asks for them at every step); the arrays must not change after.
+    @cached_property
     def _observed_time(self) -> np.ndarray:
         return self.base + self.slope * np.maximum(self.observed_max - self.knee, 0.0)
 
+    @cached_property
     def _ratio(self) -> np.ndarray:
-        return self._observed_time() / np.maximum(self.observed_max, 1.0)
+        return self._observed_time / np.maximum(self.observed_max, 1.0)
