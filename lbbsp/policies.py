@@ -117,13 +117,14 @@ class LBBSPPolicy(Policy):
         predicted = time_model.time(sizes)
         throughput = self.model.predict(workers)
         slowest = int(np.argmin(np.where(np.isfinite(throughput), throughput, np.inf)))
+        finish = float(predicted.max())
         if changed:
-            reason = (f"rebalanced for equal predicted finish {predicted_makespan(time_model, sizes):.4g}s "
-                      f"(was {predicted_makespan(time_model, current_arr):.4g}s); slowest worker {slowest} "
+            was = (f"was {predicted_makespan(time_model, current_arr):.4g}s" if in_bounds
+                   else "the current split does not fit the bounds")
+            reason = (f"rebalanced for equal predicted finish {finish:.4g}s ({was}); slowest worker {slowest} "
                       f"at {throughput[slowest]:.4g} samples/s")
         else:
-            reason = (f"kept: predicted gain under the {self.deadband:.0%} dead band "
-                      f"(finish {predicted_makespan(time_model, sizes):.4g}s)")
+            reason = f"kept: predicted gain under the {self.deadband:.0%} dead band (finish {finish:.4g}s)"
         return Decision(tuple(sizes.tolist()), reason, tuple(predicted.tolist()), tuple(throughput.tolist()))
 
 

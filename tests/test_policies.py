@@ -43,6 +43,15 @@ def test_lbbsp_and_oracle_split_in_proportion_to_speed() -> None:
     assert _drive(OraclePolicy(), 1)[-1].tolist() == [100, 200, 400, 100]
 
 
+def test_lbbsp_replaces_a_split_outside_the_bounds_and_says_why() -> None:
+    policy = LBBSPPolicy()
+    policy.observe(_reports(0, np.full(4, 200)))
+    capped = JobConfig("p", 4, 800, max_batch=300)
+    decision = policy.decide(1, (500, 100, 100, 100), capped)  # 500 is over the new cap
+    assert max(decision.sizes) <= 300 and sum(decision.sizes) == 800
+    assert "does not fit the bounds" in decision.reason
+
+
 def test_static_proportional_profiles_once_and_then_ignores_changes() -> None:
     history = _drive(StaticProportionalPolicy(profile_iterations=2), 6,
                      speeds=lambda k: SPEEDS if k < 3 else SPEEDS[::-1].copy())
