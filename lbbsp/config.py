@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from .errors import ConfigError
-from .protocol import MAX_BATCH, MAX_WORKERS, equal_split
+from .protocol import MAX_BATCH, MAX_WORKERS, Assignment, equal_split
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
@@ -80,6 +80,10 @@ class JobConfig:
     def initial_sizes(self) -> tuple[int, ...]:
         """The vector of the first ``lag`` iterations, before any decision: the equal (BSP) split."""
         return equal_split(self.global_batch, self.num_workers)
+
+    def initial_assignment(self, iteration: int) -> Assignment:
+        """The assignment of ``iteration`` when no decision covers it: the initial split."""
+        return Assignment(self.job, iteration, self.initial_sizes(), "initial", "initial split")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -4,13 +4,13 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
-import os
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
 
 from .config import JobConfig
+from .embedded import release_cpu_pinning
 from .errors import LBBSPError, ProtocolError
 from .models import AutoCapacityModel
 from .policies import Decision, LBBSPPolicy, Policy
@@ -111,7 +111,7 @@ class Coordinator:
                                             global_batch=self.config.global_batch)
             except ProtocolError as exc:
                 log.error("stored assignment of iteration %d is invalid: %s", iteration, exc)
-        return Assignment(self.config.job, iteration, self.config.initial_sizes(), "initial", "equal split")
+        return self.config.initial_assignment(iteration)
 
     def _record(self, iteration: int, assignment: Assignment, written: bool, decision: Decision,
                 reports: list[Report], rejected: list[Rejection], decision_s: float) -> None:
@@ -217,10 +217,7 @@ class CoordinatorProcess:
 
 
 def _serve(url: str, config_json: str, policy: Policy | None, ready: threading.Event) -> None:
-    try:
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    except OSError:
-        pass
+    release_cpu_pinning()
     config = JobConfig.from_json(config_json)
     store = Store.from_url(url, config.job)
     coordinator = Coordinator(store, config, policy)

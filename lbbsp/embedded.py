@@ -38,6 +38,15 @@ def redis_server_binary() -> str:
     return path
 
 
+def release_cpu_pinning() -> None:
+    """Let this process run on every core: a child of a pinned training worker (the embedded server, the
+    coordinator process) would otherwise compete for that worker's core."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except OSError:  # a cpuset that excludes some cores: keep what was inherited
+        pass
+
+
 def _die_with_parent() -> None:
     """Runs in the child before exec: SIGTERM the server when its parent dies, and undo any CPU pinning
     the parent (a training worker pinned to its core) passed on, so the server does not steal that core."""
@@ -45,10 +54,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
-    try:
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    except OSError:  # a cpuset that excludes some cores: keep what was inherited
-        pass
+    release_cpu_pinning()
 
 
 class EmbeddedRedis:

@@ -110,7 +110,7 @@ class WorkerClient:
         if iteration < self.config.lag:
             # Nothing to wait for: no decision covers the first ``lag`` iterations. They use the initial
             # split, agreed through the same write-once key.
-            self.store.publish(self._initial(iteration))
+            self.store.publish(self.config.initial_assignment(iteration))
             return self._read_required(iteration)
         pubsub = self._subscription()
         found = self._read(iteration)
@@ -123,13 +123,10 @@ class WorkerClient:
         self.store.publish(self._fallback(iteration, f"coordinator late: worker {self.worker} waited {waited:g}s"))
         return self._read_required(iteration)
 
-    def _initial(self, iteration: int) -> Assignment:
-        return Assignment(self.config.job, iteration, self.config.initial_sizes(), "initial", "initial split")
-
     def _fallback(self, iteration: int, why: str) -> Assignment:
         """The previous iteration's vector (the initial split if unknown), marked as a fallback."""
         if iteration < self.config.lag:
-            return self._initial(iteration)
+            return self.config.initial_assignment(iteration)
         previous = self._known.get(iteration - 1)
         sizes = previous.sizes if previous is not None else self.config.initial_sizes()
         return Assignment(self.config.job, iteration, sizes, "fallback", why, fallback=True)
