@@ -77,7 +77,6 @@ class AutoCapacityModel(CapacityModel):
                 raise ConfigError(f"unknown worker kind(s) {sorted(unknown)}; kinds are {KINDS}")
             self.models_ = chosen
             self.kind_: dict[int, str] = {}
-        self._remember_hardware(reports)
         by_kind: dict[str, list[Report]] = {kind: [] for kind in KINDS}
         for report in reports:
             kind = self.kind_.get(report.worker)

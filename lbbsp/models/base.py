@@ -113,22 +113,18 @@ class CapacityModel:
             if report.worker not in self.hardware_:  # hardware does not change under a running worker
                 self.hardware_[report.worker] = hardware_of(report)
 
-    def _with_prior(self, values: Mapping[int, float] | np.ndarray, workers: Sequence[int]) -> np.ndarray:
-        """``values`` per worker (a mapping, or an array indexed by worker id with NaN where unknown), the
-        similar-hardware prior where a worker has none."""
+    def _with_prior(self, values: np.ndarray, workers: Sequence[int]) -> np.ndarray:
+        """``values`` (indexed by worker id, NaN where unknown) for ``workers``, the similar-hardware prior
+        where a worker has none."""
         ids = np.asarray(workers, dtype=np.int64).reshape(-1)
-        if isinstance(values, np.ndarray):
-            out = np.full(ids.size, np.nan)
-            inside = ids < values.size
-            out[inside] = values[ids[inside]]
-        else:
-            out = np.fromiter((values.get(w, np.nan) for w in ids.tolist()), dtype=float, count=ids.size)
+        out = np.full(ids.size, np.nan)
+        inside = ids < values.size
+        out[inside] = values[ids[inside]]
         missing = ~np.isfinite(out)
         if missing.any():
-            if isinstance(values, np.ndarray):
-                finite = np.flatnonzero(np.isfinite(values))
-                values = dict(zip(finite.tolist(), values[finite].tolist()))
-            out[missing] = similar_hardware_prior(values, getattr(self, "hardware_", {}), ids[missing].tolist())
+            finite = np.flatnonzero(np.isfinite(values))
+            known = dict(zip(finite.tolist(), values[finite].tolist()))
+            out[missing] = similar_hardware_prior(known, getattr(self, "hardware_", {}), ids[missing].tolist())
         return out
 
 

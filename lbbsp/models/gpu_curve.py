@@ -155,18 +155,10 @@ class BatchTimeCurve(CapacityModel):
     def predict(self, workers: Sequence[int]) -> np.ndarray:
         """Throughput at each worker's latest batch size, as the curve predicts it."""
         self._check_is_fitted("slot_size_")
-        workers_arr = np.asarray(list(workers), dtype=np.int64)
-        seen = workers_arr < self.count_.size
-        seen[seen] = self.count_[workers_arr[seen]] > 0
-        out = np.full(workers_arr.size, np.nan)
-        ids = workers_arr[seen]
-        latest = self.latest_[ids]
-        out[seen] = latest / self._curve(ids).time(latest)
-        if not seen.all():  # cold start: the similar-hardware prior
-            known = np.flatnonzero(self.count_ > 0)
-            values = dict(zip(known.tolist(), (self.latest_[known] / self._curve(known).time(self.latest_[known])).tolist()))
-            out[~seen] = self._with_prior(values, workers_arr[~seen].tolist())
-        return out
+        known = np.flatnonzero(self.count_ > 0)
+        throughput = np.full(self.count_.size, np.nan)  # per worker id; the prior fills workers never measured
+        throughput[known] = self.latest_[known] / self._curve(known).time(self.latest_[known])
+        return self._with_prior(throughput, workers)
 
     def time_model(self, workers: Sequence[int]) -> HingeTime:
         workers_arr = np.asarray(list(workers), dtype=np.int64)

@@ -105,15 +105,7 @@ class NARXThroughput(CapacityModel):
         self._check_is_fitted("weights_")
         if self.forecast_ is None:
             self.forecast_ = self._forecast_all()
-        workers_arr = np.asarray(workers, dtype=np.int64).reshape(-1)
-        out = np.full(workers_arr.size, np.nan)
-        inside = workers_arr < self.forecast_.size
-        out[inside] = self.forecast_[workers_arr[inside]]
-        missing = ~np.isfinite(out)
-        if missing.any():
-            levels = {int(w): float(self.forecast_[w]) for w in np.flatnonzero(self.count_ > 0)}
-            out[missing] = self._with_prior(levels, workers_arr[missing].tolist())
-        return out
+        return self._with_prior(self.forecast_, workers)
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _initialise(self) -> None:
