@@ -97,9 +97,11 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
     f_lo, f_hi = float(x_lo.sum() - global_batch), float(x_hi.sum() - global_batch)
     kept = 0  # +1 after the upper end moved, -1 after the lower end moved
     for _ in range(_SEARCH_STEPS):
-        # Also done once the deadlines agree to 1e-7: a curve that is flat where the bracket ends (a GPU
-        # under its knee) can jump by many samples at one deadline, and the fill below is then exact enough.
-        if int((x_hi - x_lo).max()) <= 1 or t_hi - t_lo <= 1e-7 * abs(t_hi):
+        # Also done when the only workers that can add several samples take the same time for each of them
+        # (a GPU under its knee jumps by many samples at one deadline), since the fill is then exact too, and
+        # once the deadlines agree to 1e-7 (the fill is then exact enough).
+        room = x_hi - x_lo
+        if int(room.max()) <= 1 or _only_flat_jumps(model, x_lo, x_hi, room) or t_hi - t_lo <= 1e-7 * abs(t_hi):
             break
         mid = (t_lo * f_hi - t_hi * f_lo) / (f_hi - f_lo)
         if not t_lo < mid < t_hi:
@@ -132,6 +134,15 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
     if x.sum() != global_batch:  # unreachable for a monotone model; a clear error beats a wrong split
         raise AllocationError("the time model is not non-decreasing in the batch size")
     return x
+
+
+def _only_flat_jumps(model: TimeModel, x_lo: np.ndarray, x_hi: np.ndarray, room: np.ndarray) -> bool:
+    """Whether the few workers with room for more than one sample take as long for all of it as for the first."""
+    wide = room > 1
+    if int(wide.sum()) > 16:  # checked only near the end of the search, where one or two curves jump
+        return False
+    first = model.time(np.where(wide, x_lo + 1, x_lo))[wide]
+    return bool((model.time(x_hi)[wide] <= first * (1 + 1e-12)).all())
 
 
 def _trim(x: np.ndarray, lower: np.ndarray, global_batch: int, model: TimeModel) -> np.ndarray:
