@@ -13,6 +13,7 @@ step with Redis I/O and validation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import time
 from typing import Callable, Sequence
@@ -69,20 +70,25 @@ def critical_path(url: str, workers: int, iterations: int, lag: int, compute_s: 
 
 
 class _Timed(Policy):
-    """Runs a policy and adds up the seconds its observe and decide take (prediction + allocation)."""
+    """Runs a policy and adds up the wall and CPU seconds its observe and decide take (prediction + allocation)."""
 
     def __init__(self, inner: Policy) -> None:
-        self.inner, self.name, self.seconds = inner, inner.name, 0.0
+        self.inner, self.name = inner, inner.name
+        self.seconds = self.cpu_seconds = 0.0
+
+    def _timed(self, call: Callable[[], Decision | None]) -> Decision | None:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        out = call()
+        self.seconds += time.perf_counter() - wall
+        self.cpu_seconds += time.thread_time() - cpu
+        return out
 
     def observe(self, reports: Sequence[Report]) -> None:
-        started = time.perf_counter()
-        self.inner.observe(reports)
-        self.seconds += time.perf_counter() - started
+        self._timed(lambda: self.inner.observe(reports))
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
-        started = time.perf_counter()
-        decision = self.inner.decide(iteration, current, config)
-        self.seconds += time.perf_counter() - started
+        decision = self._timed(lambda: self.inner.decide(iteration, current, config))
+        assert decision is not None
         return decision
 
 
@@ -113,30 +119,34 @@ def _reports(job: str, kind: str, k: int, sizes: Sequence[int], speed: np.ndarra
     return out
 
 
-def decision_times(url: str, workers: int, model: Callable[[], CapacityModel], kind: str, warmup: int,
-                   repeats: int) -> tuple[np.ndarray, np.ndarray]:
-    """(policy observe+decide, whole coordinator step with Redis) in seconds, for ``repeats`` iterations after
-    ``warmup`` iterations that fill the model's history (steady state, as in a long run)."""
-    config = JobConfig(f"decide-{workers}-{time.time_ns()}", workers, 64 * workers)
+def decision_times(url: str, workers: int, warmup: int, repeats: int) -> dict[str, dict[str, np.ndarray]]:
+    """Per model: policy observe+decide (wall and CPU seconds) and the whole coordinator step with Redis, for
+    ``repeats`` iterations after ``warmup`` iterations that fill the model's history (steady state, as in a
+    long run). The models take turns within each iteration, so a drift in this machine's speed hits all alike."""
     rng = np.random.default_rng(0)
     speed = rng.uniform(500, 5000, workers)
-    sizes = config.initial_sizes()
-    policy_s, step_s = [], []
-    with Store.from_url(url, config.job) as store:
-        timed = _Timed(LBBSPPolicy(model()))
-        coordinator = Coordinator(store, config, timed)
+    runs = []
+    with contextlib.ExitStack() as stack:
+        for name, (model, kind) in MODELS.items():
+            config = JobConfig(f"decide-{workers}-{len(runs)}-{time.time_ns()}", workers, 64 * workers)
+            store = stack.enter_context(Store.from_url(url, config.job))
+            timed = _Timed(LBBSPPolicy(model()))
+            runs.append((name, kind, config, store, timed, Coordinator(store, config, timed),
+                         {"policy": [], "policy_cpu": [], "step": []}, [config.initial_sizes()]))
         for k in range(warmup + repeats):
-            pipe = store.client.pipeline(transaction=False)
-            for report in _reports(config.job, kind, k, sizes, speed, rng):
-                pipe.hset(store.key("reports", k), str(report.worker), report.to_json())
-            pipe.execute()
-            timed.seconds = 0.0
-            outcome = coordinator.decide(k)
-            if k >= warmup:
-                policy_s.append(timed.seconds)
-                step_s.append(outcome.decision_s)
-            sizes = outcome.assignment.sizes
-    return np.array(policy_s), np.array(step_s)
+            for name, kind, config, store, timed, coordinator, times, sizes in runs:
+                pipe = store.client.pipeline(transaction=False)
+                for report in _reports(config.job, kind, k, sizes[0], speed, rng):
+                    pipe.hset(store.key("reports", k), str(report.worker), report.to_json())
+                pipe.execute()
+                timed.seconds = timed.cpu_seconds = 0.0
+                outcome = coordinator.decide(k)
+                if k >= warmup:
+                    times["policy"].append(timed.seconds)
+                    times["policy_cpu"].append(timed.cpu_seconds)
+                    times["step"].append(outcome.decision_s)
+                sizes[0] = outcome.assignment.sizes
+    return {name: {key: np.array(v) for key, v in times.items()} for name, _, _, _, _, _, times, _ in runs}
 
 
 def _ms(values: np.ndarray, q: float) -> str:
@@ -167,14 +177,16 @@ def main() -> None:
                     added = critical_path(url, n, args.iterations, 2 if lag == "floor" else lag,
                                           args.compute_ms / 1e3, floor=lag == "floor")
                     print(f"{lag:>5} {n:>8} {_ms(added, 50)} {_ms(added, 99)} {_ms(added, 100)}", flush=True)
-        print(f"\ndecision time in steady state (after {args.warmup} iterations), LB-BSP with each real model")
-        print(f"{'model':<26} {'workers':>8} {'policy p50':>11} {'policy p99':>11} {'step p50':>9} {'step p99':>9}"
-              "   (ms; policy = prediction + allocation; step = + validation + Redis I/O + write)")
-        for name, (model, kind) in MODELS.items():
-            for n in args.decision_workers:
-                policy_s, step_s = decision_times(url, n, model, kind, args.warmup, args.repeats)
-                print(f"{name:<26} {n:>8} {_ms(policy_s, 50):>11} {_ms(policy_s, 99):>11} {_ms(step_s, 50):>9} "
-                      f"{_ms(step_s, 99):>9}", flush=True)
+        print(f"\ndecision time in steady state (after {args.warmup} iterations), LB-BSP with each real model; "
+              "the models take turns each iteration")
+        print(f"{'model':<26} {'workers':>8} {'policy p50':>11} {'policy p99':>11} {'cpu p50':>8} {'step p50':>9} "
+              f"{'step p99':>9}   (ms; policy = prediction + allocation, wall clock; cpu = its CPU time; "
+              "step = + validation + Redis I/O + write)")
+        for n in args.decision_workers:
+            for name, times in decision_times(url, n, args.warmup, args.repeats).items():
+                print(f"{name:<26} {n:>8} {_ms(times['policy'], 50):>11} {_ms(times['policy'], 99):>11} "
+                      f"{_ms(times['policy_cpu'], 50):>8} {_ms(times['step'], 50):>9} {_ms(times['step'], 99):>9}",
+                      flush=True)
     finally:
         if server is not None:
             server.close()
