@@ -91,7 +91,7 @@ def _decode(data: bytes | str, kind: str, allowed: set[str], max_bytes: int) -> 
         raise _fail(f"{kind} is not valid JSON: {exc}", "payload") from None
     if not isinstance(obj, dict):
         raise _fail(f"{kind} must be a JSON object, got {type(obj).__name__}", "payload")
-    unknown = sorted(set(obj) - allowed)
+    unknown = [] if allowed.issuperset(obj) else sorted(set(obj) - allowed)
     if unknown:
         raise _fail(f"unknown field(s) in {kind}: {', '.join(map(str, unknown))}", str(unknown[0]))
     version = obj.get("v")
@@ -132,7 +132,7 @@ class Report:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.features, dict) and isinstance(self.features, Mapping):
+        if type(self.features) is not dict and isinstance(self.features, Mapping):
             object.__setattr__(self, "features", dict(self.features))
         self.validate()
 
@@ -142,7 +142,10 @@ class Report:
         return self.samples / self.compute_s if self.samples > 0 and self.compute_s > 0 else 0.0
 
     def validate(self) -> "Report":
-        """Check every field's type and range."""
+        """Check every field's type and range: one quick pass, then the detailed checks that name the bad field
+        for a report the quick pass does not accept."""
+        if self._plainly_valid():
+            return self
         where: dict[str, Any] = {"job": self.job if isinstance(self.job, str) else None}
         _str(self.job, "job", 128, **where)
         if not self.job:
@@ -166,6 +169,23 @@ class Report:
                 _float(value, f"features.{name}", *bounds, **where)
         _str(self.device, "device", 64, **where)
         return self
+
+    def _plainly_valid(self) -> bool:
+        """True for a report of plain types within every range (what well-behaved workers send)."""
+        if not (type(self.job) is str and 0 < len(self.job) <= 128 and type(self.device) is str
+                and len(self.device) <= 64 and type(self.worker) is int and 0 <= self.worker < MAX_WORKERS
+                and type(self.iteration) is int and 0 <= self.iteration <= MAX_ITERATION
+                and type(self.samples) is int and 0 <= self.samples <= MAX_BATCH
+                and _in_range(self.compute_s, 0.0, MAX_SECONDS)
+                and (self.comm_s is None or _in_range(self.comm_s, 0.0, MAX_SECONDS))
+                and (self.wait_s is None or _in_range(self.wait_s, 0.0, MAX_SECONDS))
+                and type(self.features) is dict):
+            return False
+        for name, value in self.features.items():
+            bounds = FEATURE_RANGES.get(name)
+            if bounds is None or type(value) not in (int, float) or not bounds[0] <= value <= bounds[1]:
+                return False
+        return True
 
     def check_belongs(self, *, job: str | None = None, num_workers: int | None = None) -> "Report":
         """Raise unless the report is for ``job`` and its worker id is below ``num_workers``."""
