@@ -14,6 +14,7 @@ import numpy as np
 from .allocation import TimeModel, allocate, damp, predicted_makespan
 from .config import JobConfig
 from .errors import ConfigError
+from .hedging import ForecastRisk, hedged
 from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
 from .protocol import Report, equal_split
 
@@ -72,19 +73,27 @@ class LBBSPPolicy(Policy):
     """LB-BSP: predict each worker's speed, allocate for equal predicted finish, damp small changes.
 
     Bounds are the job's, tightened by the model's memory caps; a model that is still learning a curve
-    may nudge the result (``CapacityModel.explore``).
+    may nudge the result (``CapacityModel.explore``). ``hedge``: how many workers the split may expect to
+    overrun the common finish; each worker's time is planned with a margin learned from how the model's
+    past forecasts missed (:class:`~lbbsp.hedging.ForecastRisk`); None or 0 plans on the forecast alone.
+    ``Decision.predicted_s`` stays the forecast's own seconds, without margins.
     """
 
     name = "lbbsp"
 
-    def __init__(self, model: CapacityModel | None = None, *, deadband: float = 0.03) -> None:
+    def __init__(self, model: CapacityModel | None = None, *, deadband: float = 0.03,
+                 hedge: float | None = 2.0) -> None:
         self.model = model if model is not None else AutoCapacityModel()
         self.deadband = deadband
+        self.hedge = hedge
+        self.risk = ForecastRisk(hedge) if hedge else None
         self._seen = False
 
     def observe(self, reports: Sequence[Report]) -> None:
         if reports:
             self.model.partial_fit(reports)
+            if self.risk is not None:
+                self.risk.observe(reports)
             self._seen = True
 
     def bounds(self, workers: Sequence[int], current: np.ndarray, config: JobConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -107,24 +116,34 @@ class LBBSPPolicy(Policy):
             return Decision(tuple(int(s) for s in current), "no measurements yet: keep the split")
         workers = np.arange(config.num_workers)
         time_model = self.model.time_model(workers)
+        throughput = self.model.predict(workers)
+        plan = time_model
+        if self.risk is not None:
+            self.risk.record(iteration, workers, throughput)
+            factor = self.risk.factors(iteration)
+            # Margins that differ by less than the dead band only perturb the split by noise: plan without them.
+            if factor.max() > (1 + self.deadband) * factor.min():
+                plan = hedged(time_model, factor)
         current_arr = np.asarray(current, dtype=np.int64)
         lower, upper = self.bounds(workers, current_arr, config)
-        proposed = self.propose(time_model, config, lower, upper)
+        proposed = self.propose(plan, config, lower, upper)
         in_bounds = current_arr.shape == proposed.shape and bool(
             ((current_arr >= lower) & (current_arr <= upper)).all())
-        sizes, changed = damp(current_arr, proposed, time_model, self.deadband) if in_bounds else (proposed, True)
+        sizes, changed = damp(current_arr, proposed, plan, self.deadband) if in_bounds else (proposed, True)
         sizes = self.model.explore(workers, sizes, lower, upper)
         predicted = time_model.time(sizes)
-        throughput = self.model.predict(workers)
         slowest = int(np.argmin(np.where(np.isfinite(throughput), throughput, np.inf)))
-        finish = float(predicted.max())
+        finish = float(predicted.max()) if plan is time_model else predicted_makespan(plan, sizes)
+        finish_label = "predicted finish" if plan is time_model else "finish with margins"
         if changed:
-            was = (f"was {predicted_makespan(time_model, current_arr):.4g}s" if in_bounds
+            was = (f"was {predicted_makespan(plan, current_arr):.4g}s" if in_bounds
                    else "the current split does not fit the bounds")
-            reason = (f"rebalanced for equal predicted finish {finish:.4g}s ({was}); slowest worker {slowest} "
+            reason = (f"rebalanced for equal {finish_label} {finish:.4g}s ({was}); slowest worker {slowest} "
                       f"at {throughput[slowest]:.4g} samples/s")
         else:
-            reason = f"kept: predicted gain under the {self.deadband:.0%} dead band (finish {finish:.4g}s)"
+            reason = f"kept: predicted gain under the {self.deadband:.0%} dead band ({finish_label} {finish:.4g}s)"
+        if plan is not time_model:
+            reason += f"; slowdown margins x{factor.min():.2f} to x{factor.max():.2f}"
         return Decision(tuple(sizes.tolist()), reason, tuple(predicted.tolist()), tuple(throughput.tolist()))
 
 
@@ -134,7 +153,7 @@ class StaticProportionalPolicy(LBBSPPolicy):
     name = "static-proportional"
 
     def __init__(self, profile_iterations: int = 3) -> None:
-        super().__init__(EWMAThroughput(alpha=0.5), deadband=0.0)
+        super().__init__(EWMAThroughput(alpha=0.5), deadband=0.0, hedge=None)
         self.profile_iterations = profile_iterations
         self._observed = 0
         self._fixed: Decision | None = None
@@ -159,7 +178,7 @@ class PerEpochPolicy(LBBSPPolicy):
     name = "per-epoch"
 
     def __init__(self, iterations_per_epoch: int = 50, model: CapacityModel | None = None) -> None:
-        super().__init__(model if model is not None else EWMAThroughput(alpha=0.05), deadband=0.0)
+        super().__init__(model if model is not None else EWMAThroughput(alpha=0.05), deadband=0.0, hedge=None)
         self.iterations_per_epoch = iterations_per_epoch
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
@@ -226,7 +245,7 @@ class OraclePolicy(LBBSPPolicy):
     name = "oracle"
 
     def __init__(self) -> None:
-        super().__init__(EWMAThroughput(), deadband=0.0)
+        super().__init__(EWMAThroughput(), deadband=0.0, hedge=None)
         self._truth: TimeModel | None = None
         self._caps: np.ndarray | None = None
 

@@ -70,3 +70,8 @@ def test_leader_straggler_search_converges_and_halves_its_step() -> None:
     times = final / SPEEDS
     assert times.max() / times.min() < 1.3
     assert policy._step is not None and policy._step < 100  # halved at least once on oscillation
+
+
+def test_only_lbbsp_itself_hedges_by_default() -> None:
+    assert LBBSPPolicy().risk is not None and LBBSPPolicy(hedge=None).risk is None and LBBSPPolicy(hedge=0).risk is None
+    assert all(p.risk is None for p in (OraclePolicy(), StaticProportionalPolicy(), PerEpochPolicy()))

@@ -1,0 +1,187 @@
+"""Risk-aware allocation: plan each worker's time with a margin learned from how forecasts like its own missed.
+
+LB-BSP balances for equal *predicted* finish, so an iteration lasts as long as the worst forecast miss among
+N workers, and with many workers some miss is always large. Misses are not symmetric: a worker forecast
+faster than its peers can mostly only turn slower, a slow one mostly faster. :class:`ForecastRisk` learns
+the slowdowns that followed slow, middle and fast forecasts; :func:`hedged` scales a time model by the
+resulting factors, so the allocation plans for a common deadline that about ``hedge`` workers are expected
+to overrun instead of about half of them.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .allocation import HingeTime, LinearTime, TimeModel
+from .errors import ConfigError
+from .models.auto import MixedTime
+from .models.base import Hardware, hardware_of
+from .protocol import Report
+
+
+@dataclass(frozen=True)
+class HedgedTime:
+    """``inner``'s time scaled per worker: time(x) = inner.time(x) * factor; the allocator searches its capacity."""
+
+    inner: TimeModel
+    factor: np.ndarray
+
+    def time(self, sizes: np.ndarray) -> np.ndarray:
+        return np.asarray(self.inner.time(sizes), dtype=float) * self.factor
+
+
+@dataclass(frozen=True)
+class InvertibleHedgedTime(HedgedTime):
+    """:class:`HedgedTime` of a model whose ``capacity`` takes one deadline per worker (an array)."""
+
+    def capacity(self, deadline: float) -> np.ndarray:
+        return self.inner.capacity(deadline / self.factor)  # type: ignore[attr-defined]
+
+
+def hedged(model: TimeModel, factor: np.ndarray) -> TimeModel:
+    """``model`` with each worker's time multiplied by ``factor`` (one positive number per worker).
+
+    Linear and hinge models invert an array of deadlines, so they keep a closed-form capacity; a mixed job
+    is hedged group by group; any other model is left to the allocator's search.
+    """
+    factor = np.asarray(factor, dtype=float)
+    if isinstance(model, MixedTime):
+        return MixedTime(tuple((positions, hedged(inner, factor[positions])) for positions, inner in model.groups),
+                         model.size)
+    if isinstance(model, (LinearTime, HingeTime)):
+        return InvertibleHedgedTime(model, factor)
+    return HedgedTime(model, factor)
+
+
+class ForecastRisk:
+    """Per-worker time factors: the (1 - hedge/N) quantile of past slowdowns of similar forecasts.
+
+    At decision time :meth:`record` notes each worker's forecast throughput for the target iteration and
+    its rank among the forecasts of its peers, the workers on the same hardware (device and cores, as the
+    capacity models' cold-start prior groups them), split into ``buckets``: slow .. fast. Among identical
+    machines, one forecast much faster than its peers is most likely free of co-located load and can mostly
+    only turn slower. When the target's reports arrive, :meth:`observe` pools each worker's slowdown,
+    forecast / measured throughput (= measured seconds / the seconds the forecast implied for the samples
+    done), into the ring buffer of its bucket (``pool_size`` log-slowdowns). Throughput, not the time model's
+    seconds, is compared because it is what every capacity model predicts in the units reports carry (a
+    federated client's ``compute_s`` excludes the transfers its time model includes). Buckets are only a
+    grouping: each learns its own slowdowns, so a grouping that says nothing costs little. A bucket with
+    fewer than ``min_samples`` slowdowns gives factor 1, so a cold start is plain LB-BSP.
+    """
+
+    def __init__(self, hedge: float = 2.0, *, buckets: int = 3, pool_size: int = 4096, min_samples: int = 50,
+                 keep: int = 8) -> None:
+        if not hedge > 0:
+            raise ConfigError(f"hedge must be a positive number of workers, got {hedge!r}")
+        for name, value, least in (("buckets", buckets, 1), ("pool_size", pool_size, 2),
+                                   ("min_samples", min_samples, 1), ("keep", keep, 1)):
+            if not isinstance(value, int) or value < least:
+                raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
+        self.hedge = hedge
+        self.buckets = buckets
+        self.pool_size = pool_size
+        self.min_samples = min_samples
+        self.keep = keep
+        self.peer_group_ = np.zeros(0, dtype=np.int64)  # per worker id: hardware group, -1 until it reports
+        self.groups_: dict[Hardware, int] = {}
+        self.pool_ = np.zeros((buckets, pool_size))  # per bucket: ring of log-slowdowns
+        self.pooled_ = np.zeros(buckets, dtype=np.int64)  # per bucket: slowdowns ever written
+        self.forecasts_: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # iteration -> ids, tput, bucket
+        self._quantiles: tuple[float, np.ndarray] | None = None  # (eps, per-bucket factor), until observe
+
+    def record(self, iteration: int, workers: Sequence[int] | np.ndarray, throughput: np.ndarray) -> None:
+        """Remember the forecast throughput of ``workers`` for ``iteration`` and the bucket each sits in."""
+        ids = np.asarray(workers, dtype=np.int64).reshape(-1)
+        forecast = np.asarray(throughput, dtype=float).reshape(-1)
+        self.forecasts_[iteration] = (ids, forecast, self._bucket(ids, forecast))
+        while len(self.forecasts_) > self.keep:
+            del self.forecasts_[min(self.forecasts_)]
+
+    def observe(self, reports: Sequence[Report]) -> None:
+        """Pool the slowdowns of the reports against their iteration's recorded forecast, and learn each new
+        worker's hardware. Reports that measured nothing are skipped."""
+        count = len(reports)
+        if count == 0:
+            return
+        ids = np.fromiter([r.worker for r in reports], np.int64, count)
+        iterations = np.fromiter([r.iteration for r in reports], np.int64, count)
+        speed = np.fromiter([r.samples / r.compute_s if r.samples > 0 and r.compute_s > 0 else 0.0
+                             for r in reports], float, count)
+        self._remember_hardware(reports, ids)
+        measured = speed > 0
+        ids, iterations, speed = ids[measured], iterations[measured], speed[measured]
+        for iteration in np.unique(iterations).tolist():
+            if iteration in self.forecasts_:
+                at = iterations == iteration
+                self._pool(self.forecasts_[iteration], ids[at], speed[at])
+
+    def factors(self, iteration: int) -> np.ndarray:
+        """Time factor of each worker recorded for ``iteration``, in the order given to :meth:`record`: the
+        (1 - eps) quantile of its bucket's slowdowns, eps = hedge / number of workers."""
+        ids, _, bucket = self.forecasts_[iteration]
+        eps = float(np.clip(self.hedge / max(ids.size, 1), 1.0 / self.pool_size, 0.5))
+        if self._quantiles is None or self._quantiles[0] != eps:
+            per_bucket = np.ones(self.buckets)
+            for b in np.flatnonzero(self.pooled_ >= self.min_samples):
+                pooled = self.pool_[b, :min(int(self.pooled_[b]), self.pool_size)]
+                k = int(np.ceil((1.0 - eps) * (pooled.size - 1)))  # the "higher" quantile: no interpolation
+                per_bucket[b] = float(np.exp(np.partition(pooled, k)[k]))
+            self._quantiles = (eps, per_bucket)
+        return self._quantiles[1][bucket]
+
+    def _bucket(self, ids: np.ndarray, forecast: np.ndarray) -> np.ndarray:
+        """Bucket of each forecast by its rank among its hardware peers' forecasts; the middle one for a worker
+        whose hardware or forecast is unknown."""
+        group = np.full(ids.size, -1, dtype=np.int64)
+        inside = (ids >= 0) & (ids < self.peer_group_.size)
+        group[inside] = self.peer_group_[ids[inside]]
+        known = (group >= 0) & np.isfinite(forecast)
+        bucket = np.full(ids.size, self.buckets // 2, dtype=np.int64)
+        if not known.any():
+            return bucket
+        group, values = group[known], forecast[known]
+        rank = np.empty(values.size)
+        if (group == group[0]).all():  # one hardware group, the usual case
+            rank[np.argsort(values)] = (np.arange(values.size) + 0.5) / values.size
+        else:
+            order = np.lexsort((values, group))  # by group, then by forecast
+            sorted_group = group[order]
+            first = np.searchsorted(sorted_group, sorted_group, side="left")
+            size = np.searchsorted(sorted_group, sorted_group, side="right") - first
+            rank[order] = (np.arange(order.size) - first + 0.5) / size
+        bucket[known] = np.minimum((rank * self.buckets).astype(np.int64), self.buckets - 1)
+        return bucket
+
+    def _pool(self, forecast: tuple[np.ndarray, np.ndarray, np.ndarray], ids: np.ndarray, speed: np.ndarray) -> None:
+        recorded, predicted, bucket = forecast
+        if recorded.size == 0:
+            return
+        position = np.full(int(max(ids.max(), recorded.max())) + 1, -1, dtype=np.int64)
+        position[recorded] = np.arange(recorded.size)
+        at = position[ids]
+        ok = at >= 0
+        at, speed = at[ok], speed[ok]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            log_slowdown = np.log(predicted[at] / speed)
+        finite = np.isfinite(log_slowdown)
+        log_slowdown, of_bucket = log_slowdown[finite], bucket[at[finite]]
+        for b in range(self.buckets):
+            values = log_slowdown[of_bucket == b][-self.pool_size:]
+            slots = (self.pooled_[b] + np.arange(values.size)) % self.pool_size
+            self.pool_[b, slots] = values
+            self.pooled_[b] += values.size
+        self._quantiles = None
+
+    def _remember_hardware(self, reports: Sequence[Report], ids: np.ndarray) -> None:
+        """Give each worker seen for the first time (``ids``: the reports' workers) its hardware group id."""
+        size = int(ids.max()) + 1
+        if size > self.peer_group_.size:
+            self.peer_group_ = np.concatenate([self.peer_group_, np.full(size - self.peer_group_.size, -1)])
+        for at in np.flatnonzero(self.peer_group_[ids] < 0).tolist():
+            key = hardware_of(reports[at])
+            self.peer_group_[ids[at]] = self.groups_.setdefault(key, len(self.groups_))
+
+
+__all__ = ["ForecastRisk", "HedgedTime", "InvertibleHedgedTime", "hedged"]

@@ -1,0 +1,142 @@
+"""Risk-aware allocation: margins learned from forecast misses, applied to any time model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lbbsp.allocation import HingeTime, LinearTime, allocate
+from lbbsp.config import JobConfig
+from lbbsp.errors import ConfigError
+from lbbsp.hedging import ForecastRisk, HedgedTime, hedged
+from lbbsp.models import EWMAThroughput
+from lbbsp.models.auto import MixedTime
+from lbbsp.policies import LBBSPPolicy
+from lbbsp.protocol import Report
+
+SPEEDS = np.linspace(100.0, 1200.0, 12)  # one hardware group; the fastest third is the "fast" bucket
+
+
+def _reports(k: int, sizes: np.ndarray, speeds: np.ndarray, job: str = "h") -> list[Report]:
+    return [Report(job, i, k, int(s), float(s / v)) for i, (s, v) in enumerate(zip(sizes, speeds))]
+
+
+def _learn(risk: ForecastRisk, iterations: int, actual) -> None:
+    """Forecast SPEEDS every iteration; the reports then measure ``actual(k)``."""
+    workers = np.arange(SPEEDS.size)
+    for k in range(iterations):
+        risk.record(k, workers, SPEEDS)
+        risk.observe(_reports(k, np.full(SPEEDS.size, 64), actual(k)))
+
+
+def test_fast_forecasts_that_sometimes_slow_down_get_the_larger_margin() -> None:
+    rng = np.random.default_rng(0)
+
+    def actual(k: int) -> np.ndarray:
+        speed = SPEEDS * rng.lognormal(0.0, 0.05, SPEEDS.size)
+        slowed = rng.random(SPEEDS.size) < 0.2
+        speed[8:] = np.where(slowed[8:], speed[8:] / 3, speed[8:])  # the fast third turns 3x slower at times
+        return speed
+
+    risk = ForecastRisk(hedge=1.0)
+    _learn(risk, 60, actual)
+    risk.record(60, np.arange(12), SPEEDS)
+    factor = risk.factors(60)
+    assert factor[8:].min() > 2.0 and factor[:4].max() < 1.2
+    assert np.unique(factor[:4]).size == 1 and np.unique(factor[8:]).size == 1  # one factor per bucket
+
+
+def test_cold_start_is_plain_lbbsp() -> None:
+    config = JobConfig("h", 12, 1200)
+    plain, hedging = LBBSPPolicy(EWMAThroughput(), hedge=None), LBBSPPolicy(EWMAThroughput(), hedge=3.0)
+    rng = np.random.default_rng(1)
+    sizes = np.asarray(config.initial_sizes())
+    for k in range(3):  # 36 slowdowns: under min_samples in every bucket
+        reports = _reports(k, sizes, SPEEDS * rng.lognormal(0.0, 0.3, 12))
+        plain.observe(reports)
+        hedging.observe(reports)
+        a, b = (p.decide(k + 1, tuple(sizes.tolist()), config) for p in (plain, hedging))
+        assert a.sizes == b.sizes and a.predicted_s == b.predicted_s
+        assert (hedging.risk.factors(k + 1) == 1.0).all()
+        sizes = np.asarray(a.sizes)
+
+
+class _CappedEWMA(EWMAThroughput):
+    """EWMA speeds with a fixed per-worker memory cap, as a GPU model would report."""
+
+    def max_batch(self, workers):
+        return np.full(len(workers), 150, dtype=np.int64)
+
+
+def test_hedged_split_sums_to_b_within_bounds_and_memory_caps() -> None:
+    config = JobConfig("h", 12, 1200, min_batch=20)
+    policy = LBBSPPolicy(_CappedEWMA(), hedge=2.0)
+    rng = np.random.default_rng(2)
+    sizes = np.asarray(config.initial_sizes())
+    reasons = []
+    for k in range(40):
+        speed = SPEEDS * rng.lognormal(0.0, 0.05, 12)
+        speed[8:] /= np.where(rng.random(4) < 0.3, 3.0, 1.0)
+        policy.observe(_reports(k, sizes, speed))
+        decision = policy.decide(k + 1, tuple(sizes.tolist()), config)
+        sizes = np.asarray(decision.sizes)
+        assert sizes.sum() == 1200 and (sizes >= 20).all() and (sizes <= 150).all()
+        assert np.allclose(decision.predicted_s, sizes / policy.model.predict(range(12)))  # without margins
+        reasons.append(decision.reason)
+    assert any("slowdown margins" in r for r in reasons)
+
+
+def test_symmetric_errors_leave_the_split_about_proportional() -> None:
+    config = JobConfig("h", 12, 12 * 400)
+    policy = LBBSPPolicy(EWMAThroughput(alpha=0.2), hedge=3.0)
+    rng = np.random.default_rng(3)
+    sizes = np.asarray(config.initial_sizes())
+    for k in range(80):
+        policy.observe(_reports(k, sizes, SPEEDS * rng.lognormal(0.0, 0.1, 12)))
+        sizes = np.asarray(policy.decide(k + 1, tuple(sizes.tolist()), config).sizes)
+    assert (policy.risk.pooled_ >= policy.risk.min_samples).all()
+    proportional = config.global_batch * SPEEDS / SPEEDS.sum()
+    assert np.abs(sizes / proportional - 1).max() < 0.15
+
+
+def test_bad_and_missing_reports_do_not_crash() -> None:
+    risk = ForecastRisk(hedge=1.0, min_samples=1)
+    risk.observe([])
+    forecast = SPEEDS.copy()
+    forecast[3] = np.nan  # a worker with no forecast sits in the middle bucket and is not learned from
+    risk.record(0, np.arange(12), forecast)
+    reports = _reports(0, np.full(12, 64), SPEEDS)[:6]  # half the workers missing
+    reports.append(Report("h", 7, 0, 0, 0.0))  # measured nothing
+    reports.append(Report("h", 40, 0, 64, 0.1))  # a worker that had no forecast
+    reports.append(Report("h", 2, 99, 64, 0.1))  # an iteration never forecast
+    risk.observe(reports)
+    assert risk.pooled_.sum() == 5  # workers 0-5 without worker 3
+    assert np.isfinite(risk.factors(0)).all() and (risk.factors(0) > 0).all()
+    with pytest.raises(ConfigError):
+        ForecastRisk(hedge=0)
+
+
+def test_forecasts_are_kept_for_the_last_few_iterations_only() -> None:
+    risk = ForecastRisk(keep=3)
+    for k in range(10):
+        risk.record(k, np.arange(4), SPEEDS[:4])
+    assert sorted(risk.forecasts_) == [7, 8, 9]
+
+
+def test_hedged_models_invert_exactly_like_the_search() -> None:
+    factor = np.array([1.0, 1.5, 2.0, 1.2])
+    linear = LinearTime(np.array([100.0, 200.0, 400.0, 100.0]), overhead=np.array([0.0, 0.1, 0.0, 0.2]))
+    hinge = HingeTime(np.full(4, 0.05), np.array([8.0, 16.0, 16.0, 32.0]), np.array([0.01, 0.004, 0.002, 0.001]),
+                      np.full(4, 1e12))
+    lower, upper = np.ones(4, dtype=np.int64), np.full(4, 1000, dtype=np.int64)
+    for model in (linear, hinge):
+        fast = hedged(model, factor)
+        assert hasattr(fast, "capacity")
+        assert np.allclose(fast.time(np.full(4, 50)), model.time(np.full(4, 50)) * factor)
+        assert (allocate(fast, 1000, lower, upper) == allocate(HedgedTime(model, factor), 1000, lower, upper)).all()
+    mixed = MixedTime(((np.array([0, 2]), LinearTime(np.array([100.0, 400.0]))),
+                       (np.array([1, 3]), HingeTime(np.full(2, 0.05), np.full(2, 16.0), np.array([0.004, 0.001]),
+                                                    np.full(2, 1e12)))), 4)
+    sizes = np.array([10, 20, 30, 40])
+    assert np.allclose(hedged(mixed, factor).time(sizes), mixed.time(sizes) * factor)
+    assert (allocate(hedged(mixed, factor), 1000, lower, upper)
+            == allocate(HedgedTime(mixed, factor), 1000, lower, upper)).all()
