@@ -62,32 +62,39 @@ class ForecastRisk:
     its rank among the forecasts of its peers, the workers on the same hardware (device and cores, as the
     capacity models' cold-start prior groups them), split into ``buckets``: slow .. fast. Among identical
     machines, one forecast much faster than its peers is most likely free of co-located load and can mostly
-    only turn slower. When the target's reports arrive, :meth:`observe` pools each worker's slowdown,
-    forecast / measured throughput (= measured seconds / the seconds the forecast implied for the samples
-    done), into the ring buffer of its bucket (``pool_size`` log-slowdowns). Throughput, not the time model's
-    seconds, is compared because it is what every capacity model predicts in the units reports carry (a
-    federated client's ``compute_s`` excludes the transfers its time model includes). Buckets are only a
-    grouping: each learns its own slowdowns, so a grouping that says nothing costs little. A bucket with
-    fewer than ``min_samples`` slowdowns gives factor 1, so a cold start is plain LB-BSP.
+    only turn slower. Workers that report the ``colocated_load`` feature are also told apart by it: under
+    ``loaded_at`` (runnable foreign tasks per core) a machine is free and its job can only slow down; at or
+    above, it can also speed up; so ranks and load give 2 x ``buckets`` buckets. When the target's reports
+    arrive, :meth:`observe` pools each worker's slowdown, forecast / measured throughput (= measured seconds /
+    the seconds the forecast implied for the samples done), into the ring buffer of its bucket (``pool_size``
+    log-slowdowns). Throughput, not the time model's seconds, is compared because it is what every capacity
+    model predicts in the units reports carry (a federated client's ``compute_s`` excludes the transfers its
+    time model includes). Buckets are only a grouping: each learns its own slowdowns, so a grouping that says
+    nothing costs little. A bucket with fewer than ``min_samples`` slowdowns gives factor 1, so a cold start is
+    plain LB-BSP.
     """
 
-    def __init__(self, hedge: float = 2.0, *, buckets: int = 3, pool_size: int = 4096, min_samples: int = 50,
-                 keep: int = 8) -> None:
+    def __init__(self, hedge: float = 2.0, *, buckets: int = 3, loaded_at: float = 0.1, pool_size: int = 4096,
+                 min_samples: int = 50, keep: int = 8) -> None:
         if not hedge > 0:
             raise ConfigError(f"hedge must be a positive number of workers, got {hedge!r}")
+        if not loaded_at >= 0:
+            raise ConfigError(f"loaded_at must be a number >= 0 (foreign tasks per core), got {loaded_at!r}")
         for name, value, least in (("buckets", buckets, 1), ("pool_size", pool_size, 2),
                                    ("min_samples", min_samples, 1), ("keep", keep, 1)):
             if not isinstance(value, int) or value < least:
                 raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
         self.hedge = hedge
         self.buckets = buckets
+        self.loaded_at = loaded_at
         self.pool_size = pool_size
         self.min_samples = min_samples
         self.keep = keep
         self.peer_group_ = np.zeros(0, dtype=np.int64)  # per worker id: hardware group, -1 until it reports
         self.groups_: dict[Hardware, int] = {}
-        self.pool_ = np.zeros((buckets, pool_size))  # per bucket: ring of log-slowdowns
-        self.pooled_ = np.zeros(buckets, dtype=np.int64)  # per bucket: slowdowns ever written
+        self.loaded_ = np.zeros(0, dtype=bool)  # per worker id: its last report had co-located load
+        self.pool_ = np.zeros((2 * buckets, pool_size))  # per bucket (rank, then rank + buckets if loaded)
+        self.pooled_ = np.zeros(2 * buckets, dtype=np.int64)  # per bucket: slowdowns ever written
         self.forecasts_: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # iteration -> ids, tput, bucket
         self._quantiles: tuple[float, np.ndarray] | None = None  # (eps, per-bucket factor), until observe
 
@@ -110,6 +117,8 @@ class ForecastRisk:
         speed = np.fromiter([r.samples / r.compute_s if r.samples > 0 and r.compute_s > 0 else 0.0
                              for r in reports], float, count)
         self._remember_hardware(reports, ids)
+        load = np.fromiter([r.features.get("colocated_load", 0.0) for r in reports], float, count)
+        self.loaded_[ids] = load >= self.loaded_at
         measured = speed > 0
         ids, iterations, speed = ids[measured], iterations[measured], speed[measured]
         for iteration in np.unique(iterations).tolist():
@@ -123,7 +132,7 @@ class ForecastRisk:
         ids, _, bucket = self.forecasts_[iteration]
         eps = float(np.clip(self.hedge / max(ids.size, 1), 1.0 / self.pool_size, 0.5))
         if self._quantiles is None or self._quantiles[0] != eps:
-            per_bucket = np.ones(self.buckets)
+            per_bucket = np.ones(self.pooled_.size)
             for b in np.flatnonzero(self.pooled_ >= self.min_samples):
                 pooled = self.pool_[b, :min(int(self.pooled_[b]), self.pool_size)]
                 k = int(np.ceil((1.0 - eps) * (pooled.size - 1)))  # the "higher" quantile: no interpolation
@@ -132,13 +141,16 @@ class ForecastRisk:
         return self._quantiles[1][bucket]
 
     def _bucket(self, ids: np.ndarray, forecast: np.ndarray) -> np.ndarray:
-        """Bucket of each forecast by its rank among its hardware peers' forecasts; the middle one for a worker
-        whose hardware or forecast is unknown."""
+        """Bucket of each forecast by its rank among its hardware peers' forecasts (the middle one for a worker
+        whose hardware or forecast is unknown), plus ``buckets`` for a worker under co-located load."""
         group = np.full(ids.size, -1, dtype=np.int64)
         inside = (ids >= 0) & (ids < self.peer_group_.size)
         group[inside] = self.peer_group_[ids[inside]]
         known = (group >= 0) & np.isfinite(forecast)
         bucket = np.full(ids.size, self.buckets // 2, dtype=np.int64)
+        loaded = np.zeros(ids.size, dtype=bool)
+        loaded[inside] = self.loaded_[ids[inside]]
+        bucket += self.buckets * loaded
         if not known.any():
             return bucket
         group, values = group[known], forecast[known]
@@ -151,7 +163,7 @@ class ForecastRisk:
             first = np.searchsorted(sorted_group, sorted_group, side="left")
             size = np.searchsorted(sorted_group, sorted_group, side="right") - first
             rank[order] = (np.arange(order.size) - first + 0.5) / size
-        bucket[known] = np.minimum((rank * self.buckets).astype(np.int64), self.buckets - 1)
+        bucket[known] = np.minimum((rank * self.buckets).astype(np.int64), self.buckets - 1) + self.buckets * loaded[known]
         return bucket
 
     def _pool(self, forecast: tuple[np.ndarray, np.ndarray, np.ndarray], ids: np.ndarray, speed: np.ndarray) -> None:
@@ -167,7 +179,7 @@ class ForecastRisk:
             log_slowdown = np.log(predicted[at] / speed)
         finite = np.isfinite(log_slowdown)
         log_slowdown, of_bucket = log_slowdown[finite], bucket[at[finite]]
-        for b in range(self.buckets):
+        for b in range(self.pooled_.size):
             values = log_slowdown[of_bucket == b][-self.pool_size:]
             slots = (self.pooled_[b] + np.arange(values.size)) % self.pool_size
             self.pool_[b, slots] = values
@@ -178,6 +190,7 @@ class ForecastRisk:
         """Give each worker seen for the first time (``ids``: the reports' workers) its hardware group id."""
         size = int(ids.max()) + 1
         if size > self.peer_group_.size:
+            self.loaded_ = np.concatenate([self.loaded_, np.zeros(size - self.peer_group_.size, dtype=bool)])
             self.peer_group_ = np.concatenate([self.peer_group_, np.full(size - self.peer_group_.size, -1)])
         for at in np.flatnonzero(self.peer_group_[ids] < 0).tolist():
             key = hardware_of(reports[at])

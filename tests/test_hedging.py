@@ -45,6 +45,23 @@ def test_fast_forecasts_that_sometimes_slow_down_get_the_larger_margin() -> None
     assert np.unique(factor[:4]).size == 1 and np.unique(factor[8:]).size == 1  # one factor per bucket
 
 
+def test_free_machines_that_sometimes_get_co_located_load_get_the_larger_margin() -> None:
+    rng = np.random.default_rng(4)
+    load = np.tile([0.0, 0.5], 6)  # even workers run alone, odd ones share their machine (ranks interleave)
+    risk = ForecastRisk(hedge=1.0)
+    workers = np.arange(12)
+    for k in range(60):
+        risk.record(k, workers, SPEEDS)
+        speed = SPEEDS * rng.lognormal(0.0, 0.05, 12)
+        speed[::2] /= np.where(rng.random(6) < 0.2, 3.0, 1.0)  # a job arrives on a free machine at times
+        speed[1::2] *= np.where(rng.random(6) < 0.2, 2.0, 1.0)  # and leaves a shared one
+        risk.observe([Report("h", i, k, 64, 64 / v, features={"colocated_load": float(c)})
+                      for i, (v, c) in enumerate(zip(speed, load))])
+    risk.record(60, workers, SPEEDS)
+    factor = risk.factors(60)
+    assert factor[::2].min() > 2.0 and factor[1::2].max() < 1.2
+
+
 def test_cold_start_is_plain_lbbsp() -> None:
     config = JobConfig("h", 12, 1200)
     plain, hedging = LBBSPPolicy(EWMAThroughput(), hedge=None), LBBSPPolicy(EWMAThroughput(), hedge=3.0)
@@ -93,7 +110,7 @@ def test_symmetric_errors_leave_the_split_about_proportional() -> None:
     for k in range(80):
         policy.observe(_reports(k, sizes, SPEEDS * rng.lognormal(0.0, 0.1, 12)))
         sizes = np.asarray(policy.decide(k + 1, tuple(sizes.tolist()), config).sizes)
-    assert (policy.risk.pooled_ >= policy.risk.min_samples).all()
+    assert (policy.risk.pooled_[:policy.risk.buckets] >= policy.risk.min_samples).all()  # no co-located load
     proportional = config.global_batch * SPEEDS / SPEEDS.sum()
     assert np.abs(sizes / proportional - 1).max() < 0.15
 
