@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -112,15 +113,20 @@ class ForecastRisk:
         count = len(reports)
         if count == 0:
             return
-        ids = np.fromiter([r.worker for r in reports], np.int64, count)
-        iterations = np.fromiter([r.iteration for r in reports], np.int64, count)
-        speed = np.fromiter([r.samples / r.compute_s if r.samples > 0 and r.compute_s > 0 else 0.0
-                             for r in reports], float, count)
+        def column(name: str, dtype: type) -> np.ndarray:
+            return np.fromiter(map(attrgetter(name), reports), dtype, count)
+
+        ids, iterations = column("worker", np.int64), column("iteration", np.int64)
+        samples, seconds = column("samples", float), column("compute_s", float)
         self._remember_hardware(reports, ids)
         load = np.fromiter([r.features.get("colocated_load", 0.0) for r in reports], float, count)
         self.loaded_[ids] = load >= self.loaded_at
-        measured = speed > 0
-        ids, iterations, speed = ids[measured], iterations[measured], speed[measured]
+        measured = (samples > 0) & (seconds > 0)
+        ids, iterations, speed = ids[measured], iterations[measured], samples[measured] / seconds[measured]
+        if iterations.size and iterations[0] == iterations[-1] and (iterations == iterations[0]).all():
+            if int(iterations[0]) in self.forecasts_:  # the usual case: one iteration's reports
+                self._pool(self.forecasts_[int(iterations[0])], ids, speed)
+            return
         for iteration in np.unique(iterations).tolist():
             if iteration in self.forecasts_:
                 at = iterations == iteration
@@ -155,14 +161,9 @@ class ForecastRisk:
             return bucket
         group, values = group[known], forecast[known]
         rank = np.empty(values.size)
-        if (group == group[0]).all():  # one hardware group, the usual case
-            rank[np.argsort(values)] = (np.arange(values.size) + 0.5) / values.size
-        else:
-            order = np.lexsort((values, group))  # by group, then by forecast
-            sorted_group = group[order]
-            first = np.searchsorted(sorted_group, sorted_group, side="left")
-            size = np.searchsorted(sorted_group, sorted_group, side="right") - first
-            rank[order] = (np.arange(order.size) - first + 0.5) / size
+        for g in np.unique(group).tolist() if group.min() != group.max() else [None]:  # a few hardware groups
+            members = np.flatnonzero(group == g) if g is not None else np.arange(values.size)
+            rank[members[np.argsort(values[members])]] = (np.arange(members.size) + 0.5) / members.size
         bucket[known] = np.minimum((rank * self.buckets).astype(np.int64), self.buckets - 1) + self.buckets * loaded[known]
         return bucket
 
