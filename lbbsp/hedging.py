@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import attrgetter
 
 import numpy as np
 
@@ -113,11 +112,10 @@ class ForecastRisk:
         count = len(reports)
         if count == 0:
             return
-        def column(name: str, dtype: type) -> np.ndarray:
-            return np.fromiter(map(attrgetter(name), reports), dtype, count)
-
-        ids, iterations = column("worker", np.int64), column("iteration", np.int64)
-        samples, seconds = column("samples", float), column("compute_s", float)
+        ids = np.fromiter([r.worker for r in reports], np.int64, count)
+        iterations = np.fromiter([r.iteration for r in reports], np.int64, count)
+        samples = np.fromiter([r.samples for r in reports], float, count)
+        seconds = np.fromiter([r.compute_s for r in reports], float, count)
         self._remember_hardware(reports, ids)
         load = np.fromiter([r.features.get("colocated_load", 0.0) for r in reports], float, count)
         self.loaded_[ids] = load >= self.loaded_at
