@@ -149,6 +149,21 @@ def decision_times(url: str, workers: int, warmup: int, repeats: int) -> dict[st
     return {name: {key: np.array(v) for key, v in times.items()} for name, _, _, _, _, _, times, _ in runs}
 
 
+def machine_speed_ms(repeats: int = 5) -> float:
+    """Median ms of a fixed pure-Python and numpy workload; on a shared VM it drifts by 2x within minutes, so
+    decision times are only comparable between runs at similar figures."""
+    rng = np.random.default_rng(0)
+    a = rng.random((256, 256))
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        sum(i * i for i in range(100_000))
+        for _ in range(20):
+            a = np.tanh(a @ a.T / 256)
+        times.append(time.perf_counter() - started)
+    return 1e3 * float(np.median(times))
+
+
 def _ms(values: np.ndarray, q: float) -> str:
     return f"{np.percentile(values, q) * 1e3:8.3f}"
 
@@ -183,6 +198,7 @@ def main() -> None:
               f"{'step p99':>9}   (ms; policy = prediction + allocation, wall clock; cpu = its CPU time; "
               "step = + validation + Redis I/O + write)")
         for n in args.decision_workers:
+            print(f"(this machine's speed just before: reference workload {machine_speed_ms():.1f} ms)")
             for name, times in decision_times(url, n, args.warmup, args.repeats).items():
                 print(f"{name:<26} {n:>8} {_ms(times['policy'], 50):>11} {_ms(times['policy'], 99):>11} "
                       f"{_ms(times['policy_cpu'], 50):>8} {_ms(times['step'], 50):>9} {_ms(times['step'], 99):>9}",
