@@ -6,7 +6,8 @@ while the coordinator runs in this process. Added time = the report call plus th
 after the barrier, for the slowest worker of each iteration. With lag 2 (the default) the decision overlaps
 the next iteration; with lag 1 it does not. The floor row does one plain Redis GET instead. Decision time:
 the policy's prediction + allocation with each real capacity model in steady state, and the whole coordinator
-step with Redis I/O and validation.
+step with Redis I/O and validation, up to the written split; beside them the learning the coordinator does
+after the write (NARX's training, the margins' pooling), which no worker waits for.
 
     python experiments/bench_coordinator.py [--iterations 200] [--workers 4 16 64]
 """
@@ -70,11 +71,12 @@ def critical_path(url: str, workers: int, iterations: int, lag: int, compute_s: 
 
 
 class _Timed(Policy):
-    """Runs a policy and adds up the wall and CPU seconds its observe and decide take (prediction + allocation)."""
+    """Runs a policy and adds up the wall and CPU seconds its observe and decide take (prediction + allocation),
+    and apart from them the seconds of its learning after the write."""
 
     def __init__(self, inner: Policy) -> None:
         self.inner, self.name = inner, inner.name
-        self.seconds = self.cpu_seconds = 0.0
+        self.seconds = self.cpu_seconds = self.learn_seconds = 0.0
 
     def _timed(self, call: Callable[[], Decision | None]) -> Decision | None:
         wall, cpu = time.perf_counter(), time.thread_time()
@@ -90,6 +92,11 @@ class _Timed(Policy):
         decision = self._timed(lambda: self.inner.decide(iteration, current, config))
         assert decision is not None
         return decision
+
+    def learn(self) -> None:
+        started = time.perf_counter()
+        self.inner.learn()
+        self.learn_seconds += time.perf_counter() - started
 
 
 #: The real capacity models, each with the kind of worker it is made for ("mixed": half GPUs, half CPUs),
@@ -134,18 +141,19 @@ def decision_times(url: str, workers: int, warmup: int, repeats: int) -> dict[st
             store = stack.enter_context(Store.from_url(url, config.job))
             timed = _Timed(LBBSPPolicy(model(), hedge=hedge))
             runs.append((name, kind, config, store, timed, Coordinator(store, config, timed),
-                         {"policy": [], "policy_cpu": [], "step": []}, [config.initial_sizes()]))
+                         {"policy": [], "policy_cpu": [], "step": [], "learn": []}, [config.initial_sizes()]))
         for k in range(warmup + repeats):
             for name, kind, config, store, timed, coordinator, times, sizes in runs:
                 pipe = store.client.pipeline(transaction=False)
                 for report in _reports(config.job, kind, k, sizes[0], speed, rng):
                     pipe.hset(store.key("reports", k), str(report.worker), report.to_json())
                 pipe.execute()
-                timed.seconds = timed.cpu_seconds = 0.0
+                timed.seconds = timed.cpu_seconds = timed.learn_seconds = 0.0
                 outcome = coordinator.decide(k)
                 if k >= warmup:
                     times["policy"].append(timed.seconds)
                     times["policy_cpu"].append(timed.cpu_seconds)
+                    times["learn"].append(timed.learn_seconds)
                     times["step"].append(outcome.decision_s)
                 sizes[0] = outcome.assignment.sizes
     return {name: {key: np.array(v) for key, v in times.items()} for name, _, _, _, _, _, times, _ in runs}
@@ -197,14 +205,14 @@ def main() -> None:
         print(f"\ndecision time in steady state (after {args.warmup} iterations), LB-BSP with each real model; "
               "the models take turns each iteration")
         print(f"{'model':<26} {'workers':>8} {'policy p50':>11} {'policy p99':>11} {'cpu p50':>8} {'step p50':>9} "
-              f"{'step p99':>9}   (ms; policy = prediction + allocation, wall clock; cpu = its CPU time; "
-              "step = + validation + Redis I/O + write)")
+              f"{'step p99':>9} {'learn p50':>10}   (ms; policy = prediction + allocation, wall clock; cpu = its "
+              "CPU time; step = + validation + Redis I/O + write; learn = after the write, off the decision's path)")
         for n in args.decision_workers:
             print(f"(this machine's speed just before: reference workload {machine_speed_ms():.1f} ms)")
             for name, times in decision_times(url, n, args.warmup, args.repeats).items():
                 print(f"{name:<26} {n:>8} {_ms(times['policy'], 50):>11} {_ms(times['policy'], 99):>11} "
-                      f"{_ms(times['policy_cpu'], 50):>8} {_ms(times['step'], 50):>9} {_ms(times['step'], 99):>9}",
-                      flush=True)
+                      f"{_ms(times['policy_cpu'], 50):>8} {_ms(times['step'], 50):>9} {_ms(times['step'], 99):>9} "
+                      f"{_ms(times['learn'], 50):>10}", flush=True)
     finally:
         if server is not None:
             server.close()

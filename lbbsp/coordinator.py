@@ -47,6 +47,7 @@ class Outcome:
     written: bool
     decision_s: float
     rejected: list[Rejection] = field(default_factory=list)
+    learn_s: float = 0.0  # the policy's learning after the write, off the decision's path
 
 
 class Coordinator:
@@ -84,13 +85,15 @@ class Coordinator:
         assignment = Assignment(self.config.job, target, decision.sizes, self.policy.name, decision.reason)
         written = self.store.publish(assignment)
         decision_s = time.perf_counter() - started
+        self.policy.learn()  # the split is out: the workers need not wait for this
+        learn_s = time.perf_counter() - started - decision_s
         if written:
             self._last_written = assignment
         else:
             assignment = self._assignment(target)
-        self._record(iteration, assignment, written, decision, reports, rejected, decision_s)
+        self._record(iteration, assignment, written, decision, reports, rejected, decision_s, learn_s)
         self.decisions_made += 1
-        return Outcome(iteration, assignment, written, decision_s, rejected)
+        return Outcome(iteration, assignment, written, decision_s, rejected, learn_s)
 
     def _parse_reports(self, iteration: int) -> tuple[list[Report], list[Rejection]]:
         reports: list[Report] = []
@@ -124,7 +127,7 @@ class Coordinator:
         return self.config.initial_assignment(iteration)
 
     def _record(self, iteration: int, assignment: Assignment, written: bool, decision: Decision,
-                reports: list[Report], rejected: list[Rejection], decision_s: float) -> None:
+                reports: list[Report], rejected: list[Rejection], decision_s: float, learn_s: float) -> None:
         by_worker = {r.worker: r for r in reports}
         predicted = decision.predicted_throughput
         statuses = {}
@@ -138,6 +141,7 @@ class Coordinator:
             "iteration": assignment.iteration, "from_reports_of": iteration, "sizes": list(assignment.sizes),
             "policy": assignment.policy, "reason": assignment.reason, "fallback": assignment.fallback,
             "written_by_coordinator": written, "decision_ms": round(decision_s * 1e3, 3),
+            "learn_ms": round(learn_s * 1e3, 3),
             "rejected": [{"worker": r.worker, "error": r.error} for r in rejected], "time": time.time(),
         }
         self.store.record_decision(json.dumps(record), statuses if self.config.num_workers <= 4096 else None)

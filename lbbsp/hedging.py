@@ -75,7 +75,7 @@ class ForecastRisk:
     """
 
     def __init__(self, hedge: float = 2.0, *, buckets: int = 3, loaded_at: float = 0.1, pool_size: int = 4096,
-                 min_samples: int = 50, keep: int = 8) -> None:
+                 min_samples: int = 50, keep: int = 16) -> None:
         if not hedge > 0:
             raise ConfigError(f"hedge must be a positive number of workers, got {hedge!r}")
         if not loaded_at >= 0:
@@ -97,6 +97,7 @@ class ForecastRisk:
         self.pooled_ = np.zeros(2 * buckets, dtype=np.int64)  # per bucket: slowdowns ever written
         self.forecasts_: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # iteration -> ids, tput, bucket
         self._quantiles: tuple[float, np.ndarray] | None = None  # (eps, per-bucket factor), until observe
+        self._pending: tuple[Sequence[Report], np.ndarray] | None = None  # reports observed, not yet pooled
 
     def record(self, iteration: int, workers: Sequence[int] | np.ndarray, throughput: np.ndarray) -> None:
         """Remember the forecast throughput of ``workers`` for ``iteration`` and the bucket each sits in."""
@@ -106,19 +107,32 @@ class ForecastRisk:
         while len(self.forecasts_) > self.keep:
             del self.forecasts_[min(self.forecasts_)]
 
-    def observe(self, reports: Sequence[Report]) -> None:
-        """Pool the slowdowns of the reports against their iteration's recorded forecast, and learn each new
-        worker's hardware. Reports that measured nothing are skipped."""
+    def observe(self, reports: Sequence[Report], *, defer: bool = False) -> None:
+        """Learn each new worker's hardware and each worker's co-located load, and pool the slowdowns of the
+        reports against their iteration's recorded forecast; ``defer``: pool in :meth:`finish_learning`
+        (the next :meth:`record` needs only the load). Reports that measured nothing are not pooled."""
+        self.finish_learning()
         count = len(reports)
         if count == 0:
             return
         ids = np.fromiter([r.worker for r in reports], np.int64, count)
-        iterations = np.fromiter([r.iteration for r in reports], np.int64, count)
-        samples = np.fromiter([r.samples for r in reports], float, count)
-        seconds = np.fromiter([r.compute_s for r in reports], float, count)
         self._remember_hardware(reports, ids)
         load = np.fromiter([r.features.get("colocated_load", 0.0) for r in reports], float, count)
         self.loaded_[ids] = load >= self.loaded_at
+        self._pending = (reports, ids)
+        if not defer:
+            self.finish_learning()
+
+    def finish_learning(self) -> None:
+        """Pool the slowdowns of the reports that :meth:`observe` deferred."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        reports, ids = pending
+        count = len(reports)
+        iterations = np.fromiter([r.iteration for r in reports], np.int64, count)
+        samples = np.fromiter([r.samples for r in reports], float, count)
+        seconds = np.fromiter([r.compute_s for r in reports], float, count)
         measured = (samples > 0) & (seconds > 0)
         ids, iterations, speed = ids[measured], iterations[measured], samples[measured] / seconds[measured]
         if iterations.size and iterations[0] == iterations[-1] and (iterations == iterations[0]).all():

@@ -1,6 +1,7 @@
 """Balancing policies: each turns the reports of iteration k into the batch-size vector of a coming iteration.
 
-The coordinator drives a policy through two small steps, ``observe`` and ``decide``; a variant overrides
+The coordinator drives a policy through small steps: ``observe`` and ``decide``, then, once the split is
+written, ``learn`` (what the next decision can do without, kept off the decision's path); a variant overrides
 one of them (or one of LB-BSP's hooks: ``bounds``, ``propose``). Allocation maths live in
 :mod:`lbbsp.allocation`. Every policy returns a split with sum B within the job's bounds.
 """
@@ -39,6 +40,10 @@ class Policy:
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         return Decision(tuple(int(s) for s in current), "static split")
+
+    def learn(self) -> None:
+        """Finish learning from the observed reports after the split is written (``observe`` does it first
+        when nobody called this)."""
 
     def aggregated(self, num_workers: int) -> int:
         """How many workers' gradients an iteration waits for (all of them, in synchronous training)."""
@@ -90,11 +95,18 @@ class LBBSPPolicy(Policy):
         self._seen = False
 
     def observe(self, reports: Sequence[Report]) -> None:
+        """Update what the next forecast reads; training and the margins' bookkeeping wait for ``learn``."""
+        self.learn()
         if reports:
-            self.model.partial_fit(reports)
+            self.model.partial_fit(reports, defer=True)
             if self.risk is not None:
-                self.risk.observe(reports)
+                self.risk.observe(reports, defer=True)
             self._seen = True
+
+    def learn(self) -> None:
+        self.model.finish_learning()
+        if self.risk is not None:
+            self.risk.finish_learning()
 
     def bounds(self, workers: Sequence[int], current: np.ndarray, config: JobConfig) -> tuple[np.ndarray, np.ndarray]:
         """The job's bounds, with each upper bound lowered to the model's memory cap where that is feasible."""

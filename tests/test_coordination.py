@@ -201,6 +201,41 @@ def test_a_failing_decision_does_not_stop_the_coordinator(redis_url: str, job: s
     store.close()
 
 
+class LearnsAfterTheWrite(LBBSPPolicy):
+    """Notes, whenever it learns, whether the split it just decided is already in Redis."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__()
+        self.store = store
+        self.published_before_learning: list[bool] = []
+        self._target: int | None = None
+
+    def decide(self, iteration, current, config):  # type: ignore[no-untyped-def]
+        self._target = iteration
+        return super().decide(iteration, current, config)
+
+    def learn(self) -> None:
+        if self._target is not None:
+            self.published_before_learning.append(self.store.get_assignment(self._target) is not None)
+            self._target = None
+        super().learn()
+
+
+def test_the_policy_learns_after_the_split_is_written(redis_url: str, job: str) -> None:
+    config = JobConfig(job, 2, 64)
+    store = Store.from_url(redis_url, job)
+    policy = LearnsAfterTheWrite(store)
+    coordinator = Coordinator(store, config, policy)
+    for k in range(4):
+        for i, size in enumerate(config.initial_sizes()):
+            store.client.hset(store.key("reports", k), str(i), Report(job, i, k, size, 0.01 * (i + 1) * size).to_json())
+        outcome = coordinator.decide(k)
+        assert outcome.learn_s > 0
+    assert policy.published_before_learning == [True] * 4
+    assert json.loads(store.decisions(1)[0])["learn_ms"] > 0
+    store.close()
+
+
 @pytest.mark.timeout(90)
 def test_a_coordinator_process_serves_and_stops(redis_url: str, job: str) -> None:
     config = JobConfig(job, 2, 30)

@@ -139,6 +139,40 @@ def test_forecasts_are_kept_for_the_last_few_iterations_only() -> None:
     assert sorted(risk.forecasts_) == [7, 8, 9]
 
 
+def test_deferred_pooling_sees_the_load_at_once_and_pools_the_same_slowdowns_later() -> None:
+    now, deferred = ForecastRisk(), ForecastRisk()
+    workers = np.arange(12)
+    for k in range(80):
+        speeds = SPEEDS * np.where(np.arange(12) % 3 == k % 3, 0.5, 1.0)
+        reports = [Report("h", i, k, 64, 64 / v, features={"colocated_load": float(k % 2)})
+                   for i, v in enumerate(speeds)]
+        for risk in (now, deferred):
+            risk.record(k, workers, SPEEDS)
+        now.observe(reports)
+        pooled = deferred.pooled_.copy()
+        deferred.observe(reports, defer=True)
+        assert np.array_equal(deferred.pooled_, pooled) and deferred.loaded_.all() == bool(k % 2)
+        deferred.finish_learning()
+    np.testing.assert_array_equal(deferred.pool_, now.pool_)
+    assert now.pooled_.sum() == 80 * 12
+
+
+def test_lbbsp_learns_off_the_decision_path_and_catches_up_when_nobody_calls_learn() -> None:
+    config = JobConfig("h", 12, 12 * 64)
+    told, untold = LBBSPPolicy(EWMAThroughput()), LBBSPPolicy(EWMAThroughput())
+    rng = np.random.default_rng(6)
+    sizes = {id(told): config.initial_sizes(), id(untold): config.initial_sizes()}
+    for k in range(40):
+        speeds = SPEEDS * rng.lognormal(0.0, 0.1, 12)
+        for policy in (told, untold):
+            policy.observe(_reports(k, np.asarray(sizes[id(policy)]), speeds))
+            sizes[id(policy)] = policy.decide(k + 2, sizes[id(policy)], config).sizes
+        assert told.risk.pooled_.sum() == untold.risk.pooled_.sum()  # both pooled up to the previous iteration
+        told.learn()
+        assert told.risk.pooled_.sum() == untold.risk.pooled_.sum() + (12 if k >= 2 else 0)
+    assert sizes[id(told)] == sizes[id(untold)]
+
+
 def test_hedged_models_invert_exactly_like_the_search() -> None:
     factor = np.array([1.0, 1.5, 2.0, 1.2])
     linear = LinearTime(np.array([100.0, 200.0, 400.0, 100.0]), overhead=np.array([0.0, 0.1, 0.0, 0.2]))

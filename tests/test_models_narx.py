@@ -89,6 +89,27 @@ def test_narx_handles_late_joiners_skipped_iterations_and_missing_features() -> 
     assert model.count_[1] == 32  # the eight reports with no samples left worker 1's history alone
 
 
+def test_deferred_training_changes_when_the_network_learns_not_what() -> None:
+    """partial_fit(defer=True) trains on the same pairs in the same order, in finish_learning or in the next
+    partial_fit; its forecast meanwhile reads the newest histories with the network of one update before."""
+    rng = np.random.default_rng(5)
+    now, deferred, caught_up = (NARXThroughput(warmup=0, random_state=2) for _ in range(3))
+    for t in range(60):
+        reports = [Report("d", w, t, 100, 0.1 * float(rng.lognormal(0.0, 0.2))) for w in range(6)]
+        now.partial_fit(reports)
+        before = deferred.params_.copy() if t else None
+        deferred.partial_fit(reports, defer=True)
+        if before is not None:
+            assert np.array_equal(deferred.params_, before)  # nothing trained yet
+        np.testing.assert_array_equal(deferred.log_thr_, now.log_thr_)
+        deferred.finish_learning()
+        caught_up.partial_fit(reports, defer=True)  # never told to finish: the next partial_fit does it
+    caught_up.finish_learning()
+    np.testing.assert_array_equal(deferred.params_, now.params_)
+    np.testing.assert_array_equal(caught_up.params_, now.params_)
+    np.testing.assert_array_equal(caught_up.predict(range(6)), now.predict(range(6)))
+
+
 @pytest.mark.parametrize("params", [{"horizon": 0}, {"horizon": 9}, {"lags": 2, "exog_lags": 3},
                                     {"huber_delta": 0.0}, {"alpha_ewma": 1.5}])
 def test_narx_rejects_bad_parameters_at_first_fit(params: dict) -> None:

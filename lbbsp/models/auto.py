@@ -69,7 +69,7 @@ class AutoCapacityModel(CapacityModel):
         self.kinds = kinds
         self.horizon = horizon
 
-    def partial_fit(self, reports: Sequence[Report]) -> "AutoCapacityModel":
+    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> "AutoCapacityModel":
         if not hasattr(self, "models_"):
             chosen = default_models(self.horizon) | dict(self.models or {})
             unknown = set(chosen) - set(KINDS) | {k for k in (self.kinds or {}).values() if k not in KINDS}
@@ -86,7 +86,12 @@ class AutoCapacityModel(CapacityModel):
             by_kind[kind].append(report)
         for kind, group in by_kind.items():
             if group:
-                self.models_[kind].partial_fit(group)
+                self.models_[kind].partial_fit(group, defer=defer)
+        return self
+
+    def finish_learning(self) -> "AutoCapacityModel":
+        for model in getattr(self, "models_", {}).values():
+            model.finish_learning()
         return self
 
     def predict(self, workers: Sequence[int]) -> np.ndarray:

@@ -3,6 +3,11 @@
 A capacity model learns each worker's speed from the reports of past iterations and predicts its
 throughput for the next one. ``__init__`` only stores keyword arguments; learned state ends in ``_``.
 
+Learning that the next forecast does not need (training a network, for example) may wait:
+``partial_fit(reports, defer=True)`` updates what the coming decision reads and keeps the rest for
+:meth:`CapacityModel.finish_learning`, which a coordinator calls after it has written the split. The next
+``partial_fit`` finishes anything still pending first, so nothing is ever skipped.
+
 Cold start: every model remembers each reporting worker's hardware (device family, cores), also from
 reports with ``samples == 0``, which a joining worker can send to announce itself. A worker with no
 throughput history of its own is predicted from the median of workers on similar hardware.
@@ -78,8 +83,14 @@ class CapacityModel:
             self.partial_fit(reports)
         return self
 
-    def partial_fit(self, reports: Sequence[Report]) -> "CapacityModel":
+    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> "CapacityModel":
+        """Learn from one iteration's reports; ``defer``: keep what the next forecast can do without for
+        :meth:`finish_learning` (a model with nothing to defer ignores it)."""
         raise NotImplementedError
+
+    def finish_learning(self) -> "CapacityModel":
+        """Do the learning that ``partial_fit(..., defer=True)`` left for later; nothing unless a model defers."""
+        return self
 
     def predict(self, workers: Sequence[int]) -> np.ndarray:
         """Predicted samples per second for each worker; a similar-hardware prior for a worker with no

@@ -16,7 +16,7 @@ class EWMAThroughput(CapacityModel):
     def __init__(self, alpha: float = 0.5) -> None:
         self.alpha = alpha
 
-    def partial_fit(self, reports: Sequence[Report]) -> "EWMAThroughput":
+    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> "EWMAThroughput":
         if not 0 < self.alpha <= 1:
             raise ConfigError(f"alpha must be in (0, 1], got {self.alpha}")
         self._remember_hardware(reports)

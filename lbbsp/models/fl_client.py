@@ -28,7 +28,7 @@ class FLClientModel(CapacityModel):
         self.alpha = alpha
         self.model_bytes = model_bytes
 
-    def partial_fit(self, reports: Sequence[Report]) -> "FLClientModel":
+    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> "FLClientModel":
         if not isinstance(self.local_steps, int) or self.local_steps < 1:
             raise ConfigError(f"local_steps must be a positive integer, got {self.local_steps!r}")
         if not 0 < self.alpha <= 1:

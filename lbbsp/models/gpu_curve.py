@@ -113,7 +113,7 @@ class BatchTimeCurve(CapacityModel):
         self.explore_fraction = explore_fraction
         self.half_life = half_life
 
-    def partial_fit(self, reports: Sequence[Report]) -> "BatchTimeCurve":
+    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> "BatchTimeCurve":
         if not hasattr(self, "slot_size_"):
             self._check_params()
             self.slot_size_ = np.zeros((0, self.window))

@@ -15,7 +15,7 @@ class LastValue(CapacityModel):
     def __init__(self) -> None:
         pass
 
-    def partial_fit(self, reports: Sequence[Report]) -> "LastValue":
+    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> "LastValue":
         self._remember_hardware(reports)
         workers, measured = measured_throughput(reports)
         self.throughput_ = smoothed(getattr(self, "throughput_", None), workers, measured, alpha=1.0)

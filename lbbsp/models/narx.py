@@ -57,9 +57,13 @@ class NARXThroughput(CapacityModel):
         self.random_state = random_state
 
     # -- learning ----------------------------------------------------------------------------------------
-    def partial_fit(self, reports: Sequence[Report]) -> "NARXThroughput":
+    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> "NARXThroughput":
+        """Shift the reports into each worker's history and train on the pairs whose targets just arrived;
+        ``defer``: score and train in :meth:`finish_learning` instead (the forecast then uses the network of
+        one update before, the histories of now)."""
         if not hasattr(self, "weights_"):
             self._initialise()
+        self.finish_learning()
         n = len(reports)
         if not n:
             return self
@@ -80,9 +84,7 @@ class NARXThroughput(CapacityModel):
         due = count >= self.lags + self.horizon - 1
         if due.any():
             slot = count[due] % self.horizon
-            rows, targets = self.rows_[workers[due], slot], log_thr[due] - self.bases_[workers[due], slot]
-            self._score(rows, targets)
-            self._remember_pairs(rows, targets)
+            self._pending = (self.rows_[workers[due], slot], log_thr[due] - self.bases_[workers[due], slot])
         # shift the new measurement into each worker's history
         self.log_thr_[workers, :-1] = self.log_thr_[workers, 1:]
         self.log_thr_[workers, -1] = log_thr
@@ -96,9 +98,19 @@ class NARXThroughput(CapacityModel):
             slot = count[full] % self.horizon
             self.rows_[workers[full], slot] = self._inputs(workers[full])
             self.bases_[workers[full], slot] = log_thr[full]
-        if due.any():
-            self._train()
+        if not defer:
+            self.finish_learning()
         self.forecast_ = None  # predictions are computed once per update, on the first predict
+        return self
+
+    def finish_learning(self) -> "NARXThroughput":
+        """Score the network and the EWMA level on the pairs that got their targets, then train on them."""
+        pending, self._pending = getattr(self, "_pending", None), None  # none before the first report
+        if pending is not None:
+            self._score(*pending)
+            self._remember_pairs(*pending)
+            self._train()
+            self.forecast_ = None
         return self
 
     def predict(self, workers: Sequence[int]) -> np.ndarray:
@@ -145,6 +157,7 @@ class NARXThroughput(CapacityModel):
         self.rows_ = np.zeros((0, self.horizon, width))  # input row made at each of the last horizon reports
         self.bases_ = np.zeros((0, self.horizon))  # the log-throughput each of those rows is relative to
         self.forecast_ = None
+        self._pending: tuple[np.ndarray, np.ndarray] | None = None  # (rows, targets) not yet scored or trained on
         self.recent_error_ = np.full(2, np.inf)  # (network, EWMA level), smoothed over updates
 
     def _grow(self, size: int) -> None:

@@ -87,6 +87,7 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int) -
             policy.reveal(coming.time_model, coming.max_batch)
         decision = policy.decide(target, tuple(planned.get(target - 1, sizes).tolist()), config)
         run.decision_s.append(time.perf_counter() - started)
+        policy.learn()  # as the coordinator does once the split is written
         planned[target] = np.asarray(decision.sizes, dtype=np.int64)
     return run
 
