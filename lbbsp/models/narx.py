@@ -39,6 +39,8 @@ class NARXThroughput(CapacityModel):
     keeps the cost per decision bounded at any cluster size.
     """
 
+    _pending: tuple[np.ndarray, np.ndarray] | None = None  # (rows, targets) not yet scored or trained on
+
     def __init__(self, lags: int = 4, exog_lags: int = 2, features: Sequence[str] = DEFAULT_FEATURES, *,
                  horizon: int = 2, hidden: tuple[int, ...] = (16, 16), alpha_ewma: float = 0.3,
                  learning_rate: float = 3e-3, huber_delta: float = 0.02, buffer_size: int = 4096,
@@ -105,7 +107,7 @@ class NARXThroughput(CapacityModel):
 
     def finish_learning(self) -> "NARXThroughput":
         """Score the network and the EWMA level on the pairs that got their targets, then train on them."""
-        pending, self._pending = getattr(self, "_pending", None), None  # none before the first report
+        pending, self._pending = self._pending, None
         if pending is not None:
             self._score(*pending)
             self._remember_pairs(*pending)
@@ -157,7 +159,7 @@ class NARXThroughput(CapacityModel):
         self.rows_ = np.zeros((0, self.horizon, width))  # input row made at each of the last horizon reports
         self.bases_ = np.zeros((0, self.horizon))  # the log-throughput each of those rows is relative to
         self.forecast_ = None
-        self._pending: tuple[np.ndarray, np.ndarray] | None = None  # (rows, targets) not yet scored or trained on
+        self._pending = None
         self.recent_error_ = np.full(2, np.inf)  # (network, EWMA level), smoothed over updates
 
     def _grow(self, size: int) -> None:
