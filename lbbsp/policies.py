@@ -42,7 +42,7 @@ class Policy:
         return Decision(tuple(int(s) for s in current), "static split")
 
     def learn(self) -> None:
-        """Finish learning from the observed reports after the split is written (``observe`` does it first
+        """Finish learning from the observed reports after the split is written (the next ``observe`` does it
         when nobody called this)."""
 
     def aggregated(self, num_workers: int) -> int:
@@ -95,8 +95,8 @@ class LBBSPPolicy(Policy):
         self._seen = False
 
     def observe(self, reports: Sequence[Report]) -> None:
-        """Update what the next forecast reads; training and the margins' bookkeeping wait for ``learn``."""
-        self.learn()
+        """Update what the next forecast reads; training and the margins' bookkeeping wait for ``learn`` (or,
+        when nobody calls it, for the next ``observe``: the model and the margins finish pending work first)."""
         if reports:
             self.model.partial_fit(reports, defer=True)
             if self.risk is not None:
