@@ -41,6 +41,21 @@ def test_cpu_contention_without_noise_or_switches_is_balanced_to_the_oracle() ->
     assert mean["lbbsp"] <= 1.02 * mean["oracle"], mean
 
 
+def test_level_oracles_know_the_slow_process_but_not_the_noise() -> None:
+    """oracle-level sees the coming iteration without its noise: with no noise it is the oracle, with noise it
+    is slower; oracle-level-late sees the same ``lag`` iterations late, so it trails after a level switch."""
+    def means(scenario: CPUContention) -> dict[str, float]:
+        wanted = ("oracle", "oracle-level", "oracle-level-late")
+        runs = compare(scenario, 40, {k: v for k, v in standard_policies(scenario).items() if k in wanted})
+        return {k: float(np.mean(r.iteration_s)) for k, r in runs.items()}
+
+    clean = means(CPUContention(8, 40, seed=0, noise=False, mean_dwell=5.0))
+    assert clean["oracle-level"] == clean["oracle"] < clean["oracle-level-late"]
+    noisy = means(CPUContention(8, 40, seed=0))
+    assert noisy["oracle"] < noisy["oracle-level"]
+    assert "oracle-level" not in standard_policies(GPUMix(4, 5, seed=0))  # no noise-free truth there
+
+
 def test_cli_writes_json_and_png(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)

@@ -89,6 +89,10 @@ def table(scenario: Scenario, summary: dict[str, dict[str, float]]) -> str:
     for name, s in sorted(summary.items(), key=lambda item: item[1]["vs_oracle"]):
         lines.append(f"{name:<20} {s['mean_iteration_s']:>12.4g} {s['vs_oracle']:>9.3f} "
                      f"{s['idle_fraction']:>6.1%} {s['decision_ms_mean']:>10.2f} {s['over_memory_iterations']:>9d}")
+    if "oracle-level" in summary:
+        lines.append(f"references, not policies: oracle-level knows each worker's speed without its per-iteration "
+                     f"noise for the coming iteration;\n  oracle-level-late knows the same, but only as of the "
+                     f"latest reports ({scenario.config.lag} iterations late, as LB-BSP)")
     return "\n".join(lines)
 
 

@@ -7,11 +7,12 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..models import EWMAThroughput
 from ..policies import (BackupWorkersPolicy, BSPPolicy, LBBSPPolicy, LeaderStragglerPolicy, OraclePolicy,
                         PerEpochPolicy, Policy, StaticProportionalPolicy)
 from ..protocol import Report
-from .scenarios import Scenario
+from .scenarios import Scenario, Truth
 
 Progress = Callable[[str], None]
 
@@ -36,11 +37,28 @@ class PolicyRun:
                 "over_memory_iterations": self.over_memory}
 
 
+class LevelOracle(OraclePolicy):
+    """A reference, not a policy: allocates with each worker's speed without the per-iteration noise
+    (:meth:`Scenario.expected`), as it was ``delay`` iterations before the iteration decided.
+
+    With ``delay=0`` it shows what perfect knowledge of every worker's slow process is worth; with
+    ``delay = lag`` it knows that process exactly, but only as of the reports a lag-``lag`` policy has."""
+
+    def __init__(self, delay: int = 0) -> None:
+        super().__init__()
+        self.delay = delay
+
+
 def standard_policies(scenario: Scenario) -> dict[str, Policy]:
-    """Every policy of the comparison, fresh: the oracle first, LB-BSP with the scenario's automatic model."""
+    """Every policy of the comparison, fresh: the oracle first, LB-BSP with the scenario's automatic model;
+    where the scenario separates noise from its slow process, the two :class:`LevelOracle` references too."""
     n = scenario.config.num_workers
+    references: dict[str, Policy] = {}
+    if scenario.expected(0) is not None:
+        references = {"oracle-level": LevelOracle(), "oracle-level-late": LevelOracle(delay=scenario.config.lag)}
     return {
         "oracle": OraclePolicy(),
+        **references,
         "lbbsp": LBBSPPolicy(scenario.capacity_model()),
         "lbbsp-ewma": LBBSPPolicy(EWMAThroughput()),
         "bsp": BSPPolicy(),
@@ -83,13 +101,23 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int) -
         started = time.perf_counter()
         policy.observe(reports)
         if isinstance(policy, OraclePolicy):
-            coming = scenario.truth(target)
+            coming = _shown(scenario, policy, target)
             policy.reveal(coming.time_model, coming.max_batch)
         decision = policy.decide(target, tuple(planned.get(target - 1, sizes).tolist()), config)
         run.decision_s.append(time.perf_counter() - started)
         policy.learn()  # as the coordinator does once the split is written
         planned[target] = np.asarray(decision.sizes, dtype=np.int64)
     return run
+
+
+def _shown(scenario: Scenario, oracle: OraclePolicy, target: int) -> Truth:
+    """What an oracle is shown before deciding ``target``: its truth, or a level oracle's noise-free view."""
+    if not isinstance(oracle, LevelOracle):
+        return scenario.truth(target)
+    expected = scenario.expected(max(0, target - oracle.delay))
+    if expected is None:
+        raise ConfigError(f"scenario {scenario.name} does not separate noise from its slow process: no level oracle")
+    return expected
 
 
 def compare(scenario: Scenario, iterations: int, policies: Mapping[str, Policy] | None = None,

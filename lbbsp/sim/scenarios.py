@@ -42,6 +42,11 @@ class Scenario:
     def truth(self, iteration: int) -> Truth:
         raise NotImplementedError
 
+    def expected(self, iteration: int) -> Truth | None:
+        """The truth without its per-iteration noise (what a perfect model of the slow process could know), or
+        None where the scenario does not separate the two."""
+        return None
+
     def features(self, iteration: int, sizes: np.ndarray) -> list[dict[str, float]]:
         raise NotImplementedError
 
@@ -85,13 +90,22 @@ class CPUContention(Scenario):
         for t, trace in enumerate(traces):
             members = np.flatnonzero(which == t)
             rows[:, members] = _level_replay(trace, members.size, iterations + LOOKAHEAD, mean_dwell, rng)
-        throughput = [t.throughput if noise else _level_medians(t) for t in traces]
         scale = np.array([1000.0 / np.median(t.throughput[t.level == t.level.min()]) for t in traces])[which]
-        self.speed = np.stack([throughput[t][rows[:, i]] for i, t in enumerate(which)], axis=1) * (machine * scale)
+
+        def replay(per_trace: Sequence[np.ndarray]) -> np.ndarray:
+            return np.stack([per_trace[t][rows[:, i]] for i, t in enumerate(which.tolist())], axis=1) * (machine * scale)
+
+        medians = [_level_medians(t) for t in traces]
+        self.level_speed = replay(medians)
+        self.speed = replay([t.throughput for t in traces]) if noise else self.level_speed
         self.feature_rows = np.stack([traces[t].features[rows[:, i]] for i, t in enumerate(which)], axis=1)
 
     def truth(self, iteration: int) -> Truth:
         return Truth(LinearTime(self.speed[iteration]))
+
+    def expected(self, iteration: int) -> Truth:
+        """Each worker's speed at its true contention level (its level's median), without the noise."""
+        return Truth(LinearTime(self.level_speed[iteration]))
 
     def features(self, iteration: int, sizes: np.ndarray) -> list[dict[str, float]]:
         return [dict(zip(TRACE_FEATURES, row)) for row in self.feature_rows[iteration].tolist()]
