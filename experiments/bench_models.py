@@ -29,16 +29,37 @@ MODELS: dict[str, Callable[[int], CapacityModel]] = {
 HORIZONS = (2, 1)
 
 
-def mape(model: CapacityModel, trace: CPUTrace, skip: int, horizon: int = 2) -> float:
-    """Mean absolute percentage error over the trace of the forecast made ``horizon`` iterations ahead."""
-    errors, forecasts = [], {}
+def errors(model: CapacityModel, trace: CPUTrace, horizon: int = 2) -> np.ndarray:
+    """Each iteration's absolute percentage error of the forecast made ``horizon`` iterations before it
+    (NaN for the first ``horizon``, which have none)."""
+    out, forecasts = np.full(trace.throughput.size, np.nan), {}
     for k, (throughput, features) in enumerate(zip(trace.throughput, trace.features)):
-        if k >= max(skip, horizon):  # the model has seen the reports up to k - horizon
-            errors.append(abs(forecasts[k - horizon] - throughput) / throughput)
+        if k >= horizon:  # the model has seen the reports up to k - horizon
+            out[k] = 100.0 * abs(forecasts[k - horizon] - throughput) / throughput
         report = Report("bench", 0, k, 1000, 1000.0 / throughput, features=dict(zip(TRACE_FEATURES, features)))
         model.partial_fit([report])
         forecasts[k] = model.predict([0])[0]
-    return 100.0 * float(np.mean(errors))
+    return out
+
+
+def offline_ceiling(trace: CPUTrace, horizon: int, lags: int = 8, exog_lags: int = 2) -> np.ndarray:
+    """Errors (as :func:`errors`) on the trace's second half of gradient boosting fit offline on its first
+    half, knowing the answers: the same kind of inputs as NARX, more of them (``lags`` log-throughputs and
+    ``exog_lags`` feature rows as of k - horizon), no online constraint. What these inputs can tell at best."""
+    from sklearn.ensemble import GradientBoostingRegressor  # noqa: PLC0415  (this reference only)
+
+    y, n = np.log(trace.throughput), trace.throughput.size
+    first = lags + exog_lags + horizon
+    rows = np.array([np.concatenate([y[k - horizon - lags + 1:k - horizon + 1] - y[k - horizon],
+                                     trace.features[k - horizon - exog_lags + 1:k - horizon + 1].ravel()])
+                     for k in range(first, n)])
+    target = y[first:] - y[first - horizon:n - horizon]  # log-ratio to the last value seen, as NARX
+    half = n // 2 - first
+    model = GradientBoostingRegressor(loss="absolute_error", max_depth=3, n_estimators=200, random_state=0)
+    model.fit(rows[:half], target[:half])
+    out = np.full(n, np.nan)
+    out[n // 2:] = 100.0 * np.abs(np.exp(model.predict(rows[half:]) - target[half:]) - 1.0)
+    return out
 
 
 def references(trace: CPUTrace, skip: int, window: int = 4) -> dict[str, float]:
@@ -69,17 +90,24 @@ def main() -> int:
               + (" (production: JobConfig.lag = 2)" if horizon == 2 else ""))
         print(f"{'trace':<16} {'iterations':>10} " + " ".join(f"{name + ' MAPE%':>15}" for name in MODELS))
         scores: dict[str, list[float]] = {name: [] for name in MODELS}
+        halves: dict[str, list[float]] = {name: [] for name in (*MODELS, "offline ceiling")}
         for trace in traces:
-            row = []
+            row, half = [], trace.throughput.size // 2
             for name, factory in MODELS.items():
-                scores[name].append(mape(factory(horizon), trace, args.skip, horizon))
+                e = errors(factory(horizon), trace, horizon)
+                scores[name].append(float(np.mean(e[max(args.skip, horizon):])))
+                halves[name].append(float(np.mean(e[half:])))
                 row.append(f"{scores[name][-1]:>15.2f}")
+            halves["offline ceiling"].append(float(np.mean(offline_ceiling(trace, horizon)[half:])))
             print(f"{trace.name:<16} {trace.throughput.size:>10} " + " ".join(row), flush=True)
         mean = {name: float(np.mean(v)) for name, v in scores.items()}
         best_baseline = min(mean["EWMA"], mean["LastValue"])
         print(f"{'mean':<16} {'':>10} " + " ".join(f"{mean[n]:>15.2f}" for n in MODELS))
         print(f"NARX vs best baseline: {100 * (1 - mean['NARX'] / best_baseline):+.1f}% lower MAPE "
               f"(goal: >= 20% lower, i.e. NARX mean <= {0.8 * best_baseline:.2f})")
+        print("  second half of each trace, mean MAPE%: " + ", ".join(
+            f"{name} {np.mean(v):.2f}" for name, v in halves.items())
+            + "\n  (offline ceiling: gradient boosting fit on the first half, answers known, 8 throughput lags)")
     refs = {trace.name: references(trace, args.skip) for trace in traces}
     print("\nnoise floor: references that see the whole trace (not forecasts, any horizon)")
     for name in ("level oracle", "smoother"):
