@@ -81,6 +81,10 @@ class _Round:
     workers: dict[int, int]
 
 
+#: ``compensate_dropouts`` raises a round's total at most this many times.
+MAX_COMPENSATION = 2
+
+
 class LoadBalanced(Strategy):
     """LB-BSP for federated rounds: balance each sampled client's workload around a wrapped strategy.
 
@@ -91,12 +95,15 @@ class LoadBalanced(Strategy):
     predicted transfer time, so a client that slows down stops early instead of holding the round.
     ``weight_by="samples"`` weights each reply by the samples it processed (every sample counts once);
     ``"data"`` by the client's data size (``LocalRound(data_size=...)``), the FedAvg objective on non-IID data.
+    The model learns each client's availability from the round outcomes; the plan logs the share of the
+    round total expected back. ``compensate_dropouts=True`` raises the total (at most ``MAX_COMPENSATION``
+    times) so that the samples expected back make the nominal total: dropouts then cost time, not samples.
     """
 
     def __init__(self, strategy: Strategy, history: ClientHistory, *, batch_size: int = 32, local_steps: int = 1,
                  adapt: Literal["batch", "steps"] = "batch", min_size: int = 1, max_size: int | None = None,
                  deadline_slack: float | None = None, weight_by: Literal["samples", "data"] = "samples",
-                 model: FLClientModel | None = None) -> None:
+                 compensate_dropouts: bool = False, model: FLClientModel | None = None) -> None:
         Workload(batch_size, local_steps)  # validates both
         if adapt not in ("batch", "steps"):
             raise ConfigError(f"adapt must be 'batch' or 'steps', got {adapt!r}")
@@ -115,6 +122,7 @@ class LoadBalanced(Strategy):
         self.max_size = max_size
         self.deadline_slack = deadline_slack
         self.weight_by = weight_by
+        self.compensate_dropouts = compensate_dropouts
         self.model = model if model is not None else FLClientModel(local_steps)
         self.weighted_by_key: str = getattr(strategy, "weighted_by_key", "num-examples")
         self.configrecord_key: str = getattr(strategy, "configrecord_key", "config")
@@ -123,11 +131,14 @@ class LoadBalanced(Strategy):
         self._round_base = max((r.iteration for rounds in stored for r in rounds), default=0)
         if stored:
             self.model.fit(stored)
+        last = history.statuses()  # each client's last outcome: a start for its availability after a restart
+        if last:
+            self.model.record_outcomes({worker: status.status == "ok" for worker, status in last.items()})
 
     def summary(self) -> None:
         log(INFO, "\t├──> LoadBalanced (lbbsp): adapt %s, batch size %d, local steps %d, deadline slack %s, "
-                  "weight by %s, job %s", self.adapt, self.batch_size, self.local_steps, self.deadline_slack,
-            self.weight_by, self.history.job)
+                  "weight by %s, compensate dropouts %s, job %s", self.adapt, self.batch_size, self.local_steps,
+            self.deadline_slack, self.weight_by, self.compensate_dropouts, self.history.job)
         self.strategy.summary()
 
     # -- training ----------------------------------------------------------------------------------------
@@ -142,19 +153,19 @@ class LoadBalanced(Strategy):
         return messages
 
     def plan(self, server_round: int, nodes: list[int]) -> dict[int, Workload]:
-        """Each node's workload: equal predicted finish under the capacity model, round total fixed."""
+        """Each node's workload: equal predicted finish under the capacity model, round total fixed (or, with
+        ``compensate_dropouts``, raised so that the samples expected back from the available clients make it)."""
         if not nodes:
             return {}
         unit = self.batch_size if self.adapt == "batch" else self.local_steps
+        workers = [self.history.worker_index(n) for n in nodes]
+        time_model = self._time_model(workers)
+        available = self.model.availability(workers)
         total = unit * len(nodes)
-        upper = min(self.max_size or total, total)
-        time_model = self._time_model([self.history.worker_index(n) for n in nodes])
-        if time_model is None or self.min_size * len(nodes) > total or upper * len(nodes) < total:
-            sizes = np.array(equal_split(total, len(nodes)))
-            reason = "equal split (no measurements yet)" if time_model is None else "equal split (bounds)"
-        else:
-            sizes = allocate(time_model, total, [self.min_size] * len(nodes), [upper] * len(nodes))
-            reason = f"predicted round {predicted_makespan(time_model, sizes):.3g}s"
+        sizes, reason = self._split(time_model, total, len(nodes))
+        if self.compensate_dropouts and available @ sizes < total:
+            sizes, reason = self._compensated(time_model, total, available)
+        reason += f"; {available @ sizes / total:.0%} of {total} expected back"
         deadlines: list[float | None] = [None] * len(nodes)
         if self.deadline_slack is not None and time_model is not None:
             finish = self.deadline_slack * predicted_makespan(time_model, sizes)
@@ -163,6 +174,27 @@ class LoadBalanced(Strategy):
         if self.adapt == "batch":
             return {n: Workload(int(s), self.local_steps, d) for n, s, d in zip(nodes, sizes, deadlines)}
         return {n: Workload(self.batch_size, int(s), d) for n, s, d in zip(nodes, sizes, deadlines)}
+
+    def _compensated(self, time_model: LinearTime | None, total: int, available: np.ndarray) -> tuple[np.ndarray, str]:
+        """The split of the smallest total (at most ``MAX_COMPENSATION`` x ``total``) whose samples expected
+        back reach ``total``: a bisection, since more in total never brings less back."""
+        low, high = total, MAX_COMPENSATION * total
+        while low < high:
+            middle = (low + high) // 2
+            if available @ self._split(time_model, middle, available.size)[0] >= total:
+                high = middle
+            else:
+                low = middle + 1
+        return self._split(time_model, low, available.size)
+
+    def _split(self, time_model: LinearTime | None, total: int, count: int) -> tuple[np.ndarray, str]:
+        """``total`` split over ``count`` clients for equal predicted finish, within the bounds."""
+        upper = min(self.max_size or total, total)
+        if time_model is None or self.min_size * count > total or upper * count < total:
+            reason = "equal split (no measurements yet)" if time_model is None else "equal split (bounds)"
+            return np.array(equal_split(total, count)), reason
+        sizes = allocate(time_model, total, [self.min_size] * count, [upper] * count)
+        return sizes, f"predicted round {predicted_makespan(time_model, sizes):.3g}s"
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -208,6 +240,7 @@ class LoadBalanced(Strategy):
             except ProtocolError as exc:
                 log(WARNING, "lbbsp round %d: node %d's timings are not recorded: %s", server_round, node, exc)
         self.model.partial_fit(reports)
+        self.model.record_outcomes({worker: outcome.status == "ok" for worker, outcome in outcomes.items()})
         try:
             self.history.record(reports, outcomes)
         except StoreUnavailable as exc:

@@ -101,11 +101,14 @@ def test_failed_and_vanished_clients_do_not_stall_the_round_and_keep_history(red
     behaviour[(3, 2)] = "hang"
     with ClientHistory.from_url(redis_url, job) as history:
         started = time.monotonic()
-        run(history, rounds=3, timeout=1.5)
+        strategy = run(history, rounds=3, timeout=1.5)
         assert time.monotonic() - started < 12, "a vanished client held the round past its timeout"
         statuses = history.statuses()
         workers = history.workers()
         index = {int(node): i for node, i in workers.items()}
+        # availability, from "available" (1) by 0.2 per round: 3 failed round 2, 2 missed round 3
+        available = strategy.model.availability([index[1], index[2], index[3]])
+        np.testing.assert_allclose(available, [1.0, 0.8, 0.2 + 0.8 * 0.8])
         assert statuses[index[3]].status == "ok" and statuses[index[3]].round == 3
         assert statuses[index[2]] == ClientStatus(3, "missed", "no reply before the timeout", statuses[index[2]].at)
         assert [r.iteration for r in history.reports(index[2])] == [1, 2]  # kept after it vanished
@@ -113,8 +116,16 @@ def test_failed_and_vanished_clients_do_not_stall_the_round_and_keep_history(red
         # A restarted server learns from the stored history before its first round.
         restarted = LoadBalanced(FedAvg(), history, batch_size=40, local_steps=3)
         assert set(np.flatnonzero(np.isfinite(restarted.model.speed_)).tolist()) == set(index.values())
+        assert restarted.model.availability([index[1], index[2], index[3]]).tolist() == [1.0, 0.8, 1.0]
         plan = restarted.plan(1, [1, 2, 3])
         assert plan[1].batch_size > plan[3].batch_size
+        assert sum(w.batch_size for w in plan.values()) == 120
+        # compensating dropouts: a larger total, whose samples expected back make the nominal 120
+        compensating = LoadBalanced(FedAvg(), history, batch_size=40, local_steps=3, compensate_dropouts=True)
+        raised = compensating.plan(1, [1, 2, 3])
+        sizes = np.array([raised[n].batch_size for n in (1, 2, 3)])
+        expected_back = float(compensating.model.availability([index[n] for n in (1, 2, 3)]) @ sizes)
+        assert sizes.sum() > 120 and 120 <= expected_back < 122  # the smallest such total, not just any
     behaviour.clear()
 
 

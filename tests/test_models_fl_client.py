@@ -56,10 +56,30 @@ def test_cold_start_uses_similar_hardware() -> None:
     assert sizes.sum() == 100 and (sizes >= 1).all()
 
 
+def test_learns_availability_from_round_outcomes_with_a_hardware_prior() -> None:
+    """A phone that completes 70% of its rounds is learned to about 0.7, a server that always completes to 1;
+    a new phone starts from what phones do, and a client nobody knows anything about from 1."""
+    model = FLClientModel(availability_alpha=0.05)
+    model.partial_fit([Report("fl", 0, 0, 10, 1.0, device="android"), Report("fl", 1, 0, 10, 0.1, device="server"),
+                       Report("fl", 2, 0, 0, 0.0, device="android")])  # 2 announces itself only
+    assert model.availability([0, 1, 2, 9]).tolist() == [1.0, 1.0, 1.0, 1.0]  # nothing missed yet
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        model.record_outcomes({0: bool(rng.random() < 0.7), 1: True})
+    phone, server, new_phone, stranger = model.availability([0, 1, 2, 9])
+    assert phone == pytest.approx(0.7, abs=0.1) and server == 1.0
+    assert new_phone == phone  # the prior of similar hardware
+    assert stranger == pytest.approx(np.median([phone, server]))  # unknown hardware: the median of all
+    model.fit([])  # forgets availability with everything else
+    assert model.availability([0]).tolist() == [1.0]
+
+
 def test_contract() -> None:
     with pytest.raises(NotFittedError):
         FLClientModel().predict([0])
     with pytest.raises(ConfigError):
         FLClientModel(local_steps=0).partial_fit([])
+    with pytest.raises(ConfigError):
+        FLClientModel(availability_alpha=0).record_outcomes({0: True})
     model = FLClientModel(local_steps=3, alpha=0.2)
     assert type(model)(**model.get_params()).get_params() == model.get_params()

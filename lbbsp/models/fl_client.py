@@ -1,11 +1,13 @@
-"""Federated clients: a round costs local compute plus the model's download and upload.
+"""Federated clients: a round costs local compute plus the model's download and upload, if the client answers.
 
 The client's *batch size* b is what LB-BSP adapts, with the number of local steps fixed (as in the
-paper), so one round takes  time_i(b) = transfer_i + local_steps * b / speed_i.
+paper), so one round takes  time_i(b) = transfer_i + local_steps * b / speed_i.  Availability a_i is the
+chance that the client completes a round it is asked to do; the samples of a client that drops are lost,
+so a round of sizes b brings back sum_i a_i * b_i samples on average.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -20,19 +22,20 @@ class FLClientModel(CapacityModel):
 
     Reports carry ``samples`` (local_steps * batch), ``compute_s`` (local compute only) and features
     ``download_s``/``upload_s``; without those, ``model_bytes`` over ``bandwidth_down``/``bandwidth_up``
-    gives the transfer time. Clients never seen get the median of clients on similar hardware.
+    gives the transfer time. Availability is learned from :meth:`record_outcomes` (exponentially weighted
+    by ``availability_alpha``, starting from "available"). Clients never seen get the median of clients on
+    similar hardware, for speed, transfer and availability alike.
     """
 
-    def __init__(self, local_steps: int = 1, *, alpha: float = 0.5, model_bytes: float | None = None) -> None:
+    def __init__(self, local_steps: int = 1, *, alpha: float = 0.5, model_bytes: float | None = None,
+                 availability_alpha: float = 0.2) -> None:
         self.local_steps = local_steps
         self.alpha = alpha
         self.model_bytes = model_bytes
+        self.availability_alpha = availability_alpha
 
     def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> "FLClientModel":
-        if not isinstance(self.local_steps, int) or self.local_steps < 1:
-            raise ConfigError(f"local_steps must be a positive integer, got {self.local_steps!r}")
-        if not 0 < self.alpha <= 1:
-            raise ConfigError(f"alpha must be in (0, 1], got {self.alpha}")
+        self._check_params()
         self._remember_hardware(reports)
         workers, measured = measured_throughput(reports)
         self.speed_ = smoothed(getattr(self, "speed_", None), workers, measured, self.alpha)
@@ -41,6 +44,25 @@ class FLClientModel(CapacityModel):
         seconds = np.array([seconds for _, seconds in transfers], dtype=float)
         self.transfer_s_ = smoothed(getattr(self, "transfer_s_", None), ids, seconds, self.alpha)
         return self
+
+    def record_outcomes(self, completed: Mapping[int, bool]) -> "FLClientModel":
+        """Learn availability from one round: for each client asked, whether it completed (False: it sent no
+        reply in time, or an error)."""
+        self._check_params()
+        ids = np.fromiter(completed.keys(), dtype=np.int64, count=len(completed))
+        done = np.fromiter(completed.values(), dtype=float, count=len(completed))
+        table = getattr(self, "availability_", np.full(0, np.nan))
+        if ids.size and ids.max() >= table.size:
+            table = np.concatenate([table, np.full(int(ids.max()) + 1 - table.size, np.nan)])
+        previous = np.nan_to_num(table[ids], nan=1.0)  # a client is taken as available until it misses
+        table[ids] = self.availability_alpha * done + (1.0 - self.availability_alpha) * previous
+        self.availability_ = table
+        return self
+
+    def availability(self, workers: Sequence[int]) -> np.ndarray:
+        """The chance each client completes a round it is asked to do; 1 where nothing is known."""
+        table = getattr(self, "availability_", np.full(0, np.nan))
+        return np.nan_to_num(self._with_prior(table, workers), nan=1.0)
 
     def predict(self, workers: Sequence[int]) -> np.ndarray:
         """Local compute throughput, samples per second."""
@@ -57,6 +79,13 @@ class FLClientModel(CapacityModel):
         speed = self.predict(workers)
         speed = np.where(np.isfinite(speed) & (speed > 0), speed, 1.0)
         return LinearTime(speed / self.local_steps, overhead=self.transfer_s(workers))
+
+    def _check_params(self) -> None:
+        if not isinstance(self.local_steps, int) or self.local_steps < 1:
+            raise ConfigError(f"local_steps must be a positive integer, got {self.local_steps!r}")
+        for name in ("alpha", "availability_alpha"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)}")
 
     def _transfer_seconds(self, report: Report) -> float | None:
         features = report.features
