@@ -2,10 +2,13 @@
 
     python experiments/bench_flower.py [--clients 12] [--rounds 15] [--target 0.88]
 
-One run trains the flower_digits example three times from the same start: standard FedAvg (every client
+One run trains the flower_digits example five times from the same start: standard FedAvg (every client
 batch 32 x 5 local steps, weighted by client data size as FedAvg usually is), lbbsp weighting by samples
-processed, and lbbsp weighting by data size. It prints the mean round time, the time to reach the target
-test accuracy, and lbbsp / FedAvg ratios, and writes them to experiments/results/bench_flower.json.
+processed, and lbbsp weighting by data size; then, weighting by data size, with emulated dropouts (``--dropout``: a third of the
+clients never leave, a third leave a round after training with chance dropout / 2, a third with chance
+dropout), lbbsp as is and with ``compensate_dropouts``. It prints the mean round time, the time to reach
+the target test accuracy, lbbsp / FedAvg ratios and, for lbbsp, the share of the nominal round total
+(batch 32 x 5 steps x clients) that came back, and writes them to experiments/results/bench_flower.json.
 
 The clients are emulated (see examples/flower_digits/flower_digits/task.py): compute speed and link
 bandwidths differ per client, and each client sleeps its emulated compute and transfer times, so the
@@ -34,18 +37,35 @@ from lbbsp import EmbeddedRedis  # noqa: E402
 from lbbsp.integrations.flower import ClientHistory  # noqa: E402
 from lbbsp.integrations.flower_local import LocalGrid  # noqa: E402
 
-RUNS = (("fedavg", "data"), ("lbbsp", "samples"), ("lbbsp", "data"))
+BATCH, STEPS = 32, 5
+#: (name, mode, weight by, with dropouts, compensate dropouts)
+RUNS = (("fedavg (weight by data)", "fedavg", "data", False, False),
+        ("lbbsp (weight by samples)", "lbbsp", "samples", False, False),
+        ("lbbsp (weight by data)", "lbbsp", "data", False, False),
+        ("lbbsp, dropouts", "lbbsp", "data", True, False),
+        ("lbbsp, dropouts, compensated", "lbbsp", "data", True, True))
 
 
-def run_one(mode: str, weight_by: str, clients: int, rounds: int, redis_url: str) -> list[dict[str, float]]:
-    cfg = {"num-server-rounds": rounds, "num-clients": clients, "mode": mode, "adapt": "batch", "batch-size": 32,
-           "local-steps": 5, "min-size": 8, "weight-by": weight_by, "deadline-slack": 0.0, "lr": 0.5, "alpha": 0.5,
-           "seed": 0, "emulate": True, "round-timeout": 120.0}
+def run_one(mode: str, weight_by: str, clients: int, rounds: int, redis_url: str, dropout: float = 0.0,
+            compensate: bool = False) -> tuple[list[dict[str, float]], float | None]:
+    """The per-round accuracy and times, and (lbbsp) the mean share of the nominal round total that came back."""
+    cfg = {"num-server-rounds": rounds, "num-clients": clients, "mode": mode, "adapt": "batch", "batch-size": BATCH,
+           "local-steps": STEPS, "min-size": 8, "weight-by": weight_by, "deadline-slack": 0.0, "lr": 0.5,
+           "alpha": 0.5, "seed": 0, "emulate": True, "round-timeout": 120.0, "dropout": dropout,
+           "compensate-dropouts": compensate}
     grid = LocalGrid(client_app.app, [{"partition-id": i, "num-partitions": clients} for i in range(clients)],
                      run_config=cfg)
     history = ClientHistory.from_url(redis_url, f"bench-{uuid.uuid4().hex[:8]}") if mode == "lbbsp" else None
     try:
-        return server_app.run(grid, cfg, history)["rounds"]  # type: ignore[return-value]
+        rows = server_app.run(grid, cfg, history)["rounds"]
+        back = None
+        if history is not None:  # the samples of every reply that came back, per round, from the client history
+            per_round: dict[int, int] = {}
+            for reports in history.rounds():
+                for report in reports:
+                    per_round[report.iteration] = per_round.get(report.iteration, 0) + report.samples
+            back = float(np.mean(list(per_round.values()))) / (BATCH * STEPS * clients)
+        return rows, back  # type: ignore[return-value]
     finally:
         grid.close()
         if history is not None:
@@ -65,31 +85,33 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--target", type=float, default=0.88)
+    parser.add_argument("--dropout", type=float, default=0.4, help="the most-dropping clients' chance per round")
     args = parser.parse_args()
-    logging.getLogger("flwr").setLevel(logging.WARNING)
+    logging.getLogger("flwr").setLevel(logging.ERROR)  # the emulated dropouts would log a warning each
     results: dict[str, dict[str, object]] = {}
     with EmbeddedRedis() as redis:
-        for mode, weight_by in RUNS:
-            name = f"{mode} (weight by {weight_by})"
+        for name, mode, weight_by, dropouts, compensate in RUNS:
             print(f"-- {name}: {args.clients} emulated clients, {args.rounds} rounds", flush=True)
-            rows = run_one(mode, weight_by, args.clients, args.rounds, redis.url)
+            rows, back = run_one(mode, weight_by, args.clients, args.rounds, redis.url,
+                                 args.dropout if dropouts else 0.0, compensate)
             for row in rows[1:]:
                 print(f"   round {row['round']:3d}  accuracy {row['accuracy']:.3f}  elapsed {row['elapsed_s']:7.2f}s")
-            results[name] = {**summarise(rows, args.target), "rounds": rows}
+            results[name] = {**summarise(rows, args.target), "samples_back": back, "rounds": rows}
     base = results["fedavg (weight by data)"]
-    print(f"\nemulated times; target test accuracy {args.target}")
+    print(f"\nemulated times; target test accuracy {args.target}; dropout {args.dropout}")
     print(f"{'run':32s} {'mean round s':>12s} {'to target s':>12s} {'rounds':>7s} {'final acc':>9s}"
-          f" {'round ratio':>11s} {'target ratio':>12s}")
+          f" {'round ratio':>11s} {'target ratio':>12s} {'samples back':>12s}")
     for name, res in results.items():
         ttt, base_ttt = res["time_to_target_s"], base["time_to_target_s"]
         ratio_t = f"{ttt / base_ttt:.3f}" if ttt is not None and base_ttt else "n/a"
+        back = f"{res['samples_back']:.0%}" if res["samples_back"] is not None else "-"
         print(f"{name:32s} {res['mean_round_s']:12.2f} {ttt if ttt is None else round(ttt, 2)!s:>12s} "
               f"{res['rounds_to_target']!s:>7s} {res['final_accuracy']:9.3f} "
-              f"{res['mean_round_s'] / base['mean_round_s']:11.3f} {ratio_t:>12s}")
+              f"{res['mean_round_s'] / base['mean_round_s']:11.3f} {ratio_t:>12s} {back:>12s}")
     out = ROOT / "experiments" / "results" / "bench_flower.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"clients": args.clients, "rounds": args.rounds, "target": args.target,
-                               "emulated": True, "runs": results}, indent=1))
+                               "dropout": args.dropout, "emulated": True, "runs": results}, indent=1))
     print(f"written to {out.relative_to(ROOT)}")
 
 

@@ -33,4 +33,6 @@ def train(msg: Message, context: Context) -> Message:
         params, loss = task.sgd_step(params, x[batch], y[batch], float(cfg["lr"]))
         if cfg["emulate"]:
             task.emulate_compute(batch_size, prof.speed, started)
+    if task.drops_out(pid, int(msg.content["config"]["server-round"]), float(cfg.get("dropout", 0.0)), seed):
+        raise RuntimeError("emulated dropout: the device left before replying")
     return rnd.reply(ArrayRecord(params), {"train-loss": loss})

@@ -11,7 +11,8 @@ Emulated heterogeneity (documented, deterministic in the seed): client i has a c
 and a download and an upload bandwidth in bytes/s. One local step on b samples takes b / speed seconds
 (the real numpy step, well under a millisecond, then a sleep for the rest); the model crosses each way in
 bytes / bandwidth seconds (slept by :class:`~lbbsp.integrations.flower.EmulatedLink`). Every time the
-client reports is therefore an emulated time, measured with a real clock.
+client reports is therefore an emulated time, measured with a real clock. With run config ``dropout`` > 0,
+some clients leave a round after training (an error reply, their samples lost): see :func:`drops_out`.
 """
 from __future__ import annotations
 
@@ -88,6 +89,13 @@ def profile(partition_id: int, num_partitions: int, seed: int) -> Profile:
     downs = 10 ** rng.uniform(np.log10(4_000), np.log10(40_000), num_partitions)
     speed = speeds[partition_id] / (4.0 if partition_id % 5 == 4 else 1.0)
     return Profile(float(speed), float(downs[partition_id]), float(downs[partition_id]) / 2)
+
+
+def drops_out(partition_id: int, server_round: int, dropout: float, seed: int) -> bool:
+    """Whether the client leaves this round after training (its samples are lost): every third client never
+    does, the next with chance ``dropout`` / 2, the next with chance ``dropout``."""
+    chance = dropout * (partition_id % 3) / 2
+    return bool(np.random.default_rng([seed, 11, partition_id, server_round]).random() < chance)
 
 
 def init_params() -> list[np.ndarray]:
