@@ -139,9 +139,11 @@ class CapacityModel:
         return out
 
 
-def smoothed(table: np.ndarray | None, workers: np.ndarray, values: np.ndarray, alpha: float) -> np.ndarray:
+def smoothed(table: np.ndarray | None, workers: np.ndarray, values: np.ndarray, alpha: float,
+             start: float | None = None) -> np.ndarray:
     """A per-worker-id table (NaN where unknown, grown as ids appear) with ``values`` blended in at ``workers``
-    by exponential weighting: alpha * new + (1 - alpha) * old, the first value taken as is. Pure function."""
+    by exponential weighting: alpha * new + (1 - alpha) * old, the first value taken as is, or blended into
+    ``start`` when one is given. Pure function."""
     size = int(workers.max()) + 1 if workers.size else 0
     if table is None:
         table = np.full(size, np.nan)
@@ -150,6 +152,8 @@ def smoothed(table: np.ndarray | None, workers: np.ndarray, values: np.ndarray, 
     else:
         table = table.copy()
     previous = table[workers]
+    if start is not None:
+        previous = np.where(np.isnan(previous), start, previous)
     table[workers] = np.where(np.isnan(previous), values, alpha * values + (1 - alpha) * previous)
     return table
 

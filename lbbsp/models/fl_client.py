@@ -51,12 +51,9 @@ class FLClientModel(CapacityModel):
         self._check_params()
         ids = np.fromiter(completed.keys(), dtype=np.int64, count=len(completed))
         done = np.fromiter(completed.values(), dtype=float, count=len(completed))
-        table = getattr(self, "availability_", np.full(0, np.nan))
-        if ids.size and ids.max() >= table.size:
-            table = np.concatenate([table, np.full(int(ids.max()) + 1 - table.size, np.nan)])
-        previous = np.nan_to_num(table[ids], nan=1.0)  # a client is taken as available until it misses
-        table[ids] = self.availability_alpha * done + (1.0 - self.availability_alpha) * previous
-        self.availability_ = table
+        # a client is taken as available until it misses
+        self.availability_ = smoothed(getattr(self, "availability_", None), ids, done, self.availability_alpha,
+                                      start=1.0)
         return self
 
     def availability(self, workers: Sequence[int]) -> np.ndarray:

@@ -93,12 +93,12 @@ class CPUContention(Scenario):
         scale = np.array([1000.0 / np.median(t.throughput[t.level == t.level.min()]) for t in traces])[which]
 
         def replay(per_trace: Sequence[np.ndarray]) -> np.ndarray:
-            return np.stack([per_trace[t][rows[:, i]] for i, t in enumerate(which.tolist())], axis=1) * (machine * scale)
+            """Each worker's replayed rows of its trace's array, stacked as (iterations, workers, ...)."""
+            return np.stack([per_trace[t][rows[:, i]] for i, t in enumerate(which.tolist())], axis=1)
 
-        medians = [_level_medians(t) for t in traces]
-        self.level_speed = replay(medians)
-        self.speed = replay([t.throughput for t in traces]) if noise else self.level_speed
-        self.feature_rows = np.stack([traces[t].features[rows[:, i]] for i, t in enumerate(which)], axis=1)
+        self.level_speed = replay([_level_medians(t) for t in traces]) * (machine * scale)
+        self.speed = replay([t.throughput for t in traces]) * (machine * scale) if noise else self.level_speed
+        self.feature_rows = replay([t.features for t in traces])
 
     def truth(self, iteration: int) -> Truth:
         return Truth(LinearTime(self.speed[iteration]))
