@@ -60,11 +60,11 @@ def train(args: argparse.Namespace) -> None:
     if args.ports:
         os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in args.ports.split(",")]},
                                               "task": {"type": "worker", "index": index}})
-    import tensorflow as tf
-    from sklearn.datasets import load_digits
+    import tensorflow as tf  # noqa: PLC0415  (TensorFlow reads TF_CONFIG when it loads, so only after it is set)
+    from sklearn.datasets import load_digits  # noqa: PLC0415
 
-    from lbbsp import BSPPolicy, JobConfig, LBBSPPolicy
-    from lbbsp.integrations.keras import BalancedSource, LBBSPCallback, WorkerSession, keras_module
+    from lbbsp import BSPPolicy, JobConfig, LBBSPPolicy  # noqa: PLC0415
+    from lbbsp.integrations.keras import BalancedSource, LBBSPCallback, WorkerSession, keras_module  # noqa: PLC0415
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)

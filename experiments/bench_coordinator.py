@@ -17,7 +17,7 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -143,7 +143,7 @@ def decision_times(url: str, workers: int, warmup: int, repeats: int) -> dict[st
             runs.append((name, kind, config, store, timed, Coordinator(store, config, timed),
                          {"policy": [], "policy_cpu": [], "step": [], "learn": []}, [config.initial_sizes()]))
         for k in range(warmup + repeats):
-            for name, kind, config, store, timed, coordinator, times, sizes in runs:
+            for _name, kind, config, store, timed, coordinator, times, sizes in runs:
                 pipe = store.client.pipeline(transaction=False)
                 for report in _reports(config.job, kind, k, sizes[0], speed, rng):
                     pipe.hset(store.key("reports", k), str(report.worker), report.to_json())

@@ -16,18 +16,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core for the training step,
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import platform  # noqa: E402
-import signal  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from typing import Callable  # noqa: E402
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import signal
+import threading
+import time
+from collections.abc import Callable
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from lbbsp import ResourceMonitor  # noqa: E402
+from lbbsp import ResourceMonitor
 
 FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util", "cores")
 COLUMNS = ("iteration", "t_s", "samples", "compute_s", "throughput", *FEATURES, "hog_level")
@@ -94,7 +94,7 @@ class ContentionSchedule:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def start(self) -> "ContentionSchedule":
+    def start(self) -> ContentionSchedule:
         self._thread.start()
         return self
 

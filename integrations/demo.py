@@ -43,7 +43,7 @@ class ColocatedLoad:
         self._procs: list[subprocess.Popen[bytes]] = []
         for _ in range(procs):
             proc = subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                                    preexec_fn=self._pin_and_die_with_parent)
+                                    preexec_fn=self._pin_and_die_with_parent)  # noqa: PLW1509  (child-side setup)
             os.kill(proc.pid, signal.SIGSTOP)
             self._procs.append(proc)
 
@@ -146,8 +146,9 @@ def _train_both(rank: int, config: DemoConfig, init: str, url: str, events: Any)
     import torch.nn.functional as F  # noqa: PLC0415
     from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
 
-    from lbbsp.integrations.torch import Balancer  # noqa: PLC0415
     from lbbsp.policies import BSPPolicy, LBBSPPolicy  # noqa: PLC0415
+
+    from .torch import Balancer  # noqa: PLC0415
 
     cores = cores_for(config.workers)  # before pinning: afterwards this process may use its own core only
     os.sched_setaffinity(0, {cores[rank]})
@@ -177,7 +178,7 @@ def _train_both(rank: int, config: DemoConfig, init: str, url: str, events: Any)
                     opt.step()
                     opt.zero_grad()
                     report = lb.last_report
-                    events.put(("step", phase, rank, step, lb.step.samples, report.compute_s if report else None,
+                    events.put(("step", phase, rank, step, lb._current().samples, report.compute_s if report else None,
                                 bool(load and load.on)))
                     step += 1
                     if rank == 0 and (step % every == 0 or step == config.steps):

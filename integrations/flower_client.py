@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Protocol
+from typing import Any, Protocol
 
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
@@ -64,7 +65,7 @@ class Workload:
         return config
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], default: "Workload | None" = None) -> "Workload":
+    def from_config(cls, config: Mapping[str, Any], default: Workload | None = None) -> Workload:
         """Read a workload from a ConfigRecord; ``default`` when the server sent none (a plain strategy)."""
         if BATCH_SIZE not in config and default is not None:
             return default
@@ -141,7 +142,7 @@ class LocalRound:
         self.data_size = data_size
         self.link = link if link is not None else MessageClock()
         self.weighted_by_key = weighted_by_key
-        config = msg.content.config_records.get(config_key, {})
+        config: Mapping[str, Any] = msg.content.config_records.get(config_key, {})
         self.workload = Workload.from_config(config, default)
         self.download_s = self.link.download(msg)
         self.steps = 0

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Iterable, Mapping, Sequence
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp

@@ -14,9 +14,10 @@ wrapped strategy still samples the clients and aggregates; around it, each round
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import Iterable, Literal
+from typing import Literal
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -46,7 +47,7 @@ class ClientResult:
     data_size: int | None = None
 
     @classmethod
-    def from_metrics(cls, metrics: MetricRecord) -> "ClientResult":
+    def from_metrics(cls, metrics: MetricRecord) -> ClientResult:
         values = {}
         for key in (SAMPLES, STEPS, COMPUTE_S, DOWNLOAD_S, UPLOAD_S, DATA_SIZE):
             value = metrics.get(key)

@@ -35,8 +35,9 @@ from .keras_data import BalancedSource, ServedBatch
 
 log = logging.getLogger("lbbsp.keras")
 
-__all__ = ["BalancedSource", "LBBSPCallback", "ServedBatch", "WorkerSession", "callback_class", "keras_module",
-           "task_index"]
+__all__ = ["BalancedSource",
+           "LBBSPCallback",  # noqa: F822  (served by the module __getattr__ below)
+           "ServedBatch", "WorkerSession", "callback_class", "keras_module", "task_index"]
 
 
 def keras_module() -> ModuleType:
@@ -117,7 +118,7 @@ class WorkerSession:
             shutil.rmtree(self.server.directory, ignore_errors=True)
             self.server = None
 
-    def __enter__(self) -> "WorkerSession":
+    def __enter__(self) -> WorkerSession:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -189,6 +190,10 @@ def install_probe(optimizer: Any) -> StepProbe | None:
 
 class _CallbackLogic:
     """The LB-BSP callback, independent of which Keras provides the ``Callback`` base class."""
+
+    # set by the Keras Callback base class this logic is mixed into
+    model: Any
+    params: dict[str, Any]
 
     def __init__(self, client: WorkerClient, source: BalancedSource, *, monitor: ResourceMonitor | None = None) -> None:
         super().__init__()

@@ -15,9 +15,10 @@ import math
 import os
 import threading
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -221,7 +222,7 @@ class BalancedSource:
         dataset = dataset.with_options(options)
         if strategy is None or strategy.num_replicas_in_sync == 1:
             return dataset
-        if strategy.extended._num_workers != strategy.num_replicas_in_sync:  # noqa: SLF001
+        if strategy.extended._num_workers != strategy.num_replicas_in_sync:
             raise ConfigError("one replica per worker is supported (one device per worker process)",
                               job=self.config.job)
         return strategy.distribute_datasets_from_function(lambda context: dataset)

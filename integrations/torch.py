@@ -16,8 +16,9 @@ import functools
 import logging
 import os
 import uuid
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,8 +38,17 @@ from lbbsp.telemetry import ResourceMonitor
 from lbbsp.worker import WorkerClient
 
 from .torch_data import BalancedLoader
-from .torch_grad import (BatchNormWarning, ComputeClock, all_reduce_gradients, batch_norm_layers, check_batch_norm,
-                         check_weighting, scaled_loss, timing_hook, weighted_hook)
+from .torch_grad import (
+    BatchNormWarning,
+    ComputeClock,
+    all_reduce_gradients,
+    batch_norm_layers,
+    check_batch_norm,
+    check_weighting,
+    scaled_loss,
+    timing_hook,
+    weighted_hook,
+)
 
 log = logging.getLogger("lbbsp.torch")
 
@@ -91,7 +101,7 @@ class Balancer:
     def from_env(cls, global_batch: int, *, redis: str | None = None, job: str | None = None,
                  coordinator: bool = True, policy: Policy | None = None, min_batch: int = 1,
                  max_batch: int | Sequence[int] | None = None, assignment_timeout_s: float = 10.0,
-                 device: torch.device | str | None = None) -> "Balancer":
+                 device: torch.device | str | None = None) -> Balancer:
         """Join the job from a running process group (torchrun's env:// or any other rendezvous).
 
         ``redis`` (or ``$LBBSP_REDIS_URL``) names the Redis; without one, rank 0 starts an embedded server,
@@ -120,7 +130,8 @@ class Balancer:
             shared[1] = job or f"torch-{uuid.uuid4().hex[:12]}"
         dist.broadcast_object_list(shared, src=0)  # two strings: the Redis URL and the job name
         url, job = str(shared[0]), str(shared[1])
-        config = JobConfig(job, world, global_batch, min_batch=min_batch, max_batch=max_batch,
+        caps = tuple(max_batch) if isinstance(max_batch, Sequence) else max_batch
+        config = JobConfig(job, world, global_batch, min_batch=min_batch, max_batch=caps,
                            assignment_timeout_s=assignment_timeout_s)
         store = Store.from_url(url, job, ttl_s=config.ttl_s)
         owned.append(store)
@@ -231,7 +242,7 @@ class Balancer:
             for resource in reversed(self._owned):
                 resource.close()
 
-    def __enter__(self) -> "Balancer":
+    def __enter__(self) -> Balancer:
         return self
 
     def __exit__(self, *exc: object) -> None:

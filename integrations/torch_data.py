@@ -12,8 +12,10 @@ p[3:8]; if the next step agrees (6, 2), rank 0 gets p[8:14] and rank 1 gets p[14
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -21,7 +23,7 @@ from lbbsp.errors import ConfigError
 from lbbsp.sampling import GlobalBatchSampler
 
 if TYPE_CHECKING:
-    from lbbsp.integrations.torch import Balancer
+    from .torch import Balancer
 
 _RESERVED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "persistent_workers")
 
@@ -50,7 +52,7 @@ class BalancedLoader:
     batch so that it still takes part in the step's collectives.
     """
 
-    def __init__(self, dataset: Dataset, balancer: "Balancer", *, shuffle: bool = True, seed: int = 0,
+    def __init__(self, dataset: Dataset, balancer: Balancer, *, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, **dataloader_kwargs: Any) -> None:
         reserved = sorted(set(dataloader_kwargs) & set(_RESERVED))
         if reserved:
@@ -83,7 +85,7 @@ class BalancedLoader:
                 first = self.sampler.global_indices(step)[:1]
                 yield _empty_like(self._load(first))
 
-    def _load(self, indices: Sequence[int]) -> Any:
+    def _load(self, indices: Sequence[int] | np.ndarray) -> Any:
         self._plan.indices = [int(i) for i in indices]
         return next(iter(self._loader))
 

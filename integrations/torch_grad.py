@@ -18,7 +18,8 @@ before any wait for the slower ranks, which is where this rank's compute time en
 
 import time
 import warnings
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ from torch import nn
 from lbbsp.errors import ConfigError
 
 if TYPE_CHECKING:
-    from lbbsp.integrations.torch import Balancer
+    from .torch import Balancer
 
 WEIGHTINGS = ("hook", "loss")
 
@@ -52,7 +53,7 @@ def batch_norm_layers(model: nn.Module) -> tuple[list[str], list[str]]:
 
 def check_batch_norm(model: nn.Module, weighting: str) -> None:
     """Warn once about plain BatchNorm; refuse SyncBatchNorm with the hook form, which it makes inexact."""
-    global _warned_batch_norm
+    global _warned_batch_norm  # noqa: PLW0603  (warn once per process)
     plain, synced = batch_norm_layers(model)
     if synced and weighting == "hook":
         raise ConfigError(
@@ -162,7 +163,7 @@ class ComputeClock:
             raise ConfigError("the compute clock was read before it was stopped")
         if self.cuda:
             self._end.synchronize()  # type: ignore[union-attr]
-            return self._start.elapsed_time(self._end) / 1e3  # type: ignore[union-attr]
+            return self._start.elapsed_time(self._end) / 1e3  # type: ignore[union-attr, arg-type]
         return float(self._end - self._start)  # type: ignore[operator]
 
 

@@ -7,9 +7,10 @@ so one decision costs O(n log(1/eps)) vectorised work: milliseconds at 10,000 wo
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -159,7 +160,8 @@ def predicted_makespan(model: TimeModel, sizes: Sequence[int] | np.ndarray) -> f
     return float(np.max(model.time(np.asarray(sizes, dtype=np.int64))))
 
 
-def damp(current: Sequence[int], proposed: np.ndarray, model: TimeModel, deadband: float) -> tuple[np.ndarray, bool]:
+def damp(current: Sequence[int] | np.ndarray, proposed: np.ndarray, model: TimeModel,
+         deadband: float) -> tuple[np.ndarray, bool]:
     """Keep ``current`` unless ``proposed`` is predicted faster by more than ``deadband`` (a fraction).
 
     A dead band stops the sizes oscillating when noisy measurements predict tiny gains. Returns the

@@ -17,8 +17,9 @@ import json
 import logging
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Literal
 
 import redis
 
@@ -43,7 +44,7 @@ class ClientStatus:
     at: float = 0.0
 
     @classmethod
-    def from_json(cls, data: bytes | str) -> "ClientStatus":
+    def from_json(cls, data: bytes | str) -> ClientStatus:
         if len(data) > MAX_PAYLOAD_BYTES:
             raise ProtocolError("status payload too large", field="payload")
         try:
@@ -97,7 +98,7 @@ class ClientHistory:
         self._index_cache: dict[str, int] = {}
 
     @classmethod
-    def from_url(cls, url: str, job: str, *, ttl_s: int = 7 * 86_400, max_reports: int = 50) -> "ClientHistory":
+    def from_url(cls, url: str, job: str, *, ttl_s: int = 7 * 86_400, max_reports: int = 50) -> ClientHistory:
         return cls(connect(url), job, ttl_s=ttl_s, max_reports=max_reports, owns_client=True)
 
     def close(self) -> None:
@@ -106,7 +107,7 @@ class ClientHistory:
             self._owns_client = False
             self.client.close()
 
-    def __enter__(self) -> "ClientHistory":
+    def __enter__(self) -> ClientHistory:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 from .errors import ConfigError
 from .protocol import MAX_BATCH, MAX_WORKERS, Assignment, equal_split
@@ -89,7 +89,7 @@ class JobConfig:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, data: str | bytes) -> "JobConfig":
+    def from_json(cls, data: str | bytes) -> JobConfig:
         try:
             obj = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:

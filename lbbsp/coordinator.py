@@ -170,7 +170,7 @@ class Coordinator:
         except REDIS_ERRORS:
             pass
 
-    def start(self) -> "Coordinator":
+    def start(self) -> Coordinator:
         """Serve in a daemon thread of this process."""
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()

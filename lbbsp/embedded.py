@@ -93,8 +93,9 @@ class EmbeddedRedis:
             "--dir", str(self.directory), "--appendonly", "yes", "--appendfsync", "always", "--save", "",
             "--daemonize", "no", "--loglevel", "warning", "--logfile", str(self.directory / "redis.log"),
         ]
+        # preexec_fn on purpose: the parent-death signal can only be set in the child, before exec
         self._process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                         stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)  # noqa: PLW1509
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
@@ -135,7 +136,7 @@ class EmbeddedRedis:
             self._owns_dir = False
         atexit.unregister(self.close)
 
-    def __enter__(self) -> "EmbeddedRedis":
+    def __enter__(self) -> EmbeddedRedis:
         return self
 
     def __exit__(self, *exc: object) -> None:

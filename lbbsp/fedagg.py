@@ -15,7 +15,7 @@ Pure functions on lists of numpy arrays.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -51,8 +51,8 @@ def rescale_update(global_arrays: Arrays, local_arrays: Arrays, scale: float) ->
     if len(global_arrays) != len(local_arrays):
         raise LBBSPError(f"model has {len(global_arrays)} arrays, client sent {len(local_arrays)}")
     out = []
-    for x, xi in zip(global_arrays, local_arrays):
-        x = np.asarray(x)
+    for g, xi in zip(global_arrays, local_arrays):
+        x = np.asarray(g)
         out.append((x + scale * (np.asarray(xi) - x)).astype(np.result_type(x, xi), copy=False))
     return out
 

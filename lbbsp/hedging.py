@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
-from .allocation import HingeTime, LinearTime, TimeModel
+from .allocation import HingeTime, InvertibleTimeModel, LinearTime, TimeModel
 from .errors import ConfigError
 from .models.auto import MixedTime
 from .models.base import Hardware, hardware_of
@@ -48,8 +49,9 @@ def hedged(model: TimeModel, factor: np.ndarray) -> TimeModel:
     """
     factor = np.asarray(factor, dtype=float)
     if isinstance(model, MixedTime):
-        return MixedTime(tuple((positions, hedged(inner, factor[positions])) for positions, inner in model.groups),
-                         model.size)
+        # the groups are the capacity models' linear, hinge or mixed time models, which stay invertible
+        return MixedTime(tuple((positions, cast(InvertibleTimeModel, hedged(inner, factor[positions])))
+                               for positions, inner in model.groups), model.size)
     if isinstance(model, (LinearTime, HingeTime)):
         return InvertibleHedgedTime(model, factor)
     return HedgedTime(model, factor)

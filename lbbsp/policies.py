@@ -7,8 +7,8 @@ one of them (or one of LB-BSP's hooks: ``bounds``, ``propose``). Allocation math
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from .config import JobConfig
 from .errors import ConfigError
 from .hedging import ForecastRisk, hedged
 from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
+from .models.base import WorkerIds
 from .protocol import Report, equal_split
 
 
@@ -108,7 +109,7 @@ class LBBSPPolicy(Policy):
         if self.risk is not None:
             self.risk.finish_learning()
 
-    def bounds(self, workers: Sequence[int], current: np.ndarray, config: JobConfig) -> tuple[np.ndarray, np.ndarray]:
+    def bounds(self, workers: WorkerIds, current: np.ndarray, config: JobConfig) -> tuple[np.ndarray, np.ndarray]:
         """The job's bounds, with each upper bound lowered to the model's memory cap where that is feasible."""
         lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
         caps = self.model.max_batch(workers)
@@ -129,7 +130,7 @@ class LBBSPPolicy(Policy):
         workers = np.arange(config.num_workers)
         time_model = self.model.time_model(workers)
         throughput = self.model.predict(workers)
-        plan = time_model
+        plan: TimeModel = time_model
         if self.risk is not None:
             self.risk.record(iteration, workers, throughput)
             factor = self.risk.factors(iteration)

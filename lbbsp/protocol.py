@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from .errors import ProtocolError
 
@@ -141,7 +142,7 @@ class Report:
         """Samples per second of compute; 0.0 when nothing was measured."""
         return self.samples / self.compute_s if self.samples > 0 and self.compute_s > 0 else 0.0
 
-    def validate(self) -> "Report":
+    def validate(self) -> Report:
         """Check every field's type and range: one quick pass, then the detailed checks that name the bad field
         for a report the quick pass does not accept."""
         if self._plainly_valid():
@@ -187,7 +188,7 @@ class Report:
                 return False
         return True
 
-    def check_belongs(self, *, job: str | None = None, num_workers: int | None = None) -> "Report":
+    def check_belongs(self, *, job: str | None = None, num_workers: int | None = None) -> Report:
         """Raise unless the report is for ``job`` and its worker id is below ``num_workers``."""
         if job is not None and self.job != job:
             raise _fail(f"report is for job {self.job!r}, not {job!r}", "job", job=job)
@@ -213,7 +214,7 @@ class Report:
 
     @classmethod
     def from_json(cls, data: bytes | str, *, job: str | None = None,
-                  num_workers: int | None = None) -> "Report":
+                  num_workers: int | None = None) -> Report:
         """Parse and validate; raises :class:`ProtocolError` naming the bad field."""
         obj = _decode(data, "report", _REPORT_FIELDS, MAX_PAYLOAD_BYTES)
         features = obj.get("features", {})
@@ -249,7 +250,7 @@ class Assignment:
         return sum(self.sizes[:worker])
 
     def validate(self, *, job: str | None = None, num_workers: int | None = None,
-                 global_batch: int | None = None) -> "Assignment":
+                 global_batch: int | None = None) -> Assignment:
         where: dict[str, Any] = {"job": self.job if isinstance(self.job, str) else None}
         _str(self.job, "job", 128, **where)
         if job is not None and self.job != job:
@@ -281,7 +282,7 @@ class Assignment:
 
     @classmethod
     def from_json(cls, data: bytes | str, *, job: str | None = None, num_workers: int | None = None,
-                  global_batch: int | None = None) -> "Assignment":
+                  global_batch: int | None = None) -> Assignment:
         obj = _decode(data, "assignment", _ASSIGNMENT_FIELDS, MAX_ASSIGNMENT_BYTES)
         sizes = _require(obj, "sizes")
         if not isinstance(sizes, list):

@@ -12,7 +12,7 @@ the agreed vector by :func:`scale_split`, so that it too is covered exactly once
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -15,7 +15,8 @@ Keys (all under ``lbbsp:{job}:``, all with a TTL so that finished jobs do not le
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any, cast
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -42,7 +43,10 @@ def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
 
 
 class Store:
-    """Atomic operations on one job's keys; owns its Redis connections only if it made them."""
+    """Atomic operations on one job's keys; owns its Redis connections only if it made them.
+
+    The client must return bytes (no ``decode_responses``), as :func:`connect` makes it.
+    """
 
     # KEYS[1] = reports:{k} hash, KEYS[2] = ready list
     # ARGV[1] = worker id, ARGV[2] = report JSON, ARGV[3] = number of workers, ARGV[4] = TTL s,
@@ -83,7 +87,7 @@ class Store:
         self._publish = client.register_script(self.PUBLISH_ASSIGNMENT)
 
     @classmethod
-    def from_url(cls, url: str, job: str, *, ttl_s: int = 3600, socket_timeout_s: float = 5.0) -> "Store":
+    def from_url(cls, url: str, job: str, *, ttl_s: int = 3600, socket_timeout_s: float = 5.0) -> Store:
         return cls(connect(url, socket_timeout_s=socket_timeout_s), job, ttl_s=ttl_s, owns_client=True)
 
     def key(self, *parts: object) -> str:
@@ -95,7 +99,7 @@ class Store:
             self._owns_client = False
             self.client.close()
 
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -149,7 +153,7 @@ class Store:
 
     def reports(self, iteration: int) -> dict[bytes, bytes]:
         """The raw payloads posted for ``iteration``, keyed by the worker field as posted."""
-        return self.client.hgetall(self.key("reports", iteration))
+        return cast("dict[bytes, bytes]", self.client.hgetall(self.key("reports", iteration)))
 
     def report_count(self, iteration: int) -> int:
         return int(self.client.hlen(self.key("reports", iteration)))
@@ -163,7 +167,7 @@ class Store:
         ) == 1
 
     def get_assignment(self, iteration: int) -> bytes | None:
-        return self.client.get(self.key("assign", iteration))
+        return cast("bytes | None", self.client.get(self.key("assign", iteration)))
 
     def subscribe(self) -> redis.client.PubSub:
         """A subscription to the channel that announces each newly written assignment."""
@@ -184,10 +188,10 @@ class Store:
 
     def decisions(self, count: int = 20) -> list[bytes]:
         """The newest ``count`` decision records, newest first."""
-        return self.client.lrange(self.key("decisions"), 0, count - 1)
+        return cast("list[bytes]", self.client.lrange(self.key("decisions"), 0, count - 1))
 
     def worker_statuses(self) -> dict[bytes, bytes]:
-        return self.client.hgetall(self.key("workers"))
+        return cast("dict[bytes, bytes]", self.client.hgetall(self.key("workers")))
 
     def jobs(self) -> Iterator[str]:
         """Names of the jobs with a stored configuration on this Redis."""

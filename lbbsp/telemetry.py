@@ -49,7 +49,7 @@ def _nvml_handle(index: int) -> tuple[object, object] | None:
 
         pynvml.nvmlInit()
         return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
-    except Exception:  # no driver, no library, no such device: GPU features are simply absent
+    except Exception:  # noqa: BLE001  (no driver, no library, no such device: GPU features are simply absent)
         return None
 
 

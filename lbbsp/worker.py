@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from .config import JobConfig
 from .errors import LBBSPError, ProtocolError
@@ -174,7 +174,7 @@ class WorkerClient:
             self._sender.join(self.config.assignment_timeout_s + 1)
         self._drop_subscription()
 
-    def __enter__(self) -> "WorkerClient":
+    def __enter__(self) -> WorkerClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

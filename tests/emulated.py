@@ -5,7 +5,7 @@ import contextlib
 import json
 import random
 import time
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from lbbsp import Coordinator, JobConfig, LBBSPPolicy, Store, WorkerClient
 from lbbsp.policies import Decision

@@ -9,8 +9,18 @@ from pathlib import Path
 import pytest
 
 from emulated import run_coordinator, run_worker, worker_clients
-from lbbsp import (AllocationError, ConfigError, Coordinator, CoordinatorProcess, EmbeddedRedis, JobConfig,
-                   LBBSPPolicy, ProtocolError, Report, Store)
+from lbbsp import (
+    AllocationError,
+    ConfigError,
+    Coordinator,
+    CoordinatorProcess,
+    EmbeddedRedis,
+    JobConfig,
+    LBBSPPolicy,
+    ProtocolError,
+    Report,
+    Store,
+)
 
 SPAWN = mp.get_context("spawn")
 

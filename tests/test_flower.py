@@ -10,15 +10,20 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
-from flwr.clientapp import ClientApp  # noqa: E402
-from flwr.serverapp.strategy import FedAvg  # noqa: E402
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAvg
 
-from lbbsp import EmbeddedRedis, ProtocolError, Report  # noqa: E402
-from lbbsp.integrations.flower import (  # noqa: E402
-    ClientHistory, ClientStatus, EmulatedLink, LoadBalanced, LocalRound, Workload,
+from lbbsp import EmbeddedRedis, ProtocolError, Report
+from lbbsp.integrations.flower import (
+    ClientHistory,
+    ClientStatus,
+    EmulatedLink,
+    LoadBalanced,
+    LocalRound,
+    Workload,
 )
-from lbbsp.integrations.flower_local import LocalGrid  # noqa: E402
+from lbbsp.integrations.flower_local import LocalGrid
 
 SECONDS_PER_SAMPLE = {1: 0.0002, 2: 0.0006, 3: 0.0018}  # emulated client speeds: 5,000 to 556 samples/s
 trained: dict[tuple[int, int], list[int]] = defaultdict(list)  # (round, node) -> batch size of each step

@@ -6,13 +6,13 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict  # noqa: E402
-from flwr.serverapp.strategy import FedAvg  # noqa: E402
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedAvg
 
-from lbbsp.errors import LBBSPError  # noqa: E402
-from lbbsp.fedagg import fednova, fednova_scales, sample_weights, weighted_average  # noqa: E402
-from lbbsp.integrations.flower import ClientHistory, LoadBalanced  # noqa: E402
-from lbbsp.integrations.flower_local import LocalGrid  # noqa: E402
+from lbbsp.errors import LBBSPError
+from lbbsp.fedagg import fednova, fednova_scales, sample_weights, weighted_average
+from lbbsp.integrations.flower import ClientHistory, LoadBalanced
+from lbbsp.integrations.flower_local import LocalGrid
 
 
 def sgd_linear(w: np.ndarray, x: np.ndarray, y: float, lr: float, steps: int) -> np.ndarray:

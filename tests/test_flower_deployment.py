@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from lbbsp.integrations.flower import ClientHistory  # noqa: E402
+from lbbsp.integrations.flower import ClientHistory
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flower_digits" / "run.py"
 

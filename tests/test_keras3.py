@@ -1,9 +1,8 @@
 """Keras 3 single-worker model.fit with the lbbsp callback: trains, reports, serves the agreed sizes."""
 from __future__ import annotations
 
-import time
-
 import os
+import time
 
 import numpy as np
 import pytest

@@ -11,8 +11,8 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import pytest
@@ -98,7 +98,6 @@ def _free_ports(count: int) -> list[int]:
 def _reference_weights(initial: list[np.ndarray]) -> list[np.ndarray]:
     """A single-process tf_keras run on the same global batches, in the same order."""
     import tensorflow as tf  # noqa: PLC0415
-
     import tf_keras as keras  # noqa: PLC0415
 
     from lbbsp import GlobalBatchSampler  # noqa: PLC0415
@@ -149,7 +148,7 @@ def test_two_workers_resize_and_match_single_process(tmp_path: Path, redis_url: 
     used_sizes = set()
     for worker, record in enumerate(records):
         assert len(record["served"]) == EPOCHS * 7
-        for iteration, epoch, step, size in record["served"]:
+        for iteration, _epoch, step, size in record["served"]:
             agreed = Assignment.from_json(store.get_assignment(iteration), job=job, num_workers=2,
                                           global_batch=GLOBAL_BATCH)
             total = GLOBAL_BATCH if step < 6 else SAMPLES - 6 * GLOBAL_BATCH

@@ -5,10 +5,18 @@ import numpy as np
 import pytest
 
 from lbbsp.allocation import HingeTime, allocate
-from lbbsp.models import (AutoCapacityModel, BatchTimeCurve, EWMAThroughput, LastValue, NARXThroughput,
-                          NotFittedError, fit_hinge, worker_kind)
-from lbbsp.policies import LBBSPPolicy
 from lbbsp.config import JobConfig
+from lbbsp.models import (
+    AutoCapacityModel,
+    BatchTimeCurve,
+    EWMAThroughput,
+    LastValue,
+    NARXThroughput,
+    NotFittedError,
+    fit_hinge,
+    worker_kind,
+)
+from lbbsp.policies import LBBSPPolicy
 from lbbsp.protocol import Report
 
 

@@ -7,8 +7,15 @@ import pytest
 from lbbsp.allocation import LinearTime
 from lbbsp.config import JobConfig
 from lbbsp.errors import ConfigError
-from lbbsp.policies import (BackupWorkersPolicy, BSPPolicy, LBBSPPolicy, LeaderStragglerPolicy, OraclePolicy,
-                            PerEpochPolicy, StaticProportionalPolicy)
+from lbbsp.policies import (
+    BackupWorkersPolicy,
+    BSPPolicy,
+    LBBSPPolicy,
+    LeaderStragglerPolicy,
+    OraclePolicy,
+    PerEpochPolicy,
+    StaticProportionalPolicy,
+)
 from lbbsp.protocol import Report
 
 SPEEDS = np.array([100.0, 200.0, 400.0, 100.0])

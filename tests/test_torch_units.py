@@ -8,8 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from lbbsp import ConfigError, Report  # noqa: E402
-from lbbsp.integrations.torch import device_label  # noqa: E402
 from lbbsp.integrations.demo import DemoConfig, load_on, parse_schedule  # noqa: E402
+from lbbsp.integrations.torch import device_label  # noqa: E402
 from lbbsp.integrations.torch_data import PlannedBatch, _empty_like  # noqa: E402
 from lbbsp.integrations.torch_grad import ComputeClock, check_weighting, scaled_loss  # noqa: E402
 from lbbsp.models import EWMAThroughput  # noqa: E402

@@ -6,15 +6,15 @@ together, so one allocation balances GPU and CPU workers against each other.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..allocation import InvertibleTimeModel, TimeModel
+from ..allocation import InvertibleTimeModel
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel
+from .base import CapacityModel, WorkerIds
 from .fl_client import FLClientModel
 from .gpu_curve import BatchTimeCurve
 from .narx import NARXThroughput
@@ -63,13 +63,15 @@ class AutoCapacityModel(CapacityModel):
     """Routes each worker to the model of its kind; ``models`` replaces any kind's model, ``kinds`` pins
     a worker's kind (``{worker: "gpu"}``); ``horizon`` is how far ahead forecasts are used (``JobConfig.lag``)."""
 
+    _groups_cache: tuple[bytes, dict[str, np.ndarray]] | None  # (worker ids as bytes, positions of each kind)
+
     def __init__(self, models: Mapping[str, CapacityModel] | None = None,
                  kinds: Mapping[int, str] | None = None, *, horizon: int = 2) -> None:
         self.models = models
         self.kinds = kinds
         self.horizon = horizon
 
-    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> "AutoCapacityModel":
+    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> AutoCapacityModel:
         if not hasattr(self, "models_"):
             chosen = default_models(self.horizon) | dict(self.models or {})
             unknown = set(chosen) - set(KINDS) | {k for k in (self.kinds or {}).values() if k not in KINDS}
@@ -89,21 +91,21 @@ class AutoCapacityModel(CapacityModel):
                 self.models_[kind].partial_fit(group, defer=defer)
         return self
 
-    def finish_learning(self) -> "AutoCapacityModel":
+    def finish_learning(self) -> AutoCapacityModel:
         for model in getattr(self, "models_", {}).values():
             model.finish_learning()
         return self
 
-    def predict(self, workers: Sequence[int]) -> np.ndarray:
+    def predict(self, workers: WorkerIds) -> np.ndarray:
         self._check_is_fitted("models_")
         return self._per_kind(workers, lambda model, ids: model.predict(ids), np.nan)
 
-    def max_batch(self, workers: Sequence[int]) -> np.ndarray | None:
+    def max_batch(self, workers: WorkerIds) -> np.ndarray | None:
         self._check_is_fitted("models_")
         caps = self._per_kind(workers, lambda model, ids: _or_no_cap(model.max_batch(ids), len(ids)), np.inf)
         return None if np.isinf(caps).all() else np.minimum(caps, np.iinfo(np.int64).max // 4).astype(np.int64)
 
-    def explore(self, workers: Sequence[int], sizes: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
+    def explore(self, workers: WorkerIds, sizes: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
         self._check_is_fitted("models_")
         out = np.asarray(sizes, dtype=np.int64).copy()
         ids = np.asarray(workers, dtype=np.int64).reshape(-1)
@@ -112,7 +114,7 @@ class AutoCapacityModel(CapacityModel):
                                                         np.asarray(upper)[positions])
         return out
 
-    def time_model(self, workers: Sequence[int]) -> TimeModel:
+    def time_model(self, workers: WorkerIds) -> InvertibleTimeModel:
         self._check_is_fitted("models_")
         ids = np.asarray(workers, dtype=np.int64).reshape(-1)
         groups = self._groups(ids)
@@ -136,7 +138,7 @@ class AutoCapacityModel(CapacityModel):
         self._groups_cache = (key, groups)
         return groups
 
-    def _per_kind(self, workers: Sequence[int], ask: Callable[[CapacityModel, np.ndarray], np.ndarray],
+    def _per_kind(self, workers: WorkerIds, ask: Callable[[CapacityModel, np.ndarray], np.ndarray],
                   fill: float) -> np.ndarray:
         ids = np.asarray(workers, dtype=np.int64).reshape(-1)
         out = np.full(ids.size, fill, dtype=float)

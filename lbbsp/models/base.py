@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ..allocation import LinearTime, TimeModel
+from ..allocation import InvertibleTimeModel, LinearTime
 from ..errors import LBBSPError
 from ..protocol import Report
 
 #: What a model knows about a worker's hardware: (device family, cores); cores 0 when not reported.
 Hardware = tuple[str, int]
+#: Worker ids as callers hold them: a sequence of ints or an integer array.
+WorkerIds = Sequence[int] | np.ndarray
 
 _DEVICE_INDEX = re.compile(r"[:/]\d+$")
 
@@ -41,7 +43,7 @@ def hardware_of(report: Report) -> Hardware:
 
 
 def similar_hardware_prior(values: Mapping[int, float], hardware: Mapping[int, Hardware],
-                           workers: Sequence[int], default: float = np.nan) -> np.ndarray:
+                           workers: WorkerIds, default: float = np.nan) -> np.ndarray:
     """For each worker, the median of ``values`` over workers with the same hardware, then the same
     device family, then all workers; ``default`` when nothing at all is known. Pure function."""
     known = {w: v for w, v in values.items() if np.isfinite(v)}
@@ -75,7 +77,7 @@ class CapacityModel:
         names = inspect.signature(type(self).__init__).parameters
         return {name: getattr(self, name) for name in names if name != "self"}
 
-    def fit(self, history: Iterable[Sequence[Report]]) -> "CapacityModel":
+    def fit(self, history: Iterable[Sequence[Report]]) -> CapacityModel:
         """Forget what was learned, then learn from each iteration's reports in order."""
         for name in [n for n in vars(self) if n.endswith("_") and not n.startswith("_")]:
             delattr(self, name)
@@ -83,32 +85,32 @@ class CapacityModel:
             self.partial_fit(reports)
         return self
 
-    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> "CapacityModel":
+    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> CapacityModel:
         """Learn from one iteration's reports; ``defer``: keep what the next forecast can do without for
         :meth:`finish_learning` (a model with nothing to defer ignores it)."""
         raise NotImplementedError
 
-    def finish_learning(self) -> "CapacityModel":
+    def finish_learning(self) -> CapacityModel:
         """Do the learning that ``partial_fit(..., defer=True)`` left for later; nothing unless a model defers."""
         return self
 
-    def predict(self, workers: Sequence[int]) -> np.ndarray:
+    def predict(self, workers: WorkerIds) -> np.ndarray:
         """Predicted samples per second for each worker; a similar-hardware prior for a worker with no
         history, NaN only when no worker has any."""
         raise NotImplementedError
 
-    def time_model(self, workers: Sequence[int]) -> TimeModel:
+    def time_model(self, workers: WorkerIds) -> InvertibleTimeModel:
         """Predicted time as a function of batch size; linear in the size unless a model knows better."""
         speed = self.predict(workers)
         known = np.isfinite(speed) & (speed > 0)
         fill = float(np.median(speed[known])) if known.any() else 1.0
         return LinearTime(np.where(known, speed, fill))
 
-    def max_batch(self, workers: Sequence[int]) -> np.ndarray | None:
+    def max_batch(self, workers: WorkerIds) -> np.ndarray | None:
         """The largest batch each worker can hold (GPU memory), or None when the model sets no cap."""
         return None
 
-    def explore(self, workers: Sequence[int], sizes: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
+    def explore(self, workers: WorkerIds, sizes: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
         """Sizes nudged to learn what the model does not know yet (same sum, within bounds); as is by default."""
         return sizes
 
@@ -124,7 +126,7 @@ class CapacityModel:
             if report.worker not in self.hardware_:  # hardware does not change under a running worker
                 self.hardware_[report.worker] = hardware_of(report)
 
-    def _with_prior(self, values: np.ndarray, workers: Sequence[int]) -> np.ndarray:
+    def _with_prior(self, values: np.ndarray, workers: WorkerIds) -> np.ndarray:
         """``values`` (indexed by worker id, NaN where unknown) for ``workers``, the similar-hardware prior
         where a worker has none."""
         ids = np.asarray(workers, dtype=np.int64).reshape(-1)

@@ -1,13 +1,13 @@
 """Baseline capacity model: an exponentially weighted moving average of each worker's throughput."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel, measured_throughput, smoothed
+from .base import CapacityModel, WorkerIds, measured_throughput, smoothed
 
 
 class EWMAThroughput(CapacityModel):
@@ -16,7 +16,7 @@ class EWMAThroughput(CapacityModel):
     def __init__(self, alpha: float = 0.5) -> None:
         self.alpha = alpha
 
-    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> "EWMAThroughput":
+    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> EWMAThroughput:
         if not 0 < self.alpha <= 1:
             raise ConfigError(f"alpha must be in (0, 1], got {self.alpha}")
         self._remember_hardware(reports)
@@ -25,6 +25,6 @@ class EWMAThroughput(CapacityModel):
         self.throughput_ = smoothed(getattr(self, "throughput_", None), workers, measured, self.alpha)
         return self
 
-    def predict(self, workers: Sequence[int]) -> np.ndarray:
+    def predict(self, workers: WorkerIds) -> np.ndarray:
         self._check_is_fitted("throughput_")
         return self._with_prior(self.throughput_, workers)

@@ -7,14 +7,14 @@ so a round of sizes b brings back sum_i a_i * b_i samples on average.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from ..allocation import LinearTime
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel, measured_throughput, smoothed
+from .base import CapacityModel, WorkerIds, measured_throughput, smoothed
 
 
 class FLClientModel(CapacityModel):
@@ -34,18 +34,18 @@ class FLClientModel(CapacityModel):
         self.model_bytes = model_bytes
         self.availability_alpha = availability_alpha
 
-    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> "FLClientModel":
+    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> FLClientModel:
         self._check_params()
         self._remember_hardware(reports)
         workers, measured = measured_throughput(reports)
         self.speed_ = smoothed(getattr(self, "speed_", None), workers, measured, self.alpha)
         transfers = [(r.worker, seconds) for r in reports if (seconds := self._transfer_seconds(r)) is not None]
         ids = np.array([worker for worker, _ in transfers], dtype=np.int64)
-        seconds = np.array([seconds for _, seconds in transfers], dtype=float)
-        self.transfer_s_ = smoothed(getattr(self, "transfer_s_", None), ids, seconds, self.alpha)
+        durations = np.array([seconds for _, seconds in transfers], dtype=float)
+        self.transfer_s_ = smoothed(getattr(self, "transfer_s_", None), ids, durations, self.alpha)
         return self
 
-    def record_outcomes(self, completed: Mapping[int, bool]) -> "FLClientModel":
+    def record_outcomes(self, completed: Mapping[int, bool]) -> FLClientModel:
         """Learn availability from one round: for each client asked, whether it completed (False: it sent no
         reply in time, or an error)."""
         self._check_params()
@@ -56,22 +56,22 @@ class FLClientModel(CapacityModel):
                                       start=1.0)
         return self
 
-    def availability(self, workers: Sequence[int]) -> np.ndarray:
+    def availability(self, workers: WorkerIds) -> np.ndarray:
         """The chance each client completes a round it is asked to do; 1 where nothing is known."""
         table = getattr(self, "availability_", np.full(0, np.nan))
         return np.nan_to_num(self._with_prior(table, workers), nan=1.0)
 
-    def predict(self, workers: Sequence[int]) -> np.ndarray:
+    def predict(self, workers: WorkerIds) -> np.ndarray:
         """Local compute throughput, samples per second."""
         self._check_is_fitted("speed_")
         return self._with_prior(self.speed_, workers)
 
-    def transfer_s(self, workers: Sequence[int]) -> np.ndarray:
+    def transfer_s(self, workers: WorkerIds) -> np.ndarray:
         """Predicted download + upload seconds per round; 0 when no client ever reported a transfer."""
         self._check_is_fitted("transfer_s_")
         return np.nan_to_num(self._with_prior(self.transfer_s_, workers), nan=0.0)
 
-    def time_model(self, workers: Sequence[int]) -> LinearTime:
+    def time_model(self, workers: WorkerIds) -> LinearTime:
         """Round seconds as a function of the client's batch size, local steps fixed."""
         speed = self.predict(workers)
         speed = np.where(np.isfinite(speed) & (speed > 0), speed, 1.0)

@@ -12,14 +12,14 @@ batch is fitted from the slots' mean ``gpu_mem_used`` and capped at (1 - memory_
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from ..allocation import HingeTime
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel
+from .base import CapacityModel, WorkerIds
 
 _NO_CAP = np.iinfo(np.int64).max // 4
 
@@ -106,6 +106,20 @@ class BatchTimeCurve(CapacityModel):
     least one sample); until then ``explore`` moves ``explore_fraction`` of a batch between such workers.
     """
 
+    # Learned per-worker arrays (index: worker id), created and grown by _grow.
+    mem_total_: np.ndarray
+    count_: np.ndarray
+    latest_: np.ndarray
+    latest_weight_: np.ndarray
+    base_: np.ndarray
+    knee_: np.ndarray
+    slope_: np.ndarray
+    observed_min_: np.ndarray
+    observed_max_: np.ndarray
+    known_: np.ndarray
+    cap_: np.ndarray
+    group_: np.ndarray
+
     def __init__(self, window: int = 8, *, memory_margin: float = 0.05, explore_fraction: float = 0.05,
                  half_life: float = 20.0) -> None:
         self.window = window
@@ -113,7 +127,7 @@ class BatchTimeCurve(CapacityModel):
         self.explore_fraction = explore_fraction
         self.half_life = half_life
 
-    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> "BatchTimeCurve":
+    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> BatchTimeCurve:
         if not hasattr(self, "slot_size_"):
             self._check_params()
             self.slot_size_ = np.zeros((0, self.window))
@@ -152,7 +166,7 @@ class BatchTimeCurve(CapacityModel):
         self._pool()
         return self
 
-    def predict(self, workers: Sequence[int]) -> np.ndarray:
+    def predict(self, workers: WorkerIds) -> np.ndarray:
         """Throughput at each worker's latest batch size, as the curve predicts it."""
         self._check_is_fitted("slot_size_")
         known = np.flatnonzero(self.count_ > 0)
@@ -160,7 +174,7 @@ class BatchTimeCurve(CapacityModel):
         throughput[known] = self.latest_[known] / self._curve(known).time(self.latest_[known])
         return self._with_prior(throughput, workers)
 
-    def time_model(self, workers: Sequence[int]) -> HingeTime:
+    def time_model(self, workers: WorkerIds) -> HingeTime:
         workers_arr = np.asarray(list(workers), dtype=np.int64)
         curve = self._curve(workers_arr)
         unseen = curve.observed_max <= 0
@@ -169,14 +183,14 @@ class BatchTimeCurve(CapacityModel):
             curve.base[unseen], curve.knee[unseen], curve.slope[unseen] = 1e-9, 0.0, 1.0 / speed
         return curve
 
-    def max_batch(self, workers: Sequence[int]) -> np.ndarray:
+    def max_batch(self, workers: WorkerIds) -> np.ndarray:
         """Largest batch each worker's GPU memory holds (with the margin); a huge number where unknown."""
         self._check_is_fitted("slot_size_")
         workers_arr = np.asarray(list(workers), dtype=np.int64)
         inside = workers_arr < self.count_.size
         return np.where(inside, self.cap_[np.where(inside, workers_arr, 0)], _NO_CAP)
 
-    def explore(self, workers: Sequence[int], sizes: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
+    def explore(self, workers: WorkerIds, sizes: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
         """Move ``explore_fraction`` of a batch between pairs of workers of similar size whose curve is still
         unknown and whose coming size would not reveal it either, so the next reports pin each slope; sum
         unchanged. Stops for a worker once its curve is known."""
@@ -331,7 +345,7 @@ class BatchTimeCurve(CapacityModel):
                          np.where(inside, self.pooled_slope_[safe], 0.0), np.where(inside, self.observed_max_[safe], 0.0))
 
 
-def _feature(features: list[dict[str, float]], name: str) -> np.ndarray:
+def _feature(features: Sequence[Mapping[str, float]], name: str) -> np.ndarray:
     """One feature from every report, NaN where a report lacks it."""
     try:
         return np.fromiter([f[name] for f in features], float, len(features))

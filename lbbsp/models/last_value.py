@@ -1,12 +1,12 @@
 """Baseline capacity model: the next throughput is the last one measured."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from ..protocol import Report
-from .base import CapacityModel, measured_throughput, smoothed
+from .base import CapacityModel, WorkerIds, measured_throughput, smoothed
 
 
 class LastValue(CapacityModel):
@@ -15,12 +15,12 @@ class LastValue(CapacityModel):
     def __init__(self) -> None:
         pass
 
-    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> "LastValue":
+    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> LastValue:
         self._remember_hardware(reports)
         workers, measured = measured_throughput(reports)
         self.throughput_ = smoothed(getattr(self, "throughput_", None), workers, measured, alpha=1.0)
         return self
 
-    def predict(self, workers: Sequence[int]) -> np.ndarray:
+    def predict(self, workers: WorkerIds) -> np.ndarray:
         self._check_is_fitted("throughput_")
         return self._with_prior(self.throughput_, workers)

@@ -2,15 +2,23 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 import numpy as np
 
 from ..errors import ConfigError
 from ..models import EWMAThroughput
-from ..policies import (BackupWorkersPolicy, BSPPolicy, LBBSPPolicy, LeaderStragglerPolicy, OraclePolicy,
-                        PerEpochPolicy, Policy, StaticProportionalPolicy)
+from ..policies import (
+    BackupWorkersPolicy,
+    BSPPolicy,
+    LBBSPPolicy,
+    LeaderStragglerPolicy,
+    OraclePolicy,
+    PerEpochPolicy,
+    Policy,
+    StaticProportionalPolicy,
+)
 from ..protocol import Report
 from .scenarios import Scenario, Truth
 
@@ -96,7 +104,7 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int) -
         samples, compute_s = scenario.measured(sizes, seconds)
         features = scenario.features(k, sizes)
         reports = [Report(config.job, int(i), k, int(samples[i]), float(compute_s[i]), features=features[i],
-                          device=scenario.devices[i]) for i in np.flatnonzero(present)]
+                          device=scenario.devices[int(i)]) for i in np.flatnonzero(present)]
         target = k + config.lag
         started = time.perf_counter()
         policy.observe(reports)

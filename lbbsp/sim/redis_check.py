@@ -8,6 +8,7 @@ import numpy as np
 
 from ..coordinator import Coordinator
 from ..embedded import EmbeddedRedis
+from ..errors import LBBSPError
 from ..policies import LBBSPPolicy
 from ..protocol import Assignment, Report
 from ..store import Store
@@ -27,7 +28,10 @@ def check_through_redis(scenario: Scenario, iterations: int) -> dict[str, object
         for k in range(iterations):
             if k < config.lag:  # the workers' initial split, agreed through the same write-once key
                 store.publish(Assignment(config.job, k, config.initial_sizes(), "initial"))
-            sizes = np.asarray(Assignment.from_json(store.get_assignment(k), job=config.job).sizes, dtype=np.int64)
+            raw = store.get_assignment(k)
+            if raw is None:  # written above (k < lag) or by the decision of iteration k - lag
+                raise LBBSPError("the coordinator wrote no assignment", job=config.job, iteration=k)
+            sizes = np.asarray(Assignment.from_json(raw, job=config.job).sizes, dtype=np.int64)
             through_redis.append(sizes.tolist())
             truth = scenario.truth(k)
             present = truth.present if truth.present is not None else np.ones(config.num_workers, dtype=bool)
@@ -35,7 +39,7 @@ def check_through_redis(scenario: Scenario, iterations: int) -> dict[str, object
             features = scenario.features(k, sizes)
             for i in np.flatnonzero(present):
                 store.post_report(Report(config.job, int(i), k, int(samples[i]), float(compute_s[i]),
-                                         features=features[i], device=scenario.devices[i]), config.num_workers)
+                                         features=features[i], device=scenario.devices[int(i)]), config.num_workers)
             outcome = coordinator.decide(k)
             decision_s.append(outcome.decision_s)
     return {"iterations": iterations, "identical": through_redis == in_process.sizes,

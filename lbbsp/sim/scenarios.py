@@ -4,8 +4,8 @@ A scenario is generated in full from its seed before any policy runs, so every p
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -14,7 +14,6 @@ from ..config import JobConfig
 from ..errors import ConfigError
 from ..models import AutoCapacityModel, CapacityModel, FLClientModel
 from .traces import TRACE_FEATURES, CPUTrace, load_traces
-
 
 #: Iterations past the last simulated one that a scenario generates: decisions run up to ``lag`` (at most 8)
 #: iterations ahead, and the oracle is shown the truth of the iteration it decides.

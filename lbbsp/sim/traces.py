@@ -24,7 +24,7 @@ class CPUTrace:
     level: np.ndarray  # (iterations,) co-located busy loops at the end of each iteration (ground truth)
 
     @classmethod
-    def load(cls, path: str | Path) -> "CPUTrace":
+    def load(cls, path: str | Path) -> CPUTrace:
         path = Path(path)
         try:
             data = json.loads(path.read_text())

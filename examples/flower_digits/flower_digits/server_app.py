@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
