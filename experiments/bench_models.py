@@ -12,7 +12,7 @@ The decision time of LB-BSP with each real model is printed by experiments/bench
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -32,7 +32,8 @@ HORIZONS = (2, 1)
 def errors(model: CapacityModel, trace: CPUTrace, horizon: int = 2) -> np.ndarray:
     """Each iteration's absolute percentage error of the forecast made ``horizon`` iterations before it
     (NaN for the first ``horizon``, which have none)."""
-    out, forecasts = np.full(trace.throughput.size, np.nan), {}
+    out = np.full(trace.throughput.size, np.nan)
+    forecasts: dict[int, float] = {}
     for k, (throughput, features) in enumerate(zip(trace.throughput, trace.features)):
         if k >= horizon:  # the model has seen the reports up to k - horizon
             out[k] = 100.0 * abs(forecasts[k - horizon] - throughput) / throughput

@@ -19,14 +19,14 @@ costs about 1 ms per update (mostly input checks), several times the arithmetic.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from operator import itemgetter
-from typing import Mapping, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel
+from .base import CapacityModel, WorkerIds
 
 DEFAULT_FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util")
 
@@ -40,6 +40,7 @@ class NARXThroughput(CapacityModel):
     """
 
     _pending: tuple[np.ndarray, np.ndarray] | None = None  # (rows, targets) not yet scored or trained on
+    forecast_: np.ndarray | None = None  # every worker's forecast, computed on the first predict after an update
 
     def __init__(self, lags: int = 4, exog_lags: int = 2, features: Sequence[str] = DEFAULT_FEATURES, *,
                  horizon: int = 2, hidden: tuple[int, ...] = (16, 16), alpha_ewma: float = 0.3,
@@ -59,7 +60,7 @@ class NARXThroughput(CapacityModel):
         self.random_state = random_state
 
     # -- learning ----------------------------------------------------------------------------------------
-    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> "NARXThroughput":
+    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> NARXThroughput:
         """Shift the reports into each worker's history and train on the pairs whose targets just arrived;
         ``defer``: score and train in :meth:`finish_learning` instead (the forecast then uses the network of
         one update before, the histories of now)."""
@@ -72,7 +73,7 @@ class NARXThroughput(CapacityModel):
         workers = np.fromiter([r.worker for r in reports], dtype=np.int64, count=n)
         self._grow(int(workers.max()) + 1)
         # hardware is recorded once per worker, so only workers with no measurement yet need a look
-        self._remember_hardware([reports[i] for i in np.flatnonzero(self.count_[workers] == 0)])
+        self._remember_hardware([reports[i] for i in np.flatnonzero(self.count_[workers] == 0).tolist()])
         samples = np.fromiter([r.samples for r in reports], dtype=float, count=n)
         seconds = np.fromiter([r.compute_s for r in reports], dtype=float, count=n)
         measured = (samples > 0) & (seconds > 0)  # a report that computed nothing says nothing about speed
@@ -105,7 +106,7 @@ class NARXThroughput(CapacityModel):
         self.forecast_ = None  # predictions are computed once per update, on the first predict
         return self
 
-    def finish_learning(self) -> "NARXThroughput":
+    def finish_learning(self) -> NARXThroughput:
         """Score the network and the EWMA level on the pairs that got their targets, then train on them."""
         pending, self._pending = self._pending, None
         if pending is not None:
@@ -115,7 +116,7 @@ class NARXThroughput(CapacityModel):
             self.forecast_ = None
         return self
 
-    def predict(self, workers: Sequence[int]) -> np.ndarray:
+    def predict(self, workers: WorkerIds) -> np.ndarray:
         self._check_is_fitted("weights_")
         if self.forecast_ is None:
             self.forecast_ = self._forecast_all()
