@@ -177,9 +177,9 @@ def _train_both(rank: int, config: DemoConfig, init: str, url: str, events: Any)
                     F.cross_entropy(model(x), y).backward()
                     opt.step()
                     opt.zero_grad()
-                    report = lb.last_report
-                    events.put(("step", phase, rank, step, lb._current().samples, report.compute_s if report else None,
-                                bool(load and load.on)))
+                    report, current = lb.last_report, lb.step
+                    events.put(("step", phase, rank, step, current.samples if current else len(x),
+                                report.compute_s if report else None, bool(load and load.on)))
                     step += 1
                     if rank == 0 and (step % every == 0 or step == config.steps):
                         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

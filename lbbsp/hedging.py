@@ -45,13 +45,15 @@ def hedged(model: TimeModel, factor: np.ndarray) -> TimeModel:
     """``model`` with each worker's time multiplied by ``factor`` (one positive number per worker).
 
     Linear and hinge models invert an array of deadlines, so they keep a closed-form capacity; a mixed job
-    is hedged group by group; any other model is left to the allocator's search.
+    is hedged group by group while every group keeps one; any other model is left to the allocator's search.
     """
     factor = np.asarray(factor, dtype=float)
     if isinstance(model, MixedTime):
-        # the groups are the capacity models' linear, hinge or mixed time models, which stay invertible
-        return MixedTime(tuple((positions, cast(InvertibleTimeModel, hedged(inner, factor[positions])))
-                               for positions, inner in model.groups), model.size)
+        groups = [(positions, hedged(inner, factor[positions])) for positions, inner in model.groups]
+        if all(hasattr(inner, "capacity") for _, inner in groups):
+            return MixedTime(tuple((positions, cast(InvertibleTimeModel, inner)) for positions, inner in groups),
+                             model.size)
+        return HedgedTime(model, factor)  # a group of a model of the user's own: the allocator searches
     if isinstance(model, (LinearTime, HingeTime)):
         return InvertibleHedgedTime(model, factor)
     return HedgedTime(model, factor)

@@ -1,6 +1,8 @@
 """Risk-aware allocation: margins learned from forecast misses, applied to any time model."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 
@@ -191,3 +193,26 @@ def test_hedged_models_invert_exactly_like_the_search() -> None:
     assert np.allclose(hedged(mixed, factor).time(sizes), mixed.time(sizes) * factor)
     assert (allocate(hedged(mixed, factor), 1000, lower, upper)
             == allocate(HedgedTime(mixed, factor), 1000, lower, upper)).all()
+
+
+@dataclass(frozen=True)
+class SquareRootTime:
+    """A time model of a user's own, invertible for one deadline only: time = sqrt(x) / speed."""
+
+    speed: np.ndarray
+
+    def time(self, sizes: np.ndarray) -> np.ndarray:
+        return np.sqrt(np.asarray(sizes, dtype=float)) / self.speed
+
+    def capacity(self, deadline: float) -> np.ndarray:
+        return np.floor((deadline * self.speed) ** 2)
+
+
+def test_a_mixed_job_with_a_model_of_the_users_own_is_hedged_by_search() -> None:
+    factor = np.array([1.0, 1.5, 2.0, 1.2])
+    mixed = MixedTime(((np.array([0, 2]), LinearTime(np.array([100.0, 400.0]))),
+                       (np.array([1, 3]), SquareRootTime(np.array([2.0, 4.0])))), 4)
+    lower, upper = np.ones(4, dtype=np.int64), np.full(4, 1000, dtype=np.int64)
+    sizes = allocate(hedged(mixed, factor), 1000, lower, upper)
+    assert sizes.sum() == 1000 and (sizes >= lower).all() and (sizes <= upper).all()
+    assert (sizes == allocate(HedgedTime(mixed, factor), 1000, lower, upper)).all()
