@@ -6,11 +6,14 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from lbbsp.errors import ConfigError
 from lbbsp.sim import cli
 from lbbsp.sim.engine import compare, standard_policies
 from lbbsp.sim.redis_check import check_through_redis
 from lbbsp.sim.scenarios import CPUContention, FLClients, GPUMix
+from lbbsp.sim.traces import DEFAULT_TRACE_DIR
 
 
 def test_same_seed_same_results_for_every_scenario() -> None:
@@ -64,6 +67,23 @@ def test_cli_writes_json_and_png(tmp_path: Path) -> None:
     result = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert result["policies"]["oracle"]["vs_oracle"] == 1.0
     assert next(tmp_path.glob("*.png")).stat().st_size > 0
+
+
+def test_cli_replays_the_traces_it_is_given(tmp_path: Path) -> None:
+    mine = tmp_path / "my_traces"
+    mine.mkdir()
+    (mine / "mine.json").write_bytes((DEFAULT_TRACE_DIR / "cpu_numpy_mlp.json").read_bytes())
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--scenario", "cpu-contention", "--workers", "4", "--iterations", "8",
+                              "--traces", str(mine), "--out", str(tmp_path)])
+    assert cli.run(args) == 0
+    result = json.loads((tmp_path / "simulate_cpu-contention_4w_seed0_my_traces.json").read_text())
+    assert result["notes"]["traces"] == ["mine"]
+    with pytest.raises(ConfigError, match="cpu-contention only"):
+        cli.run(parser.parse_args(["--scenario", "gpu-mix", "--traces", str(mine), "--out", str(tmp_path)]))
+    with pytest.raises(ConfigError, match="no CPU traces"):
+        cli.run(parser.parse_args(["--scenario", "cpu-contention", "--traces", str(tmp_path / "none")]))
 
 
 def test_redis_path_decides_exactly_as_in_process() -> None:

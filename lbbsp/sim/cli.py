@@ -13,6 +13,7 @@ from ..errors import ConfigError
 from .engine import PolicyRun, compare
 from .redis_check import check_through_redis
 from .scenarios import SCENARIOS, Scenario
+from .traces import load_traces
 
 DEFAULT_OUT = Path("experiments") / "results"
 
@@ -27,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mean-dwell", type=float, default=None,
                         help="cpu-contention only: mean iterations between contention-level switches (default 200; "
                              "inf: no switches)")
+    parser.add_argument("--traces", type=Path, default=None,
+                        help="cpu-contention only: directory of recorded traces to replay (default: the shipped "
+                             "experiments/traces; record your own with experiments/record_cpu_trace.py)")
     parser.add_argument("--no-noise", action="store_true",
                         help="cpu-contention only: replay each level's median throughput instead of the recorded "
                              "per-iteration noise")
@@ -70,9 +74,12 @@ def _scenario_options(args: argparse.Namespace) -> tuple[dict[str, object], str]
         options["mean_dwell"] = args.mean_dwell
     if args.no_noise:
         options["noise"] = False
+    if args.traces is not None:
+        options["traces"] = load_traces(args.traces)
     if options and args.scenario != "cpu-contention":
-        raise ConfigError("--mean-dwell and --no-noise apply to --scenario cpu-contention only")
-    suffix = f"_dwell{args.mean_dwell:g}" if args.mean_dwell is not None else ""
+        raise ConfigError("--mean-dwell, --traces and --no-noise apply to --scenario cpu-contention only")
+    suffix = f"_{args.traces.resolve().name}" if args.traces is not None else ""
+    suffix += f"_dwell{args.mean_dwell:g}" if args.mean_dwell is not None else ""
     suffix += "_nonoise" if args.no_noise else ""
     return options, suffix
 
