@@ -40,5 +40,7 @@ def load_traces(directory: str | Path = DEFAULT_TRACE_DIR) -> list[CPUTrace]:
     """Every ``*.json`` trace in ``directory``, sorted by name."""
     paths = sorted(Path(directory).glob("*.json"))
     if not paths:
-        raise ConfigError(f"no CPU traces in {directory}; record one with experiments/record_cpu_trace.py")
+        hint = (" (the shipped traces live in a source checkout: install it with pip install -e, or pass --traces)"
+                if Path(directory) == DEFAULT_TRACE_DIR else "")
+        raise ConfigError(f"no CPU traces in {directory}{hint}; record one with experiments/record_cpu_trace.py")
     return [CPUTrace.load(p) for p in paths]
