@@ -3,8 +3,9 @@
 Each model is fed a trace one iteration at a time (as a coordinator would). At horizon h the forecast of
 iteration k is the one the model gives after the report of k - h: h = 2 is what production uses
 (``JobConfig.lag`` = 2: the vector of iteration k is decided from the reports of k - 2), h = 1 is the
-one-step-ahead figure. NARX is built with ``horizon=h``; EWMA and LastValue forecast a flat line. The first
-``--skip`` iterations (warm-up) are not scored.
+one-step-ahead figure. NARX is built with ``horizon=h``; EWMA and LastValue forecast a flat line. "NARX
+no-feat" is the same network without the resource features (``exog_lags=0``), to show what they add. The
+first ``--skip`` iterations (warm-up) are not scored.
 The decision time of LB-BSP with each real model is printed by experiments/bench_coordinator.py.
 
     python experiments/bench_models.py [--traces experiments/traces]
@@ -23,6 +24,7 @@ from lbbsp.sim.traces import DEFAULT_TRACE_DIR, TRACE_FEATURES, CPUTrace, load_t
 #: Each model for a forecast horizon (iterations ahead).
 MODELS: dict[str, Callable[[int], CapacityModel]] = {
     "NARX": lambda horizon: NARXThroughput(horizon=horizon),
+    "NARX no-feat": lambda horizon: NARXThroughput(horizon=horizon, exog_lags=0),  # ablation: no resource features
     "EWMA": lambda horizon: EWMAThroughput(),
     "LastValue": lambda horizon: LastValue(),
 }
@@ -89,7 +91,7 @@ def main() -> int:
     for horizon in HORIZONS:
         print(f"\n{horizon} iteration{'s' * (horizon > 1)} ahead"
               + (" (production: JobConfig.lag = 2)" if horizon == 2 else ""))
-        print(f"{'trace':<16} {'iterations':>10} " + " ".join(f"{name + ' MAPE%':>15}" for name in MODELS))
+        print(f"{'trace':<16} {'iterations':>10} " + " ".join(f"{name + ' MAPE%':>18}" for name in MODELS))
         scores: dict[str, list[float]] = {name: [] for name in MODELS}
         halves: dict[str, list[float]] = {name: [] for name in (*MODELS, "offline ceiling")}
         for trace in traces:
@@ -98,14 +100,15 @@ def main() -> int:
                 e = errors(factory(horizon), trace, horizon)
                 scores[name].append(float(np.mean(e[max(args.skip, horizon):])))
                 halves[name].append(float(np.mean(e[half:])))
-                row.append(f"{scores[name][-1]:>15.2f}")
+                row.append(f"{scores[name][-1]:>18.2f}")
             halves["offline ceiling"].append(float(np.mean(offline_ceiling(trace, horizon)[half:])))
             print(f"{trace.name:<16} {trace.throughput.size:>10} " + " ".join(row), flush=True)
         mean = {name: float(np.mean(v)) for name, v in scores.items()}
         best_baseline = min(mean["EWMA"], mean["LastValue"])
-        print(f"{'mean':<16} {'':>10} " + " ".join(f"{mean[n]:>15.2f}" for n in MODELS))
+        print(f"{'mean':<16} {'':>10} " + " ".join(f"{mean[n]:>18.2f}" for n in MODELS))
         print(f"NARX vs best baseline: {100 * (1 - mean['NARX'] / best_baseline):+.1f}% lower MAPE "
-              f"(goal: >= 20% lower, i.e. NARX mean <= {0.8 * best_baseline:.2f})")
+              f"(goal: >= 20% lower, i.e. NARX mean <= {0.8 * best_baseline:.2f}); "
+              f"without the resource features {100 * (1 - mean['NARX no-feat'] / best_baseline):+.1f}%")
         print("  second half of each trace, mean MAPE%: " + ", ".join(
             f"{name} {np.mean(v):.2f}" for name, v in halves.items())
             + "\n  (offline ceiling: gradient boosting fit on the first half, answers known, 8 throughput lags)")
