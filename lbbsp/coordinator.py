@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from .config import JobConfig
 from .embedded import release_cpu_pinning
@@ -111,6 +112,7 @@ class Coordinator:
                 rejected.append(Rejection(worker, str(exc)))
                 continue
             reports.append(report)
+        reports.sort(key=attrgetter("worker"))  # Redis hash order varies: the same reports, the same split
         return reports, rejected
 
     def _assignment(self, iteration: int) -> Assignment:

@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from ..embedded import EmbeddedRedis
 from ..errors import ConfigError
 from .engine import PolicyRun, compare
-from .redis_check import check_through_redis
 from .scenarios import SCENARIOS, Scenario
 from .traces import load_traces
 
@@ -34,9 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-noise", action="store_true",
                         help="cpu-contention only: replay each level's median throughput instead of the recorded "
                              "per-iteration noise")
-    parser.add_argument("--redis", action="store_true",
-                        help="also run LB-BSP through a real Coordinator and Store on an embedded Redis for a few "
-                             "iterations and check it decides exactly as the in-process run")
+    parser.add_argument("--redis", nargs="?", const="", default=None, metavar="URL",
+                        help="run every policy through Redis as in a job (reports posted, a real Coordinator "
+                             "deciding, sizes read back), on an embedded redis-server or the Redis at URL, and "
+                             "check each decides exactly as in-process")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the JSON and PNG results")
 
 
@@ -48,22 +51,39 @@ def run(args: argparse.Namespace) -> int:
     scenario = SCENARIOS[args.scenario](args.workers, args.iterations, args.seed, **options)
     scenario.config = dataclasses.replace(scenario.config, lag=args.lag)
     runs = compare(scenario, args.iterations, progress=lambda line: print(line, flush=True))
+    check = None
+    if args.redis is not None:
+        runs, check = _through_redis(scenario, args.iterations, args.redis, runs)
     summary = summarise(runs)
     print(table(scenario, summary))
     result = {"scenario": args.scenario, "workers": args.workers, "iterations": args.iterations, "seed": args.seed,
               "global_batch": scenario.config.global_batch, "notes": scenario.notes, "policies": summary,
               "iteration_s": {name: r.iteration_s for name, r in runs.items()}}
-    if args.redis:
-        check = check_through_redis(scenario, min(args.iterations, 5))
+    if check is not None:
         result["redis_check"] = check
-        print(f"through Redis: {check['iterations']} iterations, same sizes as in-process: {check['identical']}, "
-              f"coordinator decision {check['decision_ms_mean']:.2f} ms mean")
+        print(f"through Redis ({check['redis']}): every policy decided the same sizes as in-process in all "
+              f"{check['iterations']} iterations: {all(check['identical'].values())}"
+              + "".join(f"\n  {name} differs" for name, same in check["identical"].items() if not same))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"simulate_{args.scenario}_{args.workers}w_seed{args.seed}{suffix}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=_plain))
     plot(scenario, runs, summary, stem.with_suffix(".png"))
     print(f"wrote {stem}.json and {stem}.png ({time.perf_counter() - started:.0f}s)")
     return 0
+
+
+def _through_redis(scenario: Scenario, iterations: int, url: str,
+                   in_process: dict[str, PolicyRun]) -> tuple[dict[str, PolicyRun], dict[str, Any]]:
+    """Every policy again, through Redis (embedded when ``url`` is empty); the runs, and whether each one
+    decided exactly the sizes of its in-process run."""
+    label = url or "embedded redis-server"
+    print(f"again through Redis ({label}): reports posted, a Coordinator deciding", flush=True)
+    with contextlib.ExitStack() as stack:
+        if not url:
+            url = stack.enter_context(EmbeddedRedis()).url
+        runs = compare(scenario, iterations, progress=lambda line: print(line, flush=True), redis_url=url)
+    identical = {name: runs[name].sizes == in_process[name].sizes for name in in_process}
+    return runs, {"redis": label, "iterations": iterations, "identical": identical}
 
 
 def _scenario_options(args: argparse.Namespace) -> tuple[dict[str, object], str]:

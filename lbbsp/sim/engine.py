@@ -1,13 +1,17 @@
 """Run balancing policies side by side on one simulated cluster, through the production policy code."""
 from __future__ import annotations
 
+import dataclasses
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..config import JobConfig
+from ..coordinator import Coordinator
+from ..errors import ConfigError, LBBSPError
 from ..models import EWMAThroughput
 from ..policies import (
     BackupWorkersPolicy,
@@ -19,7 +23,8 @@ from ..policies import (
     Policy,
     StaticProportionalPolicy,
 )
-from ..protocol import Report
+from ..protocol import Assignment, Report
+from ..store import Store
 from .scenarios import Scenario, Truth
 
 Progress = Callable[[str], None]
@@ -77,45 +82,104 @@ def standard_policies(scenario: Scenario) -> dict[str, Policy]:
     }
 
 
-def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int) -> PolicyRun:
+def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
+               redis_url: str | None = None) -> PolicyRun:
     """Drive ``policy`` for ``iterations`` barriers: true times -> reports -> observe -> decide.
 
     As in production, the reports of iteration k decide iteration k + lag (``JobConfig.lag``); the first
-    ``lag`` iterations use the initial split.
+    ``lag`` iterations use the initial split. With ``redis_url`` the reports are posted to that Redis and a
+    real :class:`Coordinator` decides, as in a job: the sizes each iteration runs with are read back from
+    its write-once assignment key.
     """
-    config = scenario.config
-    n = config.num_workers
+    n = scenario.config.num_workers
     aggregated = policy.aggregated(n)
     run = PolicyRun(name)
-    initial = np.asarray(config.initial_sizes(), dtype=np.int64)
-    planned = {k: initial for k in range(config.lag)}
-    for k in range(iterations):
-        sizes = planned.pop(k)
-        truth = scenario.truth(k)
-        seconds = truth.time_model.time(sizes)
-        present = truth.present if truth.present is not None else np.ones(n, dtype=bool)
-        finish = np.sort(seconds[present])
-        waited_for = finish[:max(1, round(aggregated * present.sum() / n))]
-        iteration_s = float(waited_for[-1]) * (n / aggregated)  # time per full global batch of B samples
-        run.iteration_s.append(iteration_s)
-        run.idle_fraction.append(float(np.mean(1.0 - np.minimum(seconds[present], waited_for[-1]) / waited_for[-1])))
-        run.sizes.append(sizes.tolist())
-        run.over_memory += int(truth.max_batch is not None and bool((sizes > truth.max_batch).any()))
-        samples, compute_s = scenario.measured(sizes, seconds)
-        features = scenario.features(k, sizes)
-        reports = [Report(config.job, int(i), k, int(samples[i]), float(compute_s[i]), features=features[i],
-                          device=scenario.devices[int(i)]) for i in np.flatnonzero(present)]
-        target = k + config.lag
-        started = time.perf_counter()
-        policy.observe(reports)
-        if isinstance(policy, OraclePolicy):
-            coming = _shown(scenario, policy, target)
-            policy.reveal(coming.time_model, coming.max_batch)
-        decision = policy.decide(target, tuple(planned.get(target - 1, sizes).tolist()), config)
-        run.decision_s.append(time.perf_counter() - started)
-        policy.learn()  # as the coordinator does once the split is written
-        planned[target] = np.asarray(decision.sizes, dtype=np.int64)
+    decider = _InProcess(policy, scenario.config) if redis_url is None else _ThroughRedis(policy, scenario.config,
+                                                                                          redis_url)
+    config = decider.config
+    try:
+        for k in range(iterations):
+            sizes = decider.sizes(k)
+            truth = scenario.truth(k)
+            seconds = truth.time_model.time(sizes)
+            present = truth.present if truth.present is not None else np.ones(n, dtype=bool)
+            finish = np.sort(seconds[present])
+            waited_for = finish[:max(1, round(aggregated * present.sum() / n))]
+            iteration_s = float(waited_for[-1]) * (n / aggregated)  # time per full global batch of B samples
+            run.iteration_s.append(iteration_s)
+            run.idle_fraction.append(float(np.mean(1.0 - np.minimum(seconds[present], waited_for[-1])
+                                                   / waited_for[-1])))
+            run.sizes.append(sizes.tolist())
+            run.over_memory += int(truth.max_batch is not None and bool((sizes > truth.max_batch).any()))
+            samples, compute_s = scenario.measured(sizes, seconds)
+            features = scenario.features(k, sizes)
+            reports = [Report(config.job, int(i), k, int(samples[i]), float(compute_s[i]), features=features[i],
+                              device=scenario.devices[int(i)]) for i in np.flatnonzero(present)]
+            target = k + config.lag
+
+            def show(target: int = target) -> None:
+                if isinstance(policy, OraclePolicy):
+                    coming = _shown(scenario, policy, target)
+                    policy.reveal(coming.time_model, coming.max_batch)
+
+            run.decision_s.append(decider.decide(k, sizes, reports, show))
+    finally:
+        decider.close()
     return run
+
+
+class _InProcess:
+    """Decides as the coordinator does, in this process: observe -> decide -> (split out) -> learn."""
+
+    def __init__(self, policy: Policy, config: JobConfig) -> None:
+        self.policy, self.config = policy, config
+        initial = np.asarray(config.initial_sizes(), dtype=np.int64)
+        self.planned = {k: initial for k in range(config.lag)}
+
+    def sizes(self, k: int) -> np.ndarray:
+        return self.planned.pop(k)
+
+    def decide(self, k: int, sizes: np.ndarray, reports: list[Report], show: Callable[[], None]) -> float:
+        """Decide iteration k + lag from the reports of k; the seconds until the split is out."""
+        target = k + self.config.lag
+        started = time.perf_counter()
+        self.policy.observe(reports)
+        show()
+        decision = self.policy.decide(target, tuple(self.planned.get(target - 1, sizes).tolist()), self.config)
+        decision_s = time.perf_counter() - started
+        self.policy.learn()  # as the coordinator does once the split is written
+        self.planned[target] = np.asarray(decision.sizes, dtype=np.int64)
+        return decision_s
+
+    def close(self) -> None:
+        pass
+
+
+class _ThroughRedis:
+    """Decides through Redis: each report posted as a worker posts it, a real Coordinator deciding, and
+    every iteration's sizes read back from its write-once key. A fresh job name per run."""
+
+    def __init__(self, policy: Policy, config: JobConfig, url: str) -> None:
+        self.config = dataclasses.replace(config, job=f"{config.job}-{uuid.uuid4().hex[:8]}")
+        self.store = Store.from_url(url, self.config.job)
+        self.coordinator = Coordinator(self.store, self.config, policy)
+        for k in range(self.config.lag):  # the workers' initial split, agreed through the same write-once key
+            self.store.publish(self.config.initial_assignment(k))
+
+    def sizes(self, k: int) -> np.ndarray:
+        raw = self.store.get_assignment(k)
+        if raw is None:  # written at start (k < lag) or by the decision of iteration k - lag
+            raise LBBSPError("the coordinator wrote no assignment", job=self.config.job, iteration=k)
+        return np.asarray(Assignment.from_json(raw, job=self.config.job).sizes, dtype=np.int64)
+
+    def decide(self, k: int, sizes: np.ndarray, reports: list[Report], show: Callable[[], None]) -> float:
+        for report in reports:
+            self.store.post_report(report, self.config.num_workers)
+        show()
+        return self.coordinator.decide(k).decision_s
+
+    def close(self) -> None:
+        self.store.close()
 
 
 def _shown(scenario: Scenario, oracle: OraclePolicy, target: int) -> Truth:
@@ -129,13 +193,14 @@ def _shown(scenario: Scenario, oracle: OraclePolicy, target: int) -> Truth:
 
 
 def compare(scenario: Scenario, iterations: int, policies: Mapping[str, Policy] | None = None,
-            progress: Progress | None = None) -> dict[str, PolicyRun]:
-    """Run every policy on the same scenario, one after the other."""
+            progress: Progress | None = None, redis_url: str | None = None) -> dict[str, PolicyRun]:
+    """Run every policy on the same scenario, one after the other (through the Redis at ``redis_url``, if
+    given: see :func:`run_policy`)."""
     policies = policies if policies is not None else standard_policies(scenario)
     runs = {}
     for name, policy in policies.items():
         started = time.perf_counter()
-        runs[name] = run_policy(scenario, name, policy, iterations)
+        runs[name] = run_policy(scenario, name, policy, iterations, redis_url)
         if progress is not None:
             progress(f"  {name:<20} {np.mean(runs[name].iteration_s):.4g} s/iteration "
                      f"({time.perf_counter() - started:.1f}s to simulate)")
