@@ -15,7 +15,7 @@ Keys (all under ``lbbsp:{job}:``, all with a TTL so that finished jobs do not le
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import redis
@@ -133,6 +133,16 @@ class Store:
     def post_report(self, report: Report, num_workers: int) -> bool:
         """Store a report; when it completes iteration k, queue k for the coordinator. False if duplicate."""
         return self.post_raw_report(report.iteration, str(report.worker), report.to_json(), num_workers) == 1
+
+    def post_reports(self, reports: Sequence[Report], num_workers: int) -> int:
+        """Store many reports in one round trip, each exactly as :meth:`post_report` would (a simulator's
+        whole cluster); the number newly stored."""
+        pipe = self.client.pipeline(transaction=False)
+        for report in reports:
+            self._post_report(keys=[self.key("reports", report.iteration), self.key("ready")],
+                              args=[str(report.worker), report.to_json(), num_workers, self.ttl_s, report.iteration,
+                                    MAX_PAYLOAD_BYTES], client=pipe)
+        return sum(int(result) == 1 for result in pipe.execute())
 
     def post_raw_report(self, iteration: int, worker: str, payload: bytes, num_workers: int) -> int:
         """Store a payload as-is (the coordinator validates it later); used by tests of hostile input."""

@@ -266,3 +266,13 @@ def test_a_coordinator_process_refuses_other_settings_before_it_starts(redis_url
         store.register(JobConfig(job, 2, 30))
     with pytest.raises(ConfigError, match="already runs with"):
         CoordinatorProcess(redis_url, JobConfig(job, 2, 32))
+
+
+def test_reports_posted_together_count_as_posted_one_by_one(redis_url: str, job: str) -> None:
+    with Store.from_url(redis_url, job) as store:
+        reports = [Report(job, w, 0, 10, 0.1) for w in (0, 1)]
+        assert store.post_reports([*reports, reports[0]], 3) == 2  # the repeat is a duplicate, not stored again
+        assert store.next_ready(0.01) is None  # 2 of 3 workers: not complete
+        assert store.post_reports([Report(job, 2, 0, 10, 0.1)], 3) == 1
+        assert store.next_ready(1.0) == 0
+        assert sorted(store.reports(0)) == [b"0", b"1", b"2"]

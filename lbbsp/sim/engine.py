@@ -156,8 +156,9 @@ class _InProcess:
 
 
 class _ThroughRedis:
-    """Decides through Redis: each report posted as a worker posts it, a real Coordinator deciding, and
-    every iteration's sizes read back from its write-once key. A fresh job name per run."""
+    """Decides through Redis: each report posted as a worker posts it (the whole cluster's in one round
+    trip), a real Coordinator deciding, and every iteration's sizes read back from its write-once key. A
+    fresh job name per run."""
 
     def __init__(self, policy: Policy, config: JobConfig, url: str) -> None:
         self.config = dataclasses.replace(config, job=f"{config.job}-{uuid.uuid4().hex[:8]}")
@@ -173,8 +174,7 @@ class _ThroughRedis:
         return np.asarray(Assignment.from_json(raw, job=self.config.job).sizes, dtype=np.int64)
 
     def decide(self, k: int, sizes: np.ndarray, reports: list[Report], show: Callable[[], None]) -> float:
-        for report in reports:
-            self.store.post_report(report, self.config.num_workers)
+        self.store.post_reports(reports, self.config.num_workers)
         show()
         return self.coordinator.decide(k).decision_s
 
