@@ -11,7 +11,9 @@ from ..errors import ConfigError
 
 #: The resource features a trace carries, in the order of :attr:`CPUTrace.features`.
 TRACE_FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util", "cores")
-DEFAULT_TRACE_DIR = Path(__file__).resolve().parents[2] / "experiments" / "traces"
+#: The shipped traces: experiments/traces in a checkout, which lbbsp/sim/recorded links to so that an
+#: installed wheel carries them too.
+DEFAULT_TRACE_DIR = (Path(__file__).parent / "recorded").resolve()
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,5 @@ def load_traces(directory: str | Path = DEFAULT_TRACE_DIR) -> list[CPUTrace]:
     """Every ``*.json`` trace in ``directory``, sorted by name."""
     paths = sorted(Path(directory).glob("*.json"))
     if not paths:
-        hint = (" (the shipped traces live in a source checkout: install it with pip install -e, or pass --traces)"
-                if Path(directory) == DEFAULT_TRACE_DIR else "")
-        raise ConfigError(f"no CPU traces in {directory}{hint}; record one with experiments/record_cpu_trace.py")
+        raise ConfigError(f"no CPU traces in {directory}; record one with experiments/record_cpu_trace.py")
     return [CPUTrace.load(p) for p in paths]
