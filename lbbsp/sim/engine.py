@@ -97,6 +97,13 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
     decider = _InProcess(policy, scenario.config) if redis_url is None else _ThroughRedis(policy, scenario.config,
                                                                                           redis_url)
     config = decider.config
+
+    def reveal(target: int) -> None:
+        """Show an oracle the truth of the iteration it is about to decide (no other policy sees it)."""
+        if isinstance(policy, OraclePolicy):
+            coming = _shown(scenario, policy, target)
+            policy.reveal(coming.time_model, coming.max_batch)
+
     try:
         for k in range(iterations):
             sizes = decider.sizes(k)
@@ -115,14 +122,7 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
             features = scenario.features(k, sizes)
             reports = [Report(config.job, int(i), k, int(samples[i]), float(compute_s[i]), features=features[i],
                               device=scenario.devices[int(i)]) for i in np.flatnonzero(present)]
-            target = k + config.lag
-
-            def show(target: int = target) -> None:
-                if isinstance(policy, OraclePolicy):
-                    coming = _shown(scenario, policy, target)
-                    policy.reveal(coming.time_model, coming.max_batch)
-
-            run.decision_s.append(decider.decide(k, sizes, reports, show))
+            run.decision_s.append(decider.decide(k, sizes, reports, reveal))
     finally:
         decider.close()
     return run
@@ -139,12 +139,12 @@ class _InProcess:
     def sizes(self, k: int) -> np.ndarray:
         return self.planned.pop(k)
 
-    def decide(self, k: int, sizes: np.ndarray, reports: list[Report], show: Callable[[], None]) -> float:
+    def decide(self, k: int, sizes: np.ndarray, reports: list[Report], reveal: Callable[[int], None]) -> float:
         """Decide iteration k + lag from the reports of k; the seconds until the split is out."""
         target = k + self.config.lag
         started = time.perf_counter()
         self.policy.observe(reports)
-        show()
+        reveal(target)
         decision = self.policy.decide(target, tuple(self.planned.get(target - 1, sizes).tolist()), self.config)
         decision_s = time.perf_counter() - started
         self.policy.learn()  # as the coordinator does once the split is written
@@ -173,9 +173,9 @@ class _ThroughRedis:
             raise LBBSPError("the coordinator wrote no assignment", job=self.config.job, iteration=k)
         return np.asarray(Assignment.from_json(raw, job=self.config.job).sizes, dtype=np.int64)
 
-    def decide(self, k: int, sizes: np.ndarray, reports: list[Report], show: Callable[[], None]) -> float:
+    def decide(self, k: int, sizes: np.ndarray, reports: list[Report], reveal: Callable[[int], None]) -> float:
         self.store.post_reports(reports, self.config.num_workers)
-        show()
+        reveal(k + self.config.lag)
         return self.coordinator.decide(k).decision_s
 
     def close(self) -> None:
