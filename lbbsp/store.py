@@ -139,17 +139,19 @@ class Store:
         whole cluster); the number newly stored."""
         pipe = self.client.pipeline(transaction=False)
         for report in reports:
-            self._post_report(keys=[self.key("reports", report.iteration), self.key("ready")],
-                              args=[str(report.worker), report.to_json(), num_workers, self.ttl_s, report.iteration,
-                                    MAX_PAYLOAD_BYTES], client=pipe)
+            self._post_raw(report.iteration, str(report.worker), report.to_json(), num_workers, client=pipe)
         return sum(int(result) == 1 for result in pipe.execute())
 
     def post_raw_report(self, iteration: int, worker: str, payload: bytes, num_workers: int) -> int:
         """Store a payload as-is (the coordinator validates it later); used by tests of hostile input."""
-        return int(self._post_report(
-            keys=[self.key("reports", iteration), self.key("ready")],
-            args=[worker, payload, num_workers, self.ttl_s, iteration, MAX_PAYLOAD_BYTES],
-        ))
+        return int(self._post_raw(iteration, worker, payload, num_workers))
+
+    def _post_raw(self, iteration: int, worker: str, payload: bytes, num_workers: int,
+                  client: redis.client.Pipeline | None = None) -> Any:
+        """Run the POST_REPORT script (on ``client``, a pipeline, when given: its result comes with execute)."""
+        return self._post_report(keys=[self.key("reports", iteration), self.key("ready")],
+                                 args=[worker, payload, num_workers, self.ttl_s, iteration, MAX_PAYLOAD_BYTES],
+                                 client=client)
 
     def next_ready(self, timeout_s: float) -> int | None:
         """Pop the next iteration whose reports are complete, waiting up to ``timeout_s``."""
