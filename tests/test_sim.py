@@ -68,6 +68,18 @@ def test_cli_writes_json_and_png(tmp_path: Path) -> None:
     assert next(tmp_path.glob("*.png")).stat().st_size > 0
 
 
+def test_cli_names_a_non_default_lag_in_its_files(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    for lag in ("1", "2"):
+        cli.run(parser.parse_args(["--scenario", "gpu-mix", "--workers", "4", "--iterations", "6", "--lag", lag,
+                                   "--out", str(tmp_path)]))
+    default = json.loads((tmp_path / "simulate_gpu-mix_4w_seed0.json").read_text())
+    lag1 = json.loads((tmp_path / "simulate_gpu-mix_4w_seed0_lag1.json").read_text())
+    assert (default["lag"], lag1["lag"]) == (2, 1)
+    assert lag1["policies"]["lbbsp"] != default["policies"]["lbbsp"]  # it decides from one iteration fresher reports
+
+
 def test_cli_replays_the_traces_it_is_given(tmp_path: Path) -> None:
     mine = tmp_path / "my_traces"
     mine.mkdir()

@@ -49,7 +49,9 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
     options, suffix = _scenario_options(args)
     scenario = SCENARIOS[args.scenario](args.workers, args.iterations, args.seed, **options)
-    scenario.config = dataclasses.replace(scenario.config, lag=args.lag)
+    if args.lag != scenario.config.lag:  # not the production default: name it, keep the default's results
+        scenario.config = dataclasses.replace(scenario.config, lag=args.lag)
+        suffix += f"_lag{args.lag}"
     runs = compare(scenario, args.iterations, progress=lambda line: print(line, flush=True))
     check = None
     if args.redis is not None:
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     summary = summarise(runs)
     print(table(scenario, summary))
     result = {"scenario": args.scenario, "workers": args.workers, "iterations": args.iterations, "seed": args.seed,
-              "global_batch": scenario.config.global_batch, "notes": scenario.notes, "policies": summary,
+              "lag": scenario.config.lag, "global_batch": scenario.config.global_batch, "notes": scenario.notes, "policies": summary,
               "iteration_s": {name: r.iteration_s for name, r in runs.items()}}
     if check is not None:
         result["redis_check"] = check
