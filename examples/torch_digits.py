@@ -52,27 +52,35 @@ def main() -> None:
     train, test = datasets(device)
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10)).to(device)
-    model = DDP(model, device_ids=[device.index] if cuda else None)
+    net = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10)).to(device)
+    model = DDP(net, device_ids=[device.index] if cuda else None)
     lb = Balancer.from_env(args.global_batch, redis=args.redis)  # lbbsp
     lb.attach(model)  # lbbsp: gradients weighted by b_i / B, compute timed up to the all-reduce
     loader = lb.loader(train, seed=0, pin_memory=cuda)  # lbbsp: replaces DataLoader + DistributedSampler
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     accuracy = 0.0
+    full_split: tuple[int, ...] = ()  # the split of the last global batch of args.global_batch samples
     for epoch in range(args.epochs):
         loader.set_epoch(epoch)
+        seen = torch.zeros(2, device=device)  # this rank's summed training loss and its sample count
         for x, y in loader:
             loss = F.cross_entropy(model(x.to(device)), y.to(device))
             loss.backward()
             opt.step()
             opt.zero_grad()
+            seen[0] += loss.detach() * len(y)
+            seen[1] += len(y)
+            if lb.step is not None and lb.step.total == args.global_batch:  # lbbsp: not the short final batch
+                full_split = lb.step.split
+        dist.all_reduce(seen)
+        train_loss = (seen[0] / seen[1]).item()  # the epoch's mean over all ranks' samples
         with torch.no_grad():
             x, y = test.tensors
-            accuracy = (model.module(x.to(device)).argmax(1) == y.to(device)).float().mean().item()
+            accuracy = (net(x.to(device)).argmax(1) == y.to(device)).float().mean().item()
         if rank == 0:
-            print(f"epoch {epoch:3d}  loss {loss.item():.4f}  test accuracy {accuracy:.3f}  "
-                  f"sizes {list(lb.step.split)}", flush=True)
+            print(f"epoch {epoch:3d}  loss {train_loss:.4f}  test accuracy {accuracy:.3f}  "
+                  f"sizes {list(full_split)}", flush=True)
     lb.close()  # lbbsp
     if rank == 0:
         print(json.dumps({"epochs": args.epochs, "test_accuracy": round(accuracy, 4)}), flush=True)

@@ -134,7 +134,9 @@ def decision_times(url: str, workers: int, warmup: int, repeats: int) -> dict[st
     long run). The models take turns within each iteration, so a drift in this machine's speed hits all alike."""
     rng = np.random.default_rng(0)
     speed = rng.uniform(500, 5000, workers)
-    runs = []
+    # per model: name, worker kind, job, store, timed policy, coordinator, times, [the sizes in use]
+    runs: list[tuple[str, str, JobConfig, Store, _Timed, Coordinator,
+                     dict[str, list[float]], list[tuple[int, ...]]]] = []
     with contextlib.ExitStack() as stack:
         for name, (model, kind, hedge) in MODELS.items():
             config = JobConfig(f"decide-{workers}-{len(runs)}-{time.time_ns()}", workers, 64 * workers)
@@ -190,18 +192,17 @@ def main() -> None:
     parser.add_argument("--redis", help="Redis URL (default: an embedded redis-server)")
     args = parser.parse_args()
     server = None if args.redis else EmbeddedRedis()
-    url = args.redis or server.url
+    url = server.url if server is not None else args.redis
     try:
         if not args.skip_critical_path:
             print("critical path added per iteration (report call + fetch of the next vector after the barrier; "
                   "slowest worker)")
             print("(floor: each worker only does one plain Redis GET, the least any coordination could cost here)")
             print(f"{'lag':>5} {'workers':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
-            for lag in ("floor", 2, 1):
+            for label, lag, floor in (("floor", 2, True), ("2", 2, False), ("1", 1, False)):
                 for n in args.workers:
-                    added = critical_path(url, n, args.iterations, 2 if lag == "floor" else lag,
-                                          args.compute_ms / 1e3, floor=lag == "floor")
-                    print(f"{lag:>5} {n:>8} {_ms(added, 50)} {_ms(added, 99)} {_ms(added, 100)}", flush=True)
+                    added = critical_path(url, n, args.iterations, lag, args.compute_ms / 1e3, floor=floor)
+                    print(f"{label:>5} {n:>8} {_ms(added, 50)} {_ms(added, 99)} {_ms(added, 100)}", flush=True)
         print(f"\ndecision time in steady state (after {args.warmup} iterations), LB-BSP with each real model; "
               "the models take turns each iteration")
         print(f"{'model':<26} {'workers':>8} {'policy p50':>11} {'policy p99':>11} {'cpu p50':>8} {'step p50':>9} "

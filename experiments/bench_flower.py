@@ -25,6 +25,7 @@ import logging
 import sys
 import uuid
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 
@@ -49,10 +50,11 @@ RUNS = (("fedavg (weight by data)", "fedavg", "data", False, False),
 def run_one(mode: str, weight_by: str, clients: int, rounds: int, redis_url: str, dropout: float = 0.0,
             compensate: bool = False) -> tuple[list[dict[str, float]], float | None]:
     """The per-round accuracy and times, and (lbbsp) the mean share of the nominal round total that came back."""
-    cfg = {"num-server-rounds": rounds, "num-clients": clients, "mode": mode, "adapt": "batch", "batch-size": BATCH,
-           "local-steps": STEPS, "min-size": 8, "weight-by": weight_by, "deadline-slack": 0.0, "lr": 0.5,
-           "alpha": 0.5, "seed": 0, "emulate": True, "round-timeout": 120.0, "dropout": dropout,
-           "compensate-dropouts": compensate}
+    cfg: server_app.Config = {
+        "num-server-rounds": rounds, "num-clients": clients, "mode": mode, "adapt": "batch", "batch-size": BATCH,
+        "local-steps": STEPS, "min-size": 8, "weight-by": weight_by, "deadline-slack": 0.0, "lr": 0.5,
+        "alpha": 0.5, "seed": 0, "emulate": True, "round-timeout": 120.0, "dropout": dropout,
+        "compensate-dropouts": compensate}
     grid = LocalGrid(client_app.app, [{"partition-id": i, "num-partitions": clients} for i in range(clients)],
                      run_config=cfg)
     history = ClientHistory.from_url(redis_url, f"bench-{uuid.uuid4().hex[:8]}") if mode == "lbbsp" else None
@@ -65,19 +67,29 @@ def run_one(mode: str, weight_by: str, clients: int, rounds: int, redis_url: str
                 for report in reports:
                     per_round[report.iteration] = per_round.get(report.iteration, 0) + report.samples
             back = float(np.mean(list(per_round.values()))) / (BATCH * STEPS * clients)
-        return rows, back  # type: ignore[return-value]
+        return rows, back
     finally:
         grid.close()
         if history is not None:
             history.close()
 
 
-def summarise(rows: list[dict[str, float]], target: float) -> dict[str, float | None]:
+class Summary(TypedDict):
+    """One run's figures, as printed and written (with its rounds) to bench_flower.json."""
+
+    mean_round_s: float
+    time_to_target_s: float | None
+    rounds_to_target: float | None
+    final_accuracy: float
+    samples_back: float | None
+
+
+def summarise(rows: list[dict[str, float]], target: float, samples_back: float | None) -> Summary:
     elapsed = np.array([r["elapsed_s"] for r in rows])
     reached = [r["elapsed_s"] for r in rows if r["accuracy"] >= target]
     return {"mean_round_s": float(np.diff(elapsed).mean()), "time_to_target_s": reached[0] if reached else None,
             "rounds_to_target": next((r["round"] for r in rows if r["accuracy"] >= target), None),
-            "final_accuracy": rows[-1]["accuracy"]}
+            "final_accuracy": rows[-1]["accuracy"], "samples_back": samples_back}
 
 
 def main() -> None:
@@ -88,7 +100,8 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.4, help="the most-dropping clients' chance per round")
     args = parser.parse_args()
     logging.getLogger("flwr").setLevel(logging.ERROR)  # the emulated dropouts would log a warning each
-    results: dict[str, dict[str, object]] = {}
+    summaries: dict[str, Summary] = {}
+    results: dict[str, dict[str, object]] = {}  # the summaries with their rounds, for the JSON file
     with EmbeddedRedis() as redis:
         for name, mode, weight_by, dropouts, compensate in RUNS:
             print(f"-- {name}: {args.clients} emulated clients, {args.rounds} rounds", flush=True)
@@ -96,18 +109,19 @@ def main() -> None:
                                  args.dropout if dropouts else 0.0, compensate)
             for row in rows[1:]:
                 print(f"   round {row['round']:3d}  accuracy {row['accuracy']:.3f}  elapsed {row['elapsed_s']:7.2f}s")
-            results[name] = {**summarise(rows, args.target), "samples_back": back, "rounds": rows}
-    base = results["fedavg (weight by data)"]
+            summaries[name] = summarise(rows, args.target, back)
+            results[name] = {**summaries[name], "rounds": rows}
+    base = summaries["fedavg (weight by data)"]
     print(f"\nemulated times; target test accuracy {args.target}; dropout {args.dropout}")
     print(f"{'run':32s} {'mean round s':>12s} {'to target s':>12s} {'rounds':>7s} {'final acc':>9s}"
           f" {'round ratio':>11s} {'target ratio':>12s} {'samples back':>12s}")
-    for name, res in results.items():
+    for name, res in summaries.items():
         ttt, base_ttt = res["time_to_target_s"], base["time_to_target_s"]
         ratio_t = f"{ttt / base_ttt:.3f}" if ttt is not None and base_ttt else "n/a"
-        back = f"{res['samples_back']:.0%}" if res["samples_back"] is not None else "-"
+        share_back = f"{res['samples_back']:.0%}" if res["samples_back"] is not None else "-"
         print(f"{name:32s} {res['mean_round_s']:12.2f} {ttt if ttt is None else round(ttt, 2)!s:>12s} "
               f"{res['rounds_to_target']!s:>7s} {res['final_accuracy']:9.3f} "
-              f"{res['mean_round_s'] / base['mean_round_s']:11.3f} {ratio_t:>12s} {back:>12s}")
+              f"{res['mean_round_s'] / base['mean_round_s']:11.3f} {ratio_t:>12s} {share_back:>12s}")
     out = ROOT / "experiments" / "results" / "bench_flower.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"clients": args.clients, "rounds": args.rounds, "target": args.target,

@@ -88,8 +88,12 @@ class ContentionSchedule:
         self._rng = np.random.default_rng(seed)
         self._mean_dwell_s = mean_dwell_s
         self._procs = [mp.Process(target=_busy_loop, args=(core,), daemon=True) for _ in range(max_level)]
+        self._pids: list[int] = []
         for proc in self._procs:
             proc.start()
+            if proc.pid is None:  # start() sets it; None would mean the process never started
+                raise RuntimeError("a co-located busy loop did not start")
+            self._pids.append(proc.pid)
             os.kill(proc.pid, signal.SIGSTOP)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -103,15 +107,15 @@ class ContentionSchedule:
             self._set(int(self._rng.integers(0, len(self._procs) + 1)))
 
     def _set(self, level: int) -> None:
-        for i, proc in enumerate(self._procs):
-            os.kill(proc.pid, signal.SIGCONT if i < level else signal.SIGSTOP)
+        for i, pid in enumerate(self._pids):
+            os.kill(pid, signal.SIGCONT if i < level else signal.SIGSTOP)
         self.level = level
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
-        for proc in self._procs:
-            os.kill(proc.pid, signal.SIGCONT)
+        for proc, pid in zip(self._procs, self._pids):
+            os.kill(pid, signal.SIGCONT)
             proc.terminate()
             proc.join()
 

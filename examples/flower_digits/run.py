@@ -108,7 +108,10 @@ def main() -> None:
     args = parser.parse_args()
     result = run_deployment(args.clients, {"num-server-rounds": args.rounds, "mode": args.mode,
                                            "weight-by": args.weight_by})
-    for row in result["rounds"]:  # type: ignore[union-attr]
+    rounds = result["rounds"]
+    if not isinstance(rounds, list):
+        raise TypeError(f"the ServerApp's result should list its rounds, got {rounds!r}")
+    for row in rounds:
         print(f"round {row['round']:3d}  accuracy {row['accuracy']:.3f}  elapsed {row['elapsed_s']:7.2f}s")
 
 

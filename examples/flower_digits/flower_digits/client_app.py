@@ -14,6 +14,14 @@ from . import task
 app = ClientApp()
 
 
+def _server_round(msg: Message) -> int:
+    """The round number the strategy put in the train config (Flower's strategies send an int)."""
+    server_round = msg.content.config_records["config"]["server-round"]
+    if not isinstance(server_round, int):
+        raise TypeError(f"the train config's server-round should be an int, got {server_round!r}")
+    return server_round
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     cfg, node = context.run_config, context.node_config
@@ -24,8 +32,9 @@ def train(msg: Message, context: Context) -> Message:
     rnd = LocalRound(msg, link=link, default=Workload(int(cfg["batch-size"]), int(cfg["local-steps"])),
                      data_size=len(mine))
     x, y = task.load_digits()
-    rng = np.random.default_rng([seed, pid, int(msg.content["config"]["server-round"])])
-    params = msg.content["arrays"].to_numpy_ndarrays()
+    server_round = _server_round(msg)
+    rng = np.random.default_rng([seed, pid, server_round])
+    params = msg.content.array_records["arrays"].to_numpy_ndarrays()
     loss = 0.0
     for batch_size in rnd.batches():
         started = time.perf_counter()
@@ -33,6 +42,6 @@ def train(msg: Message, context: Context) -> Message:
         params, loss = task.sgd_step(params, x[batch], y[batch], float(cfg["lr"]))
         if cfg["emulate"]:
             task.emulate_compute(batch_size, prof.speed, started)
-    if task.drops_out(pid, int(msg.content["config"]["server-round"]), float(cfg.get("dropout", 0.0)), seed):
+    if task.drops_out(pid, server_round, float(cfg.get("dropout", 0.0)), seed):
         raise RuntimeError("emulated dropout: the device left before replying")
     return rnd.reply(ArrayRecord(params), {"train-loss": loss})

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
+from typing import TypedDict
 
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
@@ -15,6 +16,15 @@ from . import task
 
 app = ServerApp()
 Config = Mapping[str, int | float | str | bool]
+
+
+class Summary(TypedDict):
+    """What :func:`run` returns and ``main`` writes to ``out``."""
+
+    mode: str
+    rounds: list[dict[str, float]]  # round, accuracy (central test set) and elapsed_s after each round
+    # the aggregated ClientApp train metrics per round (values as in a MetricRecord)
+    train_metrics: dict[int, dict[str, int | float | list[int] | list[float]]]
 
 
 def build_strategy(cfg: Config, history: ClientHistory | None) -> Strategy:
@@ -33,7 +43,7 @@ def build_strategy(cfg: Config, history: ClientHistory | None) -> Strategy:
                         weight_by=weight_by, compensate_dropouts=bool(cfg.get("compensate-dropouts", False)))  # type: ignore[arg-type]
 
 
-def run(grid: Grid, cfg: Config, history: ClientHistory | None) -> dict[str, object]:
+def run(grid: Grid, cfg: Config, history: ClientHistory | None) -> Summary:
     """Train for num-server-rounds; returns the accuracy and wall time after every round."""
     x_test, y_test = task.test_set(int(cfg["seed"]))
     rounds: list[dict[str, float]] = []
