@@ -33,13 +33,20 @@ class InvertibleTimeModel(TimeModel, Protocol):
 
 @dataclass(frozen=True)
 class LinearTime:
-    """time_i(x) = overhead_i + x / speed_i, the CPU model: throughput ``speed`` in samples per second."""
+    """time_i(x) = overhead_i + x / speed_i, the CPU model: throughput ``speed`` in samples per second.
+
+    ``idle_is_free``: a worker given no samples takes no time at all, overhead included (a federated client
+    that is not asked this round downloads nothing).
+    """
 
     speed: np.ndarray
     overhead: np.ndarray | float = 0.0
+    idle_is_free: bool = False
 
     def time(self, sizes: np.ndarray) -> np.ndarray:
-        return self.overhead + np.asarray(sizes, dtype=float) / self.speed
+        x = np.asarray(sizes, dtype=float)
+        seconds = self.overhead + x / self.speed
+        return np.where(x > 0, seconds, 0.0) if self.idle_is_free else seconds
 
     def capacity(self, deadline: float) -> np.ndarray:
         # The small slack keeps x whose time equals the deadline up to rounding.
@@ -135,6 +142,28 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
     if x.sum() != global_batch:  # unreachable for a monotone model; a clear error beats a wrong split
         raise AllocationError("the time model is not non-decreasing in the batch size")
     return x
+
+
+def allocate_sitting_out(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndarray,
+                         upper: Sequence[int] | np.ndarray, out: Sequence[int] | np.ndarray) -> np.ndarray:
+    """:func:`allocate`, or, if its predicted finish is earlier, the split in which the workers ``out`` sit the
+    iteration out (size 0) and the others share the global batch within their bounds.
+
+    Sitting out pays where a worker given nothing takes no time (``LinearTime(idle_is_free=True)``: a
+    federated client not asked this round); elsewhere such a worker still takes its fixed time, so little is won.
+    """
+    lower = np.asarray(lower, dtype=np.int64)
+    upper = np.asarray(upper, dtype=np.int64)
+    everyone = allocate(model, global_batch, lower, upper)
+    out = np.asarray(out, dtype=np.int64)
+    if out.size == 0:
+        return everyone
+    low, high = lower.copy(), upper.copy()
+    low[out] = high[out] = 0
+    if int(high.sum()) < global_batch:  # the others cannot hold the global batch
+        return everyone
+    without = allocate(model, global_batch, low, high)
+    return without if predicted_makespan(model, without) < predicted_makespan(model, everyone) else everyone
 
 
 def _only_flat_jumps(model: TimeModel, x_lo: np.ndarray, x_hi: np.ndarray, room: np.ndarray) -> bool:

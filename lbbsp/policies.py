@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .allocation import TimeModel, allocate, damp, predicted_makespan
+from .allocation import TimeModel, allocate, allocate_sitting_out, damp, predicted_makespan
 from .config import JobConfig
 from .errors import ConfigError
 from .hedging import ForecastRisk, hedged
@@ -82,16 +82,20 @@ class LBBSPPolicy(Policy):
     may nudge the result (``CapacityModel.explore``). ``hedge``: how many workers the split may expect to
     overrun the common finish; each worker's time is planned with a margin learned from how the model's
     past forecasts missed (:class:`~lbbsp.hedging.ForecastRisk`); None or 0 plans on the forecast alone.
-    ``Decision.predicted_s`` stays the forecast's own seconds, without margins.
+    ``Decision.predicted_s`` stays the forecast's own seconds, without margins. ``sit_out``: the share of
+    workers that may be given nothing in an iteration, where the rest then finish sooner
+    (:func:`~lbbsp.allocation.allocate_sitting_out`); it pays for federated clients, whose transfers a round
+    spares the clients it does not ask (the torch and Keras integrations expect every worker to get samples).
     """
 
     name = "lbbsp"
 
     def __init__(self, model: CapacityModel | None = None, *, deadband: float = 0.03,
-                 hedge: float | None = 2.0) -> None:
+                 hedge: float | None = 2.0, sit_out: float = 0.0) -> None:
         self.model = model if model is not None else AutoCapacityModel()
         self.deadband = deadband
         self.hedge = hedge
+        self.sit_out = _check_share(sit_out, "sit_out")
         self.risk = ForecastRisk(hedge) if hedge else None
         self._seen = False
 
@@ -120,9 +124,17 @@ class LBBSPPolicy(Policy):
             capped = np.maximum(capped, np.minimum(current, upper)) if current.shape == upper.shape else upper
         return lower, capped if capped.sum() >= config.global_batch else upper
 
-    def propose(self, time_model: TimeModel, config: JobConfig, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
-        """The split with the earliest predicted finish."""
-        return allocate(time_model, config.global_batch, lower, upper)
+    def propose(self, time_model: TimeModel, config: JobConfig, lower: np.ndarray, upper: np.ndarray,
+                forecast: TimeModel | None = None) -> np.ndarray:
+        """The split with the earliest predicted finish under ``time_model``. With ``sit_out``, the workers
+        slowest at their smallest size under ``forecast`` (the forecast without margins; by default
+        ``time_model``) may sit out: margins learned from compute misses would mis-rank transfer-bound clients."""
+        count = int(self.sit_out * config.num_workers + 1e-9)
+        if count == 0:
+            return allocate(time_model, config.global_batch, lower, upper)
+        ranked = forecast if forecast is not None else time_model
+        slowest = np.argsort(-np.asarray(ranked.time(np.maximum(lower, 1)), dtype=float), kind="stable")[:count]
+        return allocate_sitting_out(time_model, config.global_batch, lower, upper, slowest)
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         if not self._seen:
@@ -139,7 +151,7 @@ class LBBSPPolicy(Policy):
                 plan = hedged(time_model, factor)
         current_arr = np.asarray(current, dtype=np.int64)
         lower, upper = self.bounds(workers, current_arr, config)
-        proposed = self.propose(plan, config, lower, upper)
+        proposed = self.propose(plan, config, lower, upper, time_model)
         in_bounds = current_arr.shape == proposed.shape and bool(
             ((current_arr >= lower) & (current_arr <= upper)).all())
         sizes, changed = damp(current_arr, proposed, plan, self.deadband) if in_bounds else (proposed, True)
@@ -157,6 +169,8 @@ class LBBSPPolicy(Policy):
             reason = f"kept: predicted gain under the {self.deadband:.0%} dead band ({finish_label} {finish:.4g}s)"
         if plan is not time_model:
             reason += f"; slowdown margins x{factor.min():.2f} to x{factor.max():.2f}"
+        if self.sit_out and not sizes.all():
+            reason += f"; {int((sizes == 0).sum())} sit out"
         return Decision(tuple(sizes.tolist()), reason, tuple(predicted.tolist()), tuple(throughput.tolist()))
 
 
@@ -257,8 +271,8 @@ class OraclePolicy(LBBSPPolicy):
 
     name = "oracle"
 
-    def __init__(self) -> None:
-        super().__init__(EWMAThroughput(), deadband=0.0, hedge=None)
+    def __init__(self, *, sit_out: float = 0.0) -> None:
+        super().__init__(EWMAThroughput(), deadband=0.0, hedge=None, sit_out=sit_out)
         self._truth: TimeModel | None = None
         self._caps: np.ndarray | None = None
 
@@ -272,9 +286,15 @@ class OraclePolicy(LBBSPPolicy):
         lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
         if self._caps is not None:
             upper = np.maximum(np.minimum(upper, self._caps), lower)
-        sizes = allocate(self._truth, config.global_batch, lower, upper)
+        sizes = self.propose(self._truth, config, lower, upper)
         return Decision(tuple(sizes.tolist()), "true speeds of the coming iteration",
                         tuple(self._truth.time(sizes).tolist()))
+
+
+def _check_share(value: float, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ConfigError(f"{name} must be a share in [0, 1), got {value!r}")
+    return float(value)
 
 
 __all__ = ["BSPPolicy", "BackupWorkersPolicy", "Decision", "LBBSPPolicy", "LeaderStragglerPolicy",

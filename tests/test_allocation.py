@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lbbsp import AllocationError, LinearTime, allocate
-from lbbsp.allocation import damp
+from lbbsp.allocation import allocate_sitting_out, damp, predicted_makespan
 
 
 class StepCurve:
@@ -87,3 +87,20 @@ def test_dead_band_keeps_the_current_split_for_small_gains() -> None:
     model = LinearTime(np.array([1.0, 3.0]))
     moved, changed = damp([50, 50], np.array([25, 75]), model, deadband=0.05)
     assert changed and moved.tolist() == [25, 75]
+
+
+def test_a_client_whose_transfer_alone_is_too_slow_sits_out() -> None:
+    # four clients of one compute speed; client 3's model transfer takes 50 s, the others' 1 s
+    rounds = LinearTime(np.full(4, 10.0), overhead=np.array([1.0, 1.0, 1.0, 50.0]), idle_is_free=True)
+    assert rounds.time(np.array([0, 0, 5, 0])).tolist() == [0.0, 0.0, 1.5, 0.0]  # not asked: no transfer
+    everyone = allocate(rounds, 100, [1] * 4, [100] * 4)
+    sizes = allocate_sitting_out(rounds, 100, [1] * 4, [100] * 4, out=[3])
+    assert sizes.tolist() == [34, 33, 33, 0]
+    assert predicted_makespan(rounds, sizes) < 5 < 50 < predicted_makespan(rounds, everyone)
+    # a worker that pays its overhead even when idle (not a federated client) still holds everyone up
+    busy = LinearTime(np.full(4, 10.0), overhead=np.array([1.0, 1.0, 1.0, 50.0]))
+    assert predicted_makespan(busy, allocate_sitting_out(busy, 100, [1] * 4, [100] * 4, out=[3])) == 50.0
+    # nobody out, or the others cannot hold the global batch: the plain split
+    assert allocate_sitting_out(rounds, 100, [1] * 4, [100] * 4, out=[]).tolist() == everyone.tolist()
+    assert allocate_sitting_out(rounds, 100, [1] * 4, [30] * 4, out=[3]).tolist() == allocate(
+        rounds, 100, [1] * 4, [30] * 4).tolist()

@@ -7,6 +7,7 @@ import pytest
 from lbbsp.allocation import LinearTime
 from lbbsp.config import JobConfig
 from lbbsp.errors import ConfigError
+from lbbsp.models import FLClientModel
 from lbbsp.policies import (
     BackupWorkersPolicy,
     BSPPolicy,
@@ -48,6 +49,28 @@ def test_bsp_and_backup_keep_the_equal_split() -> None:
 def test_lbbsp_and_oracle_split_in_proportion_to_speed() -> None:
     assert _drive(LBBSPPolicy(), 3)[-1].tolist() == [100, 200, 400, 100]
     assert _drive(OraclePolicy(), 1)[-1].tolist() == [100, 200, 400, 100]
+
+
+def test_lbbsp_lets_the_slowest_federated_clients_sit_out() -> None:
+    # six clients, equal compute; client 4 needs 60 s and client 1 20 s to move the model, the rest 2 s
+    transfer = np.array([2.0, 20.0, 2.0, 2.0, 60.0, 2.0])
+    config = JobConfig("p", 6, 120)
+    reports = [Report("p", i, 0, 20, 1.0, features={"download_s": t / 2, "upload_s": t / 2}, device="phone")
+               for i, t in enumerate(transfer.tolist())]
+    sizes = {}
+    for share in (0.0, 1 / 6, 2 / 6):
+        policy = LBBSPPolicy(FLClientModel(), sit_out=share)
+        policy.observe(reports)
+        decision = policy.decide(2, config.initial_sizes(), config)
+        sizes[share] = decision.sizes
+        assert sum(sizes[share]) == 120
+        assert (f"{round(share * 6)} sit out" in decision.reason) == (share > 0)
+    assert 0 not in sizes[0.0]
+    assert [i for i, s in enumerate(sizes[1 / 6]) if s == 0] == [4]  # the slowest transfer sits out
+    assert [i for i, s in enumerate(sizes[2 / 6]) if s == 0] == [1, 4]
+    for bad in (1.0, -0.1, True, "0.1"):
+        with pytest.raises(ConfigError, match="sit_out"):
+            LBBSPPolicy(sit_out=bad)  # type: ignore[arg-type]
 
 
 def test_lbbsp_replaces_a_split_outside_the_bounds_and_says_why() -> None:

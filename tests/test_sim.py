@@ -58,6 +58,19 @@ def test_level_oracles_know_the_slow_process_but_not_the_noise() -> None:
     assert "oracle-level" not in standard_policies(GPUMix(4, 5, seed=0))  # no noise-free truth there
 
 
+def test_federated_clients_sitting_out_beat_backup_workers_that_drop_as_many() -> None:
+    scenario = FLClients(40, 30, seed=0)
+    policies = standard_policies(scenario)
+    assert {"lbbsp-sit-out", "oracle-sit-out"} <= set(policies)
+    assert "lbbsp-sit-out" not in standard_policies(GPUMix(4, 5, seed=0))
+    runs = compare(scenario, 30, policies)
+    out = [sum(size == 0 for size in sizes) for sizes in runs["lbbsp-sit-out"].sizes[2:]]
+    assert set(out) == {2}  # as many as backup workers drop (40 // 20), once it has measurements
+    assert all(sum(sizes) == scenario.config.global_batch for sizes in runs["lbbsp-sit-out"].sizes)
+    mean = {name: float(np.mean(run.iteration_s)) for name, run in runs.items()}
+    assert mean["oracle-sit-out"] <= mean["lbbsp-sit-out"] < mean["backup"] < mean["lbbsp"]
+
+
 def test_cli_writes_json_and_png(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)

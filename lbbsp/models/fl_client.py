@@ -72,10 +72,11 @@ class FLClientModel(CapacityModel):
         return np.nan_to_num(self._with_prior(self.transfer_s_, workers), nan=0.0)
 
     def time_model(self, workers: WorkerIds) -> LinearTime:
-        """Round seconds as a function of the client's batch size, local steps fixed."""
+        """Round seconds as a function of the client's batch size, local steps fixed; a client given nothing
+        is not asked, so it costs no time (no transfer either)."""
         speed = self.predict(workers)
         speed = np.where(np.isfinite(speed) & (speed > 0), speed, 1.0)
-        return LinearTime(speed / self.local_steps, overhead=self.transfer_s(workers))
+        return LinearTime(speed / self.local_steps, overhead=self.transfer_s(workers), idle_is_free=True)
 
     def _check_params(self) -> None:
         if not isinstance(self.local_steps, int) or self.local_steps < 1:

@@ -122,6 +122,9 @@ def table(scenario: Scenario, summary: dict[str, dict[str, float]]) -> str:
         lines.append(f"references, not policies: oracle-level knows each worker's speed without its per-iteration "
                      f"noise for the coming iteration;\n  oracle-level-late knows the same, but only as of the "
                      f"latest reports ({scenario.config.lag} iterations late, as LB-BSP)")
+    if "oracle-sit-out" in summary:
+        lines.append("reference, not a policy: oracle-sit-out knows every client's true speed and transfer for the "
+                     "coming round and lets as many sit out as lbbsp-sit-out may (and backup drops)")
     return "\n".join(lines)
 
 

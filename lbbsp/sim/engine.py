@@ -64,21 +64,29 @@ class LevelOracle(OraclePolicy):
 
 def standard_policies(scenario: Scenario) -> dict[str, Policy]:
     """Every policy of the comparison, fresh: the oracle first, LB-BSP with the scenario's automatic model;
-    where the scenario separates noise from its slow process, the two :class:`LevelOracle` references too."""
+    where the scenario separates noise from its slow process, the two :class:`LevelOracle` references too;
+    where a worker given nothing is not asked (federated clients), LB-BSP letting as many sit out as backup
+    workers drop, and the oracle doing the same as a reference."""
     n = scenario.config.num_workers
+    backups = max(1, n // 20)
     references: dict[str, Policy] = {}
+    sitting_out: dict[str, Policy] = {}
     if scenario.expected(0) is not None:
         references = {"oracle-level": LevelOracle(), "oracle-level-late": LevelOracle(delay=scenario.config.lag)}
+    if getattr(scenario.truth(0).time_model, "idle_is_free", False):
+        references = {"oracle-sit-out": OraclePolicy(sit_out=backups / n)}
+        sitting_out = {"lbbsp-sit-out": LBBSPPolicy(scenario.capacity_model(), sit_out=backups / n)}
     return {
         "oracle": OraclePolicy(),
         **references,
         "lbbsp": LBBSPPolicy(scenario.capacity_model()),
+        **sitting_out,
         "lbbsp-ewma": LBBSPPolicy(EWMAThroughput()),
         "bsp": BSPPolicy(),
         "static-proportional": StaticProportionalPolicy(),
         "per-epoch": PerEpochPolicy(),
         "leader-straggler": LeaderStragglerPolicy(model=scenario.capacity_model()),
-        "backup": BackupWorkersPolicy(backups=max(1, n // 20)),
+        "backup": BackupWorkersPolicy(backups=backups),
     }
 
 
@@ -110,6 +118,8 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
             truth = scenario.truth(k)
             seconds = truth.time_model.time(sizes)
             present = truth.present if truth.present is not None else np.ones(n, dtype=bool)
+            if getattr(truth.time_model, "idle_is_free", False):  # a client given nothing is not asked
+                present = present & (sizes > 0)
             finish = np.sort(seconds[present])
             waited_for = finish[:max(1, round(aggregated * present.sum() / n))]
             iteration_s = float(waited_for[-1]) * (n / aggregated)  # time per full global batch of B samples

@@ -189,7 +189,8 @@ class FLClients(Scenario):
     """Federated clients, FedScale-style: round = transfer + local_steps * batch * 3 * ms_per_sample / 1000.
 
     ms per sample and up/down kbps are lognormal across clients (a spread of about two orders of magnitude
-    each); each round every client's speed wobbles by ``round_noise`` and drops out with ``dropout``.
+    each); each round every client's speed wobbles by ``round_noise`` and drops out with ``dropout``. A client
+    given no samples is not asked: it takes no time and sends no report.
     """
 
     def __init__(self, num_workers: int, iterations: int, seed: int, *, batch_per_client: int = 20,
@@ -213,7 +214,8 @@ class FLClients(Scenario):
 
     def truth(self, iteration: int) -> Truth:
         speed = self.samples_per_s / self.noise[iteration] / self.local_steps  # batch -> seconds, steps fixed
-        return Truth(LinearTime(speed, overhead=self.download_s + self.upload_s), present=self.present[iteration])
+        return Truth(LinearTime(speed, overhead=self.download_s + self.upload_s, idle_is_free=True),
+                     present=self.present[iteration])
 
     def measured(self, sizes: np.ndarray, seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Clients report local samples (steps x batch) and compute seconds without the transfers."""
