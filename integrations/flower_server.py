@@ -25,7 +25,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from lbbsp.allocation import LinearTime, allocate, predicted_makespan
+from lbbsp.allocation import LinearTime, allocate_sitting_out, predicted_makespan
 from lbbsp.client_history import ClientHistory, ClientStatus
 from lbbsp.errors import ConfigError, ProtocolError, StoreUnavailable
 from lbbsp.fedagg import fednova_scales, rescale_update
@@ -99,12 +99,16 @@ class LoadBalanced(Strategy):
     The model learns each client's availability from the round outcomes; the plan logs the share of the
     round total expected back. ``compensate_dropouts=True`` raises the total (at most ``MAX_COMPENSATION``
     times) so that the samples expected back make the nominal total: dropouts then cost time, not samples.
+    ``sit_out`` (a share, e.g. 0.05) lets that many of the sampled clients, those predicted slowest even with
+    the smallest workload, sit the round out when the others then finish sooner: they are not sent the
+    round at all (no download), and the others share the round total. The same slow clients then tend to
+    sit out round after round, so their data is trained on less: keep the share small.
     """
 
     def __init__(self, strategy: Strategy, history: ClientHistory, *, batch_size: int = 32, local_steps: int = 1,
                  adapt: Literal["batch", "steps"] = "batch", min_size: int = 1, max_size: int | None = None,
                  deadline_slack: float | None = None, weight_by: Literal["samples", "data"] = "samples",
-                 compensate_dropouts: bool = False, model: FLClientModel | None = None) -> None:
+                 compensate_dropouts: bool = False, sit_out: float = 0.0, model: FLClientModel | None = None) -> None:
         Workload(batch_size, local_steps)  # validates both
         if adapt not in ("batch", "steps"):
             raise ConfigError(f"adapt must be 'batch' or 'steps', got {adapt!r}")
@@ -114,6 +118,8 @@ class LoadBalanced(Strategy):
             raise ConfigError(f"need 1 <= min_size <= max_size, got {min_size} and {max_size}")
         if deadline_slack is not None and deadline_slack < 1:
             raise ConfigError(f"deadline_slack must be at least 1, got {deadline_slack}")
+        if isinstance(sit_out, bool) or not isinstance(sit_out, (int, float)) or not 0 <= sit_out < 1:
+            raise ConfigError(f"sit_out must be a share in [0, 1), got {sit_out!r}")
         self.strategy = strategy
         self.history = history
         self.batch_size = batch_size
@@ -124,6 +130,7 @@ class LoadBalanced(Strategy):
         self.deadline_slack = deadline_slack
         self.weight_by = weight_by
         self.compensate_dropouts = compensate_dropouts
+        self.sit_out = float(sit_out)
         self.model = model if model is not None else FLClientModel(local_steps)
         self.weighted_by_key: str = getattr(strategy, "weighted_by_key", "num-examples")
         self.configrecord_key: str = getattr(strategy, "configrecord_key", "config")
@@ -138,24 +145,26 @@ class LoadBalanced(Strategy):
 
     def summary(self) -> None:
         log(INFO, "\t├──> LoadBalanced (lbbsp): adapt %s, batch size %d, local steps %d, deadline slack %s, "
-                  "weight by %s, compensate dropouts %s, job %s", self.adapt, self.batch_size, self.local_steps,
-            self.deadline_slack, self.weight_by, self.compensate_dropouts, self.history.job)
+                  "weight by %s, compensate dropouts %s, sit out %s, job %s", self.adapt, self.batch_size,
+            self.local_steps, self.deadline_slack, self.weight_by, self.compensate_dropouts, self.sit_out,
+            self.history.job)
         self.strategy.summary()
 
     # -- training ----------------------------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
-        nodes = [m.metadata.dst_node_id for m in messages]
-        plan = self.plan(server_round, nodes)
-        self._pending[server_round] = _Round(arrays, plan, {n: self.history.worker_index(n) for n in nodes})
+        plan = self.plan(server_round, [m.metadata.dst_node_id for m in messages])
+        messages = [m for m in messages if m.metadata.dst_node_id in plan]  # the others sit this round out
+        self._pending[server_round] = _Round(arrays, plan, {n: self.history.worker_index(n) for n in plan})
         for message in messages:
             self._personalise(message, plan[message.metadata.dst_node_id])
         return messages
 
     def plan(self, server_round: int, nodes: list[int]) -> dict[int, Workload]:
-        """Each node's workload: equal predicted finish under the capacity model, round total fixed (or, with
-        ``compensate_dropouts``, raised so that the samples expected back from the available clients make it)."""
+        """Each asked node's workload: equal predicted finish under the capacity model, round total fixed (or,
+        with ``compensate_dropouts``, raised so that the samples expected back from the available clients make
+        it). A node that sits the round out (``sit_out``) has no workload."""
         if not nodes:
             return {}
         unit = self.batch_size if self.adapt == "batch" else self.local_steps
@@ -167,14 +176,17 @@ class LoadBalanced(Strategy):
         if self.compensate_dropouts and available @ sizes < total:
             sizes, reason = self._compensated(time_model, total, available)
         reason += f"; {available @ sizes / total:.0%} of {total} expected back"
+        if not sizes.all():
+            reason += f"; {int((sizes == 0).sum())} sit out"
         deadlines: list[float | None] = [None] * len(nodes)
         if self.deadline_slack is not None and time_model is not None:
             finish = self.deadline_slack * predicted_makespan(time_model, sizes)
             deadlines = [max(finish - float(t), 1e-3) for t in np.atleast_1d(time_model.overhead)]
         log(INFO, "lbbsp round %d: %s, sizes %s", server_round, reason, sizes.tolist())
+        asked = [(n, int(s), d) for n, s, d in zip(nodes, sizes, deadlines) if s > 0]
         if self.adapt == "batch":
-            return {n: Workload(int(s), self.local_steps, d) for n, s, d in zip(nodes, sizes, deadlines)}
-        return {n: Workload(self.batch_size, int(s), d) for n, s, d in zip(nodes, sizes, deadlines)}
+            return {n: Workload(s, self.local_steps, d) for n, s, d in asked}
+        return {n: Workload(self.batch_size, s, d) for n, s, d in asked}
 
     def _compensated(self, time_model: LinearTime | None, total: int, available: np.ndarray) -> tuple[np.ndarray, str]:
         """The split of the smallest total (at most ``MAX_COMPENSATION`` x ``total``) whose samples expected
@@ -194,7 +206,9 @@ class LoadBalanced(Strategy):
         if time_model is None or self.min_size * count > total or upper * count < total:
             reason = "equal split (no measurements yet)" if time_model is None else "equal split (bounds)"
             return np.array(equal_split(total, count)), reason
-        sizes = allocate(time_model, total, [self.min_size] * count, [upper] * count)
+        lower = np.full(count, self.min_size)
+        slowest = np.argsort(-time_model.time(lower), kind="stable")[:int(self.sit_out * count + 1e-9)]
+        sizes = allocate_sitting_out(time_model, total, lower, [upper] * count, slowest)
         return sizes, f"predicted round {predicted_makespan(time_model, sizes):.3g}s"
 
     def aggregate_train(self, server_round: int,
@@ -301,7 +315,7 @@ class LoadBalanced(Strategy):
             return None
         speed = np.where(known, speed, np.median(speed[known]))  # a new client: assume a typical one
         per_unit = self.local_steps if self.adapt == "batch" else self.batch_size
-        return LinearTime(speed / per_unit, overhead=transfer)
+        return LinearTime(speed / per_unit, overhead=transfer, idle_is_free=True)  # a client not asked: no time
 
     def _personalise(self, message: Message, workload: Workload) -> None:
         """Give the message its own RecordDict and ConfigRecord (the arrays stay shared, read-only)."""

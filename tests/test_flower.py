@@ -29,6 +29,7 @@ SECONDS_PER_SAMPLE = {1: 0.0002, 2: 0.0006, 3: 0.0018}  # emulated client speeds
 trained: dict[tuple[int, int], list[int]] = defaultdict(list)  # (round, node) -> batch size of each step
 lock = threading.Lock()
 behaviour: dict[tuple[int, int], str] = {}  # (round, node) -> "raise" | "hang"
+slow_links: set[int] = set()  # nodes whose model transfers take about 0.5 s each way
 
 
 def make_app() -> ClientApp:
@@ -41,7 +42,8 @@ def make_app() -> ClientApp:
             raise RuntimeError("device went away")
         if behaviour.get((rnd, node)) == "hang":
             time.sleep(4)
-        local = LocalRound(msg, link=EmulatedLink(1e7, 1e7))
+        bps = 32.0 if node in slow_links else 1e7  # the 16-byte model
+        local = LocalRound(msg, link=EmulatedLink(bps, bps))
         w = msg.content["arrays"].to_numpy_ndarrays()[0]
         for batch_size in local.batches():
             with lock:
@@ -97,6 +99,32 @@ def test_each_client_gets_its_own_config_and_trains_exactly_on_it(redis_url: str
     later = strategy.plans[3]
     assert len({w.batch_size for w in later.values()}) == 3, "measured speeds differ 9x, so must the batches"
     assert later[1].batch_size > later[2].batch_size > later[3].batch_size
+
+
+@pytest.mark.timeout(120)
+def test_a_client_with_a_slow_link_sits_rounds_out_and_the_others_share_its_samples(redis_url: str,
+                                                                                    job: str) -> None:
+    trained.clear()
+    slow_links.add(2)
+    try:
+        with ClientHistory.from_url(redis_url, job) as history:
+            strategy = run(history, rounds=3, sit_out=0.34)  # one of the three clients may sit out
+            statuses = history.statuses()
+            index = {int(node): i for node, i in history.workers().items()}
+    finally:
+        slow_links.clear()
+    assert set(strategy.plans[1]) == {1, 2, 3}  # no measurements yet: everyone is asked
+    for rnd in (2, 3):  # node 2's 1 s of transfers outlast the others' rounds: it is not even sent the round
+        assert set(strategy.plans[rnd]) == {1, 3}
+        assert {m.metadata.dst_node_id for m in strategy.sent[rnd]} == {1, 3}
+        assert (rnd, 2) not in trained
+        assert sum(w.batch_size for w in strategy.plans[rnd].values()) == 120  # the round total stays
+    assert statuses[index[2]].round == 1 and statuses[index[2]].status == "ok"  # sitting out is no failure
+    assert strategy.model.availability([index[2]]).tolist() == [1.0]
+    # with every link fast, sitting out would only slow the round: all three are asked
+    with ClientHistory.from_url(redis_url, job + "-fast") as history:
+        fast = run(history, rounds=2, sit_out=0.34)
+    assert set(fast.plans[2]) == {1, 2, 3}
 
 
 @pytest.mark.timeout(120)
