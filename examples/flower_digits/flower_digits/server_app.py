@@ -40,7 +40,8 @@ def build_strategy(cfg: Config, history: ClientHistory | None) -> Strategy:
     slack = float(cfg["deadline-slack"])
     return LoadBalanced(base, history, batch_size=int(cfg["batch-size"]), local_steps=int(cfg["local-steps"]),
                         adapt=str(cfg["adapt"]), min_size=int(cfg["min-size"]), deadline_slack=slack if slack > 0 else None,  # type: ignore[arg-type]
-                        weight_by=weight_by, compensate_dropouts=bool(cfg.get("compensate-dropouts", False)))  # type: ignore[arg-type]
+                        weight_by=weight_by, compensate_dropouts=bool(cfg.get("compensate-dropouts", False)),  # type: ignore[arg-type]
+                        sit_out=float(cfg.get("sit-out", 0.0)))
 
 
 def run(grid: Grid, cfg: Config, history: ClientHistory | None) -> Summary:
