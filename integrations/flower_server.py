@@ -84,6 +84,8 @@ class _Round:
 
 #: ``compensate_dropouts`` raises a round's total at most this many times.
 MAX_COMPENSATION = 2
+#: With ``sit_out``, clients sit a round out only if that makes it predicted this much (a fraction) shorter.
+SIT_OUT_MIN_GAIN = 0.03
 
 
 class LoadBalanced(Strategy):
@@ -100,7 +102,8 @@ class LoadBalanced(Strategy):
     round total expected back. ``compensate_dropouts=True`` raises the total (at most ``MAX_COMPENSATION``
     times) so that the samples expected back make the nominal total: dropouts then cost time, not samples.
     ``sit_out`` (a share, e.g. 0.05) lets that many of the sampled clients, those predicted slowest even with
-    the smallest workload, sit the round out when the others then finish sooner: they are not sent the
+    the smallest workload, sit the round out when the others then finish sooner (by over
+    ``SIT_OUT_MIN_GAIN``, 3%): they are not sent the
     round at all (no download), and the others share the round total. The same slow clients then tend to
     sit out round after round, so their data is trained on less: keep the share small.
     """
@@ -208,7 +211,7 @@ class LoadBalanced(Strategy):
             return np.array(equal_split(total, count)), reason
         lower = np.full(count, self.min_size)
         slowest = np.argsort(-time_model.time(lower), kind="stable")[:int(self.sit_out * count + 1e-9)]
-        sizes = allocate_sitting_out(time_model, total, lower, [upper] * count, slowest)
+        sizes = allocate_sitting_out(time_model, total, lower, [upper] * count, slowest, SIT_OUT_MIN_GAIN)
         return sizes, f"predicted round {predicted_makespan(time_model, sizes):.3g}s"
 
     def aggregate_train(self, server_round: int,

@@ -145,9 +145,12 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
 
 
 def allocate_sitting_out(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndarray,
-                         upper: Sequence[int] | np.ndarray, out: Sequence[int] | np.ndarray) -> np.ndarray:
-    """:func:`allocate`, or, if its predicted finish is earlier, the split in which the workers ``out`` sit the
-    iteration out (size 0) and the others share the global batch within their bounds.
+                         upper: Sequence[int] | np.ndarray, out: Sequence[int] | np.ndarray,
+                         min_gain: float = 0.0) -> np.ndarray:
+    """:func:`allocate`, or, if its predicted finish is earlier by more than ``min_gain`` (a fraction), the split
+    in which the workers ``out`` sit the iteration out (size 0) and the others share the global batch within
+    their bounds. A small ``min_gain`` keeps workers in where sitting out would save little, since a worker
+    that sits out does not train on its data.
 
     Sitting out pays where a worker given nothing takes no time (``LinearTime(idle_is_free=True)``: a
     federated client not asked this round); elsewhere such a worker still takes its fixed time, so little is won.
@@ -163,7 +166,8 @@ def allocate_sitting_out(model: TimeModel, global_batch: int, lower: Sequence[in
     if int(high.sum()) < global_batch:  # the others cannot hold the global batch
         return everyone
     without = allocate(model, global_batch, low, high)
-    return without if predicted_makespan(model, without) < predicted_makespan(model, everyone) else everyone
+    faster = predicted_makespan(model, without) * (1 + min_gain) < predicted_makespan(model, everyone)
+    return without if faster else everyone
 
 
 def _only_flat_jumps(model: TimeModel, x_lo: np.ndarray, x_hi: np.ndarray, room: np.ndarray) -> bool:

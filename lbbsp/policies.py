@@ -128,13 +128,14 @@ class LBBSPPolicy(Policy):
                 forecast: TimeModel | None = None) -> np.ndarray:
         """The split with the earliest predicted finish under ``time_model``. With ``sit_out``, the workers
         slowest at their smallest size under ``forecast`` (the forecast without margins; by default
-        ``time_model``) may sit out: margins learned from compute misses would mis-rank transfer-bound clients."""
+        ``time_model``) may sit out, where that is predicted to gain more than the dead band: margins learned
+        from compute misses would mis-rank transfer-bound clients."""
         count = int(self.sit_out * config.num_workers + 1e-9)
         if count == 0:
             return allocate(time_model, config.global_batch, lower, upper)
         ranked = forecast if forecast is not None else time_model
         slowest = np.argsort(-np.asarray(ranked.time(np.maximum(lower, 1)), dtype=float), kind="stable")[:count]
-        return allocate_sitting_out(time_model, config.global_batch, lower, upper, slowest)
+        return allocate_sitting_out(time_model, config.global_batch, lower, upper, slowest, self.deadband)
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         if not self._seen:

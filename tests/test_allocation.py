@@ -97,6 +97,11 @@ def test_a_client_whose_transfer_alone_is_too_slow_sits_out() -> None:
     sizes = allocate_sitting_out(rounds, 100, [1] * 4, [100] * 4, out=[3])
     assert sizes.tolist() == [34, 33, 33, 0]
     assert predicted_makespan(rounds, sizes) < 5 < 50 < predicted_makespan(rounds, everyone)
+    # a gain under min_gain keeps everyone in: without client 3 the round is 4.33 s, with it 4.5 s (4% more)
+    close = LinearTime(np.full(4, 10.0), overhead=np.array([1.0, 1.0, 1.0, 4.4]), idle_is_free=True)
+    kept = allocate_sitting_out(close, 100, [1] * 4, [100] * 4, out=[3], min_gain=0.05)
+    assert kept.tolist() == allocate(close, 100, [1] * 4, [100] * 4).tolist()
+    assert allocate_sitting_out(close, 100, [1] * 4, [100] * 4, out=[3]).tolist() != kept.tolist()
     # a worker that pays its overhead even when idle (not a federated client) still holds everyone up
     busy = LinearTime(np.full(4, 10.0), overhead=np.array([1.0, 1.0, 1.0, 50.0]))
     assert predicted_makespan(busy, allocate_sitting_out(busy, 100, [1] * 4, [100] * 4, out=[3])) == 50.0
