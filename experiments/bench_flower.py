@@ -2,12 +2,14 @@
 
     python experiments/bench_flower.py [--clients 12] [--rounds 15] [--target 0.88]
 
-One run trains the flower_digits example five times from the same start: standard FedAvg (every client
+One run trains the flower_digits example nine times from the same start: standard FedAvg (every client
 batch 32 x 5 local steps, weighted by client data size as FedAvg usually is), lbbsp weighting by samples
 processed, and lbbsp weighting by data size; then, weighting by data size, with emulated dropouts (``--dropout``: a third of the
 clients never leave, a third leave a round after training with chance dropout / 2, a third with chance
 dropout), lbbsp as is and with ``compensate_dropouts``; and lbbsp weighting by data size, letting 10% of
-the clients (one of 12) sit a round out (``sit_out``). It prints the mean round time, the time to reach
+the clients (one of 12) sit a round out (``sit_out``). Last, with client 0 on a poor network (1 kB/s down,
+0.5 kB/s up), FedAvg, lbbsp, and lbbsp with ``sit_out`` 0.1. Ratios are to the first FedAvg run; compare
+the slow-link rows with each other too. It prints the mean round time, the time to reach
 the target test accuracy, lbbsp / FedAvg ratios and, for lbbsp, the share of the nominal round total
 (batch 32 x 5 steps x clients) that came back, and writes them to experiments/results/bench_flower.json.
 
@@ -40,23 +42,28 @@ from lbbsp.integrations.flower import ClientHistory  # noqa: E402
 from lbbsp.integrations.flower_local import LocalGrid  # noqa: E402
 
 BATCH, STEPS = 32, 5
-#: (name, mode, weight by, with dropouts, compensate dropouts, share of clients that may sit a round out)
-RUNS = (("fedavg (weight by data)", "fedavg", "data", False, False, 0.0),
-        ("lbbsp (weight by samples)", "lbbsp", "samples", False, False, 0.0),
-        ("lbbsp (weight by data)", "lbbsp", "data", False, False, 0.0),
-        ("lbbsp (weight by data), sit out", "lbbsp", "data", False, False, 0.1),
-        ("lbbsp, dropouts", "lbbsp", "data", True, False, 0.0),
-        ("lbbsp, dropouts, compensated", "lbbsp", "data", True, True, 0.0))
+#: (name, mode, weight by, with dropouts, compensate dropouts, share of clients that may sit a round out,
+#: clients on a poor network)
+RUNS = (("fedavg (weight by data)", "fedavg", "data", False, False, 0.0, 0),
+        ("lbbsp (weight by samples)", "lbbsp", "samples", False, False, 0.0, 0),
+        ("lbbsp (weight by data)", "lbbsp", "data", False, False, 0.0, 0),
+        ("lbbsp (weight by data), sit out", "lbbsp", "data", False, False, 0.1, 0),
+        ("lbbsp, dropouts", "lbbsp", "data", True, False, 0.0, 0),
+        ("lbbsp, dropouts, compensated", "lbbsp", "data", True, True, 0.0, 0),
+        ("fedavg, 1 slow link", "fedavg", "data", False, False, 0.0, 1),
+        ("lbbsp, 1 slow link", "lbbsp", "data", False, False, 0.0, 1),
+        ("lbbsp, 1 slow link, sit out", "lbbsp", "data", False, False, 0.1, 1))
 
 
 def run_one(mode: str, weight_by: str, clients: int, rounds: int, redis_url: str, dropout: float = 0.0,
-            compensate: bool = False, sit_out: float = 0.0) -> tuple[list[dict[str, float]], float | None]:
+            compensate: bool = False, sit_out: float = 0.0,
+            slow_links: int = 0) -> tuple[list[dict[str, float]], float | None]:
     """The per-round accuracy and times, and (lbbsp) the mean share of the nominal round total that came back."""
     cfg: server_app.Config = {
         "num-server-rounds": rounds, "num-clients": clients, "mode": mode, "adapt": "batch", "batch-size": BATCH,
         "local-steps": STEPS, "min-size": 8, "weight-by": weight_by, "deadline-slack": 0.0, "lr": 0.5,
         "alpha": 0.5, "seed": 0, "emulate": True, "round-timeout": 120.0, "dropout": dropout,
-        "compensate-dropouts": compensate, "sit-out": sit_out}
+        "compensate-dropouts": compensate, "sit-out": sit_out, "slow-links": slow_links}
     grid = LocalGrid(client_app.app, [{"partition-id": i, "num-partitions": clients} for i in range(clients)],
                      run_config=cfg)
     history = ClientHistory.from_url(redis_url, f"bench-{uuid.uuid4().hex[:8]}") if mode == "lbbsp" else None
@@ -105,10 +112,10 @@ def main() -> None:
     summaries: dict[str, Summary] = {}
     results: dict[str, dict[str, object]] = {}  # the summaries with their rounds, for the JSON file
     with EmbeddedRedis() as redis:
-        for name, mode, weight_by, dropouts, compensate, sit_out in RUNS:
+        for name, mode, weight_by, dropouts, compensate, sit_out, slow_links in RUNS:
             print(f"-- {name}: {args.clients} emulated clients, {args.rounds} rounds", flush=True)
             rows, back = run_one(mode, weight_by, args.clients, args.rounds, redis.url,
-                                 args.dropout if dropouts else 0.0, compensate, sit_out)
+                                 args.dropout if dropouts else 0.0, compensate, sit_out, slow_links)
             for row in rows[1:]:
                 print(f"   round {row['round']:3d}  accuracy {row['accuracy']:.3f}  elapsed {row['elapsed_s']:7.2f}s")
             summaries[name] = summarise(rows, args.target, back)

@@ -81,14 +81,20 @@ class Profile:
     up_bps: float
 
 
-def profile(partition_id: int, num_partitions: int, seed: int) -> Profile:
+#: The downlink of a client on a poor network (run config ``slow-links``), bytes/s; its uplink is half.
+SLOW_LINK_DOWN_BPS = 1_000.0
+
+
+def profile(partition_id: int, num_partitions: int, seed: int, slow_links: int = 0) -> Profile:
     """Heterogeneous clients: speeds spread 10x (log-uniform), a 4x-slower straggler every fifth client,
-    downlinks of 4 to 40 kB/s and uplinks half as fast (phone-like asymmetry)."""
+    downlinks of 4 to 40 kB/s and uplinks half as fast (phone-like asymmetry); clients 0 .. slow_links - 1
+    are on a poor network instead (1 kB/s down: the 5,200-byte model takes about 16 s to cross both ways)."""
     rng = np.random.default_rng([seed, 7, num_partitions])
     speeds = 10 ** rng.uniform(np.log10(150), np.log10(1500), num_partitions)
     downs = 10 ** rng.uniform(np.log10(4_000), np.log10(40_000), num_partitions)
     speed = speeds[partition_id] / (4.0 if partition_id % 5 == 4 else 1.0)
-    return Profile(float(speed), float(downs[partition_id]), float(downs[partition_id]) / 2)
+    down = SLOW_LINK_DOWN_BPS if partition_id < slow_links else float(downs[partition_id])
+    return Profile(float(speed), down, down / 2)
 
 
 def drops_out(partition_id: int, server_round: int, dropout: float, seed: int) -> bool:
