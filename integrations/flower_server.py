@@ -25,7 +25,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from lbbsp.allocation import LinearTime, allocate_sitting_out, predicted_makespan
+from lbbsp.allocation import LinearTime, allocate_sitting_out, predicted_makespan, sit_out_share
 from lbbsp.client_history import ClientHistory, ClientStatus
 from lbbsp.errors import ConfigError, ProtocolError, StoreUnavailable
 from lbbsp.fedagg import fednova_scales, rescale_update
@@ -121,8 +121,6 @@ class LoadBalanced(Strategy):
             raise ConfigError(f"need 1 <= min_size <= max_size, got {min_size} and {max_size}")
         if deadline_slack is not None and deadline_slack < 1:
             raise ConfigError(f"deadline_slack must be at least 1, got {deadline_slack}")
-        if isinstance(sit_out, bool) or not isinstance(sit_out, (int, float)) or not 0 <= sit_out < 1:
-            raise ConfigError(f"sit_out must be a share in [0, 1), got {sit_out!r}")
         self.strategy = strategy
         self.history = history
         self.batch_size = batch_size
@@ -133,7 +131,7 @@ class LoadBalanced(Strategy):
         self.deadline_slack = deadline_slack
         self.weight_by = weight_by
         self.compensate_dropouts = compensate_dropouts
-        self.sit_out = float(sit_out)
+        self.sit_out = sit_out_share(sit_out)
         self.model = model if model is not None else FLClientModel(local_steps)
         self.weighted_by_key: str = getattr(strategy, "weighted_by_key", "num-examples")
         self.configrecord_key: str = getattr(strategy, "configrecord_key", "config")
@@ -209,9 +207,8 @@ class LoadBalanced(Strategy):
         if time_model is None or self.min_size * count > total or upper * count < total:
             reason = "equal split (no measurements yet)" if time_model is None else "equal split (bounds)"
             return np.array(equal_split(total, count)), reason
-        lower = np.full(count, self.min_size)
-        slowest = np.argsort(-time_model.time(lower), kind="stable")[:int(self.sit_out * count + 1e-9)]
-        sizes = allocate_sitting_out(time_model, total, lower, [upper] * count, slowest, SIT_OUT_MIN_GAIN)
+        sizes = allocate_sitting_out(time_model, total, [self.min_size] * count, [upper] * count, self.sit_out,
+                                     SIT_OUT_MIN_GAIN)
         return sizes, f"predicted round {predicted_makespan(time_model, sizes):.3g}s"
 
     def aggregate_train(self, server_round: int,

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .errors import AllocationError
+from .errors import AllocationError, ConfigError
 
 _SEARCH_STEPS = 100
 
@@ -144,13 +144,21 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
     return x
 
 
+def sit_out_share(value: float) -> float:
+    """``value`` as a share of workers that may sit out, in [0, 1); a :class:`ConfigError` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ConfigError(f"sit_out must be a share in [0, 1), got {value!r}")
+    return float(value)
+
+
 def allocate_sitting_out(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndarray,
-                         upper: Sequence[int] | np.ndarray, out: Sequence[int] | np.ndarray,
-                         min_gain: float = 0.0) -> np.ndarray:
+                         upper: Sequence[int] | np.ndarray, share: float, min_gain: float = 0.0,
+                         ranked_by: TimeModel | None = None) -> np.ndarray:
     """:func:`allocate`, or, if its predicted finish is earlier by more than ``min_gain`` (a fraction), the split
-    in which the workers ``out`` sit the iteration out (size 0) and the others share the global batch within
-    their bounds. A small ``min_gain`` keeps workers in where sitting out would save little, since a worker
-    that sits out does not train on its data.
+    in which the ``share`` of workers slowest at their smallest size under ``ranked_by`` (default ``model``)
+    sit the iteration out (size 0) and the others share the global batch within their bounds. A small
+    ``min_gain`` keeps workers in where sitting out would save little, since a worker that sits out does not
+    train on its data.
 
     Sitting out pays where a worker given nothing takes no time (``LinearTime(idle_is_free=True)``: a
     federated client not asked this round); elsewhere such a worker still takes its fixed time, so little is won.
@@ -158,9 +166,11 @@ def allocate_sitting_out(model: TimeModel, global_batch: int, lower: Sequence[in
     lower = np.asarray(lower, dtype=np.int64)
     upper = np.asarray(upper, dtype=np.int64)
     everyone = allocate(model, global_batch, lower, upper)
-    out = np.asarray(out, dtype=np.int64)
-    if out.size == 0:
+    count = int(sit_out_share(share) * lower.size + 1e-9)
+    if count == 0:
         return everyone
+    ranked = ranked_by if ranked_by is not None else model
+    out = np.argsort(-np.asarray(ranked.time(np.maximum(lower, 1)), dtype=float), kind="stable")[:count]
     low, high = lower.copy(), upper.copy()
     low[out] = high[out] = 0
     if int(high.sum()) < global_batch:  # the others cannot hold the global batch

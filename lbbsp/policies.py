@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .allocation import TimeModel, allocate, allocate_sitting_out, damp, predicted_makespan
+from .allocation import TimeModel, allocate_sitting_out, damp, predicted_makespan, sit_out_share
 from .config import JobConfig
 from .errors import ConfigError
 from .hedging import ForecastRisk, hedged
@@ -95,7 +95,7 @@ class LBBSPPolicy(Policy):
         self.model = model if model is not None else AutoCapacityModel()
         self.deadband = deadband
         self.hedge = hedge
-        self.sit_out = _check_share(sit_out, "sit_out")
+        self.sit_out = sit_out_share(sit_out)
         self.risk = ForecastRisk(hedge) if hedge else None
         self._seen = False
 
@@ -130,12 +130,8 @@ class LBBSPPolicy(Policy):
         slowest at their smallest size under ``forecast`` (the forecast without margins; by default
         ``time_model``) may sit out, where that is predicted to gain more than the dead band: margins learned
         from compute misses would mis-rank transfer-bound clients."""
-        count = int(self.sit_out * config.num_workers + 1e-9)
-        if count == 0:
-            return allocate(time_model, config.global_batch, lower, upper)
-        ranked = forecast if forecast is not None else time_model
-        slowest = np.argsort(-np.asarray(ranked.time(np.maximum(lower, 1)), dtype=float), kind="stable")[:count]
-        return allocate_sitting_out(time_model, config.global_batch, lower, upper, slowest, self.deadband)
+        return allocate_sitting_out(time_model, config.global_batch, lower, upper, self.sit_out, self.deadband,
+                                    ranked_by=forecast)
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         if not self._seen:
@@ -290,12 +286,6 @@ class OraclePolicy(LBBSPPolicy):
         sizes = self.propose(self._truth, config, lower, upper)
         return Decision(tuple(sizes.tolist()), "true speeds of the coming iteration",
                         tuple(self._truth.time(sizes).tolist()))
-
-
-def _check_share(value: float, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-        raise ConfigError(f"{name} must be a share in [0, 1), got {value!r}")
-    return float(value)
 
 
 __all__ = ["BSPPolicy", "BackupWorkersPolicy", "Decision", "LBBSPPolicy", "LeaderStragglerPolicy",

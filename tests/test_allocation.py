@@ -90,22 +90,23 @@ def test_dead_band_keeps_the_current_split_for_small_gains() -> None:
 
 
 def test_a_client_whose_transfer_alone_is_too_slow_sits_out() -> None:
-    # four clients of one compute speed; client 3's model transfer takes 50 s, the others' 1 s
+    # four clients of one compute speed; client 3's model transfer takes 50 s, the others' 1 s; a quarter
+    # of them (client 3, the slowest) may sit out
     rounds = LinearTime(np.full(4, 10.0), overhead=np.array([1.0, 1.0, 1.0, 50.0]), idle_is_free=True)
     assert rounds.time(np.array([0, 0, 5, 0])).tolist() == [0.0, 0.0, 1.5, 0.0]  # not asked: no transfer
     everyone = allocate(rounds, 100, [1] * 4, [100] * 4)
-    sizes = allocate_sitting_out(rounds, 100, [1] * 4, [100] * 4, out=[3])
+    sizes = allocate_sitting_out(rounds, 100, [1] * 4, [100] * 4, share=0.25)
     assert sizes.tolist() == [34, 33, 33, 0]
     assert predicted_makespan(rounds, sizes) < 5 < 50 < predicted_makespan(rounds, everyone)
     # a gain under min_gain keeps everyone in: without client 3 the round is 4.33 s, with it 4.5 s (4% more)
     close = LinearTime(np.full(4, 10.0), overhead=np.array([1.0, 1.0, 1.0, 4.4]), idle_is_free=True)
-    kept = allocate_sitting_out(close, 100, [1] * 4, [100] * 4, out=[3], min_gain=0.05)
+    kept = allocate_sitting_out(close, 100, [1] * 4, [100] * 4, share=0.25, min_gain=0.05)
     assert kept.tolist() == allocate(close, 100, [1] * 4, [100] * 4).tolist()
-    assert allocate_sitting_out(close, 100, [1] * 4, [100] * 4, out=[3]).tolist() != kept.tolist()
+    assert allocate_sitting_out(close, 100, [1] * 4, [100] * 4, share=0.25).tolist() != kept.tolist()
     # a worker that pays its overhead even when idle (not a federated client) still holds everyone up
     busy = LinearTime(np.full(4, 10.0), overhead=np.array([1.0, 1.0, 1.0, 50.0]))
-    assert predicted_makespan(busy, allocate_sitting_out(busy, 100, [1] * 4, [100] * 4, out=[3])) == 50.0
+    assert predicted_makespan(busy, allocate_sitting_out(busy, 100, [1] * 4, [100] * 4, share=0.25)) == 50.0
     # nobody out, or the others cannot hold the global batch: the plain split
-    assert allocate_sitting_out(rounds, 100, [1] * 4, [100] * 4, out=[]).tolist() == everyone.tolist()
-    assert allocate_sitting_out(rounds, 100, [1] * 4, [30] * 4, out=[3]).tolist() == allocate(
+    assert allocate_sitting_out(rounds, 100, [1] * 4, [100] * 4, share=0.0).tolist() == everyone.tolist()
+    assert allocate_sitting_out(rounds, 100, [1] * 4, [30] * 4, share=0.25).tolist() == allocate(
         rounds, 100, [1] * 4, [30] * 4).tolist()

@@ -74,7 +74,7 @@ def standard_policies(scenario: Scenario) -> dict[str, Policy]:
     if scenario.expected(0) is not None:
         references = {"oracle-level": LevelOracle(), "oracle-level-late": LevelOracle(delay=scenario.config.lag)}
     if getattr(scenario.truth(0).time_model, "idle_is_free", False):
-        references = {"oracle-sit-out": OraclePolicy(sit_out=backups / n)}
+        references["oracle-sit-out"] = OraclePolicy(sit_out=backups / n)
         sitting_out = {"lbbsp-sit-out": LBBSPPolicy(scenario.capacity_model(), sit_out=backups / n)}
     return {
         "oracle": OraclePolicy(),
