@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
     summary = summarise(runs)
     print(table(scenario, summary))
     result = {"scenario": args.scenario, "workers": args.workers, "iterations": args.iterations, "seed": args.seed,
-              "lag": scenario.config.lag, "global_batch": scenario.config.global_batch, "notes": scenario.notes, "policies": summary,
-              "iteration_s": {name: r.iteration_s for name, r in runs.items()}}
+              "lag": scenario.config.lag, "global_batch": scenario.config.global_batch, "notes": scenario.notes,
+              "policies": summary, "iteration_s": {name: r.iteration_s for name, r in runs.items()}}
     if check is not None:
         result["redis_check"] = check
         print(f"through Redis ({check['redis']}): every policy decided the same sizes as in-process in all "
