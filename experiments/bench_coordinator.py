@@ -17,7 +17,8 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableSequence, Sequence
+from multiprocessing.synchronize import Barrier
 
 import numpy as np
 
@@ -28,8 +29,8 @@ from lbbsp.policies import Decision, Policy
 FORK = mp.get_context("fork")
 
 
-def _worker(url: str, config_json: str, worker: int, iterations: int, compute_s: float, floor: bool,  # type: ignore[no-untyped-def]
-            barrier, times) -> None:
+def _worker(url: str, config_json: str, worker: int, iterations: int, compute_s: float, floor: bool,
+            barrier: Barrier, times: MutableSequence[float]) -> None:
     config = JobConfig.from_json(config_json)
     client = WorkerClient(Store.from_url(url, config.job), config, worker)
     rng = np.random.default_rng(worker)

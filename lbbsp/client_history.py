@@ -17,15 +17,17 @@ import json
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import redis
 
 from .errors import ProtocolError, StoreUnavailable
 from .protocol import MAX_PAYLOAD_BYTES, MAX_REASON_CHARS, MAX_WORKERS, Report
 from .store import REDIS_ERRORS, connect
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +163,7 @@ class ClientHistory:
         out = {}
         for name, index in self._call(self.client.hgetall, self.key("ids")).items():
             try:
-                out[name.decode()] = int(index)
+                out[name.decode() if isinstance(name, bytes) else name] = int(index)
             except (UnicodeDecodeError, ValueError):
                 log.warning("skipping a bad client id entry in job %s", self.job)
         return out
@@ -184,7 +186,7 @@ class ClientHistory:
                 log.warning("skipping a stored status in job %s: %s", self.job, exc)
         return out
 
-    def _call(self, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def _call(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         try:
             return fn(*args, **kwargs)
         except REDIS_ERRORS as exc:

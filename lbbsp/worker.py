@@ -15,6 +15,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+import redis
+
 from .config import JobConfig
 from .errors import LBBSPError, ProtocolError
 from .protocol import Assignment, Report
@@ -42,7 +44,7 @@ class WorkerClient:
         self._outbox: queue.Queue[Report | None] = queue.Queue()
         self._sender = threading.Thread(target=self._send_loop, name=f"lbbsp-report-{worker}", daemon=True)
         self._sender.start()
-        self._pubsub = None
+        self._pubsub: redis.client.PubSub | None = None
 
     # -- reporting --------------------------------------------------------------------------------------
     def report(self, iteration: int, samples: int, compute_s: float, *, comm_s: float | None = None,
@@ -154,7 +156,7 @@ class WorkerClient:
         for old in [k for k in self._known if k < assignment.iteration - _KEEP_ASSIGNMENTS]:
             del self._known[old]
 
-    def _subscription(self):  # type: ignore[no-untyped-def]
+    def _subscription(self) -> redis.client.PubSub:
         if self._pubsub is None:
             self._pubsub = self.store.subscribe()
         return self._pubsub
