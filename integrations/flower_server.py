@@ -25,7 +25,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from lbbsp.allocation import LinearTime, allocate_sitting_out, predicted_makespan, sit_out_share
+from lbbsp.allocation import LinearTime, RoundsOut, allocate_sitting_out, predicted_makespan, sit_out_share
 from lbbsp.client_history import ClientHistory, ClientStatus
 from lbbsp.errors import ConfigError, ProtocolError, StoreUnavailable
 from lbbsp.fedagg import fednova_scales, rescale_update
@@ -105,13 +105,16 @@ class LoadBalanced(Strategy):
     the smallest workload, sit the round out when the others then finish sooner (by over
     ``SIT_OUT_MIN_GAIN``, 3%): they are not sent the
     round at all (no download), and the others share the round total. The same slow clients then tend to
-    sit out round after round, so their data is trained on less: keep the share small.
+    sit out round after round, so their data is trained on less: keep the share small. A client that sat out
+    ``rejoin_after`` of the rounds it was sampled for in a row is asked in the next (None: no limit), which
+    also renews its estimate. This count is kept in memory and starts again after a restart.
     """
 
     def __init__(self, strategy: Strategy, history: ClientHistory, *, batch_size: int = 32, local_steps: int = 1,
                  adapt: Literal["batch", "steps"] = "batch", min_size: int = 1, max_size: int | None = None,
                  deadline_slack: float | None = None, weight_by: Literal["samples", "data"] = "samples",
-                 compensate_dropouts: bool = False, sit_out: float = 0.0, model: FLClientModel | None = None) -> None:
+                 compensate_dropouts: bool = False, sit_out: float = 0.0, rejoin_after: int | None = 10,
+                 model: FLClientModel | None = None) -> None:
         Workload(batch_size, local_steps)  # validates both
         if adapt not in ("batch", "steps"):
             raise ConfigError(f"adapt must be 'batch' or 'steps', got {adapt!r}")
@@ -132,6 +135,7 @@ class LoadBalanced(Strategy):
         self.weight_by = weight_by
         self.compensate_dropouts = compensate_dropouts
         self.sit_out = sit_out_share(sit_out)
+        self.rounds_out = RoundsOut(rejoin_after)
         self.model = model if model is not None else FLClientModel(local_steps)
         self.weighted_by_key: str = getattr(strategy, "weighted_by_key", "num-examples")
         self.configrecord_key: str = getattr(strategy, "configrecord_key", "config")
@@ -146,9 +150,9 @@ class LoadBalanced(Strategy):
 
     def summary(self) -> None:
         log(INFO, "\t├──> LoadBalanced (lbbsp): adapt %s, batch size %d, local steps %d, deadline slack %s, "
-                  "weight by %s, compensate dropouts %s, sit out %s, job %s", self.adapt, self.batch_size,
-            self.local_steps, self.deadline_slack, self.weight_by, self.compensate_dropouts, self.sit_out,
-            self.history.job)
+                  "weight by %s, compensate dropouts %s, sit out %s (rejoin after %s), job %s", self.adapt,
+            self.batch_size, self.local_steps, self.deadline_slack, self.weight_by, self.compensate_dropouts,
+            self.sit_out, self.rounds_out.rejoin_after, self.history.job)
         self.strategy.summary()
 
     # -- training ----------------------------------------------------------------------------------------
@@ -173,10 +177,12 @@ class LoadBalanced(Strategy):
         time_model = self._time_model(workers)
         available = self.model.availability(workers)
         total = unit * len(nodes)
-        sizes, reason = self._split(time_model, total, len(nodes))
+        stay = self.rounds_out.due(workers)
+        sizes, reason = self._split(time_model, total, stay)
         if self.compensate_dropouts and available @ sizes < total:
-            sizes, reason = self._compensated(time_model, total, available)
+            sizes, reason = self._compensated(time_model, total, available, stay)
         reason += f"; {available @ sizes / total:.0%} of {total} expected back"
+        self.rounds_out.record(workers, sizes)
         if not sizes.all():
             reason += f"; {int((sizes == 0).sum())} sit out"
         deadlines: list[float | None] = [None] * len(nodes)
@@ -189,26 +195,29 @@ class LoadBalanced(Strategy):
             return {n: Workload(s, self.local_steps, d) for n, s, d in asked}
         return {n: Workload(self.batch_size, s, d) for n, s, d in asked}
 
-    def _compensated(self, time_model: LinearTime | None, total: int, available: np.ndarray) -> tuple[np.ndarray, str]:
+    def _compensated(self, time_model: LinearTime | None, total: int, available: np.ndarray,
+                     stay: np.ndarray) -> tuple[np.ndarray, str]:
         """The split of the smallest total (at most ``MAX_COMPENSATION`` x ``total``) whose samples expected
         back reach ``total``: a bisection, since more in total never brings less back."""
         low, high = total, MAX_COMPENSATION * total
         while low < high:
             middle = (low + high) // 2
-            if available @ self._split(time_model, middle, available.size)[0] >= total:
+            if available @ self._split(time_model, middle, stay)[0] >= total:
                 high = middle
             else:
                 low = middle + 1
-        return self._split(time_model, low, available.size)
+        return self._split(time_model, low, stay)
 
-    def _split(self, time_model: LinearTime | None, total: int, count: int) -> tuple[np.ndarray, str]:
-        """``total`` split over ``count`` clients for equal predicted finish, within the bounds."""
+    def _split(self, time_model: LinearTime | None, total: int, stay: np.ndarray) -> tuple[np.ndarray, str]:
+        """``total`` split over the clients for equal predicted finish, within the bounds; those in ``stay``
+        do not sit out."""
+        count = stay.size
         upper = min(self.max_size or total, total)
         if time_model is None or self.min_size * count > total or upper * count < total:
             reason = "equal split (no measurements yet)" if time_model is None else "equal split (bounds)"
             return np.array(equal_split(total, count)), reason
         sizes = allocate_sitting_out(time_model, total, [self.min_size] * count, [upper] * count, self.sit_out,
-                                     SIT_OUT_MIN_GAIN)
+                                     SIT_OUT_MIN_GAIN, stay=stay)
         return sizes, f"predicted round {predicted_makespan(time_model, sizes):.3g}s"
 
     def aggregate_train(self, server_round: int,

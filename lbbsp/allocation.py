@@ -151,26 +151,61 @@ def sit_out_share(value: float) -> float:
     return float(value)
 
 
+class RoundsOut:
+    """How many iterations in a row each worker has sat out, so that none sits out more than ``rejoin_after``
+    in a row: a worker that sits out trains on none of its data and sends no report to renew its estimate.
+
+    ``rejoin_after=None`` sets no limit. Workers are keyed by index; one that was never recorded has 0.
+    """
+
+    def __init__(self, rejoin_after: int | None = 10) -> None:
+        if rejoin_after is not None and (isinstance(rejoin_after, bool) or not isinstance(rejoin_after, int)
+                                         or rejoin_after < 1):
+            raise ConfigError(f"rejoin_after must be a positive number of iterations or None, got {rejoin_after!r}")
+        self.rejoin_after = rejoin_after
+        self._streak: dict[int, int] = {}
+
+    def due(self, workers: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Per worker, whether it has sat out ``rejoin_after`` iterations in a row and must be asked next."""
+        if self.rejoin_after is None:
+            return np.zeros(len(workers), dtype=bool)
+        return np.array([self._streak.get(int(w), 0) >= self.rejoin_after for w in workers], dtype=bool)
+
+    def record(self, workers: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray) -> None:
+        """Note the sizes the workers were given: a streak grows at 0 and ends at any other size."""
+        for worker, size in zip(workers, sizes):
+            if size == 0:
+                self._streak[int(worker)] = self._streak.get(int(worker), 0) + 1
+            else:
+                self._streak.pop(int(worker), None)
+
+
 def allocate_sitting_out(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndarray,
                          upper: Sequence[int] | np.ndarray, share: float, min_gain: float = 0.0,
-                         ranked_by: TimeModel | None = None) -> np.ndarray:
+                         ranked_by: TimeModel | None = None,
+                         stay: Sequence[bool] | np.ndarray | None = None) -> np.ndarray:
     """:func:`allocate`, or, if its predicted finish is earlier by more than ``min_gain`` (a fraction), the split
     in which the ``share`` of workers slowest at their smallest size under ``ranked_by`` (default ``model``)
     sit the iteration out (size 0) and the others share the global batch within their bounds. A small
     ``min_gain`` keeps workers in where sitting out would save little, since a worker that sits out does not
-    train on its data.
+    train on its data. Workers marked in ``stay`` (e.g. :meth:`RoundsOut.due`) are not among those that sit out.
 
     Sitting out pays where a worker given nothing takes no time (``LinearTime(idle_is_free=True)``: a
     federated client not asked this round); elsewhere such a worker still takes its fixed time, so little is won.
     """
     lower = np.asarray(lower, dtype=np.int64)
     upper = np.asarray(upper, dtype=np.int64)
+    may_leave = np.ones(lower.size, dtype=bool) if stay is None else ~np.asarray(stay, dtype=bool)
+    if not may_leave.all():  # with a lower bound of 0, staying means at least one sample
+        lifted = np.where(may_leave, lower, np.minimum(np.maximum(lower, 1), upper))
+        lower = lifted if lifted.sum() <= global_batch else lower
     everyone = allocate(model, global_batch, lower, upper)
-    count = int(sit_out_share(share) * lower.size + 1e-9)
+    count = min(int(sit_out_share(share) * lower.size + 1e-9), int(may_leave.sum()))
     if count == 0:
         return everyone
     ranked = ranked_by if ranked_by is not None else model
-    out = np.argsort(-np.asarray(ranked.time(np.maximum(lower, 1)), dtype=float), kind="stable")[:count]
+    slowness = np.where(may_leave, np.asarray(ranked.time(np.maximum(lower, 1)), dtype=float), -np.inf)
+    out = np.argsort(-slowness, kind="stable")[:count]
     low, high = lower.copy(), upper.copy()
     low[out] = high[out] = 0
     if int(high.sum()) < global_batch:  # the others cannot hold the global batch

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .allocation import TimeModel, allocate_sitting_out, damp, predicted_makespan, sit_out_share
+from .allocation import RoundsOut, TimeModel, allocate_sitting_out, damp, predicted_makespan, sit_out_share
 from .config import JobConfig
 from .errors import ConfigError
 from .hedging import ForecastRisk, hedged
@@ -86,16 +86,19 @@ class LBBSPPolicy(Policy):
     workers that may be given nothing in an iteration, where the rest then finish sooner
     (:func:`~lbbsp.allocation.allocate_sitting_out`); it pays for federated clients, whose transfers a round
     spares the clients it does not ask (the torch and Keras integrations expect every worker to get samples).
+    ``rejoin_after``: no worker sits out more iterations in a row than this (None: no limit), so that each
+    trains on its data now and then and its estimate is renewed.
     """
 
     name = "lbbsp"
 
     def __init__(self, model: CapacityModel | None = None, *, deadband: float = 0.03,
-                 hedge: float | None = 2.0, sit_out: float = 0.0) -> None:
+                 hedge: float | None = 2.0, sit_out: float = 0.0, rejoin_after: int | None = 10) -> None:
         self.model = model if model is not None else AutoCapacityModel()
         self.deadband = deadband
         self.hedge = hedge
         self.sit_out = sit_out_share(sit_out)
+        self.rounds_out = RoundsOut(rejoin_after)
         self.risk = ForecastRisk(hedge) if hedge else None
         self._seen = False
 
@@ -129,9 +132,11 @@ class LBBSPPolicy(Policy):
         """The split with the earliest predicted finish under ``time_model``. With ``sit_out``, the workers
         slowest at their smallest size under ``forecast`` (the forecast without margins; by default
         ``time_model``) may sit out, where that is predicted to gain more than the dead band: margins learned
-        from compute misses would mis-rank transfer-bound clients."""
+        from compute misses would mis-rank transfer-bound clients. Workers out ``rejoin_after`` times in a row
+        stay in."""
+        stay = self.rounds_out.due(range(config.num_workers)) if self.sit_out else None
         return allocate_sitting_out(time_model, config.global_batch, lower, upper, self.sit_out, self.deadband,
-                                    ranked_by=forecast)
+                                    ranked_by=forecast, stay=stay)
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         if not self._seen:
@@ -150,7 +155,8 @@ class LBBSPPolicy(Policy):
         lower, upper = self.bounds(workers, current_arr, config)
         proposed = self.propose(plan, config, lower, upper, time_model)
         in_bounds = current_arr.shape == proposed.shape and bool(
-            ((current_arr >= lower) & (current_arr <= upper)).all())
+            ((current_arr >= lower) & (current_arr <= upper)).all()) and not (
+            self.sit_out and (current_arr[self.rounds_out.due(workers)] == 0).any())  # one due back may not stay out
         sizes, changed = damp(current_arr, proposed, plan, self.deadband) if in_bounds else (proposed, True)
         sizes = self.model.explore(workers, sizes, lower, upper)
         predicted = time_model.time(sizes)
@@ -166,8 +172,10 @@ class LBBSPPolicy(Policy):
             reason = f"kept: predicted gain under the {self.deadband:.0%} dead band ({finish_label} {finish:.4g}s)"
         if plan is not time_model:
             reason += f"; slowdown margins x{factor.min():.2f} to x{factor.max():.2f}"
-        if self.sit_out and not sizes.all():
-            reason += f"; {int((sizes == 0).sum())} sit out"
+        if self.sit_out:
+            self.rounds_out.record(workers, sizes)
+            if not sizes.all():
+                reason += f"; {int((sizes == 0).sum())} sit out"
         return Decision(tuple(sizes.tolist()), reason, tuple(predicted.tolist()), tuple(throughput.tolist()))
 
 
@@ -268,8 +276,8 @@ class OraclePolicy(LBBSPPolicy):
 
     name = "oracle"
 
-    def __init__(self, *, sit_out: float = 0.0) -> None:
-        super().__init__(EWMAThroughput(), deadband=0.0, hedge=None, sit_out=sit_out)
+    def __init__(self, *, sit_out: float = 0.0, rejoin_after: int | None = 10) -> None:
+        super().__init__(EWMAThroughput(), deadband=0.0, hedge=None, sit_out=sit_out, rejoin_after=rejoin_after)
         self._truth: TimeModel | None = None
         self._caps: np.ndarray | None = None
 
@@ -284,6 +292,8 @@ class OraclePolicy(LBBSPPolicy):
         if self._caps is not None:
             upper = np.maximum(np.minimum(upper, self._caps), lower)
         sizes = self.propose(self._truth, config, lower, upper)
+        if self.sit_out:
+            self.rounds_out.record(range(config.num_workers), sizes)
         return Decision(tuple(sizes.tolist()), "true speeds of the coming iteration",
                         tuple(self._truth.time(sizes).tolist()))
 

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lbbsp import AllocationError, LinearTime, allocate
-from lbbsp.allocation import allocate_sitting_out, damp, predicted_makespan
+from lbbsp.allocation import RoundsOut, allocate_sitting_out, damp, predicted_makespan
+from lbbsp.errors import ConfigError
 
 
 class StepCurve:
@@ -110,3 +111,27 @@ def test_a_client_whose_transfer_alone_is_too_slow_sits_out() -> None:
     assert allocate_sitting_out(rounds, 100, [1] * 4, [100] * 4, share=0.0).tolist() == everyone.tolist()
     assert allocate_sitting_out(rounds, 100, [1] * 4, [30] * 4, share=0.25).tolist() == allocate(
         rounds, 100, [1] * 4, [30] * 4).tolist()
+
+
+def test_a_worker_out_rejoin_after_times_in_a_row_stays_in() -> None:
+    # client 3's transfer is slowest, client 2's next; client 3 is due back, so client 2 is the one ranked out
+    rounds = LinearTime(np.full(4, 10.0), overhead=np.array([1.0, 1.0, 30.0, 50.0]), idle_is_free=True)
+    assert allocate_sitting_out(rounds, 100, [1] * 4, [100] * 4, share=0.25).tolist()[3] == 0
+    back = allocate_sitting_out(rounds, 100, [1] * 4, [100] * 4, share=0.25, stay=[False, False, False, True])
+    assert back[3] > 0 and back.sum() == 100
+    # client 3 holds the round up anyway, so leaving client 2 out as well gains nothing: everyone is in
+    assert back.tolist() == allocate(rounds, 100, [1] * 4, [100] * 4).tolist()
+    # with a lower bound of 0, staying in still means at least one sample
+    assert allocate_sitting_out(rounds, 100, [0] * 4, [100] * 4, share=0.25, stay=[False] * 3 + [True])[3] >= 1
+
+    out = RoundsOut(rejoin_after=2)
+    due = []
+    for sizes in ([5, 0, 0], [5, 0, 3], [0, 3, 3]):
+        due.append(out.due([7, 8, 9]).tolist())
+        out.record([7, 8, 9], sizes)
+    due.append(out.due([7, 8, 9]).tolist())
+    assert due == [[False] * 3, [False] * 3, [False, True, False], [False] * 3]  # a streak ends when asked
+    assert not RoundsOut(None).due([1]).any()
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="rejoin_after"):
+            RoundsOut(bad)  # type: ignore[arg-type]

@@ -108,7 +108,7 @@ def test_a_client_with_a_slow_link_sits_rounds_out_and_the_others_share_its_samp
     slow_links.add(2)
     try:
         with ClientHistory.from_url(redis_url, job) as history:
-            strategy = run(history, rounds=3, sit_out=0.34)  # one of the three clients may sit out
+            strategy = run(history, rounds=4, sit_out=0.34, rejoin_after=2)  # one of three may sit out, twice
             statuses = history.statuses()
             index = {int(node): i for node, i in history.workers().items()}
     finally:
@@ -119,8 +119,10 @@ def test_a_client_with_a_slow_link_sits_rounds_out_and_the_others_share_its_samp
         assert {m.metadata.dst_node_id for m in strategy.sent[rnd]} == {1, 3}
         assert (rnd, 2) not in trained
         assert sum(w.batch_size for w in strategy.plans[rnd].values()) == 120  # the round total stays
-    assert statuses[index[2]].round == 1 and statuses[index[2]].status == "ok"  # sitting out is no failure
-    assert strategy.model.availability([index[2]]).tolist() == [1.0]
+    assert strategy.model.availability([index[2]]).tolist() == [1.0]  # sitting out is no failure
+    # out two rounds in a row, it is asked in round 4 (which renews its estimate), and trains on its data
+    assert set(strategy.plans[4]) == {1, 2, 3} and (4, 2) in trained
+    assert statuses[index[2]].round == 4 and statuses[index[2]].status == "ok"
     # with every link fast, sitting out would only slow the round: all three are asked
     with ClientHistory.from_url(redis_url, job + "-fast") as history:
         fast = run(history, rounds=2, sit_out=0.34)

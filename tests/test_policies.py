@@ -73,6 +73,22 @@ def test_lbbsp_lets_the_slowest_federated_clients_sit_out() -> None:
             LBBSPPolicy(sit_out=bad)  # type: ignore[arg-type]
 
 
+def test_a_client_that_sat_out_rejoin_after_times_is_asked_again() -> None:
+    transfer = np.array([2.0, 20.0, 2.0, 2.0, 60.0, 2.0])  # as above: client 4 is the slowest
+    config = JobConfig("p", 6, 120)
+    reports = [Report("p", i, 0, 20, 1.0, features={"download_s": t / 2, "upload_s": t / 2}, device="phone")
+               for i, t in enumerate(transfer.tolist())]
+    for rejoin_after, expected in ((2, [0, 0, 1, 0, 0, 1]), (None, [0] * 6)):
+        policy = LBBSPPolicy(FLClientModel(), sit_out=1 / 6, rejoin_after=rejoin_after)
+        policy.observe(reports)
+        current, asked = config.initial_sizes(), []
+        for iteration in range(2, 8):
+            current = policy.decide(iteration, current, config).sizes
+            assert sum(current) == 120
+            asked.append(int(current[4] > 0))
+        assert asked == expected
+
+
 def test_lbbsp_replaces_a_split_outside_the_bounds_and_says_why() -> None:
     policy = LBBSPPolicy()
     policy.observe(_reports(0, np.full(4, 200)))
