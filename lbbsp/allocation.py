@@ -163,21 +163,24 @@ class RoundsOut:
                                          or rejoin_after < 1):
             raise ConfigError(f"rejoin_after must be a positive number of iterations or None, got {rejoin_after!r}")
         self.rejoin_after = rejoin_after
-        self._streak: dict[int, int] = {}
+        self._streak = np.zeros(0, dtype=np.int64)  # by worker index
 
     def due(self, workers: Sequence[int] | np.ndarray) -> np.ndarray:
         """Per worker, whether it has sat out ``rejoin_after`` iterations in a row and must be asked next."""
+        ids = np.asarray(workers, dtype=np.int64)
         if self.rejoin_after is None:
-            return np.zeros(len(workers), dtype=bool)
-        return np.array([self._streak.get(int(w), 0) >= self.rejoin_after for w in workers], dtype=bool)
+            return np.zeros(ids.size, dtype=bool)
+        streak = np.zeros(ids.size, dtype=np.int64)
+        known = ids < self._streak.size
+        streak[known] = self._streak[ids[known]]
+        return streak >= self.rejoin_after
 
     def record(self, workers: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray) -> None:
         """Note the sizes the workers were given: a streak grows at 0 and ends at any other size."""
-        for worker, size in zip(workers, sizes):
-            if size == 0:
-                self._streak[int(worker)] = self._streak.get(int(worker), 0) + 1
-            else:
-                self._streak.pop(int(worker), None)
+        ids = np.asarray(workers, dtype=np.int64)
+        if ids.size and ids.max() >= self._streak.size:
+            self._streak = np.concatenate([self._streak, np.zeros(ids.max() + 1 - self._streak.size, dtype=np.int64)])
+        self._streak[ids] = np.where(np.asarray(sizes) == 0, self._streak[ids] + 1, 0)
 
 
 def allocate_sitting_out(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndarray,
