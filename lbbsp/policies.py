@@ -127,6 +127,19 @@ class LBBSPPolicy(Policy):
             capped = np.maximum(capped, np.minimum(current, upper)) if current.shape == upper.shape else upper
         return lower, capped if capped.sum() >= config.global_batch else upper
 
+    def with_margins(self, iteration: int, time_model: TimeModel,
+                     throughput: np.ndarray) -> tuple[TimeModel, np.ndarray]:
+        """The model to plan with: ``time_model`` scaled by the margins learned for forecasts like
+        ``throughput`` (recorded, to be scored against the reports of ``iteration``), and the margins. Margins
+        that differ by less than the dead band only perturb the split by noise: then ``time_model`` itself."""
+        if self.risk is None:
+            return time_model, np.ones(throughput.size)
+        self.risk.record(iteration, np.arange(throughput.size), throughput)
+        factor = self.risk.factors(iteration)
+        if factor.max() > (1 + self.deadband) * factor.min():
+            return hedged(time_model, factor), factor
+        return time_model, factor
+
     def propose(self, time_model: TimeModel, config: JobConfig, lower: np.ndarray, upper: np.ndarray,
                 forecast: TimeModel | None = None) -> np.ndarray:
         """The split with the earliest predicted finish under ``time_model``. With ``sit_out``, the workers
@@ -144,13 +157,7 @@ class LBBSPPolicy(Policy):
         workers = np.arange(config.num_workers)
         time_model = self.model.time_model(workers)
         throughput = self.model.predict(workers)
-        plan: TimeModel = time_model
-        if self.risk is not None:
-            self.risk.record(iteration, workers, throughput)
-            factor = self.risk.factors(iteration)
-            # Margins that differ by less than the dead band only perturb the split by noise: plan without them.
-            if factor.max() > (1 + self.deadband) * factor.min():
-                plan = hedged(time_model, factor)
+        plan, factor = self.with_margins(iteration, time_model, throughput)
         current_arr = np.asarray(current, dtype=np.int64)
         lower, upper = self.bounds(workers, current_arr, config)
         proposed = self.propose(plan, config, lower, upper, time_model)
@@ -272,12 +279,13 @@ class LeaderStragglerPolicy(Policy):
 
 class OraclePolicy(LBBSPPolicy):
     """The limit: allocates with each worker's true time model for the coming iteration, which a simulator
-    hands it through :meth:`reveal` before each decision."""
+    hands it through :meth:`reveal` before each decision. ``hedge`` is for references shown a truth that is
+    not exact (:class:`~lbbsp.sim.engine.LevelOracle`): they then plan with LB-BSP's margins."""
 
     name = "oracle"
 
-    def __init__(self, *, sit_out: float = 0.0, rejoin_after: int | None = 10) -> None:
-        super().__init__(EWMAThroughput(), deadband=0.0, hedge=None, sit_out=sit_out, rejoin_after=rejoin_after)
+    def __init__(self, *, sit_out: float = 0.0, rejoin_after: int | None = 10, hedge: float | None = None) -> None:
+        super().__init__(EWMAThroughput(), deadband=0.0, hedge=hedge, sit_out=sit_out, rejoin_after=rejoin_after)
         self._truth: TimeModel | None = None
         self._caps: np.ndarray | None = None
 
@@ -291,7 +299,11 @@ class OraclePolicy(LBBSPPolicy):
         lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
         if self._caps is not None:
             upper = np.maximum(np.minimum(upper, self._caps), lower)
-        sizes = self.propose(self._truth, config, lower, upper)
+        plan = self._truth
+        if self.risk is not None:  # margins learned from its own misses, for a truth that is not exact
+            current_arr = np.maximum(np.asarray(current, dtype=np.int64), 1)
+            plan, _ = self.with_margins(iteration, self._truth, current_arr / self._truth.time(current_arr))
+        sizes = self.propose(plan, config, lower, upper, self._truth)
         if self.sit_out:
             self.rounds_out.record(range(config.num_workers), sizes)
         return Decision(tuple(sizes.tolist()), "true speeds of the coming iteration",

@@ -58,6 +58,18 @@ def test_level_oracles_know_the_slow_process_but_not_the_noise() -> None:
     assert "oracle-level" not in standard_policies(GPUMix(4, 5, seed=0))  # no noise-free truth there
 
 
+def test_the_hedged_late_level_oracle_plans_with_lbbsp_margins() -> None:
+    scenario = CPUContention(64, 60, seed=0)
+    policies = standard_policies(scenario)
+    assert policies["oracle-level-late-hedged"].hedge == policies["lbbsp"].hedge  # type: ignore[attr-defined]
+    late = ("oracle-level-late", "oracle-level-late-hedged")
+    runs = compare(scenario, 60, {k: policies[k] for k in late})
+    plain, hedged = (runs[k].sizes for k in late)
+    assert all(sum(sizes) == scenario.config.global_batch for sizes in hedged)
+    assert plain[:2] == hedged[:2]  # the initial split, before any decision
+    assert sum(a != b for a, b in zip(plain, hedged)) > 30  # margins learned from its misses move the split
+
+
 def test_federated_clients_sitting_out_beat_backup_workers_that_drop_as_many() -> None:
     scenario = FLClients(40, 30, seed=0)
     policies = standard_policies(scenario)

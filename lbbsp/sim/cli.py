@@ -114,14 +114,15 @@ def summarise(runs: dict[str, PolicyRun]) -> dict[str, dict[str, float]]:
 
 def table(scenario: Scenario, summary: dict[str, dict[str, float]]) -> str:
     lines = [f"{scenario.name}: {scenario.config.num_workers} workers, global batch {scenario.config.global_batch}",
-             f"{'policy':<20} {'s/iteration':>12} {'/ oracle':>9} {'idle':>7} {'decide ms':>10} {'over mem':>9}"]
+             f"{'policy':<24} {'s/iteration':>12} {'/ oracle':>9} {'idle':>7} {'decide ms':>10} {'over mem':>9}"]
     for name, s in sorted(summary.items(), key=lambda item: item[1]["vs_oracle"]):
-        lines.append(f"{name:<20} {s['mean_iteration_s']:>12.4g} {s['vs_oracle']:>9.3f} "
+        lines.append(f"{name:<24} {s['mean_iteration_s']:>12.4g} {s['vs_oracle']:>9.3f} "
                      f"{s['idle_fraction']:>6.1%} {s['decision_ms_mean']:>10.2f} {s['over_memory_iterations']:>9d}")
     if "oracle-level" in summary:
         lines.append(f"references, not policies: oracle-level knows each worker's speed without its per-iteration "
                      f"noise for the coming iteration;\n  oracle-level-late knows the same, but only as of the "
-                     f"latest reports ({scenario.config.lag} iterations late, as LB-BSP)")
+                     f"latest reports ({scenario.config.lag} iterations late, as LB-BSP);\n  oracle-level-late-hedged "
+                     f"plans that with LB-BSP's margins: what LB-BSP's own forecast could be worth at best")
     if "oracle-sit-out" in summary:
         lines.append("reference, not a policy: oracle-sit-out knows every client's true speed and transfer for the "
                      "coming round and lets as many sit out as lbbsp-sit-out may (and backup drops)")

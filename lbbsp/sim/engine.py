@@ -55,31 +55,36 @@ class LevelOracle(OraclePolicy):
     (:meth:`Scenario.expected`), as it was ``delay`` iterations before the iteration decided.
 
     With ``delay=0`` it shows what perfect knowledge of every worker's slow process is worth; with
-    ``delay = lag`` it knows that process exactly, but only as of the reports a lag-``lag`` policy has."""
+    ``delay = lag`` it knows that process exactly, but only as of the reports a lag-``lag`` policy has.
+    ``hedge``: plan with margins learned from its misses, as LB-BSP does (``LBBSPPolicy(hedge=...)``)."""
 
-    def __init__(self, delay: int = 0) -> None:
-        super().__init__()
+    def __init__(self, delay: int = 0, hedge: float | None = None) -> None:
+        super().__init__(hedge=hedge)
         self.delay = delay
 
 
 def standard_policies(scenario: Scenario) -> dict[str, Policy]:
     """Every policy of the comparison, fresh: the oracle first, LB-BSP with the scenario's automatic model;
-    where the scenario separates noise from its slow process, the two :class:`LevelOracle` references too;
+    where the scenario separates noise from its slow process, the :class:`LevelOracle` references too (now,
+    as late as LB-BSP's reports, and as late with LB-BSP's margins);
     where a worker given nothing is not asked (federated clients), LB-BSP letting as many sit out as backup
     workers drop, and the oracle doing the same as a reference."""
     n = scenario.config.num_workers
     backups = max(1, n // 20)
+    lbbsp = LBBSPPolicy(scenario.capacity_model())
     references: dict[str, Policy] = {}
     sitting_out: dict[str, Policy] = {}
     if scenario.expected(0) is not None:
-        references = {"oracle-level": LevelOracle(), "oracle-level-late": LevelOracle(delay=scenario.config.lag)}
+        lag = scenario.config.lag
+        references = {"oracle-level": LevelOracle(), "oracle-level-late": LevelOracle(delay=lag),
+                      "oracle-level-late-hedged": LevelOracle(delay=lag, hedge=lbbsp.hedge)}
     if getattr(scenario.truth(0).time_model, "idle_is_free", False):
         references["oracle-sit-out"] = OraclePolicy(sit_out=backups / n)
         sitting_out = {"lbbsp-sit-out": LBBSPPolicy(scenario.capacity_model(), sit_out=backups / n)}
     return {
         "oracle": OraclePolicy(),
         **references,
-        "lbbsp": LBBSPPolicy(scenario.capacity_model()),
+        "lbbsp": lbbsp,
         **sitting_out,
         "lbbsp-ewma": LBBSPPolicy(EWMAThroughput()),
         "bsp": BSPPolicy(),
@@ -212,6 +217,6 @@ def compare(scenario: Scenario, iterations: int, policies: Mapping[str, Policy] 
         started = time.perf_counter()
         runs[name] = run_policy(scenario, name, policy, iterations, redis_url)
         if progress is not None:
-            progress(f"  {name:<20} {np.mean(runs[name].iteration_s):.4g} s/iteration "
+            progress(f"  {name:<24} {np.mean(runs[name].iteration_s):.4g} s/iteration "
                      f"({time.perf_counter() - started:.1f}s to simulate)")
     return runs
