@@ -7,7 +7,7 @@ from .allocation import LinearTime, allocate
 from .config import JobConfig
 from .coordinator import Coordinator, CoordinatorProcess
 from .embedded import EmbeddedRedis
-from .errors import AllocationError, ConfigError, LBBSPError, ProtocolError, StoreUnavailable
+from .errors import AllocationError, ConfigError, LBBSPError, PolicyError, ProtocolError, StoreUnavailable
 from .models import CapacityModel, EWMAThroughput
 from .policies import BSPPolicy, Decision, LBBSPPolicy, Policy
 from .protocol import Assignment, Report, equal_split
@@ -21,6 +21,6 @@ __version__ = "0.1.0"
 __all__ = [
     "AllocationError", "Assignment", "BSPPolicy", "CapacityModel", "ConfigError", "Coordinator", "CoordinatorProcess", "Decision",
     "EWMAThroughput", "EmbeddedRedis", "GlobalBatchSampler", "JobConfig", "LBBSPError", "LBBSPPolicy",
-    "LinearTime", "Policy", "ProtocolError", "Report", "ResourceMonitor", "Store", "StoreUnavailable",
+    "LinearTime", "Policy", "PolicyError", "ProtocolError", "Report", "ResourceMonitor", "Store", "StoreUnavailable",
     "WorkerClient", "allocate", "equal_split", "scale_split",
 ]

@@ -10,6 +10,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
+import redis
+
 from .config import JobConfig
 from .coordinator import Coordinator
 from .embedded import EmbeddedRedis
@@ -70,6 +72,9 @@ def _status(args: argparse.Namespace) -> int:
     for job in jobs:
         with Store.from_url(url, job) as store:
             config = store.load_config()
+            if config is None and args.job:
+                raise LBBSPError(f"no job {job!r} on this Redis (it never started, or its keys expired); "
+                                 "`lbbsp status` without --job lists the jobs there")
             decisions = [json.loads(d) for d in store.decisions(max(args.decisions, 1))]
             statuses = {int(k): json.loads(v) for k, v in store.worker_statuses().items()}
         last = decisions[0] if decisions else {}
@@ -104,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     coordinator = sub.add_parser("coordinator", help="run the BatchSize Manager for one job")
-    coordinator.add_argument("--redis", help="Redis URL (redis://, rediss://, unix://); default: start an embedded one")
+    coordinator.add_argument("--redis", help="Redis URL (redis://, rediss://, unix://); default: $LBBSP_REDIS_URL, "
+                                             "or else start an embedded one")
     coordinator.add_argument("--job", default="default", help="job name shared with the workers")
     coordinator.add_argument("--workers", type=int, required=True, help="number of workers")
     coordinator.add_argument("--global-batch", type=int, required=True, help="global batch size B")
@@ -132,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    verbose = False
+    while argv and argv[0] in ("-v", "--verbose"):  # the global flag, before any subcommand
+        verbose = True
+        argv.pop(0)
     if argv and argv[0] in _EXTERNAL:  # these parse their own flags, after importing their module
         module = importlib.import_module(_EXTERNAL[argv[0]][0])
         external = argparse.ArgumentParser(prog=f"lbbsp {argv[0]}", description=_EXTERNAL[argv[0]][1])
@@ -141,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         args = parser.parse_args(argv)
         runner = args.handler
-    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+    logging.basicConfig(level=logging.INFO if verbose or getattr(args, "verbose", False) else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return int(runner(args) or 0)
@@ -150,6 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except REDIS_ERRORS as exc:
         print(f"lbbsp: error: cannot reach Redis ({exc}); check --redis or LBBSP_REDIS_URL", file=sys.stderr)
+        return 2
+    except redis.RedisError as exc:
+        print(f"lbbsp: error: Redis answered with an error: {exc}", file=sys.stderr)
         return 2
 
 

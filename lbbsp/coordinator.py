@@ -5,15 +5,18 @@ import json
 import logging
 import math
 import multiprocessing
+import os
 import signal
+import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from operator import attrgetter
 
 from .config import JobConfig
 from .embedded import release_cpu_pinning
-from .errors import LBBSPError, ProtocolError
+from .errors import LBBSPError, PolicyError, ProtocolError
 from .models import AutoCapacityModel
 from .policies import Decision, LBBSPPolicy, Policy
 from .protocol import Assignment, Report
@@ -63,7 +66,14 @@ class Coordinator:
         self.config = store.register(config)
         self.policy = policy if policy is not None else LBBSPPolicy(AutoCapacityModel(horizon=self.config.lag))
         self.decisions_made = 0
+        self._identity = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._next_heartbeat = 0.0
+        self._warned_about: str | None = None
         self._last_written: Assignment | None = None
+        stored = store.decision_count()
+        if stored:
+            log.warning("job %s already has %d decisions in this Redis: resuming it, and reusing its stored "
+                        "assignments; for a new run, use a new job name", self.config.job, stored)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -80,13 +90,24 @@ class Coordinator:
         started = time.perf_counter()
         target = iteration + self.config.lag
         reports, rejected = self._parse_reports(iteration)
-        self.policy.observe(reports)
         current = self._assignment(target - 1)
-        decision = self.policy.decide(target, current.sizes, self.config)
-        assignment = Assignment(self.config.job, target, decision.sizes, self.policy.name, decision.reason)
+        try:
+            self.policy.observe(reports)
+            decision = self.policy.decide(target, current.sizes, self.config)
+            assignment = self._checked(target, decision)
+        except REDIS_ERRORS:
+            raise
+        except Exception as exc:  # a policy's bug must not stop the job: keep the split in force, say why
+            log.exception("policy %s failed to decide iteration %d; keeping the current split", self.policy.name,
+                          target)
+            decision = Decision(current.sizes, f"policy failed ({type(exc).__name__}: {exc}); kept the split")
+            assignment = Assignment(self.config.job, target, current.sizes, self.policy.name, decision.reason)
         written = self.store.publish(assignment)
         decision_s = time.perf_counter() - started
-        self.policy.learn()  # the split is out: the workers need not wait for this
+        try:
+            self.policy.learn()  # the split is out: the workers need not wait for this
+        except Exception:  # as above: logged, and the next decision goes on
+            log.exception("policy %s failed to learn from iteration %d", self.policy.name, iteration)
         learn_s = time.perf_counter() - started - decision_s
         if written:
             self._last_written = assignment
@@ -95,6 +116,28 @@ class Coordinator:
         self._record(iteration, assignment, written, decision, reports, rejected, decision_s, learn_s)
         self.decisions_made += 1
         return Outcome(iteration, assignment, written, decision_s, rejected, learn_s)
+
+    def _checked(self, target: int, decision: Decision) -> Assignment:
+        """The decision as the assignment of ``target``, or a :class:`PolicyError` if it breaks the job's rules
+        (sizes for every worker, within the bounds, summing to the global batch): once written it could not
+        be replaced, and every worker would refuse it."""
+        try:
+            sizes = tuple(int(s) for s in decision.sizes)
+            if any(s != raw for s, raw in zip(sizes, decision.sizes)):
+                raise ProtocolError(f"sizes must be integers, got {list(decision.sizes)[:8]}", field="sizes")
+            assignment = Assignment(self.config.job, target, sizes, self.policy.name, decision.reason)
+            assignment.validate(num_workers=self.config.num_workers, global_batch=self.config.global_batch)
+        except (ProtocolError, TypeError, ValueError) as exc:
+            raise PolicyError(f"policy {self.policy.name} returned an invalid split: {exc}", job=self.config.job,
+                              iteration=target) from exc
+        lower, upper = self.config.bounds()
+        outside = [w for w, (s, lo, hi) in enumerate(zip(sizes, lower, upper)) if not lo <= s <= hi]
+        if outside:
+            w = outside[0]
+            raise PolicyError(f"policy {self.policy.name} gave worker {w} {sizes[w]} samples, outside its bounds "
+                              f"[{lower[w]}, {upper[w]}] ({len(outside)} workers outside)", job=self.config.job,
+                              iteration=target)
+        return assignment
 
     def _parse_reports(self, iteration: int) -> tuple[list[Report], list[Rejection]]:
         reports: list[Report] = []
@@ -155,13 +198,28 @@ class Coordinator:
             if max_decisions is not None and self.decisions_made >= max_decisions:
                 return
             try:
+                self._heartbeat()
                 self.step(poll_s)
             except REDIS_ERRORS as exc:
                 log.warning("Redis unavailable (%s); retrying", exc)
                 self._stop.wait(0.05)
                 self._republish()
-            except LBBSPError as exc:  # a policy that cannot decide: the workers fall back, we keep serving
-                log.error("decision failed: %s", exc)
+            except Exception:  # whatever one step hits, the coordinator keeps serving
+                log.exception("coordinator step failed; still serving job %s", self.config.job)
+                self._stop.wait(0.05)
+
+    def _heartbeat(self) -> None:
+        """Renew this coordinator's claim on the job about once a second, and warn if another one claimed it:
+        two coordinators take turns at the iterations, so each model learns from half of them."""
+        now = time.monotonic()
+        if now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + 1.0
+        other = self.store.claim_coordinator(self._identity, ttl_s=5)
+        if other is not None and other != self._warned_about:
+            log.warning("another coordinator (%s) is serving job %s too: they split the iterations between them "
+                        "and each model learns from only part of them; stop one", other, self.config.job)
+        self._warned_about = other
 
     def _republish(self) -> None:
         """After an outage, write the last assignment again (write-once) in case Redis lost it."""

@@ -41,5 +41,9 @@ class AllocationError(LBBSPError, ValueError):
     """The global batch cannot be placed within the per-worker bounds."""
 
 
+class PolicyError(LBBSPError):
+    """A balancing policy failed, or returned a split that breaks the job's rules."""
+
+
 class StoreUnavailable(LBBSPError, ConnectionError):
     """Redis could not be reached (or stopped answering) within the allowed time."""

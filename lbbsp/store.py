@@ -10,6 +10,7 @@ Keys (all under ``lbbsp:{job}:``, all with a TTL so that finished jobs do not le
 ``assigned``           channel  iteration numbers, published when ``assign:{k}`` is written
 ``decisions``          list     the latest decisions with their reasons, newest first (capped)
 ``workers``            hash     worker id -> status JSON for ``lbbsp status``
+``coordinator``        string   the serving coordinator's host:pid:id, renewed every second (expires in 5 s)
 =====================  =======  ==========================================================================
 """
 from __future__ import annotations
@@ -35,11 +36,22 @@ def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
 
     Retries a failed command briefly with backoff, and never blocks longer than ``socket_timeout_s``.
     """
-    return redis.Redis.from_url(
-        url, socket_timeout=socket_timeout_s, socket_connect_timeout=min(socket_timeout_s, 2.0),
-        retry=Retry(ExponentialBackoff(cap=0.1, base=0.005), 2),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError], health_check_interval=0,
-    )
+    try:
+        return redis.Redis.from_url(
+            url, socket_timeout=socket_timeout_s, socket_connect_timeout=min(socket_timeout_s, 2.0),
+            retry=Retry(ExponentialBackoff(cap=0.1, base=0.005), 2),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError], health_check_interval=0,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"not a usable Redis URL: {_redacted(url)} ({exc}); expected redis://host:port/db, "
+                          "rediss://... (TLS) or unix:///path/to/socket") from exc
+
+
+def _redacted(url: str) -> str:
+    """``url`` without the password, for error messages."""
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}{credentials.partition(':')[0]}:***@{host}" if at and ":" in credentials else url
 
 
 class Store:
@@ -111,12 +123,16 @@ class Store:
             self.client.ping()
         except REDIS_ERRORS as exc:
             raise StoreUnavailable(f"cannot reach Redis: {exc}", job=self.job) from exc
+        except redis.ResponseError as exc:  # e.g. a database number the server does not have
+            raise ConfigError(f"Redis refused the connection's settings: {exc}", job=self.job) from exc
 
     # -- configuration ------------------------------------------------------------------------------------
     def register(self, config: JobConfig) -> JobConfig:
-        """Store the job's configuration if none is stored; raise if a different one is."""
+        """Store the job's configuration if none is stored; raise if a different one is. From here on the
+        job's keys live ``config.ttl_s`` seconds after their last write."""
         if config.job != self.job:
             raise ConfigError(f"config is for job {config.job!r}, store for {self.job!r}", job=self.job)
+        self.ttl_s = config.ttl_s
         key = self.key("config")
         self.client.set(key, config.to_json(), nx=True, ex=self.ttl_s)
         stored = JobConfig.from_json(self.client.get(key) or b"{}")
@@ -193,10 +209,24 @@ class Store:
         pipe.lpush(self.key("decisions"), payload)
         pipe.ltrim(self.key("decisions"), 0, DECISION_LOG_LENGTH - 1)
         pipe.expire(self.key("decisions"), self.ttl_s)
+        pipe.expire(self.key("config"), self.ttl_s)  # a job that runs longer than the TTL keeps its settings
         if statuses:
             pipe.hset(self.key("workers"), mapping={str(k): v for k, v in statuses.items()})
             pipe.expire(self.key("workers"), self.ttl_s)
         pipe.execute()
+
+    def decision_count(self) -> int:
+        """How many decisions the job's log holds (at most ``DECISION_LOG_LENGTH``): 0 for a new job."""
+        return int(self.client.llen(self.key("decisions")))
+
+    def claim_coordinator(self, identity: str, ttl_s: int) -> str | None:
+        """Mark ``identity`` as the job's coordinator for ``ttl_s`` seconds; the identity of another live
+        coordinator that had marked it, if any."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.get(self.key("coordinator"))
+        pipe.set(self.key("coordinator"), identity, ex=ttl_s)
+        previous = pipe.execute()[0]
+        return previous.decode(errors="replace") if previous is not None and previous != identity.encode() else None
 
     def decisions(self, count: int = 20) -> list[bytes]:
         """The newest ``count`` decision records, newest first."""

@@ -45,6 +45,8 @@ class WorkerClient:
         self._sender = threading.Thread(target=self._send_loop, name=f"lbbsp-report-{worker}", daemon=True)
         self._sender.start()
         self._pubsub: redis.client.PubSub | None = None
+        self._late = 0  # fallbacks this worker wrote because no decision came in time
+        self._next_late_warning = 0.0
 
     # -- reporting --------------------------------------------------------------------------------------
     def report(self, iteration: int, samples: int, compute_s: float, *, comm_s: float | None = None,
@@ -122,8 +124,20 @@ class WorkerClient:
         if found is not None:
             return found
         waited = self.config.assignment_timeout_s
-        self.store.publish(self._fallback(iteration, f"coordinator late: worker {self.worker} waited {waited:g}s"))
+        if self.store.publish(self._fallback(iteration, f"coordinator late: worker {self.worker} waited {waited:g}s")):
+            self._warn_late(iteration)
         return self._read_required(iteration)
+
+    def _warn_late(self, iteration: int) -> None:
+        """Say, at most once a minute, that this worker wrote a fallback because no decision came in time:
+        each such iteration costs ``assignment_timeout_s`` of waiting, often because no coordinator runs."""
+        self._late += 1
+        now = time.monotonic()
+        if now >= self._next_late_warning:
+            self._next_late_warning = now + 60.0
+            log.warning("job %s, worker %d: no decision for iteration %d within %gs, so the previous split is used "
+                        "(%d time(s) so far); is a coordinator running for this job (lbbsp status)?", self.config.job,
+                        self.worker, iteration, self.config.assignment_timeout_s, self._late)
 
     def _fallback(self, iteration: int, why: str) -> Assignment:
         """The previous iteration's vector (the initial split if unknown), marked as a fallback."""

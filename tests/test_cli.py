@@ -42,3 +42,20 @@ def test_unreachable_redis_is_reported_plainly(tmp_path) -> None:
     assert result.returncode == 2
     assert "cannot reach Redis" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("url", ["localhost:6379", "http://localhost:6379"])
+def test_a_malformed_redis_url_is_reported_plainly(url: str) -> None:
+    result = subprocess.run([*LBBSP, "status", "--redis", url], capture_output=True, text=True, timeout=30,
+                            check=False)
+    assert result.returncode == 2
+    assert "not a usable Redis URL" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_status_of_an_unknown_job_and_the_global_verbose_flag(redis_url: str, job: str) -> None:
+    result = subprocess.run([*LBBSP, "status", "--redis", redis_url, "--job", job], capture_output=True, text=True,
+                            timeout=30, check=False)
+    assert result.returncode == 2 and f"no job '{job}'" in result.stderr
+    verbose = subprocess.run([*LBBSP, "-v", "simulate", "--help"], capture_output=True, text=True, timeout=60,
+                             check=False)
+    assert verbose.returncode == 0 and "--scenario" in verbose.stdout

@@ -14,6 +14,7 @@ from lbbsp import (
     ConfigError,
     Coordinator,
     CoordinatorProcess,
+    Decision,
     EmbeddedRedis,
     JobConfig,
     LBBSPPolicy,
@@ -181,32 +182,45 @@ def test_a_job_cannot_be_joined_with_other_settings(redis_url: str, job: str) ->
 
 
 class FailsOnce(LBBSPPolicy):
-    def __init__(self) -> None:
+    """Fails its first decision in the given way: raising ``error``, or returning ``sizes``."""
+
+    def __init__(self, error: Exception | None = None, sizes: tuple | None = None) -> None:  # type: ignore[type-arg]
         super().__init__()
-        self.failed = False
+        self.error, self.sizes, self.failed = error, sizes, False
 
     def decide(self, iteration, current, config):  # type: ignore[no-untyped-def]
         if not self.failed:
             self.failed = True
-            raise AllocationError("injected")
+            if self.error is not None:
+                raise self.error
+            return Decision(self.sizes, "broken")
         return super().decide(iteration, current, config)
 
 
 @pytest.mark.timeout(60)
-def test_a_failing_decision_does_not_stop_the_coordinator(redis_url: str, job: str) -> None:
-    config = JobConfig(job, 2, 10, assignment_timeout_s=0.3, lag=1)
+@pytest.mark.parametrize("policy", [FailsOnce(AllocationError("injected")), FailsOnce(ZeroDivisionError("bug")),
+                                    FailsOnce(sizes=(3, 3)), FailsOnce(sizes=(-5, 15)), FailsOnce(sizes=(4.5, 5.5)),
+                                    FailsOnce(sizes=(10,))],
+                         ids=["raises-lbbsp-error", "raises-bug", "wrong-sum", "negative", "fractional", "too-few"])
+def test_a_failing_or_broken_policy_keeps_the_split_and_the_coordinator_serving(redis_url: str, job: str,
+                                                                                 policy: FailsOnce) -> None:
+    config = JobConfig(job, 2, 10, assignment_timeout_s=5.0, lag=1)
     store = Store.from_url(redis_url, job)
-    coordinator = Coordinator(store, config, FailsOnce()).start()
+    coordinator = Coordinator(store, config, policy).start()
     with worker_clients(redis_url, config) as clients:
         vectors = []
         for k in range(3):
+            started = time.monotonic()
             sizes = [client.assignment(k) for client in clients]
+            assert time.monotonic() - started < config.assignment_timeout_s  # nobody waited for a fallback
             assert sizes[0] == sizes[1]
             vectors.append(sizes[0])
             for i, client in enumerate(clients):
                 client.report(k, sizes[0].sizes[i], 0.01 * (i + 1) * sizes[0].sizes[i])
-        assert vectors[1].fallback  # the failed decision: the workers fell back together
-        assert clients[0].assignment(3).policy == "lbbsp"  # and the coordinator serves again
+        # the failed decision: the coordinator itself wrote the split in force, and why
+        assert not vectors[1].fallback and vectors[1].sizes == vectors[0].sizes
+        assert "policy failed" in vectors[1].reason
+        assert vectors[2].policy == "lbbsp" and vectors[2].reason.startswith("rebalanced")  # serving again
         coordinator.stop()
     store.close()
 
@@ -276,3 +290,45 @@ def test_reports_posted_together_count_as_posted_one_by_one(redis_url: str, job:
         assert store.post_reports([Report(job, 2, 0, 10, 0.1)], 3) == 1
         assert store.next_ready(1.0) == 0
         assert sorted(store.reports(0)) == [b"0", b"1", b"2"]
+
+
+def test_the_config_key_lives_as_long_as_the_job_and_ttl_s_is_the_jobs(redis_url: str, job: str) -> None:
+    config = JobConfig(job, 2, 10, ttl_s=60)
+    with Store.from_url(redis_url, job) as store:  # a store made with the default TTL
+        coordinator = Coordinator(store, config)
+        assert 0 < store.client.ttl(store.key("config")) <= 60
+        store.client.expire(store.key("config"), 3)  # as if the job had run for most of its TTL
+        for i, size in enumerate(config.initial_sizes()):
+            store.post_report(Report(job, i, 0, size, 0.01 * size), 2)
+        coordinator.decide(0)
+        assert store.client.ttl(store.key("config")) > 50  # renewed by the decision
+        assert 50 < store.client.ttl(store.key("assign", 2)) <= 60
+
+
+def test_a_second_coordinator_and_a_reused_job_name_are_warned_about(redis_url: str, job: str,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    config = JobConfig(job, 2, 10)
+    with Store.from_url(redis_url, job) as store:
+        first = Coordinator(store, config)
+        first._heartbeat()
+        second = Coordinator(store, config)
+        with caplog.at_level("WARNING", logger="lbbsp.coordinator"):
+            second._heartbeat()
+        assert "another coordinator" in caplog.text and first._identity in caplog.text
+        for i, size in enumerate(config.initial_sizes()):
+            store.post_report(Report(job, i, 0, size, 0.01 * size), 2)
+        first.decide(0)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lbbsp.coordinator"):
+            Coordinator(store, config)
+        assert "already has 1 decisions" in caplog.text and "new job name" in caplog.text
+
+
+def test_a_worker_without_a_coordinator_says_so_once(redis_url: str, job: str,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    config = JobConfig(job, 1, 10, assignment_timeout_s=0.05, lag=1)
+    with worker_clients(redis_url, config) as clients, caplog.at_level("WARNING", logger="lbbsp.worker"):
+        for k in range(4):
+            assert clients[0].assignment(k).sizes == (10,)
+    warnings = [r for r in caplog.records if "is a coordinator running" in r.getMessage()]
+    assert len(warnings) == 1  # rate-limited: one line, not one per iteration

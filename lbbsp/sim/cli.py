@@ -40,11 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run every policy through Redis as in a job (reports posted, a real Coordinator "
                              "deciding, sizes read back), on an embedded redis-server or the Redis at URL, and "
                              "check each decides exactly as in-process")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the JSON and PNG results")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"directory for the JSON and PNG results (default: {DEFAULT_OUT})")
 
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    if args.iterations < 1 or args.workers < 1:
+        raise ConfigError(f"--workers and --iterations must be at least 1, got {args.workers} and {args.iterations}")
     print(f"building {args.scenario} with {args.workers} workers, {args.iterations} iterations, seed {args.seed}",
           flush=True)
     options, suffix = _scenario_options(args)
