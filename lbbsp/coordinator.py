@@ -69,6 +69,8 @@ class Coordinator:
         self._identity = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._next_heartbeat = 0.0
         self._warned_about: str | None = None
+        self._outage_since: float | None = None
+        self._next_outage_log = 0.0
         self._last_written: Assignment | None = None
         stored = store.decision_count()
         if stored:
@@ -201,12 +203,27 @@ class Coordinator:
                 self._heartbeat()
                 self.step(poll_s)
             except REDIS_ERRORS as exc:
-                log.warning("Redis unavailable (%s); retrying", exc)
+                self._outage(exc)
                 self._stop.wait(0.05)
                 self._republish()
+                continue
             except Exception:  # whatever one step hits, the coordinator keeps serving
                 log.exception("coordinator step failed; still serving job %s", self.config.job)
                 self._stop.wait(0.05)
+            if self._outage_since is not None:
+                log.warning("Redis is back after %.1fs; serving job %s again", time.monotonic() - self._outage_since,
+                            self.config.job)
+                self._outage_since = None
+
+    def _outage(self, exc: Exception) -> None:
+        """Log an outage when it starts and every 10 s while it lasts, not at every retry."""
+        now = time.monotonic()
+        if self._outage_since is None:
+            self._outage_since, self._next_outage_log = now, now + 10.0
+            log.warning("Redis unavailable (%s); retrying", exc)
+        elif now >= self._next_outage_log:
+            self._next_outage_log = now + 10.0
+            log.warning("Redis still unavailable after %.0fs (%s); retrying", now - self._outage_since, exc)
 
     def _heartbeat(self) -> None:
         """Renew this coordinator's claim on the job about once a second, and warn if another one claimed it:
@@ -269,9 +286,12 @@ class CoordinatorProcess:
         deadline = time.monotonic() + start_timeout_s
         while not ready.wait(0.1):  # serving before training starts, or a clear error
             if not self._process.is_alive() or time.monotonic() > deadline:
+                exited = not self._process.is_alive()
                 self.stop()
+                hint = ("; it starts with spawn, so the script that creates it needs an "
+                        "`if __name__ == \"__main__\":` guard, and its traceback is above") if exited else ""
                 raise LBBSPError(f"the coordinator process exited or did not start within {start_timeout_s}s "
-                                 f"(exit code {self._process.exitcode})", job=config.job)
+                                 f"(exit code {self._process.exitcode}){hint}", job=config.job)
 
     @property
     def alive(self) -> bool:

@@ -155,7 +155,7 @@ class WorkerClient:
             return Assignment.from_json(raw, job=self.config.job, num_workers=self.config.num_workers,
                                         global_batch=self.config.global_batch)
         except ProtocolError as exc:
-            raise LBBSPError(f"stored assignment is invalid: {exc}", job=self.config.job, worker=self.worker,
+            raise LBBSPError(f"stored assignment is invalid: {exc.message}", job=self.config.job, worker=self.worker,
                              iteration=iteration) from exc
 
     def _read_required(self, iteration: int) -> Assignment:
