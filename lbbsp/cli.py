@@ -40,7 +40,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     try:
         store.ping()
         config = JobConfig(args.job, args.workers, args.global_batch, min_batch=args.min_batch,
-                           max_batch=args.max_batch, assignment_timeout_s=args.timeout, lag=args.lag)
+                           max_batch=args.max_batch, assignment_timeout_s=args.timeout, lag=args.lag, ttl_s=args.ttl)
         coordinator = Coordinator(store, config)
         signal.signal(signal.SIGTERM, lambda *_: coordinator.stop(timeout_s=0))
         print(f"coordinating job {args.job!r}: {args.workers} workers, global batch {args.global_batch}", flush=True)
@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--timeout", type=float, default=10.0, help="assignment timeout of the workers, s")
     coordinator.add_argument("--lag", type=int, default=2,
                              help="decide iteration k + LAG from the reports of k (2: off the critical path)")
+    coordinator.add_argument("--ttl", type=int, default=3600,
+                             help="seconds the job's keys live after its last decision (JobConfig.ttl_s)")
     coordinator.add_argument("--max-decisions", type=int, default=None, help="exit after this many decisions")
     coordinator.set_defaults(handler=_coordinator)
 
