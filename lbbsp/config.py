@@ -4,12 +4,61 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
+from numbers import Integral, Real
+from typing import Any
+
+import numpy as np
 
 from .errors import ConfigError
 from .protocol import MAX_BATCH, MAX_WORKERS, Assignment, equal_split
 
-_JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+_JOB_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+#: A worker that waits longer than this for a vector is stuck, and ``threading`` rejects infinite waits.
+MAX_ASSIGNMENT_TIMEOUT_S = 86_400.0
+#: Keys that outlive their job by more than a year are a mistake (and Redis rejects huge expiry times).
+MAX_TTL_S = 365 * 86_400
+
+
+def _given(value: object) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _integer(value: object, name: str, lo: int, hi: int | None, job: str) -> int:
+    """``value`` as a plain int in [lo, hi]; numpy integers pass, bools and floats do not."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ConfigError(f"{name} must be an integer, got {_given(value)}", job=job)
+    number = int(value)
+    if number < lo or (hi is not None and number > hi):
+        raise ConfigError(f"{name} must be an integer in [{lo}, {hi if hi is not None else 'inf'}], "
+                          f"got {value!r}", job=job)
+    return number
+
+
+def _max_batch(value: object, num_workers: int, job: str) -> int | tuple[int, ...] | None:
+    """None, one cap for every worker, or a tuple with one cap per worker (a sequence or a 1-D numpy array)."""
+    if value is None:
+        return None
+    if isinstance(value, np.ndarray):
+        value = value.tolist()  # plain ints (or floats, rejected below); a 0-d array becomes a scalar
+    if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, (Integral, Sequence)):
+        raise ConfigError(f"max_batch must be None, an integer or a sequence of {num_workers} integers (one per "
+                          f"worker), got {_given(value)}", job=job)
+    if not isinstance(value, Sequence):
+        return _integer(value, "max_batch", 0, None, job)
+    if len(value) != num_workers:
+        raise ConfigError(f"max_batch has {len(value)} entries for {num_workers} workers", job=job)
+    return tuple(_integer(cap, f"max_batch[{i}]", 0, None, job) for i, cap in enumerate(value))
+
+
+def _seconds(value: object, name: str, hi: float, job: str) -> float:
+    """``value`` as a float in (0, hi]: a real, finite number of seconds (NaN and infinity fail the range)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ConfigError(f"{name} must be a number of seconds, got {_given(value)}", job=job)
+    seconds = float(value)
+    if not 0 < seconds <= hi:
+        raise ConfigError(f"{name} must be a number of seconds in (0, {hi:g}], got {value!r}", job=job)
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -22,6 +71,9 @@ class JobConfig:
     ``lag`` is how many iterations a decision runs ahead: the vector of iteration k is decided from the
     reports of iteration k - lag. With the default 2 the decision overlaps iteration k-1, so the
     coordinator is off the critical path; 1 reacts an iteration sooner but every step waits for it.
+
+    Every field is checked here, with numpy numbers turned into plain ones, so the config always round-trips
+    through JSON and a bad value fails at construction with a :class:`ConfigError` rather than mid-run.
     """
 
     job: str
@@ -34,37 +86,31 @@ class JobConfig:
     lag: int = 2
 
     def __post_init__(self) -> None:
-        if not isinstance(self.job, str) or not _JOB_NAME.match(self.job):
+        if not isinstance(self.job, str) or not _JOB_NAME.fullmatch(self.job):
             raise ConfigError(f"job name must match {_JOB_NAME.pattern}, got {self.job!r}")
-        if not isinstance(self.num_workers, int) or not 1 <= self.num_workers <= MAX_WORKERS:
-            raise ConfigError(f"num_workers must be an integer in [1, {MAX_WORKERS}], got {self.num_workers!r}",
-                              job=self.job)
-        if not isinstance(self.global_batch, int) or not 1 <= self.global_batch <= MAX_BATCH:
-            raise ConfigError(f"global_batch must be an integer in [1, {MAX_BATCH}], got {self.global_batch!r}",
-                              job=self.job)
-        if not isinstance(self.min_batch, int) or self.min_batch < 0:
-            raise ConfigError(f"min_batch must be a non-negative integer, got {self.min_batch!r}", job=self.job)
-        if isinstance(self.max_batch, Sequence):
-            object.__setattr__(self, "max_batch", tuple(int(m) for m in self.max_batch))
-            if len(self.max_batch) != self.num_workers:
-                raise ConfigError(f"max_batch has {len(self.max_batch)} entries for {self.num_workers} workers",
-                                  job=self.job)
+        job = self.job
+        self._set("num_workers", _integer(self.num_workers, "num_workers", 1, MAX_WORKERS, job))
+        self._set("global_batch", _integer(self.global_batch, "global_batch", 1, MAX_BATCH, job))
+        self._set("min_batch", _integer(self.min_batch, "min_batch", 0, MAX_BATCH, job))
+        self._set("max_batch", _max_batch(self.max_batch, self.num_workers, job))
         lower, upper = self.bounds()
-        if any(lo > hi for lo, hi in zip(lower, upper)):
-            raise ConfigError("max_batch is below min_batch for some worker", job=self.job)
+        below = [i for i, (lo, hi) in enumerate(zip(lower, upper)) if lo > hi]
+        if below:
+            raise ConfigError(f"max_batch is below min_batch {self.min_batch} for worker {below[0]} "
+                              f"(cap {upper[below[0]]})", job=job)
         if sum(lower) > self.global_batch:
             raise ConfigError(f"min_batch {self.min_batch} x {self.num_workers} workers exceeds the global batch "
-                              f"{self.global_batch}", job=self.job)
+                              f"{self.global_batch}", job=job)
         if sum(upper) < self.global_batch:
             raise ConfigError(f"the max_batch caps add up to {sum(upper)}, less than the global batch "
-                              f"{self.global_batch}", job=self.job)
-        if not self.assignment_timeout_s > 0:
-            raise ConfigError(f"assignment_timeout_s must be positive, got {self.assignment_timeout_s}",
-                              job=self.job)
-        if not isinstance(self.lag, int) or not 1 <= self.lag <= 8:
-            raise ConfigError(f"lag must be an integer in [1, 8], got {self.lag!r}", job=self.job)
-        if not isinstance(self.ttl_s, int) or self.ttl_s < 10:
-            raise ConfigError(f"ttl_s must be an integer of at least 10 seconds, got {self.ttl_s!r}", job=self.job)
+                              f"{self.global_batch}", job=job)
+        self._set("assignment_timeout_s", _seconds(self.assignment_timeout_s, "assignment_timeout_s",
+                                                   MAX_ASSIGNMENT_TIMEOUT_S, job))
+        self._set("ttl_s", _integer(self.ttl_s, "ttl_s", 10, MAX_TTL_S, job))
+        self._set("lag", _integer(self.lag, "lag", 1, 8, job))
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # the dataclass is frozen; this stores the checked value
 
     def bounds(self) -> tuple[list[int], list[int]]:
         """Per-worker [lower, upper] batch bounds."""
@@ -94,8 +140,12 @@ class JobConfig:
             obj = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ConfigError(f"stored job configuration is not valid JSON: {exc}") from None
-        if not isinstance(obj, dict) or set(obj) - set(cls.__dataclass_fields__):
-            raise ConfigError("stored job configuration has unexpected fields")
-        if isinstance(obj.get("max_batch"), list):
-            obj["max_batch"] = tuple(obj["max_batch"])
+        if not isinstance(obj, dict):
+            raise ConfigError(f"stored job configuration must be a JSON object, got {type(obj).__name__}")
+        unexpected = set(obj) - {f.name for f in fields(cls)}
+        missing = {f.name for f in fields(cls) if f.default is MISSING} - set(obj)
+        if unexpected:
+            raise ConfigError(f"stored job configuration has unexpected fields {sorted(unexpected)}")
+        if missing:
+            raise ConfigError(f"stored job configuration lacks the fields {sorted(missing)}")
         return cls(**obj)

@@ -121,8 +121,8 @@ class Coordinator:
 
     def _checked(self, target: int, decision: Decision) -> Assignment:
         """The decision as the assignment of ``target``, or a :class:`PolicyError` if it breaks the job's rules
-        (sizes for every worker, within the bounds, summing to the global batch): once written it could not
-        be replaced, and every worker would refuse it."""
+        (an integer size per worker, within its bounds or 0 where the policy lets workers sit out, summing to
+        the global batch): once written it could not be replaced, and every worker would refuse it."""
         try:
             sizes = tuple(int(s) for s in decision.sizes)
             if any(s != raw for s, raw in zip(sizes, decision.sizes)):
@@ -133,7 +133,9 @@ class Coordinator:
             raise PolicyError(f"policy {self.policy.name} returned an invalid split: {exc}", job=self.config.job,
                               iteration=target) from exc
         lower, upper = self.config.bounds()
-        outside = [w for w, (s, lo, hi) in enumerate(zip(sizes, lower, upper)) if not lo <= s <= hi]
+        sits_out = bool(getattr(self.policy, "sit_out", 0))  # such a policy gives a worker sitting out 0
+        outside = [w for w, (s, lo, hi) in enumerate(zip(sizes, lower, upper))
+                   if not (lo <= s <= hi or (sits_out and s == 0))]
         if outside:
             w = outside[0]
             raise PolicyError(f"policy {self.policy.name} gave worker {w} {sizes[w]} samples, outside its bounds "

