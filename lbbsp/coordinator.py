@@ -1,6 +1,7 @@
 """The BatchSize Manager: turns the reports of iteration k into the one assignment of iteration k + lag."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -8,9 +9,11 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -284,14 +287,16 @@ class CoordinatorProcess:
         ready = context.Event()
         self._process = context.Process(target=_serve, args=(url, config.to_json(), policy, ready),
                                         name=f"lbbsp-coordinator-{config.job}", daemon=True)
-        self._process.start()
+        with _main_not_rerun(policy):
+            self._process.start()
         deadline = time.monotonic() + start_timeout_s
         while not ready.wait(0.1):  # serving before training starts, or a clear error
             if not self._process.is_alive() or time.monotonic() > deadline:
                 exited = not self._process.is_alive()
                 self.stop()
-                hint = ("; it starts with spawn, so the script that creates it needs an "
-                        "`if __name__ == \"__main__\":` guard, and its traceback is above") if exited else ""
+                hint = ("; its traceback is above (with a policy class defined in the script itself, the "
+                        "child runs the script to load it: guard it with `if __name__ == \"__main__\":`)"
+                        if exited else "")
                 raise LBBSPError(f"the coordinator process exited or did not start within {start_timeout_s}s "
                                  f"(exit code {self._process.exitcode}){hint}", job=config.job)
 
@@ -307,6 +312,28 @@ class CoordinatorProcess:
             if self._process.is_alive():
                 self._process.kill()
                 self._process.join()
+
+
+@contextlib.contextmanager
+def _main_not_rerun(policy: Policy | None) -> Iterator[None]:
+    """Start a spawned child without running the parent's ``__main__`` again: spawn re-imports the main
+    script, so a training script without an ``if __name__ == "__main__":`` guard would start training (and,
+    under torchrun, join the process group) in the coordinator's child, and one with the guard would still
+    import its framework there. Hiding the script's path for the start does it; a policy whose class is
+    defined in ``__main__`` needs the script in the child to be unpickled, so then the script is re-run."""
+    main = sys.modules.get("__main__")
+    if main is None or (policy is not None and type(policy).__module__ == "__main__"):
+        yield
+        return
+    names = ("__file__", "__spec__")
+    saved: dict[str, object] = {name: main.__dict__[name] for name in names if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def _serve(url: str, config_json: str, policy: Policy | None, ready: threading.Event) -> None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -332,3 +334,21 @@ def test_a_worker_without_a_coordinator_says_so_once(redis_url: str, job: str,
             assert clients[0].assignment(k).sizes == (10,)
     warnings = [r for r in caplog.records if "is a coordinator running" in r.getMessage()]
     assert len(warnings) == 1  # rate-limited: one line, not one per iteration
+
+
+@pytest.mark.timeout(120)
+def test_a_coordinator_process_does_not_run_an_unguarded_script_again(redis_url: str, job: str,
+                                                                       tmp_path: Path) -> None:
+    # top-level code, as a training script without `if __name__ == "__main__":` would have it
+    script = tmp_path / "train.py"
+    script.write_text(f"""
+import sys
+from lbbsp import CoordinatorProcess, JobConfig
+print("script body", flush=True)
+coordinator = CoordinatorProcess({redis_url!r}, JobConfig({job!r}, 2, 10), start_timeout_s=30)
+print("serving", coordinator.alive, flush=True)
+coordinator.stop()
+""")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("script body") == 1 and "serving True" in result.stdout
