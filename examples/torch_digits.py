@@ -59,7 +59,7 @@ def main() -> None:
     loader = lb.loader(train, seed=0, pin_memory=cuda)  # lbbsp: replaces DataLoader + DistributedSampler
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
-    accuracy = 0.0
+    accuracy = train_loss = 0.0
     full_split: tuple[int, ...] = ()  # the split of the last global batch of args.global_batch samples
     for epoch in range(args.epochs):
         loader.set_epoch(epoch)
@@ -69,8 +69,9 @@ def main() -> None:
             loss.backward()
             opt.step()
             opt.zero_grad()
-            seen[0] += loss.detach() * len(y)
-            seen[1] += len(y)
+            if len(y):  # an empty slice (a short final batch) has a NaN mean loss and adds nothing
+                seen[0] += loss.detach() * len(y)
+                seen[1] += len(y)
             if lb.step is not None and lb.step.total == args.global_batch:  # lbbsp: not the short final batch
                 full_split = lb.step.split
         dist.all_reduce(seen)
@@ -83,7 +84,8 @@ def main() -> None:
                   f"sizes {list(full_split)}", flush=True)
     lb.close()  # lbbsp
     if rank == 0:
-        print(json.dumps({"epochs": args.epochs, "test_accuracy": round(accuracy, 4)}), flush=True)
+        print(json.dumps({"epochs": args.epochs, "train_loss": round(train_loss, 4),
+                          "test_accuracy": round(accuracy, 4)}), flush=True)
     dist.destroy_process_group()
 
 

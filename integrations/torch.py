@@ -15,9 +15,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
 
 from lbbsp.config import JobConfig
 from lbbsp.coordinator import CoordinatorProcess
@@ -72,9 +74,11 @@ class Step:
 class Balancer:
     """One rank's LB-BSP session: the agreed sizes, the gradient weight and the reports of each step.
 
-    Build it with :meth:`from_env` on every rank after ``dist.init_process_group``. ``begin_step`` is
-    called by :class:`BalancedLoader`; the hooks installed by :meth:`attach` (or
-    :meth:`all_reduce_gradients` without DDP) mark the end of compute and send the report.
+    Build it with :meth:`from_env` on every rank after ``dist.init_process_group``. ``begin_step`` and
+    ``end_step`` are called by :class:`BalancedLoader`; the hooks installed by :meth:`attach` (or
+    :meth:`all_reduce_gradients` without DDP) mark the end of compute and send the report. An ended step
+    whose gradients lbbsp did not weight raises at the next step. Use it as a context manager, or call
+    :meth:`close` on every rank.
     """
 
     def __init__(self, client: WorkerClient, *, group: Any = None, device: torch.device | None = None,
@@ -92,9 +96,16 @@ class Balancer:
         self._owned = list(owned)  # stores and servers this balancer made, closed in reverse order
         self._iteration = 0
         self._clock = ComputeClock(self.device)
-        self._reported = True
         self._monitor = ResourceMonitor(self.device.index if self.device.type == "cuda" else None)
+        self._hooks: list[RemovableHandle] = []  # forward pre-hooks on attached models, removed on close
         self._closed = False
+        # What the step in progress has seen, checked when it ends (see _check_weighted).
+        self._open = False  # begun by the loader, not yet ended
+        self._reported = True
+        self._synced = False  # its gradients went through our weighting (a comm hook or all_reduce_gradients)
+        self._scaled = False  # scale_loss was called
+        self._unsynced_forward = False  # a DDP forward that will build gradients ran under no_sync
+        self._ever_synced = False
 
     # -- construction ---------------------------------------------------------------------------------------
     @classmethod
@@ -106,12 +117,17 @@ class Balancer:
 
         ``redis`` (or ``$LBBSP_REDIS_URL``) names the Redis; without one, rank 0 starts an embedded server,
         which only ranks on the same machine can reach. ``coordinator=False`` means an external
-        ``lbbsp coordinator`` serves the job, and then ``job`` must be its name. Without ``job``, rank 0 picks
-        a fresh name so that a rerun never reads the assignments of an earlier one.
+        ``lbbsp coordinator`` serves the job, and then ``job`` must be its name; the job's ``lag`` and key TTL
+        are then the coordinator's (``--lag``, ``--ttl``), and every other setting must match it. Without
+        ``job``, rank 0 picks a fresh name so that a rerun never reads the assignments of an earlier one.
         """
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialised: call dist.init_process_group first")
         rank, world = dist.get_rank(), dist.get_world_size()
+        if isinstance(min_batch, int) and isinstance(global_batch, int) and min_batch * world > global_batch:
+            raise ConfigError(f"global_batch={global_batch} cannot give each of the {world} ranks min_batch="
+                              f"{min_batch} samples: use a global batch of at least {min_batch * world}, or "
+                              "min_batch=0 to let some ranks sit steps out with empty slices")
         device = torch.device(device) if device is not None else _collective_device()
         url = redis or os.environ.get("LBBSP_REDIS_URL")
         if not coordinator and job is None:
@@ -121,25 +137,34 @@ class Balancer:
             raise ConfigError(f"an embedded Redis on rank 0 is reachable from its own machine only, but "
                               f"{world - local} ranks run elsewhere; pass redis='redis://host:port'")
         owned: list[Any] = []
-        shared: list[str | None] = [url, job]
-        if rank == 0:
-            if url is None:
-                server = EmbeddedRedis()
-                owned.append(server)
-                shared[0] = server.url
-            shared[1] = job or f"torch-{uuid.uuid4().hex[:12]}"
-        dist.broadcast_object_list(shared, src=0)  # two strings: the Redis URL and the job name
-        url, job = str(shared[0]), str(shared[1])
-        caps = tuple(max_batch) if isinstance(max_batch, Sequence) else max_batch
-        config = JobConfig(job, world, global_batch, min_batch=min_batch, max_batch=caps,
-                           assignment_timeout_s=assignment_timeout_s)
-        store = Store.from_url(url, job, ttl_s=config.ttl_s)
-        owned.append(store)
         running = None
-        if rank == 0 and coordinator:  # a child process: no GIL or pinned core shared with this rank
-            running = CoordinatorProcess(url, config, policy)
-        client = WorkerClient(store, config, rank, agree=functools.partial(agree_with_rank0, device=device),
-                              device=device_label(device))
+        try:
+            shared: list[str | None] = [url, job]
+            if rank == 0:
+                if url is None:
+                    server = EmbeddedRedis()
+                    owned.append(server)
+                    shared[0] = server.url
+                shared[1] = job or f"torch-{uuid.uuid4().hex[:12]}"
+            dist.broadcast_object_list(shared, src=0)  # two strings: the Redis URL and the job name
+            url, job = str(shared[0]), str(shared[1])
+            caps = tuple(max_batch) if isinstance(max_batch, Sequence) else max_batch
+            config = JobConfig(job, world, global_batch, min_batch=min_batch, max_batch=caps,
+                               assignment_timeout_s=assignment_timeout_s)
+            store = Store.from_url(url, job, ttl_s=config.ttl_s)
+            owned.append(store)
+            if not coordinator:
+                config = _joined(config, store.load_config())
+            if rank == 0 and coordinator:  # a child process: no GIL or pinned core shared with this rank
+                running = CoordinatorProcess(url, config, policy)
+            client = WorkerClient(store, config, rank, agree=functools.partial(agree_with_rank0, device=device),
+                                  device=device_label(device))
+        except BaseException:  # leave nothing running behind a failed start
+            if running is not None:
+                running.stop()
+            for resource in reversed(owned):
+                resource.close()
+            raise
         return cls(client, device=device, coordinator=running, owned=owned)
 
     # -- the data side --------------------------------------------------------------------------------------
@@ -149,35 +174,53 @@ class Balancer:
         return BalancedLoader(dataset, self, shuffle=shuffle, seed=seed, drop_last=drop_last, **dataloader_kwargs)
 
     def begin_step(self, sampler: GlobalBatchSampler, step: int) -> np.ndarray:
-        """Close the previous step, agree on this step's vector, start the clock; our dataset indices."""
-        if self.weighting == "hook" and not self._reported and not self._clock.stopped:
-            raise LBBSPError("a step ended without a synchronised backward (gradient accumulation with no_sync?); "
-                             "the hook form would weight accumulated gradients by one step's share: use "
-                             "attach(model, weighting='loss') and scale_loss(loss)", job=self.config.job,
-                             worker=self.rank, iteration=self._current().iteration)
-        self._finish_step()
+        """End the previous step, agree on this step's vector, start the clock; our dataset indices."""
+        self.end_step()
         assignment = self.client.assignment(self._iteration)
         split = sampler.split_for(step, assignment.sizes)
         indices = sampler.worker_indices(step, assignment.sizes, self.rank)
         self.step = Step(self._iteration, split, len(indices), assignment)
         self._iteration += 1
-        self._reported = False
+        self._open = True
+        self._reported = self._synced = self._scaled = self._unsynced_forward = False
         self._clock.start()
         return indices
+
+    def end_step(self, *, abandoned: bool = False) -> None:
+        """Report the step in progress and check that its gradients were weighted; a no-op between steps.
+
+        :class:`BalancedLoader` calls it when a step ends: at the next step, or when its loop ends. A step
+        ``abandoned`` (the loop was left early: ``break``, ``zip``, an error) is reported but not checked.
+        """
+        if not self._open or self._closed:
+            return
+        self._open = False
+        self._finish_step()
+        if not abandoned:
+            self._check_weighted()
 
     # -- the gradient side ----------------------------------------------------------------------------------
     def attach(self, model: DistributedDataParallel, weighting: str = "hook") -> DistributedDataParallel:
         """Install the gradient hook on a DDP model; ``weighting='loss'`` if you call :meth:`scale_loss`.
 
         Use ``'hook'`` (the default) to keep the training loop unchanged. Use ``'loss'`` with gradient
-        accumulation (``no_sync``) or SyncBatchNorm: the weight then travels with each backward.
+        accumulation (``no_sync``) or SyncBatchNorm: the weight then travels with each backward. DDP takes one
+        communication hook per model, so another Balancer (a new global batch) needs a new DDP wrapper.
         """
         if not isinstance(model, DistributedDataParallel):
             raise ConfigError(f"attach expects a DistributedDataParallel model, got {type(model).__name__}; "
                               "without DDP call all_reduce_gradients(model.parameters()) after backward")
-        self.weighting = check_weighting(weighting)
+        check_weighting(weighting)
         check_batch_norm(model.module, weighting)
-        model.register_comm_hook(self, weighted_hook if weighting == "hook" else timing_hook)
+        try:
+            model.register_comm_hook(self, weighted_hook if weighting == "hook" else timing_hook)
+        except RuntimeError as exc:
+            raise ConfigError(f"DDP refused the gradient hook ({exc}): a DDP model takes one communication hook, "
+                              "and this one has one already (an earlier attach, perhaps of another Balancer); "
+                              "wrap the module in a new DistributedDataParallel for this Balancer",
+                              job=self.config.job, worker=self.rank) from exc
+        self.weighting = weighting
+        self._hooks.append(model.register_forward_pre_hook(self._saw_forward))
         return model
 
     def scale_loss(self, loss: torch.Tensor, samples: int | None = None) -> torch.Tensor:
@@ -185,6 +228,7 @@ class Balancer:
         step = self._current()
         if self.weighting == "hook":
             raise ConfigError("scale_loss with the weighted hook would weight twice; attach(..., weighting='loss')")
+        self._scaled = True
         return scaled_loss(loss, step.samples if samples is None else samples, step.total, self.world_size)
 
     def gradient_weight(self) -> float:
@@ -205,9 +249,20 @@ class Balancer:
         """Mark the end of this step's compute; on CPU, report at once (before any wait for other ranks)."""
         if self.step is None:
             return
+        self._synced = self._ever_synced = True
         self._clock.stop()
         if not self._clock.cuda:
             self._finish_step()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run: the hooks of a closed Balancer refuse to weight gradients."""
+        return self._closed
+
+    def _saw_forward(self, model: DistributedDataParallel, inputs: object) -> None:
+        """Forward pre-hook of an attached model: note a forward whose backward will not be synchronised."""
+        if torch.is_grad_enabled() and not model.require_backward_grad_sync:
+            self._unsynced_forward = True
 
     # -- reports ------------------------------------------------------------------------------
     def _finish_step(self) -> None:
@@ -219,6 +274,24 @@ class Balancer:
         self.last_report = self.client.report(self.step.iteration, self.step.samples, self._clock.seconds(),
                                               features=self._monitor.sample())
 
+    def _check_weighted(self) -> None:
+        """Refuse an ended step whose update is not the global batch's: raised at the next step, on every rank."""
+        job, worker, iteration = self.config.job, self.rank, self._current().iteration
+        if self.weighting is None and not self._ever_synced:
+            raise ConfigError("a step ended and no gradient has gone through lbbsp's weighting, so DDP averages "
+                              "slices of different sizes as if they were equal: call lb.attach(ddp_model) before "
+                              "training (without DDP, lb.all_reduce_gradients(model.parameters()) after backward)",
+                              job=job, worker=worker, iteration=iteration)
+        if self.weighting == "loss" and self._synced and not self._scaled:
+            raise ConfigError("attach(model, weighting='loss') weights nothing by itself: backpropagate "
+                              "lb.scale_loss(loss) at every step (or attach with the default weighting='hook')",
+                              job=job, worker=worker, iteration=iteration)
+        if self.weighting == "hook" and self._unsynced_forward and not self._synced:
+            raise LBBSPError("a step ran under no_sync and ended without a synchronised backward (gradient "
+                             "accumulation?); the hook form would weight accumulated gradients by one step's "
+                             "share: use attach(model, weighting='loss') and scale_loss(loss)", job=job,
+                             worker=worker, iteration=iteration)
+
     def _current(self) -> Step:
         if self.step is None:
             raise LBBSPError("no step in progress: draw batches from Balancer.loader(...)", job=self.config.job,
@@ -227,16 +300,24 @@ class Balancer:
 
     # -- shutdown -------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Report the last step, wait for every rank, then stop what this rank started; safe to call twice."""
+        """Report the last step, wait for every rank, then stop what this rank started; safe to call twice.
+
+        While an exception propagates (a ``with`` block, a ``finally``), it releases this rank's resources
+        without waiting: the other ranks may be inside a collective that this rank will never join.
+        """
         if self._closed:
             return
-        self._closed = True
+        failing = sys.exc_info()[0] is not None
         try:
-            self._finish_step()
+            if not failing:
+                self.end_step(abandoned=True)
+            for handle in self._hooks:
+                handle.remove()
             self.client.close()
-            if dist.is_initialized():
+            if not failing and dist.is_initialized():
                 dist.barrier()  # nobody still talks to the Redis or coordinator that rank 0 is about to stop
         finally:
+            self._closed = True
             if self.coordinator is not None:
                 self.coordinator.stop()
             for resource in reversed(self._owned):
@@ -247,6 +328,22 @@ class Balancer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _joined(config: JobConfig, stored: JobConfig | None) -> JobConfig:
+    """``config`` as an external coordinator serves it: its lag and key TTL (the ``lbbsp coordinator`` flags
+    ``--lag`` and ``--ttl``), once everything else this rank was given agrees with the stored settings."""
+    if stored is None:  # the coordinator has not started yet: it will have to match these settings
+        return config
+    joined = replace(config, lag=stored.lag, ttl_s=stored.ttl_s)
+    differ = [f.name for f in fields(JobConfig) if getattr(joined, f.name) != getattr(stored, f.name)]
+    if differ:
+        served = ", ".join(f"{name}={getattr(stored, name)!r}" for name in differ)
+        asked = ", ".join(f"{name}={getattr(joined, name)!r}" for name in differ)
+        raise ConfigError(f"the coordinator serves job {config.job!r} with {served}, but this run asks for {asked} "
+                          "(num_workers is the world size); pass the coordinator's settings to Balancer.from_env",
+                          job=config.job)
+    return joined
 
 
 def agree_with_rank0(assignment: Assignment, *, device: torch.device) -> Assignment:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lbbsp.errors import ConfigError
 from lbbsp.sampling import GlobalBatchSampler
@@ -25,7 +25,13 @@ from lbbsp.sampling import GlobalBatchSampler
 if TYPE_CHECKING:
     from .torch import Balancer
 
-_RESERVED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "persistent_workers")
+#: DataLoader options that BalancedLoader sets itself, and why.
+_RESERVED = {
+    "batch_size": "each step's size is this rank's share of the Balancer's global batch",
+    "sampler": "it samples the global batches itself (GlobalBatchSampler; pass shuffle= and seed=)",
+    "batch_sampler": "it samples the global batches itself (GlobalBatchSampler; pass shuffle= and seed=)",
+    "persistent_workers": "it keeps its loader workers alive between steps whenever num_workers > 0",
+}
 
 
 class PlannedBatch:
@@ -56,11 +62,14 @@ class BalancedLoader:
                  drop_last: bool = False, **dataloader_kwargs: Any) -> None:
         reserved = sorted(set(dataloader_kwargs) & set(_RESERVED))
         if reserved:
-            raise ConfigError(f"BalancedLoader chooses {', '.join(reserved)} itself; pass shuffle/seed/drop_last "
-                              "and set the global batch on the Balancer")
+            raise ConfigError("BalancedLoader sets " + "; ".join(f"{key} itself: {_RESERVED[key]}" for key in reserved))
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+            raise ConfigError(f"BalancedLoader needs a map-style dataset (__getitem__ and __len__), got "
+                              f"{type(dataset).__name__}: each step reads the positions of its rank's slice of a "
+                              "seeded permutation of the epoch")
         self.dataset = dataset
         self.balancer = balancer
-        size = len(dataset)  # type: ignore[arg-type]
+        size = len(dataset)
         self.sampler = GlobalBatchSampler(size, balancer.config.global_batch, seed=seed, shuffle=shuffle,
                                           drop_last=drop_last)
         self._plan = PlannedBatch()
@@ -77,13 +86,18 @@ class BalancedLoader:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[Any]:
-        for step in range(len(self.sampler)):
-            indices = self.balancer.begin_step(self.sampler, step)
-            if len(indices):
-                yield self._load(indices)
-            else:
-                first = self.sampler.global_indices(step)[:1]
-                yield _empty_like(self._load(first))
+        try:
+            for step in range(len(self.sampler)):
+                indices = self.balancer.begin_step(self.sampler, step)
+                if len(indices):
+                    yield self._load(indices)
+                else:
+                    first = self.sampler.global_indices(step)[:1]
+                    yield _empty_like(self._load(first))
+        except GeneratorExit:  # the loop was left early (break, zip, an error): its open step is abandoned
+            self.balancer.end_step(abandoned=True)
+            raise
+        self.balancer.end_step()
 
     def _load(self, indices: Sequence[int] | np.ndarray) -> Any:
         self._plan.indices = [int(i) for i in indices]

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lbbsp.errors import ConfigError
+from lbbsp.errors import ConfigError, LBBSPError
 
 if TYPE_CHECKING:
     from .torch import Balancer
@@ -67,7 +67,8 @@ def check_batch_norm(model: nn.Module, weighting: str) -> None:
             "each rank normalises its own slice, and lbbsp gives ranks slices of different sizes, so the update "
             "is no longer exactly that of BSP on the global batch. Convert with "
             "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) (GPU) and use weighting='loss' for exact "
-            "updates.", BatchNormWarning, stacklevel=3)
+            "updates. Plain BatchNorm cannot train on one sample: pass min_batch=2 to Balancer.from_env and "
+            "drop_last=True to its loader.", BatchNormWarning, stacklevel=3)
 
 
 def scaled_loss(loss: torch.Tensor, samples: int, total: int, world_size: int) -> torch.Tensor:
@@ -79,12 +80,23 @@ def scaled_loss(loss: torch.Tensor, samples: int, total: int, world_size: int) -
 
 def weighted_hook(balancer: "Balancer", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: ``sum_i (b_i / B) g_i``; marks the end of compute at the last bucket."""
+    _check_open(balancer)
     return _all_reduce(balancer, bucket, balancer.gradient_weight())
 
 
 def timing_hook(balancer: "Balancer", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook for the loss form: DDP's own mean, plus the end of compute at the last bucket."""
+    _check_open(balancer)
     return _all_reduce(balancer, bucket, 1.0 / balancer.world_size)
+
+
+def _check_open(balancer: "Balancer") -> None:
+    """A hook outlives its Balancer (DDP cannot remove one): after close it must stop, not weight stale sizes."""
+    if balancer.closed:
+        raise LBBSPError("this DDP model's gradient hook belongs to a closed Balancer, and DDP keeps one hook per "
+                         "model: to train on with a new Balancer (a new global batch, a new job), wrap the module "
+                         "in a new DistributedDataParallel and attach that", job=balancer.config.job,
+                         worker=balancer.rank)
 
 
 def _all_reduce(balancer: "Balancer", bucket: dist.GradBucket, weight: float) -> torch.futures.Future[torch.Tensor]:

@@ -1,0 +1,71 @@
+"""An exception on one rank ends every rank with an error, also when the Balancer is closed on the way out
+(``with``, ``finally``): closing then skips the barrier that the other rank, inside DDP's all-reduce, never joins."""
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from lbbsp import EmbeddedRedis  # noqa: E402
+from lbbsp.integrations.torch import Balancer  # noqa: E402
+from test_torch_usage import GLOBAL_BATCH, data, linear, trainer  # noqa: E402
+
+FAILING_RANK, FAILING_STEP = 1, 2
+
+
+def _train(lb: Balancer, rank: int) -> None:
+    model = linear()
+    train = trainer(model)
+    lb.attach(model)
+    for step, (x, y, _) in enumerate(lb.loader(data())):
+        if rank == FAILING_RANK and step == FAILING_STEP:
+            raise ValueError("a bug in the training loop of one rank")
+        train(x, y)  # the other rank waits in DDP's all-reduce for a gradient that never comes
+
+
+def _worker(rank: int, world: int, init: str, url: str, job: str, form: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        if form == "with":
+            with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job) as lb:
+                _train(lb, rank)
+        else:
+            lb = Balancer.from_env(GLOBAL_BATCH, redis=url, job=job)
+            try:
+                _train(lb, rank)
+            finally:
+                lb.close()
+    except Exception as exc:
+        Path(out, f"rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        raise
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("form", ["with", "finally"])
+def test_an_exception_on_one_rank_ends_every_rank(tmp_path: Path, redis_server: EmbeddedRedis, form: str) -> None:
+    url = redis_server.url
+    args = (2, str(tmp_path / "rdv"), url, f"test-{uuid.uuid4().hex[:10]}", form, str(tmp_path))
+    context = mp.start_processes(_worker, args=args, nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 60  # start-up included; without the fix both ranks wait for 30 minutes
+    try:
+        while any(p.is_alive() for p in context.processes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        codes = [p.exitcode for p in context.processes]
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+    assert None not in codes, "a rank was still running after 60 s: a hang"
+    assert all(code != 0 for code in codes), codes
+    errors = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert errors[FAILING_RANK].startswith("ValueError: a bug in the training loop")
+    assert errors[1 - FAILING_RANK], "the other rank ended without an error"

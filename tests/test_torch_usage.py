@@ -1,0 +1,272 @@
+"""What a new user's training loop does to a Balancer, on 2 real gloo ranks: steps left early are harmless,
+silently wrong gradients are refused, a second Balancer on one DDP model is refused, an external coordinator's
+--lag and --ttl are adopted, and bad settings get errors that say what to do."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch.utils.data import IterableDataset, TensorDataset  # noqa: E402
+
+from lbbsp import ConfigError, EmbeddedRedis, JobConfig, LBBSPError, Store  # noqa: E402
+from lbbsp.integrations.torch import Balancer  # noqa: E402
+from test_torch_exact import spawn  # noqa: E402
+
+SAMPLES, GLOBAL_BATCH = 64, 8  # 8 steps per epoch
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(SAMPLES, 5, generator=g), torch.randn(SAMPLES, 1, generator=g),
+                         torch.arange(SAMPLES))
+
+
+def linear() -> DDP:
+    torch.manual_seed(0)
+    return DDP(torch.nn.Linear(5, 1))
+
+
+def trainer(model: DDP) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(x: torch.Tensor, y: torch.Tensor) -> None:
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return train
+
+
+def abandoned_steps(url: str, job: str) -> dict:
+    """break, continue, a forward without backward, an evaluation pass and zip, then one full epoch."""
+    model = linear()
+    train = trainer(model)
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job) as lb:
+        lb.attach(model)
+        loader = lb.loader(data())
+        for i, (x, y, _) in enumerate(loader):
+            if i == 2:  # left after the loader yielded, before any forward
+                break
+            train(x, y)
+        for i, (x, y, _) in enumerate(loader):  # the same loader again
+            if i == 0:
+                continue  # a bad batch, skipped
+            if i == 1:
+                model(x)  # a forward whose loss is not used
+                continue
+            train(x, y)
+        with torch.no_grad():  # an evaluation pass (the docs advise a plain DataLoader)
+            for x, _, _ in loader:
+                model(x)
+        for (x, y, _), _ in zip(loader, range(3)):  # zip draws a 4th step before range(3) ends
+            train(x, y)
+        seen: list[int] = []
+        for x, y, index in loader:
+            train(x, y)
+            seen += index.tolist()
+        return {"steps": lb.step.iteration + 1, "seen": seen}
+
+
+def no_sync_with_the_hook(url: str, job: str) -> dict:
+    """Gradient accumulation with the hook form: what the no_sync error is for."""
+    model = linear()
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job) as lb:
+        lb.attach(model)
+        for i, (x, y, _) in enumerate(lb.loader(data())):
+            with model.no_sync() if i % 2 == 0 else contextlib.nullcontext():
+                F.mse_loss(model(x), y).backward()
+    return {}
+
+
+def without_attach(url: str, job: str) -> dict:
+    model = linear()
+    train = trainer(model)
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job) as lb:
+        for x, y, _ in lb.loader(data()):
+            train(x, y)
+    return {}
+
+
+def loss_form_without_scale_loss(url: str, job: str) -> dict:
+    model = linear()
+    train = trainer(model)
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job) as lb:
+        lb.attach(model, weighting="loss")
+        for x, y, _ in lb.loader(data()):
+            train(x, y)
+    return {}
+
+
+def second_balancer_on_one_model(url: str, job: str) -> dict:
+    """A new global batch on the same DDP model: refused at attach, and the first Balancer's hook stops."""
+    model = linear()
+    train = trainer(model)
+    result: dict = {}
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-1") as first:
+        first.attach(model)
+        for (x, y, _), _ in zip(first.loader(data()), range(2)):
+            train(x, y)
+    with Balancer.from_env(2 * GLOBAL_BATCH, redis=url, job=f"{job}-2") as second:
+        try:
+            second.attach(model)
+        except ConfigError as exc:
+            result["attach"] = str(exc)
+        result["weighting"] = second.weighting
+        try:
+            for x, y, _ in second.loader(data()):
+                train(x, y)
+        except LBBSPError as exc:  # raised by the first Balancer's hook, inside DDP's backward
+            result["backward"] = str(exc)
+    return result
+
+
+def external_coordinator(url: str, job: str) -> dict:
+    """`lbbsp coordinator --lag 1 --ttl 600` serves the job (started by the test before the ranks)."""
+    result: dict = {}
+    try:
+        Balancer.from_env(2 * GLOBAL_BATCH, redis=url, job=job, coordinator=False)
+    except ConfigError as exc:
+        result["mismatch"] = str(exc)
+    model = linear()
+    train = trainer(model)
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, coordinator=False) as lb:
+        lb.attach(model)
+        result["assignments"] = []
+        for x, y, _ in lb.loader(data()):
+            train(x, y)
+            result["assignments"].append([lb.step.assignment.policy, lb.step.assignment.fallback])
+        result["lag"], result["ttl_s"] = lb.config.lag, lb.config.ttl_s
+    return result
+
+
+class Stream(IterableDataset):
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        yield from torch.randn(SAMPLES, 5)
+
+
+def settings(url: str, job: str) -> dict:
+    result: dict = {}
+    try:
+        Balancer.from_env(1, redis=url, job=job)  # a global batch smaller than the world size
+    except ConfigError as exc:
+        result["global_batch"] = str(exc)
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job) as lb:
+        for name, call in (("iterable", lambda: lb.loader(Stream())),
+                           ("persistent_workers", lambda: lb.loader(data(), persistent_workers=False))):
+            try:
+                call()
+            except ConfigError as exc:
+                result[name] = str(exc)
+    return result
+
+
+SCENARIOS = {f.__name__: f for f in (abandoned_steps, no_sync_with_the_hook, without_attach,
+                                     loss_form_without_scale_loss, second_balancer_on_one_model,
+                                     external_coordinator, settings)}
+
+
+def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    results = {}
+    for name, scenario in SCENARIOS.items():
+        try:
+            results[name] = scenario(url, f"{job}-{name}")
+        except Exception as exc:  # noqa: BLE001  (recorded: each test then fails for its own scenario)
+            results[name] = {"error": type(exc).__name__, "message": str(exc),
+                             "iteration": getattr(exc, "iteration", None)}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory, redis_server: EmbeddedRedis) -> list[dict]:
+    """One run of 2 gloo ranks through every scenario, beside a CLI coordinator with --lag 1 --ttl 600."""
+    tmp = tmp_path_factory.mktemp("usage")
+    url = os.environ.get("LBBSP_TEST_REDIS_URL", redis_server.url)
+    job = f"test-{uuid.uuid4().hex[:10]}"
+    external = f"{job}-external_coordinator"
+    coordinator = subprocess.Popen([sys.executable, "-m", "lbbsp.cli", "coordinator", "--redis", url, "--job",
+                                    external, "--workers", "2", "--global-batch", str(GLOBAL_BATCH), "--lag", "1",
+                                    "--ttl", "600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with Store.from_url(url, external) as store:  # the coordinator is serving before the workers start
+            deadline = time.monotonic() + 60
+            while store.load_config() is None and coordinator.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert store.load_config() == JobConfig(external, 2, GLOBAL_BATCH, lag=1, ttl_s=600)
+        spawn(_worker, (2, str(tmp / "rdv"), url, job, str(tmp)), nprocs=2, timeout_s=200)
+    finally:
+        coordinator.terminate()
+        coordinator.wait(10)
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def both(outcomes: list[dict], scenario: str) -> dict:
+    """The scenario's outcome, the same on both ranks but for the rank number in error messages."""
+    first, second = (json.dumps(r[scenario]).replace("worker=1", "worker=0") for r in outcomes)
+    assert first == second, f"{scenario}: the ranks disagree"
+    return outcomes[0][scenario]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_steps_left_early_are_harmless(outcomes: list[dict]) -> None:
+    ranks = [r["abandoned_steps"] for r in outcomes]
+    assert all("error" not in r for r in ranks), ranks
+    assert [r["steps"] for r in ranks] == [3 + 8 + 8 + 4 + 8] * 2  # every step begun counts, on every rank
+    assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == list(range(SAMPLES))  # the last epoch, once each
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("scenario", "error", "words"), [
+    ("no_sync_with_the_hook", "LBBSPError", "no_sync"),
+    ("without_attach", "ConfigError", "lb.attach(ddp_model)"),
+    ("loss_form_without_scale_loss", "ConfigError", "lb.scale_loss(loss)"),
+])
+def test_unweighted_gradients_are_refused_after_the_first_step(outcomes: list[dict], scenario: str, error: str,
+                                                               words: str) -> None:
+    result = both(outcomes, scenario)
+    assert result.get("error") == error and words in result["message"], result
+    assert result["iteration"] == 0  # raised when step 1 begins, about step 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_second_balancer_needs_a_new_ddp_wrapper(outcomes: list[dict]) -> None:
+    result = both(outcomes, "second_balancer_on_one_model")
+    assert "new DistributedDataParallel" in result["attach"]
+    assert result["weighting"] is None  # a failed attach leaves the Balancer as it was
+    assert "closed Balancer" in result["backward"]  # the first Balancer's hook no longer weights
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_external_coordinators_lag_and_ttl_are_adopted(outcomes: list[dict]) -> None:
+    result = both(outcomes, "external_coordinator")
+    assert "global_batch=8" in result["mismatch"] and "global_batch=16" in result["mismatch"]
+    assert (result["lag"], result["ttl_s"]) == (1, 600)
+    assert [policy for policy, _ in result["assignments"][:1]] == ["initial"]
+    assert all(policy != "initial" and not fallback for policy, fallback in result["assignments"][1:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_settings_errors_say_what_to_do(outcomes: list[dict]) -> None:
+    result = both(outcomes, "settings")
+    assert "min_batch=0" in result["global_batch"] and "at least 2" in result["global_batch"]
+    assert "map-style dataset" in result["iterable"]
+    assert "persistent_workers itself" in result["persistent_workers"]
