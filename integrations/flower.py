@@ -1,9 +1,10 @@
 """Flower (message API) plugin: LB-BSP for federated rounds.
 
 Server: wrap any strategy in :class:`LoadBalanced`; each sampled client gets its own workload per round,
-replies are weighted by the samples processed and FedNova-normalised when step counts differ, and per-client
-history lives in Redis (:class:`lbbsp.client_history.ClientHistory`). Client: run the loop inside a
-:class:`LocalRound`, which applies the workload, times download, compute and upload, and builds the reply.
+replies are weighted by the client's data size (or the samples processed) and FedNova-normalised when step
+counts differ, and per-client history lives in Redis (:class:`lbbsp.client_history.ClientHistory`). Client:
+run the loop inside a :class:`LocalRound`, which applies the workload, times download, compute and upload,
+and builds the reply.
 """
 from lbbsp.client_history import ClientHistory, ClientStatus
 

@@ -6,8 +6,8 @@ the loop body (local compute), stops early if the round's compute deadline would
 with the samples actually processed and the download, compute and upload seconds.
 
 Inside a ClientApp the model has already arrived and the reply leaves after it returns, so transfer time is
-not directly observable. A :class:`Link` says what it was: :class:`MessageClock` (the default) takes the time
-since the server created the message as the download and assumes the upload takes as long per byte;
+not directly observable. A :class:`Link` says what it was: :class:`MessageClock` (the default) reports the time
+since the server created the message (delivery and start-up included) as the download and no upload;
 :class:`EmulatedLink` sleeps bytes / bandwidth each way, for experiments with emulated clients.
 """
 from __future__ import annotations
@@ -91,19 +91,19 @@ def array_bytes(content: RecordDict) -> int:
 
 
 class MessageClock:
-    """Download = now - the message's creation time (clocks assumed in sync); upload at the same bytes/s."""
+    """Download = now - the message's creation time (clocks assumed in sync); upload = 0, not observed.
 
-    def __init__(self) -> None:
-        self._bytes_per_s: float | None = None
+    In a deployment that span holds more than the model's transfer: the message's wait in the SuperLink until
+    the SuperNode polls for it, the ClientApp's start-up, and the download itself. Nothing in it scales with
+    the model's bytes or the client's workload, so it is reported whole, as the round's fixed overhead
+    (``lbbsp-download-s``), and no upload time is made up from it.
+    """
 
     def download(self, msg: Message) -> float:
-        seconds = max(0.0, time.time() - msg.metadata.created_at)
-        nbytes = array_bytes(msg.content)
-        self._bytes_per_s = nbytes / seconds if seconds > 0 and nbytes > 0 else None
-        return seconds
+        return max(0.0, time.time() - msg.metadata.created_at)
 
     def upload(self, nbytes: int) -> float:
-        return nbytes / self._bytes_per_s if self._bytes_per_s else 0.0
+        return 0.0
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,19 @@ wrapped strategy still samples the clients and aggregates; around it, each round
    a :class:`Workload` from the FL capacity model and :func:`lbbsp.allocate` (equal predicted finish,
    fixed total), and each message gets its *own* ConfigRecord (never one object shared by all clients).
 2. ``aggregate_train`` partitions out failed and missing replies (logged, recorded as such, never raised),
-   ``observe`` records the rest in Redis and teaches the model, and ``normalise`` sets each reply's weight to
-   the samples it processed and, when step counts differ, applies the FedNova rescaling before the
-   wrapped strategy aggregates.
+   ``observe`` records the rest in Redis and teaches the model, and ``normalise`` sets each reply's weight
+   (``weight_by``) and, when step counts differ, applies the FedNova rescaling; lbbsp's own ``lbbsp-*``
+   metrics are then removed and the wrapped strategy aggregates. A reply without lbbsp's metrics (a plain
+   Flower ClientApp) is aggregated as it is: it teaches the capacity model nothing.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from logging import INFO, WARNING
+from numbers import Integral, Real
 from typing import Literal
 
 import numpy as np
@@ -30,9 +33,14 @@ from lbbsp.client_history import ClientHistory, ClientStatus
 from lbbsp.errors import ConfigError, ProtocolError, StoreUnavailable
 from lbbsp.fedagg import fednova_scales, rescale_update
 from lbbsp.models import FLClientModel, NotFittedError
-from lbbsp.protocol import Report, equal_split
+from lbbsp.protocol import MAX_SECONDS, MAX_WORKERS, Report, equal_split
 
 from .flower_client import COMPUTE_S, DATA_SIZE, DOWNLOAD_S, MAX_LOCAL_STEPS, SAMPLES, STEPS, UPLOAD_S, Workload
+
+#: The reply metrics a LocalRound always sends; a reply with none of them is a plain Flower reply.
+TIMINGS = (SAMPLES, STEPS, COMPUTE_S, DOWNLOAD_S, UPLOAD_S)
+#: The prefix of every key lbbsp adds to a ConfigRecord or a reply's MetricRecord.
+LBBSP_PREFIX = "lbbsp-"
 
 
 @dataclass(frozen=True)
@@ -65,12 +73,16 @@ class ClientResult:
                    float(values[UPLOAD_S]), data_size)
 
     def weight(self, weight_by: str) -> int:
-        """This reply's aggregation weight: samples processed, or the client's data size."""
-        if weight_by == "samples":
-            return self.samples
-        if self.data_size is None:
-            raise ProtocolError("is missing: weight_by='data' needs the client's data size", field=DATA_SIZE)
-        return self.data_size
+        """This reply's aggregation weight: the client's data size (``weight_by`` "auto" or "data") when it
+        reported one, else the samples it processed."""
+        if weight_by != "samples" and self.data_size is not None:
+            return self.data_size
+        return self.samples
+
+
+def has_timings(metrics: MetricRecord) -> bool:
+    """Whether a reply's metrics come from a :class:`LocalRound` (any of lbbsp's timings), not a plain ClientApp."""
+    return any(key in metrics for key in TIMINGS)
 
 
 @dataclass
@@ -80,6 +92,8 @@ class _Round:
     arrays: ArrayRecord
     plan: dict[int, Workload]
     workers: dict[int, int]
+    predicted_s: float | None  # the round's predicted seconds; None before any measurement
+    started: float  # time.monotonic() when the messages were handed to Flower
 
 
 #: ``compensate_dropouts`` raises a round's total at most this many times.
@@ -93,14 +107,20 @@ class LoadBalanced(Strategy):
 
     ``adapt="batch"`` (the paper's choice) keeps ``local_steps`` fixed and splits a round total of
     ``batch_size`` x clients samples per step; ``adapt="steps"`` keeps ``batch_size`` fixed and splits
-    ``local_steps`` x clients steps, which FedNova normalisation keeps unbiased. ``deadline_slack`` (e.g.
-    1.5) sends each client a compute deadline of that many times the predicted round time, minus its
-    predicted transfer time, so a client that slows down stops early instead of holding the round.
-    ``weight_by="samples"`` weights each reply by the samples it processed (every sample counts once);
-    ``"data"`` by the client's data size (``LocalRound(data_size=...)``), the FedAvg objective on non-IID data.
+    ``local_steps`` x clients steps, which FedNova normalisation keeps unbiased. ``min_size``/``max_size``
+    bound the adapted size, so they must hold its mean (``batch_size``, or ``local_steps``).
+    ``deadline_slack`` (e.g. 1.5) sends each client a compute deadline of that many times the predicted
+    round time, minus its predicted transfer time, so a client that slows down stops early instead of
+    holding the round.
+    ``weight_by="auto"`` (the default) weights each reply by the client's data size when it reports one
+    (``LocalRound(data_size=...)``): FedAvg's objective, which non-IID data needs; a reply without it is
+    weighted by the samples it processed. ``"data"`` does the same but warns about each client that reports
+    no data size; ``"samples"`` always weights by samples processed (every sample counts once, unbiased on
+    IID data only).
     The model learns each client's availability from the round outcomes; the plan logs the share of the
     round total expected back. ``compensate_dropouts=True`` raises the total (at most ``MAX_COMPENSATION``
-    times) so that the samples expected back make the nominal total: dropouts then cost time, not samples.
+    times, and within ``max_size``) so that the samples expected back make the nominal total: dropouts then
+    cost time, not samples.
     ``sit_out`` (a share, e.g. 0.05) lets that many of the sampled clients, those predicted slowest even with
     the smallest workload, sit the round out when the others then finish sooner (by over
     ``SIT_OUT_MIN_GAIN``, 3%): they are not sent the
@@ -112,26 +132,39 @@ class LoadBalanced(Strategy):
 
     def __init__(self, strategy: Strategy, history: ClientHistory, *, batch_size: int = 32, local_steps: int = 1,
                  adapt: Literal["batch", "steps"] = "batch", min_size: int = 1, max_size: int | None = None,
-                 deadline_slack: float | None = None, weight_by: Literal["samples", "data"] = "samples",
+                 deadline_slack: float | None = None, weight_by: Literal["auto", "samples", "data"] = "auto",
                  compensate_dropouts: bool = False, sit_out: float = 0.0, rejoin_after: int | None = 10,
                  model: FLClientModel | None = None) -> None:
+        if not isinstance(strategy, Strategy):
+            raise ConfigError(f"strategy must be a Flower strategy (flwr.serverapp.strategy), got {strategy!r}")
+        if not isinstance(history, ClientHistory):
+            raise ConfigError(f"history must be a ClientHistory, e.g. ClientHistory.from_url(url, job), "
+                              f"got {history!r}")
         Workload(batch_size, local_steps)  # validates both
         if adapt not in ("batch", "steps"):
             raise ConfigError(f"adapt must be 'batch' or 'steps', got {adapt!r}")
-        if weight_by not in ("samples", "data"):
-            raise ConfigError(f"weight_by must be 'samples' or 'data', got {weight_by!r}")
-        if min_size < 1 or (max_size is not None and max_size < min_size):
-            raise ConfigError(f"need 1 <= min_size <= max_size, got {min_size} and {max_size}")
-        if deadline_slack is not None and deadline_slack < 1:
-            raise ConfigError(f"deadline_slack must be at least 1, got {deadline_slack}")
+        if weight_by not in ("auto", "samples", "data"):
+            raise ConfigError(f"weight_by must be 'auto', 'samples' or 'data', got {weight_by!r}")
+        unit_name, unit = ("batch_size", batch_size) if adapt == "batch" else ("local_steps", local_steps)
+        lowest = _whole("min_size", min_size)
+        highest = None if max_size is None else _whole("max_size", max_size)
+        if lowest > unit or (highest is not None and highest < unit):
+            raise ConfigError(f"with adapt={adapt!r} min_size and max_size bound the {unit_name}, so they must "
+                              f"hold its mean: need min_size <= {unit_name} <= max_size, got min_size "
+                              f"{min_size!r}, {unit_name} {unit}, max_size {max_size!r}")
+        if deadline_slack is not None and (isinstance(deadline_slack, bool) or not isinstance(deadline_slack, Real)
+                                           or not math.isfinite(deadline_slack) or deadline_slack < 1):
+            raise ConfigError(f"deadline_slack must be None or a finite number of at least 1, got {deadline_slack!r}")
+        if not isinstance(compensate_dropouts, bool):
+            raise ConfigError(f"compensate_dropouts must be True or False, got {compensate_dropouts!r}")
         self.strategy = strategy
         self.history = history
         self.batch_size = batch_size
         self.local_steps = local_steps
         self.adapt = adapt
-        self.min_size = min_size
-        self.max_size = max_size
-        self.deadline_slack = deadline_slack
+        self.min_size = lowest
+        self.max_size = highest
+        self.deadline_slack = None if deadline_slack is None else float(deadline_slack)
         self.weight_by = weight_by
         self.compensate_dropouts = compensate_dropouts
         self.sit_out = sit_out_share(sit_out)
@@ -140,11 +173,16 @@ class LoadBalanced(Strategy):
         self.weighted_by_key: str = getattr(strategy, "weighted_by_key", "num-examples")
         self.configrecord_key: str = getattr(strategy, "configrecord_key", "config")
         self._pending: dict[int, _Round] = {}
+        self._temporary: dict[int, int] = {}  # node -> worker index while Redis cannot give it one
+        self._next_temporary = MAX_WORKERS - 1  # temporary indices count down from the top: no stored one clashes
+        self._told: set[tuple[str, int]] = set()  # (what, node) already logged once
+        self._told_sit_out = False
         stored = history.rounds()
-        self._round_base = max((r.iteration for rounds in stored for r in rounds), default=0)
+        last = history.statuses()  # each client's last outcome: a start for its availability after a restart
+        self._round_base = max([r.iteration for rounds in stored for r in rounds] +
+                               [status.round for status in last.values()], default=0)
         if stored:
             self.model.fit(stored)
-        last = history.statuses()  # each client's last outcome: a start for its availability after a restart
         if last:
             self.model.record_outcomes({worker: status.status == "ok" for worker, status in last.items()})
 
@@ -161,7 +199,9 @@ class LoadBalanced(Strategy):
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         plan = self.plan(server_round, [m.metadata.dst_node_id for m in messages])
         messages = [m for m in messages if m.metadata.dst_node_id in plan]  # the others sit this round out
-        self._pending[server_round] = _Round(arrays, plan, {n: self.history.worker_index(n) for n in plan})
+        workers = {n: self._worker_index(n) for n in plan}
+        self._pending[server_round] = _Round(arrays, plan, workers, self._predicted_s(plan, workers),
+                                             time.monotonic())
         for message in messages:
             self._personalise(message, plan[message.metadata.dst_node_id])
         return messages
@@ -173,33 +213,38 @@ class LoadBalanced(Strategy):
         if not nodes:
             return {}
         unit = self.batch_size if self.adapt == "batch" else self.local_steps
-        workers = [self.history.worker_index(n) for n in nodes]
+        workers = [self._worker_index(n) for n in nodes]
         time_model = self._time_model(workers)
         available = self.model.availability(workers)
         total = unit * len(nodes)
         stay = self.rounds_out.due(workers)
+        self._check_sit_out(len(nodes))
         sizes, reason = self._split(time_model, total, stay)
         if self.compensate_dropouts and available @ sizes < total:
             sizes, reason = self._compensated(time_model, total, available, stay)
         reason += f"; {available @ sizes / total:.0%} of {total} expected back"
         self.rounds_out.record(workers, sizes)
-        if not sizes.all():
-            reason += f"; {int((sizes == 0).sum())} sit out"
         deadlines: list[float | None] = [None] * len(nodes)
         if self.deadline_slack is not None and time_model is not None:
             finish = self.deadline_slack * predicted_makespan(time_model, sizes)
-            deadlines = [max(finish - float(t), 1e-3) for t in np.atleast_1d(time_model.overhead)]
-        log(INFO, "lbbsp round %d: %s, sizes %s", server_round, reason, sizes.tolist())
-        asked = [(n, int(s), d) for n, s, d in zip(nodes, sizes, deadlines) if s > 0]
+            deadlines = [min(max(finish - float(t), 1e-3), MAX_SECONDS) for t in np.atleast_1d(time_model.overhead)]
+        asked = sorted((n, int(s), d) for n, s, d in zip(nodes, sizes, deadlines) if s > 0)
+        out = sorted(n for n, s in zip(nodes, sizes) if s == 0)
+        log(INFO, "lbbsp round %d: %s; %s by node %s%s", server_round, reason,
+            "batch size" if self.adapt == "batch" else "local steps", {n: s for n, s, _ in asked},
+            f"; sitting out: nodes {out}" if out else "")
         if self.adapt == "batch":
             return {n: Workload(s, self.local_steps, d) for n, s, d in asked}
         return {n: Workload(self.batch_size, s, d) for n, s, d in asked}
 
     def _compensated(self, time_model: LinearTime | None, total: int, available: np.ndarray,
                      stay: np.ndarray) -> tuple[np.ndarray, str]:
-        """The split of the smallest total (at most ``MAX_COMPENSATION`` x ``total``) whose samples expected
-        back reach ``total``: a bisection, since more in total never brings less back."""
+        """The split of the smallest total (at most ``MAX_COMPENSATION`` x ``total``, and what ``max_size``
+        holds) whose samples expected back reach ``total``: a bisection, since more in total never brings less
+        back."""
         low, high = total, MAX_COMPENSATION * total
+        if self.max_size is not None:
+            high = min(high, self.max_size * stay.size)
         while low < high:
             middle = (low + high) // 2
             if available @ self._split(time_model, middle, stay)[0] >= total:
@@ -209,13 +254,12 @@ class LoadBalanced(Strategy):
         return self._split(time_model, low, stay)
 
     def _split(self, time_model: LinearTime | None, total: int, stay: np.ndarray) -> tuple[np.ndarray, str]:
-        """``total`` split over the clients for equal predicted finish, within the bounds; those in ``stay``
-        do not sit out."""
+        """``total`` (which the bounds hold) split over the clients for equal predicted finish, within the
+        bounds; those in ``stay`` do not sit out. Equal before any measurement."""
         count = stay.size
+        if time_model is None:
+            return np.array(equal_split(total, count)), "equal split (no measurements yet)"
         upper = min(self.max_size or total, total)
-        if time_model is None or self.min_size * count > total or upper * count < total:
-            reason = "equal split (no measurements yet)" if time_model is None else "equal split (bounds)"
-            return np.array(equal_split(total, count)), reason
         sizes = allocate_sitting_out(time_model, total, [self.min_size] * count, [upper] * count, self.sit_out,
                                      SIT_OUT_MIN_GAIN, stay=stay)
         return sizes, f"predicted round {predicted_makespan(time_model, sizes):.3g}s"
@@ -224,71 +268,89 @@ class LoadBalanced(Strategy):
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
         sent = self._pending.pop(server_round, None)
+        if sent is not None:
+            predicted = "" if sent.predicted_s is None else f" (predicted {sent.predicted_s:.3g}s)"
+            log(INFO, "lbbsp round %d: took %.3gs%s", server_round, time.monotonic() - sent.started, predicted)
         results = self.observe(server_round, replies, sent)
         if sent is not None:
             self.normalise(sent, replies, results)
         passed = [m for m in replies if m.has_error() or m.metadata.src_node_id in results]
-        return self.strategy.aggregate_train(server_round, passed)
+        return self.strategy.aggregate_train(server_round, [self._without_lbbsp_metrics(m) for m in passed])
 
-    def observe(self, server_round: int, replies: list[Message], sent: _Round | None) -> dict[int, ClientResult]:
-        """Validate each reply's results, record every sampled client's outcome in Redis, teach the model."""
-        results: dict[int, ClientResult] = {}
+    def observe(self, server_round: int, replies: list[Message],
+                sent: _Round | None) -> dict[int, ClientResult | None]:
+        """Validate each reply's results, record every sampled client's outcome in Redis, teach the model.
+
+        Returns the replies to aggregate, by node: their results, or None for a reply without lbbsp's metrics
+        (a plain Flower ClientApp, logged once per node), which counts as completed but measures nothing.
+        """
+        results: dict[int, ClientResult | None] = {}
         outcomes: dict[int, ClientStatus] = {}
         workers = sent.workers if sent is not None else {}
+        iteration = self._round_base + server_round
         now = time.time()
         for message in replies:
             node = message.metadata.src_node_id
             worker = workers.get(node)
             reason = (message.error.reason or "error reply") if message.has_error() else ""
             if not reason:
+                metrics = next(iter(message.content.metric_records.values()), MetricRecord())
                 try:
-                    metrics = next(iter(message.content.metric_records.values()), MetricRecord())
-                    results[node] = ClientResult.from_metrics(metrics)
+                    results[node] = ClientResult.from_metrics(metrics) if has_timings(metrics) else None
                 except ProtocolError as exc:
                     reason = f"bad lbbsp metrics: {exc}"
             if reason:
                 log(WARNING, "lbbsp round %d: node %d failed and is left out: %s", server_round, node, reason)
             if worker is not None:
-                outcomes[worker] = ClientStatus(server_round, "failed" if reason else "ok", reason, now)
+                outcomes[worker] = ClientStatus(iteration, "failed" if reason else "ok", reason, now)
         for node in set(workers) - {m.metadata.src_node_id for m in replies}:
             log(WARNING, "lbbsp round %d: node %d sent no reply in time and is left out", server_round, node)
-            outcomes[workers[node]] = ClientStatus(server_round, "missed", "no reply before the timeout", now)
+            outcomes[workers[node]] = ClientStatus(iteration, "missed", "no reply before the timeout", now)
+        self._tell_once("plain", [n for n, result in results.items() if result is None], WARNING,
+                        "lbbsp: nodes %s reply without lbbsp's metrics (a ClientApp without LocalRound?): their "
+                        "updates are aggregated as they are, and nothing is learned of their speed")
         reports = []
         for node, result in results.items():
-            if node not in workers:
+            if result is None or node not in workers:
                 continue
             try:
-                reports.append(Report(self.history.job, workers[node], self._round_base + server_round,
-                                      result.samples, result.compute_s,
+                reports.append(Report(self.history.job, workers[node], iteration, result.samples, result.compute_s,
                                       features={"download_s": result.download_s, "upload_s": result.upload_s}))
             except ProtocolError as exc:
                 log(WARNING, "lbbsp round %d: node %d's timings are not recorded: %s", server_round, node, exc)
         self.model.partial_fit(reports)
         self.model.record_outcomes({worker: outcome.status == "ok" for worker, outcome in outcomes.items()})
-        try:
-            self.history.record(reports, outcomes)
+        try:  # a temporary index (above _next_temporary) means nothing to Redis
+            self.history.record([r for r in reports if r.worker <= self._next_temporary],
+                                {w: o for w, o in outcomes.items() if w <= self._next_temporary})
         except StoreUnavailable as exc:
             log(WARNING, "lbbsp round %d: history not saved, Redis unavailable: %s", server_round, exc)
         return results
 
-    def normalise(self, sent: _Round, replies: list[Message], results: dict[int, ClientResult]) -> None:
-        """Set each valid reply's weight (``weight_by``); rescale updates FedNova-style if steps differ.
+    def normalise(self, sent: _Round, replies: list[Message], results: dict[int, ClientResult | None]) -> None:
+        """Set each lbbsp reply's weight (``weight_by``); rescale updates FedNova-style if steps differ.
 
-        Replies without a single processed sample, or without the weight asked for, are dropped from
-        ``results`` (logged).
+        Replies without a single processed sample, or of weight 0, are dropped from ``results`` (logged).
+        Plain Flower replies (None in ``results``) keep their own weight and update.
         """
+        measured = {node: result for node, result in results.items() if result is not None}
         weights = {}
-        for node, result in list(results.items()):
-            try:
-                weights[node] = result.weight(self.weight_by)
-            except ProtocolError as exc:
-                log(WARNING, "lbbsp: node %d is left out of the aggregate: %s", node, exc)
-            if result.samples == 0 or result.steps == 0 or weights.get(node, 0) == 0:
+        for node, result in measured.items():
+            weight = result.weight(self.weight_by)
+            if result.samples == 0 or result.steps == 0 or weight == 0:
+                log(INFO, "lbbsp: node %d processed no sample (or reported a data size of 0): left out", node)
                 del results[node]
-        if not results:
+            else:
+                weights[node] = weight
+        if self.weight_by != "samples":
+            self._tell_once("no data size", [n for n in weights if measured[n].data_size is None],
+                            WARNING if self.weight_by == "data" else INFO,
+                            "lbbsp: nodes %s report no data size (LocalRound(data_size=...)): weighted by the "
+                            "samples they processed")
+        if not weights:
             return
-        nodes = list(results)
-        scales = fednova_scales([results[n].steps for n in nodes], [weights[n] for n in nodes])
+        nodes = list(weights)
+        scales = fednova_scales([measured[n].steps for n in nodes], [weights[n] for n in nodes])
         by_node = {m.metadata.src_node_id: m for m in replies if not m.has_error()}
         global_arrays = list(sent.arrays.values())
         for node, scale in zip(nodes, scales):
@@ -332,3 +394,59 @@ class LoadBalanced(Strategy):
         base = message.content.config_records.get(self.configrecord_key, ConfigRecord())
         content[self.configrecord_key] = ConfigRecord({**dict(base), **workload.to_config()})
         message.content = content
+
+    def _without_lbbsp_metrics(self, message: Message) -> Message:
+        """The reply with lbbsp's own ``lbbsp-*`` metrics removed (the weight key kept), so that replies with and
+        without optional ones (a data size) or without any (a plain ClientApp) aggregate together."""
+        if message.has_error():
+            return message
+        content = RecordDict(dict(message.content.items()))
+        for key, record in message.content.metric_records.items():
+            content[key] = MetricRecord({name: value for name, value in record.items()
+                                         if not name.startswith(LBBSP_PREFIX) or name == self.weighted_by_key})
+        message.content = content
+        return message
+
+    def _worker_index(self, node: int) -> int:
+        """The node's worker index in the history. While Redis is unreachable, a node it has not indexed gets a
+        temporary one, kept in memory (logged): it is planned as a typical client, and nothing of it is stored."""
+        try:
+            index = self.history.worker_index(node)
+        except StoreUnavailable as exc:
+            if node not in self._temporary:
+                self._temporary[node] = self._next_temporary
+                self._next_temporary -= 1
+                log(WARNING, "lbbsp: node %d gets a temporary index (%s); it is planned as a typical client and "
+                             "its results are not stored", node, exc)
+            return self._temporary[node]
+        self._temporary.pop(node, None)
+        return index
+
+    def _predicted_s(self, plan: dict[int, Workload], workers: dict[int, int]) -> float | None:
+        """The round's predicted seconds for ``plan``; None before any measurement."""
+        time_model = self._time_model([workers[n] for n in plan])
+        if time_model is None:
+            return None
+        sizes = [w.batch_size if self.adapt == "batch" else w.local_steps for w in plan.values()]
+        return predicted_makespan(time_model, sizes)
+
+    def _check_sit_out(self, sampled: int) -> None:
+        """Warn, once, when ``sit_out`` of this many sampled clients rounds down to no client at all."""
+        if self.sit_out > 0 and int(self.sit_out * sampled + 1e-9) == 0 and not self._told_sit_out:
+            self._told_sit_out = True
+            log(WARNING, "lbbsp: sit_out=%g of %d sampled clients rounds down to no client: none sits out (one "
+                         "may from %d sampled on)", self.sit_out, sampled, math.ceil((1 - 1e-9) / self.sit_out))
+
+    def _tell_once(self, what: str, nodes: list[int], level: int, message: str) -> None:
+        """Log ``message`` with the nodes not yet told about ``what``, if any."""
+        new = sorted(n for n in nodes if (what, n) not in self._told)
+        if new:
+            self._told.update((what, n) for n in new)
+            log(level, message, new)
+
+
+def _whole(name: str, value: object) -> int:
+    """``value`` as a positive whole number, or a ConfigError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)

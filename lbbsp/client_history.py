@@ -38,7 +38,10 @@ MAX_CLIENT_KEY_CHARS = 128
 
 @dataclass(frozen=True)
 class ClientStatus:
-    """How a client's last round went: ``ok``, ``missed`` (no reply in time) or ``failed`` (error reply)."""
+    """How a client's last round went: ``ok``, ``missed`` (no reply in time) or ``failed`` (error reply).
+
+    ``round`` is the job's round number, as in the reports' iterations: it carries on across server restarts.
+    """
 
     round: int
     status: Outcome

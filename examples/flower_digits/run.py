@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--mode", choices=["lbbsp", "fedavg"], default="lbbsp")
-    parser.add_argument("--weight-by", choices=["samples", "data"], default="samples")
+    parser.add_argument("--weight-by", choices=["data", "auto", "samples"], default="data")
     args = parser.parse_args()
     result = run_deployment(args.clients, {"num-server-rounds": args.rounds, "mode": args.mode,
                                            "weight-by": args.weight_by})

@@ -4,12 +4,16 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
+from contextlib import ExitStack
+from logging import INFO
 from typing import TypedDict
 
 from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg, Strategy
 
+from lbbsp import EmbeddedRedis
 from lbbsp.integrations.flower import ClientHistory, LoadBalanced
 
 from . import task
@@ -30,11 +34,13 @@ class Summary(TypedDict):
 def build_strategy(cfg: Config, history: ClientHistory | None) -> Strategy:
     """FedAvg over all clients (no client-side evaluation); LoadBalanced around it when history is given.
 
-    Both weight replies by samples processed, or both by client data size (weight-by = "data").
+    Both weight replies by client data size (weight-by = "data" or "auto"), or both by samples processed
+    (weight-by = "samples"). FedAvg waits for num-clients nodes, so it must not exceed the SuperNodes.
     """
     clients, weight_by = int(cfg["num-clients"]), str(cfg["weight-by"])
+    by_data = weight_by != "samples" and history is None  # the plain baseline reads the data size itself
     base = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=clients, min_available_nodes=clients,
-                  weighted_by_key="lbbsp-data-size" if weight_by == "data" and history is None else "num-examples")
+                  weighted_by_key="lbbsp-data-size" if by_data else "num-examples")
     if history is None:
         return base
     slack = float(cfg["deadline-slack"])
@@ -65,12 +71,15 @@ def run(grid: Grid, cfg: Config, history: ClientHistory | None) -> Summary:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = context.run_config
-    history = ClientHistory.from_url(str(cfg["redis-url"]), str(cfg["job"])) if cfg["mode"] == "lbbsp" else None
-    try:
+    with ExitStack() as stack:
+        history = None
+        if cfg["mode"] == "lbbsp":
+            url = str(cfg["redis-url"])
+            if not url:
+                url = stack.enter_context(EmbeddedRedis()).url
+                log(INFO, "redis-url is empty: lbbsp's client history is in an embedded Redis, for this run only")
+            history = stack.enter_context(ClientHistory.from_url(url, str(cfg["job"])))
         summary = run(grid, cfg, history)
-    finally:
-        if history is not None:
-            history.close()
     if cfg["out"]:
         with open(str(cfg["out"]), "w", encoding="utf-8") as handle:
             json.dump(summary, handle, indent=1)

@@ -1,0 +1,63 @@
+"""The flower_digits example as `flwr run` starts it (its own ServerApp main, its pyproject run config), on
+LocalGrid instead of a SuperLink."""
+from __future__ import annotations
+
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import Context, RecordDict
+
+from lbbsp.integrations.flower import ClientHistory
+from lbbsp.integrations.flower_local import LocalGrid
+
+APP = Path(__file__).resolve().parents[1] / "examples" / "flower_digits"
+sys.path.insert(0, str(APP))
+
+from flower_digits import client_app, server_app  # noqa: E402
+
+
+def run_config(**overrides: object) -> dict[str, int | float | str | bool]:
+    """The example's pyproject run config, as `flwr run` sends it, with ``overrides``."""
+    with open(APP / "pyproject.toml", "rb") as handle:
+        config = tomllib.load(handle)["tool"]["flwr"]["app"]["config"]
+    return {**config, **overrides}  # type: ignore[dict-item]
+
+
+def grid(cfg: dict[str, int | float | str | bool]) -> LocalGrid:
+    clients = int(cfg["num-clients"])
+    return LocalGrid(client_app.app, [{"partition-id": i, "num-partitions": clients} for i in range(clients)],
+                     run_config=cfg)
+
+
+@pytest.mark.timeout(180)
+def test_the_default_run_config_balances_local_steps_too(redis_url: str, job: str) -> None:
+    cfg = run_config(**{"adapt": "steps", "num-clients": 4, "num-server-rounds": 2})
+    nodes = grid(cfg)
+    with ClientHistory.from_url(redis_url, job) as history:
+        try:
+            server_app.run(nodes, cfg, history)
+        finally:
+            nodes.close()
+        by_round = {reports[0].iteration: sorted(r.samples for r in reports) for reports in history.rounds()}
+    assert by_round[1] == [160] * 4
+    assert len(set(by_round[2])) > 1 and sum(by_round[2]) == 4 * 160  # step counts differ, their total stays
+
+
+@pytest.mark.timeout(180)
+def test_the_server_app_starts_its_own_redis_when_the_url_is_empty(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    cfg = run_config(**{"num-clients": 3, "num-server-rounds": 2, "emulate": False, "out": str(out)})
+    assert cfg["redis-url"] == ""
+    nodes = grid(cfg)
+    try:
+        server_app.main(nodes, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=cfg))
+    finally:
+        nodes.close()
+    rounds = json.loads(out.read_text())["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1, 2] and rounds[-1]["accuracy"] > rounds[0]["accuracy"]

@@ -1,0 +1,199 @@
+"""What a new user runs into with the Flower plugin, on LocalGrid (real Strategy.start loop, real ClientApps):
+bounds and arguments checked up front, plain Flower clients next to lbbsp ones, missing data sizes, a Redis
+outage, restarts, MessageClock and the logs."""
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAvg, Strategy
+
+from lbbsp import ConfigError, EmbeddedRedis, Report
+from lbbsp.integrations.flower import ClientHistory, LoadBalanced, LocalRound, Workload
+from lbbsp.integrations.flower_local import LocalGrid
+from lbbsp.protocol import MAX_SECONDS
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "flower.md"
+#: node -> how its ClientApp replies: "lbbsp" (LocalRound with a data size of 10 x node), "no-data" (LocalRound
+#: without one) or "plain" (a plain Flower ClientApp: num-examples = 10 x node, no lbbsp metrics)
+KIND: dict[int, str] = {}
+
+
+def make_app() -> ClientApp:
+    """Each node adds its id to every weight once per round: the aggregate shows who was weighted how."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        node = context.node_id
+        w = msg.content["arrays"].to_numpy_ndarrays()[0] + node
+        if KIND.get(node, "lbbsp") == "plain":
+            metrics = MetricRecord({"num-examples": 10 * node, "train-loss": 1.0})
+            return Message(RecordDict({"arrays": ArrayRecord([w]), "metrics": metrics}), reply_to=msg)
+        local = LocalRound(msg, data_size=10 * node if KIND.get(node, "lbbsp") == "lbbsp" else None)
+        for batch_size in local.batches():
+            time.sleep(batch_size * 0.0002 * node)
+        return local.reply(ArrayRecord([w]), {"train-loss": 1.0})
+
+    return app
+
+
+def start(strategy: Strategy, nodes: int, rounds: int) -> tuple[np.ndarray | None, dict[int, dict[str, object]]]:
+    """Run ``rounds`` rounds on ``nodes`` nodes from w = 0; the final weight and the aggregated train metrics."""
+    grid = LocalGrid(make_app(), [{} for _ in range(nodes)])
+    try:
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord([np.zeros(1)]), num_rounds=rounds, timeout=30)
+    finally:
+        grid.close()
+    w = result.arrays.to_numpy_ndarrays()[0] if len(result.arrays) else None
+    return w, {r: dict(m) for r, m in result.train_metrics_clientapp.items()}
+
+
+def fedavg(nodes: int) -> FedAvg:
+    return FedAvg(fraction_evaluate=0.0, min_available_nodes=nodes, min_train_nodes=nodes)
+
+
+def messages(caplog: pytest.LogCaptureFixture, pattern: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if re.search(pattern, r.getMessage())]
+
+
+@pytest.fixture(autouse=True)
+def _clients() -> None:
+    KIND.clear()
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"min_size": 64}, {"max_size": 16}, {"adapt": "steps", "local_steps": 5, "min_size": 8},
+    {"adapt": "steps", "local_steps": 5, "max_size": 3},
+    {"min_size": 2.5}, {"min_size": True}, {"min_size": 0}, {"max_size": "40"},
+    {"deadline_slack": float("nan")}, {"deadline_slack": math.inf}, {"deadline_slack": "2"}, {"deadline_slack": 0.5},
+    {"compensate_dropouts": "no"}, {"weight_by": "size"}, {"strategy": None}, {"history": "redis://x:6379/0"},
+])
+def test_bad_arguments_are_config_errors(redis_url: str, job: str, kwargs: dict[str, object]) -> None:
+    with ClientHistory.from_url(redis_url, job) as history:
+        args = {"strategy": FedAvg(), "history": history, "batch_size": 32, **kwargs}
+        with pytest.raises(ConfigError):
+            LoadBalanced(**args)  # type: ignore[arg-type]
+
+
+def test_compensation_and_the_equal_split_stay_within_max_size(redis_url: str, job: str) -> None:
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = LoadBalanced(FedAvg(), history, batch_size=32, max_size=40, compensate_dropouts=True)
+        workers = [history.worker_index(n) for n in (1, 2, 3)]
+        for _ in range(2):  # availability 0.64: 150 in total would bring the nominal 96 back, 120 is all it may
+            strategy.model.record_outcomes(dict.fromkeys(workers, False))
+        assert [w.batch_size for w in strategy.plan(1, [1, 2, 3]).values()] == [40, 40, 40]  # equal, not 3 x 50
+        strategy.model.partial_fit([Report(job, w, 1, 96, 0.1 * (i + 1)) for i, w in enumerate(workers)])
+        assert [w.batch_size for w in strategy.plan(2, [1, 2, 3]).values()] == [40, 40, 40]
+
+
+def test_a_huge_deadline_slack_is_clamped(redis_url: str, job: str) -> None:
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = LoadBalanced(FedAvg(), history, batch_size=32, deadline_slack=1e12)
+        strategy.model.partial_fit([Report(job, history.worker_index(n), 1, 32, 0.5) for n in (1, 2)])
+        assert {w.deadline_s for w in strategy.plan(2, [1, 2]).values()} == {MAX_SECONDS}
+
+
+@pytest.mark.timeout(120)
+def test_plain_flower_clients_are_aggregated_and_not_failed(redis_url: str, job: str,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    KIND.update({1: "plain", 2: "plain", 3: "lbbsp"})
+    with ClientHistory.from_url(redis_url, job) as history:
+        w, metrics = start(LoadBalanced(fedavg(3), history, batch_size=4), nodes=3, rounds=2)
+        assert {s.status for s in history.statuses().values()} == {"ok"}
+    # each round adds (10 * 1 + 20 * 2 + 30 * 3) / 60: plain weights are their num-examples, node 3's its data size
+    assert w is not None and w[0] == pytest.approx(2 * 140 / 60)
+    assert len(messages(caplog, r"nodes \[1, 2\] reply without lbbsp's metrics")) == 1  # said once, not per round
+    assert all(not key.startswith("lbbsp-") for m in metrics.values() for key in m)
+
+
+@pytest.mark.timeout(120)
+def test_replies_with_and_without_a_data_size_aggregate_together(redis_url: str, job: str,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    KIND.update({1: "lbbsp", 2: "no-data"})
+    with ClientHistory.from_url(redis_url, job) as history:
+        w, metrics = start(LoadBalanced(fedavg(2), history, batch_size=4), nodes=2, rounds=1)
+    assert w is not None and w[0] == pytest.approx((10 * 1 + 4 * 2) / 14)  # node 2 weighted by its 4 samples
+    assert sorted(metrics[1]) == ["train-loss"]
+    assert len(messages(caplog, r"nodes \[2\] report no data size")) == 1
+
+
+@pytest.mark.timeout(120)
+def test_weight_by_data_without_data_sizes_still_trains(redis_url: str, job: str,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    KIND.update({1: "no-data", 2: "no-data"})
+    with ClientHistory.from_url(redis_url, job) as history:
+        w, _ = start(LoadBalanced(fedavg(2), history, batch_size=4, weight_by="data"), nodes=2, rounds=2)
+    assert w is not None and w[0] > 2  # trained in both rounds, by samples processed
+    warned = [r for r in caplog.records if "report no data size" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+
+
+@pytest.mark.timeout(120)
+def test_a_redis_outage_does_not_stop_a_run_that_meets_new_clients(job: str,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    with EmbeddedRedis() as server, ClientHistory.from_url(server.url, job) as history:
+        strategy = LoadBalanced(fedavg(4), history, batch_size=4)
+        known = [history.worker_index(n) for n in (1, 2)]
+        server.stop()
+        w, _ = start(strategy, nodes=4, rounds=2)  # nodes 3 and 4 were never seen
+        assert w is not None and w[0] == pytest.approx(2 * 3.0)  # weighted by data sizes 10 n: 300 / 100 a round
+        assert len(messages(caplog, r"node [34] gets a temporary index")) == 2
+        assert len(set(strategy.plan(3, [1, 2, 3, 4]).values())) > 1  # planned from round 1's measurements
+        server.start()
+        strategy.plan(4, [1, 2, 3, 4])
+        assert sorted(history.workers().values()) == [*known, 2, 3]  # real indices once Redis is back
+
+
+@pytest.mark.timeout(120)
+def test_statuses_count_rounds_across_restarts_like_reports(redis_url: str, job: str) -> None:
+    with ClientHistory.from_url(redis_url, job) as history:
+        start(LoadBalanced(fedavg(2), history, batch_size=4), nodes=2, rounds=2)
+        start(LoadBalanced(fedavg(2), history, batch_size=4), nodes=2, rounds=1)
+        assert {s.round for s in history.statuses().values()} == {3}
+        assert [r.iteration for r in history.reports(0)] == [1, 2, 3]
+
+
+@pytest.mark.timeout(120)
+def test_the_plan_log_names_nodes_and_the_measured_round_time(redis_url: str, job: str,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    with ClientHistory.from_url(redis_url, job) as history:
+        start(LoadBalanced(fedavg(3), history, batch_size=8, sit_out=0.1), nodes=3, rounds=2)
+    assert messages(caplog, r"lbbsp round 1: equal split .*batch size by node \{1: 8, 2: 8, 3: 8\}$")
+    assert messages(caplog, r"lbbsp round 2: took [0-9.e-]+s \(predicted [0-9.e-]+s\)")
+    assert len(messages(caplog, r"sit_out=0.1 of 3 sampled clients rounds down to no client.*from 10 sampled")) == 1
+
+
+@pytest.mark.timeout(60)
+def test_message_clock_reports_delivery_as_overhead_and_no_upload() -> None:
+    LocalGrid(make_app(), [{}])  # sets Flower's task identity so that messages can be built here
+    config = ConfigRecord({**Workload(4, 1).to_config(), "server-round": 1})
+    msg = Message(RecordDict({"arrays": ArrayRecord([np.zeros(1000)]), "config": config}), dst_node_id=1,
+                  message_type=MessageType.TRAIN)
+    msg.metadata.created_at = time.time() - 0.5  # delivered and started half a second after it was made
+    local = LocalRound(msg)
+    list(local.batches())
+    metrics = local.reply(ArrayRecord([np.zeros(1000)])).content["metrics"]
+    assert 0.5 <= metrics["lbbsp-download-s"] < 5 and metrics["lbbsp-upload-s"] == 0.0
+
+
+@pytest.mark.timeout(120)
+def test_the_docs_recording_variant_runs(redis_url: str, job: str) -> None:
+    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
+    snippet = next(b for b in blocks if "class Recording(LoadBalanced)" in b)
+    namespace: dict[str, object] = {"LoadBalanced": LoadBalanced}
+    exec(snippet, namespace)  # the docs page's own code
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = namespace["Recording"](fedavg(2), history, batch_size=4)  # type: ignore[operator]
+        start(strategy, nodes=2, rounds=2)
+    assert sorted(strategy.plans) == [1, 2]
