@@ -4,10 +4,10 @@
 
 One run trains the flower_digits example nine times from the same start: standard FedAvg (every client
 batch 32 x 5 local steps, weighted by client data size as FedAvg usually is), lbbsp weighting by samples
-processed, and lbbsp weighting by data size; then, weighting by data size, with emulated dropouts (``--dropout``: a third of the
-clients never leave, a third leave a round after training with chance dropout / 2, a third with chance
-dropout), lbbsp as is and with ``compensate_dropouts``; and lbbsp weighting by data size, letting 10% of
-the clients (one of 12) sit a round out (``sit_out``). Last, with client 0 on a poor network (1 kB/s down,
+processed, and lbbsp weighting by data size; lbbsp weighting by data size, letting 10% of the clients (one
+of 12) sit a round out (``sit_out``); then, weighting by data size, with emulated dropouts (``--dropout``: a
+third of the clients never leave, a third leave a round after training with chance dropout / 2, a third with
+chance dropout), lbbsp as is and with ``compensate_dropouts``. Last, with client 0 on a poor network (1 kB/s down,
 0.5 kB/s up), FedAvg, lbbsp, and lbbsp with ``sit_out`` 0.1. Ratios are to the first FedAvg run; compare
 the slow-link rows with each other too. It prints the mean round time, the time to reach
 the target test accuracy, lbbsp / FedAvg ratios and, for lbbsp, the share of the nominal round total

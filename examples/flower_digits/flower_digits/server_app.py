@@ -45,8 +45,10 @@ def build_strategy(cfg: Config, history: ClientHistory | None) -> Strategy:
         return base
     slack = float(cfg["deadline-slack"])
     return LoadBalanced(base, history, batch_size=int(cfg["batch-size"]), local_steps=int(cfg["local-steps"]),
-                        adapt=str(cfg["adapt"]), min_size=int(cfg["min-size"]), deadline_slack=slack if slack > 0 else None,  # type: ignore[arg-type]
-                        weight_by=weight_by, compensate_dropouts=bool(cfg.get("compensate-dropouts", False)),  # type: ignore[arg-type]
+                        adapt=str(cfg["adapt"]),  # type: ignore[arg-type]
+                        min_size=int(cfg["min-size"]), deadline_slack=slack if slack > 0 else None,
+                        weight_by=weight_by,  # type: ignore[arg-type]
+                        compensate_dropouts=bool(cfg.get("compensate-dropouts", False)),
                         sit_out=float(cfg.get("sit-out", 0.0)))
 
 
