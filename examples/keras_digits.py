@@ -90,7 +90,7 @@ def train(args: argparse.Namespace) -> None:
         callback = LBBSPCallback(session.client, source)
         started = time.perf_counter()
         history = model.fit(source.tf_dataset(strategy), epochs=args.epochs, steps_per_epoch=len(source),
-                            callbacks=[callback], verbose=2 if index == 0 else 0)
+                            shuffle=False, callbacks=[callback], verbose=2 if index == 0 else 0)
         elapsed = time.perf_counter() - started
         trained = sum(b.size for b in source.served)
         last = [b.sizes for b in source.served][-1]

@@ -5,7 +5,7 @@ Works with tf_keras (``TF_USE_LEGACY_KERAS=1``) single- and multi-worker under
 
 >>> session = WorkerSession(config, worker=task_index())          # Redis + coordinator on worker 0
 >>> source = BalancedSource(x, y, config, worker=session.worker)
->>> model.fit(source.tf_dataset(), epochs=3, steps_per_epoch=len(source),
+>>> model.fit(source.tf_dataset(), epochs=3, steps_per_epoch=len(source), shuffle=False,
 ...           callbacks=[LBBSPCallback(session.client, source)])
 """
 from __future__ import annotations
@@ -52,14 +52,43 @@ def keras_module() -> ModuleType:
 
 
 def task_index() -> int:
-    """This worker's index in ``TF_CONFIG`` (0 when there is none: a single worker)."""
-    raw = os.environ.get("TF_CONFIG")
-    if not raw:
-        return 0
-    task = json.loads(raw).get("task", {})
+    """This worker's index in ``TF_CONFIG`` (0 when there is none: a single worker).
+
+    The chief, if the cluster has one, comes first: it is worker 0 and "worker" task i is worker i + 1.
+    """
+    tf_config = _tf_config()
+    task = tf_config.get("task", {})
     if task.get("type", "worker") not in ("worker", "chief"):
         raise ConfigError(f"TF_CONFIG task type {task.get('type')!r} is not a training worker")
-    return int(task.get("index", 0))
+    chiefs = len(tf_config.get("cluster", {}).get("chief", [])) if task.get("type", "worker") == "worker" else 0
+    return chiefs + int(task.get("index", 0))
+
+
+def _tf_config() -> dict[str, Any]:
+    """``TF_CONFIG`` parsed, or {} when it is not set."""
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return {}
+    try:
+        parsed = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"TF_CONFIG is not valid JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"TF_CONFIG must be a JSON object, got {type(parsed).__name__}")
+    return parsed
+
+
+def _training_tasks() -> int | None:
+    """How many training workers (chief and workers) ``TF_CONFIG`` lists; None when it lists no cluster."""
+    cluster = _tf_config().get("cluster")
+    return len(cluster.get("chief", [])) + len(cluster.get("worker", [])) if cluster else None
+
+
+def require_tf_keras(job: str) -> None:
+    """Raise unless ``tf.keras`` means tf_keras here (Keras 3's ``fit`` fails under MultiWorkerMirroredStrategy)."""
+    if keras_module().__name__ != "tf_keras":
+        raise ConfigError("multi-worker training needs tf_keras: set TF_USE_LEGACY_KERAS=1 before importing "
+                          "TensorFlow (Keras 3's model.fit fails under MultiWorkerMirroredStrategy)", job=job)
 
 
 def device_label() -> str:
@@ -83,6 +112,12 @@ class WorkerSession:
 
     def __init__(self, config: JobConfig, worker: int, *, url: str | None = None, policy: Policy | None = None,
                  connect_timeout_s: float = 60.0) -> None:
+        tasks = _training_tasks()
+        if tasks is not None and tasks != config.num_workers:
+            raise ConfigError(f"TF_CONFIG lists {tasks} training workers but JobConfig.num_workers is "
+                              f"{config.num_workers}", job=config.job)
+        if tasks is not None and tasks > 1:
+            require_tf_keras(config.job)
         self.config = config
         self.worker = worker
         self.server: EmbeddedRedis | None = None
@@ -188,6 +223,87 @@ def install_probe(optimizer: Any) -> StepProbe | None:
     return probe
 
 
+_KERAS_NAMES = {"tf_keras": "tf_keras", "keras": "Keras 3"}
+
+
+def _keras_of(cls: type) -> str | None:
+    """"tf_keras" or "keras" (Keras 3): the package of the nearest Keras class in ``cls``'s bases."""
+    for klass in cls.__mro__:
+        package = klass.__module__.partition(".")[0]
+        if package in ("tf_keras", "keras"):
+            return package
+    return None
+
+
+class ExactLogs:
+    """Makes tf_keras log the global mean loss of each step when the workers' batches differ in size.
+
+    The source weights worker i's samples by f_i = W * b_i / B, which makes the summed gradient exact. tf_keras
+    then averages the workers' losses weighted by b_i, so it would log sum_i b_i * f_i * mean_i / B instead
+    of sum_i b_i * mean_i / B; weighted metrics would see f_i times the sample weights. Installed on a
+    tf_keras model's ``train_step``, this weights each worker's loss by B / W instead (the weights still sum
+    to B, so the epoch mean weights each step by its size, as in one process) and divides f_i out of the
+    weights of weighted metrics. B comes from one scalar all-reduce per step.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._scales: tuple[Any, Any] | None = None  # (B / W, 1 / f_i) while the train step is traced
+        self._train_step, self._compute_loss = model.train_step, model.compute_loss
+        self._compute_metrics = model.compute_metrics
+
+    @classmethod
+    def install(cls, model: Any) -> None:
+        """Install on ``model`` (once) and rebuild its train function, which may have been traced without."""
+        if getattr(model, "_lbbsp_exact_logs", None) is not None:
+            return
+        logs = cls(model)
+        model.train_step, model.compute_loss, model.compute_metrics = logs.train_step, logs.loss, logs.metrics
+        model._lbbsp_exact_logs = logs
+        model.train_function = model.make_train_function(force=True)
+
+    def train_step(self, data: Any) -> Any:
+        import tensorflow as tf  # noqa: PLC0415
+        import tf_keras  # noqa: PLC0415
+
+        _, y, _ = tf_keras.utils.unpack_x_y_sample_weight(data)
+        local = tf.cast(tf.shape(tf.nest.flatten(y)[0])[0], tf.float64)
+        total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, local)
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        self._scales = (total / replicas, tf.math.divide_no_nan(total, replicas * local))
+        try:
+            return self._train_step(data)
+        finally:
+            self._scales = None
+
+    def loss(self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None) -> Any:
+        container = self.model.compiled_loss  # the latest compile's
+        if self._scales is None or container is None:
+            return self._compute_loss(x, y, y_pred, sample_weight)
+        if not container._built:
+            container.build(y_pred)  # creates the loss metrics, so that they can be reweighted below
+        share = self._scales[0]
+        originals = [(metric, metric.update_state) for metric in container.metrics]
+        for metric, update in originals:
+            metric.update_state = functools.partial(_weighted_update, update, share)
+        try:
+            return self._compute_loss(x, y, y_pred, sample_weight)
+        finally:
+            for metric, update in originals:
+                metric.update_state = update
+
+    def metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> Any:
+        if self._scales is not None and sample_weight is not None:
+            import tensorflow as tf  # noqa: PLC0415
+
+            sample_weight = sample_weight * tf.cast(self._scales[1], sample_weight.dtype)
+        return self._compute_metrics(x, y, y_pred, sample_weight)
+
+
+def _weighted_update(update: Any, share: Any, values: Any, sample_weight: Any = None) -> Any:
+    return update(values, sample_weight=share)
+
+
 class _CallbackLogic:
     """The LB-BSP callback, independent of which Keras provides the ``Callback`` base class."""
 
@@ -208,11 +324,29 @@ class _CallbackLogic:
         self._started = 0.0
         self._epoch = 0
 
+    def set_model(self, model: Any) -> None:
+        """Refuse a model of the other Keras (tf_keras vs Keras 3), which fails later with obscure errors."""
+        mine, theirs = _keras_of(type(self)), _keras_of(type(model))
+        if theirs is not None and theirs != mine:
+            fix = ("set TF_USE_LEGACY_KERAS=1 before importing TensorFlow, or use callback_class(tf_keras)"
+                   if theirs == "tf_keras" else "unset TF_USE_LEGACY_KERAS, or use callback_class(keras)")
+            raise ConfigError(f"the model is a {_KERAS_NAMES[theirs]} model but LBBSPCallback was built on "
+                              f"{_KERAS_NAMES[str(mine)]}'s Callback: {fix}", job=self.client.config.job)
+        super().set_model(model)  # type: ignore[misc]
+
     def on_train_begin(self, logs: dict | None = None) -> None:
         self._check_schedule()
-        if type(self.model).__module__.startswith("tf_keras"):
+        replicas = self.model.distribute_strategy.num_replicas_in_sync
+        job = self.client.config.job
+        if replicas != self.client.config.num_workers:
+            raise ConfigError(f"JobConfig.num_workers is {self.client.config.num_workers} but the model's strategy "
+                              f"trains on {replicas} worker(s): set num_workers to the number of workers in "
+                              "TF_CONFIG, and build the model under MultiWorkerMirroredStrategy().scope()", job=job)
+        self.source.attach(self.iteration, self.epochs_done, replicas)
+        if _keras_of(type(self)) == "tf_keras":
             self.probe = install_probe(self.model.optimizer)
-        self.source.attach(self.iteration, self.epochs_done)
+            if replicas > 1:
+                ExactLogs.install(self.model)
         self.source.publish(self.client.assignment(self.iteration))
 
     def _check_schedule(self) -> None:
@@ -223,7 +357,10 @@ class _CallbackLogic:
             raise ConfigError(f"model.compile(steps_per_execution={per_execution}) but the source was built with "
                               f"steps_per_execution={self.source.steps_per_execution}", job=job)
         steps = self.params.get("steps")
-        if steps is not None and steps != len(self.source):
+        if steps is None:
+            raise ConfigError("model.fit does not know how many steps an epoch has (the source repeats forever): "
+                              "pass steps_per_epoch=len(source)", job=job)
+        if steps != len(self.source):
             raise ConfigError(f"model.fit runs {steps} steps per epoch but the source has {len(self.source)}: "
                               "pass steps_per_epoch=len(source)", job=job)
 

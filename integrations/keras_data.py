@@ -11,9 +11,12 @@ positions 3-7 of global batch 1, each sample weighted W * b_i / B = 2 * 5 / 8 (s
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import os
 import threading
+import warnings
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +31,9 @@ from lbbsp.protocol import Assignment
 from lbbsp.sampling import GlobalBatchSampler
 
 _KEEP_ITERATIONS = 64
+#: How long a ``PyDataset`` batch waits for the batches before it in its epoch to be asked for: in order, they
+#: were asked for a moment earlier (worker threads take indices first come, first served).
+_ORDER_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -48,19 +54,31 @@ class BalancedSource:
     the vector agreed for that iteration. Before a callback attaches (for example while Keras probes the
     first batches for their shapes), the source serves the equal split and records nothing. ``served``
     keeps the latest ``record_limit`` batches served: what this worker actually trained on.
+
+    ``x`` and ``y`` are single arrays (one model input, one target). The source serves ``model.fit``'s training
+    batches only: validate and evaluate with arrays.
     """
 
     def __init__(self, x: np.ndarray, y: np.ndarray, config: JobConfig, worker: int, *,
                  sample_weight: np.ndarray | None = None, seed: int = 0, shuffle: bool = True,
                  drop_last: bool = False, steps_per_execution: int = 1, wait_timeout_s: float | None = None,
                  record_limit: int = 100_000) -> None:
+        for name, value in (("x", x), ("y", y)):
+            if value is None or isinstance(value, (dict, tuple, list)):
+                raise ConfigError(f"{name} must be a single array (one model input, one target), got "
+                                  f"{type(value).__name__}", job=config.job)
         x, y = np.asarray(x), np.asarray(y)
+        if x.ndim == 0 or y.ndim == 0 or x.dtype == object or y.dtype == object:
+            raise ConfigError(f"x and y must be numeric arrays with a sample axis, got shapes {x.shape}, {y.shape} "
+                              f"and dtypes {x.dtype}, {y.dtype}", job=config.job)
         if len(x) != len(y) or (sample_weight is not None and len(sample_weight) != len(x)):
             raise ConfigError(f"x, y and sample_weight differ in length ({len(x)}, {len(y)})", job=config.job)
         if not 0 <= worker < config.num_workers:
             raise ConfigError(f"worker must be in [0, {config.num_workers}), got {worker}", job=config.job)
         if config.min_batch < 1:
-            raise ConfigError("Keras cannot train on an empty batch: set min_batch >= 1", job=config.job)
+            raise ConfigError("the Keras integration needs min_batch >= 1, so that every worker trains on every full "
+                              "global batch (only a short final batch can leave a worker empty: see drop_last)",
+                              job=config.job)
         if steps_per_execution < 1:
             raise ConfigError(f"steps_per_execution must be positive, got {steps_per_execution}", job=config.job)
         self.x, self.y = x, y
@@ -83,6 +101,15 @@ class BalancedSource:
         self._index_calls: dict[int, int] = {}
         self._samplers: dict[int, GlobalBatchSampler] = {}
         self._owner_pid = os.getpid()
+        self._pipelines = itertools.count()
+        self._pipeline_replicas: int | None = None  # replicas the latest tf_dataset or py_dataset was built for
+        self._reader: int | None = None  # the pipeline that model.fit reads while a callback is attached
+        self._reading = 0  # passes of that pipeline being read at once (tf_dataset): one, unless misused
+        self._fit = 0  # counts attach calls, so that passes left over from an earlier fit are not counted
+        self._prefix: dict[int, int] = {}  # per epoch: how many leading PyDataset indices were asked for
+        self._trained: set[int] = set()  # pipelines read while a callback was attached
+        self._unattached: dict[int, int] = {}  # per other pipeline: batches served
+        self._warned_unattached = False
 
     # -- shape of an epoch ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -99,14 +126,26 @@ class BalancedSource:
         return self._first_iteration + epoch * self.iterations_per_epoch + step // self.steps_per_execution
 
     # -- the callback's side ----------------------------------------------------------------------------
-    def attach(self, first_iteration: int, first_epoch: int) -> None:
-        """Start serving agreed sizes: the next ``fit`` starts at this iteration and sampler epoch."""
+    def attach(self, first_iteration: int, first_epoch: int, replicas: int = 1) -> None:
+        """Start serving agreed sizes: the next ``fit`` starts at this iteration and sampler epoch.
+
+        ``replicas`` is the number of replicas of the model's strategy; the latest pipeline built must be
+        for it, since Keras would split each batch of a plain pipeline across the workers again.
+        """
+        if replicas > 1 and self._pipeline_replicas != replicas:
+            raise ConfigError(f"the model trains on {replicas} replicas, but the source's pipeline was built for "
+                              f"{self._pipeline_replicas or 1}: pass the strategy, source.tf_dataset(strategy) "
+                              "(Keras would otherwise cut every batch again across the workers)", job=self.config.job)
         with self._changed:
             self._attached = True
             self._first_iteration = first_iteration
             self._first_epoch = first_epoch
             self._generator_epochs = 0
             self._index_calls.clear()
+            self._prefix.clear()
+            self._reader = None
+            self._reading = 0
+            self._fit += 1
 
     def detach(self) -> None:
         """Back to the equal split (after ``fit``); a prefetch still waiting gets an unrecorded batch."""
@@ -145,17 +184,49 @@ class BalancedSource:
                                  iteration=iteration)
             return self._vectors.get(iteration) if self._attached else None
 
-    def batch(self, epoch: int, step: int) -> tuple[np.ndarray, ...]:
+    def _batch(self, epoch: int, step: int, pipeline: int) -> tuple[np.ndarray, ...]:
         """``(x, y, sample_weight)`` of this worker at ``step`` of the ``epoch``-th epoch of this ``fit``."""
         iteration = self.iteration_of(epoch, step)
         sizes = self._agreed(iteration)
         if sizes is None:  # a shape probe, training without the callback, or a prefetch past the end of fit
+            self._count_unattached(pipeline)
             return self._cut(self._first_epoch + epoch, step, self.config.initial_sizes())
         batch = self._cut(self._first_epoch + epoch, step, sizes)
         with self._changed:
             self.served.append(ServedBatch(iteration, self._first_epoch + epoch, step, len(batch[0]), sizes))
             self._samples[iteration] = self._samples.get(iteration, 0) + len(batch[0])
         return batch
+
+    def _count_unattached(self, pipeline: int) -> None:
+        """Warn once when a pipeline that no fit with the callback read serves a whole epoch: it trains without
+        the callback, or evaluates on the source (the batches a fit's pipeline serves after it are prefetches)."""
+        with self._changed:
+            if pipeline in self._trained or self._warned_unattached:
+                return
+            self._unattached[pipeline] = self._unattached.get(pipeline, 0) + 1
+            if self._unattached[pipeline] < len(self):
+                return
+            self._warned_unattached = True
+        warnings.warn("BalancedSource served a whole epoch with no LBBSPCallback attached: every batch had the equal "
+                      "split and nothing was reported. Pass LBBSPCallback(client, source) to model.fit; the source "
+                      "serves training batches only (it repeats forever), so validate and evaluate with arrays",
+                      stacklevel=3)
+
+    def _misuse(self, message: str) -> ConfigError:
+        """The error for a misused pipeline; detaches first, so that prefetches blocked in this fit return."""
+        self._attached = False
+        self._changed.notify_all()
+        return ConfigError(message, job=self.config.job, worker=self.worker)
+
+    def _claim(self, pipeline: int) -> None:
+        """Refuse a second pipeline read during a ``fit``: its batches would take the training batches' turns."""
+        if self._attached and self._reader not in (None, pipeline):
+            raise self._misuse("a second pipeline of this source is being read during model.fit (validation_data="
+                               "source.tf_dataset() or source.py_dataset()?): the source serves the training "
+                               "batches only; validate with arrays, validation_data=(x_val, y_val)")
+        if self._attached:
+            self._reader = pipeline
+            self._trained.add(pipeline)
 
     def _sampler_for(self, epoch: int) -> GlobalBatchSampler:
         """A sampler per epoch, so that threads cutting two epochs at once never share a permutation."""
@@ -187,45 +258,82 @@ class BalancedSource:
         """
         return self.config.num_workers * split[self.worker] / sum(split)
 
-    def _epoch_batches(self) -> Iterator[tuple[np.ndarray, ...]]:
+    def _epoch_batches(self, pipeline: int) -> Iterator[tuple[np.ndarray, ...]]:
+        """One epoch of ``pipeline``'s batches; ``repeat`` starts the next pass once this one has ended."""
         with self._changed:
+            self._claim(pipeline)
+            if self._attached and self._reading:
+                raise self._misuse("two passes over this source's tf_dataset are being read at once (the training "
+                                   "dataset also passed as validation_data?): the source serves the training "
+                                   "batches only; validate with arrays")
+            fit, counted = self._fit, self._attached
+            self._reading += counted
             epoch = self._generator_epochs
             self._generator_epochs += 1
-        for step in range(len(self)):
-            yield self.batch(epoch, step)
+        try:
+            for step in range(len(self)):
+                yield self._batch(epoch, step, pipeline)
+        finally:
+            with self._changed:
+                if counted and fit == self._fit:
+                    self._reading -= 1
 
-    def _indexed_batch(self, index: int) -> tuple[np.ndarray, ...]:
+    def _indexed_batch(self, pipeline: int, index: int) -> tuple[np.ndarray, ...]:
         with self._changed:
+            self._claim(pipeline)
             epoch = self._index_calls.get(index, 0)
             if self._attached:
                 self._index_calls[index] = epoch + 1
-        return self.batch(epoch, index)
+                prefix = self._prefix.get(epoch, 0)
+                while self._index_calls.get(prefix, 0) > epoch:
+                    prefix += 1
+                self._prefix = {e: p for e, p in self._prefix.items() if e >= epoch - 1} | {epoch: prefix}
+                self._changed.notify_all()
+                if not self._changed.wait_for(lambda: self._prefix.get(epoch, 0) >= index or not self._attached,
+                                              _ORDER_GRACE_S):
+                    raise self._misuse(f"Keras asked for batch {index} of an epoch before batch "
+                                       f"{self._prefix.get(epoch, 0)}: call model.fit(..., shuffle=False) (fit "
+                                       "shuffles a PyDataset or Sequence by default; the source shuffles samples "
+                                       "itself)")
+        return self._batch(epoch, index, pipeline)
 
     # -- the two Keras pipelines ------------------------------------------------------------------------
     def tf_dataset(self, strategy: Any = None) -> Any:
         """A ``tf.data.Dataset`` of this worker's batches (batch dimension None: no retracing per size).
 
-        It repeats, one epoch per pass, so pass ``steps_per_epoch=len(source)`` to ``fit``. Under a multi-worker ``strategy``, pass it: the dataset then
-        comes from ``strategy.distribute_datasets_from_function``, since ``experimental_distribute_dataset``
-        would treat each batch as a global one and rebatch it across the replicas.
+        It repeats, one epoch per pass, so pass ``steps_per_epoch=len(source)`` to ``fit``. Under a multi-worker
+        ``strategy`` (tf_keras only), pass it: the dataset then comes from
+        ``strategy.distribute_datasets_from_function``, since ``experimental_distribute_dataset`` would treat
+        each batch as a global one and rebatch it across the replicas.
         """
         import tensorflow as tf  # noqa: PLC0415  (the framework stays at the edge)
 
         def spec(array: np.ndarray) -> Any:
             return tf.TensorSpec((None,) + array.shape[1:], tf.as_dtype(array.dtype))
 
+        replicas = 1 if strategy is None else strategy.num_replicas_in_sync
+        if replicas > 1:
+            self._check_distributed(strategy)
         signature = (spec(self.x), spec(self.y), tf.TensorSpec((None,), tf.as_dtype(self.weight_dtype)))
-        dataset = tf.data.Dataset.from_generator(self._epoch_batches, output_signature=signature)
+        dataset = tf.data.Dataset.from_generator(functools.partial(self._epoch_batches, next(self._pipelines)),
+                                                 output_signature=signature)
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(self))).repeat()
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         dataset = dataset.with_options(options)
-        if strategy is None or strategy.num_replicas_in_sync == 1:
+        self._pipeline_replicas = replicas
+        if replicas == 1:
             return dataset
-        if strategy.extended._num_workers != strategy.num_replicas_in_sync:
+        return strategy.distribute_datasets_from_function(lambda context: dataset)
+
+    def _check_distributed(self, strategy: Any) -> None:
+        """A multi-replica strategy must be tf_keras's MultiWorkerMirroredStrategy, one replica per worker."""
+        from .keras import require_tf_keras  # noqa: PLC0415
+
+        require_tf_keras(self.config.job)
+        if getattr(strategy.extended, "_num_workers", 1) != strategy.num_replicas_in_sync:
             raise ConfigError("one replica per worker is supported (one device per worker process)",
                               job=self.config.job)
-        return strategy.distribute_datasets_from_function(lambda context: dataset)
 
     def py_dataset(self, keras: ModuleType | None = None, **kwargs: Any) -> Any:
         """A ``keras.utils.PyDataset`` (Keras 3) or ``Sequence`` (tf_keras) of this worker's batches.
@@ -233,7 +341,8 @@ class BalancedSource:
         ``kwargs`` go to ``PyDataset`` (``workers``, ``max_queue_size``); worker threads are fine, worker
         processes are refused, since sizes are agreed in the training process. Call ``fit`` with
         ``shuffle=False``: Keras would otherwise reorder the batches, and batch k must be trained at step k
-        (the source already shuffles samples with its seeded permutation).
+        (the source already shuffles samples with its seeded permutation). It is built for ``keras``, by
+        default the Keras that ``tf.keras`` means here (:func:`~lbbsp.integrations.keras.keras_module`).
         """
         if kwargs.get("use_multiprocessing"):
             raise ConfigError("use_multiprocessing=True is not supported: the agreed size of each batch is only "
@@ -244,6 +353,8 @@ class BalancedSource:
         has_py_dataset = hasattr(keras.utils, "PyDataset")  # Keras 3; tf_keras has only Sequence
         base = keras.utils.PyDataset if has_py_dataset else keras.utils.Sequence
         source = self
+        pipeline = next(self._pipelines)
+        self._pipeline_replicas = 1
 
         class BalancedPyDataset(base):  # type: ignore[misc, valid-type]
             """Index k of an epoch is global batch k, cut at the size agreed for its iteration."""
@@ -259,6 +370,6 @@ class BalancedSource:
                 return len(source)
 
             def __getitem__(self, index: int) -> tuple[np.ndarray, ...]:
-                return source._indexed_batch(index)
+                return source._indexed_batch(pipeline, index)
 
         return BalancedPyDataset()

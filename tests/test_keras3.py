@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -51,8 +52,11 @@ def test_single_worker_fit_trains_and_reports(redis_url: str, job: str, pipeline
         data = source.py_dataset(workers=2, max_queue_size=8) if pipeline == "py_dataset" else source.tf_dataset()
         model = _model()
         callback = LBBSPCallback(session.client, source)
-        history = model.fit(data, epochs=3, steps_per_epoch=len(source), callbacks=[callback], verbose=0,
-                            shuffle=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = model.fit(data, epochs=3, steps_per_epoch=len(source), callbacks=[callback], verbose=0,
+                                shuffle=False)
+        assert not [w for w in caught if "LBBSPCallback" in str(w.message)]  # prefetch leftovers are not an epoch
         session.client.flush()
         assert session.coordinator is not None and session.coordinator.alive
         time.sleep(0.5)  # the coordinator process decides from the last reports
@@ -78,7 +82,8 @@ def test_steps_per_execution_reports_once_per_execution(redis_url: str, job: str
     with WorkerSession(config, 0, url=redis_url) as session:
         source = BalancedSource(x, y, config, 0, steps_per_execution=2)
         callback = LBBSPCallback(session.client, source)
-        _model(2).fit(source.tf_dataset(), epochs=2, steps_per_epoch=len(source), callbacks=[callback], verbose=0)
+        _model(2).fit(source.tf_dataset(), epochs=2, steps_per_epoch=len(source), callbacks=[callback], verbose=0,
+                      shuffle=False)
     assert callback.iteration == 2 * source.iterations_per_epoch == 4
     assert [b.iteration for b in source.served] == [0, 0, 1, 1, 2, 2, 3, 3]
 
@@ -91,6 +96,53 @@ def test_mismatched_schedule_is_refused(redis_url: str, job: str) -> None:
         source = BalancedSource(x, y, config, 0, steps_per_execution=2)
         with pytest.raises(ConfigError, match="steps_per_execution"):
             _model(1).fit(source.tf_dataset(), epochs=1, steps_per_epoch=len(source),
-                          callbacks=[LBBSPCallback(session.client, source)], verbose=0)
+                          callbacks=[LBBSPCallback(session.client, source)], verbose=0, shuffle=False)
         with pytest.raises(ConfigError, match="use_multiprocessing"):
             source.py_dataset(workers=2, use_multiprocessing=True)
+        source = BalancedSource(x, y, config, 0)
+        with pytest.raises(ConfigError, match=r"pass steps_per_epoch=len\(source\)"):  # else epoch 1 never ends
+            _model().fit(source.tf_dataset(), epochs=1, callbacks=[LBBSPCallback(session.client, source)],
+                         verbose=0, shuffle=False)
+
+
+@pytest.mark.timeout(120)
+def test_num_workers_must_match_the_strategy(redis_url: str, job: str) -> None:
+    config = JobConfig(job, num_workers=2, global_batch=32)  # but one process, no MultiWorkerMirroredStrategy
+    x, y = _data()
+    with WorkerSession(config, 0, url=redis_url) as session:
+        source = BalancedSource(x, y, config, 0)
+        with pytest.raises(ConfigError, match="num_workers is 2 but the model's strategy trains on 1"):
+            _model().fit(source.tf_dataset(), epochs=1, steps_per_epoch=len(source), verbose=0, shuffle=False,
+                         callbacks=[LBBSPCallback(session.client, source)])
+
+
+@pytest.mark.timeout(120)
+def test_misused_pipelines_fail_fast(redis_url: str, job: str) -> None:
+    config = JobConfig(job, num_workers=1, global_batch=8)  # 15 batches: a shuffled order is never 0, 1, 2, ...
+    x, y = _data()
+    with WorkerSession(config, 0, url=redis_url) as session:
+        source = BalancedSource(x, y, config, 0)
+        callback = LBBSPCallback(session.client, source)
+        started = time.perf_counter()
+        with pytest.raises(Exception, match=r"shuffle=False"):  # Keras 3 shuffles a PyDataset by default
+            _model().fit(source.py_dataset(), epochs=1, callbacks=[callback], verbose=0)
+        with pytest.raises(Exception, match="validate with arrays"):
+            _model().fit(source.tf_dataset(), epochs=2, steps_per_epoch=len(source), callbacks=[callback],
+                         verbose=0, shuffle=False, validation_data=source.tf_dataset(), validation_steps=2)
+        assert time.perf_counter() - started < 30  # not the wait for a vector that never comes
+
+
+@pytest.mark.timeout(120)
+def test_an_epoch_without_the_callback_warns_once(redis_url: str, job: str) -> None:
+    config = JobConfig(job, num_workers=1, global_batch=32)
+    source = BalancedSource(*_data(), config, 0)
+    with pytest.warns(UserWarning, match="no LBBSPCallback attached") as caught:
+        _model().fit(source.tf_dataset(), epochs=3, steps_per_epoch=len(source), verbose=0, shuffle=False)
+    assert len([w for w in caught if "LBBSPCallback" in str(w.message)]) == 1
+    source = BalancedSource(*_data(), config, 0)
+    model = _model()
+    with WorkerSession(config, 0, url=redis_url) as session:
+        model.fit(source.tf_dataset(), epochs=1, steps_per_epoch=len(source), verbose=0, shuffle=False,
+                  callbacks=[LBBSPCallback(session.client, source)])
+    with pytest.warns(UserWarning, match="validate and evaluate with arrays"):  # without steps, it would never end
+        model.evaluate(source.tf_dataset(), steps=len(source), verbose=0)

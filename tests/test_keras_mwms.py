@@ -3,6 +3,7 @@
 Run by pytest, this file starts itself twice as ``python tests/test_keras_mwms.py worker ...``: two TF
 processes on localhost ports, worker 0 running the coordinator in-process, both on the test's embedded Redis.
 The coordinator uses a scripted policy, so the splits are uneven and change every iteration.
+Before training, each worker also checks that a dataset built without the strategy is refused.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from lbbsp import Assignment, JobConfig, Store, scale_split
+from lbbsp.errors import ConfigError
 from lbbsp.policies import Decision, Policy
 
 GLOBAL_BATCH = 16
@@ -43,9 +45,12 @@ def make_data() -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def build_model(keras):  # type: ignore[no-untyped-def]
-    return keras.Sequential([keras.layers.Input((5,)), keras.layers.Dense(8, activation="tanh"),
-                             keras.layers.Dense(2)])
+def build_model(keras, steps_per_execution: int = 1):  # type: ignore[no-untyped-def]
+    model = keras.Sequential([keras.layers.Input((5,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", weighted_metrics=["mae"],
+                  steps_per_execution=steps_per_execution)
+    return model
 
 
 def run_worker(index: int, ports: list[int], url: str, job: str, steps_per_execution: int, out: Path) -> None:
@@ -68,21 +73,47 @@ def run_worker(index: int, ports: list[int], url: str, job: str, steps_per_execu
         source = BalancedSource(x, y, config, session.worker, seed=SEED, steps_per_execution=steps_per_execution)
         with strategy.scope():
             keras.utils.set_random_seed(0)
-            model = build_model(keras)
-            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=steps_per_execution)
+            model = build_model(keras, steps_per_execution)
         initial = [w.copy() for w in model.get_weights()]
         callback = LBBSPCallback(session.client, source)
+        try:  # Keras would cut each batch of a dataset built without the strategy across the workers again
+            model.fit(source.tf_dataset(), epochs=EPOCHS, steps_per_epoch=len(source), callbacks=[callback], verbose=0)
+            refused = ""
+        except ConfigError as exc:
+            refused = str(exc)
         traces: list[int] = []
         count_traces = keras.callbacks.LambdaCallback(
             on_epoch_end=lambda *_: traces.append(model.train_function.experimental_get_tracing_count()))
-        model.fit(source.tf_dataset(strategy), epochs=EPOCHS, steps_per_epoch=len(source),
-                  callbacks=[callback, count_traces], verbose=0)
+        history = model.fit(source.tf_dataset(strategy), epochs=EPOCHS, steps_per_epoch=len(source),
+                            callbacks=[callback, count_traces], verbose=0)
         np.savez(out / f"weights{index}.npz", *model.get_weights())
         np.savez(out / f"initial{index}.npz", *initial)
         served = [[b.iteration, b.epoch, b.step, b.size] for b in source.served]
         (out / f"served{index}.json").write_text(json.dumps({
             "served": served, "iterations": callback.iteration, "traces": traces,
-            "probed": callback.probe is not None}))
+            "probed": callback.probe is not None, "history": history.history, "refused": refused}))
+
+
+def run_keras3_worker(index: int, ports: list[int], url: str, job: str, out: Path) -> None:
+    """One Keras 3 worker under MWMS (its model.fit fails there): the session and the dataset refuse it."""
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
+                                          "task": {"type": "worker", "index": index}})
+    import tensorflow as tf  # noqa: PLC0415
+
+    from lbbsp.integrations.keras import BalancedSource, WorkerSession  # noqa: PLC0415
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    config = JobConfig(job, num_workers=2, global_batch=GLOBAL_BATCH)
+    refused = {}
+    try:
+        WorkerSession(config, index, url=url).close()
+    except ConfigError as exc:
+        refused["session"] = str(exc)
+    try:
+        BalancedSource(*make_data(), config, index).tf_dataset(strategy)
+    except ConfigError as exc:
+        refused["dataset"] = str(exc)
+    (out / f"refused{index}.json").write_text(json.dumps(refused))
 
 
 def _free_ports(count: int) -> list[int]:
@@ -95,8 +126,9 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-def _reference_weights(initial: list[np.ndarray]) -> list[np.ndarray]:
-    """A single-process tf_keras run on the same global batches, in the same order."""
+def _reference_run(initial: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, list[float]]]:
+    """A single-process tf_keras run on the same global batches, in the same order: its weights, and the epoch
+    means that ``fit`` would log (the steps' losses and metrics weighted by their global batch sizes)."""
     import tensorflow as tf  # noqa: PLC0415
     import tf_keras as keras  # noqa: PLC0415
 
@@ -105,27 +137,29 @@ def _reference_weights(initial: list[np.ndarray]) -> list[np.ndarray]:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     keras.backend.set_floatx("float64")
     model = build_model(keras)
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     model.set_weights(initial)
     x, y = make_data()
     sampler = GlobalBatchSampler(SAMPLES, GLOBAL_BATCH, seed=SEED)
+    logs: dict[str, list[float]] = {"loss": [], "mae": []}
     for epoch in range(EPOCHS):
         sampler.set_epoch(epoch)
+        steps = []
         for step in range(len(sampler)):
             idx = sampler.global_indices(step)
-            model.train_on_batch(x[idx], y[idx])
-    return model.get_weights()
+            steps.append((len(idx), *model.train_on_batch(x[idx], y[idx])))
+        sizes, losses, maes = np.array(steps).T
+        logs["loss"].append(float(np.average(losses, weights=sizes)))
+        logs["mae"].append(float(np.average(maes, weights=sizes)))
+    return model.get_weights(), logs
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("steps_per_execution", [1, 3])
-def test_two_workers_resize_and_match_single_process(tmp_path: Path, redis_url: str, job: str,
-                                                     steps_per_execution: int) -> None:
+def _run_two_workers(mode: str, args: list[str], legacy: bool) -> None:
+    """Run this file as two MWMS worker processes (``mode`` selects the function) and wait for both."""
     ports = _free_ports(2)
-    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, "worker", str(i), ",".join(map(str, ports)), redis_url, job,
-                               str(steps_per_execution), str(tmp_path)], env=env,
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
+    env.pop("TF_USE_LEGACY_KERAS", None)
+    env.update({"TF_USE_LEGACY_KERAS": "1"} if legacy else {})
+    procs = [subprocess.Popen([sys.executable, __file__, mode, str(i), ",".join(map(str, ports)), *args], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outputs = []
     for proc in procs:
@@ -138,6 +172,14 @@ def test_two_workers_resize_and_match_single_process(tmp_path: Path, redis_url: 
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0, output[-4000:]
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_two_workers_resize_and_match_single_process(tmp_path: Path, redis_url: str, job: str,
+                                                     steps_per_execution: int) -> None:
+    _run_two_workers("worker", [redis_url, job, str(steps_per_execution), str(tmp_path)], legacy=True)
+
     store = Store.from_url(redis_url, job)
     records = [json.loads((tmp_path / f"served{i}.json").read_text()) for i in range(2)]
     iterations = EPOCHS * -(-7 // steps_per_execution)
@@ -147,6 +189,7 @@ def test_two_workers_resize_and_match_single_process(tmp_path: Path, redis_url: 
     assert all(r["traces"][0] == r["traces"][-1] and r["probed"] for r in records), records
     used_sizes = set()
     for worker, record in enumerate(records):
+        assert "source.tf_dataset(strategy)" in record["refused"], record["refused"]
         assert len(record["served"]) == EPOCHS * 7
         for iteration, _epoch, step, size in record["served"]:
             agreed = Assignment.from_json(store.get_assignment(iteration), job=job, num_workers=2,
@@ -159,7 +202,12 @@ def test_two_workers_resize_and_match_single_process(tmp_path: Path, redis_url: 
 
     weights = [list(np.load(tmp_path / f"weights{i}.npz").values()) for i in range(2)]
     initial = list(np.load(tmp_path / "initial0.npz").values())
-    reference = _reference_weights(initial)
+    reference, reference_logs = _reference_run(initial)
+    for record in records:
+        # tf_keras would weight each worker's loss by its b_i on top of the source's W * b_i / B weights
+        # (logging about W * sum(b_i^2) / B^2 times too much); the callback makes it log the global mean.
+        for name in ("loss", "mae"):
+            np.testing.assert_allclose(record["history"][name], reference_logs[name], rtol=1e-10)
     for a, b, ref in zip(weights[0], weights[1], reference):
         np.testing.assert_array_equal(a, b)  # MWMS keeps the replicas identical
         # float64 throughout: the only difference is the order of the floating-point sums (per-worker partial
@@ -167,6 +215,19 @@ def test_two_workers_resize_and_match_single_process(tmp_path: Path, redis_url: 
         np.testing.assert_allclose(a, ref, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_keras3_multi_worker_is_refused(tmp_path: Path, redis_url: str, job: str) -> None:
+    _run_two_workers("keras3", [redis_url, job, str(tmp_path)], legacy=False)
+    for index in range(2):
+        refused = json.loads((tmp_path / f"refused{index}.json").read_text())
+        assert set(refused) == {"session", "dataset"}, refused
+        assert all("needs tf_keras: set TF_USE_LEGACY_KERAS=1" in message for message in refused.values()), refused
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     _, _, index, ports, url, job, spe, out = sys.argv
     run_worker(int(index), [int(p) for p in ports.split(",")], url, job, int(spe), Path(out))
+elif __name__ == "__main__" and sys.argv[1:2] == ["keras3"]:
+    _, _, index, ports, url, job, out = sys.argv
+    run_keras3_worker(int(index), [int(p) for p in ports.split(",")], url, job, Path(out))

@@ -1,0 +1,67 @@
+"""Mistakes a new Keras user makes, refused up front with a ConfigError that says what to do."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from lbbsp import JobConfig
+from lbbsp.errors import ConfigError
+
+pytest.importorskip("tensorflow")
+from lbbsp.integrations.keras import BalancedSource, WorkerSession, callback_class, task_index
+
+
+def _tf_config(monkeypatch: pytest.MonkeyPatch, cluster: dict[str, list[str]], task: str, index: int) -> None:
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": task, "index": index}}))
+
+
+def test_task_index_counts_the_chief_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = {"chief": ["a:1"], "worker": ["b:1", "c:1"]}
+    indices = []
+    for task, index in [("chief", 0), ("worker", 0), ("worker", 1)]:
+        _tf_config(monkeypatch, cluster, task, index)
+        indices.append(task_index())
+    assert indices == [0, 1, 2]
+    _tf_config(monkeypatch, {"worker": ["b:1", "c:1"]}, "worker", 1)
+    assert task_index() == 1
+    monkeypatch.delenv("TF_CONFIG")
+    assert task_index() == 0
+
+
+def test_session_refuses_num_workers_unlike_tf_config(monkeypatch: pytest.MonkeyPatch, job: str) -> None:
+    _tf_config(monkeypatch, {"chief": ["a:1"], "worker": ["b:1", "c:1"]}, "worker", 0)
+    with pytest.raises(ConfigError, match="TF_CONFIG lists 3 training workers but JobConfig.num_workers is 2"):
+        WorkerSession(JobConfig(job, num_workers=2, global_batch=32), 1, url="redis://unused")
+
+
+@pytest.mark.parametrize("x, y", [({"a": np.zeros((8, 2))}, np.zeros(8)), ((np.zeros((8, 2)), np.zeros((8, 3))),
+                                   np.zeros(8)), (np.zeros((8, 2)), None), ([np.zeros((8, 2))], np.zeros(8))])
+def test_source_takes_single_arrays_only(x: object, y: object, job: str) -> None:
+    with pytest.raises(ConfigError, match="must be a single array"):
+        BalancedSource(x, y, JobConfig(job, num_workers=1, global_batch=4), 0)  # type: ignore[arg-type]
+
+
+def test_source_needs_min_batch_of_one(job: str) -> None:
+    with pytest.raises(ConfigError, match="min_batch >= 1"):
+        BalancedSource(np.zeros((8, 2)), np.zeros(8), JobConfig(job, num_workers=2, global_batch=4, min_batch=0), 0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model_keras", ["tf_keras", "keras"])
+def test_callback_refuses_a_model_of_the_other_keras(model_keras: str, redis_url: str, job: str) -> None:
+    """tf_keras without TF_USE_LEGACY_KERAS=1 got a Keras 3 callback: "no attribute _implements_train_batch_hooks"."""
+    model_module = pytest.importorskip(model_keras)
+    callback_module = pytest.importorskip("keras" if model_keras == "tf_keras" else "tf_keras")
+    config = JobConfig(job, num_workers=1, global_batch=4)
+    source = BalancedSource(np.zeros((8, 2), "float32"), np.zeros(8, "float32"), config, 0)
+    model = model_module.Sequential([model_module.layers.Input((2,)), model_module.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    with WorkerSession(config, 0, url=redis_url) as session:
+        callback = callback_class(callback_module)(session.client, source)
+        fix = "TF_USE_LEGACY_KERAS=1" if model_keras == "tf_keras" else "unset TF_USE_LEGACY_KERAS"
+        with pytest.raises(ConfigError, match=f"the model is a {'tf_keras' if model_keras == 'tf_keras' else 'Keras 3'}"
+                                              f" model .*{fix}"):
+            model.fit(source.tf_dataset(), epochs=1, steps_per_epoch=len(source), callbacks=[callback], verbose=0,
+                      shuffle=False)
