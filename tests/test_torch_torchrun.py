@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -13,12 +14,23 @@ pytest.importorskip("torch")
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torch_digits.py"
 
 
+def run_example(*args: str) -> dict:  # type: ignore[type-arg]
+    """Run the example on two ranks; the JSON line it ends with."""
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
+         *args], capture_output=True, text=True, timeout=170, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_example_converges_under_torchrun() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
-         "--epochs", "12"], capture_output=True, text=True, timeout=170, check=False)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["test_accuracy"] >= 0.9, done.stdout
+    assert run_example("--epochs", "12")["test_accuracy"] >= 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_example_loss_is_finite_with_an_empty_slice() -> None:
+    # 1,437 training digits: one global batch of 1,436, then one of a single sample split (1, 0)
+    assert math.isfinite(run_example("--epochs", "1", "--global-batch", "1436")["train_loss"])
