@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter
 
+import numpy as np
+
 from .config import JobConfig
 from .embedded import release_cpu_pinning
 from .errors import LBBSPError, PolicyError, ProtocolError
@@ -69,6 +71,7 @@ class Coordinator:
         self.config = store.register(config)
         self.policy = policy if policy is not None else LBBSPPolicy(AutoCapacityModel(horizon=self.config.lag))
         self.decisions_made = 0
+        self._bounds = tuple(np.asarray(b, dtype=np.int64) for b in self.config.bounds())
         self._identity = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._next_heartbeat = 0.0
         self._warned_about: str | None = None
@@ -125,26 +128,36 @@ class Coordinator:
     def _checked(self, target: int, decision: Decision) -> Assignment:
         """The decision as the assignment of ``target``, or a :class:`PolicyError` if it breaks the job's rules
         (an integer size per worker, within its bounds or 0 where the policy lets workers sit out, summing to
-        the global batch): once written it could not be replaced, and every worker would refuse it."""
+        the global batch): once written it could not be replaced, and every worker would refuse it. Checked
+        on arrays: a fraction of a millisecond at 1,024 workers."""
+        def refuse(why: str) -> PolicyError:
+            return PolicyError(f"policy {self.policy.name} returned an invalid split: {why}", job=self.config.job,
+                               iteration=target)
+
         try:
-            sizes = tuple(int(s) for s in decision.sizes)
-            if any(s != raw for s, raw in zip(sizes, decision.sizes)):
-                raise ProtocolError(f"sizes must be integers, got {list(decision.sizes)[:8]}", field="sizes")
-            assignment = Assignment(self.config.job, target, sizes, self.policy.name, decision.reason)
-            assignment.validate(num_workers=self.config.num_workers, global_batch=self.config.global_batch)
-        except (ProtocolError, TypeError, ValueError) as exc:
-            raise PolicyError(f"policy {self.policy.name} returned an invalid split: {exc}", job=self.config.job,
-                              iteration=target) from exc
-        lower, upper = self.config.bounds()
-        sits_out = bool(getattr(self.policy, "sit_out", 0))  # such a policy gives a worker sitting out 0
-        outside = [w for w, (s, lo, hi) in enumerate(zip(sizes, lower, upper))
-                   if not (lo <= s <= hi or (sits_out and s == 0))]
-        if outside:
-            w = outside[0]
-            raise PolicyError(f"policy {self.policy.name} gave worker {w} {sizes[w]} samples, outside its bounds "
-                              f"[{lower[w]}, {upper[w]}] ({len(outside)} workers outside)", job=self.config.job,
-                              iteration=target)
-        return assignment
+            raw = np.asarray(decision.sizes)
+        except (TypeError, ValueError) as exc:
+            raise refuse(f"sizes are not numbers ({exc})") from exc
+        if raw.shape != (self.config.num_workers,):
+            raise refuse(f"{raw.size} sizes for {self.config.num_workers} workers")
+        whole = raw.dtype.kind in "iu" or (raw.dtype.kind == "f" and np.array_equal(raw, np.round(raw)))
+        if not whole:
+            raise refuse(f"sizes must be integers, got {raw[:8].tolist()}")
+        sizes = raw.astype(np.int64)
+        if int(sizes.sum()) != self.config.global_batch:
+            raise refuse(f"sizes sum to {int(sizes.sum())}, not the global batch {self.config.global_batch}")
+        lower, upper = self._bounds
+        outside = (sizes < lower) | (sizes > upper)
+        if getattr(self.policy, "sit_out", 0):  # such a policy gives a worker sitting out 0
+            outside &= sizes != 0
+        if outside.any():
+            w = int(np.argmax(outside))
+            raise refuse(f"worker {w} got {sizes[w]} samples, outside its bounds [{lower[w]}, {upper[w]}] "
+                         f"({int(outside.sum())} workers outside)")
+        try:
+            return Assignment(self.config.job, target, tuple(sizes.tolist()), self.policy.name, decision.reason)
+        except ProtocolError as exc:
+            raise refuse(exc.message) from exc
 
     def _parse_reports(self, iteration: int) -> tuple[list[Report], list[Rejection]]:
         reports: list[Report] = []

@@ -259,8 +259,10 @@ class Assignment:
         where["iteration"] = self.iteration
         if not self.sizes or len(self.sizes) > MAX_WORKERS:
             raise _fail(f"must hold 1 to {MAX_WORKERS} sizes, got {len(self.sizes)}", "sizes", **where)
-        for i, size in enumerate(self.sizes):
-            _int(size, f"sizes[{i}]", 0, MAX_BATCH, **where)
+        sizes = self.sizes
+        if not (all(type(size) is int for size in sizes) and 0 <= min(sizes) and max(sizes) <= MAX_BATCH):
+            for i, size in enumerate(sizes):  # the slow path names the first bad size
+                _int(size, f"sizes[{i}]", 0, MAX_BATCH, **where)
         if num_workers is not None and len(self.sizes) != num_workers:
             raise _fail(f"has {len(self.sizes)} sizes for {num_workers} workers", "sizes", **where)
         if global_batch is not None and sum(self.sizes) != global_batch:
