@@ -7,6 +7,7 @@ import logging
 import math
 import multiprocessing
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -332,10 +333,10 @@ def _main_not_rerun(policy: Policy | None) -> Iterator[None]:
     """Start a spawned child without running the parent's ``__main__`` again: spawn re-imports the main
     script, so a training script without an ``if __name__ == "__main__":`` guard would start training (and,
     under torchrun, join the process group) in the coordinator's child, and one with the guard would still
-    import its framework there. Hiding the script's path for the start does it; a policy whose class is
-    defined in ``__main__`` needs the script in the child to be unpickled, so then the script is re-run."""
+    import its framework there. Hiding the script's path for the start does it; a policy that refers to
+    something defined in the script needs the script in the child to be unpickled, so then it is re-run."""
     main = sys.modules.get("__main__")
-    if main is None or (policy is not None and type(policy).__module__ == "__main__"):
+    if main is None or _refers_to_main(policy):
         yield
         return
     names = ("__file__", "__spec__")
@@ -347,6 +348,18 @@ def _main_not_rerun(policy: Policy | None) -> Iterator[None]:
     finally:
         main.__dict__.pop("__spec__", None)
         main.__dict__.update(saved)
+
+
+def _refers_to_main(policy: Policy | None) -> bool:
+    """Whether unpickling ``policy`` needs the main script: its class, or anything it holds, defined there
+    (named ``__main__``, or ``__mp_main__`` in a process that multiprocessing itself spawned)."""
+    if policy is None:
+        return False
+    try:
+        data = pickle.dumps(policy)
+    except (pickle.PicklingError, TypeError, AttributeError):  # multiprocessing will say so, in its own words
+        return True
+    return b"__main__" in data or b"__mp_main__" in data
 
 
 def _serve(url: str, config_json: str, policy: Policy | None, ready: threading.Event) -> None:

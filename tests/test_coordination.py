@@ -352,3 +352,36 @@ coordinator.stop()
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("script body") == 1 and "serving True" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_coordinator_process_runs_a_policy_defined_in_the_script(redis_url: str, job: str, tmp_path: Path) -> None:
+    # the child needs the script to unpickle the policy, so the script runs there again, under its guard; here
+    # from a rank that was itself spawned (as torch.multiprocessing.spawn starts ranks), where the script's
+    # module is named __mp_main__
+    script = tmp_path / "train.py"
+    script.write_text(f"""
+import multiprocessing as mp
+from lbbsp import BSPPolicy, CoordinatorProcess, JobConfig
+
+
+class MyPolicy(BSPPolicy):
+    name = "mine"
+
+
+def rank() -> None:
+    coordinator = CoordinatorProcess({redis_url!r}, JobConfig({job!r}, 2, 10), MyPolicy(), start_timeout_s=30)
+    print("serving", coordinator.alive, flush=True)
+    coordinator.stop()
+
+
+if __name__ == "__main__":
+    rank()
+    child = mp.get_context("spawn").Process(target=rank)
+    child.start()
+    child.join()
+    raise SystemExit(child.exitcode)
+""")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("serving True") == 2
