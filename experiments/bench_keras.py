@@ -1,6 +1,6 @@
 """Plain BSP versus LB-BSP under MultiWorkerMirroredStrategy, with one worker slowed by real co-located load.
 
-    python experiments/bench_keras.py [--epochs 6] [--hidden 512] [--global-batch 256]
+    python experiments/bench_keras.py [--epochs 30] [--hidden 512] [--global-batch 256]
 
 Two tf_keras workers train the digits MLP of examples/keras_digits.py, worker 0 pinned to CPU 0 and
 worker 1 to CPU 1, where a busy-loop process (also pinned to CPU 1) takes about half of the core. Both
@@ -72,7 +72,7 @@ def run_mode(policy: str, args: argparse.Namespace, out: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=30, help="8 steps each; the first ones include tracing")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--global-batch", type=int, default=256)
     args = parser.parse_args()
