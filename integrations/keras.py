@@ -243,12 +243,16 @@ class ExactLogs:
     of sum_i b_i * mean_i / B; weighted metrics would see f_i times the sample weights. Installed on a
     tf_keras model's ``train_step``, this weights each worker's loss by B / W instead (the weights still sum
     to B, so the epoch mean weights each step by its size, as in one process) and divides f_i out of the
-    weights of weighted metrics. B comes from one scalar all-reduce per step.
+    weights of weighted metrics. B comes from one scalar all-reduce per step, placed after the gradients'
+    own: placed before the forward pass, a fast worker would wait in it for a slow one before computing, and
+    that wait would count as its compute time. So the loss metrics' updates wait for it too.
     """
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        self._scales: tuple[Any, Any] | None = None  # (B / W, 1 / f_i) while the train step is traced
+        self._local: Any = None  # this worker's batch size, while the train step is traced
+        self._deferred: list[tuple[Any, Any]] = []  # (loss metric's update_state, values) awaiting B
+        self._scales: tuple[Any, Any] | None = None  # (B / W, 1 / f_i) once B is known
         self._train_step, self._compute_loss = model.train_step, model.compute_loss
         self._compute_metrics = model.compute_metrics
 
@@ -267,25 +271,24 @@ class ExactLogs:
         import tf_keras  # noqa: PLC0415
 
         _, y, _ = tf_keras.utils.unpack_x_y_sample_weight(data)
-        local = tf.cast(tf.shape(tf.nest.flatten(y)[0])[0], tf.float64)
-        total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, local)
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        self._scales = (total / replicas, tf.math.divide_no_nan(total, replicas * local))
+        self._local = tf.cast(tf.shape(tf.nest.flatten(y)[0])[0], tf.float64)
         try:
-            return self._train_step(data)
+            result = self._train_step(data)
+            self._apply_deferred()  # a train step of the user's own that computed no metrics
+            return result
         finally:
-            self._scales = None
+            self._local, self._scales = None, None
+            self._deferred.clear()
 
     def loss(self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None) -> Any:
         container = self.model.compiled_loss  # the latest compile's
-        if self._scales is None or container is None:
+        if self._local is None or container is None:
             return self._compute_loss(x, y, y_pred, sample_weight)
         if not container._built:
-            container.build(y_pred)  # creates the loss metrics, so that they can be reweighted below
-        share = self._scales[0]
+            container.build(y_pred)  # creates the loss metrics, so that their updates can be held back below
         originals = [(metric, metric.update_state) for metric in container.metrics]
         for metric, update in originals:
-            metric.update_state = functools.partial(_weighted_update, update, share)
+            metric.update_state = functools.partial(self._defer, update)
         try:
             return self._compute_loss(x, y, y_pred, sample_weight)
         finally:
@@ -293,15 +296,35 @@ class ExactLogs:
                 metric.update_state = update
 
     def metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> Any:
-        if self._scales is not None and sample_weight is not None:
-            import tensorflow as tf  # noqa: PLC0415
+        if self._local is not None:
+            self._apply_deferred()
+            if sample_weight is not None:
+                import tensorflow as tf  # noqa: PLC0415
 
-            sample_weight = sample_weight * tf.cast(self._scales[1], sample_weight.dtype)
+                sample_weight = sample_weight * tf.cast(self._known_scales()[1], sample_weight.dtype)
         return self._compute_metrics(x, y, y_pred, sample_weight)
 
+    def _defer(self, update: Any, values: Any, sample_weight: Any = None) -> None:
+        self._deferred.append((update, values))
 
-def _weighted_update(update: Any, share: Any, values: Any, sample_weight: Any = None) -> Any:
-    return update(values, sample_weight=share)
+    def _apply_deferred(self) -> None:
+        """The held-back loss metric updates, each weighted B / W."""
+        if self._deferred:
+            share = self._known_scales()[0]
+            for update, values in self._deferred:
+                update(values, sample_weight=share)
+            self._deferred.clear()
+
+    def _known_scales(self) -> tuple[Any, Any]:
+        """(B / W, 1 / f_i), from the all-reduce of the batch sizes (traced once per step, where first asked:
+        after the optimizer step, so that the collectives' order puts it after the gradients' all-reduce)."""
+        if self._scales is None:
+            import tensorflow as tf  # noqa: PLC0415
+
+            total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, self._local)
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            self._scales = (total / replicas, tf.math.divide_no_nan(total, replicas * self._local))
+        return self._scales
 
 
 class _CallbackLogic:
