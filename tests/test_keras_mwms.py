@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lbbsp import Assignment, JobConfig, Store, scale_split
+from lbbsp import Assignment, JobConfig, Report, Store, scale_split
 from lbbsp.errors import ConfigError
 from lbbsp.policies import Decision, Policy
 
@@ -116,6 +116,40 @@ def run_keras3_worker(index: int, ports: list[int], url: str, job: str, out: Pat
     (out / f"refused{index}.json").write_text(json.dumps(refused))
 
 
+SLOW_S = 0.1  # worker 1's extra compute per step in the timing test
+
+
+def run_timed_worker(index: int, ports: list[int], url: str, job: str) -> None:
+    """One MWMS worker of the timing test: worker 1's forward pass sleeps SLOW_S, worker 0's does not."""
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
+                                          "task": {"type": "worker", "index": index}})
+    import time  # noqa: PLC0415
+
+    import tensorflow as tf  # noqa: PLC0415
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)  # as examples/keras_digits.py
+    import tf_keras as keras  # noqa: PLC0415
+
+    from lbbsp import BSPPolicy  # noqa: PLC0415
+    from lbbsp.integrations.keras import BalancedSource, LBBSPCallback, WorkerSession  # noqa: PLC0415
+
+    def slow(t: tf.Tensor) -> tf.Tensor:
+        pause = tf.py_function(lambda: time.sleep(SLOW_S if index == 1 else 0.0) or 0.0, [], tf.float32)
+        pause.set_shape(())
+        return t + tf.cast(pause, t.dtype) * 0
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    config = JobConfig(job, num_workers=2, global_batch=GLOBAL_BATCH, assignment_timeout_s=30.0)
+    with WorkerSession(config, index, url=url, policy=BSPPolicy()) as session:
+        source = BalancedSource(*make_data(), config, session.worker)
+        with strategy.scope():
+            model = keras.Sequential([keras.layers.Input((5,)), keras.layers.Lambda(slow), keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(source.tf_dataset(strategy), epochs=EPOCHS, steps_per_epoch=len(source),
+                  callbacks=[LBBSPCallback(session.client, source)], verbose=0)
+
+
 def _free_ports(count: int) -> list[int]:
     sockets = [socket.socket() for _ in range(count)]
     for s in sockets:
@@ -175,6 +209,28 @@ def _run_two_workers(mode: str, args: list[str], legacy: bool) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_the_fast_worker_reports_its_compute_without_waiting_for_the_slow_one(redis_url: str, job: str) -> None:
+    """Worker 1 computes SLOW_S longer per step; worker 0 then waits for it in the all-reduces, and that wait
+    must be reported as wait_s, not as compute_s (else LB-BSP would see two equally slow workers)."""
+    _run_two_workers("timed", [redis_url, job], legacy=True)
+    store = Store.from_url(redis_url, job)
+    compute: dict[int, list[float]] = {0: [], 1: []}
+    waits = []
+    for iteration in range(1, EPOCHS * 7):  # iteration 0 traces the step
+        for payload in store.reports(iteration).values():
+            report = Report.from_json(payload, job=job)
+            compute[report.worker].append(report.compute_s)
+            if report.worker == 0:
+                waits.append(report.wait_s or 0.0)
+    store.close()
+    assert len(compute[0]) == len(compute[1]) == EPOCHS * 7 - 1
+    fast, slow = float(np.median(compute[0])), float(np.median(compute[1]))
+    assert slow >= SLOW_S and fast < SLOW_S / 2, (fast, slow)
+    assert float(np.median(waits)) > SLOW_S / 2, waits
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("steps_per_execution", [1, 3])
 def test_two_workers_resize_and_match_single_process(tmp_path: Path, redis_url: str, job: str,
                                                      steps_per_execution: int) -> None:
@@ -228,6 +284,9 @@ def test_keras3_multi_worker_is_refused(tmp_path: Path, redis_url: str, job: str
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     _, _, index, ports, url, job, spe, out = sys.argv
     run_worker(int(index), [int(p) for p in ports.split(",")], url, job, int(spe), Path(out))
+elif __name__ == "__main__" and sys.argv[1:2] == ["timed"]:
+    _, _, index, ports, url, job = sys.argv
+    run_timed_worker(int(index), [int(p) for p in ports.split(",")], url, job)
 elif __name__ == "__main__" and sys.argv[1:2] == ["keras3"]:
     _, _, index, ports, url, job, out = sys.argv
     run_keras3_worker(int(index), [int(p) for p in ports.split(",")], url, job, Path(out))
