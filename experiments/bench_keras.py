@@ -1,6 +1,6 @@
 """Plain BSP versus LB-BSP under MultiWorkerMirroredStrategy, with one worker slowed by real co-located load.
 
-    python experiments/bench_keras.py [--epochs 30] [--hidden 512] [--global-batch 256]
+    python experiments/bench_keras.py [--epochs 60] [--hidden 1024] [--global-batch 1024] [--load-procs 2]
 
 Two tf_keras workers train the digits MLP of examples/keras_digits.py, worker 0 pinned to CPU 0 and
 worker 1 to CPU 1, where busy-loop processes (``--load-procs``, also pinned to CPU 1) take most of the core.
@@ -74,12 +74,12 @@ def run_mode(policy: str, args: argparse.Namespace, out: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=30, help="8 steps each; the first ones include tracing")
-    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--epochs", type=int, default=60, help="2 steps each; the first ones include tracing")
+    parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--load-procs", type=int, default=2,
                         help="busy loops on worker 1's core (one alone is often outrun: worker 1 sleeps at each "
                              "all-reduce, and the scheduler favours a task that slept)")
-    parser.add_argument("--global-batch", type=int, default=256)
+    parser.add_argument("--global-batch", type=int, default=1024)
     args = parser.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("needs two CPU cores: one per worker")
