@@ -98,8 +98,10 @@ class _Round:
 
 #: ``compensate_dropouts`` raises a round's total at most this many times.
 MAX_COMPENSATION = 2
-#: With ``sit_out``, clients sit a round out only if that makes it predicted this much (a fraction) shorter.
-SIT_OUT_MIN_GAIN = 0.03
+#: The split moves work between clients (or lets them sit out) only if that makes the round predicted this much
+#: (a fraction) shorter than the equal split: where transfers or fixed overheads set the round, moving samples
+#: buys no time and would only skew who trains on how much.
+MIN_GAIN = 0.03
 
 
 class LoadBalanced(Strategy):
@@ -123,7 +125,7 @@ class LoadBalanced(Strategy):
     cost time, not samples.
     ``sit_out`` (a share, e.g. 0.05) lets that many of the sampled clients, those predicted slowest even with
     the smallest workload, sit the round out when the others then finish sooner (by over
-    ``SIT_OUT_MIN_GAIN``, 3%): they are not sent the
+    ``MIN_GAIN``, 3%): they are not sent the
     round at all (no download), and the others share the round total. The same slow clients then tend to
     sit out round after round, so their data is trained on less: keep the share small. A client that sat out
     ``rejoin_after`` of the rounds it was sampled for in a row is asked in the next (None: no limit), which
@@ -261,8 +263,12 @@ class LoadBalanced(Strategy):
             return np.array(equal_split(total, count)), "equal split (no measurements yet)"
         upper = min(self.max_size or total, total)
         sizes = allocate_sitting_out(time_model, total, [self.min_size] * count, [upper] * count, self.sit_out,
-                                     SIT_OUT_MIN_GAIN, stay=stay)
-        return sizes, f"predicted round {predicted_makespan(time_model, sizes):.3g}s"
+                                     MIN_GAIN, stay=stay)
+        predicted = predicted_makespan(time_model, sizes)
+        equal = np.array(equal_split(total, count))
+        if predicted * (1 + MIN_GAIN) >= predicted_makespan(time_model, equal):
+            return equal, f"equal split (balancing gains under {MIN_GAIN:.0%}; predicted round {predicted:.3g}s)"
+        return sizes, f"predicted round {predicted:.3g}s"
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
