@@ -28,7 +28,14 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from lbbsp.allocation import LinearTime, RoundsOut, allocate_sitting_out, predicted_makespan, sit_out_share
+from lbbsp.allocation import (
+    LinearTime,
+    RoundsOut,
+    allocate_sitting_out,
+    damp,
+    predicted_makespan,
+    sit_out_share,
+)
 from lbbsp.client_history import ClientHistory, ClientStatus
 from lbbsp.errors import ConfigError, ProtocolError, StoreUnavailable
 from lbbsp.fedagg import fednova_scales, rescale_update
@@ -265,9 +272,9 @@ class LoadBalanced(Strategy):
         sizes = allocate_sitting_out(time_model, total, [self.min_size] * count, [upper] * count, self.sit_out,
                                      MIN_GAIN, stay=stay)
         predicted = predicted_makespan(time_model, sizes)
-        equal = np.array(equal_split(total, count))
-        if predicted * (1 + MIN_GAIN) >= predicted_makespan(time_model, equal):
-            return equal, f"equal split (balancing gains under {MIN_GAIN:.0%}; predicted round {predicted:.3g}s)"
+        chosen, balanced = damp(equal_split(total, count), sizes, time_model, MIN_GAIN)
+        if not balanced:
+            return chosen, f"equal split (balancing gains under {MIN_GAIN:.0%}; predicted round {predicted:.3g}s)"
         return sizes, f"predicted round {predicted:.3g}s"
 
     def aggregate_train(self, server_round: int,

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
@@ -24,7 +23,7 @@ from typing import Any
 
 from lbbsp.config import JobConfig
 from lbbsp.coordinator import CoordinatorProcess
-from lbbsp.embedded import EmbeddedRedis
+from lbbsp.embedded import EmbeddedRedis, temp_parent
 from lbbsp.errors import ConfigError
 from lbbsp.policies import Policy
 from lbbsp.store import Store, wait_for_redis
@@ -161,8 +160,7 @@ class WorkerSession:
 
 
 def _embedded_directory(job: str) -> Path:
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    return Path(base) / f"lbbsp-{hashlib.sha1(job.encode()).hexdigest()[:16]}"
+    return Path(temp_parent()) / f"lbbsp-{hashlib.sha1(job.encode()).hexdigest()[:16]}"
 
 
 class StepProbe:

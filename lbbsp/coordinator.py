@@ -145,18 +145,17 @@ class Coordinator:
         if not whole:
             raise refuse(f"sizes must be integers, got {raw[:8].tolist()}")
         sizes = raw.astype(np.int64)
-        if int(sizes.sum()) != self.config.global_batch:
-            raise refuse(f"sizes sum to {int(sizes.sum())}, not the global batch {self.config.global_batch}")
         lower, upper = self._bounds
         outside = (sizes < lower) | (sizes > upper)
-        if getattr(self.policy, "sit_out", 0):  # such a policy gives a worker sitting out 0
+        if self.policy.sit_out:  # such a policy gives a worker sitting out 0
             outside &= sizes != 0
         if outside.any():
             w = int(np.argmax(outside))
             raise refuse(f"worker {w} got {sizes[w]} samples, outside its bounds [{lower[w]}, {upper[w]}] "
                          f"({int(outside.sum())} workers outside)")
         try:
-            return Assignment(self.config.job, target, tuple(sizes.tolist()), self.policy.name, decision.reason)
+            return Assignment(self.config.job, target, tuple(sizes.tolist()), self.policy.name,
+                              decision.reason).validate(global_batch=self.config.global_batch)
         except ProtocolError as exc:
             raise refuse(exc.message) from exc
 

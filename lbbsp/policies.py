@@ -35,6 +35,8 @@ class Policy:
     """Base policy: learns nothing and keeps the current split."""
 
     name = "static"
+    #: The share of workers the policy may give nothing in an iteration (they sit it out); 0 for most policies.
+    sit_out: float = 0.0
 
     def observe(self, reports: Sequence[Report]) -> None:
         """Learn from one iteration's validated reports (some workers may be missing)."""

@@ -6,6 +6,7 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -92,12 +93,16 @@ def _train(mode: str, rank: int, url: str, job: str) -> dict:
     return {"seen": seen, "splits": splits, "params": [p.detach().tolist() for p in model.module.parameters()]}
 
 
-def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> None:
+def in_gloo_group(rank: int, world: int, init: str, out: str, work: Callable[[], dict]) -> None:
+    """Run ``work`` as ``rank`` of a gloo group of ``world`` and write what it returns to out/rank{rank}.json."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    results = {mode: _train(mode, rank, url, job) for mode in MODES}
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(work()))
     dist.destroy_process_group()
+
+
+def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> None:
+    in_gloo_group(rank, world, init, out, lambda: {mode: _train(mode, rank, url, job) for mode in MODES})
 
 
 def spawn(fn, args: tuple, nprocs: int, timeout_s: float) -> None:

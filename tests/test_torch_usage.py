@@ -11,19 +11,17 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import IterableDataset, TensorDataset  # noqa: E402
 
 from lbbsp import ConfigError, EmbeddedRedis, JobConfig, LBBSPError, Store  # noqa: E402
 from lbbsp.integrations.torch import Balancer  # noqa: E402
-from test_torch_exact import spawn  # noqa: E402
+from test_torch_exact import in_gloo_group, spawn  # noqa: E402
 
 SAMPLES, GLOBAL_BATCH = 64, 8  # 8 steps per epoch
 
@@ -177,9 +175,7 @@ SCENARIOS = {f.__name__: f for f in (abandoned_steps, no_sync_with_the_hook, wit
                                      external_coordinator, settings)}
 
 
-def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+def _scenarios(url: str, job: str) -> dict:
     results = {}
     for name, scenario in SCENARIOS.items():
         try:
@@ -187,8 +183,11 @@ def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> N
         except Exception as exc:  # noqa: BLE001  (recorded: each test then fails for its own scenario)
             results[name] = {"error": type(exc).__name__, "message": str(exc),
                              "iteration": getattr(exc, "iteration", None)}
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    return results
+
+
+def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> None:
+    in_gloo_group(rank, world, init, out, lambda: _scenarios(url, job))
 
 
 @pytest.fixture(scope="module")
