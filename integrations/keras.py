@@ -23,7 +23,7 @@ from typing import Any
 
 from lbbsp.config import JobConfig
 from lbbsp.coordinator import CoordinatorProcess
-from lbbsp.embedded import EmbeddedRedis, temp_parent
+from lbbsp.embedded import FOLDER_PREFIX, EmbeddedRedis, claim, temp_parent
 from lbbsp.errors import ConfigError
 from lbbsp.policies import Policy
 from lbbsp.store import Store, wait_for_redis
@@ -126,7 +126,7 @@ class WorkerSession:
             directory = _embedded_directory(config.job)
             if worker == 0:
                 shutil.rmtree(directory, ignore_errors=True)  # never reload another run's assignments
-                self.server = EmbeddedRedis(directory)
+                self.server = EmbeddedRedis(claim(directory))  # labelled: removed by a later start if we are killed
             url = f"unix://{directory / 'redis.sock'}"
         self.url = url
         try:
@@ -160,7 +160,8 @@ class WorkerSession:
 
 
 def _embedded_directory(job: str) -> Path:
-    return Path(temp_parent()) / f"lbbsp-{hashlib.sha1(job.encode()).hexdigest()[:16]}"
+    """Where worker 0's embedded server of ``job`` lives, so that the other local workers find its socket."""
+    return Path(temp_parent()) / f"{FOLDER_PREFIX}keras-{hashlib.sha1(job.encode()).hexdigest()[:16]}"
 
 
 class StepProbe:

@@ -25,7 +25,8 @@ from .errors import StoreUnavailable
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
-_PREFIX = "lbbsp-redis-"
+#: Name prefix of the folders embedded servers live in: the stale-folder cleanup looks at these only.
+FOLDER_PREFIX = "lbbsp-redis-"
 #: Written in a folder this module creates: ``<pid> <pid namespace>`` of the process that owns it.
 _OWNER_FILE = "owner"
 #: A folder without a readable owner file is judged by its server alone once it is this old: younger, it may be
@@ -81,6 +82,14 @@ def _pid_namespace() -> str:
         return "-"
 
 
+def claim(folder: Path) -> Path:
+    """Create ``folder`` (named with :data:`FOLDER_PREFIX`) labelled as this process's, so that once this
+    process is gone and no server listens there, the next embedded server's start removes it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / _OWNER_FILE).write_text(f"{os.getpid()} {_pid_namespace()}\n")
+    return folder
+
+
 def _owner_alive(folder: Path) -> bool | None:
     """Whether the process that created ``folder`` still runs; None if the folder carries no readable label.
 
@@ -132,7 +141,7 @@ def remove_stale_folders(parent: str | os.PathLike[str]) -> list[Path]:
     removed: list[Path] = []
     try:
         with os.scandir(parent) as scan:
-            entries = [entry for entry in scan if entry.name.startswith(_PREFIX)]
+            entries = [entry for entry in scan if entry.name.startswith(FOLDER_PREFIX)]
     except OSError:
         return removed
     for entry in entries:
@@ -161,8 +170,7 @@ class EmbeddedRedis:
         if directory is None:
             parent = temp_parent()
             remove_stale_folders(parent)
-            directory = tempfile.mkdtemp(prefix=_PREFIX, dir=parent)
-            Path(directory, _OWNER_FILE).write_text(f"{os.getpid()} {_pid_namespace()}\n")
+            directory = claim(Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=parent)))
         self.directory = Path(directory)
         self.socket_path = self.directory / "redis.sock"
         self.start_timeout_s = start_timeout_s

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from lbbsp import JobConfig, Store
+from lbbsp.embedded import FOLDER_PREFIX
 from lbbsp.errors import ConfigError
 
 keras = pytest.importorskip("keras")
@@ -146,3 +147,17 @@ def test_an_epoch_without_the_callback_warns_once(redis_url: str, job: str) -> N
                   callbacks=[LBBSPCallback(session.client, source)])
     with pytest.warns(UserWarning, match="validate and evaluate with arrays"):  # without steps, it would never end
         model.evaluate(source.tf_dataset(), steps=len(source), verbose=0)
+
+
+@pytest.mark.timeout(120)
+def test_without_a_url_worker_0_serves_an_embedded_redis_that_a_later_start_can_clean_up(job: str) -> None:
+    config = JobConfig(job, num_workers=1, global_batch=32)
+    with WorkerSession(config, 0) as session:
+        assert session.server is not None
+        folder = session.server.directory
+        # named and labelled as the stale-folder cleanup expects: if this process were killed, the next
+        # embedded server's start would remove the folder (tests/test_embedded.py shows that part)
+        assert folder.name.startswith(FOLDER_PREFIX)
+        assert (folder / "owner").read_text().split()[0] == str(os.getpid())
+        session.client.store.ping()  # raises if unreachable
+    assert not folder.exists()
