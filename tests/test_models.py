@@ -6,6 +6,7 @@ import pytest
 
 from lbbsp.allocation import HingeTime, allocate
 from lbbsp.config import JobConfig
+from lbbsp.errors import ConfigError
 from lbbsp.models import (
     AutoCapacityModel,
     BatchTimeCurve,
@@ -51,9 +52,27 @@ def test_gpu_curve_balances_hinge_workers_and_never_exceeds_memory() -> None:
         policy.observe(_gpu_reports(k, sizes, base, knee, speed, total))
         sizes = np.asarray(policy.decide(k + 1, tuple(sizes.tolist()), config).sizes)
     truth = HingeTime(base, knee, 1 / speed, np.full(3, 1e12))
-    safe_cap = np.floor((0.95 * total - 1e9) / 1e8).astype(int)  # the model keeps a 5% memory margin
+    safe_cap = np.floor((0.99 * total - 1e9) / 1e8).astype(int)  # the model leaves 1% of the memory free
     best = allocate(truth, 240, [1] * 3, safe_cap)
     assert truth.time(sizes).max() <= 1.02 * truth.time(best).max()
+
+
+def test_gpu_memory_cap_nears_the_card_in_measured_steps_and_keeps_the_floor_free() -> None:
+    """Each cap extrapolates into at most 95% of the memory not yet seen in use, so it nears the card in steps
+    that measurements confirm, and it always leaves 1% of the card free."""
+    model = BatchTimeCurve()
+    total = np.array([16e9])  # used = 1 GB + 100 MB per sample: the card holds 150 samples
+    caps = []
+    for k, size in enumerate([50, 51, 145, 148, 148]):
+        model.partial_fit(_gpu_reports(k, np.array([size]), np.array([0.05]), np.array([8.0]), np.array([1000.0]),
+                                       total))
+        caps.append(int(model.max_batch([0])[0]))
+    # one size: the line through the origin (15.5 GB / 120 MB per sample); two: 1 GB + 100 MB per sample, and
+    # a budget of 6.1 GB + 0.95 x 9.9 GB = 15.5 GB; then 0.99 x 16 GB = 15.84 GB, whatever is measured nearer
+    assert caps == [129, 145, 148, 148, 148]
+    with pytest.raises(ConfigError, match="memory_floor"):
+        BatchTimeCurve(memory_floor=1.0).partial_fit(_gpu_reports(0, np.array([8]), np.array([0.05]), np.array([8.0]),
+                                                                  np.array([1000.0]), total))
 
 
 def _hinge_reports(iteration: int, sizes: np.ndarray, rng: np.random.Generator, noise: float = 0.005,

@@ -8,7 +8,9 @@ needs a slot the two closest sizes merge, so the widest spread of sizes (what pi
 long run at one size. The slots are fitted with the best hinge whose knee is 0 or one of the slot sizes
 (non-negative slope, so the fit is monotone). Workers with the same hardware key share what they learn:
 each curve is shrunk toward its group's mean as far as the group's spread allows. Memory: bytes = a + b *
-batch is fitted from the slots' mean ``gpu_mem_used`` and capped at (1 - memory_margin) of used + free.
+batch is fitted from the slots' mean ``gpu_mem_used``. The cap extrapolates the line into at most
+(1 - memory_margin) of the memory not yet seen in use at the largest size measured, and never past (1 -
+memory_floor) of used + free: a worker nears its card's limit in steps that its measurements confirm.
 """
 from __future__ import annotations
 
@@ -120,10 +122,11 @@ class BatchTimeCurve(CapacityModel):
     cap_: np.ndarray
     group_: np.ndarray
 
-    def __init__(self, window: int = 8, *, memory_margin: float = 0.05, explore_fraction: float = 0.05,
-                 half_life: float = 20.0) -> None:
+    def __init__(self, window: int = 8, *, memory_margin: float = 0.05, memory_floor: float = 0.01,
+                 explore_fraction: float = 0.05, half_life: float = 20.0) -> None:
         self.window = window
         self.memory_margin = memory_margin
+        self.memory_floor = memory_floor
         self.explore_fraction = explore_fraction
         self.half_life = half_life
 
@@ -211,8 +214,9 @@ class BatchTimeCurve(CapacityModel):
     def _check_params(self) -> None:
         if not isinstance(self.window, int) or self.window < 2:
             raise ConfigError(f"window must be an integer >= 2, got {self.window!r}")
-        if not 0 <= self.memory_margin < 1:
-            raise ConfigError(f"memory_margin must be in [0, 1), got {self.memory_margin}")
+        for name in ("memory_margin", "memory_floor"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not self.half_life > 0:
             raise ConfigError(f"half_life must be positive, got {self.half_life}")
 
@@ -315,7 +319,10 @@ class BatchTimeCurve(CapacityModel):
         """Cache each row's memory cap (refitted when its set of sizes changes)."""
         mem = self.slot_mem_[rows]
         valid = (self.slot_weight_[rows] > 0) & np.isfinite(mem)
-        budget = (1 - self.memory_margin) * self.mem_total_[rows]
+        total = self.mem_total_[rows]
+        largest = np.argmax(np.where(valid, self.slot_size_[rows], -1.0), axis=1)
+        seen = np.where(valid.any(1), mem[np.arange(rows.size), largest], 0.0)  # in use at the largest size
+        budget = np.minimum((1 - self.memory_floor) * total, seen + (1 - self.memory_margin) * (total - seen))
         caps = fit_memory_cap(self.slot_size_[rows], mem, valid, np.nan_to_num(budget))
         self.cap_[rows] = np.where(np.isfinite(budget) & valid.any(1), caps, _NO_CAP)
 

@@ -134,15 +134,16 @@ def _level_replay(trace: CPUTrace, workers: int, iterations: int, mean_dwell: fl
     return out
 
 
-#: GPU generations for ``gpu-mix``: memory from the vendors' spec sheets; throughput is the order of
-#: ResNet-50 training images/s published for each card (rounded, see docs/simulator.md); the knee is the
-#: batch below which the card is under-used (time stays flat), an assumption per generation.
+#: GPU generations for ``gpu-mix``: one-GPU ResNet-50 training images/s as published in FP32 (TF32 on the A100):
+#: K80 (one die) and P100 from TensorFlow's tf_cnn_benchmarks page, V100 and A100 from NVIDIA's
+#: DeepLearningExamples; the T4's is derived (no training figure is published; see docs/simulator.md).
+#: Memory from the same sources; the knee, the batch below which a card is under-used, is an assumption.
 GPU_GENERATIONS: dict[str, dict[str, float]] = {
-    "k80": {"share": 0.15, "memory_gb": 12, "images_per_s": 55, "knee": 8},
-    "p100": {"share": 0.20, "memory_gb": 16, "images_per_s": 220, "knee": 16},
-    "t4": {"share": 0.20, "memory_gb": 16, "images_per_s": 250, "knee": 16},
-    "v100": {"share": 0.30, "memory_gb": 16, "images_per_s": 800, "knee": 32},
-    "a100": {"share": 0.15, "memory_gb": 40, "images_per_s": 1800, "knee": 64},
+    "k80": {"share": 0.15, "memory_gb": 12, "images_per_s": 51.9, "knee": 8},
+    "p100": {"share": 0.20, "memory_gb": 16, "images_per_s": 219, "knee": 16},
+    "t4": {"share": 0.20, "memory_gb": 16, "images_per_s": 130, "knee": 16},
+    "v100": {"share": 0.30, "memory_gb": 16, "images_per_s": 412, "knee": 32},
+    "a100": {"share": 0.15, "memory_gb": 40, "images_per_s": 909, "knee": 64},
 }
 
 
@@ -186,29 +187,32 @@ class GPUMix(Scenario):
 
 
 class FLClients(Scenario):
-    """Federated clients, FedScale-style: round = transfer + local_steps * batch * 3 * ms_per_sample / 1000.
+    """Federated clients, FedScale's completion time: transfers + local_steps * batch * 3 * ms_per_sample / 1000.
 
-    ms per sample and up/down kbps are lognormal across clients (a spread of about two orders of magnitude
-    each); each round every client's speed wobbles by ``round_noise`` and drops out with ``dropout``. A client
-    given no samples is not asked: it takes no time and sends no report.
+    ms per sample (of inference; FedScale's 3 counts forward and backward) and down/up kbps are lognormal
+    across clients, with spreads ``compute_spread`` and ``link_spread`` (about two orders of magnitude from
+    p2 to p98 each by default; medians and spreads are assumptions, see docs/simulator.md). Each round every
+    client's speed wobbles by ``round_noise`` and drops out with ``dropout``. A client given no samples is not
+    asked: it takes no time and sends no report.
     """
 
     def __init__(self, num_workers: int, iterations: int, seed: int, *, batch_per_client: int = 20,
                  local_steps: int = 5, model_mb: float = 4.0, median_ms_per_sample: float = 40.0,
-                 median_kbps_down: float = 5000.0, median_kbps_up: float = 2000.0, spread: float = 1.0,
-                 round_noise: float = 0.05, dropout: float = 0.05) -> None:
+                 compute_spread: float = 1.0, median_kbps_down: float = 5000.0, median_kbps_up: float = 2000.0,
+                 link_spread: float = 1.0, round_noise: float = 0.05, dropout: float = 0.05) -> None:
         rng = np.random.default_rng(seed)
         super().__init__("fl-clients", JobConfig("sim-fl", num_workers, batch_per_client * num_workers),
                          ["phone"] * num_workers,
                          {"local_steps": local_steps, "model_mb": model_mb, "median_ms_per_sample": median_ms_per_sample,
-                          "median_kbps_down": median_kbps_down, "median_kbps_up": median_kbps_up, "spread": spread,
-                          "round_noise": round_noise, "dropout": dropout})
+                          "compute_spread": compute_spread, "median_kbps_down": median_kbps_down,
+                          "median_kbps_up": median_kbps_up, "link_spread": link_spread, "round_noise": round_noise,
+                          "dropout": dropout})
         self.local_steps = local_steps
-        ms_per_sample = rng.lognormal(np.log(median_ms_per_sample), spread, num_workers)
+        ms_per_sample = rng.lognormal(np.log(median_ms_per_sample), compute_spread, num_workers)
         self.samples_per_s = 1000.0 / (3.0 * ms_per_sample)  # FedScale counts forward + backward as 3x
         bits = model_mb * 8e6
-        self.download_s = bits / (1e3 * rng.lognormal(np.log(median_kbps_down), spread, num_workers))
-        self.upload_s = bits / (1e3 * rng.lognormal(np.log(median_kbps_up), spread, num_workers))
+        self.download_s = bits / (1e3 * rng.lognormal(np.log(median_kbps_down), link_spread, num_workers))
+        self.upload_s = bits / (1e3 * rng.lognormal(np.log(median_kbps_up), link_spread, num_workers))
         self.noise = rng.lognormal(0.0, round_noise, (iterations + LOOKAHEAD, num_workers))
         self.present = rng.random((iterations + LOOKAHEAD, num_workers)) >= dropout
 
