@@ -101,6 +101,7 @@ class ForecastRisk:
         self.pooled_ = np.zeros(2 * buckets, dtype=np.int64)  # per bucket: slowdowns ever written
         self.forecasts_: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # iteration -> ids, tput, bucket
         self._quantiles: tuple[float, np.ndarray] | None = None  # (eps, per-bucket factor), until observe
+        self._typical: float | None = None  # typical_miss, until observe
         self._pending: tuple[Sequence[Report], np.ndarray] | None = None  # reports observed, not yet pooled
 
     def record(self, iteration: int, workers: Sequence[int] | np.ndarray, throughput: np.ndarray) -> None:
@@ -162,6 +163,19 @@ class ForecastRisk:
             self._quantiles = (eps, per_bucket)
         return self._quantiles[1][bucket]
 
+    def typical_miss(self) -> float | None:
+        """The median size of the forecasts' misses, |log(forecast / measured)|, over every bucket with at least
+        ``min_samples`` of them (up to 256 evenly spaced ones each, so it costs tens of microseconds); None
+        before any bucket has that many."""
+        if self._typical is None:
+            full = np.flatnonzero(self.pooled_ >= self.min_samples)
+            if full.size == 0:
+                return None
+            held = [min(int(self.pooled_[b]), self.pool_size) for b in full.tolist()]
+            pooled = [self.pool_[b, :n:max(1, n // 256)] for b, n in zip(full.tolist(), held)]
+            self._typical = float(np.median(np.abs(np.concatenate(pooled))))
+        return self._typical
+
     def _bucket(self, ids: np.ndarray, forecast: np.ndarray) -> np.ndarray:
         """Bucket of each forecast by its rank among its hardware peers' forecasts (the middle one for a worker
         whose hardware or forecast is unknown), plus ``buckets`` for a worker under co-located load."""
@@ -201,7 +215,7 @@ class ForecastRisk:
             slots = (self.pooled_[b] + np.arange(values.size)) % self.pool_size
             self.pool_[b, slots] = values
             self.pooled_[b] += values.size
-        self._quantiles = None
+        self._quantiles = self._typical = None
 
     def _remember_hardware(self, reports: Sequence[Report], ids: np.ndarray) -> None:
         """Give each worker seen for the first time (``ids``: the reports' workers) its hardware group id."""

@@ -20,6 +20,11 @@ from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
 from .models.base import WorkerIds
 from .protocol import Report, equal_split
 
+#: The dead band narrows to this many times the forecasts' median miss where that is under ``deadband``...
+BAND_PER_MISS = 3.0
+#: ...but never below this.
+MIN_BAND = 0.005
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -142,6 +147,13 @@ class LBBSPPolicy(Policy):
             return hedged(time_model, factor), factor
         return time_model, factor
 
+    def band(self) -> float:
+        """The dead band in force: ``deadband``, narrowed where forecasts are precise to ``BAND_PER_MISS`` times
+        their median miss (at least ``MIN_BAND``): a predicted gain several times what forecasts usually miss by
+        is real, and keeping a split that far off would cost it in every iteration."""
+        miss = self.risk.typical_miss() if self.risk is not None else None
+        return self.deadband if miss is None else min(self.deadband, max(MIN_BAND, BAND_PER_MISS * miss))
+
     def propose(self, time_model: TimeModel, config: JobConfig, lower: np.ndarray, upper: np.ndarray,
                 forecast: TimeModel | None = None) -> np.ndarray:
         """The split with the earliest predicted finish under ``time_model``. With ``sit_out``, the workers
@@ -166,7 +178,8 @@ class LBBSPPolicy(Policy):
         in_bounds = current_arr.shape == proposed.shape and bool(
             ((current_arr >= lower) & (current_arr <= upper)).all()) and not (
             self.sit_out and (current_arr[self.rounds_out.due(workers)] == 0).any())  # one due back may not stay out
-        sizes, changed = damp(current_arr, proposed, plan, self.deadband) if in_bounds else (proposed, True)
+        band = self.band()
+        sizes, changed = damp(current_arr, proposed, plan, band) if in_bounds else (proposed, True)
         sizes = self.model.explore(workers, sizes, lower, upper)
         predicted = time_model.time(sizes)
         slowest = int(np.argmin(np.where(np.isfinite(throughput), throughput, np.inf)))
@@ -178,7 +191,7 @@ class LBBSPPolicy(Policy):
             reason = (f"rebalanced for equal {finish_label} {finish:.4g}s ({was}); slowest worker {slowest} "
                       f"at {throughput[slowest]:.4g} samples/s")
         else:
-            reason = f"kept: predicted gain under the {self.deadband:.0%} dead band ({finish_label} {finish:.4g}s)"
+            reason = f"kept: predicted gain under the {band:.1%} dead band ({finish_label} {finish:.4g}s)"
         if plan is not time_model:
             reason += f"; slowdown margins x{factor.min():.2f} to x{factor.max():.2f}"
         if self.sit_out:

@@ -7,8 +7,9 @@ import pytest
 from lbbsp.allocation import LinearTime
 from lbbsp.config import JobConfig
 from lbbsp.errors import ConfigError
-from lbbsp.models import FLClientModel
+from lbbsp.models import EWMAThroughput, FLClientModel
 from lbbsp.policies import (
+    MIN_BAND,
     BackupWorkersPolicy,
     BSPPolicy,
     LBBSPPolicy,
@@ -121,3 +122,28 @@ def test_leader_straggler_search_converges_and_halves_its_step() -> None:
 def test_only_lbbsp_itself_hedges_by_default() -> None:
     assert LBBSPPolicy().risk is not None and LBBSPPolicy(hedge=None).risk is None and LBBSPPolicy(hedge=0).risk is None
     assert all(p.risk is None for p in (OraclePolicy(), StaticProportionalPolicy(), PerEpochPolicy()))
+
+
+def test_the_dead_band_narrows_where_forecasts_are_precise() -> None:
+    """A split 2% off the best: the 3% dead band keeps it before enough misses are known, or without margins;
+    once forecasts are seen to miss by almost nothing, it narrows and LB-BSP moves to the best. Forecasts
+    that miss by 10% keep the whole band."""
+    config = JobConfig("p", 2, 200)
+
+    def drive(policy: LBBSPPolicy, noise: float) -> list[str]:
+        rng, reasons = np.random.default_rng(0), []
+        for k in range(80):  # always at (100, 100), as if every decision were kept
+            speeds = np.array([1000.0, 1040.0]) * rng.lognormal(0.0, noise, 2)
+            policy.observe([Report("p", i, k, 100, 100 / float(v)) for i, v in enumerate(speeds)])
+            reasons.append(policy.decide(k + 2, (100, 100), config).reason)
+            policy.learn()
+        return reasons
+
+    precise = LBBSPPolicy(EWMAThroughput(), hedge=2.0)
+    reasons = drive(precise, 0.0)
+    assert reasons[0].startswith("kept: predicted gain under the 3.0% dead band")
+    assert reasons[-1].startswith("rebalanced") and precise.band() == MIN_BAND
+    noisy = LBBSPPolicy(EWMAThroughput(), hedge=2.0)
+    drive(noisy, 0.1)
+    assert noisy.band() == 0.03  # noisy forecasts keep the whole dead band
+    assert all(reason.startswith("kept") for reason in drive(LBBSPPolicy(EWMAThroughput(), hedge=None), 0.0))
