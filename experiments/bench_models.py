@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from lbbsp import Report
+from lbbsp.errors import ConfigError
 from lbbsp.models import CapacityModel, EWMAThroughput, LastValue, NARXThroughput
 from lbbsp.sim.traces import DEFAULT_TRACE_DIR, TRACE_FEATURES, CPUTrace, load_traces
 
@@ -29,6 +30,8 @@ MODELS: dict[str, Callable[[int], CapacityModel]] = {
     "LastValue": lambda horizon: LastValue(),
 }
 HORIZONS = (2, 1)
+#: The offline ceiling's inputs: log-throughput lags and feature rows as of k - horizon.
+CEILING_LAGS, CEILING_EXOG_LAGS = 8, 2
 
 
 def errors(model: CapacityModel, trace: CPUTrace, horizon: int = 2) -> np.ndarray:
@@ -45,7 +48,8 @@ def errors(model: CapacityModel, trace: CPUTrace, horizon: int = 2) -> np.ndarra
     return out
 
 
-def offline_ceiling(trace: CPUTrace, horizon: int, lags: int = 8, exog_lags: int = 2) -> np.ndarray:
+def offline_ceiling(trace: CPUTrace, horizon: int, lags: int = CEILING_LAGS,
+                    exog_lags: int = CEILING_EXOG_LAGS) -> np.ndarray:
     """Errors (as :func:`errors`) on the trace's second half of gradient boosting fit offline on its first
     half, knowing the answers: the same kind of inputs as NARX, more of them (``lags`` log-throughputs and
     ``exog_lags`` feature rows as of k - horizon), no online constraint. What these inputs can tell at best."""
@@ -87,7 +91,15 @@ def main() -> int:
     parser.add_argument("--skip", type=int, default=50, help="warm-up iterations not scored")
     args = parser.parse_args()
 
-    traces = load_traces(args.traces)
+    try:
+        traces = load_traces(args.traces)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    # the offline ceiling needs rows past its lags on both halves; shorter traces would score NaN
+    shortest = max(args.skip, 2 * (CEILING_LAGS + CEILING_EXOG_LAGS + max(HORIZONS)) + 1)
+    if short := [t.name for t in traces if t.throughput.size <= shortest]:
+        parser.error(f"traces {', '.join(short)} have no more than {shortest} iterations (--skip {args.skip}, "
+                     "and the offline ceiling's lags): nothing to score")
     for horizon in HORIZONS:
         print(f"\n{horizon} iteration{'s' * (horizon > 1)} ahead"
               + (" (production: JobConfig.lag = 2)" if horizon == 2 else ""))

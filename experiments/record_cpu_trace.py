@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -152,6 +153,18 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="trace file to write (JSON)")
     args = parser.parse_args()
+    # checked before recording: each of these failed only after it (or stopped the load switches unseen)
+    if args.batch < 1 or args.max_level < 0 or not args.mean_dwell_s > 0:
+        parser.error("--batch must be at least 1, --max-level at least 0 and --mean-dwell-s positive")
+    if args.core not in os.sched_getaffinity(0):
+        parser.error(f"--core {args.core} is not one this process may run on: {sorted(os.sched_getaffinity(0))}")
+    out = Path(args.out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"cannot create the folder of --out: {exc}")
+    if out.is_dir() or not os.access(out.parent, os.W_OK):
+        parser.error(f"--out {out} is not a file this process can write")
 
     os.sched_setaffinity(0, {args.core})
     rng = np.random.default_rng(args.seed)
@@ -163,10 +176,12 @@ def main() -> int:
         rows = record(step, args.batch, args.seconds, schedule)
     finally:
         schedule.close()
+    if not rows:
+        parser.error(f"no iteration finished within --seconds {args.seconds:g}")
     meta = {"backend": args.backend, "batch": args.batch, "core": args.core, "max_level": args.max_level,
             "mean_dwell_s": args.mean_dwell_s, "seed": args.seed, "machine": platform.machine(),
             "processor": platform.processor(), "cpu_count": os.cpu_count(), "recorded": time.strftime("%Y-%m-%d %H:%M:%S")}
-    with open(args.out, "w") as f:
+    with open(out, "w") as f:
         json.dump({"meta": meta, "columns": list(COLUMNS), "rows": rows}, f, separators=(",", ":"))
     throughput = np.array([r[4] for r in rows])
     print(f"wrote {args.out}: {len(rows)} iterations, throughput p10/p50/p90 "

@@ -1,6 +1,10 @@
 """Capacity models learn known synthetic relations; memory caps hold; cold start gives sane sizes."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -200,3 +204,81 @@ def test_contract(factory: type) -> None:
     assert clone.get_params() == model.get_params()
     model.fit([[Report("c", 0, 0, 10, 0.1)], [Report("c", 0, 1, 10, 0.1)]])
     assert model.predict([0])[0] == pytest.approx(100.0, rel=0.05)
+
+
+@pytest.mark.parametrize("reports", [[], [Report("a", 0, 0, 0, 0.0, device="cuda:0")], [Report("a", 0, 0, 10, 0.0)]],
+                         ids=["empty", "announcement", "no-time"])
+def test_gpu_curve_answers_after_reports_that_measured_nothing(reports: list[Report]) -> None:
+    """A GPU job's first iteration may bring only announcements: the curve then knows nothing, like any model,
+    instead of failing on tables it has not made yet; before any report it says it is not fitted."""
+    with pytest.raises(NotFittedError):
+        BatchTimeCurve().time_model([0])
+    model = BatchTimeCurve().partial_fit(reports)
+    assert np.isnan(model.predict([0, 3])).all()
+    assert (model.time_model([0, 3]).time(np.array([4.0, 4.0])) > 0).all()
+    assert (model.max_batch([0, 3]) > 1e9).all()
+    np.testing.assert_array_equal(model.explore([0, 3], np.array([5, 5]), np.array([1, 1]), np.array([9, 9])), [5, 5])
+
+
+def test_gpu_cold_start_caps_a_new_worker_at_what_its_hardware_holds() -> None:
+    """Two fast cards that hold 98 samples and a slow big card; a third fast card announces itself: before it
+    measures anything it is capped like its peers, not given the samples they cannot hold (an out-of-memory
+    first iteration); a card of hardware never seen stays uncapped."""
+    speed, total, cores = {"a": 4000.0, "b": 500.0}, {"a": 11.5e9, "b": 40e9}, {"a": 8.0, "b": 16.0}
+
+    def report(worker: int, iteration: int, size: int, card: str) -> Report:
+        used = 1.5e9 + 1e8 * size
+        return Report("g", worker, iteration, size, 0.01 + size / speed[card], device="cuda:0",
+                      features={"gpu_mem_used": used, "gpu_mem_free": total[card] - used, "cores": cores[card]})
+
+    config = JobConfig("g", 5, 400)
+    policy = LBBSPPolicy(BatchTimeCurve())
+    sizes = [100, 100, 200]
+    for k in range(10):
+        policy.observe([report(w, k, sizes[w], card) for w, card in enumerate("aab")])
+        sizes = list(policy.decide(k + 1, (*sizes, 0, 0), config).sizes[:3])
+        sizes[2] += 400 - sum(sizes)
+    policy.observe([Report("g", 3, 10, 0, 0.0, device="cuda:1", features={"cores": 8.0}),
+                    Report("g", 4, 10, 0, 0.0, device="cuda:1", features={"cores": 4.0})])
+    caps = policy.model.max_batch(range(5))
+    assert caps[0] == caps[1] == caps[3] == 98 and caps[4] > 1e9
+    assert policy.decide(11, (*sizes, 0, 0), config).sizes[3] <= 98
+
+
+def test_auto_model_clones_the_models_it_is_given() -> None:
+    """``models`` is a parameter, stored unchanged: two models built from the same parameters learn apart,
+    and fit forgets what an earlier fit taught them."""
+    given = LastValue()
+    first = AutoCapacityModel(models={"cpu": given})
+    second = AutoCapacityModel(**first.get_params())
+    first.partial_fit([Report("a", 0, 0, 10, 0.1)])
+    second.partial_fit([Report("a", 1, 0, 10, 1.0)])
+    assert not hasattr(given, "throughput_")
+    np.testing.assert_allclose(first.predict([0, 1]), [100.0, 100.0])  # worker 1: the prior, not second's 10
+    first.fit([[Report("a", 2, 0, 10, 0.5)]])
+    np.testing.assert_allclose(first.predict([0, 2]), [20.0, 20.0])
+    with pytest.raises(ConfigError, match="cpu"):
+        AutoCapacityModel(models={"cpu": None}).partial_fit([Report("a", 0, 0, 10, 0.1)])  # type: ignore[dict-item]
+
+
+def test_auto_model_routes_a_worker_never_seen_the_same_way_in_every_process() -> None:
+    """A worker never seen joins the most common kind, ties broken in the order cpu, gpu, fl (it was the order
+    of a set of strings, which changes with PYTHONHASHSEED); alone, it joins the job's most common kind."""
+    code = ("from lbbsp.models import AutoCapacityModel\nfrom lbbsp.protocol import Report\n"
+            "m = AutoCapacityModel().partial_fit([Report('m', 0, 0, 10, 0.1), Report('m', 1, 0, 64, 0.2, device='cuda'),"
+            " Report('m', 2, 0, 10, 0.3, features={'download_s': 0.5})])\nprint(m.predict([0, 1, 2, 3])[3])")
+    answers = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": str(seed)},
+                              capture_output=True, text=True, check=True).stdout for seed in (0, 1, 5)}
+    assert len(answers) == 1 and float(answers.pop()) == pytest.approx(100.0)
+    gpus = AutoCapacityModel().partial_fit([Report("m", w, 0, 64, 0.2, device="cuda") for w in range(2)]
+                                           + [Report("m", 2, 0, 10, 0.1)])
+    assert gpus.predict([7])[0] == pytest.approx(320.0)  # the GPUs' prior, not a CPU model that knows no worker
+    assert gpus.max_batch([7]) is not None
+
+
+@pytest.mark.parametrize("params", [{"window": 1}, {"memory_margin": -0.1}, {"memory_floor": 1.0},
+                                    {"explore_fraction": -0.1}, {"explore_fraction": 1.0},
+                                    {"explore_fraction": float("nan")}, {"half_life": 0.0}])
+def test_gpu_curve_rejects_bad_parameters_at_first_fit(params: dict) -> None:
+    with pytest.raises(ConfigError):
+        BatchTimeCurve(**params).partial_fit([Report("b", 0, 0, 10, 0.1, device="cuda")])

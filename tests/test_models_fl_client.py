@@ -81,5 +81,8 @@ def test_contract() -> None:
         FLClientModel(local_steps=0).partial_fit([])
     with pytest.raises(ConfigError):
         FLClientModel(availability_alpha=0).record_outcomes({0: True})
+    for model_bytes in (0.0, -1e6):  # would turn every bandwidth into no transfer at all, silently
+        with pytest.raises(ConfigError, match="model_bytes"):
+            FLClientModel(model_bytes=model_bytes).partial_fit([])
     model = FLClientModel(local_steps=3, alpha=0.2)
     assert type(model)(**model.get_params()).get_params() == model.get_params()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lbbsp.errors import ConfigError
-from lbbsp.models import EWMAThroughput, LastValue, NARXThroughput
+from lbbsp.models import EWMAThroughput, LastValue, NARXThroughput, NotFittedError
 from lbbsp.protocol import Report
 
 
@@ -111,7 +111,25 @@ def test_deferred_training_changes_when_the_network_learns_not_what() -> None:
 
 
 @pytest.mark.parametrize("params", [{"horizon": 0}, {"horizon": 9}, {"lags": 2, "exog_lags": 3},
-                                    {"huber_delta": 0.0}, {"alpha_ewma": 1.5}])
+                                    {"huber_delta": 0.0}, {"alpha_ewma": 1.5}, {"hidden": (0,)}, {"hidden": (-4,)},
+                                    {"hidden": 16}, {"learning_rate": 0.0}, {"buffer_size": 0},
+                                    {"rows_per_update": 0}, {"features": "cpu_util"}, {"features": ("cpu_load",)}])
 def test_narx_rejects_bad_parameters_at_first_fit(params: dict) -> None:
     with pytest.raises(ConfigError):
         NARXThroughput(**params).partial_fit([Report("b", 0, 0, 10, 0.1)])
+
+
+
+def test_fit_forgets_training_that_a_deferred_update_left_pending() -> None:
+    """fit forgets everything learned, the pairs a ``defer=True`` update kept for finish_learning included: the
+    coordinator's finish_learning after a refit must find nothing to train on (it found pairs for a network
+    that no longer existed), and a refit learns as a fresh model does."""
+    history = [[Report("f", 0, t, 100, 0.1 + 0.01 * (t % 3))] for t in range(12)]
+    model = NARXThroughput(warmup=0)
+    for reports in history:
+        model.partial_fit(reports, defer=True)
+    model.fit([]).finish_learning()
+    with pytest.raises(NotFittedError):
+        model.predict([0])
+    model.partial_fit(history[0], defer=True)
+    np.testing.assert_array_equal(model.fit(history).predict([0]), NARXThroughput(warmup=0).fit(history).predict([0]))

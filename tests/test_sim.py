@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +14,9 @@ from lbbsp.errors import ConfigError
 from lbbsp.sim import cli
 from lbbsp.sim.engine import compare, standard_policies
 from lbbsp.sim.scenarios import CPUContention, FLClients, GPUMix
-from lbbsp.sim.traces import DEFAULT_TRACE_DIR
+from lbbsp.sim.traces import DEFAULT_TRACE_DIR, CPUTrace
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
 
 def test_same_seed_same_results_for_every_scenario() -> None:
@@ -94,6 +98,19 @@ def test_cli_writes_json_and_png(tmp_path: Path) -> None:
     assert next(tmp_path.glob("*.png")).stat().st_size > 0
 
 
+def test_cli_json_is_strict_json_with_no_level_switches(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    cli.run(parser.parse_args(["--scenario", "cpu-contention", "--workers", "4", "--iterations", "5", "--mean-dwell",
+                               "inf", "--out", str(tmp_path)]))
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    result = json.loads((tmp_path / "simulate_cpu-contention_4w_seed0_dwellinf.json").read_text(), parse_constant=refuse)
+    assert result["notes"]["mean_dwell_iterations"] == "inf"
+
+
 def test_cli_names_a_non_default_lag_in_its_files(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
@@ -137,3 +154,86 @@ def test_every_policy_decides_through_redis_exactly_as_in_process(redis_url: str
             assert run.sizes == in_process[name].sizes, name
             assert run.iteration_s == in_process[name].iteration_s, name
         assert len({tuple(sizes) for sizes in through_redis["lbbsp"].sizes}) > 1  # it did rebalance
+
+
+def test_a_round_none_of_its_asked_clients_reaches_is_charged_as_if_they_came(redis_url: str) -> None:
+    """Every client of this 2-client run drops out of round 21, and lbbsp-sit-out's one asked client drops out
+    of some rounds of the other: such a round trains nothing. It is charged as the asked clients' round, so
+    that no policy gains from it (it was an IndexError)."""
+    gone = FLClients(2, 60, seed=7)
+    assert not gone.present[21].any()
+    for name, run in compare(gone, 60).items():
+        assert run.iteration_s[21] > 0, name
+    lone = FLClients(2, 60, seed=2)
+    in_process = compare(lone, 60, {"lbbsp-sit-out": standard_policies(lone)["lbbsp-sit-out"]})["lbbsp-sit-out"]
+    missed = [k for k, sizes in enumerate(in_process.sizes) if not lone.present[k][np.asarray(sizes) > 0].any()]
+    assert missed and all(in_process.iteration_s[k] > 0 for k in missed)
+    through_redis = compare(lone, 60, {"lbbsp-sit-out": standard_policies(lone)["lbbsp-sit-out"]}, redis_url=redis_url)
+    assert through_redis["lbbsp-sit-out"].sizes == in_process.sizes
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_cli_refuses_bad_input_before_simulating(tmp_path: Path) -> None:
+    """One worker (backup workers need two), a negative seed, an --out that is a file, and cpu-contention's
+    options on another scenario are refused up front with a ConfigError, not a traceback after the runs."""
+    small = ("--workers", "4", "--iterations", "3", "--out", str(tmp_path))
+    with pytest.raises(ConfigError, match="--workers"):
+        cli.run(_parse("--scenario", "gpu-mix", "--workers", "1", "--out", str(tmp_path)))
+    with pytest.raises(ConfigError, match="--seed"):
+        cli.run(_parse("--scenario", "gpu-mix", "--seed", "-1", *small))
+    (tmp_path / "a-file").touch()
+    with pytest.raises(ConfigError, match="--out"):
+        cli.run(_parse("--scenario", "gpu-mix", "--workers", "4", "--out", str(tmp_path / "a-file")))
+    with pytest.raises(ConfigError, match="cpu-contention only"):
+        cli.run(_parse("--scenario", "gpu-mix", "--traces", str(tmp_path / "none"), *small))
+    assert not list(tmp_path.glob("*.json"))
+
+
+@pytest.mark.parametrize("text", [
+    "[1, 2]",  # not an object
+    '{"columns": 5, "rows": [[1]]}',
+    '{"columns": ["throughput"], "rows": {"a": 1}}',
+    '{"columns": ["throughput"], "rows": []}',
+    "zero throughput", "NaN feature", "half a level",
+])
+def test_a_malformed_trace_is_refused_by_name(tmp_path: Path, text: str) -> None:
+    """Whatever is wrong with a trace file, loading it raises a ConfigError that names it; values a replay
+    cannot use (a throughput not positive, a feature not finite, a fractional level) are refused there too."""
+    columns = ["throughput", "cpu_util", "proc_cpu", "colocated_load", "mem_util", "cores", "hog_level"]
+    row = {"zero throughput": [0.0, 0.5, 0.5, 0.0, 0.1, 1, 0], "NaN feature": [9.0, None, 0.5, 0.0, 0.1, 1, 0],
+           "half a level": [9.0, 0.5, 0.5, 0.0, 0.1, 1, 0.5]}.get(text)
+    path = tmp_path / "bad.json"
+    path.write_text(text if row is None else json.dumps({"columns": columns, "rows": [row] * 3}))
+    with pytest.raises(ConfigError, match="bad.json"):
+        CPUTrace.load(path)
+
+
+def test_record_cpu_trace_checks_its_arguments_before_recording(tmp_path: Path) -> None:
+    """A bad argument is refused at once (before, --out in a missing folder failed after the whole recording);
+    the folder of --out is created."""
+    script = [sys.executable, str(EXPERIMENTS / "record_cpu_trace.py")]
+    for bad in (["--batch", "0"], ["--mean-dwell-s", "-1"], ["--core", "4096"], ["--out", str(tmp_path)]):
+        argv = ["--seconds", "60", "--out", str(tmp_path / "t.json"), *bad]
+        result = subprocess.run([*script, *argv], capture_output=True, text=True, timeout=60, check=False)
+        assert result.returncode == 2 and "error:" in result.stderr and "Traceback" not in result.stderr, bad
+    out = tmp_path / "mine" / "t.json"
+    result = subprocess.run([*script, "--seconds", "0.3", "--out", str(out)], capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert CPUTrace.load(out).throughput.size > 0
+
+
+def test_bench_models_refuses_traces_it_cannot_score(tmp_path: Path) -> None:
+    """A missing folder, or a trace no longer than the warm-up, is an error, not a traceback or a table of NaN."""
+    short = json.loads((DEFAULT_TRACE_DIR / "cpu_numpy_mlp.json").read_text())
+    short["rows"] = short["rows"][:30]
+    (tmp_path / "short.json").write_text(json.dumps(short))
+    for traces in (tmp_path / "none", tmp_path):
+        result = subprocess.run([sys.executable, str(EXPERIMENTS / "bench_models.py"), "--traces", str(traces)],
+                                capture_output=True, text=True, timeout=120, check=False)
+        assert result.returncode == 2 and "error:" in result.stderr and "Traceback" not in result.stderr, traces

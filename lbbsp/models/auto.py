@@ -73,11 +73,17 @@ class AutoCapacityModel(CapacityModel):
 
     def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> AutoCapacityModel:
         if not hasattr(self, "models_"):
-            chosen = default_models(self.horizon) | dict(self.models or {})
-            unknown = set(chosen) - set(KINDS) | {k for k in (self.kinds or {}).values() if k not in KINDS}
+            given = dict(self.models or {})
+            unknown = set(given) - set(KINDS) | {k for k in (self.kinds or {}).values() if k not in KINDS}
             if unknown:
                 raise ConfigError(f"unknown worker kind(s) {sorted(unknown)}; kinds are {KINDS}")
-            self.models_ = chosen
+            wrong = sorted(kind for kind, model in given.items() if not isinstance(model, CapacityModel))
+            if wrong:
+                raise ConfigError(f"models for {wrong} are not CapacityModel instances")
+            # clones, as scikit-learn's meta-estimators do: the parameter stays as given, so models built from the
+            # same parameters, or one fitted again, do not learn into each other's state
+            self.models_ = default_models(self.horizon) | {kind: type(model)(**model.get_params())
+                                                           for kind, model in given.items()}
             self.kind_: dict[int, str] = {}
         by_kind: dict[str, list[Report]] = {kind: [] for kind in KINDS}
         for report in reports:
@@ -124,16 +130,19 @@ class AutoCapacityModel(CapacityModel):
                                for kind, positions in groups.items()), ids.size)
 
     def _groups(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        """Positions of each kind in ``ids``; a worker never seen joins the most common kind. Cached until a
-        new worker reports, since a decision asks several times for the same workers."""
+        """Positions of each kind in ``ids``; a worker never seen joins the most common kind among ``ids`` (among
+        all workers when none in ``ids`` was seen). Cached until a new worker reports, since a decision asks
+        several times for the same workers."""
         key = ids.tobytes()
         cached = getattr(self, "_groups_cache", None)
         if cached is not None and cached[0] == key:
             return cached[1]
         kinds = [self.kind_.get(w) for w in ids.tolist()]
-        seen = [k for k in kinds if k is not None]
-        common = max(set(seen), key=seen.count) if seen else "cpu"
-        labels = np.array([k or common for k in kinds])
+        if None in kinds:
+            seen = [k for k in kinds if k is not None] or list(self.kind_.values())
+            common = max(KINDS, key=seen.count)  # ties in the order of KINDS: the same in every process
+            kinds = [k or common for k in kinds]
+        labels = np.array(kinds)
         groups = {kind: np.flatnonzero(labels == kind) for kind in KINDS if (labels == kind).any()}
         self._groups_cache = (key, groups)
         return groups

@@ -84,6 +84,8 @@ class FLClientModel(CapacityModel):
         for name in ("alpha", "availability_alpha"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.model_bytes is not None and not self.model_bytes > 0:
+            raise ConfigError(f"model_bytes must be positive or None, got {self.model_bytes}")
 
     def _transfer_seconds(self, report: Report) -> float | None:
         features = report.features

@@ -21,7 +21,7 @@ import numpy as np
 from ..allocation import HingeTime
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel, WorkerIds
+from .base import CapacityModel, Hardware, WorkerIds
 
 _NO_CAP = np.iinfo(np.int64).max // 4
 
@@ -138,6 +138,10 @@ class BatchTimeCurve(CapacityModel):
             self.slot_mem_ = np.full((0, self.window), np.nan)
             self.slot_weight_ = np.zeros((0, self.window))
             self.noise_ = np.nan
+            self.group_ids_: dict[Hardware, int] = {}
+            # every table from the start, so a model that has seen only announcements answers from priors; one row
+            # (worker 0, unmeasured until it reports) at least, which ids beyond the tables read in its place
+            self._grow(1)
         self._remember_hardware(reports)
         count = len(reports)
         size = np.fromiter([r.samples for r in reports], float, count)
@@ -178,6 +182,7 @@ class BatchTimeCurve(CapacityModel):
         return self._with_prior(throughput, workers)
 
     def time_model(self, workers: WorkerIds) -> HingeTime:
+        self._check_is_fitted("slot_size_")
         workers_arr = np.asarray(list(workers), dtype=np.int64)
         curve = self._curve(workers_arr)
         unseen = curve.observed_max <= 0
@@ -187,11 +192,23 @@ class BatchTimeCurve(CapacityModel):
         return curve
 
     def max_batch(self, workers: WorkerIds) -> np.ndarray:
-        """Largest batch each worker's GPU memory holds (with the margin); a huge number where unknown."""
+        """Largest batch each worker's GPU memory holds (with the margin); for a worker not measured yet, the
+        smallest cap on its hardware (else it would take what its capped peers cannot hold, and run out of
+        memory in its first iteration); a huge number where nothing is known."""
         self._check_is_fitted("slot_size_")
         workers_arr = np.asarray(list(workers), dtype=np.int64)
         inside = workers_arr < self.count_.size
-        return np.where(inside, self.cap_[np.where(inside, workers_arr, 0)], _NO_CAP)
+        safe = np.where(inside, workers_arr, 0)
+        caps = np.where(inside, self.cap_[safe], _NO_CAP)
+        cold = np.flatnonzero(~inside | (self.count_[safe] == 0))
+        if cold.size and self.group_ids_:
+            measured = self.count_ > 0
+            smallest = np.full(len(self.group_ids_), _NO_CAP)
+            np.minimum.at(smallest, self.group_[measured], self.cap_[measured])
+            keys = [self.hardware_.get(worker) for worker in workers_arr[cold].tolist()]
+            group = np.array([-1 if key is None else self.group_ids_.get(key, -1) for key in keys], dtype=np.int64)
+            caps[cold] = np.where(group >= 0, smallest[np.maximum(group, 0)], _NO_CAP)
+        return caps
 
     def explore(self, workers: WorkerIds, sizes: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
         """Move ``explore_fraction`` of a batch between pairs of workers of similar size whose curve is still
@@ -214,7 +231,7 @@ class BatchTimeCurve(CapacityModel):
     def _check_params(self) -> None:
         if not isinstance(self.window, int) or self.window < 2:
             raise ConfigError(f"window must be an integer >= 2, got {self.window!r}")
-        for name in ("memory_margin", "memory_floor"):
+        for name in ("memory_margin", "memory_floor", "explore_fraction"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not self.half_life > 0:
@@ -278,8 +295,6 @@ class BatchTimeCurve(CapacityModel):
 
     def _assign_groups(self, rows: np.ndarray) -> None:
         """Number each new worker's hardware key (device, cores): workers that share one pool their curves."""
-        if not hasattr(self, "group_ids_"):
-            self.group_ids_: dict[tuple[str, int], int] = {}
         for row in rows[self.group_[rows] < 0].tolist():
             self.group_[row] = self.group_ids_.setdefault(self.hardware_[row], len(self.group_ids_))
 

@@ -25,7 +25,7 @@ from operator import itemgetter
 import numpy as np
 
 from ..errors import ConfigError
-from ..protocol import Report
+from ..protocol import FEATURE_RANGES, Report
 from .base import CapacityModel, WorkerIds
 
 DEFAULT_FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util")
@@ -39,7 +39,7 @@ class NARXThroughput(CapacityModel):
     keeps the cost per decision bounded at any cluster size.
     """
 
-    _pending: tuple[np.ndarray, np.ndarray] | None = None  # (rows, targets) not yet scored or trained on
+    pending_: tuple[np.ndarray, np.ndarray] | None = None  # (rows, targets) not scored or trained on yet; fit forgets
     forecast_: np.ndarray | None = None  # every worker's forecast, computed on the first predict after an update
 
     def __init__(self, lags: int = 4, exog_lags: int = 2, features: Sequence[str] = DEFAULT_FEATURES, *,
@@ -87,7 +87,7 @@ class NARXThroughput(CapacityModel):
         due = count >= self.lags + self.horizon - 1
         if due.any():
             slot = count[due] % self.horizon
-            self._pending = (self.rows_[workers[due], slot], log_thr[due] - self.bases_[workers[due], slot])
+            self.pending_ = (self.rows_[workers[due], slot], log_thr[due] - self.bases_[workers[due], slot])
         # shift the new measurement into each worker's history
         self.log_thr_[workers, :-1] = self.log_thr_[workers, 1:]
         self.log_thr_[workers, -1] = log_thr
@@ -108,7 +108,7 @@ class NARXThroughput(CapacityModel):
 
     def finish_learning(self) -> NARXThroughput:
         """Score the network and the EWMA level on the pairs that got their targets, then train on them."""
-        pending, self._pending = self._pending, None
+        pending, self.pending_ = self.pending_, None
         if pending is not None:
             self._score(*pending)
             self._remember_pairs(*pending)
@@ -133,6 +133,17 @@ class NARXThroughput(CapacityModel):
             raise ConfigError(f"alpha_ewma must be in (0, 1], got {self.alpha_ewma}")
         if not self.huber_delta > 0:
             raise ConfigError(f"huber_delta must be > 0, got {self.huber_delta}")
+        if not self.learning_rate > 0:
+            raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if not (isinstance(self.hidden, (tuple, list)) and all(isinstance(h, int) and h >= 1 for h in self.hidden)):
+            raise ConfigError(f"hidden must be a tuple of layer widths >= 1, got {self.hidden!r}")
+        for name in ("buffer_size", "rows_per_update"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        # a string would be read as its letters, and a name reports never carry as a column of zeros
+        if isinstance(self.features, str) or not set(self.features) <= set(FEATURE_RANGES):
+            raise ConfigError(f"features must be a sequence of report features {sorted(FEATURE_RANGES)}, "
+                              f"got {self.features!r}")
         self.rng_ = np.random.default_rng(self.random_state)
         width = self.lags + self.exog_lags * len(self.features)
         shapes = [(a, b) for a, b in zip([width, *self.hidden], [*self.hidden, 1])]
@@ -160,7 +171,7 @@ class NARXThroughput(CapacityModel):
         self.rows_ = np.zeros((0, self.horizon, width))  # input row made at each of the last horizon reports
         self.bases_ = np.zeros((0, self.horizon))  # the log-throughput each of those rows is relative to
         self.forecast_ = None
-        self._pending = None
+        self.pending_ = None
         self.recent_error_ = np.full(2, np.inf)  # (network, EWMA level), smoothed over updates
 
     def _grow(self, size: int) -> None:

@@ -46,8 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    if args.iterations < 1 or args.workers < 1:
-        raise ConfigError(f"--workers and --iterations must be at least 1, got {args.workers} and {args.iterations}")
+    if args.workers < 2 or args.iterations < 1:  # backup workers drop at least one worker: they need two
+        raise ConfigError(f"--workers must be at least 2 and --iterations at least 1, got {args.workers} and "
+                          f"{args.iterations}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be at least 0, got {args.seed}")
     print(f"building {args.scenario} with {args.workers} workers, {args.iterations} iterations, seed {args.seed}",
           flush=True)
     options, suffix = _scenario_options(args)
@@ -55,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
     if args.lag != scenario.config.lag:  # not the production default: name it, keep the default's results
         scenario.config = dataclasses.replace(scenario.config, lag=args.lag)
         suffix += f"_lag{args.lag}"
+    try:  # before simulating, so that a bad --out costs no run (and is not taken for a Redis error)
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {args.out} is not a folder results can be written to: {exc}") from None
     runs = compare(scenario, args.iterations, progress=lambda line: print(line, flush=True))
     check = None
     if args.redis is not None:
@@ -69,9 +76,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"through Redis ({check['redis']}): every policy decided the same sizes as in-process in all "
               f"{check['iterations']} iterations: {all(check['identical'].values())}"
               + "".join(f"\n  {name} differs" for name, same in check["identical"].items() if not same))
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"simulate_{args.scenario}_{args.workers}w_seed{args.seed}{suffix}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=_plain))
+    stem.with_suffix(".json").write_text(json.dumps(_finite(result), indent=1, default=_plain))
     plot(scenario, runs, summary, stem.with_suffix(".png"))
     print(f"wrote {stem}.json and {stem}.png ({time.perf_counter() - started:.0f}s)")
     return 0
@@ -99,10 +105,10 @@ def _scenario_options(args: argparse.Namespace) -> tuple[dict[str, object], str]
         options["mean_dwell"] = args.mean_dwell
     if args.no_noise:
         options["noise"] = False
+    if (options or args.traces is not None) and args.scenario != "cpu-contention":
+        raise ConfigError("--mean-dwell, --traces and --no-noise apply to --scenario cpu-contention only")
     if args.traces is not None:
         options["traces"] = load_traces(args.traces)
-    if options and args.scenario != "cpu-contention":
-        raise ConfigError("--mean-dwell, --traces and --no-noise apply to --scenario cpu-contention only")
     suffix = f"_{args.traces.resolve().name}" if args.traces is not None else ""
     suffix += f"_dwell{args.mean_dwell:g}" if args.mean_dwell is not None else ""
     suffix += "_nonoise" if args.no_noise else ""
@@ -158,6 +164,17 @@ def plot(scenario: Scenario, runs: dict[str, PolicyRun], summary: dict[str, dict
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _finite(value: object) -> object:
+    """``value`` with every infinite or NaN float written as a string ("inf"): strict JSON has no Infinity."""
+    if isinstance(value, float) and not np.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def _plain(value: object) -> object:

@@ -122,14 +122,18 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
             sizes = decider.sizes(k)
             truth = scenario.truth(k)
             seconds = truth.time_model.time(sizes)
-            present = truth.present if truth.present is not None else np.ones(n, dtype=bool)
+            asked = np.ones(n, dtype=bool)
             if getattr(truth.time_model, "idle_is_free", False):  # a client given nothing is not asked
-                present = present & (sizes > 0)
-            finish = np.sort(seconds[present])
-            waited_for = finish[:max(1, round(aggregated * present.sum() / n))]
+                asked = sizes > 0
+            present = asked & truth.present if truth.present is not None else asked
+            # a round that none of its asked workers reaches trains nothing: it is charged as if they had come,
+            # so that no policy gains from it (nobody to wait for would make it free)
+            timed = present if present.any() else asked
+            finish = np.sort(seconds[timed])
+            waited_for = finish[:max(1, round(aggregated * timed.sum() / n))]
             iteration_s = float(waited_for[-1]) * (n / aggregated)  # time per full global batch of B samples
             run.iteration_s.append(iteration_s)
-            run.idle_fraction.append(float(np.mean(1.0 - np.minimum(seconds[present], waited_for[-1])
+            run.idle_fraction.append(float(np.mean(1.0 - np.minimum(seconds[timed], waited_for[-1])
                                                    / waited_for[-1])))
             run.sizes.append(sizes.tolist())
             run.over_memory += int(truth.max_batch is not None and bool((sizes > truth.max_batch).any()))

@@ -27,15 +27,24 @@ class CPUTrace:
 
     @classmethod
     def load(cls, path: str | Path) -> CPUTrace:
+        """Read a trace (JSON only, nothing evaluated); a ConfigError naming the file if it is malformed or
+        holds values a replay cannot use."""
         path = Path(path)
         try:
             data = json.loads(path.read_text())
             columns = {name: i for i, name in enumerate(data["columns"])}
             rows = np.asarray(data["rows"], dtype=float)
-            return cls(path.stem, rows[:, columns["throughput"]],
-                       rows[:, [columns[f] for f in TRACE_FEATURES]], rows[:, columns["hog_level"]].astype(int))
-        except (OSError, ValueError, KeyError, IndexError) as exc:
+            if rows.ndim != 2:
+                raise ValueError("rows must be a non-empty list of rows of numbers")
+            throughput, level = rows[:, columns["throughput"]], rows[:, columns["hog_level"]]
+            features = rows[:, [columns[f] for f in TRACE_FEATURES]]
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
             raise ConfigError(f"cannot read CPU trace {path}: {exc}") from None
+        if not (np.isfinite(np.column_stack([throughput, level, features])).all() and (throughput > 0).all()
+                and (level == np.round(level)).all()):
+            raise ConfigError(f"cannot read CPU trace {path}: every throughput must be positive and finite, every "
+                              "feature finite and every hog_level a whole number")
+        return cls(path.stem, throughput, features, level.astype(int))
 
 
 def load_traces(directory: str | Path = DEFAULT_TRACE_DIR) -> list[CPUTrace]:
