@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lbbsp.errors import ConfigError
+from lbbsp.errors import ConfigError, StoreUnavailable
 from lbbsp.sim import cli
 from lbbsp.sim.engine import compare, standard_policies
 from lbbsp.sim.scenarios import CPUContention, FLClients, GPUMix
@@ -179,8 +179,8 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 
 def test_cli_refuses_bad_input_before_simulating(tmp_path: Path) -> None:
-    """One worker (backup workers need two), a negative seed, an --out that is a file, and cpu-contention's
-    options on another scenario are refused up front with a ConfigError, not a traceback after the runs."""
+    """One worker (backup workers need two), a negative seed, an --out that is a file, cpu-contention's options
+    on another scenario and a Redis that does not answer are refused up front, not after the runs."""
     small = ("--workers", "4", "--iterations", "3", "--out", str(tmp_path))
     with pytest.raises(ConfigError, match="--workers"):
         cli.run(_parse("--scenario", "gpu-mix", "--workers", "1", "--out", str(tmp_path)))
@@ -191,6 +191,8 @@ def test_cli_refuses_bad_input_before_simulating(tmp_path: Path) -> None:
         cli.run(_parse("--scenario", "gpu-mix", "--workers", "4", "--out", str(tmp_path / "a-file")))
     with pytest.raises(ConfigError, match="cpu-contention only"):
         cli.run(_parse("--scenario", "gpu-mix", "--traces", str(tmp_path / "none"), *small))
+    with pytest.raises(StoreUnavailable, match="cannot reach Redis"):  # before the in-process pass, not after
+        cli.run(_parse("--scenario", "gpu-mix", "--redis", f"unix://{tmp_path}/no.sock", *small))
     assert not list(tmp_path.glob("*.json"))
 
 

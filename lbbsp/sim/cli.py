@@ -13,6 +13,7 @@ import numpy as np
 
 from ..embedded import EmbeddedRedis
 from ..errors import ConfigError
+from ..store import Store
 from .engine import PolicyRun, compare
 from .scenarios import SCENARIOS, Scenario
 from .traces import load_traces
@@ -62,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"--out {args.out} is not a folder results can be written to: {exc}") from None
+    if args.redis:  # a given Redis is reached before the in-process pass, which takes minutes at scale
+        with Store.from_url(args.redis, "lbbsp-simulate") as store:
+            store.ping()
     runs = compare(scenario, args.iterations, progress=lambda line: print(line, flush=True))
     check = None
     if args.redis is not None:
