@@ -10,8 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lbbsp import Store
 from lbbsp.errors import ConfigError, StoreUnavailable
-from lbbsp.sim import cli
+from lbbsp.policies import BSPPolicy
+from lbbsp.sim import cli, engine
 from lbbsp.sim.engine import compare, standard_policies
 from lbbsp.sim.scenarios import CPUContention, FLClients, GPUMix
 from lbbsp.sim.traces import DEFAULT_TRACE_DIR, CPUTrace
@@ -239,3 +241,17 @@ def test_bench_models_refuses_traces_it_cannot_score(tmp_path: Path) -> None:
         result = subprocess.run([sys.executable, str(EXPERIMENTS / "bench_models.py"), "--traces", str(traces)],
                                 capture_output=True, text=True, timeout=120, check=False)
         assert result.returncode == 2 and "error:" in result.stderr and "Traceback" not in result.stderr, traces
+
+
+def test_a_failed_start_through_redis_closes_its_connection(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    closed: list[str] = []
+    real_close = Store.close
+    monkeypatch.setattr(Store, "close", lambda self: (closed.append(self.job), real_close(self))[1])
+
+    def refuse(*args: object) -> None:
+        raise RuntimeError("the coordinator could not start")
+
+    monkeypatch.setattr(engine, "Coordinator", refuse)  # a mock, inside this one unit test
+    with pytest.raises(RuntimeError, match="could not start"):
+        engine.run_policy(GPUMix(4, 3, seed=0), "bsp", BSPPolicy(), 3, redis_url=redis_url)
+    assert len(closed) == 1 and closed[0].startswith("sim-gpu-")

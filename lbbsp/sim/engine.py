@@ -182,9 +182,13 @@ class _ThroughRedis:
     def __init__(self, policy: Policy, config: JobConfig, url: str) -> None:
         self.config = dataclasses.replace(config, job=f"{config.job}-{uuid.uuid4().hex[:8]}")
         self.store = Store.from_url(url, self.config.job)
-        self.coordinator = Coordinator(self.store, self.config, policy)
-        for k in range(self.config.lag):  # the workers' initial split, agreed through the same write-once key
-            self.store.publish(self.config.initial_assignment(k))
+        try:
+            self.coordinator = Coordinator(self.store, self.config, policy)
+            for k in range(self.config.lag):  # the workers' initial split, agreed through the same write-once key
+                self.store.publish(self.config.initial_assignment(k))
+        except BaseException:  # the caller gets no object to close: close the connection here
+            self.store.close()
+            raise
 
     def sizes(self, k: int) -> np.ndarray:
         raw = self.store.get_assignment(k)
