@@ -193,6 +193,12 @@ def test_auto_model_picks_per_kind_and_can_be_overridden() -> None:
     np.testing.assert_allclose(model.predict([0, 1, 2]), [640, 160, 160])
     sizes = allocate(model.time_model([0, 1, 2]), 300, [1] * 3, [300] * 3)
     assert sizes.sum() == 300 and sizes[0] > sizes[1]
+    # before its first report, a worker pinned by kinds= is answered by its kind's model (the GPU's prior,
+    # 640 samples/s), not by the most common kind's (the CPUs', 160)
+    two_cpus = [gpu, cpu, Report("m", 4, 0, 64, 0.4)]
+    pinned = AutoCapacityModel(kinds={3: "gpu"}).partial_fit(two_cpus)
+    np.testing.assert_allclose([pinned.predict([3])[0], pinned.predict([5])[0]], [640, 160])
+    np.testing.assert_allclose(AutoCapacityModel().partial_fit(two_cpus).predict([3]), [160])
 
 
 @pytest.mark.parametrize("factory", [LastValue, EWMAThroughput, NARXThroughput, BatchTimeCurve, AutoCapacityModel])

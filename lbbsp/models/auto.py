@@ -130,14 +130,15 @@ class AutoCapacityModel(CapacityModel):
                                for kind, positions in groups.items()), ids.size)
 
     def _groups(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        """Positions of each kind in ``ids``; a worker never seen joins the most common kind among ``ids`` (among
-        all workers when none in ``ids`` was seen). Cached until a new worker reports, since a decision asks
+        """Positions of each kind in ``ids``; a worker never seen is of the kind ``kinds`` pins, else joins the most
+        common kind among ``ids`` (among all workers when none in ``ids`` was seen). Cached until a new worker reports, since a decision asks
         several times for the same workers."""
         key = ids.tobytes()
         cached = getattr(self, "_groups_cache", None)
         if cached is not None and cached[0] == key:
             return cached[1]
-        kinds = [self.kind_.get(w) for w in ids.tolist()]
+        pinned = self.kinds or {}
+        kinds = [self.kind_.get(w) or pinned.get(w) for w in ids.tolist()]  # kinds= holds before a first report
         if None in kinds:
             seen = [k for k in kinds if k is not None] or list(self.kind_.values())
             common = max(KINDS, key=seen.count)  # ties in the order of KINDS: the same in every process
