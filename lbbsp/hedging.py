@@ -165,8 +165,8 @@ class ForecastRisk:
 
     def typical_miss(self) -> float | None:
         """The median size of the forecasts' misses, |log(forecast / measured)|, over every bucket with at least
-        ``min_samples`` of them (up to 256 evenly spaced ones each, so it costs tens of microseconds); None
-        before any bucket has that many."""
+        ``min_samples`` of them (every (n // 256)-th of a bucket's n, so at most 511 each and tens of
+        microseconds in all); None before any bucket has that many."""
         if self._typical is None:
             full = np.flatnonzero(self.pooled_ >= self.min_samples)
             if full.size == 0:

@@ -246,7 +246,12 @@ def test_bench_models_refuses_traces_it_cannot_score(tmp_path: Path) -> None:
 def test_a_failed_start_through_redis_closes_its_connection(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     closed: list[str] = []
     real_close = Store.close
-    monkeypatch.setattr(Store, "close", lambda self: (closed.append(self.job), real_close(self))[1])
+
+    def close(store: Store) -> None:
+        closed.append(store.job)
+        real_close(store)
+
+    monkeypatch.setattr(Store, "close", close)
 
     def refuse(*args: object) -> None:
         raise RuntimeError("the coordinator could not start")

@@ -131,8 +131,8 @@ class AutoCapacityModel(CapacityModel):
 
     def _groups(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         """Positions of each kind in ``ids``; a worker never seen is of the kind ``kinds`` pins, else joins the most
-        common kind among ``ids`` (among all workers when none in ``ids`` was seen). Cached until a new worker reports, since a decision asks
-        several times for the same workers."""
+        common kind among ``ids`` (among all workers when none in ``ids`` was seen). Cached until a new worker
+        reports, since a decision asks several times for the same workers."""
         key = ids.tobytes()
         cached = getattr(self, "_groups_cache", None)
         if cached is not None and cached[0] == key:
