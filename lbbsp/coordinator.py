@@ -60,71 +60,36 @@ class Outcome:
     learn_s: float = 0.0  # the policy's learning after the write, off the decision's path
 
 
-class Coordinator:
-    """Collect the reports of each iteration, ask the policy, write the next assignment exactly once.
+class GuardedPolicy:
+    """A policy held to the job's rules, as the coordinator runs it: a split that breaks them, or a policy that
+    fails, keeps the split in force (logged with the reason) instead of stopping the job. The simulator runs
+    its policies through this too, so that a split it measures is one a job would have written."""
 
-    Run it in its own process (``lbbsp coordinator``) or in-process with :meth:`start`, for example on
-    rank 0. Each decision is recorded with its reason in the job's decision log.
-    """
+    def __init__(self, policy: Policy, config: JobConfig) -> None:
+        self.policy, self.config = policy, config
+        self._bounds = tuple(np.asarray(b, dtype=np.int64) for b in config.bounds())
 
-    def __init__(self, store: Store, config: JobConfig, policy: Policy | None = None) -> None:
-        self.store = store
-        self.config = store.register(config)
-        self.policy = policy if policy is not None else LBBSPPolicy(AutoCapacityModel(horizon=self.config.lag))
-        self.decisions_made = 0
-        self._bounds = tuple(np.asarray(b, dtype=np.int64) for b in self.config.bounds())
-        self._identity = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._next_heartbeat = 0.0
-        self._warned_about: str | None = None
-        self._outage_since: float | None = None
-        self._next_outage_log = 0.0
-        self._last_written: Assignment | None = None
-        stored = store.decision_count()
-        if stored:
-            log.warning("job %s already has %d decisions in this Redis: resuming it, and reusing its stored "
-                        "assignments; for a new run, use a new job name", self.config.job, stored)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    # -- one step ---------------------------------------------------------------------------------------
-    def step(self, timeout_s: float = 1.0) -> Outcome | None:
-        """Wait up to ``timeout_s`` for an iteration whose reports are all in, and decide the next one."""
-        iteration = self.store.next_ready(timeout_s)
-        if iteration is None:
-            return None
-        return self.decide(iteration)
-
-    def decide(self, iteration: int) -> Outcome:
-        """Decide the assignment of ``iteration + lag`` from the stored reports of ``iteration``."""
-        started = time.perf_counter()
-        target = iteration + self.config.lag
-        reports, rejected = self._parse_reports(iteration)
-        current = self._assignment(target - 1)
+    def decide(self, target: int, current: tuple[int, ...], reports: list[Report]) -> tuple[Decision, Assignment]:
+        """Observe ``reports`` and decide the assignment of ``target``; ``current`` (the split of ``target - 1``)
+        is kept if the policy fails or breaks the rules."""
         try:
             self.policy.observe(reports)
-            decision = self.policy.decide(target, current.sizes, self.config)
-            assignment = self._checked(target, decision)
+            decision = self.policy.decide(target, current, self.config)
+            return decision, self._checked(target, decision)
         except REDIS_ERRORS:
             raise
         except Exception as exc:  # a policy's bug must not stop the job: keep the split in force, say why
             log.exception("policy %s failed to decide iteration %d; keeping the current split", self.policy.name,
                           target)
-            decision = Decision(current.sizes, f"policy failed ({type(exc).__name__}: {exc}); kept the split")
-            assignment = Assignment(self.config.job, target, current.sizes, self.policy.name, decision.reason)
-        written = self.store.publish(assignment)
-        decision_s = time.perf_counter() - started
+            decision = Decision(current, f"policy failed ({type(exc).__name__}: {exc}); kept the split")
+            return decision, Assignment(self.config.job, target, current, self.policy.name, decision.reason)
+
+    def learn(self, iteration: int) -> None:
+        """Let the policy learn from the reports of ``iteration`` once the split is out; a failure is logged."""
         try:
-            self.policy.learn()  # the split is out: the workers need not wait for this
+            self.policy.learn()
         except Exception:  # as above: logged, and the next decision goes on
             log.exception("policy %s failed to learn from iteration %d", self.policy.name, iteration)
-        learn_s = time.perf_counter() - started - decision_s
-        if written:
-            self._last_written = assignment
-        else:
-            assignment = self._assignment(target)
-        self._record(iteration, assignment, written, decision, reports, rejected, decision_s, learn_s)
-        self.decisions_made += 1
-        return Outcome(iteration, assignment, written, decision_s, rejected, learn_s)
 
     def _checked(self, target: int, decision: Decision) -> Assignment:
         """The decision as the assignment of ``target``, or a :class:`PolicyError` if it breaks the job's rules
@@ -158,6 +123,59 @@ class Coordinator:
                               decision.reason).validate(global_batch=self.config.global_batch)
         except ProtocolError as exc:
             raise refuse(exc.message) from exc
+
+
+class Coordinator:
+    """Collect the reports of each iteration, ask the policy, write the next assignment exactly once.
+
+    Run it in its own process (``lbbsp coordinator``) or in-process with :meth:`start`, for example on
+    rank 0. Each decision is recorded with its reason in the job's decision log.
+    """
+
+    def __init__(self, store: Store, config: JobConfig, policy: Policy | None = None) -> None:
+        self.store = store
+        self.config = store.register(config)
+        self.policy = policy if policy is not None else LBBSPPolicy(AutoCapacityModel(horizon=self.config.lag))
+        self.decisions_made = 0
+        self._guarded = GuardedPolicy(self.policy, self.config)
+        self._identity = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._next_heartbeat = 0.0
+        self._warned_about: str | None = None
+        self._outage_since: float | None = None
+        self._next_outage_log = 0.0
+        self._last_written: Assignment | None = None
+        stored = store.decision_count()
+        if stored:
+            log.warning("job %s already has %d decisions in this Redis: resuming it, and reusing its stored "
+                        "assignments; for a new run, use a new job name", self.config.job, stored)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- one step ---------------------------------------------------------------------------------------
+    def step(self, timeout_s: float = 1.0) -> Outcome | None:
+        """Wait up to ``timeout_s`` for an iteration whose reports are all in, and decide the next one."""
+        iteration = self.store.next_ready(timeout_s)
+        if iteration is None:
+            return None
+        return self.decide(iteration)
+
+    def decide(self, iteration: int) -> Outcome:
+        """Decide the assignment of ``iteration + lag`` from the stored reports of ``iteration``."""
+        started = time.perf_counter()
+        target = iteration + self.config.lag
+        reports, rejected = self._parse_reports(iteration)
+        decision, assignment = self._guarded.decide(target, self._assignment(target - 1).sizes, reports)
+        written = self.store.publish(assignment)
+        decision_s = time.perf_counter() - started
+        self._guarded.learn(iteration)  # the split is out: the workers need not wait for this
+        learn_s = time.perf_counter() - started - decision_s
+        if written:
+            self._last_written = assignment
+        else:
+            assignment = self._assignment(target)
+        self._record(iteration, assignment, written, decision, reports, rejected, decision_s, learn_s)
+        self.decisions_made += 1
+        return Outcome(iteration, assignment, written, decision_s, rejected, learn_s)
 
     def _parse_reports(self, iteration: int) -> tuple[list[Report], list[Rejection]]:
         reports: list[Report] = []

@@ -210,6 +210,9 @@ def test_contract(factory: type) -> None:
     assert clone.get_params() == model.get_params()
     model.fit([[Report("c", 0, 0, 10, 0.1)], [Report("c", 0, 1, 10, 0.1)]])
     assert model.predict([0])[0] == pytest.approx(100.0, rel=0.05)
+    for ask in (model.predict, model.time_model, model.max_batch):  # numpy would answer -1 with the last worker
+        with pytest.raises(ConfigError, match="worker ids must be >= 0, got -1"):
+            ask([0, -1])
 
 
 @pytest.mark.parametrize("reports", [[], [Report("a", 0, 0, 0, 0.0, device="cuda:0")], [Report("a", 0, 0, 10, 0.0)]],

@@ -12,7 +12,7 @@ import pytest
 
 from lbbsp import Store
 from lbbsp.errors import ConfigError, StoreUnavailable
-from lbbsp.policies import BSPPolicy
+from lbbsp.policies import BSPPolicy, Decision
 from lbbsp.sim import cli, engine
 from lbbsp.sim.engine import compare, standard_policies
 from lbbsp.sim.scenarios import CPUContention, FLClients, GPUMix
@@ -260,3 +260,34 @@ def test_a_failed_start_through_redis_closes_its_connection(redis_url: str, monk
     with pytest.raises(RuntimeError, match="could not start"):
         engine.run_policy(GPUMix(4, 3, seed=0), "bsp", BSPPolicy(), 3, redis_url=redis_url)
     assert len(closed) == 1 and closed[0].startswith("sim-gpu-")
+
+
+class _Unruly(BSPPolicy):
+    """Shifts one sample from worker 0 to worker 1 each decision; at decision 4 returns a split one sample
+    short of the global batch, at decision 6 raises."""
+
+    name = "unruly"
+
+    def decide(self, iteration: int, current, config):  # type: ignore[no-untyped-def]
+        if iteration == 6:
+            raise RuntimeError("a bug in a custom policy")
+        sizes = list(current)
+        sizes[0], sizes[1] = sizes[0] - 1, sizes[1] + (0 if iteration == 4 else 1)
+        return Decision(tuple(sizes), "shift one")
+
+
+def test_the_simulator_holds_a_policy_to_the_jobs_rules_as_the_coordinator_does(redis_url: str,
+                                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A split that breaks the rules, or a policy that raises, keeps the split in force and is logged, in
+    process as through a real coordinator: the simulator measures only splits a job would have run (the
+    in-process path used to take a short split as it came, and to stop at an exception)."""
+    scenario = GPUMix(4, 10, seed=0)
+    in_process = compare(scenario, 10, {"unruly": _Unruly()})["unruly"]
+    through_redis = compare(scenario, 10, {"unruly": _Unruly()}, redis_url=redis_url)["unruly"]
+    assert through_redis.sizes == in_process.sizes
+    # lag 2: iterations 0 and 1 run the initial split; the decisions of 4 (short) and 6 (raised) keep the split
+    shifted = np.array([s[0] for s in in_process.sizes]) - in_process.sizes[0][0]
+    np.testing.assert_array_equal(shifted, [0, 0, -1, -2, -2, -3, -3, -4, -5, -6])
+    assert all(sum(s) == scenario.config.global_batch for s in in_process.sizes)
+    assert sum("returned an invalid split" in r.getMessage() or "failed to decide" in r.getMessage()
+               for r in caplog.records) >= 4

@@ -14,7 +14,7 @@ import numpy as np
 from ..allocation import InvertibleTimeModel
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel, WorkerIds
+from .base import CapacityModel, WorkerIds, worker_ids
 from .fl_client import FLClientModel
 from .gpu_curve import BatchTimeCurve
 from .narx import NARXThroughput
@@ -114,7 +114,7 @@ class AutoCapacityModel(CapacityModel):
     def explore(self, workers: WorkerIds, sizes: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
         self._check_is_fitted("models_")
         out = np.asarray(sizes, dtype=np.int64).copy()
-        ids = np.asarray(workers, dtype=np.int64).reshape(-1)
+        ids = worker_ids(workers)
         for kind, positions in self._groups(ids).items():
             out[positions] = self.models_[kind].explore(ids[positions], out[positions], np.asarray(lower)[positions],
                                                         np.asarray(upper)[positions])
@@ -122,7 +122,7 @@ class AutoCapacityModel(CapacityModel):
 
     def time_model(self, workers: WorkerIds) -> InvertibleTimeModel:
         self._check_is_fitted("models_")
-        ids = np.asarray(workers, dtype=np.int64).reshape(-1)
+        ids = worker_ids(workers)
         groups = self._groups(ids)
         if len(groups) == 1:
             return self.models_[next(iter(groups))].time_model(ids)
@@ -150,7 +150,7 @@ class AutoCapacityModel(CapacityModel):
 
     def _per_kind(self, workers: WorkerIds, ask: Callable[[CapacityModel, np.ndarray], np.ndarray],
                   fill: float) -> np.ndarray:
-        ids = np.asarray(workers, dtype=np.int64).reshape(-1)
+        ids = worker_ids(workers)
         out = np.full(ids.size, fill, dtype=float)
         for kind, positions in self._groups(ids).items():
             out[positions] = ask(self.models_[kind], ids[positions])

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from ..allocation import InvertibleTimeModel, LinearTime
-from ..errors import LBBSPError
+from ..errors import ConfigError, LBBSPError
 from ..protocol import Report
 
 #: What a model knows about a worker's hardware: (device family, cores); cores 0 when not reported.
@@ -30,6 +30,14 @@ Hardware = tuple[str, int]
 WorkerIds = Sequence[int] | np.ndarray
 
 _DEVICE_INDEX = re.compile(r"[:/]\d+$")
+
+
+def worker_ids(workers: WorkerIds) -> np.ndarray:
+    """``workers`` as a flat int64 array; a clear error for a negative id (numpy would wrap it to the last)."""
+    ids = np.asarray(workers, dtype=np.int64).reshape(-1)
+    if ids.size and ids.min() < 0:
+        raise ConfigError(f"worker ids must be >= 0, got {int(ids.min())}")
+    return ids
 
 
 class NotFittedError(LBBSPError, AttributeError):
@@ -108,6 +116,7 @@ class CapacityModel:
 
     def max_batch(self, workers: WorkerIds) -> np.ndarray | None:
         """The largest batch each worker can hold (GPU memory), or None when the model sets no cap."""
+        worker_ids(workers)  # a bad id is an error here too, as in every model that sets a cap
         return None
 
     def explore(self, workers: WorkerIds, sizes: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
@@ -129,7 +138,7 @@ class CapacityModel:
     def _with_prior(self, values: np.ndarray, workers: WorkerIds) -> np.ndarray:
         """``values`` (indexed by worker id, NaN where unknown) for ``workers``, the similar-hardware prior
         where a worker has none."""
-        ids = np.asarray(workers, dtype=np.int64).reshape(-1)
+        ids = worker_ids(workers)
         out = np.full(ids.size, np.nan)
         inside = ids < values.size
         out[inside] = values[ids[inside]]

@@ -21,7 +21,7 @@ import numpy as np
 from ..allocation import HingeTime
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel, Hardware, WorkerIds
+from .base import CapacityModel, Hardware, WorkerIds, worker_ids
 
 _NO_CAP = np.iinfo(np.int64).max // 4
 
@@ -183,7 +183,7 @@ class BatchTimeCurve(CapacityModel):
 
     def time_model(self, workers: WorkerIds) -> HingeTime:
         self._check_is_fitted("slot_size_")
-        workers_arr = np.asarray(list(workers), dtype=np.int64)
+        workers_arr = worker_ids(workers)
         curve = self._curve(workers_arr)
         unseen = curve.observed_max <= 0
         if unseen.any():  # cold start: a straight line at the similar-hardware prior throughput
@@ -196,7 +196,7 @@ class BatchTimeCurve(CapacityModel):
         smallest cap on its hardware (else it would take what its capped peers cannot hold, and run out of
         memory in its first iteration); a huge number where nothing is known."""
         self._check_is_fitted("slot_size_")
-        workers_arr = np.asarray(list(workers), dtype=np.int64)
+        workers_arr = worker_ids(workers)
         inside = workers_arr < self.count_.size
         safe = np.where(inside, workers_arr, 0)
         caps = np.where(inside, self.cap_[safe], _NO_CAP)
@@ -216,7 +216,7 @@ class BatchTimeCurve(CapacityModel):
         unchanged. Stops for a worker once its curve is known."""
         self._check_is_fitted("slot_size_")
         sizes = np.asarray(sizes, dtype=np.int64)
-        workers_arr = np.asarray(list(workers), dtype=np.int64)
+        workers_arr = worker_ids(workers)
         inside = workers_arr < self.count_.size
         ids = np.where(inside, workers_arr, 0)
         unknown = np.flatnonzero(inside & (self.count_[ids] > 0) & ~self.known_[ids])

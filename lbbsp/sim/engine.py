@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import JobConfig
-from ..coordinator import Coordinator
+from ..coordinator import Coordinator, GuardedPolicy
 from ..errors import ConfigError, LBBSPError
 from ..models import EWMAThroughput
 from ..policies import (
@@ -148,10 +148,11 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
 
 
 class _InProcess:
-    """Decides as the coordinator does, in this process: observe -> decide -> (split out) -> learn."""
+    """Decides as the coordinator does, in this process and through the same :class:`GuardedPolicy`:
+    observe -> decide -> (split out) -> learn."""
 
     def __init__(self, policy: Policy, config: JobConfig) -> None:
-        self.policy, self.config = policy, config
+        self.guarded, self.config = GuardedPolicy(policy, config), config
         initial = np.asarray(config.initial_sizes(), dtype=np.int64)
         self.planned = {k: initial for k in range(config.lag)}
 
@@ -162,12 +163,11 @@ class _InProcess:
         """Decide iteration k + lag from the reports of k; the seconds until the split is out."""
         target = k + self.config.lag
         started = time.perf_counter()
-        self.policy.observe(reports)
         reveal(target)
-        decision = self.policy.decide(target, tuple(self.planned.get(target - 1, sizes).tolist()), self.config)
+        _, assignment = self.guarded.decide(target, tuple(self.planned.get(target - 1, sizes).tolist()), reports)
         decision_s = time.perf_counter() - started
-        self.policy.learn()  # as the coordinator does once the split is written
-        self.planned[target] = np.asarray(decision.sizes, dtype=np.int64)
+        self.guarded.learn(k)  # as the coordinator does once the split is written
+        self.planned[target] = np.asarray(assignment.sizes, dtype=np.int64)
         return decision_s
 
     def close(self) -> None:
