@@ -291,3 +291,14 @@ def test_the_simulator_holds_a_policy_to_the_jobs_rules_as_the_coordinator_does(
     assert all(sum(s) == scenario.config.global_batch for s in in_process.sizes)
     assert sum("returned an invalid split" in r.getMessage() or "failed to decide" in r.getMessage()
                for r in caplog.records) >= 4
+
+
+def test_the_python_example_in_the_docs_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The docs' "your own policy" example, as a user pastes it: it prints every policy's ratio, its own too."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "simulator.md").read_text()
+    (code,) = [block.split("```")[0] for block in text.split("```python\n")[1:]]
+    exec(compile(code, "docs/simulator.md", "exec"), {})
+    lines = capsys.readouterr().out.splitlines()
+    ratios = {line.split()[0]: float(line.split()[1]) for line in lines if " x oracle" in line}
+    assert ratios["oracle"] == 1.0 and set(ratios) >= {"lbbsp", "bsp", "undamped"}
+    assert ratios["lbbsp"] < 1.05 < ratios["bsp"]
