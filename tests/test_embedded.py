@@ -44,7 +44,12 @@ def _server_in_a_child() -> tuple[subprocess.Popen[str], int, Path]:
 
 def _wait_until_dead(redis_pid: int) -> None:
     deadline = time.monotonic() + 10
-    while psutil.pid_exists(redis_pid) and psutil.Process(redis_pid).status() != psutil.STATUS_ZOMBIE:
+    while True:
+        try:
+            if psutil.Process(redis_pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:  # gone, also between a check and the status read
+            return
         assert time.monotonic() < deadline, "redis-server outlived its parent"
         time.sleep(0.05)
 

@@ -60,8 +60,10 @@ def test_single_worker_fit_trains_and_reports(redis_url: str, job: str, pipeline
         assert not [w for w in caught if "LBBSPCallback" in str(w.message)]  # prefetch leftovers are not an epoch
         session.client.flush()
         assert session.coordinator is not None and session.coordinator.alive
-        time.sleep(0.5)  # the coordinator process decides from the last reports
-        with Store.from_url(redis_url, job) as store:
+        with Store.from_url(redis_url, job) as store:  # the coordinator process decides from the last reports
+            deadline = time.monotonic() + 30
+            while len(store.decisions(100)) < 11 and time.monotonic() < deadline:
+                time.sleep(0.05)
             decided = len(store.decisions(100))
 
     losses = history.history["loss"]

@@ -116,7 +116,7 @@ def run_keras3_worker(index: int, ports: list[int], url: str, job: str, out: Pat
     (out / f"refused{index}.json").write_text(json.dumps(refused))
 
 
-SLOW_S = 0.1  # worker 1's extra compute per step in the timing test
+SLOW_S = 0.25  # worker 1's extra compute per step in the timing test
 
 
 def run_timed_worker(index: int, ports: list[int], url: str, job: str) -> None:

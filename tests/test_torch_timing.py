@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 import uuid
 from pathlib import Path
@@ -52,7 +53,8 @@ def test_reported_compute_leaves_out_the_wait_at_the_all_reduce(tmp_path: Path, 
     spawn(_worker, (2, str(tmp_path / "rdv"), url, f"test-{uuid.uuid4().hex[:10]}", str(tmp_path)), nprocs=2,
           timeout_s=150)
     fast, slow = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
-    for step in range(1, STEPS):  # step 0 includes start-up
-        assert fast["wall"][step] > STALL_S * 0.8, "the fast rank did not wait for the straggler"
-        assert fast["compute"][step] < STALL_S * 0.4, "the fast rank's wait was counted as compute"
-        assert slow["compute"][step] > STALL_S, "the straggler's real compute was not counted"
+    # step 0 includes start-up; medians over the other steps, so one scheduling stall of a rank on a loaded
+    # machine (which shortens its partner's wait, or lengthens its own compute) cannot decide the test
+    assert statistics.median(fast["wall"][1:]) > STALL_S * 0.8, "the fast rank did not wait for the straggler"
+    assert statistics.median(fast["compute"][1:]) < STALL_S * 0.4, "the fast rank's wait was counted as compute"
+    assert min(slow["compute"][1:]) > STALL_S, "the straggler's real compute was not counted"
