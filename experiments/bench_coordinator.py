@@ -188,7 +188,8 @@ def main() -> None:
     parser.add_argument("--compute-ms", type=float, default=20.0, help="emulated compute per iteration")
     parser.add_argument("--decision-workers", type=int, nargs="+", default=[1024, 10_000])
     parser.add_argument("--warmup", type=int, default=30, help="iterations that fill each model's history first")
-    parser.add_argument("--repeats", type=int, default=20, help="timed decisions per model and size")
+    parser.add_argument("--repeats", type=int, default=100,
+                        help="timed decisions per model and size (100: a p99 that is not just the maximum)")
     parser.add_argument("--skip-critical-path", action="store_true", help="only time the decisions")
     parser.add_argument("--redis", help="Redis URL (default: an embedded redis-server)")
     args = parser.parse_args()
