@@ -1,12 +1,17 @@
 """Plain DDP vs lbbsp on real gloo workers with real co-located load (prints figures; not a timed test).
 
-    python experiments/bench_torch.py [--steps 60] [--hidden 512] [--global-batch 1024]
+    python experiments/bench_torch.py [--steps 60] [--hidden 512] [--global-batch 1024] [--repeats 3]
 
 Two workers, each pinned to its own core; busy-loop processes pinned to worker 1's core slow it down.
-(none) no load: what lbbsp costs when there is nothing to balance. (a) static load: 1 busy process (about 2x slower) and 2 (about 3x), with the oracle split, profiled under
-the same load, run as a fixed split for reference. (b) fluctuating load: 0, 1 or 2 busy processes,
-changing every few steps by a seeded schedule. Every run sees the same global batches, so plain DDP and
-lbbsp must end with the same parameters. Figures go to stdout and to experiments/results/bench_torch.json.
+(none) no load: what lbbsp costs when there is nothing to balance. (a) static load: 1 busy process (about
+2x slower) and 2 (about 3x). In (none) and (a) a fixed split runs through lbbsp for reference, the "oracle":
+the equal split with no load, else the split profiled under the same load. lbbsp/oracle is then what the
+balancing itself costs or gains, apart from lbbsp's per-step work, which both share; in (none), oracle/DDP
+is that per-step work's cost. (b) fluctuating load: 0, 1 or 2 busy processes, changing every few steps by
+a seeded schedule. Each case runs DDP, lbbsp and the oracle in turn, ``--repeats`` times, so that a change
+in the machine's speed falls on all three alike; the ratios are the median of the repeats. Every run sees
+the same global batches, so plain DDP and lbbsp must end with the same parameters. Figures go to stdout
+and to experiments/results/bench_torch.json.
 """
 from __future__ import annotations
 
@@ -126,24 +131,27 @@ def _worker(rank: int, args: argparse.Namespace, init: str, url: str, out: str) 
     try:
         for case in ("none", "a2x", "a3x", "b"):
             oracle = None
-            if case.startswith("a"):
+            if case == "none":  # identical ranks: the equal split, so lbbsp/oracle is the balancing's own cost
+                oracle = equal_split(args.global_batch, WORLD)
+            elif case != "b":  # a static load: profile the oracle split under it
                 if loads is not None:
                     for i, load in enumerate(loads):
                         load.set(i < load_level(case, 0))
                 dist.barrier()  # the load is on before any rank profiles
                 data, model = build(args.hidden)
                 oracle = profile_split(model, data, args.global_batch)
-            ddp_s, ddp_params = train("ddp", case, args, url, loads)
-            lb_s, lb_params = train("lbbsp", case, args, url, loads)
-            oracle_s = train("oracle", case, args, url, loads, oracle)[0] if oracle else None
-            samples = args.steps * args.global_batch
-            results.append({
-                "case": case, "ddp_samples_per_s": samples / ddp_s, "lbbsp_samples_per_s": samples / lb_s,
-                "ratio": ddp_s / lb_s, "oracle_split": oracle,
-                "oracle_samples_per_s": samples / oracle_s if oracle_s else None,
-                "lbbsp_vs_oracle": oracle_s / lb_s if oracle_s else None,
-                "param_rel_diff": float((lb_params - ddp_params).norm() / ddp_params.norm()),
-            })
+            # the runs of a case alternate, so that a change in the machine's speed falls on all of them alike
+            seconds: dict[str, list[float]] = {"ddp": [], "lbbsp": [], "oracle": []}
+            diffs = []
+            for _ in range(args.repeats):
+                ddp_s, ddp_params = train("ddp", case, args, url, loads)
+                lb_s, lb_params = train("lbbsp", case, args, url, loads)
+                seconds["ddp"].append(ddp_s)
+                seconds["lbbsp"].append(lb_s)
+                if oracle:
+                    seconds["oracle"].append(train("oracle", case, args, url, loads, oracle)[0])
+                diffs.append(float((lb_params - ddp_params).norm() / ddp_params.norm()))
+            results.append(_summary(case, seconds, oracle, diffs, args.steps * args.global_batch))
             if rank == 0:
                 print(f"  done: {case}", flush=True)
     finally:
@@ -155,28 +163,53 @@ def _worker(rank: int, args: argparse.Namespace, init: str, url: str, out: str) 
     dist.destroy_process_group()
 
 
+def _summary(case: str, seconds: dict[str, list[float]], oracle: tuple[int, ...] | None, diffs: list[float],
+             samples: int) -> dict[str, Any]:
+    """One case's figures: median samples/s of each mode, and the median and range of the ratios of the runs
+    made one after the other (repeat r of lbbsp against repeat r of DDP and of the oracle split)."""
+    ddp, lb, fixed = (np.array(seconds[mode]) for mode in ("ddp", "lbbsp", "oracle"))
+    ratio, versus = ddp / lb, (fixed / lb if fixed.size else None)
+    return {
+        "case": case, "repeats": int(ddp.size), "ddp_samples_per_s": samples / float(np.median(ddp)),
+        "lbbsp_samples_per_s": samples / float(np.median(lb)), "ratio": float(np.median(ratio)),
+        "ratio_range": [float(ratio.min()), float(ratio.max())], "oracle_split": oracle,
+        "oracle_samples_per_s": samples / float(np.median(fixed)) if fixed.size else None,
+        "lbbsp_vs_oracle": float(np.median(versus)) if versus is not None else None,
+        "lbbsp_vs_oracle_range": [float(versus.min()), float(versus.max())] if versus is not None else None,
+        "param_rel_diff": max(diffs),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="training steps per run")
     parser.add_argument("--hidden", type=int, default=512, help="MLP width (compute per sample)")
     parser.add_argument("--global-batch", type=int, default=1024, help="at most 1797 (the digits data)")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each mode per case")
     args = parser.parse_args()
+    if args.repeats < 1 or args.steps < 1:
+        parser.error("--repeats and --steps must be at least 1")
     print(f"bench_torch: {WORLD} gloo workers on cores {cores_for(WORLD)}, load on worker {SLOW}'s core; "
-          f"{args.steps} steps x global batch {args.global_batch}, MLP width {args.hidden} (float64)", flush=True)
+          f"{args.steps} steps x global batch {args.global_batch}, MLP width {args.hidden} (float64); "
+          f"{args.repeats} alternating runs of each mode per case", flush=True)
     results_dir = Path(__file__).resolve().parent / "results"
     results_dir.mkdir(exist_ok=True)
     out = results_dir / "bench_torch.json"
     with EmbeddedRedis() as server, tempfile.TemporaryDirectory(prefix="lbbsp-bench-") as tmp:
         mp.spawn(_worker, args=(args, os.path.join(tmp, "rdv"), server.url, str(out)), nprocs=WORLD, join=True)
     results = json.loads(out.read_text())
-    print(f"\n{'case':<6}{'DDP /s':>10}{'lbbsp /s':>10}{'lbbsp/DDP':>11}{'oracle /s':>11}{'lbbsp/oracle':>14}"
-          f"{'oracle split':>14}{'param diff':>12}")
+    print(f"\n{'case':<6}{'DDP /s':>10}{'lbbsp /s':>10}{'lbbsp/DDP':>11}{'(range)':>13}{'oracle /s':>11}"
+          f"{'lbbsp/oracle':>14}{'(range)':>13}{'oracle split':>14}{'param diff':>12}")
     for r in results:
         oracle = f"{r['oracle_samples_per_s']:.0f}" if r["oracle_samples_per_s"] else "-"
         versus = f"{r['lbbsp_vs_oracle']:.2f}" if r["lbbsp_vs_oracle"] else "-"
+        spread = "{:.2f}-{:.2f}".format(*r["lbbsp_vs_oracle_range"]) if r["lbbsp_vs_oracle_range"] else "-"
         split = "/".join(map(str, r["oracle_split"])) if r["oracle_split"] else "-"
         print(f"{r['case']:<6}{r['ddp_samples_per_s']:>10.0f}{r['lbbsp_samples_per_s']:>10.0f}{r['ratio']:>11.2f}"
-              f"{oracle:>11}{versus:>14}{split:>14}{r['param_rel_diff']:>12.1e}")
+              f"{'{:.2f}-{:.2f}'.format(*r['ratio_range']):>13}{oracle:>11}{versus:>14}{spread:>13}{split:>14}"
+              f"{r['param_rel_diff']:>12.1e}")
+    print("samples/s: medians over the repeats; ratios: the median (and range) of each repeat's runs, made one "
+          "after the other")
     print(f"\nwritten to {out}")
     return 0
 
