@@ -180,6 +180,11 @@ def _summary(case: str, seconds: dict[str, list[float]], oracle: tuple[int, ...]
     }
 
 
+def _span(pair: list[float] | None) -> str:
+    """A ratio range as printed: "0.87-0.98", or "-" where the case has none."""
+    return f"{pair[0]:.2f}-{pair[1]:.2f}" if pair else "-"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="training steps per run")
@@ -203,10 +208,9 @@ def main() -> int:
     for r in results:
         oracle = f"{r['oracle_samples_per_s']:.0f}" if r["oracle_samples_per_s"] else "-"
         versus = f"{r['lbbsp_vs_oracle']:.2f}" if r["lbbsp_vs_oracle"] else "-"
-        spread = "{:.2f}-{:.2f}".format(*r["lbbsp_vs_oracle_range"]) if r["lbbsp_vs_oracle_range"] else "-"
         split = "/".join(map(str, r["oracle_split"])) if r["oracle_split"] else "-"
         print(f"{r['case']:<6}{r['ddp_samples_per_s']:>10.0f}{r['lbbsp_samples_per_s']:>10.0f}{r['ratio']:>11.2f}"
-              f"{'{:.2f}-{:.2f}'.format(*r['ratio_range']):>13}{oracle:>11}{versus:>14}{spread:>13}{split:>14}"
+              f"{_span(r['ratio_range']):>13}{oracle:>11}{versus:>14}{_span(r['lbbsp_vs_oracle_range']):>13}{split:>14}"
               f"{r['param_rel_diff']:>12.1e}")
     print("samples/s: medians over the repeats; ratios: the median (and range) of each repeat's runs, made one "
           "after the other")
