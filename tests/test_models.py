@@ -102,6 +102,18 @@ def test_gpu_curve_learns_a_hinge_within_half_a_percent_and_keeps_the_slope_thro
     assert predicted[0] <= predicted[1] <= truth[2]  # below the sizes seen: never slower than the smallest
 
 
+def test_gpu_curve_passes_through_the_size_it_runs_at_when_a_free_line_would_start_below_zero() -> None:
+    """One measurement each at 112 and 127 whose jitter tilts the line through them below the origin, then
+    30 at 120 (a split that has settled): the curve answers the settled size from its measurements, not from
+    the early pair (a base clipped to 0 without refitting the slope missed it by 0.7% and froze the split)."""
+    truth = 0.0927 + 0.0024272 * (np.array([112.0, 127, 120]) - 32)  # a V100 past its knee, as in gpu-mix
+    model = BatchTimeCurve()
+    for k, (size, seconds) in enumerate([(112, truth[0] * 0.995), (127, truth[1] * 1.006)] + [(120, truth[2])] * 30):
+        model.partial_fit([Report("h", 0, k, size, seconds, device="cuda:v100")])
+    assert model.time_model([0]).time(np.array([120.0]))[0] == pytest.approx(truth[2], rel=0.001)
+    assert model.base_[0] >= 0 and model.slope_[0] > 0
+
+
 def test_gpu_curve_pools_identical_gpus_and_keeps_different_ones_apart() -> None:
     """40 workers of one GPU model share one precise curve after their first measurements; workers that
     report the same device but differ by up to 2x keep their own curves."""

@@ -64,15 +64,20 @@ def hinge_sums(sizes: np.ndarray, times: np.ndarray, w: np.ndarray, knees: np.nd
 
 
 def line_from_sums(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(base, slope, proportional slope) of the least-squares hinge at a fixed knee from :func:`hinge_sums`;
-    slope clipped at 0 (a flat fit where every point lies at or below the knee)."""
+    """(base, slope, proportional slope) of the least-squares hinge at a fixed knee from :func:`hinge_sums`,
+    with base >= 0 and slope >= 0: where the free fit's base is negative, the best line with base 0 (slope
+    sum w z t / sum w z^2), which still passes through the well-measured sizes; where its slope is negative,
+    the flat fit (every point at or below the knee)."""
     s_w, s_t, s_z, s_zz, s_zt, s_p = np.moveaxis(sums, -1, 0)
     det = s_w * s_zz - s_z ** 2
     with np.errstate(divide="ignore", invalid="ignore"):
         slope = np.where(det > 1e-9 * np.maximum(s_w * s_zz, 1e-300), (s_w * s_zt - s_z * s_t) / det, 0.0)
         slope = np.maximum(slope, 0.0)
         positive = np.where(s_w > 0, s_w, 1.0)
-        return (s_t - slope * s_z) / positive, slope, s_p / positive
+        base = (s_t - slope * s_z) / positive
+        through_zero = (base < 0) & (s_zz > 0)
+        slope = np.where(through_zero, s_zt / np.where(s_zz > 0, s_zz, 1.0), slope)
+        return np.where(through_zero, 0.0, base), slope, s_p / positive
 
 
 def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budget: np.ndarray) -> np.ndarray:
