@@ -20,6 +20,7 @@ MAX_ASSIGNMENT_BYTES = 1024 + 12 * 100_000  # one vector for up to MAX_WORKERS w
 MAX_BATCH = 10_000_000
 MAX_ITERATION = 2**53
 MAX_SECONDS = 86_400.0
+MIN_COMPUTE_S = 1e-9  # a measured compute time below a nanosecond is a broken timer: its throughput overflows
 MAX_REASON_CHARS = 512
 MAX_WORKERS = 100_000
 
@@ -160,6 +161,9 @@ class Report:
                                       ("wait_s", self.wait_s, True)):
             if not (optional and value is None or _in_range(value, 0.0, MAX_SECONDS)):
                 _float(value, name, 0.0, MAX_SECONDS, **where)  # raises, naming what is wrong
+        if 0 < self.compute_s < MIN_COMPUTE_S:
+            raise _fail(f"must be 0 (nothing measured) or at least {MIN_COMPUTE_S} s, got {self.compute_s}",
+                        "compute_s", **where)
         if not isinstance(self.features, dict):
             raise _fail("must be an object", "features", **where)
         for name, value in self.features.items():
@@ -177,7 +181,7 @@ class Report:
                 and len(self.device) <= 64 and type(self.worker) is int and 0 <= self.worker < MAX_WORKERS
                 and type(self.iteration) is int and 0 <= self.iteration <= MAX_ITERATION
                 and type(self.samples) is int and 0 <= self.samples <= MAX_BATCH
-                and _in_range(self.compute_s, 0.0, MAX_SECONDS)
+                and _in_range(self.compute_s, 0.0, MAX_SECONDS) and not 0 < self.compute_s < MIN_COMPUTE_S
                 and (self.comm_s is None or _in_range(self.comm_s, 0.0, MAX_SECONDS))
                 and (self.wait_s is None or _in_range(self.wait_s, 0.0, MAX_SECONDS))
                 and type(self.features) is dict):

@@ -15,6 +15,7 @@ from lbbsp.models import (
     AutoCapacityModel,
     BatchTimeCurve,
     EWMAThroughput,
+    FLClientModel,
     LastValue,
     NARXThroughput,
     NotFittedError,
@@ -211,6 +212,21 @@ def test_auto_model_picks_per_kind_and_can_be_overridden() -> None:
     pinned = AutoCapacityModel(kinds={3: "gpu"}).partial_fit(two_cpus)
     np.testing.assert_allclose([pinned.predict([3])[0], pinned.predict([5])[0]], [640, 160])
     np.testing.assert_allclose(AutoCapacityModel().partial_fit(two_cpus).predict([3]), [160])
+
+
+def test_auto_model_leaves_the_kind_of_a_bare_announcement_open() -> None:
+    """A federated client that first announces itself (nothing measured, hardware only) is not fixed as a CPU
+    worker: its later reports reach the client model, which answers with its transfer (60 s a round here); the
+    client model knew its hardware from the announcement, so before that it had the phones' prior."""
+    model = AutoCapacityModel(models={"fl": FLClientModel(local_steps=5)})
+    phone = {"cores": 8.0, "download_s": 30.0, "upload_s": 30.0}
+    model.partial_fit([Report("j", 0, 0, 0, 0.0, device="android", features={"cores": 8.0}),
+                       Report("j", 1, 0, 100, 1.0, device="android", features=phone)])
+    assert model.models_["fl"].hardware_[0] == ("android", 8)
+    np.testing.assert_allclose(model.time_model([0]).time(np.array([20])), [61.0])  # the phones' prior
+    model.partial_fit([Report("j", w, 1, 100, 1.0, device="android", features=phone) for w in (0, 1)])
+    assert model.kind_ == {0: "fl", 1: "fl"}
+    np.testing.assert_allclose(model.time_model([0, 1]).time(np.array([20, 20])), [61.0, 61.0])
 
 
 @pytest.mark.parametrize("factory", [LastValue, EWMAThroughput, NARXThroughput, BatchTimeCurve, AutoCapacityModel])

@@ -58,7 +58,8 @@ def test_cold_start_uses_similar_hardware() -> None:
 
 def test_learns_availability_from_round_outcomes_with_a_hardware_prior() -> None:
     """A phone that completes 70% of its rounds is learned to about 0.7, a server that always completes to 1;
-    a new phone starts from what phones do, and a client nobody knows anything about from 1."""
+    a new phone starts from what phones do (and its first outcome is blended into that), and a client nobody
+    knows anything about from 1."""
     model = FLClientModel(availability_alpha=0.05)
     model.partial_fit([Report("fl", 0, 0, 10, 1.0, device="android"), Report("fl", 1, 0, 10, 0.1, device="server"),
                        Report("fl", 2, 0, 0, 0.0, device="android")])  # 2 announces itself only
@@ -70,6 +71,11 @@ def test_learns_availability_from_round_outcomes_with_a_hardware_prior() -> None
     assert phone == pytest.approx(0.7, abs=0.1) and server == 1.0
     assert new_phone == phone  # the prior of similar hardware
     assert stranger == pytest.approx(np.median([phone, server]))  # unknown hardware: the median of all
+    model.record_outcomes({2: False})  # the new phone's first miss lowers it from the phones' figure, not from 1
+    assert model.availability([2])[0] == pytest.approx(0.95 * phone)
+    unknown = model.availability([3])[0]  # no hardware known: the median of all clients
+    model.record_outcomes({3: True})
+    assert model.availability([3])[0] == pytest.approx(0.05 + 0.95 * unknown)
     model.fit([])  # forgets availability with everything else
     assert model.availability([0]).tolist() == [1.0]
 

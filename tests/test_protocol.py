@@ -30,6 +30,7 @@ def test_report_round_trip() -> None:
     ({"compute_s": -0.5}, "compute_s"),
     ({"samples": 10**12}, "samples"),
     ({"compute_s": 1e12}, "compute_s"),
+    ({"compute_s": 5e-324}, "compute_s"),  # a broken timer: 32 samples in it is an infinite throughput
     ({"worker": "1"}, "worker"),
     ({"worker": 4}, "worker"),
     ({"iteration": 1.5}, "iteration"),

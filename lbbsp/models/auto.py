@@ -1,7 +1,9 @@
 """Mixed clusters: one capacity model per worker kind (CPU, GPU, federated client), chosen per worker.
 
-A worker's kind is set from its first report (device string and features) and can be overridden; each
-kind's model sees only its own workers' reports. The job's time model stitches the kinds' time models
+A worker's kind is set from its first report (device string and features) and can be overridden; an
+announcement that measured nothing and shows no accelerator or transfer features does not set it (a federated
+client or a GPU worker may announce itself that way), and goes to every kind's model. Each kind's model sees
+only its own workers' reports. The job's time model stitches the kinds' time models
 together, so one allocation balances GPU and CPU workers against each other.
 """
 from __future__ import annotations
@@ -88,8 +90,16 @@ class AutoCapacityModel(CapacityModel):
         by_kind: dict[str, list[Report]] = {kind: [] for kind in KINDS}
         for report in reports:
             kind = self.kind_.get(report.worker)
-            if kind is None:  # a worker's kind is set by its first report
-                kind = self.kind_[report.worker] = (self.kinds or {}).get(report.worker) or worker_kind(report)
+            if kind is None:  # a worker's kind is set by its first report that shows it
+                pinned = (self.kinds or {}).get(report.worker)
+                kind = pinned or worker_kind(report)
+                if not (pinned or report.samples > 0 or kind != "cpu"):
+                    # an announcement with nothing measured and no accelerator or transfer features says only
+                    # what the hardware is: every model learns that (for its cold-start prior), none claims it
+                    for group in by_kind.values():
+                        group.append(report)
+                    continue
+                self.kind_[report.worker] = kind
                 self._groups_cache = None
             by_kind[kind].append(report)
         for kind, group in by_kind.items():

@@ -151,10 +151,10 @@ class CapacityModel:
 
 
 def smoothed(table: np.ndarray | None, workers: np.ndarray, values: np.ndarray, alpha: float,
-             start: float | None = None) -> np.ndarray:
+             start: float | np.ndarray | None = None) -> np.ndarray:
     """A per-worker-id table (NaN where unknown, grown as ids appear) with ``values`` blended in at ``workers``
     by exponential weighting: alpha * new + (1 - alpha) * old, the first value taken as is, or blended into
-    ``start`` when one is given. Pure function."""
+    ``start`` when one is given (one value, or one per worker in ``workers``). Pure function."""
     size = int(workers.max()) + 1 if workers.size else 0
     if table is None:
         table = np.full(size, np.nan)

@@ -23,7 +23,8 @@ class FLClientModel(CapacityModel):
     Reports carry ``samples`` (local_steps * batch), ``compute_s`` (local compute only) and features
     ``download_s``/``upload_s``; without those, ``model_bytes`` over ``bandwidth_down``/``bandwidth_up``
     gives the transfer time. Availability is learned from :meth:`record_outcomes` (exponentially weighted
-    by ``availability_alpha``, starting from "available"). Clients never seen get the median of clients on
+    by ``availability_alpha``, starting from the availability of clients on similar hardware, or "available"
+    where nothing is known). Clients never seen get the median of clients on
     similar hardware, for speed, transfer and availability alike.
     """
 
@@ -51,9 +52,10 @@ class FLClientModel(CapacityModel):
         self._check_params()
         ids = np.fromiter(completed.keys(), dtype=np.int64, count=len(completed))
         done = np.fromiter(completed.values(), dtype=float, count=len(completed))
-        # a client is taken as available until it misses
+        # a client's first outcome is blended into what similar clients do (available, where nothing is known):
+        # blended into 1 instead, a new client on hardware that completes 70% of rounds would rise on its first miss
         self.availability_ = smoothed(getattr(self, "availability_", None), ids, done, self.availability_alpha,
-                                      start=1.0)
+                                      start=self.availability(ids))
         return self
 
     def availability(self, workers: WorkerIds) -> np.ndarray:

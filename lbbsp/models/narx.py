@@ -35,7 +35,8 @@ class NARXThroughput(CapacityModel):
     """Online NARX(p=lags, q=exog_lags) throughput forecaster ``horizon`` iterations ahead.
 
     Training pairs go to a replay buffer of ``buffer_size`` rows; each update takes one Adam step per
-    mini-batch of 128 over at most ``rows_per_update`` rows (the newest first, then random older ones), which
+    mini-batch of 128 over at most ``rows_per_update`` rows (the newest first, a random subset of them when
+    more arrived, then random older ones), which
     keeps the cost per decision bounded at any cluster size.
     """
 
@@ -238,9 +239,13 @@ class NARXThroughput(CapacityModel):
         self.newest_ = positions
 
     def _train(self) -> None:
-        """One pass of Adam over the newest pairs plus random older ones, in mini-batches of 128."""
+        """One pass of Adam over the newest pairs plus random older ones, in mini-batches of 128. Where more
+        new pairs arrived than ``rows_per_update``, a random subset of them: reports come in worker order, so
+        the last ones would always be the same (highest-id) workers, and the network would never see the rest."""
         filled = min(self.buffered_, self.buffer_size)
-        newest = self.newest_[-self.rows_per_update:]
+        newest = self.newest_
+        if newest.size > self.rows_per_update:
+            newest = self.rng_.choice(newest, self.rows_per_update, replace=False)
         room = min(self.rows_per_update - newest.size, filled)
         picked = np.concatenate([newest, self.rng_.integers(0, filled, size=room)]) if room > 0 else newest
         for start in range(0, picked.size, 128):
