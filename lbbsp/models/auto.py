@@ -93,8 +93,8 @@ class AutoCapacityModel(CapacityModel):
             if kind is None:  # a worker's kind is set by its first report that shows it
                 pinned = (self.kinds or {}).get(report.worker)
                 kind = pinned or worker_kind(report)
-                if not (pinned or report.samples > 0 or kind != "cpu"):
-                    # an announcement with nothing measured and no accelerator or transfer features says only
+                bare = pinned is None and report.samples == 0 and kind == "cpu"
+                if bare:  # an announcement with nothing measured and no accelerator or transfer features says only
                     # what the hardware is: every model learns that (for its cold-start prior), none claims it
                     for group in by_kind.values():
                         group.append(report)
