@@ -26,7 +26,7 @@ from lbbsp.coordinator import CoordinatorProcess
 from lbbsp.embedded import FOLDER_PREFIX, EmbeddedRedis, claim, temp_parent
 from lbbsp.errors import ConfigError
 from lbbsp.policies import Policy
-from lbbsp.store import Store, wait_for_redis
+from lbbsp.store import Store, wait_for_redis, worker_socket_timeout
 from lbbsp.telemetry import ResourceMonitor
 from lbbsp.worker import WorkerClient
 
@@ -130,7 +130,9 @@ class WorkerSession:
             url = f"unix://{directory / 'redis.sock'}"
         self.url = url
         try:
-            store = Store(wait_for_redis(url, connect_timeout_s), config.job, ttl_s=config.ttl_s, owns_client=True)
+            client = wait_for_redis(url, connect_timeout_s,
+                                    socket_timeout_s=worker_socket_timeout(config.assignment_timeout_s))
+            store = Store(client, config.job, ttl_s=config.ttl_s, owns_client=True)
             if worker == 0:
                 self.coordinator = CoordinatorProcess(url, config, policy)
             self.client = WorkerClient(store, config, worker, device=device_label())

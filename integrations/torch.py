@@ -35,7 +35,7 @@ from lbbsp.errors import ConfigError, LBBSPError
 from lbbsp.policies import Policy
 from lbbsp.protocol import Assignment, Report
 from lbbsp.sampling import GlobalBatchSampler
-from lbbsp.store import Store
+from lbbsp.store import Store, worker_socket_timeout
 from lbbsp.telemetry import ResourceMonitor
 from lbbsp.worker import WorkerClient
 
@@ -151,7 +151,8 @@ class Balancer:
             caps = tuple(max_batch) if isinstance(max_batch, Sequence) else max_batch
             config = JobConfig(job, world, global_batch, min_batch=min_batch, max_batch=caps,
                                assignment_timeout_s=assignment_timeout_s)
-            store = Store.from_url(url, job, ttl_s=config.ttl_s)
+            store = Store.from_url(url, job, ttl_s=config.ttl_s,
+                                   socket_timeout_s=worker_socket_timeout(config.assignment_timeout_s))
             owned.append(store)
             if not coordinator:
                 config = _joined(config, store.load_config())

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import redis
 
@@ -75,8 +76,9 @@ def _status(args: argparse.Namespace) -> int:
             if config is None and args.job:
                 raise LBBSPError(f"no job {job!r} on this Redis (it never started, or its keys expired); "
                                  "`lbbsp status` without --job lists the jobs there")
-            decisions = [json.loads(d) for d in store.decisions(max(args.decisions, 1))]
-            statuses = {int(k): json.loads(v) for k, v in store.worker_statuses().items()}
+            decisions = [d for raw in store.decisions(max(args.decisions, 1)) if (d := _readable(raw, _DECISION))]
+            statuses = {int(k): s for k, raw in store.worker_statuses().items()
+                        if k.isdigit() and (s := _readable(raw, _WORKER_STATUS))}
         last = decisions[0] if decisions else {}
         title = f"job {job}" + (f": {config.num_workers} workers, global batch {config.global_batch}" if config else "")
         table = Table(title=title, caption=f"iteration {last.get('iteration', '-')}: {last.get('reason', 'no decision yet')}")
@@ -94,9 +96,32 @@ def _status(args: argparse.Namespace) -> int:
             for d in decisions:
                 log.add_row(str(d["iteration"]), " ".join(map(str, d["sizes"][:16])) + (" ..." if len(d["sizes"]) > 16 else ""),
                             d["policy"], "coordinator" if d["written_by_coordinator"] else "fallback", d["reason"],
-                            "; ".join(f"worker {r['worker']}: {r['error']}" for r in d["rejected"]))
+                            "; ".join(f"worker {r.get('worker')}: {r.get('error')}" for r in d["rejected"]
+                                      if isinstance(r, dict)))
             console.print(log)
     return 0
+
+
+#: What ``lbbsp status`` needs of a decision record and of a worker's status; entries without it (written by
+#: something other than a coordinator) are left out rather than stopping the table.
+_Fields = dict[str, type | tuple[type, ...]]
+_NUMBER = (int, float, type(None))
+_DECISION: _Fields = {"iteration": int, "sizes": list, "policy": str, "written_by_coordinator": bool, "reason": str,
+             "rejected": list}
+_WORKER_STATUS: _Fields = {"size": int, "predicted_throughput": _NUMBER, "measured_throughput": _NUMBER, "compute_s": _NUMBER,
+                  "wait_s": _NUMBER}
+
+
+def _readable(raw: bytes, fields: _Fields) -> dict[str, Any] | None:
+    """``raw`` as a JSON object holding ``fields`` with those types, or None (logged) if it is not one."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError):
+        obj = None
+    if isinstance(obj, dict) and all(isinstance(obj.get(name), kind) for name, kind in fields.items()):
+        return obj
+    logging.getLogger("lbbsp.cli").warning("skipped an entry that is not a coordinator's record: %.80r", raw)
+    return None
 
 
 def _fmt(value: float | None) -> str:

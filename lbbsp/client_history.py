@@ -54,8 +54,8 @@ class ClientStatus:
             raise ProtocolError("status payload too large", field="payload")
         try:
             obj = json.loads(data, parse_constant=lambda name: None)
-        except ValueError as exc:
-            raise ProtocolError(f"status is not valid JSON: {exc}", field="payload") from None
+        except (ValueError, RecursionError) as exc:
+            raise ProtocolError(f"status is not valid JSON: {exc!r}", field="payload") from None
         if not isinstance(obj, dict) or set(obj) != {"round", "status", "reason", "at"}:
             raise ProtocolError("status must be an object with round, status, reason, at", field="payload")
         rnd, status, reason, at = obj["round"], obj["status"], obj["reason"], obj["at"]
@@ -146,6 +146,8 @@ class ClientHistory:
         if outcomes:
             pipe.hset(self.key("status"), mapping={str(w): s.to_json() for w, s in outcomes.items()})
             pipe.expire(self.key("status"), self.ttl_s)
+        for mapping in ("ids", "next"):  # the client -> index map lives as long as the reports it indexes
+            pipe.expire(self.key(mapping), self.ttl_s)
         self._call(pipe.execute)
 
     def reports(self, worker: int) -> list[Report]:

@@ -138,8 +138,8 @@ class JobConfig:
     def from_json(cls, data: str | bytes) -> JobConfig:
         try:
             obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"stored job configuration is not valid JSON: {exc}") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise ConfigError(f"stored job configuration is not valid JSON: {exc!r}") from None
         if not isinstance(obj, dict):
             raise ConfigError(f"stored job configuration must be a JSON object, got {type(obj).__name__}")
         unexpected = set(obj) - {f.name for f in fields(cls)}

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -29,6 +30,8 @@ from .protocol import Assignment, Report
 from .store import REDIS_ERRORS, Store
 
 log = logging.getLogger("lbbsp.coordinator")
+
+_LOOK_BACK = 16  # how many iterations back the coordinator looks for the split in force (see _in_force)
 
 #: One worker's status in the ``workers`` hash, as JSON (``lbbsp status`` reads it).
 _STATUS = ('{"iteration": %d, "size": %d, "predicted_throughput": %s, "measured_throughput": %s, '
@@ -143,7 +146,8 @@ class Coordinator:
         self._warned_about: str | None = None
         self._outage_since: float | None = None
         self._next_outage_log = 0.0
-        self._last_written: Assignment | None = None
+        self._failure, self._failures, self._next_failure_log = "", 0, 0.0  # the last failed step's, see _failed
+        self._written: deque[Assignment] = deque(maxlen=self.config.lag + 1)  # the ones workers may not have read
         stored = store.decision_count()
         if stored:
             log.warning("job %s already has %d decisions in this Redis: resuming it, and reusing its stored "
@@ -164,13 +168,13 @@ class Coordinator:
         started = time.perf_counter()
         target = iteration + self.config.lag
         reports, rejected = self._parse_reports(iteration)
-        decision, assignment = self._guarded.decide(target, self._assignment(target - 1).sizes, reports)
+        decision, assignment = self._guarded.decide(target, self._in_force(target - 1).sizes, reports)
         written = self.store.publish(assignment)
         decision_s = time.perf_counter() - started
         self._guarded.learn(iteration)  # the split is out: the workers need not wait for this
         learn_s = time.perf_counter() - started - decision_s
         if written:
-            self._last_written = assignment
+            self._written.append(assignment)
         else:
             assignment = self._assignment(target)
         self._record(iteration, assignment, written, decision, reports, rejected, decision_s, learn_s)
@@ -198,8 +202,22 @@ class Coordinator:
 
     def _assignment(self, iteration: int) -> Assignment:
         """The stored assignment of ``iteration`` (validated), or the initial split if none is stored."""
-        if self._last_written is not None and self._last_written.iteration == iteration:
-            return self._last_written  # what this coordinator wrote, once: no need to read it back
+        return self._stored(iteration) or self.config.initial_assignment(iteration)
+
+    def _in_force(self, iteration: int) -> Assignment:
+        """The split the workers will use at ``iteration``: its stored assignment, or, where none is stored
+        yet (its reports were lost, so no decision will come), the latest stored one before it, as the
+        workers' fallback rule gives them; the initial split if none is stored within ``_LOOK_BACK``."""
+        for earlier in range(iteration, max(iteration - _LOOK_BACK, -1), -1):
+            stored = self._stored(earlier)
+            if stored is not None:
+                return stored
+        return self.config.initial_assignment(iteration)
+
+    def _stored(self, iteration: int) -> Assignment | None:
+        """The stored assignment of ``iteration`` (validated), or None."""
+        if self._written and self._written[-1].iteration == iteration:
+            return self._written[-1]  # what this coordinator wrote, once: no need to read it back
         raw = self.store.get_assignment(iteration)
         if raw is not None:
             try:
@@ -207,7 +225,7 @@ class Coordinator:
                                             global_batch=self.config.global_batch)
             except ProtocolError as exc:
                 log.error("stored assignment of iteration %d is invalid: %s", iteration, exc)
-        return self.config.initial_assignment(iteration)
+        return None
 
     def _record(self, iteration: int, assignment: Assignment, written: bool, decision: Decision,
                 reports: list[Report], rejected: list[Rejection], decision_s: float, learn_s: float) -> None:
@@ -243,8 +261,8 @@ class Coordinator:
                 self._stop.wait(0.05)
                 self._republish()
                 continue
-            except Exception:  # whatever one step hits, the coordinator keeps serving
-                log.exception("coordinator step failed; still serving job %s", self.config.job)
+            except Exception as exc:  # noqa: BLE001  (whatever one step hits, the coordinator keeps serving)
+                self._failed(exc)
                 self._stop.wait(0.05)
             if self._outage_since is not None:
                 log.warning("Redis is back after %.1fs; serving job %s again", time.monotonic() - self._outage_since,
@@ -261,13 +279,32 @@ class Coordinator:
             self._next_outage_log = now + 10.0
             log.warning("Redis still unavailable after %.0fs (%s); retrying", now - self._outage_since, exc)
 
+    def _failed(self, exc: Exception) -> None:
+        """Log a failed step with its traceback; the same failure again (a key of the wrong type that someone
+        left in the job's keys fails every step) only every 10 s, with a count, not 20 times a second."""
+        now = time.monotonic()
+        what = f"{type(exc).__name__}: {exc}"
+        if what != self._failure or now >= self._next_failure_log:
+            repeats = f" ({self._failures} times in a row)" if what == self._failure and self._failures > 1 else ""
+            log.exception("coordinator step failed%s; still serving job %s", repeats, self.config.job)
+            self._next_failure_log = now + 10.0
+        self._failures = self._failures + 1 if what == self._failure else 1
+        self._failure = what
+
     def _heartbeat(self) -> None:
-        """Renew this coordinator's claim on the job about once a second, and warn if another one claimed it:
-        two coordinators take turns at the iterations, so each model learns from half of them."""
+        """About once a second: put the job back if Redis lost it, renew this coordinator's claim on the job,
+        and warn if another one claimed it (two coordinators take turns at the iterations, so each model
+        learns from half of them)."""
         now = time.monotonic()
         if now < self._next_heartbeat:
             return
         self._next_heartbeat = now + 1.0
+        if not self.store.has_config():
+            log.warning("job %s's keys are gone from Redis (restarted without persistence, or flushed): "
+                        "registering the job again and republishing its last %d assignments", self.config.job,
+                        len(self._written))
+            self.store.register(self.config)
+            self._republish()
         other = self.store.claim_coordinator(self._identity, ttl_s=5)
         if other is not None and other != self._warned_about:
             log.warning("another coordinator (%s) is serving job %s too: they split the iterations between them "
@@ -275,11 +312,11 @@ class Coordinator:
         self._warned_about = other
 
     def _republish(self) -> None:
-        """After an outage, write the last assignment again (write-once) in case Redis lost it."""
-        if self._last_written is None:
-            return
+        """Write the assignments that workers may still read again (write-once), in case Redis lost them: a
+        worker that finds none would write its fallback, and split from one that had read the decision."""
         try:
-            self.store.publish(self._last_written)
+            for assignment in self._written:
+                self.store.publish(assignment)
         except REDIS_ERRORS:
             pass
 

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import logging
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import redis
@@ -59,14 +63,52 @@ def release_cpu_pinning() -> None:
         pass
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM the server when its parent dies, and undo any CPU pinning
-    the parent (a training worker pinned to its core) passed on, so the server does not steal that core."""
+def _die_with_parent(parent: int) -> None:
+    """Runs in the child before exec: SIGTERM the server when its parent dies (or exit now if it died since
+    the fork), and undo any CPU pinning the parent (a training worker pinned to its core) passed on, so the
+    server does not steal that core."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+    if os.getppid() != parent:
+        os._exit(1)
     release_cpu_pinning()
+
+
+class _Launcher:
+    """Starts servers from one thread that lives as long as the process. The parent-death signal fires when
+    the *thread* that forked the child exits (prctl(2)), so a server started from a short-lived thread (a
+    client thread of a federated simulation, a restart from a callback) would die with that thread."""
+
+    def __init__(self) -> None:
+        self._requests: queue.Queue[tuple[list[str], Future[subprocess.Popen[bytes]]]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def popen(self, args: list[str]) -> subprocess.Popen[bytes]:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="lbbsp-redis-launcher", daemon=True)
+                self._thread.start()
+        started: Future[subprocess.Popen[bytes]] = Future()
+        self._requests.put((args, started))
+        return started.result()
+
+    def _serve(self) -> None:
+        while True:
+            args, started = self._requests.get()
+            # preexec_fn on purpose: the parent-death signal can only be set in the child, before exec
+            die_with_parent = functools.partial(_die_with_parent, os.getpid())
+            try:
+                started.set_result(subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                    stderr=subprocess.DEVNULL,
+                                                    preexec_fn=die_with_parent))  # noqa: PLW1509
+            except Exception as exc:  # noqa: BLE001  (handed to the caller, who raises it)
+                started.set_exception(exc)
+
+
+_launcher = _Launcher()
 
 
 def temp_parent() -> str:
@@ -196,9 +238,7 @@ class EmbeddedRedis:
             "--dir", str(self.directory), "--appendonly", "yes", "--appendfsync", "always", "--save", "",
             "--daemonize", "no", "--loglevel", "warning", "--logfile", str(self.directory / "redis.log"),
         ]
-        # preexec_fn on purpose: the parent-death signal can only be set in the child, before exec
-        self._process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)  # noqa: PLW1509
+        self._process = _launcher.popen(args)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:

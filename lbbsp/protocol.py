@@ -91,6 +91,8 @@ def _decode(data: bytes | str, kind: str, allowed: set[str], max_bytes: int) -> 
         raise
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _fail(f"{kind} is not valid JSON: {exc}", "payload") from None
+    except RecursionError:  # [[[...]]] under the size cap: the decoder's stack, not the whole decision, gives out
+        raise _fail(f"{kind} is nested too deeply", "payload") from None
     if not isinstance(obj, dict):
         raise _fail(f"{kind} must be a JSON object, got {type(obj).__name__}", "payload")
     unknown = [] if allowed.issuperset(obj) else sorted(set(obj) - allowed)

@@ -47,6 +47,12 @@ def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
                           "rediss://... (TLS) or unix:///path/to/socket") from exc
 
 
+def worker_socket_timeout(assignment_timeout_s: float) -> float:
+    """The socket timeout for a worker's connection: with its retries, a call to a stalled Redis gives up
+    within about ``assignment_timeout_s``, so a step waits about that long, not three 5 s timeouts."""
+    return min(5.0, max(0.05, assignment_timeout_s / 3))
+
+
 def _redacted(url: str) -> str:
     """``url`` without the password, for error messages."""
     scheme, sep, rest = url.partition("://")
@@ -64,11 +70,13 @@ class Store:
     # ARGV[1] = worker id, ARGV[2] = report JSON, ARGV[3] = number of workers, ARGV[4] = TTL s,
     # ARGV[5] = iteration k, ARGV[6] = max payload bytes
     # Returns 1 if stored, 0 if this worker already reported iteration k, -1 if the payload is too big,
-    # -2 if the worker id is not one of the job's.
+    # -2 if the worker id is not one of the job's, written in decimal without sign or leading zeros (another
+    # spelling of a worker, "0x1" or "1.0", would fill the hash while the real report is still missing).
     POST_REPORT = """
     if string.len(ARGV[2]) > tonumber(ARGV[6]) then return -1 end
+    if not string.match(ARGV[1], '^%d+$') then return -2 end
     local worker = tonumber(ARGV[1])
-    if not worker or worker < 0 or worker >= tonumber(ARGV[3]) or worker % 1 ~= 0 then return -2 end
+    if tostring(worker) ~= ARGV[1] or worker >= tonumber(ARGV[3]) then return -2 end
     local added = redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
     redis.call('EXPIRE', KEYS[1], ARGV[4])
     if added == 1 and redis.call('HLEN', KEYS[1]) == tonumber(ARGV[3]) then
@@ -141,6 +149,10 @@ class Store:
                               "use another job name or the same settings", job=self.job)
         return stored
 
+    def has_config(self) -> bool:
+        """Whether the job's configuration is stored: False once Redis has lost the job's keys."""
+        return bool(self.client.exists(self.key("config")))
+
     def load_config(self) -> JobConfig | None:
         data = self.client.get(self.key("config"))
         return JobConfig.from_json(data) if data is not None else None
@@ -170,7 +182,11 @@ class Store:
                                  client=client)
 
     def next_ready(self, timeout_s: float) -> int | None:
-        """Pop the next iteration whose reports are complete, waiting up to ``timeout_s``."""
+        """Pop the next iteration whose reports are complete, waiting up to ``timeout_s`` (less than the
+        connection's socket timeout, which would otherwise end the wait as an error)."""
+        socket_timeout = self.client.connection_pool.connection_kwargs.get("socket_timeout")
+        if socket_timeout:
+            timeout_s = min(timeout_s, max(socket_timeout - 1.0, socket_timeout / 2))
         item = self.client.blpop([self.key("ready")], timeout=timeout_s)
         if item is None:
             return None
@@ -241,12 +257,12 @@ class Store:
             yield key.decode()[len("lbbsp:"):-len(":config")]
 
 
-def wait_for_redis(url: str, timeout_s: float) -> redis.Redis:
+def wait_for_redis(url: str, timeout_s: float, *, socket_timeout_s: float = 5.0) -> redis.Redis:
     """Connect and ping until Redis answers or ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
     last: Any = None
     while time.monotonic() < deadline:
-        client = connect(url)
+        client = connect(url, socket_timeout_s=socket_timeout_s)
         try:
             client.ping()
             return client

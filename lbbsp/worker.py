@@ -24,6 +24,10 @@ from .store import REDIS_ERRORS, Store
 
 log = logging.getLogger("lbbsp.worker")
 
+#: What a worker rides out within its bound: Redis unreachable, and Redis answering with an error (a key of
+#: the wrong type, out of memory, a read-only replica during a failover), which may clear as well.
+_RETRIED = (*REDIS_ERRORS, redis.RedisError)
+
 Agree = Callable[[Assignment], Assignment]
 _KEEP_ASSIGNMENTS = 8
 
@@ -70,9 +74,10 @@ class WorkerClient:
                 try:
                     self.store.post_report(report, self.config.num_workers)
                     break
-                except REDIS_ERRORS as exc:
+                except _RETRIED as exc:  # the thread must outlive any one report, or every later one is lost
                     if time.monotonic() > deadline:
-                        log.warning("dropped report of iteration %d: Redis unreachable (%s)", report.iteration, exc)
+                        log.warning("dropped report of iteration %d: Redis did not take it (%s: %s)",
+                                    report.iteration, type(exc).__name__, exc)
                         break
                     time.sleep(0.05)
             self._outbox.task_done()
@@ -85,7 +90,8 @@ class WorkerClient:
 
     # -- the agreed assignment --------------------------------------------------------------------------
     def assignment(self, iteration: int) -> Assignment:
-        """The vector every worker uses at ``iteration``; waits at most about ``assignment_timeout_s``."""
+        """The vector every worker uses at ``iteration``; waits at most about ``assignment_timeout_s`` (on a
+        Redis that stalls, plus one call's socket timeout: see :func:`~lbbsp.store.worker_socket_timeout`)."""
         known = self._known.get(iteration)
         if known is not None:
             return known
@@ -94,12 +100,12 @@ class WorkerClient:
             try:
                 agreed = self._fetch(iteration, deadline)
                 break
-            except REDIS_ERRORS as exc:  # retry within the bound: Redis may be restarting
+            except _RETRIED as exc:  # retry within the bound: Redis may be restarting
                 self._drop_subscription()
                 if time.monotonic() >= deadline:
-                    log.warning("worker %d, iteration %d: Redis unreachable (%s); using the previous vector",
-                                self.worker, iteration, exc)
-                    agreed = self._fallback(iteration, f"Redis unreachable ({type(exc).__name__})")
+                    log.warning("worker %d, iteration %d: Redis unusable (%s: %s); using the previous vector",
+                                self.worker, iteration, type(exc).__name__, exc)
+                    agreed = self._fallback(iteration, f"Redis unusable ({type(exc).__name__})")
                     break
                 time.sleep(0.05)
         if self.agree is not None:
