@@ -45,7 +45,8 @@ class LinearTime:
 
     def time(self, sizes: np.ndarray) -> np.ndarray:
         x = np.asarray(sizes, dtype=float)
-        seconds = self.overhead + x / self.speed
+        with np.errstate(divide="ignore", over="ignore"):  # a speed of (nearly) 0: it takes forever
+            seconds = self.overhead + x / self.speed
         return np.where(x > 0, seconds, 0.0) if self.idle_is_free else seconds
 
     def capacity(self, deadline: float) -> np.ndarray:
@@ -70,7 +71,9 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
              upper: Sequence[int] | np.ndarray) -> np.ndarray:
     """Integers x with sum(x) == global_batch and lower <= x <= upper that minimise max_i time_i(x_i).
 
-    Raises :class:`AllocationError` if the global batch does not fit within the bounds.
+    A worker predicted to take forever (an infinite time: a stalled worker, a speed of 0) gets its lower
+    bound while the others can hold the rest. Raises :class:`AllocationError` if the global batch does not
+    fit within the bounds.
     """
     lower = np.asarray(lower, dtype=np.int64)
     upper = np.asarray(upper, dtype=np.int64)
@@ -78,11 +81,20 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
         raise AllocationError(f"bounds must be two 1-D arrays of one length, got {lower.shape} and {upper.shape}")
     if (lower < 0).any() or (lower > upper).any():
         raise AllocationError("bounds must satisfy 0 <= lower <= upper for every worker")
+    upper = np.asarray(np.minimum(upper, max(global_batch, 0)), dtype=np.int64)  # no worker takes more than B
     if not lower.sum() <= global_batch <= upper.sum():
         raise AllocationError(f"global batch {global_batch} cannot be placed within the bounds: they allow "
                               f"{int(lower.sum())} to {int(upper.sum())} samples")
     if lower.sum() == global_batch:
         return lower.copy()
+    t_lower = np.asarray(model.time(lower), dtype=float)
+    t_upper = np.asarray(model.time(upper), dtype=float)
+    if np.isnan(t_lower).any() or np.isnan(t_upper).any() or np.isneginf(t_lower).any():
+        raise AllocationError("the time model predicted a non-finite time")
+    free = upper > lower
+    stalled = free & np.isposinf(t_upper)
+    if stalled.any():
+        return _around_stalled(model, global_batch, lower, upper, stalled)
 
     invert = getattr(model, "capacity", None)
 
@@ -91,12 +103,9 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
             return np.clip(invert(deadline), lower, upper).astype(np.int64)
         return _capacity_by_search(model, deadline, lower, upper)
 
-    t_lower = np.asarray(model.time(lower), dtype=float)
-    t_upper = np.asarray(model.time(upper), dtype=float)
-    if not (np.isfinite(t_lower).all() and np.isfinite(t_upper).all()):
-        raise AllocationError("the time model predicted a non-finite time")
-    t_lo = float(np.nextafter(t_lower.min(), -np.inf))  # capacity(t_lo) == lower, whose sum is < B
-    t_hi = float(t_upper.max())  # capacity(t_hi) == upper, whose sum is >= B
+    # Over the workers whose size is free (a fixed one's time, even an infinite one, moves nothing):
+    t_lo = float(np.nextafter(t_lower[free].min(), -np.inf))  # capacity(t_lo) == lower, whose sum is < B
+    t_hi = float(t_upper[free].max())  # capacity(t_hi) == upper, whose sum is >= B
     x_lo, x_hi = lower.copy(), upper.copy()
     # Narrow [t_lo, t_hi] until each worker can add at most one sample between the two deadlines (then the
     # greedy fill below is exact), or until the floats run out (flat curves). The next deadline interpolates
@@ -218,6 +227,20 @@ def allocate_sitting_out(model: TimeModel, global_batch: int, lower: Sequence[in
     return without if faster else everyone
 
 
+def _around_stalled(model: TimeModel, global_batch: int, lower: np.ndarray, upper: np.ndarray,
+                    stalled: np.ndarray) -> np.ndarray:
+    """Allocate with the ``stalled`` workers (infinite time at their upper bound) held as low as the others
+    allow: at their lower bound, or, where the others cannot hold the rest, at the largest size they finish."""
+    others = int(upper[~stalled].sum())
+    if stalled.all() or others + int(lower[stalled].sum()) < global_batch:
+        finite = np.where(stalled, _capacity_by_search(model, np.finfo(float).max, lower, upper), upper)
+        if stalled.all() or int(finite.sum()) < global_batch:
+            raise AllocationError(f"the time model predicts that {int(stalled.sum())} of {stalled.size} workers "
+                                  f"never finish, and the others cannot hold the global batch {global_batch}")
+        return allocate(model, global_batch, lower, finite)
+    return allocate(model, global_batch, lower, np.where(stalled, lower, upper))
+
+
 def _only_flat_jumps(model: TimeModel, x_lo: np.ndarray, x_hi: np.ndarray, room: np.ndarray) -> bool:
     """Whether the few workers with room for more than one sample take as long for all of it as for the first."""
     wide = room > 1
@@ -246,12 +269,20 @@ def damp(current: Sequence[int] | np.ndarray, proposed: np.ndarray, model: TimeM
     """Keep ``current`` unless ``proposed`` is predicted faster by more than ``deadband`` (a fraction).
 
     A dead band stops the sizes oscillating when noisy measurements predict tiny gains. Returns the
-    chosen split and whether it is the proposed one.
+    chosen split and whether it is the proposed one. Workers predicted to never finish make both finishes
+    infinite: then the split that gives them fewer samples wins, and at a tie the others' finish decides.
     """
     current_arr = np.asarray(current, dtype=np.int64)
     if current_arr.shape != proposed.shape or current_arr.sum() != proposed.sum():
         return proposed, True
-    if predicted_makespan(model, proposed) * (1 + deadband) < predicted_makespan(model, current_arr):
+    t_new, t_old = model.time(proposed), model.time(current_arr)
+    never = np.isposinf(t_new) | np.isposinf(t_old)
+    if never.any():
+        on_never, had = int(proposed[never].sum()), int(current_arr[never].sum())
+        if on_never != had:
+            return (proposed, True) if on_never < had else (current_arr, False)
+        t_new, t_old = t_new[~never], t_old[~never]
+    if t_new.size and t_new.max() * (1 + deadband) < t_old.max():
         return proposed, True
     return current_arr, False
 

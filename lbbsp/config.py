@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from .allocation import LinearTime, allocate
 from .errors import ConfigError
 from .protocol import MAX_BATCH, MAX_WORKERS, Assignment, equal_split
 
@@ -45,10 +46,10 @@ def _max_batch(value: object, num_workers: int, job: str) -> int | tuple[int, ..
         raise ConfigError(f"max_batch must be None, an integer or a sequence of {num_workers} integers (one per "
                           f"worker), got {_given(value)}", job=job)
     if not isinstance(value, Sequence):
-        return _integer(value, "max_batch", 0, None, job)
+        return _integer(value, "max_batch", 0, MAX_BATCH, job)
     if len(value) != num_workers:
         raise ConfigError(f"max_batch has {len(value)} entries for {num_workers} workers", job=job)
-    return tuple(_integer(cap, f"max_batch[{i}]", 0, None, job) for i, cap in enumerate(value))
+    return tuple(_integer(cap, f"max_batch[{i}]", 0, MAX_BATCH, job) for i, cap in enumerate(value))
 
 
 def _seconds(value: object, name: str, hi: float, job: str) -> float:
@@ -124,8 +125,13 @@ class JobConfig:
         return lower, upper
 
     def initial_sizes(self) -> tuple[int, ...]:
-        """The vector of the first ``lag`` iterations, before any decision: the equal (BSP) split."""
-        return equal_split(self.global_batch, self.num_workers)
+        """The vector of the first ``lag`` iterations, before any decision: the equal (BSP) split, or, where
+        ``max_batch`` caps some workers below it, the most nearly equal split within the bounds."""
+        equal = equal_split(self.global_batch, self.num_workers)
+        lower, upper = self.bounds()
+        if all(lo <= size <= hi for lo, size, hi in zip(lower, equal, upper)):
+            return equal
+        return tuple(allocate(LinearTime(np.ones(self.num_workers)), self.global_batch, lower, upper).tolist())
 
     def initial_assignment(self, iteration: int) -> Assignment:
         """The assignment of ``iteration`` when no decision covers it: the initial split."""

@@ -18,12 +18,26 @@ from .errors import ConfigError
 from .hedging import ForecastRisk, hedged
 from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
 from .models.base import WorkerIds
-from .protocol import Report, equal_split
+from .protocol import Report
 
 #: The dead band narrows to this many times the forecasts' median miss where that is under ``deadband``...
 BAND_PER_MISS = 3.0
 #: ...but never below this.
 MIN_BAND = 0.005
+
+
+def _count(value: object, name: str, least: int) -> int:
+    """``value`` as an integer >= ``least``, or a :class:`ConfigError` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
+    return value
+
+
+def _real(value: object, name: str, lo: float, hi: float, want: str) -> float:
+    """``value`` as a finite number in [lo, hi] (``want`` says so in the error), or a :class:`ConfigError`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ConfigError(f"{name} must be {want}, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -64,7 +78,7 @@ class BSPPolicy(Policy):
     name = "bsp"
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
-        return Decision(equal_split(config.global_batch, config.num_workers), "equal split (BSP)")
+        return Decision(config.initial_sizes(), "equal split (BSP)")
 
 
 class BackupWorkersPolicy(BSPPolicy):
@@ -74,7 +88,7 @@ class BackupWorkersPolicy(BSPPolicy):
     name = "backup"
 
     def __init__(self, backups: int = 1) -> None:
-        self.backups = backups
+        self.backups = _count(backups, "backups", 0)
 
     def aggregated(self, num_workers: int) -> int:
         if not 0 <= self.backups < num_workers:
@@ -102,8 +116,8 @@ class LBBSPPolicy(Policy):
     def __init__(self, model: CapacityModel | None = None, *, deadband: float = 0.03,
                  hedge: float | None = 2.0, sit_out: float = 0.0, rejoin_after: int | None = 10) -> None:
         self.model = model if model is not None else AutoCapacityModel()
-        self.deadband = deadband
-        self.hedge = hedge
+        self.deadband = _real(deadband, "deadband", 0.0, 0.99, "a share of the predicted finish in [0, 0.99]")
+        self.hedge = None if hedge is None else _real(hedge, "hedge", 0.0, 1e6, "None or a number of workers >= 0")
         self.sit_out = sit_out_share(sit_out)
         self.rounds_out = RoundsOut(rejoin_after)
         self.risk = ForecastRisk(hedge) if hedge else None
@@ -208,7 +222,7 @@ class StaticProportionalPolicy(LBBSPPolicy):
 
     def __init__(self, profile_iterations: int = 3) -> None:
         super().__init__(EWMAThroughput(alpha=0.5), deadband=0.0, hedge=None)
-        self.profile_iterations = profile_iterations
+        self.profile_iterations = _count(profile_iterations, "profile_iterations", 1)
         self._observed = 0
         self._fixed: Decision | None = None
 
@@ -233,7 +247,7 @@ class PerEpochPolicy(LBBSPPolicy):
 
     def __init__(self, iterations_per_epoch: int = 50, model: CapacityModel | None = None) -> None:
         super().__init__(model if model is not None else EWMAThroughput(alpha=0.05), deadband=0.0, hedge=None)
-        self.iterations_per_epoch = iterations_per_epoch
+        self.iterations_per_epoch = _count(iterations_per_epoch, "iterations_per_epoch", 1)
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         if iteration % self.iterations_per_epoch != 0:
@@ -249,8 +263,9 @@ class LeaderStragglerPolicy(Policy):
     name = "leader-straggler"
 
     def __init__(self, window: int = 3, initial_step_fraction: float = 0.25, model: CapacityModel | None = None) -> None:
-        self.window = window
-        self.initial_step_fraction = initial_step_fraction
+        self.window = _count(window, "window", 1)
+        self.initial_step_fraction = _real(initial_step_fraction, "initial_step_fraction", 1e-9, 1.0,
+                                           "a share of the mean batch in (0, 1]")
         self.model = model
         self._times: dict[int, list[float]] = {}
         self._observed = 0
@@ -266,9 +281,12 @@ class LeaderStragglerPolicy(Policy):
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         sizes = np.asarray(current, dtype=np.int64).copy()
-        if self._observed < self.window or len(self._times) < config.num_workers:
+        if self._observed < self.window or not self._times:
             return Decision(tuple(int(s) for s in sizes), "observing")
-        mean_time = np.array([np.mean(self._times[w][-self.window:]) for w in range(config.num_workers)])
+        # A worker that sent no report in the window (it left, or its reports were refused) keeps its size:
+        # it is neither the straggler nor the leader, and does not hold up the search of the others.
+        mean_time = np.array([np.mean(self._times[w][-self.window:]) if w in self._times else np.nan
+                              for w in range(config.num_workers)])
         self._times.clear()
         self._observed = 0
         lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
@@ -276,10 +294,11 @@ class LeaderStragglerPolicy(Policy):
             upper = np.maximum(np.minimum(upper, caps), lower)
         if self._step is None:
             self._step = max(1, int(self.initial_step_fraction * config.global_batch / config.num_workers))
-        straggler = int(np.argmax(mean_time))
+        reported = ~np.isnan(mean_time)
+        straggler = int(np.argmax(np.where(reported, mean_time, -np.inf)))
         if straggler == self._last_leader:
             self._step = max(1, self._step // 2)
-        has_room = np.flatnonzero(sizes < upper)
+        has_room = np.flatnonzero((sizes < upper) & reported)
         has_room = has_room[has_room != straggler]
         if has_room.size == 0:
             return Decision(tuple(int(s) for s in sizes), "no worker has memory to spare")

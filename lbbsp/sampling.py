@@ -35,15 +35,19 @@ def scale_split(sizes: Sequence[int], total: int) -> tuple[int, ...]:
     return tuple(int(s) for s in floor)
 
 
+def _check_count(value: object, name: str, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
 class GlobalBatchSampler:
     """Indices of global batch k, and each worker's slice of it, for a dataset of ``dataset_size`` samples."""
 
     def __init__(self, dataset_size: int, global_batch: int, *, seed: int = 0, shuffle: bool = True,
                  drop_last: bool = False) -> None:
-        if dataset_size < 1:
-            raise ConfigError(f"dataset_size must be positive, got {dataset_size}")
-        if not 1 <= global_batch:
-            raise ConfigError(f"global_batch must be positive, got {global_batch}")
+        for name, value, least in (("dataset_size", dataset_size, 1), ("global_batch", global_batch, 1),
+                                   ("seed", seed, 0)):
+            _check_count(value, name, least)
         if drop_last and dataset_size < global_batch:
             raise ConfigError(f"drop_last with {dataset_size} samples and global batch {global_batch} leaves "
                               "no batch at all")
@@ -62,6 +66,7 @@ class GlobalBatchSampler:
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's permutation, as ``DistributedSampler.set_epoch`` does."""
+        _check_count(epoch, "epoch", 0)
         if epoch != self.epoch:
             self.epoch = epoch
             self._order = self._permutation(epoch)
@@ -83,6 +88,8 @@ class GlobalBatchSampler:
 
     def split_for(self, step: int, sizes: Sequence[int]) -> tuple[int, ...]:
         """The split actually used at ``step``: ``sizes``, scaled down for a short final batch."""
+        if not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 0 for s in sizes):
+            raise ConfigError(f"sizes must be integers >= 0, got {tuple(sizes)[:8]}")
         if sum(sizes) != self.global_batch:
             raise ConfigError(f"sizes {tuple(sizes)} sum to {sum(sizes)}, not the global batch {self.global_batch}")
         return scale_split(sizes, self.batch_size(step))

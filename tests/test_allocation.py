@@ -135,3 +135,15 @@ def test_a_worker_out_rejoin_after_times_in_a_row_stays_in() -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ConfigError, match="rejoin_after"):
             RoundsOut(bad)  # type: ignore[arg-type]
+
+
+def test_workers_that_never_finish_get_their_lower_bound_while_the_others_hold_the_rest() -> None:
+    assert allocate(LinearTime(np.array([0.0, 2.0, 3.0])), 90, [1, 1, 1], [90, 90, 90]).tolist() == [1, 36, 53]
+    assert allocate(LinearTime(np.array([1e-300, 2.0, 3.0])), 90, [1, 1, 1], [90, 50, 30]).tolist() == [10, 50, 30]
+    with pytest.raises(AllocationError, match="never finish"):
+        allocate(LinearTime(np.array([0.0, 0.0, 0.0])), 90, [1, 1, 1], [90, 90, 90])
+
+
+def test_caps_near_the_integer_limit_do_not_overflow() -> None:
+    no_cap = np.iinfo(np.int64).max // 4
+    assert allocate(LinearTime(np.arange(1.0, 6.0)), 100, [0] * 5, [no_cap] * 5).sum() == 100

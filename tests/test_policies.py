@@ -147,3 +147,57 @@ def test_the_dead_band_narrows_where_forecasts_are_precise() -> None:
     drive(noisy, 0.1)
     assert noisy.band() == 0.03  # noisy forecasts keep the whole dead band
     assert all(reason.startswith("kept") for reason in drive(LBBSPPolicy(EWMAThroughput(), hedge=None), 0.0))
+
+
+def test_the_equal_split_respects_per_worker_caps_from_the_first_iteration() -> None:
+    config = JobConfig("p", 3, 90, max_batch=(10, 90, 90))
+    assert config.initial_sizes() == (10, 40, 40)
+    assert BSPPolicy().decide(5, config.initial_sizes(), config).sizes == (10, 40, 40)
+    assert JobConfig("p", 7, 101).initial_sizes() == (15, 15, 15, 14, 14, 14, 14)  # uncapped: equal_split's
+
+
+class Stalled(EWMAThroughput):
+    """A user's model that predicts worker 0 at ``speed`` samples per second, however it measured."""
+
+    def __init__(self, speed: float) -> None:
+        super().__init__()
+        self.speed = speed
+
+    def predict(self, workers):
+        predicted = super().predict(workers).copy()
+        predicted[0] = self.speed
+        return predicted
+
+
+@pytest.mark.parametrize("speed", [0.0, -1.0, 1e-310])
+def test_a_worker_predicted_to_never_finish_gets_its_smallest_batch(speed: float) -> None:
+    config = JobConfig("p", 3, 90)
+    policy = LBBSPPolicy(Stalled(speed), hedge=None)
+    policy.observe(_reports(0, np.array([30, 30, 30]), np.array([1.0, 2.0, 3.0])))
+    assert policy.decide(2, (30, 30, 30), config).sizes == (1, 36, 53)
+
+
+def test_leader_straggler_goes_on_without_a_worker_that_stopped_reporting() -> None:
+    config = JobConfig("p", 3, 90)
+    policy = LeaderStragglerPolicy(window=2)
+    sizes: tuple[int, ...] = (30, 30, 30)
+    moved = []
+    for k in range(12):
+        reports = _reports(k, np.array(sizes), np.array([1.0, 2.0, 3.0]))
+        policy.observe(reports if k < 2 else reports[1:])  # worker 0 stops reporting after iteration 1
+        decision = policy.decide(k + 2, sizes, config)
+        moved.append(decision.sizes != sizes)
+        sizes = decision.sizes
+    assert sum(moved[2:]) >= 4  # it keeps moving samples between the workers that report
+    assert sizes[0] < 30 and sizes[2] > sizes[1]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: LBBSPPolicy(deadband=float("nan")), lambda: LBBSPPolicy(deadband=-0.5), lambda: LBBSPPolicy(deadband="x"),
+    lambda: LBBSPPolicy(hedge="2"), lambda: PerEpochPolicy(0), lambda: StaticProportionalPolicy(0),
+    lambda: LeaderStragglerPolicy(window=0), lambda: LeaderStragglerPolicy(initial_step_fraction=float("nan")),
+    lambda: BackupWorkersPolicy(1.5),
+])
+def test_a_bad_policy_parameter_is_a_config_error_at_construction(make) -> None:
+    with pytest.raises(ConfigError):
+        make()

@@ -60,3 +60,13 @@ def test_bad_sizes_and_steps_are_rejected() -> None:
         sampler.worker_indices(0, (4, 5), 0)
     with pytest.raises(ConfigError, match="outside the epoch"):
         sampler.global_indices(3)
+
+
+@pytest.mark.parametrize("call", [
+    lambda s: s.worker_indices(0, [-2, 10], 0), lambda s: s.worker_indices(0, [2.5, 5.5], 0),
+    lambda s: s.set_epoch(-1), lambda s: GlobalBatchSampler(10.5, 4), lambda s: GlobalBatchSampler(10, 4.5),
+    lambda s: GlobalBatchSampler(10, 4, seed=-1),
+])
+def test_bad_sizes_and_arguments_are_config_errors(call) -> None:
+    with pytest.raises(ConfigError):
+        call(GlobalBatchSampler(20, 8))

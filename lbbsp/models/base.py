@@ -108,11 +108,12 @@ class CapacityModel:
         raise NotImplementedError
 
     def time_model(self, workers: WorkerIds) -> InvertibleTimeModel:
-        """Predicted time as a function of batch size; linear in the size unless a model knows better."""
+        """Predicted time as a function of batch size; linear in the size unless a model knows better. A worker
+        with no forecast (NaN) is taken at the median speed; one predicted at 0 or below never finishes."""
         speed = self.predict(workers)
         known = np.isfinite(speed) & (speed > 0)
         fill = float(np.median(speed[known])) if known.any() else 1.0
-        return LinearTime(np.where(known, speed, fill))
+        return LinearTime(np.where(np.isnan(speed), fill, np.clip(speed, 0.0, None)))
 
     def max_batch(self, workers: WorkerIds) -> np.ndarray | None:
         """The largest batch each worker can hold (GPU memory), or None when the model sets no cap."""
