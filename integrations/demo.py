@@ -219,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.live import Live  # noqa: PLC0415
 
     from lbbsp.embedded import EmbeddedRedis  # noqa: PLC0415
+    from lbbsp.store import Store  # noqa: PLC0415
 
     config = DemoConfig(workers=args.workers, global_batch=args.global_batch, hidden=args.hidden,
                         steps=args.steps, slow_worker=args.slow_worker, load_procs=args.load_procs,
@@ -231,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
                   "of each run")
     server = EmbeddedRedis() if args.redis is None else None
     url = args.redis or server.url  # type: ignore[union-attr]
+    with Store.from_url(url, "") as probe:  # a clear error here, not one traceback per worker process
+        probe.ping(hint="check --redis")
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     view = _View(config, cores)

@@ -154,8 +154,14 @@ class Balancer:
             store = Store.from_url(url, job, ttl_s=config.ttl_s,
                                    socket_timeout_s=worker_socket_timeout(config.assignment_timeout_s))
             owned.append(store)
+            store.ping(hint="check redis= or $LBBSP_REDIS_URL")
             if not coordinator:
-                config = _joined(config, store.load_config())
+                stored = store.load_config()
+                if stored is None and rank == 0:
+                    log.warning("job %r is not on this Redis yet: until `lbbsp coordinator --job %s` serves it, every "
+                                "step waits assignment_timeout_s (%gs) for it; check the job name", job, job,
+                                config.assignment_timeout_s)
+                config = _joined(config, stored)
             if rank == 0 and coordinator:  # a child process: no GIL or pinned core shared with this rank
                 running = CoordinatorProcess(url, config, policy)
             client = WorkerClient(store, config, rank, agree=functools.partial(agree_with_rank0, device=device),

@@ -31,6 +31,8 @@ def _redis_url(args: argparse.Namespace) -> str | None:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
+    config = JobConfig(args.job, args.workers, args.global_batch, min_batch=args.min_batch,  # bad flags: no server
+                       max_batch=args.max_batch, assignment_timeout_s=args.timeout, lag=args.lag, ttl_s=args.ttl)
     server = None
     url = _redis_url(args)
     if url is None:
@@ -40,8 +42,6 @@ def _coordinator(args: argparse.Namespace) -> int:
     store = Store.from_url(url, args.job)
     try:
         store.ping()
-        config = JobConfig(args.job, args.workers, args.global_batch, min_batch=args.min_batch,
-                           max_batch=args.max_batch, assignment_timeout_s=args.timeout, lag=args.lag, ttl_s=args.ttl)
         coordinator = Coordinator(store, config)
         signal.signal(signal.SIGTERM, lambda *_: coordinator.stop(timeout_s=0))
         print(f"coordinating job {args.job!r}: {args.workers} workers, global batch {args.global_batch}", flush=True)
@@ -64,7 +64,7 @@ def _status(args: argparse.Namespace) -> int:
     if url is None:
         raise LBBSPError("no Redis to read: pass --redis URL or set LBBSP_REDIS_URL (the coordinator prints it)")
     console = Console()
-    with Store.from_url(url, args.job or "_") as probe:
+    with Store.from_url(url, args.job or "") as probe:
         probe.ping()
         jobs = [args.job] if args.job else sorted(probe.jobs())
     if not jobs:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 import numpy as np
+import redis
 
 from .config import JobConfig
 from .embedded import release_cpu_pinning
@@ -250,6 +251,13 @@ class Coordinator:
     # -- running ----------------------------------------------------------------------------------------
     def run(self, *, max_decisions: int | None = None, poll_s: float = 0.5) -> None:
         """Serve until :meth:`stop` (or ``max_decisions``); survives Redis outages by retrying."""
+        try:
+            self._serve(max_decisions, poll_s)
+        finally:
+            with contextlib.suppress(*REDIS_ERRORS, redis.RedisError):
+                self.store.release_coordinator(self._identity)
+
+    def _serve(self, max_decisions: int | None, poll_s: float) -> None:
         while not self._stop.is_set():
             if max_decisions is not None and self.decisions_made >= max_decisions:
                 return
@@ -355,6 +363,7 @@ class CoordinatorProcess:
         ready = context.Event()
         self._process = context.Process(target=_serve, args=(url, config.to_json(), policy, ready),
                                         name=f"lbbsp-coordinator-{config.job}", daemon=True)
+        reruns_main = _refers_to_main(policy)
         with _main_not_rerun(policy):
             self._process.start()
         deadline = time.monotonic() + start_timeout_s
@@ -362,9 +371,13 @@ class CoordinatorProcess:
             if not self._process.is_alive() or time.monotonic() > deadline:
                 exited = not self._process.is_alive()
                 self.stop()
-                hint = ("; its traceback is above (with a policy class defined in the script itself, the "
-                        "child runs the script to load it: guard it with `if __name__ == \"__main__\":`)"
-                        if exited else "")
+                guard = ("the policy's class is defined in the script itself, so the child runs the script to "
+                         "load it: guard the script's training with `if __name__ == \"__main__\":`, or move the "
+                         "class into a module")
+                if exited:
+                    hint = f"; its traceback is above ({guard})" if reruns_main else "; its traceback is above"
+                else:
+                    hint = f"; {guard} (unguarded, the child trains instead of serving)" if reruns_main else ""
                 raise LBBSPError(f"the coordinator process exited or did not start within {start_timeout_s}s "
                                  f"(exit code {self._process.exitcode}){hint}", job=config.job)
 

@@ -97,6 +97,12 @@ class Store:
     return 0
     """
 
+    # KEYS[1] = coordinator string, ARGV[1] = identity: delete the claim only if it is still this identity's
+    RELEASE_COORDINATOR = """
+    if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+    return 0
+    """
+
     def __init__(self, client: redis.Redis, job: str, *, ttl_s: int = 3600, owns_client: bool = False) -> None:
         self.client = client
         self.job = job
@@ -105,6 +111,7 @@ class Store:
         self._owns_client = owns_client
         self._post_report = client.register_script(self.POST_REPORT)
         self._publish = client.register_script(self.PUBLISH_ASSIGNMENT)
+        self._release = client.register_script(self.RELEASE_COORDINATOR)
 
     @classmethod
     def from_url(cls, url: str, job: str, *, ttl_s: int = 3600, socket_timeout_s: float = 5.0) -> Store:
@@ -125,12 +132,15 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def ping(self) -> None:
-        """Raise :class:`StoreUnavailable` with the URL's error if Redis does not answer."""
+    def ping(self, *, hint: str = "") -> None:
+        """Raise :class:`StoreUnavailable` with the URL and its error (and ``hint``) if Redis does not answer."""
         try:
             self.client.ping()
         except REDIS_ERRORS as exc:
-            raise StoreUnavailable(f"cannot reach Redis: {exc}", job=self.job) from exc
+            where = self.client.connection_pool.connection_kwargs
+            url = f"unix://{where['path']}" if "path" in where else f"{where.get('host')}:{where.get('port')}"
+            detail = str(exc).rstrip(".") + (f"; {hint}" if hint else "")
+            raise StoreUnavailable(f"cannot reach Redis at {url}: {detail}", job=self.job or None) from exc
         except redis.ResponseError as exc:  # e.g. a database number the server does not have
             raise ConfigError(f"Redis refused the connection's settings: {exc}", job=self.job) from exc
 
@@ -243,6 +253,11 @@ class Store:
         pipe.set(self.key("coordinator"), identity, ex=ttl_s)
         previous = pipe.execute()[0]
         return previous.decode(errors="replace") if previous is not None and previous != identity.encode() else None
+
+    def release_coordinator(self, identity: str) -> None:
+        """Drop ``identity``'s claim on the job, if it still holds it: the next coordinator of the job (a
+        rerun under the same name) is then not warned about one that has stopped."""
+        self._release(keys=[self.key("coordinator")], args=[identity])
 
     def decisions(self, count: int = 20) -> list[bytes]:
         """The newest ``count`` decision records, newest first."""

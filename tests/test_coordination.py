@@ -328,6 +328,44 @@ def test_a_second_coordinator_and_a_reused_job_name_are_warned_about(redis_url: 
         assert "already has 1 decisions" in caplog.text and "new job name" in caplog.text
 
 
+def test_a_stopped_coordinator_leaves_no_claim_for_the_next_run_to_be_warned_about(
+        redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    config = JobConfig(job, 2, 10)
+    with Store.from_url(redis_url, job) as store:
+        Coordinator(store, config).start().stop()
+        assert store.client.get(store.key("coordinator")) is None
+        rerun = Coordinator(store, config)
+        with caplog.at_level("WARNING", logger="lbbsp.coordinator"):
+            rerun._heartbeat()
+    assert "another coordinator" not in caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_a_coordinator_process_that_trains_instead_of_serving_says_to_guard_the_script(
+        redis_url: str, job: str, tmp_path: Path) -> None:
+    # the policy's class lives in the script, so the child runs the script to load it; unguarded, the
+    # script's training runs there (a sleep stands in for it) and the child never serves
+    script = tmp_path / "train.py"
+    script.write_text(f"""
+import time
+from lbbsp import BSPPolicy, CoordinatorProcess, JobConfig, LBBSPError
+
+
+class MyPolicy(BSPPolicy):
+    name = "mine"
+
+
+if __name__ == "__mp_main__":
+    time.sleep(60)
+try:
+    CoordinatorProcess({redis_url!r}, JobConfig({job!r}, 2, 10), MyPolicy(), start_timeout_s=5)
+except LBBSPError as exc:
+    print(exc)
+""")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, check=False)
+    assert "did not start within 5" in result.stdout and "__name__" in result.stdout, result.stdout + result.stderr
+
+
 def test_a_worker_without_a_coordinator_says_so_once(redis_url: str, job: str,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     config = JobConfig(job, 1, 10, assignment_timeout_s=0.05, lag=1)

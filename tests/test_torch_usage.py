@@ -19,7 +19,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import IterableDataset, TensorDataset  # noqa: E402
 
-from lbbsp import ConfigError, EmbeddedRedis, JobConfig, LBBSPError, Store  # noqa: E402
+from lbbsp import ConfigError, EmbeddedRedis, JobConfig, LBBSPError, Store, StoreUnavailable  # noqa: E402
 from lbbsp.integrations.torch import Balancer  # noqa: E402
 from test_torch_exact import in_gloo_group, spawn  # noqa: E402
 
@@ -160,6 +160,10 @@ def settings(url: str, job: str) -> dict:
         Balancer.from_env(1, redis=url, job=job)  # a global batch smaller than the world size
     except ConfigError as exc:
         result["global_batch"] = str(exc)
+    try:
+        Balancer.from_env(GLOBAL_BATCH, redis="redis://127.0.0.1:1/0", job=job)  # nothing listens there
+    except StoreUnavailable as exc:
+        result["unreachable"] = str(exc)
     with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job) as lb:
         for name, call in (("iterable", lambda: lb.loader(Stream())),
                            ("persistent_workers", lambda: lb.loader(data(), persistent_workers=False))):
@@ -269,3 +273,4 @@ def test_settings_errors_say_what_to_do(outcomes: list[dict]) -> None:
     assert "min_batch=0" in result["global_batch"] and "at least 2" in result["global_batch"]
     assert "map-style dataset" in result["iterable"]
     assert "persistent_workers itself" in result["persistent_workers"]
+    assert "127.0.0.1:1" in result["unreachable"] and "LBBSP_REDIS_URL" in result["unreachable"]
