@@ -281,6 +281,9 @@ class _View:
         self.rows: dict[int, tuple[int, float | None]] = {}
         self.load = False
         self.phases: dict[str, tuple[float, float, int]] = {}
+        # Each worker's row of a step that ends a tenth of the run, until every worker has sent it: a progress
+        # line shows one step of all workers (their sizes then sum to the global batch).
+        self._tenths: dict[tuple[str, int], dict[int, tuple[int, float | None, bool]]] = {}
 
     def update(self, event: tuple[Any, ...]) -> None:
         if event[0] == "step":
@@ -288,6 +291,8 @@ class _View:
             self.rows[rank] = (samples, compute_s)
             if rank == 0:
                 self.step, self.load = step, load
+            if self._ends_a_tenth(step):
+                self._tenths.setdefault((self.phase, step), {})[rank] = (samples, compute_s, load)
         elif event[0] == "phase":
             _, phase, seconds, drift, checkpoints = event
             self.phases[phase] = (seconds, drift, checkpoints)
@@ -307,16 +312,21 @@ class _View:
                           f"{samples / compute_s:.0f}" if compute_s else "-")
         return table
 
+    def _ends_a_tenth(self, step: int) -> bool:
+        return (step + 1) % max(self.config.steps // 10, 1) == 0
+
     def progress_line(self, event: tuple[Any, ...]) -> str | None:
-        """Without a terminal: one line per tenth of each run."""
-        if event[0] != "step" or event[2] != self.config.workers - 1:
+        """Without a terminal: one line per tenth of each run, once every worker has sent that step."""
+        if event[0] != "step" or not self._ends_a_tenth(event[3]):
             return None
-        if (event[3] + 1) % max(self.config.steps // 10, 1):
+        key = (event[1], event[3])
+        rows = self._tenths.get(key, {})
+        if len(rows) < self.config.workers:
             return None
-        cells = ", ".join(f"w{r}: {s} @ {c * 1e3:.0f} ms" if c else f"w{r}: {s}"
-                          for r, (s, c) in sorted(self.rows.items()))
-        load = "ON " if self.load else "off"
-        return f"{self.phase:>6} step {event[3] + 1:4d}/{self.config.steps}  load {load}  {cells}"
+        del self._tenths[key]
+        cells = ", ".join(f"w{r}: {s} @ {c * 1e3:.0f} ms" if c else f"w{r}: {s}" for r, (s, c, _) in sorted(rows.items()))
+        load = "ON " if rows[0][2] else "off"  # rank 0 switches the load on the slow worker's core
+        return f"{event[1]:>6} step {event[3] + 1:4d}/{self.config.steps}  load {load}  {cells}"
 
     def summary(self, console: Any) -> int:
         from rich.table import Table  # noqa: PLC0415

@@ -59,3 +59,18 @@ def test_status_of_an_unknown_job_and_the_global_verbose_flag(redis_url: str, jo
     verbose = subprocess.run([*LBBSP, "-v", "simulate", "--help"], capture_output=True, text=True, timeout=60,
                              check=False)
     assert verbose.returncode == 0 and "--scenario" in verbose.stdout
+
+
+def test_the_demos_progress_line_shows_one_step_of_every_worker() -> None:
+    from lbbsp.integrations.demo import DemoConfig, _View  # noqa: PLC0415  (imports torch)
+
+    view = _View(DemoConfig(steps=20), cores=[0, 1])
+    events = [("step", "LB-BSP", 1, 1, 200, 0.02, False), ("step", "LB-BSP", 1, 2, 150, 0.02, False),
+              ("step", "LB-BSP", 0, 1, 312, 0.02, True), ("step", "LB-BSP", 0, 2, 362, 0.02, True)]
+    lines = []
+    for event in events:
+        view.update(event)
+        if (line := view.progress_line(event)) is not None:
+            lines.append(line)
+    assert len(lines) == 1 and "step    2/20" in lines[0] and "load ON" in lines[0]
+    assert "w0: 312" in lines[0] and "w1: 200" in lines[0]  # step 2 of both workers: 312 + 200 = 512
