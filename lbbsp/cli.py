@@ -128,12 +128,23 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
 
 
+class _WithDefaults(argparse.HelpFormatter):
+    """Help that shows each flag's default, unless its text already says it or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or any(action.default is nothing for nothing in (None, False, argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lbbsp", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    coordinator = sub.add_parser("coordinator", help="run the BatchSize Manager for one job")
+    coordinator = sub.add_parser("coordinator", help="run the BatchSize Manager for one job",
+                                 formatter_class=_WithDefaults)
     coordinator.add_argument("--redis", help="Redis URL (redis://, rediss://, unix://); default: $LBBSP_REDIS_URL, "
                                              "or else start an embedded one")
     coordinator.add_argument("--job", default="default", help="job name shared with the workers")
@@ -171,7 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv.pop(0)
     if argv and argv[0] in _EXTERNAL:  # these parse their own flags, after importing their module
         module = importlib.import_module(_EXTERNAL[argv[0]][0])
-        external = argparse.ArgumentParser(prog=f"lbbsp {argv[0]}", description=_EXTERNAL[argv[0]][1])
+        external = argparse.ArgumentParser(prog=f"lbbsp {argv[0]}", description=_EXTERNAL[argv[0]][1],
+                                           formatter_class=_WithDefaults)
         module.add_arguments(external)
         args = external.parse_args(argv[1:])
         runner = module.run

@@ -8,6 +8,7 @@ import pytest
 
 from emulated import worker_clients
 from lbbsp import JobConfig
+from lbbsp.cli import main
 
 LBBSP = [sys.executable, "-m", "lbbsp.cli"]
 
@@ -74,3 +75,11 @@ def test_the_demos_progress_line_shows_one_step_of_every_worker() -> None:
             lines.append(line)
     assert len(lines) == 1 and "step    2/20" in lines[0] and "load ON" in lines[0]
     assert "w0: 312" in lines[0] and "w1: 200" in lines[0]  # step 2 of both workers: 312 + 200 = 512
+
+
+def test_help_shows_each_flags_default_once(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "number of simulated workers (default: 16)" in text and "(default: 0)" in text
+    assert "(default: None)" not in text and text.count("experiments/results") == 1

@@ -59,5 +59,7 @@ def test_the_server_app_starts_its_own_redis_when_the_url_is_empty(tmp_path: Pat
         server_app.main(nodes, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=cfg))
     finally:
         nodes.close()
-    rounds = json.loads(out.read_text())["rounds"]
+    result = json.loads(out.read_text())
+    rounds = result["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2] and rounds[-1]["accuracy"] > rounds[0]["accuracy"]
+    assert any(line.startswith("lbbsp round 2: took") for line in result["plans"])  # the measured time of round 2

@@ -113,6 +113,11 @@ def main() -> None:
         raise TypeError(f"the ServerApp's result should list its rounds, got {rounds!r}")
     for row in rounds:
         print(f"round {row['round']:3d}  accuracy {row['accuracy']:.3f}  elapsed {row['elapsed_s']:7.2f}s")
+    plans = result.get("plans") or []
+    if isinstance(plans, list) and plans:
+        print("lbbsp's plans, from the ServerApp's log:")
+        for line in plans:
+            print(f"  {line}")
 
 
 if __name__ == "__main__":

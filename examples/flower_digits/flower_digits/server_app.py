@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Mapping
 from contextlib import ExitStack
@@ -27,6 +28,7 @@ class Summary(TypedDict):
 
     mode: str
     rounds: list[dict[str, float]]  # round, accuracy (central test set) and elapsed_s after each round
+    plans: list[str]  # lbbsp's log lines: each round's plan and its predicted and measured time (lbbsp mode)
     # the aggregated ClientApp train metrics per round (values as in a MetricRecord)
     train_metrics: dict[int, dict[str, int | float | list[int] | list[float]]]
 
@@ -63,11 +65,32 @@ def run(grid: Grid, cfg: Config, history: ClientHistory | None) -> Summary:
         rounds.append({"round": server_round, "accuracy": acc, "elapsed_s": time.perf_counter() - started})
         return MetricRecord({"accuracy": acc})
 
-    result = build_strategy(cfg, history).start(
-        grid=grid, initial_arrays=ArrayRecord(task.init_params()), num_rounds=int(cfg["num-server-rounds"]),
-        timeout=float(cfg["round-timeout"]), evaluate_fn=evaluate)
+    plans = _PlanLog()
+    flwr_logger = logging.getLogger("flwr")
+    flwr_logger.addHandler(plans)
+    try:
+        result = build_strategy(cfg, history).start(
+            grid=grid, initial_arrays=ArrayRecord(task.init_params()), num_rounds=int(cfg["num-server-rounds"]),
+            timeout=float(cfg["round-timeout"]), evaluate_fn=evaluate)
+    finally:
+        flwr_logger.removeHandler(plans)
     train = {r: dict(m) for r, m in result.train_metrics_clientapp.items()}
-    return {"mode": "lbbsp" if history is not None else "fedavg", "rounds": rounds, "train_metrics": train}
+    return {"mode": "lbbsp" if history is not None else "fedavg", "rounds": rounds, "plans": plans.lines,
+            "train_metrics": train}
+
+
+class _PlanLog(logging.Handler):
+    """Keeps lbbsp's "lbbsp round N: ..." lines, which a deployment's ServerApp logs where no file has them,
+    for the result that ``out`` receives (run.py prints them)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("lbbsp round"):
+            self.lines.append(message)
 
 
 @app.main()
