@@ -28,7 +28,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--global-batch", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=128, help="width of the two hidden layers")
     parser.add_argument("--policy", choices=["lbbsp", "bsp"], default="lbbsp")
-    parser.add_argument("--url", default=None, help="Redis URL (default: embedded on worker 0)")
+    parser.add_argument("--redis", default=None, help="Redis URL (default: embedded on worker 0)")
     parser.add_argument("--cpu", type=int, default=None, help="pin this worker to one CPU core")
     parser.add_argument("--result", default=None, help="write this worker's figures as JSON here")
     return parser.parse_args()
@@ -78,7 +78,7 @@ def train(args: argparse.Namespace) -> None:
     config = JobConfig(args.job or f"digits-{uuid.uuid4().hex[:8]}", num_workers=workers,
                        global_batch=args.global_batch, min_batch=8)
     policy = LBBSPPolicy() if args.policy == "lbbsp" else BSPPolicy()
-    with WorkerSession(config, index, url=args.url, policy=policy) as session:
+    with WorkerSession(config, index, url=args.redis, policy=policy) as session:
         source = BalancedSource(x, y, config, index, seed=0)
         with strategy.scope():
             model = keras.Sequential([keras.layers.Input((64,)),
