@@ -231,14 +231,15 @@ def _around_stalled(model: TimeModel, global_batch: int, lower: np.ndarray, uppe
                     stalled: np.ndarray) -> np.ndarray:
     """Allocate with the ``stalled`` workers (infinite time at their upper bound) held as low as the others
     allow: at their lower bound, or, where the others cannot hold the rest, at the largest size they finish."""
-    others = int(upper[~stalled].sum())
-    if stalled.all() or others + int(lower[stalled].sum()) < global_batch:
+    if not stalled.all():
+        held = np.where(stalled, lower, upper)
+        if int(held.sum()) >= global_batch:
+            return allocate(model, global_batch, lower, held)
         finite = np.where(stalled, _capacity_by_search(model, np.finfo(float).max, lower, upper), upper)
-        if stalled.all() or int(finite.sum()) < global_batch:
-            raise AllocationError(f"the time model predicts that {int(stalled.sum())} of {stalled.size} workers "
-                                  f"never finish, and the others cannot hold the global batch {global_batch}")
-        return allocate(model, global_batch, lower, finite)
-    return allocate(model, global_batch, lower, np.where(stalled, lower, upper))
+        if int(finite.sum()) >= global_batch:
+            return allocate(model, global_batch, lower, finite)
+    raise AllocationError(f"the time model predicts that {int(stalled.sum())} of {stalled.size} workers never "
+                          f"finish, and the others cannot hold the global batch {global_batch}")
 
 
 def _only_flat_jumps(model: TimeModel, x_lo: np.ndarray, x_hi: np.ndarray, room: np.ndarray) -> bool:

@@ -25,7 +25,7 @@ def _given(value: object) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
-def _integer(value: object, name: str, lo: int, hi: int | None, job: str) -> int:
+def _integer(value: object, name: str, lo: int, hi: int | None, job: str | None = None) -> int:
     """``value`` as a plain int in [lo, hi]; numpy integers pass, bools and floats do not."""
     if isinstance(value, bool) or not isinstance(value, Integral):
         raise ConfigError(f"{name} must be an integer, got {_given(value)}", job=job)

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 import numpy as np
-import redis
 
 from .config import JobConfig
 from .embedded import release_cpu_pinning
@@ -28,7 +27,7 @@ from .errors import LBBSPError, PolicyError, ProtocolError
 from .models import AutoCapacityModel
 from .policies import Decision, LBBSPPolicy, Policy
 from .protocol import Assignment, Report
-from .store import REDIS_ERRORS, Store
+from .store import REDIS_ERRORS, REDIS_FAILURES, Store
 
 log = logging.getLogger("lbbsp.coordinator")
 
@@ -254,7 +253,7 @@ class Coordinator:
         try:
             self._serve(max_decisions, poll_s)
         finally:
-            with contextlib.suppress(*REDIS_ERRORS, redis.RedisError):
+            with contextlib.suppress(*REDIS_FAILURES):
                 self.store.release_coordinator(self._identity)
 
     def _serve(self, max_decisions: int | None, poll_s: float) -> None:
@@ -364,7 +363,7 @@ class CoordinatorProcess:
         self._process = context.Process(target=_serve, args=(url, config.to_json(), policy, ready),
                                         name=f"lbbsp-coordinator-{config.job}", daemon=True)
         reruns_main = _refers_to_main(policy)
-        with _main_not_rerun(policy):
+        with _main_not_rerun(rerun=reruns_main):
             self._process.start()
         deadline = time.monotonic() + start_timeout_s
         while not ready.wait(0.1):  # serving before training starts, or a clear error
@@ -396,14 +395,15 @@ class CoordinatorProcess:
 
 
 @contextlib.contextmanager
-def _main_not_rerun(policy: Policy | None) -> Iterator[None]:
+def _main_not_rerun(*, rerun: bool) -> Iterator[None]:
     """Start a spawned child without running the parent's ``__main__`` again: spawn re-imports the main
     script, so a training script without an ``if __name__ == "__main__":`` guard would start training (and,
     under torchrun, join the process group) in the coordinator's child, and one with the guard would still
     import its framework there. Hiding the script's path for the start does it; a policy that refers to
-    something defined in the script needs the script in the child to be unpickled, so then it is re-run."""
+    something defined in the script needs the script in the child to be unpickled, so then (``rerun``, from
+    :func:`_refers_to_main`) it is re-run."""
     main = sys.modules.get("__main__")
-    if main is None or _refers_to_main(policy):
+    if main is None or rerun:
         yield
         return
     names = ("__file__", "__spec__")

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .config import _integer
 from .errors import ConfigError
 
 
@@ -35,11 +36,6 @@ def scale_split(sizes: Sequence[int], total: int) -> tuple[int, ...]:
     return tuple(int(s) for s in floor)
 
 
-def _check_count(value: object, name: str, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-        raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
-
-
 class GlobalBatchSampler:
     """Indices of global batch k, and each worker's slice of it, for a dataset of ``dataset_size`` samples."""
 
@@ -47,7 +43,7 @@ class GlobalBatchSampler:
                  drop_last: bool = False) -> None:
         for name, value, least in (("dataset_size", dataset_size, 1), ("global_batch", global_batch, 1),
                                    ("seed", seed, 0)):
-            _check_count(value, name, least)
+            _integer(value, name, least, None)
         if drop_last and dataset_size < global_batch:
             raise ConfigError(f"drop_last with {dataset_size} samples and global batch {global_batch} leaves "
                               "no batch at all")
@@ -66,7 +62,7 @@ class GlobalBatchSampler:
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's permutation, as ``DistributedSampler.set_epoch`` does."""
-        _check_count(epoch, "epoch", 0)
+        _integer(epoch, "epoch", 0, None)
         if epoch != self.epoch:
             self.epoch = epoch
             self._order = self._permutation(epoch)

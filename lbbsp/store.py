@@ -29,6 +29,9 @@ from .protocol import MAX_PAYLOAD_BYTES, Assignment, Report
 
 DECISION_LOG_LENGTH = 1000
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+#: Those, and Redis answering with an error (a key of the wrong type, out of memory, a read-only replica during a
+#: failover), which may clear as well: what a worker rides out within its bound, and a shutdown ignores.
+REDIS_FAILURES = (*REDIS_ERRORS, redis.RedisError)
 
 
 def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:

@@ -20,13 +20,9 @@ import redis
 from .config import JobConfig
 from .errors import LBBSPError, ProtocolError
 from .protocol import Assignment, Report
-from .store import REDIS_ERRORS, Store
+from .store import REDIS_ERRORS, REDIS_FAILURES, Store
 
 log = logging.getLogger("lbbsp.worker")
-
-#: What a worker rides out within its bound: Redis unreachable, and Redis answering with an error (a key of
-#: the wrong type, out of memory, a read-only replica during a failover), which may clear as well.
-_RETRIED = (*REDIS_ERRORS, redis.RedisError)
 
 Agree = Callable[[Assignment], Assignment]
 _KEEP_ASSIGNMENTS = 8
@@ -74,7 +70,7 @@ class WorkerClient:
                 try:
                     self.store.post_report(report, self.config.num_workers)
                     break
-                except _RETRIED as exc:  # the thread must outlive any one report, or every later one is lost
+                except REDIS_FAILURES as exc:  # the thread must outlive any one report, or every later one is lost
                     if time.monotonic() > deadline:
                         log.warning("dropped report of iteration %d: Redis did not take it (%s: %s)",
                                     report.iteration, type(exc).__name__, exc)
@@ -100,7 +96,7 @@ class WorkerClient:
             try:
                 agreed = self._fetch(iteration, deadline)
                 break
-            except _RETRIED as exc:  # retry within the bound: Redis may be restarting
+            except REDIS_FAILURES as exc:  # retry within the bound: Redis may be restarting
                 self._drop_subscription()
                 if time.monotonic() >= deadline:
                     log.warning("worker %d, iteration %d: Redis unusable (%s: %s); using the previous vector",
