@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -17,6 +17,23 @@ from .config import JobConfig
 from .coordinator import Coordinator
 from .embedded import EmbeddedRedis
 from .errors import LBBSPError
+from .models import (
+    AutoCapacityModel,
+    BatchTimeCurve,
+    CapacityModel,
+    EWMAThroughput,
+    FLClientModel,
+    LastValue,
+    NARXThroughput,
+)
+from .policies import (
+    BSPPolicy,
+    LBBSPPolicy,
+    LeaderStragglerPolicy,
+    PerEpochPolicy,
+    Policy,
+    StaticProportionalPolicy,
+)
 from .store import REDIS_ERRORS, Store
 
 #: Subcommands that live beside a framework or a heavy module; each module has add_arguments() and run().
@@ -30,9 +47,34 @@ def _redis_url(args: argparse.Namespace) -> str | None:
     return args.redis or os.environ.get("LBBSP_REDIS_URL")
 
 
+#: ``lbbsp coordinator --model``: the capacity model each name builds, given the job's lag (the forecast horizon).
+_MODELS: dict[str, Callable[[int], CapacityModel]] = {
+    "auto": lambda lag: AutoCapacityModel(horizon=lag), "narx": lambda lag: NARXThroughput(horizon=lag),
+    "ewma": lambda lag: EWMAThroughput(), "last-value": lambda lag: LastValue(),
+    "gpu-curve": lambda lag: BatchTimeCurve(), "fl-client": lambda lag: FLClientModel(),
+}
+#: ``lbbsp coordinator --policy``: the policy each name builds around a model. Not the simulator's oracle, which
+#: needs the future, nor backup workers, whose dropped gradients no integration implements.
+_POLICIES: dict[str, Callable[[CapacityModel | None], Policy]] = {
+    "lbbsp": LBBSPPolicy, "bsp": lambda model: BSPPolicy(), "static-proportional": lambda model: StaticProportionalPolicy(),
+    "per-epoch": lambda model: PerEpochPolicy(model=model),
+    "leader-straggler": lambda model: LeaderStragglerPolicy(model=model),
+}
+
+
+def _policy(args: argparse.Namespace) -> Policy:
+    """The policy the flags name; ``--model`` only where the policy predicts with one."""
+    if args.model is not None and args.policy in ("bsp", "static-proportional"):
+        raise LBBSPError(f"--policy {args.policy} uses no capacity model; drop --model {args.model}")
+    if args.model is None and args.policy == "per-epoch":
+        return PerEpochPolicy()  # its own slow average of the epoch's speed
+    return _POLICIES[args.policy](_MODELS[args.model or "auto"](args.lag))
+
+
 def _coordinator(args: argparse.Namespace) -> int:
     config = JobConfig(args.job, args.workers, args.global_batch, min_batch=args.min_batch,  # bad flags: no server
                        max_batch=args.max_batch, assignment_timeout_s=args.timeout, lag=args.lag, ttl_s=args.ttl)
+    policy = _policy(args)
     server = None
     url = _redis_url(args)
     if url is None:
@@ -42,9 +84,10 @@ def _coordinator(args: argparse.Namespace) -> int:
     store = Store.from_url(url, args.job)
     try:
         store.ping()
-        coordinator = Coordinator(store, config)
+        coordinator = Coordinator(store, config, policy)
         signal.signal(signal.SIGTERM, lambda *_: coordinator.stop(timeout_s=0))
-        print(f"coordinating job {args.job!r}: {args.workers} workers, global batch {args.global_batch}", flush=True)
+        print(f"coordinating job {args.job!r}: {args.workers} workers, global batch {args.global_batch}, policy "
+              f"{policy.name}" + (f" with the {args.model} model" if args.model else ""), flush=True)
         try:
             coordinator.run(max_decisions=args.max_decisions)
         except KeyboardInterrupt:
@@ -157,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
                              help="decide iteration k + LAG from the reports of k (2: off the critical path)")
     coordinator.add_argument("--ttl", type=int, default=3600,
                              help="seconds the job's keys live after its last decision (JobConfig.ttl_s)")
+    coordinator.add_argument("--policy", choices=sorted(_POLICIES), default="lbbsp",
+                             help="how sizes are chosen (docs/simulator.md compares them)")
+    coordinator.add_argument("--model", choices=sorted(_MODELS), default=None,
+                             help="the capacity model of lbbsp, per-epoch or leader-straggler (default: auto, which "
+                                  "picks NARX, the GPU curve or the client model from each worker's reports)")
     coordinator.add_argument("--max-decisions", type=int, default=None, help="exit after this many decisions")
     coordinator.set_defaults(handler=_coordinator)
 

@@ -37,6 +37,30 @@ def test_coordinator_process_and_status_table(redis_url: str, job: str) -> None:
         assert "7 23" in status.stdout and "coordinator" in status.stdout  # the decision log, with who wrote it
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("flags", "policy", "third"), [(["--policy", "bsp"], "bsp", (15, 15)),
+                                                        (["--model", "ewma"], "lbbsp", (7, 23))])
+def test_the_coordinator_runs_the_policy_and_model_its_flags_name(redis_url: str, job: str, flags: list[str],
+                                                                   policy: str, third: tuple[int, int]) -> None:
+    coordinator = subprocess.Popen([*LBBSP, "coordinator", "--redis", redis_url, "--job", job, "--workers", "2",
+                                    "--global-batch", "30", "--max-decisions", "2", *flags],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with worker_clients(redis_url, JobConfig(job, 2, 30)) as clients:
+        for k in range(2):
+            for i, client in enumerate(clients):
+                size = client.assignment(k).sizes[i]
+                client.report(k, size, size / (100.0 * (1 + 2 * i)))  # worker 0 three times as fast
+        assignment = clients[0].assignment(2)
+        assert (assignment.sizes, assignment.policy) == (third, policy)
+        out, _ = coordinator.communicate(timeout=30)
+    assert coordinator.returncode == 0 and f"policy {policy}" in out, out
+
+
+def test_a_model_for_a_policy_without_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["coordinator", "--workers", "2", "--global-batch", "8", "--policy", "bsp", "--model", "narx"]) == 2
+    assert "--policy bsp uses no capacity model" in capsys.readouterr().err
+
+
 def test_unreachable_redis_is_reported_plainly(tmp_path) -> None:
     result = subprocess.run([*LBBSP, "status", "--redis", f"unix://{tmp_path}/none.sock"], capture_output=True,
                             text=True, timeout=30, check=False)
