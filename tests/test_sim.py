@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from lbbsp import Store
+from lbbsp.cli import main
 from lbbsp.errors import ConfigError, StoreUnavailable
 from lbbsp.policies import BSPPolicy, Decision
 from lbbsp.sim import cli, engine
@@ -195,7 +196,33 @@ def test_cli_refuses_bad_input_before_simulating(tmp_path: Path) -> None:
         cli.run(_parse("--scenario", "gpu-mix", "--traces", str(tmp_path / "none"), *small))
     with pytest.raises(StoreUnavailable, match="cannot reach Redis"):  # before the in-process pass, not after
         cli.run(_parse("--scenario", "gpu-mix", "--redis", f"unix://{tmp_path}/no.sock", *small))
+    with pytest.raises(ConfigError, match="at most 50,000,000"):  # not a numpy MemoryError after a long wait
+        cli.run(_parse("--scenario", "gpu-mix", "--workers", "16", "--iterations", "2000000000"))
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_results_that_cannot_be_written_are_an_out_error_not_a_redis_one(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "simulate_gpu-mix_4w_seed0.json").mkdir()  # the result file's path is taken by a folder
+    assert main(["simulate", "--scenario", "gpu-mix", "--workers", "4", "--iterations", "3", "--out",
+                 str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path} is not a folder results can be written to" in err and "Redis" not in err
+
+
+def test_a_scenario_is_not_run_past_the_iterations_it_was_built_for() -> None:
+    with pytest.raises(ConfigError, match="built for 10 iterations, not 15"):
+        compare(GPUMix(4, 10, 0), 15)
+
+
+def test_splits_over_gpu_memory_are_listed_last_whatever_their_time() -> None:
+    figures = {"mean_iteration_s": 1.0, "idle_fraction": 0.1, "decision_ms_mean": 0.1}
+    summary = {"oracle": {**figures, "vs_oracle": 1.0, "over_memory_iterations": 0},
+               "lbbsp": {**figures, "vs_oracle": 1.02, "over_memory_iterations": 0},
+               "lbbsp-ewma": {**figures, "vs_oracle": 0.98, "over_memory_iterations": 5}}
+    text = cli.table(GPUMix(4, 2, 0), summary)
+    assert text.index("lbbsp-ewma") > text.index("lbbsp ") > text.index("oracle")
+    assert "listed last, whatever their time: lbbsp-ewma" in text
 
 
 @pytest.mark.parametrize("text", [

@@ -5,7 +5,9 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,8 @@ from .scenarios import SCENARIOS, Scenario
 from .traces import load_traces
 
 DEFAULT_OUT = Path("experiments") / "results"
+#: Largest workers x iterations a run may ask for: 10,000 workers for 5,000 iterations.
+MAX_CELLS = 50_000_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lag", type=int, default=2,
                         help="iterations a decision runs ahead, as JobConfig.lag (2: production default)")
     parser.add_argument("--mean-dwell", type=float, default=None,
-                        help="cpu-contention only: mean iterations between contention-level switches (default 200; "
-                             "inf: no switches)")
+                        help="cpu-contention only: mean iterations between contention-level draws (default 200; a draw "
+                             "may keep the level, so with 3 levels it changes every 1.5x that on average; inf: "
+                             "never)")
     parser.add_argument("--traces", type=Path, default=None,
                         help="cpu-contention only: directory of recorded traces to replay (default: the shipped "
                              "experiments/traces; record your own with experiments/record_cpu_trace.py)")
@@ -52,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
                           f"{args.iterations}")
     if args.seed < 0:
         raise ConfigError(f"--seed must be at least 0, got {args.seed}")
+    if args.workers * args.iterations > MAX_CELLS:  # each scenario holds a few arrays of this many floats
+        raise ConfigError(f"--workers x --iterations is at most {MAX_CELLS:,} (a few GiB of trace), got "
+                          f"{args.workers:,} x {args.iterations:,}")
     print(f"building {args.scenario} with {args.workers} workers, {args.iterations} iterations, seed {args.seed}",
           flush=True)
     options, suffix = _scenario_options(args)
@@ -59,10 +67,10 @@ def run(args: argparse.Namespace) -> int:
     if args.lag != scenario.config.lag:  # not the production default: name it, keep the default's results
         scenario.config = dataclasses.replace(scenario.config, lag=args.lag)
         suffix += f"_lag{args.lag}"
-    try:  # before simulating, so that a bad --out costs no run (and is not taken for a Redis error)
+    stem = args.out / f"simulate_{args.scenario}_{args.workers}w_seed{args.seed}{suffix}"
+    with _writing(args.out):  # before simulating, so that a bad --out costs no run
         args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"--out {args.out} is not a folder results can be written to: {exc}") from None
+        tempfile.TemporaryFile(dir=args.out).close()  # an existing folder may still refuse files
     if args.redis:  # a given Redis is reached before the in-process pass, which takes minutes at scale
         with Store.from_url(args.redis, "lbbsp-simulate") as store:
             store.ping()
@@ -80,11 +88,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"through Redis ({check['redis']}): every policy decided the same sizes as in-process in all "
               f"{check['iterations']} iterations: {all(check['identical'].values())}"
               + "".join(f"\n  {name} differs" for name, same in check["identical"].items() if not same))
-    stem = args.out / f"simulate_{args.scenario}_{args.workers}w_seed{args.seed}{suffix}"
-    stem.with_suffix(".json").write_text(json.dumps(_finite(result), indent=1, default=_plain))
-    plot(scenario, runs, summary, stem.with_suffix(".png"))
+    with _writing(args.out):
+        stem.with_suffix(".json").write_text(json.dumps(_finite(result), indent=1, default=_plain))
+        plot(scenario, runs, summary, stem.with_suffix(".png"))
     print(f"wrote {stem}.json and {stem}.png ({time.perf_counter() - started:.0f}s)")
     return 0
+
+
+@contextlib.contextmanager
+def _writing(out: Path) -> Iterator[None]:
+    """File errors under ``out`` as a ConfigError about ``--out`` (the CLI would take an OSError for Redis's)."""
+    try:
+        yield
+    except OSError as exc:
+        raise ConfigError(f"--out {out} is not a folder results can be written to: {exc}") from None
 
 
 def _through_redis(scenario: Scenario, iterations: int, url: str,
@@ -128,9 +145,12 @@ def summarise(runs: dict[str, PolicyRun]) -> dict[str, dict[str, float]]:
 def table(scenario: Scenario, summary: dict[str, dict[str, float]]) -> str:
     lines = [f"{scenario.name}: {scenario.config.num_workers} workers, global batch {scenario.config.global_batch}",
              f"{'policy':<24} {'s/iteration':>12} {'/ oracle':>9} {'idle':>7} {'decide ms':>10} {'over mem':>9}"]
-    for name, s in sorted(summary.items(), key=lambda item: item[1]["vs_oracle"]):
+    for name, s in sorted(summary.items(), key=lambda item: _rank(item[1])):
         lines.append(f"{name:<24} {s['mean_iteration_s']:>12.4g} {s['vs_oracle']:>9.3f} "
                      f"{s['idle_fraction']:>6.1%} {s['decision_ms_mean']:>10.2f} {s['over_memory_iterations']:>9d}")
+    if over := [name for name, s in summary.items() if s["over_memory_iterations"]]:
+        lines.append(f"listed last, whatever their time: {', '.join(sorted(over))} gave some GPU more than its memory "
+                     f"holds ('over mem' iterations),\n  where a real job fails (out of memory)")
     if "oracle-level" in summary:
         lines.append(f"references, not policies: oracle-level knows each worker's speed without its per-iteration "
                      f"noise for the coming iteration;\n  oracle-level-late knows the same, but only as of the "
@@ -140,6 +160,11 @@ def table(scenario: Scenario, summary: dict[str, dict[str, float]]) -> str:
         lines.append("reference, not a policy: oracle-sit-out knows every client's true speed and transfer for the "
                      "coming round and lets as many sit out as lbbsp-sit-out may (and backup drops)")
     return "\n".join(lines)
+
+
+def _rank(figures: dict[str, float]) -> tuple[bool, float]:
+    """Order of the table and the bars: splits a job could run first, then by time / oracle."""
+    return bool(figures["over_memory_iterations"]), figures["vs_oracle"]
 
 
 def plot(scenario: Scenario, runs: dict[str, PolicyRun], summary: dict[str, dict[str, float]], path: Path) -> None:
@@ -155,9 +180,10 @@ def plot(scenario: Scenario, runs: dict[str, PolicyRun], summary: dict[str, dict
     def colour(name: str) -> str:
         return "tab:gray" if name.startswith("oracle") else "tab:blue" if name.startswith("lbbsp") else "tab:orange"
 
-    names = sorted(summary, key=lambda n: summary[n]["vs_oracle"])
+    names = sorted(summary, key=lambda n: _rank(summary[n]))
     fig, (bars, lines) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 1.25]})
-    bars.barh(names, [summary[n]["vs_oracle"] for n in names], color=[colour(n) for n in names])
+    bars.barh(names, [summary[n]["vs_oracle"] for n in names], color=[colour(n) for n in names],
+              hatch=["//" if summary[n]["over_memory_iterations"] else "" for n in names])
     bars.axvline(1.0, color="black", linewidth=0.8)
     bars.invert_yaxis()
     bars.set_xlabel("mean iteration time / oracle")
@@ -165,8 +191,9 @@ def plot(scenario: Scenario, runs: dict[str, PolicyRun], summary: dict[str, dict
                          Patch(color="tab:gray", label="references (know more)")], fontsize=7, loc="upper right")
     bars.set_xlim(0, 1.3 * max(summary[n]["vs_oracle"] for n in names))  # room for the labels
     for i, n in enumerate(names):
-        bars.text(summary[n]["vs_oracle"], i, f" {summary[n]['vs_oracle']:.3f}, idle {summary[n]['idle_fraction']:.0%}",
-                  va="center", fontsize=8)
+        over = summary[n]["over_memory_iterations"]
+        bars.text(summary[n]["vs_oracle"], i, f" {summary[n]['vs_oracle']:.3f}, idle {summary[n]['idle_fraction']:.0%}"
+                  + (f", over memory in {over} (hatched: fails)" if over else ""), va="center", fontsize=8)
     oracle = np.asarray(runs["oracle"].iteration_s)
     window = max(1, oracle.size // 20)
     shades = {"tab:blue": iter(["tab:cyan", "navy"]), "tab:gray": iter(["dimgray", "darkgray", "black"]),

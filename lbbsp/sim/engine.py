@@ -219,6 +219,9 @@ def compare(scenario: Scenario, iterations: int, policies: Mapping[str, Policy] 
             progress: Progress | None = None, redis_url: str | None = None) -> dict[str, PolicyRun]:
     """Run every policy on the same scenario, one after the other (through the Redis at ``redis_url``, if
     given: see :func:`run_policy`)."""
+    if scenario.iterations is not None and iterations > scenario.iterations:
+        raise ConfigError(f"the {scenario.name} scenario was built for {scenario.iterations} iterations, not "
+                          f"{iterations}: build it with at least as many")
     policies = policies if policies is not None else standard_policies(scenario)
     runs = {}
     for name, policy in policies.items():

@@ -37,6 +37,7 @@ class Scenario:
     config: JobConfig
     devices: Sequence[str]
     notes: dict[str, object] = field(default_factory=dict)
+    iterations: int | None = None  # how many iterations its trace covers (None: as many as asked)
 
     def truth(self, iteration: int) -> Truth:
         raise NotImplementedError
@@ -82,7 +83,7 @@ class CPUContention(Scenario):
         super().__init__("cpu-contention", JobConfig("sim-cpu", num_workers, batch_per_worker * num_workers),
                          ["cpu"] * num_workers,
                          {"traces": [t.name for t in traces], "mean_dwell_iterations": mean_dwell,
-                          "machine_spread": machine_spread, "noise": noise})
+                          "machine_spread": machine_spread, "noise": noise}, iterations)
         which = np.arange(num_workers) % len(traces)
         machine = rng.lognormal(0.0, machine_spread, num_workers)
         rows = np.empty((iterations + LOOKAHEAD, num_workers), dtype=np.int64)
@@ -169,7 +170,7 @@ class GPUMix(Scenario):
         super().__init__("gpu-mix", JobConfig("sim-gpu", num_workers, global_batch),
                          [f"cuda:{names[k]}" for k in kind],
                          {"generations": GPU_GENERATIONS, "overhead_s": overhead_s, "fixed_gb": fixed_gb,
-                          "gb_per_sample": gb_per_sample, "jitter": jitter})
+                          "gb_per_sample": gb_per_sample, "jitter": jitter}, iterations)
         self.speed, self.knee, self.overhead = table["images_per_s"], table["knee"], overhead_s
         self.jitter = rng.lognormal(0.0, jitter, (iterations + LOOKAHEAD, num_workers))
 
@@ -206,7 +207,7 @@ class FLClients(Scenario):
                          {"local_steps": local_steps, "model_mb": model_mb, "median_ms_per_sample": median_ms_per_sample,
                           "compute_spread": compute_spread, "median_kbps_down": median_kbps_down,
                           "median_kbps_up": median_kbps_up, "link_spread": link_spread, "round_noise": round_noise,
-                          "dropout": dropout})
+                          "dropout": dropout}, iterations)
         self.local_steps = local_steps
         ms_per_sample = rng.lognormal(np.log(median_ms_per_sample), compute_spread, num_workers)
         self.samples_per_s = 1000.0 / (3.0 * ms_per_sample)  # FedScale counts forward + backward as 3x
