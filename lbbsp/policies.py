@@ -7,6 +7,7 @@ one of them (or one of LB-BSP's hooks: ``bounds``, ``propose``). Allocation math
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from .hedging import ForecastRisk, hedged
 from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
 from .models.base import WorkerIds
 from .protocol import Report
+
+log = logging.getLogger("lbbsp.policies")
 
 #: The dead band narrows to this many times the forecasts' median miss where that is under ``deadband``...
 BAND_PER_MISS = 3.0
@@ -122,6 +125,7 @@ class LBBSPPolicy(Policy):
         self.rounds_out = RoundsOut(rejoin_after)
         self.risk = ForecastRisk(hedge) if hedge else None
         self._seen = False
+        self._warned_caps = False
 
     def observe(self, reports: Sequence[Report]) -> None:
         """Update what the next forecast reads; training and the margins' bookkeeping wait for ``learn`` (or,
@@ -212,6 +216,15 @@ class LBBSPPolicy(Policy):
             self.rounds_out.record(workers, sizes)
             if not sizes.all():
                 reason += f"; {int((sizes == 0).sum())} sit out"
+        caps = self.model.max_batch(workers)
+        if caps is not None and (over := np.flatnonzero(sizes > caps)).size:  # bounds() could not keep them
+            reason += (f"; over the memory cap of worker(s) {over[:8].tolist()}: the caps hold {int(caps.sum())} "
+                       f"samples, the global batch is {config.global_batch}")
+            if not self._warned_caps:
+                self._warned_caps = True
+                log.warning("job %s: the workers' GPU memory caps hold %d samples, fewer than the global batch of "
+                            "%d: some workers are given more than they are predicted to hold", config.job,
+                            int(caps.sum()), config.global_batch)
         return Decision(tuple(sizes.tolist()), reason, tuple(predicted.tolist()), tuple(throughput.tolist()))
 
 

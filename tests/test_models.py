@@ -7,6 +7,8 @@ import sys
 
 import numpy as np
 import pytest
+import sklearn.base
+import sklearn.exceptions
 
 from lbbsp.allocation import HingeTime, allocate
 from lbbsp.config import JobConfig
@@ -229,15 +231,19 @@ def test_auto_model_leaves_the_kind_of_a_bare_announcement_open() -> None:
     np.testing.assert_allclose(model.time_model([0, 1]).time(np.array([20, 20])), [61.0, 61.0])
 
 
-@pytest.mark.parametrize("factory", [LastValue, EWMAThroughput, NARXThroughput, BatchTimeCurve, AutoCapacityModel])
+@pytest.mark.parametrize("factory", [LastValue, EWMAThroughput, NARXThroughput, BatchTimeCurve, FLClientModel,
+                                     AutoCapacityModel])
 def test_contract(factory: type) -> None:
     model = factory()
-    with pytest.raises(NotFittedError):
+    with pytest.raises(sklearn.exceptions.NotFittedError):  # ours, also scikit-learn's
         model.predict([0])
-    clone = type(model)(**model.get_params())
-    assert clone.get_params() == model.get_params()
     model.fit([[Report("c", 0, 0, 10, 0.1)], [Report("c", 0, 1, 10, 0.1)]])
     assert model.predict([0])[0] == pytest.approx(100.0, rel=0.05)
+    fresh = sklearn.base.clone(model)  # the parameters, none of the learned state
+    assert type(fresh) is type(model) and fresh.get_params().keys() == model.get_params().keys()
+    learned = [name for name in vars(model) if name.endswith("_") and not name.startswith("_")]
+    assert learned and not any(name in vars(fresh) for name in learned)
+    assert fresh.set_params(**fresh.get_params(deep=False)) is fresh
     for ask in (model.predict, model.time_model, model.max_batch):  # numpy would answer -1 with the last worker
         with pytest.raises(ConfigError, match="worker ids must be >= 0, got -1"):
             ask([0, -1])
@@ -319,3 +325,25 @@ def test_auto_model_routes_a_worker_never_seen_the_same_way_in_every_process() -
 def test_gpu_curve_rejects_bad_parameters_at_first_fit(params: dict) -> None:
     with pytest.raises(ConfigError):
         BatchTimeCurve(**params).partial_fit([Report("b", 0, 0, 10, 0.1, device="cuda")])
+
+
+def test_auto_model_decides_before_a_pinned_kind_has_reported() -> None:
+    """A worker pinned to a kind whose model has no report yet is taken with the others, not a NotFittedError
+    (which kept every split as it was until that worker reported)."""
+    gpu = {"gpu_mem_used": 2e9, "gpu_mem_free": 14e9}
+    model = AutoCapacityModel(kinds={1: "cpu", 2: "cpu"})
+    model.partial_fit([Report("j", 0, 0, 100, 0.5, features=gpu, device="cuda:0"),
+                       Report("j", 3, 0, 100, 0.25, features=gpu, device="cuda:1")])
+    np.testing.assert_allclose(model.predict([0, 1, 2, 3]), [200.0, 300.0, 300.0, 400.0])  # the GPUs' median
+    assert model.time_model([0, 1, 2, 3]).time(np.array([100, 100, 100, 100])).shape == (4,)
+    model.partial_fit([Report("j", 1, 1, 100, 1.0), Report("j", 2, 1, 100, 1.0)])
+    np.testing.assert_allclose(model.predict([1, 2]), [100.0, 100.0], rtol=0.05)
+
+
+def test_auto_model_refit_forgets_how_it_grouped_workers() -> None:
+    model = AutoCapacityModel()
+    gpu = {"gpu_mem_used": 2e9, "gpu_mem_free": 14e9}
+    model.fit([[Report("j", w, 0, 100, 0.5, features=gpu, device="cuda:0") for w in (0, 1)]])
+    assert model.max_batch([0, 1]) is not None
+    model.fit([[Report("j", w, 0, 0, 0.0) for w in (0, 1)]])  # bare CPU announcements: nothing claims them
+    assert model.max_batch([0, 1]) is None  # the GPU grouping of the first fit would cap them

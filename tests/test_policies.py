@@ -7,7 +7,7 @@ import pytest
 from lbbsp.allocation import LinearTime
 from lbbsp.config import JobConfig
 from lbbsp.errors import ConfigError
-from lbbsp.models import EWMAThroughput, FLClientModel
+from lbbsp.models import BatchTimeCurve, EWMAThroughput, FLClientModel
 from lbbsp.policies import (
     MIN_BAND,
     BackupWorkersPolicy,
@@ -201,3 +201,20 @@ def test_leader_straggler_goes_on_without_a_worker_that_stopped_reporting() -> N
 def test_a_bad_policy_parameter_is_a_config_error_at_construction(make) -> None:
     with pytest.raises(ConfigError):
         make()
+
+
+def test_a_split_over_the_memory_caps_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """Caps that cannot hold the global batch are set aside, and the decision's reason and one warning say so
+    (the split read 'rebalanced for equal predicted finish' with both workers over their caps)."""
+    policy = LBBSPPolicy(BatchTimeCurve(), hedge=None)
+    for iteration, size in enumerate((150, 200)):  # 1 GB + 0.04 GB per sample on 16 GB cards
+        policy.observe([Report("j", w, iteration, size, 0.01 * size, device="cuda:0",
+                               features={"gpu_mem_used": 1e9 + 4e7 * size, "gpu_mem_free": 15e9 - 4e7 * size})
+                        for w in (0, 1)])
+    caps = policy.model.max_batch([0, 1])
+    assert caps is not None and caps.sum() < 760
+    with caplog.at_level("WARNING", logger="lbbsp.policies"):
+        for _ in range(2):
+            decision = policy.decide(2, (200, 200), JobConfig("j", 2, 760))
+    assert decision.sizes == (380, 380) and "over the memory cap of worker(s) [0, 1]" in decision.reason
+    assert len([r for r in caplog.records if "fewer than the global batch" in r.message]) == 1

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from sklearn.base import clone
 
 from ..allocation import InvertibleTimeModel
 from ..errors import ConfigError
@@ -84,9 +85,10 @@ class AutoCapacityModel(CapacityModel):
                 raise ConfigError(f"models for {wrong} are not CapacityModel instances")
             # clones, as scikit-learn's meta-estimators do: the parameter stays as given, so models built from the
             # same parameters, or one fitted again, do not learn into each other's state
-            self.models_ = default_models(self.horizon) | {kind: type(model)(**model.get_params())
-                                                           for kind, model in given.items()}
+            self.models_ = default_models(self.horizon) | {kind: clone(model) for kind, model in given.items()}
             self.kind_: dict[int, str] = {}
+            self.fed_: set[str] = set()  # kinds whose model has had reports: the others cannot answer yet
+            self._groups_cache = None  # from before a refit, perhaps
         by_kind: dict[str, list[Report]] = {kind: [] for kind in KINDS}
         for report in reports:
             kind = self.kind_.get(report.worker)
@@ -105,6 +107,9 @@ class AutoCapacityModel(CapacityModel):
         for kind, group in by_kind.items():
             if group:
                 self.models_[kind].partial_fit(group, defer=defer)
+                if kind not in self.fed_:
+                    self.fed_.add(kind)
+                    self._groups_cache = None
         return self
 
     def finish_learning(self) -> AutoCapacityModel:
@@ -140,15 +145,16 @@ class AutoCapacityModel(CapacityModel):
                                for kind, positions in groups.items()), ids.size)
 
     def _groups(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        """Positions of each kind in ``ids``; a worker never seen is of the kind ``kinds`` pins, else joins the most
-        common kind among ``ids`` (among all workers when none in ``ids`` was seen). Cached until a new worker
-        reports, since a decision asks several times for the same workers."""
+        """Positions of each kind in ``ids``; a worker never seen is of the kind ``kinds`` pins (once that kind's
+        model has had reports), else joins the most common kind among ``ids`` (among all workers when none in
+        ``ids`` was seen). Cached until a new worker or kind reports, since a decision asks several times for the
+        same workers."""
         key = ids.tobytes()
         cached = getattr(self, "_groups_cache", None)
         if cached is not None and cached[0] == key:
             return cached[1]
         pinned = self.kinds or {}
-        kinds = [self.kind_.get(w) or pinned.get(w) for w in ids.tolist()]  # kinds= holds before a first report
+        kinds = [self.kind_.get(w) or (kind if (kind := pinned.get(w)) in self.fed_ else None) for w in ids.tolist()]
         if None in kinds:
             seen = [k for k in kinds if k is not None] or list(self.kind_.values())
             common = max(KINDS, key=seen.count)  # ties in the order of KINDS: the same in every process

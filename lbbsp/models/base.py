@@ -14,11 +14,12 @@ throughput history of its own is predicted from the median of workers on similar
 """
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
+from sklearn import exceptions
+from sklearn.base import BaseEstimator
 
 from ..allocation import InvertibleTimeModel, LinearTime
 from ..errors import ConfigError, LBBSPError
@@ -40,8 +41,8 @@ def worker_ids(workers: WorkerIds) -> np.ndarray:
     return ids
 
 
-class NotFittedError(LBBSPError, AttributeError):
-    """A model was asked to predict before it saw any report."""
+class NotFittedError(LBBSPError, exceptions.NotFittedError):
+    """A model was asked to predict before it saw any report (also scikit-learn's NotFittedError)."""
 
 
 def hardware_of(report: Report) -> Hardware:
@@ -77,13 +78,9 @@ def similar_hardware_prior(values: Mapping[int, float], hardware: Mapping[int, H
     return prior
 
 
-class CapacityModel:
-    """Base class: ``partial_fit`` one iteration's reports, ``predict`` next-iteration throughput."""
-
-    def get_params(self) -> dict[str, object]:
-        """The constructor's keyword arguments, so a model can be cloned: ``type(m)(**m.get_params())``."""
-        names = inspect.signature(type(self).__init__).parameters
-        return {name: getattr(self, name) for name in names if name != "self"}
+class CapacityModel(BaseEstimator):
+    """Base class: ``partial_fit`` one iteration's reports, ``predict`` next-iteration throughput. A scikit-learn
+    estimator: ``get_params``, ``set_params`` and ``sklearn.base.clone`` work on every model."""
 
     def fit(self, history: Iterable[Sequence[Report]]) -> CapacityModel:
         """Forget what was learned, then learn from each iteration's reports in order."""
