@@ -8,7 +8,8 @@ with the samples actually processed and the download, compute and upload seconds
 Inside a ClientApp the model has already arrived and the reply leaves after it returns, so transfer time is
 not directly observable. A :class:`Link` says what it was: :class:`MessageClock` (the default) reports the time
 since the server created the message (delivery and start-up included) as the download and no upload;
-:class:`EmulatedLink` sleeps bytes / bandwidth each way, for experiments with emulated clients.
+:class:`EmulatedLink` sleeps bytes / bandwidth each way, for experiments with emulated clients (with
+``count_delivery=True``, on a deployment, the real delivery and start-up as well).
 """
 from __future__ import annotations
 
@@ -108,13 +109,21 @@ class MessageClock:
 
 @dataclass(frozen=True)
 class EmulatedLink:
-    """A link of ``down_bps``/``up_bps`` bytes per second: sleeps bytes / bandwidth and reports that time."""
+    """A link of ``down_bps``/``up_bps`` bytes per second: sleeps bytes / bandwidth and reports that time.
+
+    ``count_delivery=True`` reports as the download, after the sleep, the whole time since the server created
+    the message (as :class:`MessageClock`; clocks assumed in sync), so the message's real delivery and the
+    ClientApp's start-up count too. On a real deployment these are part of every round, often far more than
+    the emulated times, and a plan that cannot see them overstates what moving work between clients gains.
+    """
 
     down_bps: float
     up_bps: float
+    count_delivery: bool = False
 
     def download(self, msg: Message) -> float:
-        return self._transfer(array_bytes(msg.content), self.down_bps)
+        seconds = self._transfer(array_bytes(msg.content), self.down_bps)
+        return max(seconds, MessageClock().download(msg)) if self.count_delivery else seconds
 
     def upload(self, nbytes: int) -> float:
         return self._transfer(nbytes, self.up_bps)

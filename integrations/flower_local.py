@@ -3,14 +3,16 @@
 Flower's own simulation engine needs Ray. ``LocalGrid`` drives the same ``Strategy.start`` loop and the same
 ``ClientApp`` objects with real ``Message``s, but delivers them by function call instead of through a
 SuperLink. Like a SuperNode, it turns an exception in a ClientApp into an error reply; a reply that comes
-after ``send_and_receive``'s timeout is dropped, as a late node's would be.
+after ``send_and_receive``'s timeout is dropped, as a late node's would be. Each message runs on its own
+daemon thread, so a ClientApp that never returns holds neither a later round nor the interpreter's exit.
 """
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -34,7 +36,7 @@ class LocalGrid(Grid):
                            run_config=dict(run_config or {}))
             for i, cfg in enumerate(node_configs)
         }
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._contexts)), thread_name_prefix="lbbsp-node")
+        self._closed = False
         self._futures: dict[str, Future[Message]] = {}
         self._ids = itertools.count()
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, _SERVER_NODE_ID, 0
@@ -54,10 +56,15 @@ class LocalGrid(Grid):
         return list(self._contexts)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        if self._closed:
+            raise RuntimeError("LocalGrid is closed")
         ids = []
         for message in messages:
             message_id = f"local-{next(self._ids)}"
-            self._futures[message_id] = self._pool.submit(self._deliver, message)
+            future: Future[Message] = Future()
+            threading.Thread(target=self._deliver, args=(message, future), daemon=True,
+                             name=f"lbbsp-node-{message.metadata.dst_node_id}").start()
+            self._futures[message_id] = future
             ids.append(message_id)
         return ids
 
@@ -74,12 +81,16 @@ class LocalGrid(Grid):
         return replies
 
     def close(self) -> None:
-        """Stop accepting work; ClientApps still running finish on their threads."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop accepting work and return at once: ClientApps still running finish on their daemon threads,
+        or end with the interpreter. Safe to call twice."""
+        self._closed = True
+        self._futures.clear()
 
-    def _deliver(self, message: Message) -> Message:
+    def _deliver(self, message: Message, future: Future[Message]) -> None:
+        """Run the ClientApp on ``message`` and put its reply (or an error reply) in ``future``."""
         message.metadata.delivered_at = str(time.time())
         try:
-            return self.client_app(message, self._contexts[message.metadata.dst_node_id])
+            reply = self.client_app(message, self._contexts[message.metadata.dst_node_id])
         except Exception as exc:  # noqa: BLE001  (a SuperNode reports any ClientApp exception as an error)
-            return Message(Error(code=_CLIENT_APP_RAISED, reason=f"{type(exc).__name__}: {exc}"), reply_to=message)
+            reply = Message(Error(code=_CLIENT_APP_RAISED, reason=f"{type(exc).__name__}: {exc}"), reply_to=message)
+        future.set_result(reply)

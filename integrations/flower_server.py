@@ -7,10 +7,12 @@ wrapped strategy still samples the clients and aggregates; around it, each round
    a :class:`Workload` from the FL capacity model and :func:`lbbsp.allocate` (equal predicted finish,
    fixed total), and each message gets its *own* ConfigRecord (never one object shared by all clients).
 2. ``aggregate_train`` partitions out failed and missing replies (logged, recorded as such, never raised),
-   ``observe`` records the rest in Redis and teaches the model, and ``normalise`` sets each reply's weight
-   (``weight_by``) and, when step counts differ, applies the FedNova rescaling; lbbsp's own ``lbbsp-*``
-   metrics are then removed and the wrapped strategy aggregates. A reply without lbbsp's metrics (a plain
-   Flower ClientApp) is aggregated as it is: it teaches the capacity model nothing.
+   and those that claim more work than they were sent or return arrays unlike the model's (which would
+   otherwise carry their claimed weight or FedNova scale); ``observe`` records the rest in Redis and teaches
+   the model, and ``normalise`` sets each reply's weight (``weight_by``) and, when step counts differ, applies
+   the FedNova rescaling; lbbsp's own ``lbbsp-*`` metrics are then removed and the wrapped strategy
+   aggregates. A reply without lbbsp's metrics (a plain Flower ClientApp) is aggregated as it is: it teaches
+   the capacity model nothing.
 """
 from __future__ import annotations
 
@@ -78,6 +80,18 @@ class ClientResult:
         data_size = int(values[DATA_SIZE]) if DATA_SIZE in values else None
         return cls(int(values[SAMPLES]), int(values[STEPS]), float(values[COMPUTE_S]), float(values[DOWNLOAD_S]),
                    float(values[UPLOAD_S]), data_size)
+
+    def check(self, workload: Workload) -> ClientResult:
+        """Raise a ProtocolError unless this is work the client was given: at most its local steps (a deadline
+        may stop it sooner), each of its batch size, only the last one allowed short. A reply may claim no more:
+        its steps scale its update (FedNova) and its samples may be its weight."""
+        if self.steps > workload.local_steps:
+            raise ProtocolError(f"{self.steps} steps claimed, {workload.local_steps} assigned", field=STEPS)
+        most = self.steps * workload.batch_size
+        if not most - workload.batch_size < self.samples <= most:
+            raise ProtocolError(f"{self.samples} in {self.steps} steps of batch size {workload.batch_size}: must be "
+                                f"more than {most - workload.batch_size} and at most {most}", field=SAMPLES)
+        return self
 
     def weight(self, weight_by: str) -> int:
         """This reply's aggregation weight: the client's data size (``weight_by`` "auto" or "data") when it
@@ -208,7 +222,7 @@ class LoadBalanced(Strategy):
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         plan = self.plan(server_round, [m.metadata.dst_node_id for m in messages])
         messages = [m for m in messages if m.metadata.dst_node_id in plan]  # the others sit this round out
-        workers = {n: self._worker_index(n) for n in plan}
+        workers = dict(zip(plan, self._worker_indices(list(plan))))
         self._pending[server_round] = _Round(arrays, plan, workers, self._predicted_s(plan, workers),
                                              time.monotonic())
         for message in messages:
@@ -222,7 +236,7 @@ class LoadBalanced(Strategy):
         if not nodes:
             return {}
         unit = self.batch_size if self.adapt == "batch" else self.local_steps
-        workers = [self._worker_index(n) for n in nodes]
+        workers = self._worker_indices(nodes)
         time_model = self._time_model(workers)
         available = self.model.availability(workers)
         total = unit * len(nodes)
@@ -296,9 +310,11 @@ class LoadBalanced(Strategy):
 
         Returns the replies to aggregate, by node: their results, or None for a reply without lbbsp's metrics
         (a plain Flower ClientApp, logged once per node), which counts as completed but measures nothing.
+        A reply that fails :meth:`check_reply` is left out as failed (logged), whatever weight it claims.
         """
         results: dict[int, ClientResult | None] = {}
         outcomes: dict[int, ClientStatus] = {}
+        reports = []
         workers = sent.workers if sent is not None else {}
         iteration = self._round_base + server_round
         now = time.time()
@@ -307,11 +323,13 @@ class LoadBalanced(Strategy):
             worker = workers.get(node)
             reason = (message.error.reason or "error reply") if message.has_error() else ""
             if not reason:
-                metrics = next(iter(message.content.metric_records.values()), MetricRecord())
                 try:
-                    results[node] = ClientResult.from_metrics(metrics) if has_timings(metrics) else None
+                    results[node], report = self.check_reply(message, sent, worker, iteration)
                 except ProtocolError as exc:
-                    reason = f"bad lbbsp metrics: {exc}"
+                    reason = f"bad lbbsp reply: {exc}"
+                else:
+                    if report is not None:
+                        reports.append(report)
             if reason:
                 log(WARNING, "lbbsp round %d: node %d failed and is left out: %s", server_round, node, reason)
             if worker is not None:
@@ -322,15 +340,6 @@ class LoadBalanced(Strategy):
         self._tell_once("plain", [n for n, result in results.items() if result is None], WARNING,
                         "lbbsp: nodes %s reply without lbbsp's metrics (a ClientApp without LocalRound?): their "
                         "updates are aggregated as they are, and nothing is learned of their speed")
-        reports = []
-        for node, result in results.items():
-            if result is None or node not in workers:
-                continue
-            try:
-                reports.append(Report(self.history.job, workers[node], iteration, result.samples, result.compute_s,
-                                      features={"download_s": result.download_s, "upload_s": result.upload_s}))
-            except ProtocolError as exc:
-                log(WARNING, "lbbsp round %d: node %d's timings are not recorded: %s", server_round, node, exc)
         self.model.partial_fit(reports)
         self.model.record_outcomes({worker: outcome.status == "ok" for worker, outcome in outcomes.items()})
         try:  # a temporary index (above _next_temporary) means nothing to Redis
@@ -339,6 +348,29 @@ class LoadBalanced(Strategy):
         except StoreUnavailable as exc:
             log(WARNING, "lbbsp round %d: history not saved, Redis unavailable: %s", server_round, exc)
         return results
+
+    def check_reply(self, message: Message, sent: _Round | None, worker: int | None,
+                    iteration: int) -> tuple[ClientResult | None, Report | None]:
+        """A reply's results and its Report (None without a worker index); (None, None) for a plain reply.
+
+        Raises a ProtocolError unless the results are valid, claim no more than the workload sent
+        (:meth:`ClientResult.check`) and make a valid Report, and the arrays have the keys and shapes of the
+        model sent: an lbbsp reply's weight and FedNova scale come from its own claims.
+        """
+        metrics = next(iter(message.content.metric_records.values()), MetricRecord())
+        if not has_timings(metrics):
+            return None, None
+        result = ClientResult.from_metrics(metrics)
+        if sent is not None:
+            workload = sent.plan.get(message.metadata.src_node_id)
+            if workload is None:
+                raise ProtocolError("this node was sent no workload this round", field="node")
+            result.check(workload)
+            _check_arrays(sent.arrays, message.content)
+        if worker is None:
+            return result, None
+        return result, Report(self.history.job, worker, iteration, result.samples, result.compute_s,
+                              features={"download_s": result.download_s, "upload_s": result.upload_s})
 
     def normalise(self, sent: _Round, replies: list[Message], results: dict[int, ClientResult | None]) -> None:
         """Set each lbbsp reply's weight (``weight_by``); rescale updates FedNova-style if steps differ.
@@ -365,7 +397,6 @@ class LoadBalanced(Strategy):
         nodes = list(weights)
         scales = fednova_scales([measured[n].steps for n in nodes], [weights[n] for n in nodes])
         by_node = {m.metadata.src_node_id: m for m in replies if not m.has_error()}
-        global_arrays = list(sent.arrays.values())
         for node, scale in zip(nodes, scales):
             message = by_node[node]
             content = RecordDict(dict(message.content.items()))
@@ -373,9 +404,10 @@ class LoadBalanced(Strategy):
             metrics[self.weighted_by_key] = weights[node]
             if not np.isclose(scale, 1.0, rtol=1e-12, atol=0):
                 key, local = next(iter(content.array_records.items()))
-                rescaled = rescale_update([a.numpy() for a in global_arrays], [a.numpy() for a in local.values()],
+                names = list(local.keys())  # paired by name: check_reply made sure the model has these names
+                rescaled = rescale_update([sent.arrays[k].numpy() for k in names], [local[k].numpy() for k in names],
                                           float(scale))
-                content[key] = ArrayRecord({k: Array(v) for k, v in zip(local.keys(), rescaled)})
+                content[key] = ArrayRecord({k: Array(v) for k, v in zip(names, rescaled)})
             message.content = content
 
     # -- evaluation: the wrapped strategy's own ----------------------------------------------------------
@@ -420,20 +452,29 @@ class LoadBalanced(Strategy):
         message.content = content
         return message
 
-    def _worker_index(self, node: int) -> int:
-        """The node's worker index in the history. While Redis is unreachable, a node it has not indexed gets a
-        temporary one, kept in memory (logged): it is planned as a typical client, and nothing of it is stored."""
+    def _worker_indices(self, nodes: list[int]) -> list[int]:
+        """Each node's worker index in the history. While Redis is unreachable, a node it indexed keeps its
+        index, and one it has not gets a temporary one, kept in memory (logged): it is planned as a typical
+        client, and nothing of it is stored."""
         try:
-            index = self.history.worker_index(node)
+            indices = self.history.worker_indices(nodes)
         except StoreUnavailable as exc:
-            if node not in self._temporary:
-                self._temporary[node] = self._next_temporary
-                self._next_temporary -= 1
-                log(WARNING, "lbbsp: node %d gets a temporary index (%s); it is planned as a typical client and "
-                             "its results are not stored", node, exc)
-            return self._temporary[node]
-        self._temporary.pop(node, None)
-        return index
+            return [self._index_while_unreachable(node, exc) for node in nodes]
+        for node in nodes:
+            self._temporary.pop(node, None)
+        return indices
+
+    def _index_while_unreachable(self, node: int, exc: StoreUnavailable) -> int:
+        """The index the history last gave ``node``, else a temporary one (logged once)."""
+        known = self.history.known_index(node)
+        if known is not None:
+            return known
+        if node not in self._temporary:
+            self._temporary[node] = self._next_temporary
+            self._next_temporary -= 1
+            log(WARNING, "lbbsp: node %d gets a temporary index (%s); it is planned as a typical client and "
+                         "its results are not stored", node, exc)
+        return self._temporary[node]
 
     def _predicted_s(self, plan: dict[int, Workload], workers: dict[int, int]) -> float | None:
         """The round's predicted seconds for ``plan``; None before any measurement."""
@@ -456,6 +497,21 @@ class LoadBalanced(Strategy):
         if new:
             self._told.update((what, n) for n in new)
             log(level, message, new)
+
+
+def _check_arrays(model: ArrayRecord, content: RecordDict) -> None:
+    """Raise a ProtocolError unless ``content`` holds one ArrayRecord with the arrays of ``model``, by name and
+    shape (in any order)."""
+    if len(content.array_records) != 1:
+        raise ProtocolError(f"must hold one ArrayRecord, holds {len(content.array_records)}", field="arrays")
+    local = next(iter(content.array_records.values()))
+    if set(local.keys()) != set(model.keys()):
+        raise ProtocolError(f"names {sorted(local.keys())[:8]} are not the model's {sorted(model.keys())[:8]}",
+                            field="arrays")
+    for name, array in local.items():
+        if tuple(array.shape) != tuple(model[name].shape):
+            raise ProtocolError(f"shape {tuple(array.shape)}, the model's is {tuple(model[name].shape)}",
+                                field=f"arrays.{name}")
 
 
 def _whole(name: str, value: object) -> int:

@@ -3,7 +3,7 @@
 Keys (under ``lbbsp:{job}:fl:``, each with a TTL refreshed on every write):
 
 ==================  ======  ==================================================================================
-``ids``             hash    client key (e.g. a Flower node id) -> small worker index, assigned once
+``ids``             hash    client key (e.g. a Flower node id) -> small worker index, assigned on first sight
 ``next``            string  the next free worker index
 ``reports:{i}``     list    report JSON of worker i, oldest first, the newest ``max_reports`` kept
 ``status``          hash    worker index -> JSON {"round", "status", "reason", "at"}: the last round's outcome
@@ -17,7 +17,7 @@ import json
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -77,18 +77,28 @@ class ClientStatus:
 class ClientHistory:
     """Reports and outcomes of each federated client of one job, kept in Redis across server restarts."""
 
-    # KEYS[1] = ids hash, KEYS[2] = next counter; ARGV[1] = client key, ARGV[2] = TTL s, ARGV[3] = max index
-    # Returns the client's worker index, assigning the next free one on first sight; -1 when all are taken.
-    ASSIGN_INDEX = """
-    local index = redis.call('HGET', KEYS[1], ARGV[1])
-    if not index then
-        index = redis.call('INCR', KEYS[2]) - 1
-        if index > tonumber(ARGV[3]) then return -1 end
-        redis.call('HSET', KEYS[1], ARGV[1], index)
+    # KEYS[1] = ids hash, KEYS[2] = next counter; ARGV[1] = TTL s, ARGV[2] = max index, ARGV[3] = the lowest index a
+    # new client may get, ARGV[4..] = client keys.
+    # Returns each client's worker index, assigning the next free one to a client the hash lacks (never seen, or
+    # its entry lost with Redis's data); -1 for a client that finds every index taken.
+    ASSIGN_INDICES = """
+    local out = {}
+    for i = 4, #ARGV do
+        local index = tonumber(redis.call('HGET', KEYS[1], ARGV[i]))
+        if not index then
+            index = math.max(tonumber(redis.call('GET', KEYS[2])) or 0, tonumber(ARGV[3]))
+            if index > tonumber(ARGV[2]) then
+                index = -1
+            else
+                redis.call('SET', KEYS[2], index + 1)
+                redis.call('HSET', KEYS[1], ARGV[i], index)
+            end
+        end
+        out[#out + 1] = index
     end
-    redis.call('EXPIRE', KEYS[1], ARGV[2])
-    redis.call('EXPIRE', KEYS[2], ARGV[2])
-    return tonumber(index)
+    redis.call('EXPIRE', KEYS[1], ARGV[1])
+    redis.call('EXPIRE', KEYS[2], ARGV[1])
+    return out
     """
 
     def __init__(self, client: redis.Redis, job: str, *, ttl_s: int = 7 * 86_400, max_reports: int = 50,
@@ -99,8 +109,9 @@ class ClientHistory:
         self.max_reports = max_reports
         self.prefix = f"lbbsp:{job}:fl:"
         self._owns_client = owns_client
-        self._assign = client.register_script(self.ASSIGN_INDEX)
-        self._index_cache: dict[str, int] = {}
+        self._assign = client.register_script(self.ASSIGN_INDICES)
+        self._known: dict[str, int] = {}  # client key -> the index Redis last gave it here
+        self._lowest_new = 0  # above every index handed out here, so that none is given twice after a data loss
 
     @classmethod
     def from_url(cls, url: str, job: str, *, ttl_s: int = 7 * 86_400, max_reports: int = 50) -> ClientHistory:
@@ -123,17 +134,32 @@ class ClientHistory:
 
     def worker_index(self, client_key: str | int) -> int:
         """The stable small index of a client (Reports and capacity models key workers by it)."""
-        name = str(client_key)
-        if not name or len(name) > MAX_CLIENT_KEY_CHARS:
+        return self.worker_indices([client_key])[0]
+
+    def worker_indices(self, client_keys: Sequence[str | int]) -> list[int]:
+        """Each client's worker index, from Redis in one atomic call, assigned on first sight.
+
+        Redis is asked every time, not a cache: a client whose entry was lost (FLUSHALL, a restart without
+        persistence) is indexed again, and never with an index handed out here before, so no two clients share
+        one. Raises StoreUnavailable when Redis is unreachable (:meth:`known_index` has what was last seen).
+        """
+        names = [str(key) for key in client_keys]
+        if any(not name or len(name) > MAX_CLIENT_KEY_CHARS for name in names):
             raise ProtocolError(f"client key must be 1 to {MAX_CLIENT_KEY_CHARS} characters", field="client",
                                 job=self.job)
-        if name not in self._index_cache:
-            index = int(self._call(self._assign, keys=[self.key("ids"), self.key("next")],
-                                   args=[name, self.ttl_s, MAX_WORKERS - 1]))
-            if index < 0:
-                raise StoreUnavailable(f"job has more than {MAX_WORKERS} clients", job=self.job)
-            self._index_cache[name] = index
-        return self._index_cache[name]
+        if not names:
+            return []
+        indices = [int(i) for i in self._call(self._assign, keys=[self.key("ids"), self.key("next")],
+                                              args=[self.ttl_s, MAX_WORKERS - 1, self._lowest_new, *names])]
+        if min(indices) < 0:
+            raise StoreUnavailable(f"job has more than {MAX_WORKERS} clients", job=self.job)
+        self._known.update(zip(names, indices))
+        self._lowest_new = max(self._lowest_new, max(indices) + 1)
+        return indices
+
+    def known_index(self, client_key: str | int) -> int | None:
+        """The index Redis last gave this object for the client, or None: what may serve while it is unreachable."""
+        return self._known.get(str(client_key))
 
     def record(self, reports: Iterable[Report], outcomes: dict[int, ClientStatus]) -> None:
         """Append each report to its client's list and set each client's last outcome, in one transaction."""

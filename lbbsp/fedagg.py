@@ -47,19 +47,29 @@ def fednova_scales(steps: Sequence[int], weights: Sequence[float]) -> np.ndarray
 
 
 def rescale_update(global_arrays: Arrays, local_arrays: Arrays, scale: float) -> list[np.ndarray]:
-    """x + scale * (x_i - x): a client's model with its update stretched by ``scale``."""
+    """x + scale * (x_i - x): a client's model with its update stretched by ``scale``.
+
+    The arrays are paired by position, so each pair must have one shape (numpy would broadcast a mismatch).
+    """
     if len(global_arrays) != len(local_arrays):
         raise LBBSPError(f"model has {len(global_arrays)} arrays, client sent {len(local_arrays)}")
     out = []
-    for g, xi in zip(global_arrays, local_arrays):
-        x = np.asarray(g)
-        out.append((x + scale * (np.asarray(xi) - x)).astype(np.result_type(x, xi), copy=False))
+    for i, (g, xi) in enumerate(zip(global_arrays, local_arrays)):
+        x, local = np.asarray(g), np.asarray(xi)
+        if x.shape != local.shape:
+            raise LBBSPError(f"array {i} of the model has shape {x.shape}, the client's {local.shape}")
+        out.append((x + scale * (local - x)).astype(np.result_type(x, local), copy=False))
     return out
 
 
 def weighted_average(local_arrays: Sequence[Arrays], weights: Sequence[float]) -> list[np.ndarray]:
-    """sum_i p_i x_i with p_i = weights_i / sum(weights): FedAvg."""
+    """sum_i p_i x_i with p_i = weights_i / sum(weights): FedAvg. Every client's arrays must have the shapes
+    of the first client's, position by position."""
     p = sample_weights(weights)
+    shapes = [np.shape(a) for a in local_arrays[0]]
+    for i, arrays in enumerate(local_arrays):
+        if [np.shape(a) for a in arrays] != shapes:
+            raise LBBSPError(f"client {i} sent arrays of shapes {[np.shape(a) for a in arrays]}, client 0 {shapes}")
     return [sum(w * np.asarray(arrays[j]) for w, arrays in zip(p, local_arrays))
             for j in range(len(local_arrays[0]))]
 

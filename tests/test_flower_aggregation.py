@@ -69,7 +69,8 @@ def _reply(instruction: Message, w: np.ndarray, samples: int, steps: int) -> Mes
 def test_plugin_aggregate_is_fednova_on_replies(redis_url: str, job: str) -> None:
     grid = LocalGrid(client_app=None, node_configs=[{}, {}])  # type: ignore[arg-type]  # no ClientApp is called
     with ClientHistory.from_url(redis_url, job) as history:
-        strategy = LoadBalanced(FedAvg(min_available_nodes=2), history, batch_size=1, local_steps=1, adapt="steps")
+        # both are sent 2 steps; A stops after 1 (as at a deadline), and may: fewer steps than assigned, not more
+        strategy = LoadBalanced(FedAvg(min_available_nodes=2), history, batch_size=1, local_steps=2, adapt="steps")
         sent = list(strategy.configure_train(1, ArrayRecord([W0]), ConfigRecord(), grid))
         by_node = {m.metadata.dst_node_id: m for m in sent}
         replies = [_reply(by_node[1], W_A, samples=1, steps=1), _reply(by_node[2], W_B, samples=2, steps=2)]

@@ -5,6 +5,10 @@
 Starts an embedded Redis for lbbsp's client history, `flower-superlink` and one `flower-supernode` per
 client (``partition-id`` = its index) on free local ports, submits the app with `flwr run`, waits for the
 ServerApp to write its per-round results, prints them, and stops every process it started.
+
+It shows the plugin on a real deployment, not a speed-up: every round starts a fresh ClientApp process per
+client, and on one machine those start-ups set the round (seconds), which no batch size changes. The clients
+report them (``count_delivery=True``), so lbbsp's plans mostly keep the equal split; see docs/flower.md.
 """
 from __future__ import annotations
 

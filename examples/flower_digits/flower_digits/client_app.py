@@ -27,7 +27,8 @@ def train(msg: Message, context: Context) -> Message:
     cfg, node = context.run_config, context.node_config
     pid, parts, seed = int(node["partition-id"]), int(node["num-partitions"]), int(cfg["seed"])
     prof = task.profile(pid, parts, seed, int(cfg.get("slow-links", 0)))
-    link = EmulatedLink(prof.down_bps, prof.up_bps) if cfg["emulate"] else None
+    # the emulated transfers, plus the real delivery and ClientApp start-up, which a deployment adds every round
+    link = EmulatedLink(prof.down_bps, prof.up_bps, count_delivery=True) if cfg["emulate"] else None
     mine = task.partitions(parts, float(cfg["alpha"]), seed)[pid]
     rnd = LocalRound(msg, link=link, default=Workload(int(cfg["batch-size"]), int(cfg["local-steps"])),
                      data_size=len(mine))

@@ -1,0 +1,199 @@
+"""Audit fixes in the Flower plugin: replies checked against the workload sent, arrays paired by name, LocalGrid
+threads that hold no exit, worker indices that stay unique after Redis loses its data, delivery time counted."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAvg
+
+from lbbsp import EmbeddedRedis
+from lbbsp.errors import LBBSPError
+from lbbsp.fedagg import fednova, rescale_update, weighted_average
+from lbbsp.integrations.flower import ClientHistory, EmulatedLink, LoadBalanced, Workload
+from lbbsp.integrations.flower_local import LocalGrid
+
+#: An honest reply to a workload of 5 steps of batch 8.
+HONEST = {"lbbsp-samples": 40, "lbbsp-steps": 5, "lbbsp-compute-s": 0.1, "lbbsp-download-s": 0.01,
+          "lbbsp-upload-s": 0.01, "num-examples": 40}
+
+
+def one_round(history: ClientHistory, node_3: dict[str, float], weight_by: str = "samples") -> tuple[float, str]:
+    """Round 1 of 3 clients sent 5 steps of batch 8: nodes 1 and 2 reply honestly with w = 1 and 2, node 3 with
+    w = 3 and ``node_3`` over the honest metrics. The aggregate, and node 3's recorded status."""
+    grid = LocalGrid(ClientApp(), [{}, {}, {}])  # no ClientApp is called: it sets Flower's task identity
+    strategy = LoadBalanced(FedAvg(min_available_nodes=3), history, batch_size=8, local_steps=5,
+                            weight_by=weight_by)  # type: ignore[arg-type]
+    sent = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord([np.zeros(1)]),
+                                                                         ConfigRecord(), grid)}
+    replies = [Message(RecordDict({"arrays": ArrayRecord([np.full(1, float(node))]),
+                                   "metrics": MetricRecord({**HONEST, **(node_3 if node == 3 else {})})}),
+                       reply_to=sent[node]) for node in (1, 2, 3)]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    grid.close()
+    assert arrays is not None
+    return float(arrays.to_numpy_ndarrays()[0][0]), history.statuses()[history.worker_index(3)].status
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("claim", [
+    {"lbbsp-steps": 1},  # did 5 steps, claims 1: FedNova would stretch its update 5x (the samples give it away)
+    {"lbbsp-steps": 6, "lbbsp-samples": 48},  # more steps than it was sent
+    {"lbbsp-samples": 10**9, "num-examples": 10**9},  # weight by samples: would outweigh the others 10^7 to 1
+    {"lbbsp-samples": 32},  # 5 steps, but no more samples than 4 batches: not a short last batch
+    {"lbbsp-download-s": 1e9},  # consistent with the workload, but no valid Report: its timings fail validation
+])
+def test_a_reply_claiming_more_than_it_was_sent_is_left_out_as_failed(redis_url: str, job: str,
+                                                                      claim: dict[str, float]) -> None:
+    with ClientHistory.from_url(redis_url, job) as history:
+        w, status = one_round(history, claim)
+    assert (w, status) == (1.5, "failed")  # nodes 1 and 2 only, equally weighted
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("claim, steps, samples", [
+    ({"lbbsp-samples": 37, "num-examples": 37}, 5, 37),  # a short last batch: what was left of its data
+    ({"lbbsp-steps": 3, "lbbsp-samples": 24, "num-examples": 24}, 3, 24),  # stopped early (a deadline)
+])
+def test_fewer_steps_and_a_short_last_batch_are_accepted(redis_url: str, job: str, claim: dict[str, float],
+                                                         steps: int, samples: int) -> None:
+    with ClientHistory.from_url(redis_url, job) as history:
+        w, status = one_round(history, claim)
+    want = fednova([np.zeros(1)], [[np.ones(1)], [np.full(1, 2.0)], [np.full(1, 3.0)]], [5, 5, steps],
+                   [40, 40, samples])
+    assert status == "ok" and w == pytest.approx(want[0][0], rel=1e-12)
+
+
+def _arrays(**named: np.ndarray) -> ArrayRecord:
+    return ArrayRecord({name: Array(value) for name, value in named.items()})
+
+
+@pytest.mark.timeout(60)
+def test_fednova_pairs_a_clients_arrays_with_the_models_by_name(redis_url: str, job: str) -> None:
+    grid = LocalGrid(ClientApp(), [{}, {}])
+    model = _arrays(a=np.zeros(2), b=np.zeros(3))
+    a1, b1, a2, b2 = np.ones(2), np.full(3, 2.0), np.full(2, 3.0), np.full(3, 4.0)
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = LoadBalanced(FedAvg(min_available_nodes=2), history, batch_size=1, local_steps=2, adapt="steps")
+        sent = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, model, ConfigRecord(), grid)}
+
+        def reply(node: int, arrays: ArrayRecord, steps: int) -> Message:
+            metrics = {**HONEST, "lbbsp-samples": steps, "lbbsp-steps": steps, "num-examples": steps}
+            return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics)}), reply_to=sent[node])
+
+        # node 2 names its arrays in the other order (as a state dict may)
+        arrays, _ = strategy.aggregate_train(1, [reply(1, _arrays(a=a1, b=b1), 1), reply(2, _arrays(b=b2, a=a2), 2)])
+    grid.close()
+    assert arrays is not None
+    want = fednova([np.zeros(2), np.zeros(3)], [[a1, b1], [a2, b2]], [1, 2], [1, 2])
+    np.testing.assert_allclose(arrays["a"].numpy(), want[0], rtol=1e-12)
+    np.testing.assert_allclose(arrays["b"].numpy(), want[1], rtol=1e-12)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("steps", [1, 2])  # node 2's update rescaled (steps differ) or not
+@pytest.mark.parametrize("bad", [{"a": np.ones(2)}, {"a": np.ones(2), "b": np.ones(4)},
+                                 {"a": np.ones(2), "c": np.ones(3)}])
+def test_a_reply_whose_arrays_are_not_the_models_is_left_out_as_failed(redis_url: str, job: str, steps: int,
+                                                                       bad: dict[str, np.ndarray]) -> None:
+    grid = LocalGrid(ClientApp(), [{}, {}])
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = LoadBalanced(FedAvg(min_available_nodes=2), history, batch_size=1, local_steps=2, adapt="steps")
+        sent = {m.metadata.dst_node_id: m for m in strategy.configure_train(
+            1, _arrays(a=np.zeros(2), b=np.zeros(3)), ConfigRecord(), grid)}
+        replies = [Message(RecordDict({"arrays": arrays, "metrics": MetricRecord(
+            {**HONEST, "lbbsp-samples": n_steps, "lbbsp-steps": n_steps, "num-examples": n_steps})}),
+            reply_to=sent[node]) for node, arrays, n_steps in ((1, _arrays(a=np.ones(2), b=np.ones(3)), 2),
+                                                                 (2, _arrays(**bad), steps))]
+        arrays, _ = strategy.aggregate_train(1, replies)
+        assert history.statuses()[history.worker_index(2)].status == "failed"
+    grid.close()
+    assert arrays is not None and arrays["b"].numpy().tolist() == [1.0, 1.0, 1.0]  # node 1's alone
+
+
+def test_the_aggregation_maths_refuse_arrays_of_other_shapes() -> None:
+    with pytest.raises(LBBSPError, match="shape"):
+        rescale_update([np.zeros(3)], [np.ones(1)], 2.0)  # numpy would broadcast the (1,) silently
+    with pytest.raises(LBBSPError, match="shape"):
+        rescale_update([np.zeros((2, 3))], [np.ones(3)], 2.0)
+    with pytest.raises(LBBSPError, match="shapes"):
+        weighted_average([[np.zeros(3)], [np.ones(1)]], [1, 1])
+
+
+@pytest.mark.timeout(60)
+def test_a_client_app_that_never_returns_does_not_hold_the_next_round() -> None:
+    release = threading.Event()
+    calls = []
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        calls.append(msg)
+        if len(calls) == 1:
+            release.wait(60)  # the first round's ClientApp hangs
+        return Message(RecordDict({"metrics": MetricRecord({"n": len(calls)})}), reply_to=msg)
+
+    grid = LocalGrid(app, [{}])
+    try:
+        for expected in ([], [2]):
+            message = grid.create_message(RecordDict({"config": ConfigRecord()}), MessageType.TRAIN, 1, "g")
+            replies = list(grid.send_and_receive([message], timeout=1.0))
+            assert [r.content["metrics"]["n"] for r in replies] == expected
+    finally:
+        release.set()
+        grid.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_client_app_that_never_returns_does_not_hold_the_exit() -> None:
+    script = textwrap.dedent("""
+        import time
+        from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+        from flwr.clientapp import ClientApp
+        from lbbsp.integrations.flower_local import LocalGrid
+        app = ClientApp()
+        @app.train()
+        def train(msg, context):
+            time.sleep(600)
+        grid = LocalGrid(app, [{}])
+        message = grid.create_message(RecordDict({"config": ConfigRecord()}), MessageType.TRAIN, 1, "g")
+        assert list(grid.send_and_receive([message], timeout=0.2)) == []
+        grid.close()
+        grid.close()
+        print("closed", flush=True)
+    """)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=45, check=True)
+    assert done.stdout.strip() == "closed" and time.monotonic() - started < 45
+
+
+def test_worker_indices_stay_unique_after_redis_loses_its_data(job: str) -> None:
+    with EmbeddedRedis() as server, ClientHistory.from_url(server.url, job) as history:
+        assert [history.worker_index("a"), history.worker_index("b")] == [0, 1]
+        history.client.flushall()  # a restart without persistence
+        c, a = history.worker_index("c"), history.worker_index("a")
+        assert len({c, a, 1}) == 3  # b, unasked since, still has 1 in this process's model
+        assert history.workers() == {"c": c, "a": a} and history.known_index("a") == a
+        assert history.worker_indices(["a", "c", "b"]) == [a, c, history.worker_index("b")]
+        assert len(set(history.workers().values())) == 3
+
+
+@pytest.mark.timeout(60)
+def test_an_emulated_link_can_count_the_real_delivery_as_well() -> None:
+    LocalGrid(ClientApp(), [{}])  # sets Flower's task identity so that messages can be built here
+    config = ConfigRecord({**Workload(4, 1).to_config(), "server-round": 1})
+    msg = Message(RecordDict({"arrays": ArrayRecord([np.zeros(10)]), "config": config}), dst_node_id=1,
+                  message_type=MessageType.TRAIN)
+    msg.metadata.created_at = time.time() - 2.0  # reached the ClientApp 2 s after the server made it
+    assert EmulatedLink(1e6, 1e6).download(msg) < 0.5  # the 80 bytes' emulated transfer only
+    assert 2.0 <= EmulatedLink(1e6, 1e6, count_delivery=True).download(msg) < 5.0
