@@ -93,13 +93,14 @@ def train(args: argparse.Namespace) -> None:
                             shuffle=False, callbacks=[callback], verbose=2 if index == 0 else 0)
         elapsed = time.perf_counter() - started
         trained = sum(b.size for b in source.served)
+        trained_globally = sum(source.sampler.batch_size(b.step) for b in source.served)  # every worker's samples
         last = [b.sizes for b in source.served][-1]
         print(f"worker {index}: {trained} samples in {elapsed:.1f}s, last split {last}, "
               f"final loss {history.history['loss'][-1]:.4f}", flush=True)
         if args.result:
             with open(args.result, "w") as out:
                 json.dump({"worker": index, "seconds": elapsed, "samples": trained, "steps": callback.iteration,
-                           "global_samples_per_s": args.global_batch * len(source) * args.epochs / elapsed,
+                           "global_samples_per_s": trained_globally / elapsed,
                            "sizes": [list(b.sizes) for b in source.served]}, out)
 
 

@@ -341,6 +341,7 @@ class _CallbackLogic:
             raise ConfigError("the client and the source belong to different workers or jobs", job=client.config.job)
         self.client = client
         self.source = source
+        source.expect_callback()
         self.monitor = monitor if monitor is not None else ResourceMonitor()
         self.iteration = 0
         self.epochs_done = 0
@@ -387,6 +388,11 @@ class _CallbackLogic:
         if steps != len(self.source):
             raise ConfigError(f"model.fit runs {steps} steps per epoch but the source has {len(self.source)}: "
                               "pass steps_per_epoch=len(source)", job=job)
+        if steps % per_execution and _keras_of(type(self)) == "keras" and self.source.latest_pipeline == "tf_dataset":
+            raise ConfigError(f"Keras 3 runs all {per_execution} steps of an execution from a tf.data dataset, so the "
+                              f"last execution of an epoch of {steps} steps would read into the next epoch: use a "
+                              f"steps_per_execution that divides {steps} (in compile and BalancedSource), or "
+                              "source.py_dataset()", job=job)
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self.probe is not None:
@@ -411,7 +417,7 @@ class _CallbackLogic:
         self.epochs_done += 1
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self.source.detach()
+        self.source.detach(self.iteration)
         self.client.flush()
 
 

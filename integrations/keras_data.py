@@ -71,8 +71,13 @@ class BalancedSource:
         if x.ndim == 0 or y.ndim == 0 or x.dtype == object or y.dtype == object:
             raise ConfigError(f"x and y must be numeric arrays with a sample axis, got shapes {x.shape}, {y.shape} "
                               f"and dtypes {x.dtype}, {y.dtype}", job=config.job)
-        if len(x) != len(y) or (sample_weight is not None and len(sample_weight) != len(x)):
-            raise ConfigError(f"x, y and sample_weight differ in length ({len(x)}, {len(y)})", job=config.job)
+        if len(x) != len(y):
+            raise ConfigError(f"x and y differ in length ({len(x)}, {len(y)})", job=config.job)
+        if sample_weight is not None:
+            sample_weight = np.asarray(sample_weight)
+            if sample_weight.shape != (len(x),):  # Keras would read (n, t) as per-timestep weights
+                raise ConfigError(f"sample_weight must hold one weight per sample, shape ({len(x)},), got shape "
+                                  f"{sample_weight.shape}", job=config.job)
         if not 0 <= worker < config.num_workers:
             raise ConfigError(f"worker must be in [0, {config.num_workers}), got {worker}", job=config.job)
         if config.min_batch < 1:
@@ -82,7 +87,7 @@ class BalancedSource:
         if steps_per_execution < 1:
             raise ConfigError(f"steps_per_execution must be positive, got {steps_per_execution}", job=config.job)
         self.x, self.y = x, y
-        self.sample_weights = None if sample_weight is None else np.asarray(sample_weight)
+        self.sample_weights = sample_weight
         self.config = config
         self.worker = worker
         self.sampler = GlobalBatchSampler(len(x), config.global_batch, seed=seed, shuffle=shuffle,
@@ -103,6 +108,7 @@ class BalancedSource:
         self._owner_pid = os.getpid()
         self._pipelines = itertools.count()
         self._pipeline_replicas: int | None = None  # replicas the latest tf_dataset or py_dataset was built for
+        self.latest_pipeline: str | None = None  # "tf_dataset" or "py_dataset": which the latest call built
         self._reader: int | None = None  # the pipeline that model.fit reads while a callback is attached
         self._reading = 0  # passes of that pipeline being read at once (tf_dataset): one, unless misused
         self._fit = 0  # counts attach calls, so that passes left over from an earlier fit are not counted
@@ -110,6 +116,7 @@ class BalancedSource:
         self._trained: set[int] = set()  # pipelines read while a callback was attached
         self._unattached: dict[int, int] = {}  # per other pipeline: batches served
         self._warned_unattached = False
+        self._callback_waiting = False  # a callback was made for this source and has not attached yet
 
     # -- shape of an epoch ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -137,7 +144,9 @@ class BalancedSource:
                               f"{self._pipeline_replicas or 1}: pass the strategy, source.tf_dataset(strategy) "
                               "(Keras would otherwise cut every batch again across the workers)", job=self.config.job)
         with self._changed:
+            self._forget_from(first_iteration)
             self._attached = True
+            self._callback_waiting = False
             self._first_iteration = first_iteration
             self._first_epoch = first_epoch
             self._generator_epochs = 0
@@ -147,11 +156,31 @@ class BalancedSource:
             self._reading = 0
             self._fit += 1
 
-    def detach(self) -> None:
-        """Back to the equal split (after ``fit``); a prefetch still waiting gets an unrecorded batch."""
+    def detach(self, next_iteration: int) -> None:
+        """Back to the equal split (after ``fit``); a prefetch still waiting gets an unrecorded batch.
+
+        Batches of ``next_iteration`` and later were only prefetched (a fit stopped early still publishes the
+        vector of the next epoch's first iteration), so they leave ``served`` and the samples to report.
+        """
         with self._changed:
             self._attached = False
+            self._forget_from(next_iteration)
             self._changed.notify_all()
+
+    def _forget_from(self, iteration: int) -> None:
+        """Drop what was recorded for ``iteration`` and later: Keras prefetched those batches but never trained them."""
+        kept = [batch for batch in self.served if batch.iteration < iteration]
+        if len(kept) < len(self.served):
+            self.served.clear()
+            self.served.extend(kept)
+        self._samples = {k: n for k, n in self._samples.items() if k < iteration}
+
+    def expect_callback(self) -> None:
+        """Note that a callback for this source exists. Until it first attaches, unattached batches are
+        Keras probing the pipeline (Keras 3 under a strategy reads a few through a throwaway iterator before
+        ``on_train_begin``), not training without the callback, so they do not count toward the warning."""
+        with self._changed:
+            self._callback_waiting = self._fit == 0
 
     def publish(self, assignment: Assignment) -> None:
         """Make the agreed vector of ``assignment.iteration`` available to the batches of that iteration."""
@@ -193,15 +222,16 @@ class BalancedSource:
             return self._cut(self._first_epoch + epoch, step, self.config.initial_sizes())
         batch = self._cut(self._first_epoch + epoch, step, sizes)
         with self._changed:
-            self.served.append(ServedBatch(iteration, self._first_epoch + epoch, step, len(batch[0]), sizes))
-            self._samples[iteration] = self._samples.get(iteration, 0) + len(batch[0])
+            if self._attached:  # else fit ended while this prefetch was being cut: it is never trained
+                self.served.append(ServedBatch(iteration, self._first_epoch + epoch, step, len(batch[0]), sizes))
+                self._samples[iteration] = self._samples.get(iteration, 0) + len(batch[0])
         return batch
 
     def _count_unattached(self, pipeline: int) -> None:
         """Warn once when a pipeline that no fit with the callback read serves a whole epoch: it trains without
         the callback, or evaluates on the source (the batches a fit's pipeline serves after it are prefetches)."""
         with self._changed:
-            if pipeline in self._trained or self._warned_unattached:
+            if pipeline in self._trained or self._warned_unattached or self._callback_waiting:
                 return
             self._unattached[pipeline] = self._unattached.get(pipeline, 0) + 1
             if self._unattached[pipeline] < len(self):
@@ -322,6 +352,7 @@ class BalancedSource:
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         dataset = dataset.with_options(options)
         self._pipeline_replicas = replicas
+        self.latest_pipeline = "tf_dataset"
         if replicas == 1:
             return dataset
         return strategy.distribute_datasets_from_function(lambda context: dataset)
@@ -355,6 +386,7 @@ class BalancedSource:
         source = self
         pipeline = next(self._pipelines)
         self._pipeline_replicas = 1
+        self.latest_pipeline = "py_dataset"
 
         class BalancedPyDataset(base):  # type: ignore[misc, valid-type]
             """Index k of an epoch is global batch k, cut at the size agreed for its iteration."""

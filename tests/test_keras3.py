@@ -1,9 +1,13 @@
 """Keras 3 single-worker model.fit with the lbbsp callback: trains, reports, serves the agreed sizes."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,6 +112,25 @@ def test_mismatched_schedule_is_refused(redis_url: str, job: str) -> None:
                          verbose=0, shuffle=False)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_tf_dataset_needs_steps_per_execution_that_divides_the_epoch(redis_url: str, job: str) -> None:
+    """Keras 3 runs all steps of an execution from a tf.data dataset: with 4 steps per epoch and 3 per execution
+    it would read 2 batches of the next epoch, whose vector is not agreed yet (a long wait, then a misleading
+    error). A PyDataset ends each epoch, so its last execution is short and the same schedule works."""
+    config = JobConfig(job, num_workers=1, global_batch=32)  # 120 samples: 4 steps per epoch
+    x, y = _data()
+    with WorkerSession(config, 0, url=redis_url) as session:
+        source = BalancedSource(x, y, config, 0, steps_per_execution=3, wait_timeout_s=5.0)
+        callback = LBBSPCallback(session.client, source)
+        with pytest.raises(ConfigError, match=r"divides 4 .*or source.py_dataset\(\)"):
+            _model(3).fit(source.tf_dataset(), epochs=2, steps_per_epoch=len(source), callbacks=[callback],
+                          verbose=0, shuffle=False)
+        _model(3).fit(source.py_dataset(), epochs=2, steps_per_epoch=len(source), callbacks=[callback], verbose=0,
+                      shuffle=False)
+    assert [b.iteration for b in source.served] == [0, 0, 0, 1, 2, 2, 2, 3]
+
+
 @pytest.mark.timeout(120)
 def test_num_workers_must_match_the_strategy(redis_url: str, job: str) -> None:
     config = JobConfig(job, num_workers=2, global_batch=32)  # but one process, no MultiWorkerMirroredStrategy
@@ -149,6 +172,39 @@ def test_an_epoch_without_the_callback_warns_once(redis_url: str, job: str) -> N
                   callbacks=[LBBSPCallback(session.client, source)])
     with pytest.warns(UserWarning, match="validate and evaluate with arrays"):  # without steps, it would never end
         model.evaluate(source.tf_dataset(), steps=len(source), verbose=0)
+
+
+@pytest.mark.timeout(120)
+def test_batches_keras_probes_before_the_callback_attaches_raise_no_warning(redis_url: str, job: str) -> None:
+    """Under a strategy, Keras 3 reads a few batches through a throwaway iterator before ``on_train_begin``:
+    with an epoch of 2 steps, that once looked like a whole epoch trained without the callback."""
+    config = JobConfig(job, num_workers=1, global_batch=64)
+    x, y = _data()
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with WorkerSession(config, 0, url=redis_url) as session:
+        source = BalancedSource(x, y, config, 0)
+        callback = LBBSPCallback(session.client, source)
+        with strategy.scope():
+            model = _model()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(source.tf_dataset(strategy), epochs=2, steps_per_epoch=len(source), callbacks=[callback],
+                      verbose=0, shuffle=False)
+    assert not [w for w in caught if "LBBSPCallback" in str(w.message)]
+    assert [b.iteration for b in source.served] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_example_reports_the_samples_it_trained(tmp_path: Path) -> None:
+    """Digits has 1,797 samples: 15 global batches of up to 128, not 15 * 128 = 1,920 samples per epoch."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "keras_digits.py"
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    subprocess.run([sys.executable, str(example), "--epochs", "2", "--result", str(tmp_path / "result.json")],
+                   env=env, check=True, capture_output=True, timeout=150)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["samples"] == 2 * 1797
+    assert result["global_samples_per_s"] * result["seconds"] == pytest.approx(2 * 1797)
 
 
 @pytest.mark.timeout(120)

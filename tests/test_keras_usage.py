@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -41,6 +42,14 @@ def test_session_refuses_num_workers_unlike_tf_config(monkeypatch: pytest.Monkey
 def test_source_takes_single_arrays_only(x: object, y: object, job: str) -> None:
     with pytest.raises(ConfigError, match="must be a single array"):
         BalancedSource(x, y, JobConfig(job, num_workers=1, global_batch=4), 0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("sample_weight", [np.ones(7), np.ones((8, 1)), np.ones((8, 3))])
+def test_source_needs_one_sample_weight_per_sample(sample_weight: np.ndarray, job: str) -> None:
+    """A weight per time step or output would be misread: the source multiplies one weight per sample."""
+    with pytest.raises(ConfigError, match=re.escape(f"shape (8,), got shape {sample_weight.shape}")):
+        BalancedSource(np.zeros((8, 2)), np.zeros(8), JobConfig(job, num_workers=1, global_batch=4), 0,
+                       sample_weight=sample_weight)
 
 
 def test_source_needs_min_batch_of_one(job: str) -> None:

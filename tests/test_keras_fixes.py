@@ -1,0 +1,119 @@
+"""tf_keras in one process: a fit that ends before its last epoch records only the batches it trained.
+
+tf_keras prefetches from the source as soon as the callback publishes the next vector. A fit that stops
+early (``EarlyStopping``) or raises has published the vector of the next epoch's first iteration, so the
+source served batches of it that were never trained. They must not reach ``served`` or a report.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lbbsp import Assignment, JobConfig
+
+tf_keras = pytest.importorskip("tf_keras")
+from lbbsp.integrations.keras import BalancedSource, WorkerSession, callback_class  # noqa: E402
+
+SAMPLES, GLOBAL_BATCH = 120, 32  # 4 steps per epoch, the last one of 24 samples
+
+
+class _StopAfterFirstEpoch(tf_keras.callbacks.Callback):
+    """Raises at the end of the first epoch, after the lbbsp callback published the next vector."""
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        raise RuntimeError("stopped")
+
+
+def _model():  # type: ignore[no-untyped-def]
+    tf_keras.utils.set_random_seed(0)
+    model = tf_keras.Sequential([tf_keras.layers.Input((6,)), tf_keras.layers.Dense(1)])
+    model.compile(optimizer=tf_keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+def _fit_stopped_then_again(redis_url: str, job: str, monkeypatch: pytest.MonkeyPatch, stop: str,
+                            pipeline: str) -> tuple[BalancedSource, list[tuple[int, int]], list[int]]:
+    """A fit of up to 5 epochs that ``stop`` ends early, then a fit of one epoch: the source, the reports sent
+    as (iteration, samples), and the iterations recorded in ``served`` between the two fits."""
+    config = JobConfig(job, num_workers=1, global_batch=GLOBAL_BATCH)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, 6)).astype("float32")
+    reports: list[tuple[int, int]] = []
+    with WorkerSession(config, 0, url=redis_url) as session:
+        send = session.client.report
+
+        def record(iteration: int, samples: int, compute_s: float, **kwargs: object) -> None:
+            reports.append((iteration, samples))
+            send(iteration, samples, compute_s, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(session.client, "report", record)
+        source = BalancedSource(x, x[:, :1], config, 0)
+        callback = callback_class(tf_keras)(session.client, source)
+        model = _model()
+
+        def fit(epochs: int, *others: object) -> None:
+            data = source.tf_dataset() if pipeline == "tf_dataset" else source.py_dataset(tf_keras)
+            model.fit(data, epochs=epochs, steps_per_epoch=len(source), callbacks=[callback, *others], verbose=0,
+                      shuffle=False, workers=2)
+
+        if stop == "early_stopping":  # stops after the second epoch
+            fit(5, tf_keras.callbacks.EarlyStopping("loss", patience=0, min_delta=1e9))
+        else:  # after the first; Keras skips on_train_end, so the source learns of it at the next fit
+            with pytest.raises(RuntimeError, match="stopped"):
+                fit(5, _StopAfterFirstEpoch())
+        between = [b.iteration for b in source.served]
+        fit(1)
+    return source, reports, between
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pipeline", ["tf_dataset", "py_dataset"])
+def test_an_early_stop_records_only_the_batches_trained(redis_url: str, job: str, pipeline: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    source, reports, between = _fit_stopped_then_again(redis_url, job, monkeypatch, "early_stopping", pipeline)
+    assert between == list(range(8))
+    assert [b.iteration for b in source.served] == list(range(12))
+    assert sum(b.size for b in source.served) == 3 * SAMPLES
+    assert reports == [(k, 24 if k % 4 == 3 else 32) for k in range(12)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_fit_after_one_that_raised_reports_only_its_own_batches(redis_url: str, job: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    source, reports, _ = _fit_stopped_then_again(redis_url, job, monkeypatch, "error", "tf_dataset")
+    assert [b.iteration for b in source.served] == list(range(8))
+    assert reports == [(k, 24 if k % 4 == 3 else 32) for k in range(8)]
+
+
+def test_detach_forgets_batches_cut_for_an_iteration_never_run(job: str) -> None:
+    """Keras may cut batches of the next iteration as soon as its vector is published, before the fit stops."""
+    config = JobConfig(job, num_workers=2, global_batch=8)
+    source = BalancedSource(np.zeros((16, 2)), np.zeros(16), config, 0)
+    data = source.py_dataset(tf_keras)
+    source.attach(0, 0)
+    for iteration, sizes in enumerate([(3, 5), (6, 2)]):
+        source.publish(Assignment(job, iteration, sizes, "scripted"))
+        data[iteration]  # a prefetch, as Keras makes it
+    source.detach(1)
+    assert [(b.iteration, b.size) for b in source.served] == [(0, 3)]
+    assert (source.samples_in(0), source.samples_in(1)) == (3, 0)
+
+
+def test_a_batch_still_being_cut_when_the_fit_ends_is_not_recorded(job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefetch thread that got its vector just before ``detach`` finishes cutting after it."""
+    config = JobConfig(job, num_workers=2, global_batch=8)
+    source = BalancedSource(np.zeros((16, 2)), np.zeros(16), config, 0)
+    data = source.py_dataset(tf_keras)
+    source.attach(0, 0)
+    source.publish(Assignment(job, 0, (3, 5), "scripted"))
+    cut = source._cut
+
+    def cut_as_the_fit_ends(*args: object) -> tuple[np.ndarray, ...]:
+        source.detach(0)
+        return cut(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(source, "_cut", cut_as_the_fit_ends)
+    assert len(data[0][0]) == 3
+    assert not source.served and source.samples_in(0) == 0
