@@ -2,15 +2,18 @@
 
 Speed on a dedicated GPU is stable, but time(batch) is not proportional to the batch: small batches leave
 the device under-used, so the time stays flat up to a knee and grows linearly after it. Each worker keeps
-``window`` slots of distinct batch sizes, each holding the decayed-weight mean time and GPU memory measured
-at that size. Repeats of a size average the noise out instead of pushing old sizes out, and when a new size
-needs a slot the two closest sizes merge, so the widest spread of sizes (what pins the slope) survives a
-long run at one size. The slots are fitted with the best hinge whose knee is 0 or one of the slot sizes
-(non-negative slope, so the fit is monotone). Workers with the same hardware key share what they learn:
-each curve is shrunk toward its group's mean as far as the group's spread allows. Memory: bytes = a + b *
-batch is fitted from the slots' mean ``gpu_mem_used``. The cap extrapolates the line into at most
-(1 - memory_margin) of the memory not yet seen in use at the largest size measured, and never past (1 -
-memory_floor) of used + free: a worker nears its card's limit in steps that its measurements confirm.
+``window`` slots of distinct batch sizes, each holding the decayed-weight mean time and the latest GPU memory
+reading at that size. Repeats of a size average the noise out instead of pushing old sizes out, and when a
+new size needs a slot the two closest sizes merge (at a whole size), so the widest spread of sizes (what pins
+the slope) stays in the slots through a long run at one size, though with decaying weight: once that spread
+has decayed far, the curve counts as unknown again and is explored again. The slots are fitted with the best
+hinge whose knee is 0 or one of the slot sizes (non-negative slope, so the fit is monotone). Workers with the
+same hardware key share what they learn: each curve is shrunk toward its group's mean as far as the group's
+spread allows. Memory: bytes = a + b * batch from the slots' ``gpu_mem_used`` where the readings identify the
+line, else the line through the origin and the largest measurement (:func:`fit_memory_cap`), refitted
+whenever a reading changes. The cap extrapolates into at most (1 - memory_margin) of the memory not yet seen
+in use at the largest size measured, and never past (1 - memory_floor) of used + free: a worker nears its
+card's limit in steps that its measurements confirm.
 """
 from __future__ import annotations
 
@@ -24,6 +27,12 @@ from ..protocol import Report
 from .base import CapacityModel, Hardware, WorkerIds, worker_ids
 
 _NO_CAP = np.iinfo(np.int64).max // 4
+#: The memory line counts only where its slope is at least this share of the bytes per sample in use at the
+#: largest size measured (fit_memory_cap).
+_MIN_SLOPE_SHARE = 0.1
+#: A known curve becomes unknown (and is explored again) when its weighted spread of sizes has decayed to this
+#: share of the spread that made it known.
+_STILL_KNOWN = 1e-3
 
 
 def fit_hinge(sizes: np.ndarray, times: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -65,30 +74,41 @@ def hinge_sums(sizes: np.ndarray, times: np.ndarray, w: np.ndarray, knees: np.nd
 
 def line_from_sums(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(base, slope, proportional slope) of the least-squares hinge at a fixed knee from :func:`hinge_sums`,
-    with base >= 0 and slope >= 0: where the free fit's base is negative, the best line with base 0 (slope
-    sum w z t / sum w z^2), which still passes through the well-measured sizes; where its slope is negative,
-    the flat fit (every point at or below the knee)."""
+    with base >= 0 and slope >= 0: where the free fit's base is negative, or the points above the knee have
+    (almost) a single z, so that the free fit is not determined, the best line with base 0 (slope sum w z t /
+    sum w z^2), which still passes through the well-measured sizes; where its slope is negative, or no point
+    lies above the knee, the flat fit."""
     s_w, s_t, s_z, s_zz, s_zt, s_p = np.moveaxis(sums, -1, 0)
     det = s_w * s_zz - s_z ** 2
+    determined = det > 1e-9 * np.maximum(s_w * s_zz, 1e-300)
     with np.errstate(divide="ignore", invalid="ignore"):
-        slope = np.where(det > 1e-9 * np.maximum(s_w * s_zz, 1e-300), (s_w * s_zt - s_z * s_t) / det, 0.0)
-        slope = np.maximum(slope, 0.0)
+        slope = np.maximum(np.where(determined, (s_w * s_zt - s_z * s_t) / det, 0.0), 0.0)
         positive = np.where(s_w > 0, s_w, 1.0)
         base = (s_t - slope * s_z) / positive
-        through_zero = (base < 0) & (s_zz > 0)
+        through_zero = ((base < 0) | ~determined) & (s_zz > 0)
         slope = np.where(through_zero, s_zt / np.where(s_zz > 0, s_zz, 1.0), slope)
         return np.where(through_zero, 0.0, base), slope, s_p / positive
 
 
 def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budget: np.ndarray) -> np.ndarray:
-    """Largest batch whose predicted bytes (a + b * batch, least squares per row) stay within ``budget``.
+    """Largest batch whose predicted bytes stay within ``budget``, per row. Pure function.
 
-    With under two distinct sizes, or a non-positive fitted b, the line goes through the origin and the
-    largest measurement, which over-predicts bytes above it (a >= 0), so the cap errs low. Pure function.
+    Bytes are predicted by the least-squares line a + b * batch where the readings identify it: two or more
+    distinct sizes, each reading above the one at the next smaller size by at least half what the line
+    predicts there, and b at least a tenth of the bytes per sample in use at the largest size. Readings held
+    at a caching allocator's peak (flat below the largest size run so far) fail the first test; a slope near 0,
+    which would put the cap many cards away, the second. Elsewhere bytes follow the line through the origin and
+    the largest measurement, which over-predicts them above it (a >= 0), so the cap errs low; and where the
+    fitted a < 0, whichever of the two lines predicts more. So the cap goes about ten times as far past the
+    largest measured size as the line through the origin would, at most.
     """
     weight = valid.astype(float)
     count = weight.sum(1)
     x, y = np.where(valid, sizes, 0.0), np.where(valid, used, 0.0)
+    order = np.argsort(np.where(valid, sizes, np.inf), axis=1)
+    rising = np.diff(np.take_along_axis(y, order, axis=1), axis=1)  # readings by size, the invalid ones last
+    step = np.diff(np.take_along_axis(x, order, axis=1), axis=1)
+    pair = np.take_along_axis(valid, order, axis=1)[:, 1:]
     with np.errstate(divide="ignore", invalid="ignore"):
         mean_x, mean_y = x.sum(1) / count, y.sum(1) / count
         dx = (x - mean_x[:, None]) * weight
@@ -98,9 +118,11 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
         largest = np.argmax(np.where(valid, sizes, -1.0), axis=1)
         rows = np.arange(sizes.shape[0])
         through_origin = used[rows, largest] / np.maximum(sizes[rows, largest], 1.0)
-        linear = np.isfinite(b) & (b > 0) & (a >= 0)
-        cap = np.where(linear, (budget - np.where(linear, a, 0.0)) / np.where(linear, b, 1.0),
-                       budget / through_origin)
+        consistent = (~pair | (rising >= 0.5 * b[:, None] * step)).all(1)
+        linear = np.isfinite(b) & (b >= _MIN_SLOPE_SHARE * through_origin) & consistent
+        origin_cap = budget / through_origin
+        line_cap = (budget - np.where(linear, a, 0.0)) / np.where(linear, b, 1.0)
+        cap = np.where(linear, np.where(a < 0, np.minimum(line_cap, origin_cap), line_cap), origin_cap)
     cap = np.where(count > 0, cap, np.inf)
     return np.floor(np.clip(np.nan_to_num(cap, nan=0.0, posinf=_NO_CAP), 0, _NO_CAP)).astype(np.int64)
 
@@ -109,12 +131,18 @@ class BatchTimeCurve(CapacityModel):
     """Per-worker hinge curve time(batch) and memory cap, from ``window`` slots of distinct batch sizes.
 
     ``half_life``: iterations after which a measurement counts half, so a curve follows a GPU that slows
-    down. A worker's curve is *known* once its sizes span ``explore_fraction`` / 2 of its largest size (at
-    least one sample); until then ``explore`` moves ``explore_fraction`` of a batch between such workers.
+    down. A worker's curve is *known* while its slots hold as much information on the slope (the weighted
+    spread of their sizes) as two measurements ``explore_fraction`` / 2 of its largest size apart (at least
+    one sample). Until then, and again once a long run at one size has decayed the other sizes that far, the
+    curve is the proportional line through the origin and ``explore`` moves ``explore_fraction`` of a batch
+    between such workers. ``partial_fit(..., defer=True)`` leaves the knee search of the workers whose set of
+    sizes changed to :meth:`finish_learning`; the decision in between reads their line at the knee found before.
     """
 
     # Learned per-worker arrays (index: worker id), created and grown by _grow.
     mem_total_: np.ndarray
+    mem_announced_: np.ndarray
+    mem_rate_: np.ndarray
     count_: np.ndarray
     latest_: np.ndarray
     latest_weight_: np.ndarray
@@ -126,6 +154,7 @@ class BatchTimeCurve(CapacityModel):
     known_: np.ndarray
     cap_: np.ndarray
     group_: np.ndarray
+    pending_: np.ndarray
 
     def __init__(self, window: int = 8, *, memory_margin: float = 0.05, memory_floor: float = 0.01,
                  explore_fraction: float = 0.05, half_life: float = 20.0) -> None:
@@ -144,38 +173,64 @@ class BatchTimeCurve(CapacityModel):
             self.slot_weight_ = np.zeros((0, self.window))
             self.noise_ = np.nan
             self.group_ids_: dict[Hardware, int] = {}
+            self.pending_ = np.zeros(0, dtype=np.int64)
             # every table from the start, so a model that has seen only announcements answers from priors; one row
             # (worker 0, unmeasured until it reports) at least, which ids beyond the tables read in its place
             self._grow(1)
+        self.finish_learning()
         self._remember_hardware(reports)
         count = len(reports)
         size = np.fromiter([r.samples for r in reports], float, count)
         seconds = np.fromiter([r.compute_s for r in reports], float, count)
-        measured = (size > 0) & (seconds > 0)
-        if not measured.any():
-            return self
         rows = np.fromiter([r.worker for r in reports], np.int64, count)
         features = [r.features for r in reports]
         used, free = _feature(features, "gpu_mem_used"), _feature(features, "gpu_mem_free")
+        measured = (size > 0) & (seconds > 0)
         if not measured.all():
+            self._announce(rows[~measured], used[~measured], free[~measured])
             rows, size, seconds, used, free = rows[measured], size[measured], seconds[measured], used[measured], free[measured]
+        if not rows.size:
+            return self
         self._grow(int(rows.max()) + 1)
         self._assign_groups(rows)
-        new_size = self._record(_all_or(rows, self.count_.size), size, seconds, used)
+        every = _all_or(rows, self.count_.size)
+        total = used + free
+        new_total = np.isfinite(total) & (total != self.mem_total_[rows])
+        self.mem_total_[rows] = np.where(np.isfinite(total), total, self.mem_total_[rows])
+        new_size, new_mem = self._record(every, size, seconds, used)
         self.latest_[rows] = size
         self.count_[rows] += 1
-        self.mem_total_[rows] = np.where(np.isfinite(used + free), used + free, self.mem_total_[rows])
-        # A new size can move the knee and the memory line: search and fit them again from the slots. Elsewhere
-        # the set of sizes is unchanged: decay the sums at the chosen knee and add the measurement, O(1) each.
-        if new_size.any():
-            self._fit(rows[new_size])
-            self._fit_memory(rows[new_size])
+        # A new size changes the slots: take the sums at the knee found so far from them (the knee is searched again
+        # in finish_learning). Elsewhere the sizes are unchanged: decay the sums and add the measurement, O(1) each.
+        fresh = rows[new_size]
+        if fresh.size:
+            self._sums_from_slots(fresh)
+            self._span(fresh)
         rest, x, t = rows[~new_size], size[~new_size], seconds[~new_size]
         rest = _all_or(rest, self.count_.size)
         z = np.maximum(x - self.knee_[rest], 0.0)
         self.sums_[rest] = self._decay * self.sums_[rest] + np.column_stack([np.ones_like(z), t, z, z * z, z * t, t / x])
-        self._line(rest)
+        self._know(every)
+        self._line(every)
+        # the cap follows every change of the memory readings, also another process's on the same card
+        refit = rows[new_size | new_mem | new_total]
+        if refit.size:
+            self._fit_memory(refit)
+        self.pending_ = np.union1d(self.pending_, fresh)
         self._pool()
+        return self if defer else self.finish_learning()
+
+    def finish_learning(self) -> BatchTimeCurve:
+        """Search the knee again for the workers whose set of sizes changed since the last search (4 ms a call at
+        1,024 workers, so a coordinator runs it after writing the split)."""
+        pending = getattr(self, "pending_", None)
+        if pending is not None and pending.size:
+            self.pending_ = pending[:0]
+            weight, sizes, times = self.slot_weight_[pending], self.slot_size_[pending], self.slot_time_[pending]
+            _, self.knee_[pending], _ = fit_hinge(sizes, times, weight)
+            self._sums_from_slots(pending)
+            self._line(pending)
+            self._pool()
         return self
 
     def predict(self, workers: WorkerIds) -> np.ndarray:
@@ -197,9 +252,10 @@ class BatchTimeCurve(CapacityModel):
         return curve
 
     def max_batch(self, workers: WorkerIds) -> np.ndarray:
-        """Largest batch each worker's GPU memory holds (with the margin); for a worker not measured yet, the
+        """Largest batch each worker's GPU memory holds (with the margin). For a worker not measured yet, the
         smallest cap on its hardware (else it would take what its capped peers cannot hold, and run out of
-        memory in its first iteration); a huge number where nothing is known."""
+        memory in its first iteration) and, where it announced its GPU memory, what that holds at the most bytes
+        per sample any worker measured (both where both apply); a huge number where nothing is known."""
         self._check_is_fitted("slot_size_")
         workers_arr = worker_ids(workers)
         inside = workers_arr < self.count_.size
@@ -213,23 +269,30 @@ class BatchTimeCurve(CapacityModel):
             keys = [self.hardware_.get(worker) for worker in workers_arr[cold].tolist()]
             group = np.array([-1 if key is None else self.group_ids_.get(key, -1) for key in keys], dtype=np.int64)
             caps[cold] = np.where(group >= 0, smallest[np.maximum(group, 0)], _NO_CAP)
+            rates = self.mem_rate_[measured & np.isfinite(self.mem_rate_)]
+            if rates.size:
+                cold_safe = np.where(inside[cold], workers_arr[cold], 0)
+                budget = self._budget(self.mem_total_[cold_safe], self.mem_announced_[cold_safe])
+                announced = np.floor(np.clip(np.nan_to_num(budget / rates.max(), nan=_NO_CAP), 0, _NO_CAP))
+                caps[cold] = np.where(inside[cold], np.minimum(caps[cold], announced.astype(np.int64)), caps[cold])
         return caps
 
     def explore(self, workers: WorkerIds, sizes: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
-        """Move ``explore_fraction`` of a batch between pairs of workers of similar size whose curve is still
-        unknown and whose coming size would not reveal it either, so the next reports pin each slope; sum
-        unchanged. Stops for a worker once its curve is known."""
+        """Move ``explore_fraction`` of a batch between pairs of workers of similar size whose curve is unknown
+        and whose coming size is too close to their latest to reveal it, so the next reports pin each slope; sum
+        unchanged. Stops for a worker once its curve is known; nothing moves at ``explore_fraction`` 0."""
         self._check_is_fitted("slot_size_")
         sizes = np.asarray(sizes, dtype=np.int64)
+        if self.explore_fraction == 0:
+            return sizes
         workers_arr = worker_ids(workers)
         inside = workers_arr < self.count_.size
         ids = np.where(inside, workers_arr, 0)
         unknown = np.flatnonzero(inside & (self.count_[ids] > 0) & ~self.known_[ids])
         if unknown.size == 0:
             return sizes
-        low, high, coming = self.observed_min_[ids[unknown]], self.observed_max_[ids[unknown]], sizes[unknown]
-        largest = np.maximum(high, coming)
-        unknown = unknown[largest - np.minimum(low, coming) < self._needed_spread(largest)]  # not revealing
+        latest, coming = self.latest_[ids[unknown]], sizes[unknown]
+        unknown = unknown[np.abs(coming - latest) < self._needed_spread(np.maximum(latest, coming))]  # not revealing
         unknown = unknown[np.argsort(sizes[unknown], kind="stable")]
         return perturb_pairs(sizes, unknown, self.explore_fraction, lower, upper)
 
@@ -251,9 +314,27 @@ class BatchTimeCurve(CapacityModel):
         """The span of sizes that makes a curve known: explore_fraction / 2 of the largest, at least 1."""
         return np.maximum(1.0, 0.5 * self.explore_fraction * largest)
 
-    def _record(self, rows: np.ndarray | slice, size: np.ndarray, seconds: np.ndarray, used: np.ndarray) -> np.ndarray:
-        """Decay the rows' weights and add one measurement each to the slot of its size (a new slot, merging
-        the two closest sizes when all are taken). Returns which rows got a new slot."""
+    def _budget(self, total: np.ndarray, seen: np.ndarray) -> np.ndarray:
+        """Bytes a worker may plan to use: ``seen`` in use and (1 - memory_margin) of the rest of its card
+        ``total``, at most (1 - memory_floor) of the card."""
+        return np.minimum((1 - self.memory_floor) * total, seen + (1 - self.memory_margin) * (total - seen))
+
+    def _announce(self, rows: np.ndarray, used: np.ndarray, free: np.ndarray) -> None:
+        """Note the GPU memory that workers not measured yet announce, for their cold-start cap."""
+        total = used + free
+        announced = np.isfinite(total)
+        if announced.any():
+            rows, used, total = rows[announced], used[announced], total[announced]
+            self._grow(int(rows.max()) + 1)
+            cold = self.count_[rows] == 0
+            self.mem_total_[rows[cold]], self.mem_announced_[rows[cold]] = total[cold], used[cold]
+
+    def _record(self, rows: np.ndarray | slice, size: np.ndarray, seconds: np.ndarray,
+                used: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Decay the rows' weights and add one measurement each to the slot of its size: a new slot, merging the
+        two closest sizes when all are taken. A slot keeps the decayed mean of its times and its latest memory
+        reading (memory in use is a state, not a noisy sample). Returns which rows changed their set of sizes and
+        which read memory other than their slot held."""
         sizes, times, mem = self.slot_size_[rows], self.slot_time_[rows], self.slot_mem_[rows]
         weight = self.slot_weight_[rows] * self._decay
         match = (sizes == size[:, None]) & (weight > 0)
@@ -263,40 +344,54 @@ class BatchTimeCurve(CapacityModel):
             full = fresh[(weight[fresh] > 0).all(1)]
             if full.size:
                 _merge_closest(sizes, times, mem, weight, full)
-            slot = np.argmin(weight[fresh] > 0, axis=1)  # first empty slot
-            sizes[fresh, slot], times[fresh, slot], mem[fresh, slot] = size[fresh], 0.0, np.nan
-            match[fresh] = False
-            match[fresh, slot] = True
+                match[full] = (sizes[full] == size[full, None]) & (weight[full] > 0)  # merged into the new size
+            empty = fresh[~match[fresh].any(1)]
+            slot = np.argmin(weight[empty] > 0, axis=1)  # first empty slot
+            sizes[empty, slot], times[empty, slot], mem[empty, slot] = size[empty], 0.0, np.nan
+            match[empty, slot] = True
         at = np.arange(size.size), np.argmax(match, axis=1)
         before = weight[at]
         self._track_noise(seconds[~new] / times[at][~new] - 1.0, before[~new])
         times[at] = (before * times[at] + seconds) / (before + 1.0)
-        old_mem = mem[at]
-        mem[at] = np.where(np.isfinite(used), np.where(np.isfinite(old_mem), (before * old_mem + used) / (before + 1.0),
-                                                       used), old_mem)
+        reads = np.isfinite(used)
+        new_mem = reads & (mem[at] != used)
+        mem[at] = np.where(reads, used, mem[at])
         weight[at] = before + 1.0
         self.latest_weight_[rows] = before + 1.0
         self.slot_size_[rows], self.slot_time_[rows], self.slot_mem_[rows] = sizes, times, mem
         self.slot_weight_[rows] = weight
-        return new
+        return new, new_mem
 
-    def _fit(self, rows: np.ndarray) -> None:
-        """Search the knee on ``rows``, take the sums at it from the slots, fit; note each row's span of sizes."""
-        weight, sizes, times = self.slot_weight_[rows], self.slot_size_[rows], self.slot_time_[rows]
-        _, self.knee_[rows], _ = fit_hinge(sizes, times, weight)
-        self.sums_[rows] = hinge_sums(sizes, np.where(weight > 0, times, 0.0), weight, self.knee_[rows][:, None])
-        high = np.where(weight > 0, sizes, 0.0).max(1)
-        low = np.where(weight > 0, sizes, np.inf).min(1)
-        self.observed_max_[rows], self.observed_min_[rows] = high, low
-        self.known_[rows] = high - low >= self._needed_spread(high)
-        self._line(rows)
+    def _sums_from_slots(self, rows: np.ndarray) -> None:
+        """The hinge sums of ``rows`` at their knee, taken afresh from their slots."""
+        weight = self.slot_weight_[rows]
+        self.sums_[rows] = hinge_sums(self.slot_size_[rows], np.where(weight > 0, self.slot_time_[rows], 0.0), weight,
+                                      self.knee_[rows][:, None])
+
+    def _span(self, rows: np.ndarray) -> None:
+        """observed_min_ and observed_max_ of ``rows``: the sizes in their slots (changed by a new size only)."""
+        weight, sizes = self.slot_weight_[rows], self.slot_size_[rows]
+        self.observed_max_[rows] = np.where(weight > 0, sizes, 0.0).max(1)
+        self.observed_min_[rows] = np.where(weight > 0, sizes, np.inf).min(1)
+
+    def _know(self, rows: np.ndarray | slice) -> None:
+        """known_: whether the slots' weighted spread of sizes, sum w (x - mean)^2, is at least that of two
+        measurements the needed span apart. Weights decay: a known curve stays known until a long run at one
+        size has decayed that spread to _STILL_KNOWN of it (about ten half-lives), then it is explored again
+        (each exploration costs a little iteration time)."""
+        weight, sizes = self.slot_weight_[rows], self.slot_size_[rows]
+        moment = weight * sizes
+        total, first, second = weight.sum(1), moment.sum(1), (moment * sizes).sum(1)
+        spread = second - first * first / np.maximum(total, 1e-300)
+        needed = 0.5 * self._needed_spread(self.observed_max_[rows]) ** 2
+        self.known_[rows] = spread >= np.where(self.known_[rows], _STILL_KNOWN * needed, needed)
 
     def _line(self, rows: np.ndarray | slice) -> None:
-        """base_ and slope_ of ``rows`` from their sums: the proportional line for a single size."""
+        """base_ and slope_ of ``rows`` from their sums; the proportional line where the curve is not known."""
         base, slope, proportional = line_from_sums(self.sums_[rows])
-        single = self.observed_max_[rows] <= self.observed_min_[rows]
-        self.base_[rows] = np.where(single, 1e-9, np.maximum(base, 1e-9))
-        self.slope_[rows] = np.where(single, proportional, slope)
+        known = self.known_[rows]
+        self.base_[rows] = np.where(known, np.maximum(base, 1e-9), 1e-9)
+        self.slope_[rows] = np.where(known, slope, proportional)
 
     def _assign_groups(self, rows: np.ndarray) -> None:
         """Number each new worker's hardware key (device, cores): workers that share one pool their curves."""
@@ -316,8 +411,9 @@ class BatchTimeCurve(CapacityModel):
         the share tau^2 / (tau^2 + noise_ / n) of its own curve, where n counts its measurements at its latest
         size and tau^2 is how much the group's workers really differ (their spread beyond what the noise
         explains). Identical GPUs then share one precise curve from their first measurements; GPUs that
-        differ, groups of under three and curves still unknown keep their own."""
-        self.pooled_base_, self.pooled_knee_, self.pooled_slope_ = self.base_.copy(), self.knee_.copy(), self.slope_.copy()
+        differ, groups of under three and curves still unknown keep their own (the proportional line, knee 0)."""
+        self.pooled_base_, self.pooled_slope_ = self.base_.copy(), self.slope_.copy()
+        self.pooled_knee_ = np.where(self.known_, self.knee_, 0.0)
         own = self.known_ & (self.count_ > 0)
         if not np.isfinite(self.noise_) or own.sum() < 3:
             return
@@ -336,15 +432,16 @@ class BatchTimeCurve(CapacityModel):
             keep * p + (1 - keep) * m for p, m in zip(params, means))
 
     def _fit_memory(self, rows: np.ndarray) -> None:
-        """Cache each row's memory cap (refitted when its set of sizes changes)."""
-        mem = self.slot_mem_[rows]
+        """Cache each row's memory cap and its bytes per sample through the origin at its largest size."""
+        sizes, mem = self.slot_size_[rows], self.slot_mem_[rows]
         valid = (self.slot_weight_[rows] > 0) & np.isfinite(mem)
-        total = self.mem_total_[rows]
-        largest = np.argmax(np.where(valid, self.slot_size_[rows], -1.0), axis=1)
-        seen = np.where(valid.any(1), mem[np.arange(rows.size), largest], 0.0)  # in use at the largest size
-        budget = np.minimum((1 - self.memory_floor) * total, seen + (1 - self.memory_margin) * (total - seen))
-        caps = fit_memory_cap(self.slot_size_[rows], mem, valid, np.nan_to_num(budget))
-        self.cap_[rows] = np.where(np.isfinite(budget) & valid.any(1), caps, _NO_CAP)
+        measured = valid.any(1)
+        at = np.arange(rows.size), np.argmax(np.where(valid, sizes, -1.0), axis=1)
+        seen = np.where(measured, mem[at], 0.0)  # in use at the largest size
+        self.mem_rate_[rows] = np.where(measured, seen / np.maximum(sizes[at], 1.0), np.nan)
+        budget = self._budget(self.mem_total_[rows], seen)
+        caps = fit_memory_cap(sizes, mem, valid, np.nan_to_num(budget))
+        self.cap_[rows] = np.where(np.isfinite(budget) & measured, caps, _NO_CAP)
 
     def _grow(self, size: int) -> None:
         extra = size - self.slot_size_.shape[0]
@@ -352,7 +449,8 @@ class BatchTimeCurve(CapacityModel):
             for name, fill in (("slot_size_", 0.0), ("slot_time_", 0.0), ("slot_mem_", np.nan), ("slot_weight_", 0.0)):
                 setattr(self, name, np.vstack([getattr(self, name), np.full((extra, self.window), fill)]))
             self.sums_ = np.vstack([getattr(self, "sums_", np.zeros((0, 6))), np.zeros((extra, 6))])
-            for name, fill, dtype in (("mem_total_", np.nan, float), ("count_", 0, np.int64), ("latest_", 0.0, float),
+            for name, fill, dtype in (("mem_total_", np.nan, float), ("mem_announced_", np.nan, float),
+                                      ("mem_rate_", np.nan, float), ("count_", 0, np.int64), ("latest_", 0.0, float),
                                       ("base_", 0.0, float), ("knee_", 0.0, float), ("slope_", 0.0, float),
                                       ("observed_max_", 0.0, float), ("observed_min_", 0.0, float),
                                       ("known_", False, bool), ("cap_", _NO_CAP, np.int64),
@@ -387,8 +485,9 @@ def _all_or(rows: np.ndarray, total: int) -> np.ndarray | slice:
 
 def _merge_closest(sizes: np.ndarray, times: np.ndarray, mem: np.ndarray, weight: np.ndarray,
                    rows: np.ndarray) -> None:
-    """In each of ``rows`` (all slots taken), merge the two sizes closest in ratio into one weighted slot
-    and empty the other, in place."""
+    """In each of ``rows`` (all slots taken), merge the two sizes closest in ratio into one weighted slot at
+    their weighted mean size, rounded to a whole sample so that later reports of that size find it, and empty
+    the other, in place."""
     order = np.argsort(sizes[rows], axis=1)
     ordered = np.take_along_axis(sizes[rows], order, axis=1)
     k = np.argmin(np.diff(ordered, axis=1) / ordered[:, 1:], axis=1)
@@ -396,7 +495,7 @@ def _merge_closest(sizes: np.ndarray, times: np.ndarray, mem: np.ndarray, weight
     keep, drop = (rows, order[r, k]), (rows, order[r, k + 1])
     w_keep, w_drop = weight[keep], weight[drop]
     total = w_keep + w_drop
-    sizes[keep] = (w_keep * sizes[keep] + w_drop * sizes[drop]) / total
+    sizes[keep] = np.round((w_keep * sizes[keep] + w_drop * sizes[drop]) / total)  # whole samples, as reported
     times[keep] = (w_keep * times[keep] + w_drop * times[drop]) / total
     m_keep, m_drop = mem[keep], mem[drop]
     mem[keep] = np.where(np.isfinite(m_keep) & np.isfinite(m_drop), (w_keep * m_keep + w_drop * m_drop) / total,

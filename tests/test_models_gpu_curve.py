@@ -1,0 +1,204 @@
+"""BatchTimeCurve: memory caps that hold under peak-held and changing readings, curves that survive long runs at
+one size, and a decision path that leaves the knee search for after the write."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lbbsp.allocation import HingeTime
+from lbbsp.config import JobConfig
+from lbbsp.models import BatchTimeCurve, fit_memory_cap, gpu_curve
+from lbbsp.policies import LBBSPPolicy
+from lbbsp.protocol import Report
+from lbbsp.sim.engine import run_policy
+from lbbsp.sim.scenarios import GPUMix, Truth
+
+GB = 1e9
+
+
+def _report(iteration: int, size: int, seconds: float, used: float | None = None, total: float = 16 * GB,
+            worker: int = 0) -> Report:
+    memory = {} if used is None else {"gpu_mem_used": used, "gpu_mem_free": total - used}
+    return Report("g", worker, iteration, size, seconds, device="cuda:0", features=memory)
+
+
+def test_memory_cap_takes_the_line_through_the_origin_where_readings_barely_rise() -> None:
+    """NVML's 'used' stays at the caching allocator's peak: one page more at twice the size is no slope of 41
+    bytes per sample, which would have put the cap at 117 million samples."""
+    sizes, valid, budget = np.array([[100.0, 200.0]]), np.ones((1, 2), bool), np.array([15.8 * GB])
+    flat = fit_memory_cap(sizes, np.array([[11 * GB, 11 * GB]]), valid, budget)
+    page_more = fit_memory_cap(sizes, np.array([[11 * GB, 11 * GB + 4096]]), valid, budget)
+    assert flat[0] == page_more[0] == 287  # 15.8 GB at 11 GB / 200 samples
+
+
+def test_memory_cap_holds_with_readings_held_at_the_peak() -> None:
+    """Readings that never drop below the largest use so far flatten the least-squares line (1 GB + 40 MB per
+    sample truly, 16 GB card: 375 samples); the cap stays within the card."""
+    model = BatchTimeCurve()
+    peak = 0.0
+    for k, size in enumerate([100, 200, 150, 120, 180]):
+        peak = max(peak, GB + 0.04 * GB * size)
+        model.partial_fit([_report(k, size, 0.01 * size, peak)])
+    assert model.max_batch([0])[0] <= 375
+
+
+def test_memory_cap_errs_low_where_the_fitted_line_starts_below_zero() -> None:
+    """1 GB at 100 samples, 3 GB at 200 on a 10 GB card: the line -1 GB + 20 MB per sample predicts more above
+    200 than the line through the origin, which allowed 643 samples (11.9 GB by the fitted line)."""
+    sizes, used, valid = np.array([[100.0, 200.0]]), np.array([[GB, 3 * GB]]), np.ones((1, 2), bool)
+    budget = 3 * GB + 0.95 * 7 * GB
+    cap = fit_memory_cap(sizes, used, valid, np.array([budget]))[0]
+    assert -GB + 0.02 * GB * cap <= budget
+    assert cap == 532
+
+
+def test_memory_cap_follows_another_process_on_the_same_card() -> None:
+    """Another process takes 6 GB of a worker's card while it stays at one size: the cap comes down to what
+    is left (225 samples at 40 MB each) with the first report that shows it, not at the next new size."""
+    model = BatchTimeCurve()
+    for k, (size, other) in enumerate([(100, 0.0), (200, 0.0), (200, 6 * GB)]):
+        model.partial_fit([_report(k, size, 0.01 * size, GB + 0.04 * GB * size + other)])
+    assert model.max_batch([0])[0] <= 225
+
+
+class _PeakHeldThrottled(GPUMix):
+    """gpu-mix whose memory readings hold their peak (a caching allocator) and where every third GPU runs at
+    0.4 of its speed in alternate spells of 40 iterations, so sizes go down and up again."""
+
+    def features(self, iteration: int, sizes: np.ndarray) -> list[dict[str, float]]:
+        out = super().features(iteration, sizes)
+        used = np.array([f["gpu_mem_used"] for f in out])
+        self.peak = np.maximum(getattr(self, "peak", used), used)
+        return [{**f, "gpu_mem_used": p, "gpu_mem_free": t - p}
+                for f, p, t in zip(out, self.peak.tolist(), self.total_bytes.tolist())]
+
+    def truth(self, iteration: int) -> Truth:
+        truth = super().truth(iteration)
+        slow = (iteration // 40) % 2 == 1 and np.arange(self.speed.size) % 3 == 0
+        factor = np.where(slow, 0.4, 1.0)
+        curve = truth.time_model
+        return Truth(HingeTime(curve.base / factor, curve.knee, curve.slope / factor, curve.observed_max),
+                     max_batch=truth.max_batch)
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_gpu_mix_never_exceeds_memory_with_peak_held_readings(seed: int) -> None:
+    scenario = _PeakHeldThrottled(16, 120, seed)
+    run = run_policy(scenario, "lbbsp", LBBSPPolicy(scenario.capacity_model()), 120)
+    assert run.over_memory == 0
+
+
+def test_a_new_gpu_is_capped_by_the_memory_it_announces() -> None:
+    """Two A100s measured on 32-core hosts (1.5 GB + 85 MB per sample of 40 GB); a third on a 64-core host
+    announces its memory: it is capped at what 38 GB holds at 97.5 MB per sample (measured at 120), not left
+    uncapped for lack of peers with its exact hardware; one that announces nothing stays uncapped."""
+    model = BatchTimeCurve()
+
+    def features(size: int, cores: float) -> dict[str, float]:
+        used = 1.5 * GB + 0.085 * GB * size
+        return {"gpu_mem_used": used, "gpu_mem_free": 40 * GB - used, "cores": cores}
+
+    for k, size in enumerate([112, 120]):
+        model.partial_fit([Report("g", w, k, size, 0.1, features=features(size, 32.0), device="cuda:A100")
+                           for w in range(2)])
+    model.partial_fit([Report("g", 2, 1, 0, 0.0, device="cuda:A100",
+                              features={"gpu_mem_used": 0.5 * GB, "gpu_mem_free": 39.5 * GB, "cores": 64.0}),
+                       Report("g", 3, 1, 0, 0.0, device="cuda:A100", features={"cores": 16.0})])
+    caps = model.max_batch([0, 1, 2, 3])
+    assert caps[0] == caps[1] == 436
+    assert caps[2] == 390  # (0.5 + 0.95 * 39.5) GB / (11.7 GB / 120)
+    assert caps[3] > 1e9
+
+
+def test_an_unknown_curve_is_the_proportional_line() -> None:
+    """Two sizes 1% apart whose noise says the time falls with the size: not known yet, so the line through
+    the origin (the docs' rule), not a flat curve that makes 50 samples cost as much as 100."""
+    model = BatchTimeCurve()
+    model.partial_fit([_report(0, 100, 1.00)])
+    model.partial_fit([_report(1, 101, 0.99)])
+    assert not model.known_[0]
+    time = model.time_model([0]).time(np.array([50.0, 100.0]))
+    assert time[0] == pytest.approx(time[1] / 2)
+
+
+def test_no_exploration_at_explore_fraction_zero() -> None:
+    model = BatchTimeCurve(explore_fraction=0.0).partial_fit([_report(0, 100, 0.1, worker=w) for w in range(4)])
+    sizes = np.array([100, 100, 100, 100])
+    np.testing.assert_array_equal(model.explore(range(4), sizes, np.zeros(4), np.full(4, 1000)), sizes)
+
+
+def test_a_long_run_at_one_size_leaves_a_curve_that_still_slopes_and_is_explored_again() -> None:
+    """Four sizes, then 1,200 iterations at 150: the other sizes' weight decays away, but the curve never turns
+    flat (it was, from about 600 iterations on: then 75 samples took as long as 150 and the split never
+    moved again); once its spread has decayed the curve is unknown and exploration moves samples again."""
+    model = BatchTimeCurve()
+    sizes = [100, 200, 120, 180] + [150] * 1200
+    for k, size in enumerate(sizes):
+        model.partial_fit([_report(k, size, 0.02 + 0.001 * size, worker=w) for w in range(2)])
+        time = model.time_model([0]).time(np.array([75.0, 150.0]))
+        assert time[0] < 0.8 * time[1], f"iteration {k}: flat curve {time}"
+    assert not model.known_.any()
+    explored = model.explore([0, 1], np.array([150, 150]), np.zeros(2), np.full(2, 300))
+    assert explored.sum() == 300 and (explored != 150).all()
+
+
+def test_a_fit_whose_other_sizes_have_decayed_away_is_the_line_through_the_origin() -> None:
+    """Sums in which one size holds all but 1e-12 of the weight do not determine a slope: the line through the
+    origin and that size, not a flat line at its time (which no later report at that size would undo)."""
+    sizes = np.array([[100.0, 150.0]])
+    sums = gpu_curve.hinge_sums(sizes, 0.02 + 0.001 * sizes, np.array([[1e-12, 30.0]]), np.zeros((1, 1)))
+    base, slope, _ = gpu_curve.line_from_sums(sums)
+    assert base[0] == 0 and slope[0] == pytest.approx(0.17 / 150)
+
+
+def test_a_slowdown_after_a_long_steady_run_is_rebalanced() -> None:
+    """Two equal GPUs held 800 iterations at 150 / 150, then one runs at half speed: the split moves toward
+    the slow one's share (it stayed at 150 / 150, the equal split, for good)."""
+    config = JobConfig("g", 2, 300)
+    policy = LBBSPPolicy(BatchTimeCurve(), hedge=None)
+    rng = np.random.default_rng(0)
+    sizes, plan = np.array([150, 150]), {}
+    for k in range(860):
+        slow = np.array([2.0 if k >= 800 else 1.0, 1.0])
+        seconds = (0.02 + 0.001 * sizes) * slow * rng.lognormal(0, 0.002, 2)
+        policy.observe([_report(k, int(sizes[w]), float(seconds[w]), worker=w) for w in range(2)])
+        plan[k + 2] = np.array(policy.decide(k + 2, tuple(sizes.tolist()), config).sizes)
+        policy.learn()
+        sizes = plan.get(k + 1, sizes)
+    assert sizes[0] <= 145
+
+
+def test_deferred_learning_leaves_the_knee_search_for_after_the_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """partial_fit(defer=True) does no knee search (4 ms a call at 1,024 workers, on the decision's path);
+    finish_learning does it, to the same curve as learning at once."""
+    searches = []
+
+    def counted(*args: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        searches.append(1)
+        return fit_hinge(*args)
+
+    fit_hinge = gpu_curve.fit_hinge
+    monkeypatch.setattr(gpu_curve, "fit_hinge", counted)
+    deferred, direct = BatchTimeCurve(), BatchTimeCurve()
+    times = 0.05 + 0.004 * np.maximum(np.array([8, 24, 48, 96.0]) - 24, 0)
+    for k, (size, seconds) in enumerate(zip([8, 24, 48, 96], times)):
+        deferred.partial_fit([_report(k, size, seconds)], defer=True)
+        assert not searches, "a knee search on the decision's path"
+        direct.partial_fit([_report(k, size, seconds)])
+        searches.clear()
+        deferred.finish_learning()
+        assert searches
+        searches.clear()
+    assert deferred.knee_[0] == direct.knee_[0] == 24
+    np.testing.assert_allclose([deferred.base_, deferred.slope_], [direct.base_, direct.slope_])
+
+
+def test_merged_slots_keep_whole_sizes_so_reports_find_them() -> None:
+    """Sizes that wander by a few samples fill the window and merge: a merged slot sits at a whole size, so the
+    next report of that size adds to it instead of counting as a new size (and a new knee search)."""
+    rng = np.random.default_rng(0)
+    model = BatchTimeCurve()
+    for k in range(60):
+        model.partial_fit([_report(k, int(112 + rng.integers(-6, 7)), 0.1)])
+    present = model.slot_size_[model.slot_weight_ > 0]
+    np.testing.assert_array_equal(present, np.round(present))
