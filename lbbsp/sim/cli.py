@@ -187,13 +187,16 @@ def plot(scenario: Scenario, runs: dict[str, PolicyRun], summary: dict[str, dict
     bars.axvline(1.0, color="black", linewidth=0.8)
     bars.invert_yaxis()
     bars.set_xlabel("mean iteration time / oracle")
-    bars.legend(handles=[Patch(color="tab:blue", label="LB-BSP"), Patch(color="tab:orange", label="other policies"),
-                         Patch(color="tab:gray", label="references (know more)")], fontsize=7, loc="upper right")
+    legend = [Patch(color="tab:blue", label="LB-BSP"), Patch(color="tab:orange", label="other policies"),
+              Patch(color="tab:gray", label="references (know more)")]
+    if any(summary[n]["over_memory_iterations"] for n in names):
+        legend.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="over GPU memory (a job fails)"))
+    bars.legend(handles=legend, fontsize=7, loc="upper right")
     bars.set_xlim(0, 1.3 * max(summary[n]["vs_oracle"] for n in names))  # room for the labels
     for i, n in enumerate(names):
         over = summary[n]["over_memory_iterations"]
         bars.text(summary[n]["vs_oracle"], i, f" {summary[n]['vs_oracle']:.3f}, idle {summary[n]['idle_fraction']:.0%}"
-                  + (f", over memory in {over} (hatched: fails)" if over else ""), va="center", fontsize=8)
+                  + (f", {over} over memory" if over else ""), va="center", fontsize=8)
     oracle = np.asarray(runs["oracle"].iteration_s)
     window = max(1, oracle.size // 20)
     shades = {"tab:blue": iter(["tab:cyan", "navy"]), "tab:gray": iter(["dimgray", "darkgray", "black"]),
