@@ -20,7 +20,7 @@ from flwr.serverapp.strategy import FedAvg
 from lbbsp import EmbeddedRedis
 from lbbsp.errors import LBBSPError
 from lbbsp.fedagg import fednova, rescale_update, weighted_average
-from lbbsp.integrations.flower import ClientHistory, EmulatedLink, LoadBalanced, Workload
+from lbbsp.integrations.flower import ClientHistory, LoadBalanced
 from lbbsp.integrations.flower_local import LocalGrid
 
 #: An honest reply to a workload of 5 steps of batch 8.
@@ -186,14 +186,3 @@ def test_worker_indices_stay_unique_after_redis_loses_its_data(job: str) -> None
         assert history.workers() == {"c": c, "a": a} and history.known_index("a") == a
         assert history.worker_indices(["a", "c", "b"]) == [a, c, history.worker_index("b")]
         assert len(set(history.workers().values())) == 3
-
-
-@pytest.mark.timeout(60)
-def test_an_emulated_link_can_count_the_real_delivery_as_well() -> None:
-    LocalGrid(ClientApp(), [{}])  # sets Flower's task identity so that messages can be built here
-    config = ConfigRecord({**Workload(4, 1).to_config(), "server-round": 1})
-    msg = Message(RecordDict({"arrays": ArrayRecord([np.zeros(10)]), "config": config}), dst_node_id=1,
-                  message_type=MessageType.TRAIN)
-    msg.metadata.created_at = time.time() - 2.0  # reached the ClientApp 2 s after the server made it
-    assert EmulatedLink(1e6, 1e6).download(msg) < 0.5  # the 80 bytes' emulated transfer only
-    assert 2.0 <= EmulatedLink(1e6, 1e6, count_delivery=True).download(msg) < 5.0

@@ -19,7 +19,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg, Strategy
 
 from lbbsp import ConfigError, EmbeddedRedis, Report
-from lbbsp.integrations.flower import ClientHistory, LoadBalanced, LocalRound, Workload
+from lbbsp.integrations.flower import ClientHistory, EmulatedLink, LoadBalanced, LocalRound, Workload
 from lbbsp.integrations.flower_local import LocalGrid
 from lbbsp.protocol import MAX_SECONDS
 
@@ -175,17 +175,29 @@ def test_the_plan_log_names_nodes_and_the_measured_round_time(redis_url: str, jo
     assert len(messages(caplog, r"sit_out=0.1 of 3 sampled clients rounds down to no client.*from 10 sampled")) == 1
 
 
-@pytest.mark.timeout(60)
-def test_message_clock_reports_delivery_as_overhead_and_no_upload() -> None:
+def train_message(values: int, delivered_after_s: float) -> Message:
+    """A train message of ``values`` float64 parameters, made ``delivered_after_s`` before it reaches the client."""
     LocalGrid(make_app(), [{}])  # sets Flower's task identity so that messages can be built here
     config = ConfigRecord({**Workload(4, 1).to_config(), "server-round": 1})
-    msg = Message(RecordDict({"arrays": ArrayRecord([np.zeros(1000)]), "config": config}), dst_node_id=1,
+    msg = Message(RecordDict({"arrays": ArrayRecord([np.zeros(values)]), "config": config}), dst_node_id=1,
                   message_type=MessageType.TRAIN)
-    msg.metadata.created_at = time.time() - 0.5  # delivered and started half a second after it was made
-    local = LocalRound(msg)
+    msg.metadata.created_at = time.time() - delivered_after_s
+    return msg
+
+
+@pytest.mark.timeout(60)
+def test_message_clock_reports_delivery_as_overhead_and_no_upload() -> None:
+    local = LocalRound(train_message(1000, 0.5))  # delivered and started half a second after it was made
     list(local.batches())
     metrics = local.reply(ArrayRecord([np.zeros(1000)])).content["metrics"]
     assert 0.5 <= metrics["lbbsp-download-s"] < 5 and metrics["lbbsp-upload-s"] == 0.0
+
+
+@pytest.mark.timeout(60)
+def test_an_emulated_link_can_count_the_real_delivery_as_well() -> None:
+    msg = train_message(10, 2.0)  # reached the ClientApp 2 s after the server made it
+    assert EmulatedLink(1e6, 1e6).download(msg) < 0.5  # the 80 bytes' emulated transfer only
+    assert 2.0 <= EmulatedLink(1e6, 1e6, count_delivery=True).download(msg) < 5.0
 
 
 @pytest.mark.timeout(120)

@@ -149,7 +149,6 @@ class BatchTimeCurve(CapacityModel):
     base_: np.ndarray
     knee_: np.ndarray
     slope_: np.ndarray
-    observed_min_: np.ndarray
     observed_max_: np.ndarray
     known_: np.ndarray
     cap_: np.ndarray
@@ -205,7 +204,7 @@ class BatchTimeCurve(CapacityModel):
         fresh = rows[new_size]
         if fresh.size:
             self._sums_from_slots(fresh)
-            self._span(fresh)
+            self._largest_size(fresh)
         rest, x, t = rows[~new_size], size[~new_size], seconds[~new_size]
         rest = _all_or(rest, self.count_.size)
         z = np.maximum(x - self.knee_[rest], 0.0)
@@ -368,11 +367,9 @@ class BatchTimeCurve(CapacityModel):
         self.sums_[rows] = hinge_sums(self.slot_size_[rows], np.where(weight > 0, self.slot_time_[rows], 0.0), weight,
                                       self.knee_[rows][:, None])
 
-    def _span(self, rows: np.ndarray) -> None:
-        """observed_min_ and observed_max_ of ``rows``: the sizes in their slots (changed by a new size only)."""
-        weight, sizes = self.slot_weight_[rows], self.slot_size_[rows]
-        self.observed_max_[rows] = np.where(weight > 0, sizes, 0.0).max(1)
-        self.observed_min_[rows] = np.where(weight > 0, sizes, np.inf).min(1)
+    def _largest_size(self, rows: np.ndarray) -> None:
+        """observed_max_ of ``rows``: the largest size in their slots (changed by a new size only)."""
+        self.observed_max_[rows] = np.where(self.slot_weight_[rows] > 0, self.slot_size_[rows], 0.0).max(1)
 
     def _know(self, rows: np.ndarray | slice) -> None:
         """known_: whether the slots' weighted spread of sizes, sum w (x - mean)^2, is at least that of two
@@ -452,8 +449,7 @@ class BatchTimeCurve(CapacityModel):
             for name, fill, dtype in (("mem_total_", np.nan, float), ("mem_announced_", np.nan, float),
                                       ("mem_rate_", np.nan, float), ("count_", 0, np.int64), ("latest_", 0.0, float),
                                       ("base_", 0.0, float), ("knee_", 0.0, float), ("slope_", 0.0, float),
-                                      ("observed_max_", 0.0, float), ("observed_min_", 0.0, float),
-                                      ("known_", False, bool), ("cap_", _NO_CAP, np.int64),
+                                      ("observed_max_", 0.0, float), ("known_", False, bool), ("cap_", _NO_CAP, np.int64),
                                       ("latest_weight_", 0.0, float), ("group_", -1, np.int64),
                                       ("pooled_base_", 0.0, float), ("pooled_knee_", 0.0, float),
                                       ("pooled_slope_", 0.0, float)):
