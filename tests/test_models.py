@@ -188,6 +188,23 @@ def test_narx_learns_an_ar_process_with_an_exogenous_driver() -> None:
     assert mape["narx"] <= 0.8 * min(mape["ewma"], mape["last"]), mape
 
 
+def test_narx_reads_process_cpu_per_core_so_a_bigger_host_forecasts_alike() -> None:
+    """The same run reported from a 2-core and a 64-core host (proc_cpu and cores both x32) gets the same
+    forecasts: proc_cpu in cores, fed raw, swamped the network on big hosts (MAPE above EWMA's at x64)."""
+    rng = np.random.default_rng(3)
+    n, workers = 200, 4
+    share = np.clip(0.9 - 0.4 * (rng.random((n, workers)) < 0.3) + rng.normal(0, 0.03, (n, workers)), 0.2, 1.0)
+    forecasts = []
+    for cores in (2.0, 64.0):
+        model = NARXThroughput(warmup=10)
+        for t in range(n):
+            model.partial_fit([Report("host", w, t, 100, 1.0 / share[t, w],
+                                      features={"proc_cpu": share[t, w] * cores, "cores": cores})
+                               for w in range(workers)])
+        forecasts.append(model.predict(range(workers)))
+    np.testing.assert_allclose(forecasts[0], forecasts[1], rtol=1e-9)
+
+
 def test_cold_start_gives_a_new_worker_the_speed_of_similar_hardware() -> None:
     policy = LBBSPPolicy(EWMAThroughput(), deadband=0)
     policy.observe([Report("c", 0, 0, 100, 1.0, device="cuda:0", features={"cores": 8.0}),

@@ -3,7 +3,9 @@
 NARX = nonlinear autoregression with exogenous inputs. One small MLP is shared by all workers (so it
 learns from every report and costs one forward pass per decision). It is scale-free: the inputs are the
 worker's recent log-throughputs relative to its latest one, the gap between its EWMA level and its latest
-throughput, and the last ``exog_lags`` values of its resource features; the target is the log-ratio of the
+throughput, and the last ``exog_lags`` values of its resource features, each a share of the machine
+(``proc_cpu``, reported in cores, is divided by the report's ``cores``, so the network reads a 2-core and a
+64-core host alike); the target is the log-ratio of the
 throughput ``horizon`` iterations later to the latest one. ``horizon`` should equal ``JobConfig.lag`` (2 by
 default): a decision for iteration k is made from the reports of k - lag. The loss is a Huber loss on the
 relative error forecast / actual - 1, which is what a wrong split costs and what MAPE scores; with a small
@@ -184,13 +186,13 @@ class NARXThroughput(CapacityModel):
             self.count_, self.rows_, self.bases_ = grown(self.count_), grown(self.rows_), grown(self.bases_)
 
     def _exogenous(self, features: list[Mapping[str, float]]) -> np.ndarray:
-        """The ``features`` columns of each report, 0 where one is missing (a C-level lookup per value)."""
+        """The ``features`` columns of each report, 0 where one is missing (a C-level lookup per value), with
+        ``proc_cpu`` per core of the report's machine (as is when it reports no ``cores``)."""
         out = np.empty((len(features), len(self.features)))
         for j, name in enumerate(self.features):
-            try:
-                out[:, j] = np.fromiter(map(itemgetter(name), features), dtype=float, count=len(features))
-            except KeyError:
-                out[:, j] = [f.get(name, 0.0) for f in features]
+            out[:, j] = _column(features, name, 0.0)
+            if name == "proc_cpu":
+                out[:, j] /= _column(features, "cores", 1.0)
         return out
 
     def _inputs(self, workers: np.ndarray) -> np.ndarray:
@@ -272,3 +274,11 @@ class NARXThroughput(CapacityModel):
         v += (1 - beta2) * (flat * flat - v)
         step = self.learning_rate * np.sqrt(1 - beta2 ** self.steps_) / (1 - beta1 ** self.steps_)
         self.params_ -= step * m / (np.sqrt(v) + 1e-8)
+
+
+def _column(features: list[Mapping[str, float]], name: str, missing: float) -> np.ndarray:
+    """Feature ``name`` of every report, ``missing`` where a report lacks it."""
+    try:
+        return np.fromiter(map(itemgetter(name), features), dtype=float, count=len(features))
+    except KeyError:
+        return np.array([f.get(name, missing) for f in features], dtype=float)
