@@ -1,6 +1,8 @@
 """Simulated clusters: each worker's true time model per iteration, and the features it would report.
 
 A scenario is generated in full from its seed before any policy runs, so every policy sees the same trace.
+Each random process draws from its own stream, iteration by iteration, so a longer run of the same seed
+begins with the same iterations as a shorter one.
 """
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ class CPUContention(Scenario):
         if not mean_dwell >= 1:
             raise ConfigError(f"mean_dwell must be >= 1 iteration, got {mean_dwell}")
         traces = list(traces) if traces is not None else load_traces()
-        rng = np.random.default_rng(seed)
+        rng, *replay_rngs = _streams(seed, 1 + len(traces))
         super().__init__("cpu-contention", JobConfig("sim-cpu", num_workers, batch_per_worker * num_workers),
                          ["cpu"] * num_workers,
                          {"traces": [t.name for t in traces], "mean_dwell_iterations": mean_dwell,
@@ -89,7 +91,7 @@ class CPUContention(Scenario):
         rows = np.empty((iterations + LOOKAHEAD, num_workers), dtype=np.int64)
         for t, trace in enumerate(traces):
             members = np.flatnonzero(which == t)
-            rows[:, members] = _level_replay(trace, members.size, iterations + LOOKAHEAD, mean_dwell, rng)
+            rows[:, members] = _level_replay(trace, members.size, iterations + LOOKAHEAD, mean_dwell, replay_rngs[t])
         scale = np.array([1000.0 / np.median(t.throughput[t.level == t.level.min()]) for t in traces])[which]
 
         def replay(per_trace: Sequence[np.ndarray]) -> np.ndarray:
@@ -109,6 +111,11 @@ class CPUContention(Scenario):
 
     def features(self, iteration: int, sizes: np.ndarray) -> list[dict[str, float]]:
         return [dict(zip(TRACE_FEATURES, row)) for row in self.feature_rows[iteration].tolist()]
+
+
+def _streams(seed: int, count: int) -> list[np.random.Generator]:
+    """``count`` independent generators from one seed: one per random process of a scenario."""
+    return [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(count)]
 
 
 def _level_medians(trace: CPUTrace) -> np.ndarray:
@@ -201,7 +208,7 @@ class FLClients(Scenario):
                  local_steps: int = 5, model_mb: float = 4.0, median_ms_per_sample: float = 40.0,
                  compute_spread: float = 1.0, median_kbps_down: float = 5000.0, median_kbps_up: float = 2000.0,
                  link_spread: float = 1.0, round_noise: float = 0.05, dropout: float = 0.05) -> None:
-        rng = np.random.default_rng(seed)
+        rng, presence = _streams(seed, 2)
         super().__init__("fl-clients", JobConfig("sim-fl", num_workers, batch_per_client * num_workers),
                          ["phone"] * num_workers,
                          {"local_steps": local_steps, "model_mb": model_mb, "median_ms_per_sample": median_ms_per_sample,
@@ -215,7 +222,7 @@ class FLClients(Scenario):
         self.download_s = bits / (1e3 * rng.lognormal(np.log(median_kbps_down), link_spread, num_workers))
         self.upload_s = bits / (1e3 * rng.lognormal(np.log(median_kbps_up), link_spread, num_workers))
         self.noise = rng.lognormal(0.0, round_noise, (iterations + LOOKAHEAD, num_workers))
-        self.present = rng.random((iterations + LOOKAHEAD, num_workers)) >= dropout
+        self.present = presence.random((iterations + LOOKAHEAD, num_workers)) >= dropout
 
     def truth(self, iteration: int) -> Truth:
         speed = self.samples_per_s / self.noise[iteration] / self.local_steps  # batch -> seconds, steps fixed
