@@ -13,7 +13,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .allocation import RoundsOut, TimeModel, allocate_sitting_out, damp, predicted_makespan, sit_out_share
+from .allocation import (
+    LinearTime,
+    RoundsOut,
+    TimeModel,
+    allocate_sitting_out,
+    damp,
+    predicted_makespan,
+    sit_out_share,
+)
 from .config import JobConfig
 from .errors import ConfigError
 from .hedging import ForecastRisk, hedged
@@ -165,12 +173,17 @@ class LBBSPPolicy(Policy):
             return hedged(time_model, factor), factor
         return time_model, factor
 
-    def band(self) -> float:
+    def band(self, time_model: TimeModel | None = None, current: np.ndarray | None = None) -> float:
         """The dead band in force: ``deadband``, narrowed where forecasts are precise to ``BAND_PER_MISS`` times
         their median miss (at least ``MIN_BAND``): a predicted gain several times what forecasts usually miss by
-        is real, and keeping a split that far off would cost it in every iteration."""
+        is real, and keeping a split that far off would cost it in every iteration. Given the ``time_model``
+        and the ``current`` split, it is a share of what the forecast covers of the slowest worker's time (at
+        least ``MIN_BAND``): a federated client's transfers are part of its time but not of the misses."""
         miss = self.risk.typical_miss() if self.risk is not None else None
-        return self.deadband if miss is None else min(self.deadband, max(MIN_BAND, BAND_PER_MISS * miss))
+        band = self.deadband if miss is None else min(self.deadband, max(MIN_BAND, BAND_PER_MISS * miss))
+        if time_model is None or current is None:
+            return band
+        return min(band, max(MIN_BAND, band * _forecast_share(time_model, current)))
 
     def propose(self, time_model: TimeModel, config: JobConfig, lower: np.ndarray, upper: np.ndarray,
                 forecast: TimeModel | None = None) -> np.ndarray:
@@ -196,7 +209,7 @@ class LBBSPPolicy(Policy):
         in_bounds = current_arr.shape == proposed.shape and bool(
             ((current_arr >= lower) & (current_arr <= upper)).all()) and not (
             self.sit_out and (current_arr[self.rounds_out.due(workers)] == 0).any())  # one due back may not stay out
-        band = self.band()
+        band = self.band(time_model, current_arr)
         sizes, changed = damp(current_arr, proposed, plan, band) if in_bounds else (proposed, True)
         sizes = self.model.explore(workers, sizes, lower, upper)
         predicted = time_model.time(sizes)
@@ -226,6 +239,19 @@ class LBBSPPolicy(Policy):
                             "%d: some workers are given more than they are predicted to hold", config.job,
                             int(caps.sum()), config.global_batch)
         return Decision(tuple(sizes.tolist()), reason, tuple(predicted.tolist()), tuple(throughput.tolist()))
+
+
+def _forecast_share(time_model: TimeModel, sizes: np.ndarray) -> float:
+    """The share of the slowest worker's predicted time that depends on its throughput forecast: all of it,
+    less a linear model's overhead (a federated client's download and upload)."""
+    if not isinstance(time_model, LinearTime) or not np.any(time_model.overhead):
+        return 1.0
+    times = time_model.time(sizes)
+    slowest = int(np.argmax(times))
+    if not (np.isfinite(times[slowest]) and times[slowest] > 0):
+        return 1.0
+    overhead = float(np.broadcast_to(time_model.overhead, times.shape)[slowest])
+    return max(times[slowest] - overhead, 0.0) / float(times[slowest])
 
 
 class StaticProportionalPolicy(LBBSPPolicy):
