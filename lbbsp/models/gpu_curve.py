@@ -33,6 +33,11 @@ _MIN_SLOPE_SHARE = 0.1
 #: A known curve becomes unknown (and is explored again) when its weighted spread of sizes has decayed to this
 #: share of the spread that made it known.
 _STILL_KNOWN = 1e-3
+#: A measurement off its size's slot by more than this share (or _SHIFT_SIGMAS times the measured noise, if more)
+#: is a miss; _SHIFT_MISSES of them in a row, in the same direction, mean the GPU changed speed (throttling, another
+#: process): its slots are forgotten and the curve is learnt afresh, where decaying them would take tens of
+#: half-lives (old and new times mixed in one slot read as a flat curve, which kept the split for 175 iterations).
+_SHIFT, _SHIFT_SIGMAS, _SHIFT_MISSES = 0.10, 6.0, 2
 
 
 def fit_hinge(sizes: np.ndarray, times: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -153,6 +158,7 @@ class BatchTimeCurve(CapacityModel):
     known_: np.ndarray
     cap_: np.ndarray
     group_: np.ndarray
+    misses_: np.ndarray  # large misses in a row against the slot of the size measured, signed by direction
     pending_: np.ndarray
 
     def __init__(self, window: int = 8, *, memory_margin: float = 0.05, memory_floor: float = 0.01,
@@ -196,7 +202,7 @@ class BatchTimeCurve(CapacityModel):
         total = used + free
         new_total = np.isfinite(total) & (total != self.mem_total_[rows])
         self.mem_total_[rows] = np.where(np.isfinite(total), total, self.mem_total_[rows])
-        new_size, new_mem = self._record(every, size, seconds, used)
+        new_size, new_mem, held = self._record(every, size, seconds, used)
         self.latest_[rows] = size
         self.count_[rows] += 1
         # A new size changes the slots: take the sums at the knee found so far from them (the knee is searched again
@@ -205,10 +211,11 @@ class BatchTimeCurve(CapacityModel):
         if fresh.size:
             self._sums_from_slots(fresh)
             self._largest_size(fresh)
-        rest, x, t = rows[~new_size], size[~new_size], seconds[~new_size]
+        rest, x, t, kept = rows[~new_size], size[~new_size], seconds[~new_size], ~held[~new_size]
         rest = _all_or(rest, self.count_.size)
         z = np.maximum(x - self.knee_[rest], 0.0)
-        self.sums_[rest] = self._decay * self.sums_[rest] + np.column_stack([np.ones_like(z), t, z, z * z, z * t, t / x])
+        added = np.column_stack([np.ones_like(z), t, z, z * z, z * t, t / x]) * kept[:, None]
+        self.sums_[rest] = self._decay * self.sums_[rest] + added
         self._know(every)
         self._line(every)
         # the cap follows every change of the memory readings, also another process's on the same card
@@ -329,14 +336,17 @@ class BatchTimeCurve(CapacityModel):
             self.mem_total_[rows[cold]], self.mem_announced_[rows[cold]] = total[cold], used[cold]
 
     def _record(self, rows: np.ndarray | slice, size: np.ndarray, seconds: np.ndarray,
-                used: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                used: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Decay the rows' weights and add one measurement each to the slot of its size: a new slot, merging the
         two closest sizes when all are taken. A slot keeps the decayed mean of its times and its latest memory
-        reading (memory in use is a state, not a noisy sample). Returns which rows changed their set of sizes and
-        which read memory other than their slot held."""
+        reading (memory in use is a state, not a noisy sample). A GPU whose speed changed (:meth:`_shifted`) starts
+        from empty slots; a single measurement beyond the band is held out. Returns which rows changed their set
+        of sizes, which read memory other than their slot held, and which measurements were held out."""
         sizes, times, mem = self.slot_size_[rows], self.slot_time_[rows], self.slot_mem_[rows]
         weight = self.slot_weight_[rows] * self._decay
         match = (sizes == size[:, None]) & (weight > 0)
+        shifted, missed = self._shifted(rows, seconds, np.where(match, times, 0.0).sum(1), match.any(1))
+        weight[shifted], match[shifted] = 0.0, False
         new = ~match.any(1)
         if new.any():
             fresh = np.flatnonzero(new)
@@ -350,16 +360,33 @@ class BatchTimeCurve(CapacityModel):
             match[empty, slot] = True
         at = np.arange(size.size), np.argmax(match, axis=1)
         before = weight[at]
-        self._track_noise(seconds[~new] / times[at][~new] - 1.0, before[~new])
-        times[at] = (before * times[at] + seconds) / (before + 1.0)
+        # a miss beyond the band is a change (confirmed by the next) or an outlier: neither noise nor time to keep
+        held = missed & ~shifted
+        noisy = ~new & ~missed
+        self._track_noise(seconds[noisy] / times[at][noisy] - 1.0, before[noisy])
+        times[at] = np.where(held, times[at], (before * times[at] + seconds) / (before + 1.0))
         reads = np.isfinite(used)
         new_mem = reads & (mem[at] != used)
         mem[at] = np.where(reads, used, mem[at])
-        weight[at] = before + 1.0
-        self.latest_weight_[rows] = before + 1.0
+        weight[at] = before + ~held
+        self.latest_weight_[rows] = weight[at]
         self.slot_size_[rows], self.slot_time_[rows], self.slot_mem_[rows] = sizes, times, mem
         self.slot_weight_[rows] = weight
-        return new, new_mem
+        return new, new_mem, held
+
+    def _shifted(self, rows: np.ndarray | slice, seconds: np.ndarray, slot_time: np.ndarray,
+                 has_slot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(Which rows' GPUs changed speed, which rows missed): count each row's misses in a row against its size's
+        slot (signed by direction, reset by a measurement within the band or at a size without a slot)."""
+        band = max(_SHIFT, _SHIFT_SIGMAS * float(np.sqrt(self.noise_))) if np.isfinite(self.noise_) else _SHIFT
+        with np.errstate(divide="ignore", invalid="ignore"):
+            miss = np.where(has_slot & (slot_time > 0), seconds / slot_time - 1.0, 0.0)
+        direction = np.sign(miss) * (np.abs(miss) > band)
+        streak = self.misses_[rows]
+        streak = np.where((direction != 0) & (np.sign(streak) == direction), streak + direction, direction)
+        shifted = np.abs(streak) >= _SHIFT_MISSES
+        self.misses_[rows] = np.where(shifted, 0, streak)
+        return shifted, direction != 0
 
     def _sums_from_slots(self, rows: np.ndarray) -> None:
         """The hinge sums of ``rows`` at their knee, taken afresh from their slots."""
@@ -450,7 +477,7 @@ class BatchTimeCurve(CapacityModel):
                                       ("mem_rate_", np.nan, float), ("count_", 0, np.int64), ("latest_", 0.0, float),
                                       ("base_", 0.0, float), ("knee_", 0.0, float), ("slope_", 0.0, float),
                                       ("observed_max_", 0.0, float), ("known_", False, bool), ("cap_", _NO_CAP, np.int64),
-                                      ("latest_weight_", 0.0, float), ("group_", -1, np.int64),
+                                      ("latest_weight_", 0.0, float), ("group_", -1, np.int64), ("misses_", 0, np.int64),
                                       ("pooled_base_", 0.0, float), ("pooled_knee_", 0.0, float),
                                       ("pooled_slope_", 0.0, float)):
                 setattr(self, name, np.concatenate([getattr(self, name, np.zeros(0, dtype=dtype)),
