@@ -44,6 +44,7 @@ def test_a_longer_run_of_a_seed_begins_with_the_shorter_runs_iterations() -> Non
                                           b.present if b.present is not None else [])
             assert short.features(k, sizes) == long.features(k, sizes)
 
+
 def test_lbbsp_is_close_to_the_oracle_and_ahead_of_bsp_on_gpus() -> None:
     scenario = GPUMix(16, 40, seed=0)
     runs = compare(scenario, 40, {k: v for k, v in standard_policies(scenario).items()

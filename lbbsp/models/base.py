@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from operator import itemgetter
 
 import numpy as np
 from sklearn import exceptions
@@ -165,6 +166,14 @@ def smoothed(table: np.ndarray | None, workers: np.ndarray, values: np.ndarray, 
         previous = np.where(np.isnan(previous), start, previous)
     table[workers] = np.where(np.isnan(previous), values, alpha * values + (1 - alpha) * previous)
     return table
+
+
+def feature_column(features: Sequence[Mapping[str, float]], name: str, missing: float = np.nan) -> np.ndarray:
+    """Feature ``name`` of every report's features, ``missing`` where one lacks it (a C-level lookup per value)."""
+    try:
+        return np.fromiter(map(itemgetter(name), features), dtype=float, count=len(features))
+    except KeyError:
+        return np.array([f.get(name, missing) for f in features], dtype=float)
 
 
 def measured_throughput(reports: Sequence[Report]) -> tuple[np.ndarray, np.ndarray]:

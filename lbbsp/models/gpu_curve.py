@@ -17,14 +17,14 @@ card's limit in steps that its measurements confirm.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from ..allocation import HingeTime
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel, Hardware, WorkerIds, worker_ids
+from .base import CapacityModel, Hardware, WorkerIds, feature_column, worker_ids
 
 _NO_CAP = np.iinfo(np.int64).max // 4
 #: The memory line counts only where its slope is at least this share of the bytes per sample in use at the
@@ -189,7 +189,7 @@ class BatchTimeCurve(CapacityModel):
         seconds = np.fromiter([r.compute_s for r in reports], float, count)
         rows = np.fromiter([r.worker for r in reports], np.int64, count)
         features = [r.features for r in reports]
-        used, free = _feature(features, "gpu_mem_used"), _feature(features, "gpu_mem_free")
+        used, free = feature_column(features, "gpu_mem_used"), feature_column(features, "gpu_mem_free")
         measured = (size > 0) & (seconds > 0)
         if not measured.all():
             self._announce(rows[~measured], used[~measured], free[~measured])
@@ -491,14 +491,6 @@ class BatchTimeCurve(CapacityModel):
         safe = np.where(inside, workers, 0)
         return HingeTime(np.where(inside, self.pooled_base_[safe], 0.0), np.where(inside, self.pooled_knee_[safe], 0.0),
                          np.where(inside, self.pooled_slope_[safe], 0.0), np.where(inside, self.observed_max_[safe], 0.0))
-
-
-def _feature(features: Sequence[Mapping[str, float]], name: str) -> np.ndarray:
-    """One feature from every report, NaN where a report lacks it."""
-    try:
-        return np.fromiter([f[name] for f in features], float, len(features))
-    except KeyError:
-        return np.fromiter([f.get(name, np.nan) for f in features], float, len(features))
 
 
 def _all_or(rows: np.ndarray, total: int) -> np.ndarray | slice:

@@ -22,13 +22,12 @@ costs about 1 ms per update (mostly input checks), several times the arithmetic.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from operator import itemgetter
 
 import numpy as np
 
 from ..errors import ConfigError
 from ..protocol import FEATURE_RANGES, Report
-from .base import CapacityModel, WorkerIds
+from .base import CapacityModel, WorkerIds, feature_column
 
 DEFAULT_FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util")
 
@@ -186,13 +185,13 @@ class NARXThroughput(CapacityModel):
             self.count_, self.rows_, self.bases_ = grown(self.count_), grown(self.rows_), grown(self.bases_)
 
     def _exogenous(self, features: list[Mapping[str, float]]) -> np.ndarray:
-        """The ``features`` columns of each report, 0 where one is missing (a C-level lookup per value), with
-        ``proc_cpu`` per core of the report's machine (as is when it reports no ``cores``)."""
+        """The ``features`` columns of each report, 0 where one is missing, with ``proc_cpu`` per core of the
+        report's machine (as is when it reports no ``cores``)."""
         out = np.empty((len(features), len(self.features)))
         for j, name in enumerate(self.features):
-            out[:, j] = _column(features, name, 0.0)
+            out[:, j] = feature_column(features, name, 0.0)
             if name == "proc_cpu":
-                out[:, j] /= _column(features, "cores", 1.0)
+                out[:, j] /= feature_column(features, "cores", 1.0)
         return out
 
     def _inputs(self, workers: np.ndarray) -> np.ndarray:
@@ -274,11 +273,3 @@ class NARXThroughput(CapacityModel):
         v += (1 - beta2) * (flat * flat - v)
         step = self.learning_rate * np.sqrt(1 - beta2 ** self.steps_) / (1 - beta1 ** self.steps_)
         self.params_ -= step * m / (np.sqrt(v) + 1e-8)
-
-
-def _column(features: list[Mapping[str, float]], name: str, missing: float) -> np.ndarray:
-    """Feature ``name`` of every report, ``missing`` where a report lacks it."""
-    try:
-        return np.fromiter(map(itemgetter(name), features), dtype=float, count=len(features))
-    except KeyError:
-        return np.array([f.get(name, missing) for f in features], dtype=float)
