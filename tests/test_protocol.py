@@ -1,6 +1,7 @@
 """Reports and assignments: JSON round trips, and every kind of bad input rejected with the field named."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -23,6 +24,19 @@ def test_report_round_trip() -> None:
     assert again == report
     assert again.throughput == pytest.approx(128.0)
 
+
+
+def test_a_parsed_report_is_the_report_its_fields_make_and_stays_frozen() -> None:
+    """The parse builds a plain report without the dataclass's set-up: it must still be that report."""
+    parsed = Report.from_json(json.dumps(good(comm_s=0.01)), job="j", num_workers=4)
+    assert parsed == Report("j", 1, 7, 32, 0.25, comm_s=0.01, features={"cpu_util": 0.5, "colocated_load": 0.1})
+    assert (parsed.wait_s, parsed.device) == (None, "cpu")
+    assert Report.from_json(json.dumps({k: v for k, v in good().items() if k not in ("features", "device")})) == \
+        Report("j", 1, 7, 32, 0.25)  # the optional fields take their defaults
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        parsed.samples = 64  # type: ignore[misc]
+    spaced = b"  \n" + json.dumps(good(), indent=2).encode() + b"\n "
+    assert Report.from_json(spaced) == Report.from_json(json.dumps(good()))  # whitespace around: still one report
 
 @pytest.mark.parametrize("overrides, field", [
     ({"compute_s": float("nan")}, "payload"),  # NaN is not JSON: rejected by the parser itself
