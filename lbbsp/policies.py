@@ -26,6 +26,7 @@ from .config import JobConfig
 from .errors import ConfigError
 from .hedging import ForecastRisk, hedged
 from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
+from .models.auto import MixedTime
 from .models.base import WorkerIds
 from .protocol import Report
 
@@ -243,15 +244,32 @@ class LBBSPPolicy(Policy):
 
 def _forecast_share(time_model: TimeModel, sizes: np.ndarray) -> float:
     """The share of the slowest worker's predicted time that depends on its throughput forecast: all of it,
-    less a linear model's overhead (a federated client's download and upload)."""
-    if not isinstance(time_model, LinearTime) or not np.any(time_model.overhead):
+    less a linear model's overhead (a federated client's download and upload), in a mixed job too."""
+    overhead = _overhead(time_model, sizes.size)
+    if overhead is None:
         return 1.0
     times = time_model.time(sizes)
     slowest = int(np.argmax(times))
     if not (np.isfinite(times[slowest]) and times[slowest] > 0):
         return 1.0
-    overhead = float(np.broadcast_to(time_model.overhead, times.shape)[slowest])
-    return max(times[slowest] - overhead, 0.0) / float(times[slowest])
+    return max(times[slowest] - float(overhead[slowest]), 0.0) / float(times[slowest])
+
+
+def _overhead(time_model: TimeModel, count: int) -> np.ndarray | None:
+    """Each of ``count`` workers' time that no forecast sets (a :class:`LinearTime`'s overhead; a
+    :class:`MixedTime` has its groups'), or None where there is none."""
+    if isinstance(time_model, LinearTime):
+        return np.broadcast_to(time_model.overhead, (count,)) if np.any(time_model.overhead) else None
+    if isinstance(time_model, MixedTime):
+        parts = [(positions, _overhead(model, positions.size)) for positions, model in time_model.groups]
+        if all(part is None for _, part in parts):
+            return None
+        out = np.zeros(count)
+        for positions, part in parts:
+            if part is not None:
+                out[positions] = part
+        return out
+    return None
 
 
 class StaticProportionalPolicy(LBBSPPolicy):

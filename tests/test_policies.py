@@ -7,7 +7,8 @@ import pytest
 from lbbsp.allocation import LinearTime
 from lbbsp.config import JobConfig
 from lbbsp.errors import ConfigError
-from lbbsp.models import BatchTimeCurve, EWMAThroughput, FLClientModel
+from lbbsp.models import AutoCapacityModel, BatchTimeCurve, EWMAThroughput, FLClientModel
+from lbbsp.models.auto import MixedTime
 from lbbsp.policies import (
     MIN_BAND,
     BackupWorkersPolicy,
@@ -163,6 +164,24 @@ def test_the_dead_band_is_a_share_of_the_forecast_compute_not_of_a_clients_trans
     assert mean["lbbsp"] <= 1.002 * mean["oracle"] < 0.985 * mean["bsp"], mean
     assert runs["lbbsp"].sizes[-1][0] < 5
 
+
+
+def test_in_a_mixed_job_the_dead_band_is_a_share_of_the_forecast_compute_too() -> None:
+    """The same as above in a job of federated clients and CPU workers (one time model per kind): client 0's
+    transfers take 50x its compute. Moving its samples gains 1.9%, under the whole 3% band; the band must be
+    the share the forecast sets, as with clients alone (it was not, and the split was kept)."""
+    config = JobConfig("mixed", 4, 80)
+    policy = LBBSPPolicy(AutoCapacityModel(), hedge=None)
+    sizes = config.initial_sizes()
+    for k in range(3):
+        reports = [Report("mixed", i, k, size, size / 100.0) for i, size in enumerate(sizes)]
+        reports[0] = Report("mixed", 0, k, sizes[0], sizes[0] / 100.0, features={"download_s": 5.0, "upload_s": 5.0})
+        reports[1] = Report("mixed", 1, k, sizes[1], sizes[1] / 100.0, features={"download_s": 0.01, "upload_s": 0.01})
+        policy.observe(reports)
+        sizes = policy.decide(k + 2, sizes, config).sizes
+        policy.learn()
+    assert isinstance(AutoCapacityModel().partial_fit(reports).time_model(range(4)), MixedTime)
+    assert sizes[0] == 1 and sum(sizes) == 80, sizes
 
 def test_the_equal_split_respects_per_worker_caps_from_the_first_iteration() -> None:
     config = JobConfig("p", 3, 90, max_batch=(10, 90, 90))
