@@ -22,7 +22,7 @@ from .allocation import (
     predicted_makespan,
     sit_out_share,
 )
-from .config import JobConfig
+from .config import JobConfig, _integer
 from .errors import ConfigError
 from .hedging import ForecastRisk, hedged
 from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
@@ -36,13 +36,6 @@ log = logging.getLogger("lbbsp.policies")
 BAND_PER_MISS = 3.0
 #: ...but never below this.
 MIN_BAND = 0.005
-
-
-def _count(value: object, name: str, least: int) -> int:
-    """``value`` as an integer >= ``least``, or a :class:`ConfigError` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
-    return value
 
 
 def _real(value: object, name: str, lo: float, hi: float, want: str) -> float:
@@ -100,7 +93,7 @@ class BackupWorkersPolicy(BSPPolicy):
     name = "backup"
 
     def __init__(self, backups: int = 1) -> None:
-        self.backups = _count(backups, "backups", 0)
+        self.backups = _integer(backups, "backups", 0, None)
 
     def aggregated(self, num_workers: int) -> int:
         if not 0 <= self.backups < num_workers:
@@ -279,7 +272,7 @@ class StaticProportionalPolicy(LBBSPPolicy):
 
     def __init__(self, profile_iterations: int = 3) -> None:
         super().__init__(EWMAThroughput(alpha=0.5), deadband=0.0, hedge=None)
-        self.profile_iterations = _count(profile_iterations, "profile_iterations", 1)
+        self.profile_iterations = _integer(profile_iterations, "profile_iterations", 1, None)
         self._observed = 0
         self._fixed: Decision | None = None
 
@@ -304,7 +297,7 @@ class PerEpochPolicy(LBBSPPolicy):
 
     def __init__(self, iterations_per_epoch: int = 50, model: CapacityModel | None = None) -> None:
         super().__init__(model if model is not None else EWMAThroughput(alpha=0.05), deadband=0.0, hedge=None)
-        self.iterations_per_epoch = _count(iterations_per_epoch, "iterations_per_epoch", 1)
+        self.iterations_per_epoch = _integer(iterations_per_epoch, "iterations_per_epoch", 1, None)
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         if iteration % self.iterations_per_epoch != 0:
@@ -320,7 +313,7 @@ class LeaderStragglerPolicy(Policy):
     name = "leader-straggler"
 
     def __init__(self, window: int = 3, initial_step_fraction: float = 0.25, model: CapacityModel | None = None) -> None:
-        self.window = _count(window, "window", 1)
+        self.window = _integer(window, "window", 1, None)
         self.initial_step_fraction = _real(initial_step_fraction, "initial_step_fraction", 1e-9, 1.0,
                                            "a share of the mean batch in (0, 1]")
         self.model = model

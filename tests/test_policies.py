@@ -237,6 +237,12 @@ def test_a_bad_policy_parameter_is_a_config_error_at_construction(make) -> None:
         make()
 
 
+def test_a_numpy_integer_is_a_count_as_everywhere_else() -> None:
+    """As JobConfig takes one: a count read from an array must not be refused for its type."""
+    assert BackupWorkersPolicy(np.int64(2)).backups == 2
+    assert type(PerEpochPolicy(np.int32(5)).iterations_per_epoch) is int
+
+
 def test_a_split_over_the_memory_caps_says_so(caplog: pytest.LogCaptureFixture) -> None:
     """Caps that cannot hold the global batch are set aside, and the decision's reason and one warning say so
     (the split read 'rebalanced for equal predicted finish' with both workers over their caps)."""
