@@ -264,6 +264,13 @@ def test_contract(factory: type) -> None:
     for ask in (model.predict, model.time_model, model.max_batch):  # numpy would answer -1 with the last worker
         with pytest.raises(ConfigError, match="worker ids must be >= 0, got -1"):
             ask([0, -1])
+    # fit also takes one flat list of reports (scikit-learn's fit takes all the data at once), by iteration
+    history = [[Report("c", w, k, 10, 0.1 * (w + 1) * (1 + k % 3)) for w in range(3)] for k in range(6)]
+    flat = [report for reports in reversed(history) for report in reports]
+    nested = sklearn.base.clone(model).fit(history).predict([0, 1, 2])
+    assert sklearn.base.clone(model).fit(flat).predict([0, 1, 2]) == pytest.approx(nested)
+    with pytest.raises(TypeError, match="mixes reports with lists"):
+        model.fit([history[0][0], history[1]])
 
 
 @pytest.mark.parametrize("reports", [[], [Report("a", 0, 0, 0, 0.0, device="cuda:0")], [Report("a", 0, 0, 10, 0.0)]],

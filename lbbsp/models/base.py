@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from operator import itemgetter
+from typing import Any
 
 import numpy as np
 from sklearn import exceptions
@@ -83,11 +84,22 @@ class CapacityModel(BaseEstimator):
     """Base class: ``partial_fit`` one iteration's reports, ``predict`` next-iteration throughput. A scikit-learn
     estimator: ``get_params``, ``set_params`` and ``sklearn.base.clone`` work on every model."""
 
-    def fit(self, history: Iterable[Sequence[Report]]) -> CapacityModel:
-        """Forget what was learned, then learn from each iteration's reports in order."""
+    def fit(self, history: Iterable[Sequence[Report]] | Iterable[Report]) -> CapacityModel:
+        """Forget what was learned, then learn from each iteration's reports in order: ``history`` holds one
+        list of reports per iteration, or is one flat list of reports, taken iteration by iteration."""
+        iterations: list[Any] = list(history)
+        flat = [isinstance(item, Report) for item in iterations]
+        if any(flat):
+            if not all(flat):
+                raise TypeError("fit takes one list of reports per iteration, or one flat list of reports; this "
+                                "history mixes reports with lists")
+            by_iteration: dict[int, list[Report]] = {}
+            for report in iterations:
+                by_iteration.setdefault(report.iteration, []).append(report)
+            iterations = [by_iteration[k] for k in sorted(by_iteration)]
         for name in [n for n in vars(self) if n.endswith("_") and not n.startswith("_")]:
             delattr(self, name)
-        for reports in history:
+        for reports in iterations:
             self.partial_fit(reports)
         return self
 
