@@ -17,7 +17,7 @@ from lbbsp.policies import BSPPolicy, Decision
 from lbbsp.sim import cli, engine
 from lbbsp.sim.engine import compare, standard_policies
 from lbbsp.sim.scenarios import CPUContention, FLClients, GPUMix
-from lbbsp.sim.traces import DEFAULT_TRACE_DIR, CPUTrace
+from lbbsp.sim.traces import DEFAULT_TRACE_DIR, TRACE_FEATURES, CPUTrace
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
@@ -63,6 +63,20 @@ def test_cpu_contention_without_noise_or_switches_is_balanced_to_the_oracle() ->
     mean = {k: float(np.mean(r.iteration_s[5:])) for k, r in runs.items()}
     assert mean["lbbsp"] <= 1.02 * mean["oracle"], mean
 
+
+
+def test_rows_measured_across_a_level_switch_are_not_replayed_as_one_level() -> None:
+    """The recorder labels a row with the level at its end, so the row after a switch ran partly at the level
+    before. Filed under its label, it would replay a switch wherever that level is replayed."""
+    level = np.array([0] * 20 + [2] * 20 + [1] + [0] * 20)  # level 1 shows only in one switching row
+    throughput = np.where(level == 0, 1000.0, np.where(level == 2, 300.0, 500.0))
+    throughput[20] = 900.0  # the first row labelled 2 ran mostly at level 0
+    throughput[41] = 350.0  # the first row labelled 0 again ran mostly at level 1
+    trace = CPUTrace("switches", throughput, np.zeros((level.size, len(TRACE_FEATURES))), level)
+    scenario = CPUContention(64, 200, seed=0, traces=[trace], mean_dwell=5.0, machine_spread=0.0)
+    ratios = np.unique(np.round(scenario.speed / scenario.level_speed, 6))
+    assert ratios.tolist() == [1.0], ratios  # every replayed row is at its level's median: no switching row
+    assert np.isclose(scenario.speed, 500.0).any() and not np.isclose(scenario.speed, 350.0).any()  # the lone level-1 row stays
 
 def test_level_oracles_know_the_slow_process_but_not_the_noise() -> None:
     """oracle-level sees the coming iteration without its noise: with no noise it is the oracle, with noise it

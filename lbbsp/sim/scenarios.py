@@ -92,7 +92,8 @@ class CPUContention(Scenario):
         for t, trace in enumerate(traces):
             members = np.flatnonzero(which == t)
             rows[:, members] = _level_replay(trace, members.size, iterations + LOOKAHEAD, mean_dwell, replay_rngs[t])
-        scale = np.array([1000.0 / np.median(t.throughput[t.level == t.level.min()]) for t in traces])[which]
+        scale = np.array([1000.0 / np.median(t.throughput[(t.level == t.level.min()) & _steady(t)])
+                          for t in traces])[which]
 
         def replay(per_trace: Sequence[np.ndarray]) -> np.ndarray:
             """Each worker's replayed rows of its trace's array, stacked as (iterations, workers, ...)."""
@@ -118,17 +119,33 @@ def _streams(seed: int, count: int) -> list[np.random.Generator]:
     return [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(count)]
 
 
+def _steady(trace: CPUTrace) -> np.ndarray:
+    """The rows measured at one contention level: not those whose level differs from the row before. The
+    recorder labels a row with the level at its end, so such a row ran partly at the level before (0.41 to
+    2.25 times its label's median): filed under one level, it would replay a switch at the recorder's rate
+    (every 3 s, about one row in 45 to 90) where the simulation switches levels at its own. A level seen
+    only across switches keeps those rows: they are all it has."""
+    steady = np.r_[True, trace.level[1:] == trace.level[:-1]]
+    for level in np.unique(trace.level[~steady]):
+        if not steady[trace.level == level].any():
+            steady |= trace.level == level
+    return steady
+
+
 def _level_medians(trace: CPUTrace) -> np.ndarray:
     """Each row's throughput replaced by the median throughput of its contention level in the trace."""
     levels, index = np.unique(trace.level, return_inverse=True)
-    return np.array([np.median(trace.throughput[trace.level == lv]) for lv in levels])[index]
+    steady = _steady(trace)
+    return np.array([np.median(trace.throughput[(trace.level == lv) & steady]) for lv in levels])[index]
 
 
 def _level_replay(trace: CPUTrace, workers: int, iterations: int, mean_dwell: float,
                   rng: np.random.Generator) -> np.ndarray:
-    """Row indices (iterations, workers): a Markov level per worker, replaying that level's rows in order."""
+    """Row indices (iterations, workers): a Markov level per worker, replaying that level's steady rows in
+    order."""
     levels = np.unique(trace.level)
-    rows_at = [np.flatnonzero(trace.level == lv) for lv in levels]
+    steady = _steady(trace)
+    rows_at = [np.flatnonzero((trace.level == lv) & steady) for lv in levels]
     level = rng.integers(0, levels.size, workers)
     pointer = rng.integers(0, 1 << 30, (workers, levels.size))
     out = np.empty((iterations, workers), dtype=np.int64)
