@@ -88,18 +88,20 @@ class CPUContention(Scenario):
                           "machine_spread": machine_spread, "noise": noise}, iterations)
         which = np.arange(num_workers) % len(traces)
         machine = rng.lognormal(0.0, machine_spread, num_workers)
+        steady = [_steady(trace) for trace in traces]
         rows = np.empty((iterations + LOOKAHEAD, num_workers), dtype=np.int64)
         for t, trace in enumerate(traces):
             members = np.flatnonzero(which == t)
-            rows[:, members] = _level_replay(trace, members.size, iterations + LOOKAHEAD, mean_dwell, replay_rngs[t])
-        scale = np.array([1000.0 / np.median(t.throughput[(t.level == t.level.min()) & _steady(t)])
-                          for t in traces])[which]
+            rows[:, members] = _level_replay(trace, steady[t], members.size, iterations + LOOKAHEAD, mean_dwell,
+                                             replay_rngs[t])
+        medians = [_level_medians(trace, mask) for trace, mask in zip(traces, steady)]
+        scale = np.array([1000.0 / m[t.level == t.level.min()][0] for t, m in zip(traces, medians)])[which]
 
         def replay(per_trace: Sequence[np.ndarray]) -> np.ndarray:
             """Each worker's replayed rows of its trace's array, stacked as (iterations, workers, ...)."""
             return np.stack([per_trace[t][rows[:, i]] for i, t in enumerate(which.tolist())], axis=1)
 
-        self.level_speed = replay([_level_medians(t) for t in traces]) * (machine * scale)
+        self.level_speed = replay(medians) * (machine * scale)
         self.speed = replay([t.throughput for t in traces]) * (machine * scale) if noise else self.level_speed
         self.feature_rows = replay([t.features for t in traces])
 
@@ -132,19 +134,18 @@ def _steady(trace: CPUTrace) -> np.ndarray:
     return steady
 
 
-def _level_medians(trace: CPUTrace) -> np.ndarray:
-    """Each row's throughput replaced by the median throughput of its contention level in the trace."""
+def _level_medians(trace: CPUTrace, steady: np.ndarray) -> np.ndarray:
+    """Each row's throughput replaced by the median throughput of its contention level over the ``steady``
+    rows of the trace."""
     levels, index = np.unique(trace.level, return_inverse=True)
-    steady = _steady(trace)
     return np.array([np.median(trace.throughput[(trace.level == lv) & steady]) for lv in levels])[index]
 
 
-def _level_replay(trace: CPUTrace, workers: int, iterations: int, mean_dwell: float,
+def _level_replay(trace: CPUTrace, steady: np.ndarray, workers: int, iterations: int, mean_dwell: float,
                   rng: np.random.Generator) -> np.ndarray:
-    """Row indices (iterations, workers): a Markov level per worker, replaying that level's steady rows in
+    """Row indices (iterations, workers): a Markov level per worker, replaying that level's ``steady`` rows in
     order."""
     levels = np.unique(trace.level)
-    steady = _steady(trace)
     rows_at = [np.flatnonzero((trace.level == lv) & steady) for lv in levels]
     level = rng.integers(0, levels.size, workers)
     pointer = rng.integers(0, 1 << 30, (workers, levels.size))
