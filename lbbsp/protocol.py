@@ -239,20 +239,17 @@ class Report:
                   num_workers: int | None = None) -> Report:
         """Parse and validate; raises :class:`ProtocolError` naming the bad field."""
         obj = _decode(data, "report", _REPORT_FIELDS, MAX_PAYLOAD_BYTES)
-        values = (obj.get("job"), obj.get("worker"), obj.get("iteration"), obj.get("samples"), obj.get("compute_s"),
-                  obj.get("comm_s"), obj.get("wait_s"), obj.get("features", {}), obj.get("device", "cpu"))
+        values: tuple[Any, ...] = (obj.get("job"), obj.get("worker"), obj.get("iteration"), obj.get("samples"),
+                                   obj.get("compute_s"), obj.get("comm_s"), obj.get("wait_s"), obj.get("features", {}),
+                                   obj.get("device", "cpu"))
         if _plain(*values):  # a missing field is None here, which the quick pass refuses
             report = cls._checked_already(values)
-        else:
-            features = obj.get("features", {})
-            if not isinstance(features, dict):
+        else:  # the checks that name what is wrong
+            if not isinstance(obj.get("features", {}), dict):
                 raise _fail("must be an object", "features")
-            report = cls(
-                job=_require(obj, "job"), worker=_require(obj, "worker"), iteration=_require(obj, "iteration"),
-                samples=_require(obj, "samples"), compute_s=_require(obj, "compute_s"),
-                comm_s=obj.get("comm_s"), wait_s=obj.get("wait_s"), features=features,
-                device=obj.get("device", "cpu"),
-            )
+            for name in ("job", "worker", "iteration", "samples", "compute_s"):
+                _require(obj, name)
+            report = cls(*values)
         return report.check_belongs(job=job, num_workers=num_workers)
 
     @classmethod
