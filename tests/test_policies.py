@@ -180,7 +180,7 @@ def test_in_a_mixed_job_the_dead_band_is_a_share_of_the_forecast_compute_too() -
         policy.observe(reports)
         sizes = policy.decide(k + 2, sizes, config).sizes
         policy.learn()
-    assert isinstance(AutoCapacityModel().partial_fit(reports).time_model(range(4)), MixedTime)
+    assert isinstance(policy.model.time_model(range(4)), MixedTime)  # one time model per kind
     assert sizes[0] == 1 and sum(sizes) == 80, sizes
 
 def test_the_equal_split_respects_per_worker_caps_from_the_first_iteration() -> None:
