@@ -271,6 +271,17 @@ def test_contract(factory: type) -> None:
     assert sklearn.base.clone(model).fit(flat).predict([0, 1, 2]) == pytest.approx(nested)
     with pytest.raises(TypeError, match="mixes reports with lists"):
         model.fit([history[0][0], history[1]])
+    # partial_fit takes one report alone as a list of one, and names what is not a report
+    alone, listed = sklearn.base.clone(model), sklearn.base.clone(model)
+    for reports in history:
+        for report in reports:
+            alone.partial_fit(report)
+            listed.partial_fit([report])
+    assert alone.predict([0, 1, 2]) == pytest.approx(listed.predict([0, 1, 2]))
+    with pytest.raises(TypeError, match="got a dict in it"):
+        sklearn.base.clone(model).partial_fit([history[0][0], {"worker": 1}])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="got str"):
+        sklearn.base.clone(model).partial_fit(history[0][0].to_json().decode())  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("reports", [[], [Report("a", 0, 0, 0, 0.0, device="cuda:0")], [Report("a", 0, 0, 10, 0.0)]],

@@ -17,7 +17,7 @@ from sklearn.base import clone
 from ..allocation import InvertibleTimeModel
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel, WorkerIds, worker_ids
+from .base import CapacityModel, WorkerIds, as_reports, worker_ids
 from .fl_client import FLClientModel
 from .gpu_curve import BatchTimeCurve
 from .narx import NARXThroughput
@@ -74,7 +74,8 @@ class AutoCapacityModel(CapacityModel):
         self.kinds = kinds
         self.horizon = horizon
 
-    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> AutoCapacityModel:
+    def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> AutoCapacityModel:
+        reports = as_reports(reports)
         if not hasattr(self, "models_"):
             given = dict(self.models or {})
             unknown = set(given) - set(KINDS) | {k for k in (self.kinds or {}).values() if k not in KINDS}

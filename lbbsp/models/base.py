@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import repeat
 from operator import itemgetter
 from typing import Any
 
@@ -41,6 +42,22 @@ def worker_ids(workers: WorkerIds) -> np.ndarray:
     if ids.size and ids.min() < 0:
         raise ConfigError(f"worker ids must be >= 0, got {int(ids.min())}")
     return ids
+
+
+def as_reports(reports: Sequence[Report] | Iterable[Report] | Report) -> Sequence[Report]:
+    """One iteration's reports as a sequence: one report alone is a list of one, any other iterable a list.
+    A TypeError names the first item that is not a :class:`Report` (a decoded dict, a report's JSON)."""
+    if isinstance(reports, Report):
+        return [reports]
+    if not isinstance(reports, (list, tuple)):
+        if isinstance(reports, (str, bytes, Mapping)) or not isinstance(reports, Iterable):
+            raise TypeError(f"partial_fit takes a list of lbbsp.Report, got {type(reports).__name__}")
+        reports = list(reports)
+    if not all(map(isinstance, reports, repeat(Report))):
+        bad = next(item for item in reports if not isinstance(item, Report))
+        raise TypeError(f"partial_fit takes a list of lbbsp.Report, got a {type(bad).__name__} in it "
+                        "(Report.from_json reads one from its JSON)")
+    return reports
 
 
 class NotFittedError(LBBSPError, exceptions.NotFittedError):
@@ -103,8 +120,9 @@ class CapacityModel(BaseEstimator):
             self.partial_fit(reports)
         return self
 
-    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> CapacityModel:
-        """Learn from one iteration's reports; ``defer``: keep what the next forecast can do without for
+    def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> CapacityModel:
+        """Learn from one iteration's reports (one report alone is taken as a list of one: :func:`as_reports`,
+        which every model calls first); ``defer``: keep what the next forecast can do without for
         :meth:`finish_learning` (a model with nothing to defer ignores it)."""
         raise NotImplementedError
 

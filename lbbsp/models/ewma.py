@@ -7,7 +7,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel, WorkerIds, measured_throughput, smoothed
+from .base import CapacityModel, WorkerIds, as_reports, measured_throughput, smoothed
 
 
 class EWMAThroughput(CapacityModel):
@@ -16,7 +16,8 @@ class EWMAThroughput(CapacityModel):
     def __init__(self, alpha: float = 0.5) -> None:
         self.alpha = alpha
 
-    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> EWMAThroughput:
+    def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> EWMAThroughput:
+        reports = as_reports(reports)
         if not 0 < self.alpha <= 1:
             raise ConfigError(f"alpha must be in (0, 1], got {self.alpha}")
         self._remember_hardware(reports)

@@ -14,7 +14,7 @@ import numpy as np
 from ..allocation import LinearTime
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel, WorkerIds, measured_throughput, smoothed
+from .base import CapacityModel, WorkerIds, as_reports, measured_throughput, smoothed
 
 
 class FLClientModel(CapacityModel):
@@ -35,7 +35,8 @@ class FLClientModel(CapacityModel):
         self.model_bytes = model_bytes
         self.availability_alpha = availability_alpha
 
-    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> FLClientModel:
+    def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> FLClientModel:
+        reports = as_reports(reports)
         self._check_params()
         self._remember_hardware(reports)
         workers, measured = measured_throughput(reports)

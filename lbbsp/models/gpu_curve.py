@@ -24,7 +24,7 @@ import numpy as np
 from ..allocation import HingeTime
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel, Hardware, WorkerIds, feature_column, worker_ids
+from .base import CapacityModel, Hardware, WorkerIds, as_reports, feature_column, worker_ids
 
 _NO_CAP = np.iinfo(np.int64).max // 4
 #: The memory line counts only where its slope is at least this share of the bytes per sample in use at the
@@ -169,7 +169,8 @@ class BatchTimeCurve(CapacityModel):
         self.explore_fraction = explore_fraction
         self.half_life = half_life
 
-    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> BatchTimeCurve:
+    def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> BatchTimeCurve:
+        reports = as_reports(reports)
         if not hasattr(self, "slot_size_"):
             self._check_params()
             self.slot_size_ = np.zeros((0, self.window))

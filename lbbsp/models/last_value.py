@@ -6,7 +6,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..protocol import Report
-from .base import CapacityModel, WorkerIds, measured_throughput, smoothed
+from .base import CapacityModel, WorkerIds, as_reports, measured_throughput, smoothed
 
 
 class LastValue(CapacityModel):
@@ -15,7 +15,8 @@ class LastValue(CapacityModel):
     def __init__(self) -> None:
         pass
 
-    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> LastValue:
+    def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> LastValue:
+        reports = as_reports(reports)
         self._remember_hardware(reports)
         workers, measured = measured_throughput(reports)
         self.throughput_ = smoothed(getattr(self, "throughput_", None), workers, measured, alpha=1.0)

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..protocol import FEATURE_RANGES, Report
-from .base import CapacityModel, WorkerIds, feature_column
+from .base import CapacityModel, WorkerIds, as_reports, feature_column
 
 DEFAULT_FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util")
 
@@ -62,10 +62,11 @@ class NARXThroughput(CapacityModel):
         self.random_state = random_state
 
     # -- learning ----------------------------------------------------------------------------------------
-    def partial_fit(self, reports: Sequence[Report], *, defer: bool = False) -> NARXThroughput:
+    def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> NARXThroughput:
         """Shift the reports into each worker's history and train on the pairs whose targets just arrived;
         ``defer``: score and train in :meth:`finish_learning` instead (the forecast then uses the network of
         one update before, the histories of now)."""
+        reports = as_reports(reports)
         if not hasattr(self, "weights_"):
             self._initialise()
         self.finish_learning()
