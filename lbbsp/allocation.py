@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from numbers import Integral, Real
 from typing import Protocol
 
 import numpy as np
@@ -155,7 +156,7 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
 
 def sit_out_share(value: float) -> float:
     """``value`` as a share of workers that may sit out, in [0, 1); a :class:`ConfigError` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+    if isinstance(value, bool) or not isinstance(value, Real) or not 0 <= float(value) < 1:
         raise ConfigError(f"sit_out must be a share in [0, 1), got {value!r}")
     return float(value)
 
@@ -168,10 +169,10 @@ class RoundsOut:
     """
 
     def __init__(self, rejoin_after: int | None = 10) -> None:
-        if rejoin_after is not None and (isinstance(rejoin_after, bool) or not isinstance(rejoin_after, int)
+        if rejoin_after is not None and (isinstance(rejoin_after, bool) or not isinstance(rejoin_after, Integral)
                                          or rejoin_after < 1):
             raise ConfigError(f"rejoin_after must be a positive number of iterations or None, got {rejoin_after!r}")
-        self.rejoin_after = rejoin_after
+        self.rejoin_after = None if rejoin_after is None else int(rejoin_after)
         self._streak = np.zeros(0, dtype=np.int64)  # by worker index
 
     def due(self, workers: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -36,6 +36,14 @@ def _integer(value: object, name: str, lo: int, hi: int | None, job: str | None 
     return number
 
 
+def _real(value: object, name: str, lo: float, hi: float, want: str) -> float:
+    """``value`` as a float in [lo, hi] (``want`` says so in the error); any real number passes (numpy's
+    float32 too), bools do not, and NaN fails the range."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not lo <= float(value) <= hi:
+        raise ConfigError(f"{name} must be {want}, got {value!r}")
+    return float(value)
+
+
 def _max_batch(value: object, num_workers: int, job: str) -> int | tuple[int, ...] | None:
     """None, one cap for every worker, or a tuple with one cap per worker (a sequence or a 1-D numpy array)."""
     if value is None:

@@ -16,7 +16,7 @@ from typing import cast
 import numpy as np
 
 from .allocation import HingeTime, InvertibleTimeModel, LinearTime, TimeModel
-from .errors import ConfigError
+from .config import _integer, _real
 from .models.auto import MixedTime
 from .models.base import Hardware, hardware_of
 from .protocol import Report
@@ -80,20 +80,12 @@ class ForecastRisk:
 
     def __init__(self, hedge: float = 2.0, *, buckets: int = 3, loaded_at: float = 0.1, pool_size: int = 4096,
                  min_samples: int = 50, keep: int = 16) -> None:
-        if not hedge > 0:
-            raise ConfigError(f"hedge must be a positive number of workers, got {hedge!r}")
-        if not loaded_at >= 0:
-            raise ConfigError(f"loaded_at must be a number >= 0 (foreign tasks per core), got {loaded_at!r}")
-        for name, value, least in (("buckets", buckets, 1), ("pool_size", pool_size, 2),
-                                   ("min_samples", min_samples, 1), ("keep", keep, 1)):
-            if not isinstance(value, int) or value < least:
-                raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
-        self.hedge = hedge
-        self.buckets = buckets
-        self.loaded_at = loaded_at
-        self.pool_size = pool_size
-        self.min_samples = min_samples
-        self.keep = keep
+        self.hedge = _real(hedge, "hedge", 1e-300, 1e6, "a positive number of workers")
+        self.loaded_at = _real(loaded_at, "loaded_at", 0.0, 1e6, "a number >= 0 (foreign tasks per core)")
+        self.buckets = _integer(buckets, "buckets", 1, None)
+        self.pool_size = _integer(pool_size, "pool_size", 2, None)
+        self.min_samples = _integer(min_samples, "min_samples", 1, None)
+        self.keep = _integer(keep, "keep", 1, None)
         self.peer_group_ = np.zeros(0, dtype=np.int64)  # per worker id: hardware group, -1 until it reports
         self.groups_: dict[Hardware, int] = {}
         self.loaded_ = np.zeros(0, dtype=bool)  # per worker id: its last report had co-located load
@@ -109,8 +101,8 @@ class ForecastRisk:
         ids = np.asarray(workers, dtype=np.int64).reshape(-1)
         forecast = np.asarray(throughput, dtype=float).reshape(-1)
         self.forecasts_[iteration] = (ids, forecast, self._bucket(ids, forecast))
-        while len(self.forecasts_) > self.keep:
-            del self.forecasts_[min(self.forecasts_)]
+        while len(self.forecasts_) > self.keep:  # the oldest other than this one (a decision may be re-made late)
+            del self.forecasts_[min(k for k in self.forecasts_ if k != iteration)]
 
     def observe(self, reports: Sequence[Report], *, defer: bool = False) -> None:
         """Learn each new worker's hardware and each worker's co-located load, and pool the slowdowns of the

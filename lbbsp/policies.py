@@ -22,7 +22,7 @@ from .allocation import (
     predicted_makespan,
     sit_out_share,
 )
-from .config import JobConfig, _integer
+from .config import JobConfig, _integer, _real
 from .errors import ConfigError
 from .hedging import ForecastRisk, hedged
 from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
@@ -38,11 +38,15 @@ BAND_PER_MISS = 3.0
 MIN_BAND = 0.005
 
 
-def _real(value: object, name: str, lo: float, hi: float, want: str) -> float:
-    """``value`` as a finite number in [lo, hi] (``want`` says so in the error), or a :class:`ConfigError`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise ConfigError(f"{name} must be {want}, got {value!r}")
-    return float(value)
+def _model(model: object, default: CapacityModel | None) -> CapacityModel | None:
+    """``model``, or ``default`` for None; a :class:`ConfigError` for anything that is not a capacity model
+    (a name such as "ewma" is what the command line takes, not a policy)."""
+    if model is None:
+        return default
+    if not isinstance(model, CapacityModel):
+        raise ConfigError(f"model must be a CapacityModel instance (lbbsp.models: EWMAThroughput(), "
+                          f"NARXThroughput(), ...), got {model!r}")
+    return model
 
 
 @dataclass(frozen=True)
@@ -120,7 +124,7 @@ class LBBSPPolicy(Policy):
 
     def __init__(self, model: CapacityModel | None = None, *, deadband: float = 0.03,
                  hedge: float | None = 2.0, sit_out: float = 0.0, rejoin_after: int | None = 10) -> None:
-        self.model = model if model is not None else AutoCapacityModel()
+        self.model: CapacityModel = _model(model, None) or AutoCapacityModel()
         self.deadband = _real(deadband, "deadband", 0.0, 0.99, "a share of the predicted finish in [0, 0.99]")
         self.hedge = None if hedge is None else _real(hedge, "hedge", 0.0, 1e6, "None or a number of workers >= 0")
         self.sit_out = sit_out_share(sit_out)
@@ -146,7 +150,7 @@ class LBBSPPolicy(Policy):
     def bounds(self, workers: WorkerIds, current: np.ndarray, config: JobConfig) -> tuple[np.ndarray, np.ndarray]:
         """The job's bounds, with each upper bound lowered to the model's memory cap where that is feasible."""
         lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
-        caps = self.model.max_batch(workers)
+        caps = _whole_caps(self.model.max_batch(workers), upper)
         if caps is None:
             return lower, upper
         capped = np.maximum(np.minimum(upper, caps), lower)
@@ -205,6 +209,7 @@ class LBBSPPolicy(Policy):
             self.sit_out and (current_arr[self.rounds_out.due(workers)] == 0).any())  # one due back may not stay out
         band = self.band(time_model, current_arr)
         sizes, changed = damp(current_arr, proposed, plan, band) if in_bounds else (proposed, True)
+        forced = lower.sum() == config.global_batch or upper.sum() == config.global_batch  # one split fits
         sizes = self.model.explore(workers, sizes, lower, upper)
         predicted = time_model.time(sizes)
         slowest = int(np.argmin(np.where(np.isfinite(throughput), throughput, np.inf)))
@@ -215,6 +220,8 @@ class LBBSPPolicy(Policy):
                    else "the current split does not fit the bounds")
             reason = (f"rebalanced for equal {finish_label} {finish:.4g}s ({was}); slowest worker {slowest} "
                       f"at {throughput[slowest]:.4g} samples/s")
+        elif forced:
+            reason = f"kept: the bounds allow no other split ({finish_label} {finish:.4g}s)"
         else:
             reason = f"kept: predicted gain under the {band:.1%} dead band ({finish_label} {finish:.4g}s)"
         if plan is not time_model:
@@ -223,16 +230,25 @@ class LBBSPPolicy(Policy):
             self.rounds_out.record(workers, sizes)
             if not sizes.all():
                 reason += f"; {int((sizes == 0).sum())} sit out"
-        caps = self.model.max_batch(workers)
+        caps = _whole_caps(self.model.max_batch(workers), upper)
         if caps is not None and (over := np.flatnonzero(sizes > caps)).size:  # bounds() could not keep them
-            reason += (f"; over the memory cap of worker(s) {over[:8].tolist()}: the caps hold {int(caps.sum())} "
-                       f"samples, the global batch is {config.global_batch}")
+            held = int(np.minimum(caps, upper).sum())
+            why = (f"the caps hold {held} samples, the global batch is {config.global_batch}"
+                   if held < config.global_batch else f"caps under the job's min_batch of {config.min_batch}")
+            reason += f"; over the memory cap of worker(s) {over[:8].tolist()}: {why}"
             if not self._warned_caps:
                 self._warned_caps = True
-                log.warning("job %s: the workers' GPU memory caps hold %d samples, fewer than the global batch of "
-                            "%d: some workers are given more than they are predicted to hold", config.job,
-                            int(caps.sum()), config.global_batch)
+                log.warning("job %s: some workers are given more than their GPU memory is predicted to hold (%s)",
+                            config.job, why)
         return Decision(tuple(sizes.tolist()), reason, tuple(predicted.tolist()), tuple(throughput.tolist()))
+
+
+def _whole_caps(caps: np.ndarray | None, upper: np.ndarray) -> np.ndarray | None:
+    """A model's memory caps as whole samples (a cap of 10.5 holds 10), the job's upper bound where a cap is NaN."""
+    if caps is None:
+        return None
+    caps = np.asarray(caps, dtype=float)
+    return np.where(np.isnan(caps), upper, np.floor(np.clip(caps, -1.0, upper))).astype(np.int64)
 
 
 def _forecast_share(time_model: TimeModel, sizes: np.ndarray) -> float:
@@ -296,7 +312,7 @@ class PerEpochPolicy(LBBSPPolicy):
     name = "per-epoch"
 
     def __init__(self, iterations_per_epoch: int = 50, model: CapacityModel | None = None) -> None:
-        super().__init__(model if model is not None else EWMAThroughput(alpha=0.05), deadband=0.0, hedge=None)
+        super().__init__(_model(model, None) or EWMAThroughput(alpha=0.05), deadband=0.0, hedge=None)
         self.iterations_per_epoch = _integer(iterations_per_epoch, "iterations_per_epoch", 1, None)
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
@@ -316,7 +332,7 @@ class LeaderStragglerPolicy(Policy):
         self.window = _integer(window, "window", 1, None)
         self.initial_step_fraction = _real(initial_step_fraction, "initial_step_fraction", 1e-9, 1.0,
                                            "a share of the mean batch in (0, 1]")
-        self.model = model
+        self.model = _model(model, None)
         self._times: dict[int, list[float]] = {}
         self._observed = 0
         self._step: int | None = None

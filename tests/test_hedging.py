@@ -134,11 +134,23 @@ def test_bad_and_missing_reports_do_not_crash() -> None:
         ForecastRisk(hedge=0)
 
 
+@pytest.mark.parametrize("params", [{"hedge": "2"}, {"hedge": float("inf")}, {"hedge": float("nan")},
+                                    {"buckets": True}, {"buckets": 2.0}, {"loaded_at": float("nan")},
+                                    {"pool_size": 1}])
+def test_bad_margin_parameters_are_config_errors(params: dict) -> None:
+    """A string hedge raised a TypeError; an infinite one and buckets=True were taken."""
+    with pytest.raises(ConfigError, match=next(iter(params))):
+        ForecastRisk(**params)
+    assert ForecastRisk(np.float32(2.0), buckets=np.int64(3)).buckets == 3
+
+
 def test_forecasts_are_kept_for_the_last_few_iterations_only() -> None:
     risk = ForecastRisk(keep=3)
     for k in range(10):
         risk.record(k, np.arange(4), SPEEDS[:4])
     assert sorted(risk.forecasts_) == [7, 8, 9]
+    risk.record(2, np.arange(4), SPEEDS[:4])  # a decision re-made late keeps its own forecast (a KeyError before)
+    assert sorted(risk.forecasts_) == [2, 8, 9] and risk.factors(2).shape == (4,)
 
 
 def test_deferred_pooling_sees_the_load_at_once_and_pools_the_same_slowdowns_later() -> None:

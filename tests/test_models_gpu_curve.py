@@ -220,3 +220,19 @@ def test_merged_slots_keep_whole_sizes_so_reports_find_them() -> None:
         model.partial_fit([_report(k, int(112 + rng.integers(-6, 7)), 0.1)])
     present = model.slot_size_[model.slot_weight_ > 0]
     np.testing.assert_array_equal(present, np.round(present))
+
+
+def test_identical_gpus_with_no_noise_at_all_keep_finite_curves() -> None:
+    """Four identical cards timed exactly (a synthetic test, a replay): no spread beyond a noise of 0 made the
+    pooling's share 0 / 0, the curves NaN, and decisions fail ('the time model predicted a non-finite time')."""
+    config = JobConfig("g", 4, 1600)
+    policy = LBBSPPolicy(BatchTimeCurve(), hedge=None)
+    sizes = {0: config.initial_sizes(), 1: config.initial_sizes()}
+    for k in range(8):
+        policy.observe([Report("g", w, k, s, 0.002 * s, device="cuda:0",
+                               features={"gpu_mem_used": 1e9 + 2e7 * s, "gpu_mem_free": 15e9 - 2e7 * s})
+                        for w, s in enumerate(sizes[k])])
+        sizes[k + 2] = policy.decide(k + 2, sizes[k + 1], config).sizes
+        policy.learn()
+        assert np.isfinite(policy.model.time_model(range(4)).time(np.full(4, 400.0))).all()
+    assert all(abs(s - 400) <= 20 for s in sizes[9])

@@ -230,7 +230,8 @@ def test_leader_straggler_goes_on_without_a_worker_that_stopped_reporting() -> N
     lambda: LBBSPPolicy(deadband=float("nan")), lambda: LBBSPPolicy(deadband=-0.5), lambda: LBBSPPolicy(deadband="x"),
     lambda: LBBSPPolicy(hedge="2"), lambda: PerEpochPolicy(0), lambda: StaticProportionalPolicy(0),
     lambda: LeaderStragglerPolicy(window=0), lambda: LeaderStragglerPolicy(initial_step_fraction=float("nan")),
-    lambda: BackupWorkersPolicy(1.5),
+    lambda: BackupWorkersPolicy(1.5), lambda: LBBSPPolicy("ewma"), lambda: LeaderStragglerPolicy(model="ewma"),
+    lambda: PerEpochPolicy(model=EWMAThroughput), lambda: LBBSPPolicy(rejoin_after=2.5),
 ])
 def test_a_bad_policy_parameter_is_a_config_error_at_construction(make) -> None:
     with pytest.raises(ConfigError):
@@ -241,6 +242,57 @@ def test_a_numpy_integer_is_a_count_as_everywhere_else() -> None:
     """As JobConfig takes one: a count read from an array must not be refused for its type."""
     assert BackupWorkersPolicy(np.int64(2)).backups == 2
     assert type(PerEpochPolicy(np.int32(5)).iterations_per_epoch) is int
+    assert LBBSPPolicy(rejoin_after=np.int64(5)).rounds_out.rejoin_after == 5
+    # and a numpy float is a number: float32 was refused ("got np.float32(0.03)"), float64 taken
+    policy = LBBSPPolicy(deadband=np.float32(0.25), hedge=np.float32(2), sit_out=np.float32(0.5))
+    assert (policy.deadband, policy.hedge, policy.sit_out) == (0.25, 2.0, 0.5)
+    assert LeaderStragglerPolicy(initial_step_fraction=np.float32(0.5)).initial_step_fraction == 0.5
+
+
+class Capped(EWMAThroughput):
+    """EWMA speeds with fixed memory caps (of any number type), as a user's GPU model might give them."""
+
+    def __init__(self, caps: tuple[float, ...] = ()) -> None:
+        super().__init__()
+        self.caps = caps
+
+    def max_batch(self, workers):
+        return np.asarray(self.caps, dtype=float)
+
+
+def test_caps_that_allow_one_split_keep_it_and_say_so_not_the_dead_band() -> None:
+    """Every worker over caps that hold 80 of 100 samples: no worker is given more than its cap or its current
+    size, so the split in force is the only one; the reason said 'predicted gain under the 3.0% dead band'
+    for a worker 10x slower than the rest."""
+    policy = LBBSPPolicy(Capped((20, 20, 20, 20)), hedge=None)
+    policy.observe(_reports(0, np.full(4, 25), np.array([10.0, 100.0, 100.0, 100.0])))
+    decision = policy.decide(2, (25, 25, 25, 25), JobConfig("p", 4, 100))
+    assert decision.sizes == (25, 25, 25, 25)
+    assert decision.reason.startswith("kept: the bounds allow no other split") and "dead band" not in decision.reason
+    assert "the caps hold 80 samples, the global batch is 100" in decision.reason
+
+
+def test_fractional_caps_hold_whole_samples() -> None:
+    """Caps of 10.5 + 30.5 + 30.5 + 28.5 = 100 hold 10 + 30 + 30 + 28 = 98 samples, fewer than the 100 to
+    place, so no worker gets more than its cap or its current size: the fast worker 1 grows to its 30. Every
+    decision failed before ('they allow 4 to 98 samples': the caps' sum was checked before they were cut to
+    whole samples) and the split never moved."""
+    policy = LBBSPPolicy(Capped((10.5, 30.5, 30.5, 28.5)), hedge=None)
+    policy.observe(_reports(0, np.full(4, 25), np.array([100.0, 400.0, 100.0, 100.0])))
+    decision = policy.decide(2, (25, 25, 25, 25), JobConfig("p", 4, 100))
+    assert sum(decision.sizes) == 100 and decision.sizes[1] == 30
+
+
+def test_caps_under_the_smallest_batch_are_named_as_such(caplog: pytest.LogCaptureFixture) -> None:
+    """A cap of 2 under min_batch 5, the caps holding 122 >= 100 samples: the warning said the caps hold fewer
+    samples than the global batch."""
+    policy = LBBSPPolicy(Capped((2, 40, 40, 40)), hedge=None)
+    policy.observe(_reports(0, np.full(4, 25), np.array([100.0, 100.0, 100.0, 100.0])))
+    with caplog.at_level("WARNING", logger="lbbsp.policies"):
+        decision = policy.decide(2, (25, 25, 25, 25), JobConfig("p", 4, 100, min_batch=5))
+    assert decision.sizes[0] == 5 and "caps under the job's min_batch of 5" in decision.reason
+    assert [r.message for r in caplog.records if "caps under the job's min_batch of 5" in r.message]
+    assert not [r for r in caplog.records if "the caps hold" in r.message]
 
 
 def test_a_split_over_the_memory_caps_says_so(caplog: pytest.LogCaptureFixture) -> None:
@@ -257,4 +309,5 @@ def test_a_split_over_the_memory_caps_says_so(caplog: pytest.LogCaptureFixture) 
         for _ in range(2):
             decision = policy.decide(2, (200, 200), JobConfig("j", 2, 760))
     assert decision.sizes == (380, 380) and "over the memory cap of worker(s) [0, 1]" in decision.reason
-    assert len([r for r in caplog.records if "fewer than the global batch" in r.message]) == 1
+    held = f"the caps hold {int(caps.sum())} samples, the global batch is 760"
+    assert len([r for r in caplog.records if held in r.message]) == 1

@@ -452,7 +452,9 @@ class BatchTimeCurve(CapacityModel):
         noise = self.noise_ / self.latest_weight_[own]
         beyond_noise = np.bincount(group, (mine / theirs - 1.0) ** 2 - noise, minlength=groups) / np.maximum(members - 1, 1)
         tau2 = np.where(members >= 3, np.maximum(beyond_noise, 0.0), np.inf)[group]
-        keep = np.where(np.isinf(tau2), 1.0, tau2 / np.where(np.isinf(tau2), 1.0, tau2 + noise))
+        shrunk = np.isfinite(tau2) & (tau2 + noise > 0)  # with no noise and no spread, nothing to shrink
+        keep = np.ones(tau2.size)
+        keep[shrunk] = tau2[shrunk] / (tau2[shrunk] + noise[shrunk])
         self.pooled_base_[own], self.pooled_knee_[own], self.pooled_slope_[own] = (
             keep * p + (1 - keep) * m for p, m in zip(params, means))
 
