@@ -269,6 +269,13 @@ class Store:
     def worker_statuses(self) -> dict[bytes, bytes]:
         return cast("dict[bytes, bytes]", self.client.hgetall(self.key("workers")))
 
+    def forget(self) -> int:
+        """Delete every key of this job now, rather than at its TTL (a simulated job on a shared Redis); the
+        number deleted."""
+        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix) + "*"  # the prefix, escaped
+        keys = list(self.client.scan_iter(match=pattern, count=1000))
+        return int(self.client.unlink(*keys)) if keys else 0
+
     def jobs(self) -> Iterator[str]:
         """Names of the jobs with a stored configuration on this Redis."""
         for key in self.client.scan_iter(match="lbbsp:*:config", count=1000):

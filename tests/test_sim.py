@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
 from lbbsp import Store
 from lbbsp.cli import main
@@ -167,8 +168,12 @@ def test_cli_replays_the_traces_it_is_given(tmp_path: Path) -> None:
     assert result["notes"]["traces"] == ["mine"]
     with pytest.raises(ConfigError, match="cpu-contention only"):
         cli.run(parser.parse_args(["--scenario", "gpu-mix", "--traces", str(mine), "--out", str(tmp_path)]))
+    (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="no CPU traces"):
-        cli.run(parser.parse_args(["--scenario", "cpu-contention", "--traces", str(tmp_path / "none")]))
+        cli.run(parser.parse_args(["--scenario", "cpu-contention", "--traces", str(tmp_path / "empty")]))
+    for not_a_folder in (tmp_path / "none", mine / "mine.json"):  # said 'no CPU traces in .../mine.json'
+        with pytest.raises(ConfigError, match="is not a directory"):
+            cli.run(parser.parse_args(["--scenario", "cpu-contention", "--traces", str(not_a_folder)]))
 
 
 def test_every_policy_decides_through_redis_exactly_as_in_process(redis_url: str) -> None:
@@ -180,11 +185,34 @@ def test_every_policy_decides_through_redis_exactly_as_in_process(redis_url: str
     for scenario, iterations in ((CPUContention(16, 80, seed=0), 80), (fl, 8)):
         in_process = compare(scenario, iterations)
         through_redis = compare(scenario, iterations, redis_url=redis_url)
+        with redis.Redis.from_url(redis_url) as client:  # each run deleted its keys (they stayed for an hour)
+            assert not list(client.scan_iter(match=f"lbbsp:{scenario.config.job}-*"))
         assert set(through_redis) == set(in_process) == set(standard_policies(scenario))
         for name, run in through_redis.items():
             assert run.sizes == in_process[name].sizes, name
             assert run.iteration_s == in_process[name].iteration_s, name
         assert len({tuple(sizes) for sizes in through_redis["lbbsp"].sizes}) > 1  # it did rebalance
+
+
+def test_a_policy_that_has_run_is_refused_for_another_run() -> None:
+    """A second compare with the same policies started them warm: LB-BSP's margins looked up forecasts by
+    iteration numbers it had used before, every decision failed and was kept silently (4.6x the oracle)."""
+    scenario = GPUMix(4, 6, seed=0)
+    policies = standard_policies(scenario)
+    compare(scenario, 6, policies)
+    with pytest.raises(ConfigError, match="policy 'oracle' has run already"):
+        compare(scenario, 6, policies)
+    assert set(compare(scenario, 6, standard_policies(scenario))) == set(policies)  # fresh ones run
+
+
+def test_the_redis_password_is_neither_printed_nor_saved(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    scenario = GPUMix(4, 2, seed=0)
+    runs = compare(scenario, 2)
+    monkeypatch.setattr(cli, "compare", lambda *args, **kwargs: runs)
+    _, check = cli._through_redis(scenario, 2, "redis://:s3cret@db.example:6379/0", runs)
+    assert check["redis"] == "redis://:***@db.example:6379/0"
+    assert "s3cret" not in capsys.readouterr().out
 
 
 def test_a_round_none_of_its_asked_clients_reaches_is_charged_as_if_they_came(redis_url: str) -> None:
@@ -258,17 +286,29 @@ def test_splits_over_gpu_memory_are_listed_last_whatever_their_time() -> None:
     '{"columns": 5, "rows": [[1]]}',
     '{"columns": ["throughput"], "rows": {"a": 1}}',
     '{"columns": ["throughput"], "rows": []}',
-    "zero throughput", "NaN feature", "half a level",
+    "zero throughput", "NaN feature", "half a level", "cpu_util over 1", "no cores",
 ])
 def test_a_malformed_trace_is_refused_by_name(tmp_path: Path, text: str) -> None:
     """Whatever is wrong with a trace file, loading it raises a ConfigError that names it; values a replay
-    cannot use (a throughput not positive, a feature not finite, a fractional level) are refused there too."""
+    cannot use (a throughput not positive, a feature not finite or out of a report's range, a fractional level)
+    are refused there too, not by the first report made of them, mid-run."""
     columns = ["throughput", "cpu_util", "proc_cpu", "colocated_load", "mem_util", "cores", "hog_level"]
     row = {"zero throughput": [0.0, 0.5, 0.5, 0.0, 0.1, 1, 0], "NaN feature": [9.0, None, 0.5, 0.0, 0.1, 1, 0],
-           "half a level": [9.0, 0.5, 0.5, 0.0, 0.1, 1, 0.5]}.get(text)
+           "half a level": [9.0, 0.5, 0.5, 0.0, 0.1, 1, 0.5], "cpu_util over 1": [9.0, 1.5, 0.5, 0.0, 0.1, 1, 0],
+           "no cores": [9.0, 0.5, 0.5, 0.0, 0.1, 0, 0]}.get(text)
     path = tmp_path / "bad.json"
     path.write_text(text if row is None else json.dumps({"columns": columns, "rows": [row] * 3}))
-    with pytest.raises(ConfigError, match="bad.json"):
+    with pytest.raises(ConfigError, match="bad.json") as raised:
+        CPUTrace.load(path)
+    if text in ("cpu_util over 1", "no cores"):
+        assert "row 0 has" in str(raised.value) and "(3 rows out of range)" in str(raised.value)
+
+
+def test_a_trace_without_a_column_names_it(tmp_path: Path) -> None:
+    """The error was the bare column name (KeyError: 'hog_level')."""
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"columns": ["throughput", "cpu_util"], "rows": [[9.0, 0.5]]}))
+    with pytest.raises(ConfigError, match="no column hog_level, proc_cpu, colocated_load, mem_util, cores"):
         CPUTrace.load(path)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -95,6 +96,22 @@ def standard_policies(scenario: Scenario) -> dict[str, Policy]:
     }
 
 
+#: Every policy object a run has driven: one keeps what it learned, so a second run would start warm (and its
+#: margins would look up forecasts of iterations it numbered before), which no comparison should hide.
+_DRIVEN: weakref.WeakSet[Policy] = weakref.WeakSet()
+
+
+def _fresh(name: str, policy: Policy) -> None:
+    """A :class:`ConfigError` if ``policy`` has been driven by a run already; else remember it."""
+    try:
+        if policy in _DRIVEN:
+            raise ConfigError(f"policy {name!r} has run already and keeps what it learned: give each run fresh "
+                              "policies (standard_policies(scenario) builds a new set)")
+        _DRIVEN.add(policy)
+    except TypeError:  # an unhashable or unreferenceable policy of the user's own: nothing to remember it by
+        pass
+
+
 def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
                redis_url: str | None = None) -> PolicyRun:
     """Drive ``policy`` for ``iterations`` barriers: true times -> reports -> observe -> decide.
@@ -106,6 +123,7 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
     """
     n = scenario.config.num_workers
     aggregated = policy.aggregated(n)
+    _fresh(name, policy)
     run = PolicyRun(name)
     decider = _InProcess(policy, scenario.config) if redis_url is None else _ThroughRedis(policy, scenario.config,
                                                                                           redis_url)
@@ -202,7 +220,11 @@ class _ThroughRedis:
         return self.coordinator.decide(k).decision_s
 
     def close(self) -> None:
-        self.store.close()
+        """Delete the run's keys (nothing is left on a shared Redis) and close the connection."""
+        try:
+            self.store.forget()
+        finally:
+            self.store.close()
 
 
 def _shown(scenario: Scenario, oracle: OraclePolicy, target: int) -> Truth:
@@ -218,7 +240,7 @@ def _shown(scenario: Scenario, oracle: OraclePolicy, target: int) -> Truth:
 def compare(scenario: Scenario, iterations: int, policies: Mapping[str, Policy] | None = None,
             progress: Progress | None = None, redis_url: str | None = None) -> dict[str, PolicyRun]:
     """Run every policy on the same scenario, one after the other (through the Redis at ``redis_url``, if
-    given: see :func:`run_policy`)."""
+    given: see :func:`run_policy`). Each policy must be fresh: one that has run already is a ConfigError."""
     if scenario.iterations is not None and iterations > scenario.iterations:
         raise ConfigError(f"the {scenario.name} scenario was built for {scenario.iterations} iterations, not "
                           f"{iterations}: build it with at least as many")

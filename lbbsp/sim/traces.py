@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
+from ..protocol import FEATURE_RANGES
 
 #: The resource features a trace carries, in the order of :attr:`CPUTrace.features`.
 TRACE_FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util", "cores")
@@ -36,19 +37,32 @@ class CPUTrace:
             rows = np.asarray(data["rows"], dtype=float)
             if rows.ndim != 2:
                 raise ValueError("rows must be a non-empty list of rows of numbers")
+            missing = [name for name in ("throughput", "hog_level", *TRACE_FEATURES) if name not in columns]
+            if missing:
+                raise ValueError(f"no column {', '.join(missing)} (columns: {', '.join(columns)})")
             throughput, level = rows[:, columns["throughput"]], rows[:, columns["hog_level"]]
             features = rows[:, [columns[f] for f in TRACE_FEATURES]]
-        except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        except KeyError as exc:
+            raise ConfigError(f"cannot read CPU trace {path}: no {exc} entry (a trace is an object with "
+                              "'columns' and 'rows')") from None
+        except (OSError, ValueError, IndexError, TypeError) as exc:
             raise ConfigError(f"cannot read CPU trace {path}: {exc}") from None
         if not (np.isfinite(np.column_stack([throughput, level, features])).all() and (throughput > 0).all()
                 and (level == np.round(level)).all()):
             raise ConfigError(f"cannot read CPU trace {path}: every throughput must be positive and finite, every "
                               "feature finite and every hog_level a whole number")
+        for j, name in enumerate(TRACE_FEATURES):  # replayed into reports, which refuse values out of range
+            low, high = FEATURE_RANGES[name]
+            if (bad := np.flatnonzero((features[:, j] < low) | (features[:, j] > high))).size:
+                raise ConfigError(f"cannot read CPU trace {path}: {name} must be in [{low}, {high}], row "
+                                  f"{int(bad[0])} has {features[bad[0], j]:g} ({bad.size} rows out of range)")
         return cls(path.stem, throughput, features, level.astype(int))
 
 
 def load_traces(directory: str | Path = DEFAULT_TRACE_DIR) -> list[CPUTrace]:
     """Every ``*.json`` trace in ``directory``, sorted by name."""
+    if not Path(directory).is_dir():
+        raise ConfigError(f"{directory} is not a directory: traces are read from a directory of *.json files")
     paths = sorted(Path(directory).glob("*.json"))
     if not paths:
         raise ConfigError(f"no CPU traces in {directory}; record one with experiments/record_cpu_trace.py")
