@@ -236,3 +236,41 @@ def test_identical_gpus_with_no_noise_at_all_keep_finite_curves() -> None:
         policy.learn()
         assert np.isfinite(policy.model.time_model(range(4)).time(np.full(4, 400.0))).all()
     assert all(abs(s - 400) <= 20 for s in sizes[9])
+
+
+def test_readings_held_at_a_peak_never_cap_a_card_past_what_it_holds() -> None:
+    """NVML's 'used' under a caching allocator holds the peak. Sizes that wander merge slots whose readings
+    still rise with size, so the readings passed for a line: its slope came out 0.7x the true one, and the cap,
+    333, needed 18.5 GB of a 16 GB card. A reading that does not fall when the size does now marks the card
+    held, and its cap follows the line through the origin."""
+    a, b, total = 3.2e9, 46e6, 16e9  # 278 samples fit
+    sizes = [98, 104, 110, 112, 120, 118, 118, 118, 114, 110, 117, 112, 108, 102, 94, 103, 111, 121, 120, 129,
+             135, 121, 122, 124, 120, 110, 120, 127, 118, 128, 137, 135, 132, 128, 139, 144, 139, 145]
+    model, peak = BatchTimeCurve(), 0.0
+    for k, size in enumerate(sizes):
+        peak = max(peak, a + b * size)
+        model.partial_fit(_report(k, size, 0.01 + size / 1e4, used=peak, total=total))
+        assert a + b * int(model.max_batch([0])[0]) <= total, k
+    assert model.mem_held_[0]
+    honest = BatchTimeCurve()  # the same sizes read honestly: a line, which goes further than the origin's
+    for k, size in enumerate(sizes):
+        honest.partial_fit(_report(k, size, 0.01 + size / 1e4, used=a + b * size, total=total))
+    assert not honest.mem_held_[0] and model.max_batch([0])[0] < honest.max_batch([0])[0] <= 278
+
+
+def test_a_gpu_that_reports_no_memory_keeps_its_cold_start_cap() -> None:
+    """A card that announced 8 GB, then reports without GPU features, lost its cap at its first measurement
+    and was given 525 samples (11.5 GB at its peer's 20 MB per sample); it keeps its peer's and its announced
+    cap until readings of its own replace them."""
+    config = JobConfig("j", 2, 700)
+    policy = LBBSPPolicy(BatchTimeCurve(), hedge=None)
+    policy.observe([Report("j", 1, 0, 0, 0.0, device="cuda:0", features={"gpu_mem_used": 1e9, "gpu_mem_free": 7e9})])
+    sizes = (350, 350)
+    for k in range(6):
+        policy.observe([Report("j", 0, k, sizes[0], sizes[0] / 1000, device="cuda:0",
+                               features={"gpu_mem_used": 1e9 + 2e7 * sizes[0], "gpu_mem_free": 7e9 - 2e7 * sizes[0]}),
+                        Report("j", 1, k, sizes[1], sizes[1] / 3000, device="cuda:0")])
+        sizes = policy.decide(k + 1, sizes, config).sizes
+        policy.learn()
+    caps = policy.model.max_batch([0, 1])
+    assert caps[1] <= 346 and sizes[1] <= 350

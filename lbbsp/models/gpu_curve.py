@@ -95,7 +95,8 @@ def line_from_sums(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
         return np.where(through_zero, 0.0, base), slope, s_p / positive
 
 
-def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budget: np.ndarray) -> np.ndarray:
+def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budget: np.ndarray,
+                   held: np.ndarray | None = None) -> np.ndarray:
     """Largest batch whose predicted bytes stay within ``budget``, per row. Pure function.
 
     Bytes are predicted by the least-squares line a + b * batch where the readings identify it: two or more
@@ -105,7 +106,9 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
     which would put the cap many cards away, the second. Elsewhere bytes follow the line through the origin and
     the largest measurement, which over-predicts them above it (a >= 0), so the cap errs low; and where the
     fitted a < 0, whichever of the two lines predicts more. So the cap goes about ten times as far past the
-    largest measured size as the line through the origin would, at most.
+    largest measured size as the line through the origin would, at most. ``held``: rows whose readings were
+    seen not to fall when the size did (a caching allocator's peak, which slots merged from several sizes can
+    hide from the first test); they get the line through the origin.
     """
     weight = valid.astype(float)
     count = weight.sum(1)
@@ -125,6 +128,8 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
         through_origin = used[rows, largest] / np.maximum(sizes[rows, largest], 1.0)
         consistent = (~pair | (rising >= 0.5 * b[:, None] * step)).all(1)
         linear = np.isfinite(b) & (b >= _MIN_SLOPE_SHARE * through_origin) & consistent
+        if held is not None:
+            linear &= ~held
         origin_cap = budget / through_origin
         line_cap = (budget - np.where(linear, a, 0.0)) / np.where(linear, b, 1.0)
         cap = np.where(linear, np.where(a < 0, np.minimum(line_cap, origin_cap), line_cap), origin_cap)
@@ -159,6 +164,9 @@ class BatchTimeCurve(CapacityModel):
     cap_: np.ndarray
     group_: np.ndarray
     misses_: np.ndarray  # large misses in a row against the slot of the size measured, signed by direction
+    read_size_: np.ndarray  # the size of the worker's latest memory reading (NaN before one)
+    read_mem_: np.ndarray  # that reading
+    mem_held_: np.ndarray  # a reading did not fall when the size did: held at a caching allocator's peak
     pending_: np.ndarray
 
     def __init__(self, window: int = 8, *, memory_margin: float = 0.05, memory_floor: float = 0.01,
@@ -204,6 +212,7 @@ class BatchTimeCurve(CapacityModel):
         new_total = np.isfinite(total) & (total != self.mem_total_[rows])
         self.mem_total_[rows] = np.where(np.isfinite(total), total, self.mem_total_[rows])
         new_size, new_mem, held = self._record(every, size, seconds, used)
+        new_held = self._watch_readings(rows, size, used)
         self.latest_[rows] = size
         self.count_[rows] += 1
         # A new size changes the slots: take the sums at the knee found so far from them (the knee is searched again
@@ -220,7 +229,7 @@ class BatchTimeCurve(CapacityModel):
         self._know(every)
         self._line(every)
         # the cap follows every change of the memory readings, also another process's on the same card
-        refit = rows[new_size | new_mem | new_total]
+        refit = rows[new_size | new_mem | new_total | new_held]
         if refit.size:
             self._fit_memory(refit)
         self.pending_ = np.union1d(self.pending_, fresh)
@@ -259,24 +268,25 @@ class BatchTimeCurve(CapacityModel):
         return curve
 
     def max_batch(self, workers: WorkerIds) -> np.ndarray:
-        """Largest batch each worker's GPU memory holds (with the margin). For a worker not measured yet, the
-        smallest cap on its hardware (else it would take what its capped peers cannot hold, and run out of
-        memory in its first iteration) and, where it announced its GPU memory, what that holds at the most bytes
-        per sample any worker measured (both where both apply); a huge number where nothing is known."""
+        """Largest batch each worker's GPU memory holds (with the margin). For a worker with no memory reading of
+        its own yet (not measured, or measured without GPU features), the smallest cap on its hardware (else it
+        would take what its capped peers cannot hold, and run out of memory) and, where it announced its GPU
+        memory, what that holds at the most bytes per sample any worker measured (both where both apply); a huge
+        number where nothing is known."""
         self._check_is_fitted("slot_size_")
         workers_arr = worker_ids(workers)
         inside = workers_arr < self.count_.size
         safe = np.where(inside, workers_arr, 0)
         caps = np.where(inside, self.cap_[safe], _NO_CAP)
-        cold = np.flatnonzero(~inside | (self.count_[safe] == 0))
+        cold = np.flatnonzero(~inside | ~np.isfinite(self.mem_rate_[safe]))
         if cold.size and self.group_ids_:
-            measured = self.count_ > 0
+            measured = np.isfinite(self.mem_rate_)
             smallest = np.full(len(self.group_ids_), _NO_CAP)
             np.minimum.at(smallest, self.group_[measured], self.cap_[measured])
             keys = [self.hardware_.get(worker) for worker in workers_arr[cold].tolist()]
             group = np.array([-1 if key is None else self.group_ids_.get(key, -1) for key in keys], dtype=np.int64)
             caps[cold] = np.where(group >= 0, smallest[np.maximum(group, 0)], _NO_CAP)
-            rates = self.mem_rate_[measured & np.isfinite(self.mem_rate_)]
+            rates = self.mem_rate_[measured & (self.mem_rate_ > 0)]
             if rates.size:
                 cold_safe = np.where(inside[cold], workers_arr[cold], 0)
                 budget = self._budget(self.mem_total_[cold_safe], self.mem_announced_[cold_safe])
@@ -458,6 +468,16 @@ class BatchTimeCurve(CapacityModel):
         self.pooled_base_[own], self.pooled_knee_[own], self.pooled_slope_[own] = (
             keep * p + (1 - keep) * m for p, m in zip(params, means))
 
+    def _watch_readings(self, rows: np.ndarray, size: np.ndarray, used: np.ndarray) -> np.ndarray:
+        """Mark the rows whose memory reading did not fall while their size did (held at a peak, as NVML's 'used'
+        is under PyTorch's caching allocator, or another process grew meanwhile); returns the rows newly marked."""
+        reads = np.isfinite(used)
+        held = reads & (size < self.read_size_[rows]) & (used >= self.read_mem_[rows]) & ~self.mem_held_[rows]
+        self.mem_held_[rows] |= held
+        self.read_size_[rows] = np.where(reads, size, self.read_size_[rows])
+        self.read_mem_[rows] = np.where(reads, used, self.read_mem_[rows])
+        return held
+
     def _fit_memory(self, rows: np.ndarray) -> None:
         """Cache each row's memory cap and its bytes per sample through the origin at its largest size."""
         sizes, mem = self.slot_size_[rows], self.slot_mem_[rows]
@@ -467,7 +487,7 @@ class BatchTimeCurve(CapacityModel):
         seen = np.where(measured, mem[at], 0.0)  # in use at the largest size
         self.mem_rate_[rows] = np.where(measured, seen / np.maximum(sizes[at], 1.0), np.nan)
         budget = self._budget(self.mem_total_[rows], seen)
-        caps = fit_memory_cap(sizes, mem, valid, np.nan_to_num(budget))
+        caps = fit_memory_cap(sizes, mem, valid, np.nan_to_num(budget), self.mem_held_[rows])
         self.cap_[rows] = np.where(np.isfinite(budget) & measured, caps, _NO_CAP)
 
     def _grow(self, size: int) -> None:
@@ -482,7 +502,8 @@ class BatchTimeCurve(CapacityModel):
                                       ("observed_max_", 0.0, float), ("known_", False, bool), ("cap_", _NO_CAP, np.int64),
                                       ("latest_weight_", 0.0, float), ("group_", -1, np.int64), ("misses_", 0, np.int64),
                                       ("pooled_base_", 0.0, float), ("pooled_knee_", 0.0, float),
-                                      ("pooled_slope_", 0.0, float)):
+                                      ("pooled_slope_", 0.0, float), ("read_size_", np.nan, float),
+                                      ("read_mem_", np.nan, float), ("mem_held_", False, bool)):
                 setattr(self, name, np.concatenate([getattr(self, name, np.zeros(0, dtype=dtype)),
                                                     np.full(extra, fill, dtype=dtype)]))
 
