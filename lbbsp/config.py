@@ -36,12 +36,16 @@ def _integer(value: object, name: str, lo: int, hi: int | None, job: str | None 
     return number
 
 
-def _real(value: object, name: str, lo: float, hi: float, want: str) -> float:
-    """``value`` as a float in [lo, hi] (``want`` says so in the error); any real number passes (numpy's
-    float32 too), bools do not, and NaN fails the range."""
-    if isinstance(value, bool) or not isinstance(value, Real) or not lo <= float(value) <= hi:
+def _real(value: object, name: str, lo: float, hi: float, want: str, *, lo_open: bool = False,
+          hi_open: bool = False) -> float:
+    """``value`` as a float in [lo, hi], or (lo, hi] with ``lo_open`` and [lo, hi) with ``hi_open`` (``want``
+    says which in the error); any real number passes (numpy's float32 too), bools do not, and NaN fails."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ConfigError(f"{name} must be {want}, got {_given(value)}")
+    number = float(value)
+    if not (lo < number if lo_open else lo <= number) or not (number < hi if hi_open else number <= hi):
         raise ConfigError(f"{name} must be {want}, got {value!r}")
-    return float(value)
+    return number
 
 
 def _max_batch(value: object, num_workers: int, job: str) -> int | tuple[int, ...] | None:

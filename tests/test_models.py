@@ -220,6 +220,7 @@ def test_auto_model_picks_per_kind_and_can_be_overridden() -> None:
     cpu = Report("m", 1, 0, 64, 0.4, features={"cpu_util": 0.5})
     fl = Report("m", 2, 0, 64, 0.4, features={"download_s": 1.0})
     assert [worker_kind(r) for r in (gpu, cpu, fl)] == ["gpu", "cpu", "fl"]
+    assert worker_kind(Report("m", 3, 0, 64, 0.1, device=" CUDA:1")) == "gpu"  # as hardware_of reads the device
     model = AutoCapacityModel(models={"cpu": LastValue()}, kinds={2: "cpu"}).partial_fit([gpu, cpu, fl])
     assert isinstance(model.models_["gpu"], BatchTimeCurve) and model.kind_ == {0: "gpu", 1: "cpu", 2: "cpu"}
     np.testing.assert_allclose(model.predict([0, 1, 2]), [640, 160, 160])
@@ -382,3 +383,26 @@ def test_auto_model_refit_forgets_how_it_grouped_workers() -> None:
     assert model.max_batch([0, 1]) is not None
     model.fit([[Report("j", w, 0, 0, 0.0) for w in (0, 1)]])  # bare CPU announcements: nothing claims them
     assert model.max_batch([0, 1]) is None  # the GPU grouping of the first fit would cap them
+
+
+@pytest.mark.parametrize("model", [
+    EWMAThroughput(alpha="0.5"), BatchTimeCurve(memory_floor=None), FLClientModel(model_bytes="1e6"),
+    NARXThroughput(learning_rate="1"), NARXThroughput(warmup=None), NARXThroughput(random_state=-1),
+    NARXThroughput(learning_rate=float("inf")), AutoCapacityModel(kinds=[0]), AutoCapacityModel(horizon=0),
+    AutoCapacityModel(kinds={"1": "gpu"}), FLClientModel(local_steps=True),
+], ids=repr)
+def test_a_bad_model_parameter_is_a_config_error_that_names_it(model: CapacityModel) -> None:
+    """They raised a bare TypeError or numpy's ValueError, failed later in predict, or were taken silently (a
+    string worker id in kinds was never applied; an infinite learning rate; horizon 0 in a GPU-only job)."""
+    default = type(model)().get_params(deep=False)
+    bad = next(name for name, value in model.get_params(deep=False).items()
+               if type(value) is not type(default[name]) or value != default[name])
+    with pytest.raises(ConfigError, match=bad):
+        model.partial_fit([Report("c", 0, 0, 10, 0.1)])
+
+
+def test_numpy_integers_are_integer_parameters() -> None:
+    """As JobConfig and the policies take them: 'window must be an integer >= 2, got np.int64(8)'."""
+    for model in (BatchTimeCurve(window=np.int64(8)), FLClientModel(local_steps=np.int64(3)),
+                  NARXThroughput(lags=np.int64(4), horizon=np.int64(2), hidden=(np.int64(8),), buffer_size=np.int64(64))):
+        assert np.isfinite(model.partial_fit([Report("c", 0, 0, 10, 0.1)]).predict([0])).all()

@@ -15,6 +15,7 @@ import numpy as np
 from sklearn.base import clone
 
 from ..allocation import InvertibleTimeModel
+from ..config import _integer
 from ..errors import ConfigError
 from ..protocol import Report
 from .base import CapacityModel, WorkerIds, as_reports, worker_ids
@@ -31,7 +32,7 @@ def worker_kind(report: Report) -> str:
     features = report.features
     if any(name in features for name in ("download_s", "upload_s", "bandwidth_down", "bandwidth_up")):
         return "fl"
-    if report.device.lower().startswith(_GPU_DEVICES) or "gpu_mem_used" in features:
+    if report.device.strip().lower().startswith(_GPU_DEVICES) or "gpu_mem_used" in features:
         return "gpu"
     return "cpu"
 
@@ -77,10 +78,16 @@ class AutoCapacityModel(CapacityModel):
     def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> AutoCapacityModel:
         reports = as_reports(reports)
         if not hasattr(self, "models_"):
+            _integer(self.horizon, "horizon (JobConfig.lag)", 1, 8)
+            for name in ("models", "kinds"):
+                if not isinstance(getattr(self, name), (Mapping, type(None))):
+                    raise ConfigError(f"{name} must be a mapping or None, got {getattr(self, name)!r}")
             given = dict(self.models or {})
+            for worker in self.kinds or {}:
+                _integer(worker, f"kinds' key {worker!r} (a worker id)", 0, None)
             unknown = set(given) - set(KINDS) | {k for k in (self.kinds or {}).values() if k not in KINDS}
             if unknown:
-                raise ConfigError(f"unknown worker kind(s) {sorted(unknown)}; kinds are {KINDS}")
+                raise ConfigError(f"unknown worker kind(s) {sorted(map(str, unknown))}; kinds are {KINDS}")
             wrong = sorted(kind for kind, model in given.items() if not isinstance(model, CapacityModel))
             if wrong:
                 raise ConfigError(f"models for {wrong} are not CapacityModel instances")

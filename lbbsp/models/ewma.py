@@ -5,7 +5,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..config import _real
 from ..protocol import Report
 from .base import CapacityModel, WorkerIds, as_reports, measured_throughput, smoothed
 
@@ -18,8 +18,7 @@ class EWMAThroughput(CapacityModel):
 
     def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> EWMAThroughput:
         reports = as_reports(reports)
-        if not 0 < self.alpha <= 1:
-            raise ConfigError(f"alpha must be in (0, 1], got {self.alpha}")
+        _real(self.alpha, "alpha", 0.0, 1.0, "in (0, 1]", lo_open=True)
         self._remember_hardware(reports)
         # a report that computed nothing (an empty final slice) says nothing about speed
         workers, measured = measured_throughput(reports)

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..allocation import LinearTime
-from ..errors import ConfigError
+from ..config import _integer, _real
 from ..protocol import Report
 from .base import CapacityModel, WorkerIds, as_reports, measured_throughput, smoothed
 
@@ -82,13 +82,11 @@ class FLClientModel(CapacityModel):
         return LinearTime(speed / self.local_steps, overhead=self.transfer_s(workers), idle_is_free=True)
 
     def _check_params(self) -> None:
-        if not isinstance(self.local_steps, int) or self.local_steps < 1:
-            raise ConfigError(f"local_steps must be a positive integer, got {self.local_steps!r}")
+        _integer(self.local_steps, "local_steps", 1, None)
         for name in ("alpha", "availability_alpha"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)}")
-        if self.model_bytes is not None and not self.model_bytes > 0:
-            raise ConfigError(f"model_bytes must be positive or None, got {self.model_bytes}")
+            _real(getattr(self, name), name, 0.0, 1.0, "in (0, 1]", lo_open=True)
+        if self.model_bytes is not None:
+            _real(self.model_bytes, "model_bytes", 0.0, 1e15, "a positive number of bytes or None", lo_open=True)
 
     def _transfer_seconds(self, report: Report) -> float | None:
         features = report.features

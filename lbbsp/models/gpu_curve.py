@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..allocation import HingeTime
-from ..errors import ConfigError
+from ..config import _integer, _real
 from ..protocol import Report
 from .base import CapacityModel, Hardware, WorkerIds, as_reports, feature_column, worker_ids
 
@@ -314,13 +314,10 @@ class BatchTimeCurve(CapacityModel):
         return perturb_pairs(sizes, unknown, self.explore_fraction, lower, upper)
 
     def _check_params(self) -> None:
-        if not isinstance(self.window, int) or self.window < 2:
-            raise ConfigError(f"window must be an integer >= 2, got {self.window!r}")
+        _integer(self.window, "window", 2, None)
         for name in ("memory_margin", "memory_floor", "explore_fraction"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if not self.half_life > 0:
-            raise ConfigError(f"half_life must be positive, got {self.half_life}")
+            _real(getattr(self, name), name, 0.0, 1.0, "in [0, 1)", hi_open=True)
+        _real(self.half_life, "half_life", 0.0, np.inf, "a positive number of measurements", lo_open=True)
 
     @property
     def _decay(self) -> float:

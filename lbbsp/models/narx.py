@@ -22,9 +22,11 @@ costs about 1 ms per update (mostly input checks), several times the arithmetic.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from numbers import Integral
 
 import numpy as np
 
+from ..config import _integer, _real
 from ..errors import ConfigError
 from ..protocol import FEATURE_RANGES, Report
 from .base import CapacityModel, WorkerIds, as_reports, feature_column
@@ -127,22 +129,19 @@ class NARXThroughput(CapacityModel):
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _initialise(self) -> None:
-        if not (isinstance(self.lags, int) and self.lags >= 1 and isinstance(self.exog_lags, int)
-                and 0 <= self.exog_lags <= self.lags):
-            raise ConfigError(f"need lags >= 1 and 0 <= exog_lags <= lags, got {self.lags}, {self.exog_lags}")
-        if not (isinstance(self.horizon, int) and 1 <= self.horizon <= 8):
-            raise ConfigError(f"horizon must be an integer in [1, 8] (JobConfig.lag), got {self.horizon!r}")
-        if not 0 < self.alpha_ewma <= 1:
-            raise ConfigError(f"alpha_ewma must be in (0, 1], got {self.alpha_ewma}")
-        if not self.huber_delta > 0:
-            raise ConfigError(f"huber_delta must be > 0, got {self.huber_delta}")
-        if not self.learning_rate > 0:
-            raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
-        if not (isinstance(self.hidden, (tuple, list)) and all(isinstance(h, int) and h >= 1 for h in self.hidden)):
+        lags = _integer(self.lags, "lags", 1, None)
+        _integer(self.exog_lags, "exog_lags", 0, lags)
+        _integer(self.horizon, "horizon (JobConfig.lag)", 1, 8)
+        _real(self.alpha_ewma, "alpha_ewma", 0.0, 1.0, "in (0, 1]", lo_open=True)
+        for name in ("huber_delta", "learning_rate"):
+            _real(getattr(self, name), name, 0.0, np.inf, "a positive number", lo_open=True, hi_open=True)
+        if not (isinstance(self.hidden, (tuple, list))
+                and all(not isinstance(h, bool) and isinstance(h, Integral) and h >= 1 for h in self.hidden)):
             raise ConfigError(f"hidden must be a tuple of layer widths >= 1, got {self.hidden!r}")
-        for name in ("buffer_size", "rows_per_update"):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
-                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("buffer_size", "rows_per_update", "warmup"):
+            _integer(getattr(self, name), name, 1 if name != "warmup" else 0, None)
+        if self.random_state is not None:
+            _integer(self.random_state, "random_state", 0, None)
         # a string would be read as its letters, and a name reports never carry as a column of zeros
         if isinstance(self.features, str) or not set(self.features) <= set(FEATURE_RANGES):
             raise ConfigError(f"features must be a sequence of report features {sorted(FEATURE_RANGES)}, "
