@@ -35,7 +35,8 @@ COLUMNS = ("iteration", "t_s", "samples", "compute_s", "throughput", *FEATURES, 
 
 
 def _busy_loop(core: int) -> None:
-    """A co-located CPU-bound job on ``core``."""
+    """A co-located CPU-bound job on ``core``; Ctrl-C is the recorder's to handle (it stops these itself)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.sched_setaffinity(0, {core})
     x = 0
     while True:
@@ -123,22 +124,27 @@ class ContentionSchedule:
 
 def record(step: Callable[[], None], batch: int, seconds: float, schedule: ContentionSchedule,
            progress_every_s: float = 15.0) -> list[list[float]]:
-    """Run ``step`` until ``seconds`` have passed; one row per iteration (see COLUMNS)."""
+    """Run ``step`` until ``seconds`` have passed, or Ctrl-C (the rows so far are kept); one row per iteration
+    (see COLUMNS)."""
     monitor = ResourceMonitor(min_interval_s=0.0)  # a fresh sample every iteration: the trace is the data
     rows: list[list[float]] = []
     started = last_progress = time.perf_counter()
-    while (now := time.perf_counter()) - started < seconds:
-        t0 = time.perf_counter()
-        step()
-        compute_s = time.perf_counter() - t0
-        level = schedule.level
-        features = monitor.sample()
-        rows.append([len(rows), round(t0 - started, 4), batch, round(compute_s, 6), round(batch / compute_s, 2),
-                     *(round(features[name], 4) for name in FEATURES), level])
-        if now - last_progress > progress_every_s:
-            last_progress = now
-            recent = np.mean([r[4] for r in rows[-50:]])
-            print(f"  {now - started:5.0f}s  {len(rows)} iterations, recent throughput {recent:.0f}/s", flush=True)
+    try:
+        while (now := time.perf_counter()) - started < seconds:
+            t0 = time.perf_counter()
+            step()
+            compute_s = time.perf_counter() - t0
+            level = schedule.level
+            features = monitor.sample()
+            rows.append([len(rows), round(t0 - started, 4), batch, round(compute_s, 6), round(batch / compute_s, 2),
+                         *(round(features[name], 4) for name in FEATURES), level])
+            if now - last_progress > progress_every_s:
+                last_progress = now
+                recent = np.mean([r[4] for r in rows[-50:]])
+                print(f"  {now - started:5.0f}s  {len(rows)} iterations, recent throughput {recent:.0f}/s", flush=True)
+    except KeyboardInterrupt:  # the iteration cut short is not a row; the ones before it are kept
+        print(f"stopped after {time.perf_counter() - started:.0f}s: keeping the {len(rows)} iterations recorded",
+              flush=True)
     return rows
 
 

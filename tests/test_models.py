@@ -16,6 +16,7 @@ from lbbsp.errors import ConfigError
 from lbbsp.models import (
     AutoCapacityModel,
     BatchTimeCurve,
+    CapacityModel,
     EWMAThroughput,
     FLClientModel,
     LastValue,

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -325,6 +327,20 @@ def test_record_cpu_trace_checks_its_arguments_before_recording(tmp_path: Path) 
                             timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     assert CPUTrace.load(out).throughput.size > 0
+
+
+def test_ctrl_c_keeps_what_the_recorder_recorded(tmp_path: Path) -> None:
+    """Ctrl-C printed tracebacks from the recorder and its busy loops, and wrote nothing."""
+    out = tmp_path / "t.json"
+    recorder = subprocess.Popen([sys.executable, str(EXPERIMENTS / "record_cpu_trace.py"), "--seconds", "60",
+                                 "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert recorder.stdout is not None
+    assert recorder.stdout.readline().startswith("recording")  # past the warm-up, with the busy loops running
+    time.sleep(1.0)
+    recorder.send_signal(signal.SIGINT)
+    stdout, stderr = recorder.communicate(timeout=60)
+    assert recorder.returncode == 0 and "Traceback" not in stderr, stderr
+    assert "keeping the" in stdout and CPUTrace.load(out).throughput.size > 0
 
 
 def test_bench_models_refuses_traces_it_cannot_score(tmp_path: Path) -> None:
