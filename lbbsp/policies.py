@@ -316,7 +316,10 @@ class PerEpochPolicy(LBBSPPolicy):
         self.iterations_per_epoch = _integer(iterations_per_epoch, "iterations_per_epoch", 1, None)
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
-        if iteration % self.iterations_per_epoch != 0:
+        caps = _whole_caps(self.model.max_batch(range(config.num_workers)), np.asarray(config.bounds()[1])) \
+            if self._seen else None
+        over_caps = caps is not None and bool((np.asarray(current) > caps).any())  # a cap that shrank: now
+        if iteration % self.iterations_per_epoch != 0 and not over_caps:
             return Decision(tuple(int(s) for s in current), "within the epoch: keep the split")
         return super().decide(iteration, current, config)
 
@@ -347,17 +350,20 @@ class LeaderStragglerPolicy(Policy):
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         sizes = np.asarray(current, dtype=np.int64).copy()
-        if self._observed < self.window or not self._times:
-            return Decision(tuple(int(s) for s in sizes), "observing")
+        lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
+        if self.model is not None:
+            caps = _whole_caps(self.model.max_batch(range(config.num_workers)), upper)
+            upper = upper if caps is None else np.maximum(np.minimum(upper, caps), lower)
         # A worker that sent no report in the window (it left, or its reports were refused) keeps its size:
         # it is neither the straggler nor the leader, and does not hold up the search of the others.
         mean_time = np.array([np.mean(self._times[w][-self.window:]) if w in self._times else np.nan
                               for w in range(config.num_workers)])
+        if (over := sizes > upper).any():  # a memory cap that shrank comes first, window or not
+            return self._shed(sizes, upper, over, mean_time)
+        if self._observed < self.window or not self._times:
+            return Decision(tuple(int(s) for s in sizes), "observing")
         self._times.clear()
         self._observed = 0
-        lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
-        if self.model is not None and (caps := self.model.max_batch(range(config.num_workers))) is not None:
-            upper = np.maximum(np.minimum(upper, caps), lower)
         if self._step is None:
             self._step = max(1, int(self.initial_step_fraction * config.global_batch / config.num_workers))
         reported = ~np.isnan(mean_time)
@@ -375,6 +381,24 @@ class LeaderStragglerPolicy(Policy):
         self._last_leader = leader
         return Decision(tuple(int(s) for s in sizes), f"moved {moved} samples from straggler {straggler} "
                                                         f"to leader {leader} (step {self._step})")
+
+    @staticmethod
+    def _shed(sizes: np.ndarray, upper: np.ndarray, over: np.ndarray, mean_time: np.ndarray) -> Decision:
+        """Move what the workers ``over`` their upper bound (a memory cap that shrank) hold beyond it to the
+        fastest workers with room, before any search step: the search only ever takes from the straggler."""
+        excess = int((sizes[over] - upper[over]).sum())
+        room = np.where(over, 0, upper - sizes)
+        if room.sum() < excess:
+            return Decision(tuple(int(s) for s in sizes), f"worker(s) {np.flatnonzero(over)[:8].tolist()} over "
+                                                          "their memory caps, and the others have no room for it")
+        sizes = np.minimum(sizes, upper)
+        left = excess
+        for worker in np.argsort(np.where(np.isnan(mean_time), np.inf, mean_time), kind="stable").tolist():
+            taken = int(min(left, room[worker]))
+            sizes[worker] += taken
+            left -= taken
+        return Decision(tuple(int(s) for s in sizes), f"moved {excess} samples off worker(s) "
+                                                      f"{np.flatnonzero(over)[:8].tolist()}, over their memory caps")
 
 
 class OraclePolicy(LBBSPPolicy):

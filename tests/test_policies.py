@@ -311,3 +311,18 @@ def test_a_split_over_the_memory_caps_says_so(caplog: pytest.LogCaptureFixture) 
     assert decision.sizes == (380, 380) and "over the memory cap of worker(s) [0, 1]" in decision.reason
     held = f"the caps hold {int(caps.sum())} samples, the global batch is 760"
     assert len([r for r in caplog.records if held in r.message]) == 1
+
+
+def test_leader_straggler_and_per_epoch_move_samples_off_a_cap_that_shrank() -> None:
+    """Another process takes memory and worker 1's cap drops below its size: the search only ever took from
+    the straggler, so worker 1 stayed over its cap for good; per-epoch kept it until the epoch's end."""
+    config = JobConfig("p", 3, 300)
+    search = LeaderStragglerPolicy(window=3, model=Capped((200, 90, 200)))
+    search.observe(_reports(0, np.full(3, 100), np.array([100.0, 400.0, 200.0])))
+    decision = search.decide(2, (100, 100, 100), config)  # inside its observation window
+    assert decision.sizes == (100, 90, 110) and "over their memory caps" in decision.reason
+    epoch = PerEpochPolicy(iterations_per_epoch=50, model=Capped((200, 90, 200)))
+    epoch.observe(_reports(0, np.full(3, 100), np.array([100.0, 400.0, 200.0])))
+    assert epoch.decide(3, (100, 100, 100), config).sizes[1] <= 90
+    assert PerEpochPolicy(50, Capped((200, 200, 200))).decide(3, (100, 100, 100), config).sizes == (100, 100, 100)
+    assert PerEpochPolicy(50, BatchTimeCurve()).decide(3, (100, 100, 100), config).sizes == (100, 100, 100)
