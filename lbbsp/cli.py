@@ -251,6 +251,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except redis.RedisError as exc:
         print(f"lbbsp: error: Redis answered with an error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what was running stops, without a traceback
+        print("lbbsp: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

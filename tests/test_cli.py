@@ -107,3 +107,16 @@ def test_help_shows_each_flags_default_once(capsys: pytest.CaptureFixture[str]) 
     text = " ".join(capsys.readouterr().out.split())
     assert "number of simulated workers (default: 16)" in text and "(default: 0)" in text
     assert "(default: None)" not in text and text.count("experiments/results") == 1
+
+
+def test_ctrl_c_is_a_short_message_not_a_traceback(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C in a long simulate printed a KeyboardInterrupt traceback."""
+    from lbbsp.sim import cli as sim_cli  # noqa: PLC0415
+
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sim_cli, "run", interrupted)
+    assert main(["simulate", "--scenario", "gpu-mix"]) == 130
+    assert capsys.readouterr().err.strip() == "lbbsp: interrupted"

@@ -256,6 +256,12 @@ def test_cli_refuses_bad_input_before_simulating(tmp_path: Path) -> None:
         cli.run(_parse("--scenario", "gpu-mix", "--redis", f"unix://{tmp_path}/no.sock", *small))
     with pytest.raises(ConfigError, match="at most 50,000,000"):  # not a numpy MemoryError after a long wait
         cli.run(_parse("--scenario", "gpu-mix", "--workers", "16", "--iterations", "2000000000"))
+    # named by their flags ('lag must be an integer in [1, 8] [job=sim-cpu]', after the scenario was built)
+    with pytest.raises(ConfigError, match="--lag must be in"):
+        cli.run(_parse("--scenario", "gpu-mix", "--lag", "9", *small))
+    for dwell in ("0.5", "nan"):
+        with pytest.raises(ConfigError, match="--mean-dwell must be"):
+            cli.run(_parse("--scenario", "cpu-contention", "--mean-dwell", dwell, *small))
     assert not list(tmp_path.glob("*.json"))
 
 

@@ -57,6 +57,10 @@ def run(args: argparse.Namespace) -> int:
                           f"{args.iterations}")
     if args.seed < 0:
         raise ConfigError(f"--seed must be at least 0, got {args.seed}")
+    if not 1 <= args.lag <= 8:  # JobConfig's range, named by its flag and before the scenario is built
+        raise ConfigError(f"--lag must be in [1, 8], got {args.lag}")
+    if args.mean_dwell is not None and not args.mean_dwell >= 1:
+        raise ConfigError(f"--mean-dwell must be at least 1 iteration (inf: never), got {args.mean_dwell}")
     if args.workers * args.iterations > MAX_CELLS:  # each scenario holds a few arrays of this many floats
         raise ConfigError(f"--workers x --iterations is at most {MAX_CELLS:,} (a few GiB of trace), got "
                           f"{args.workers:,} x {args.iterations:,}")
