@@ -407,3 +407,12 @@ def test_numpy_integers_are_integer_parameters() -> None:
     for model in (BatchTimeCurve(window=np.int64(8)), FLClientModel(local_steps=np.int64(3)),
                   NARXThroughput(lags=np.int64(4), horizon=np.int64(2), hidden=(np.int64(8),), buffer_size=np.int64(64))):
         assert np.isfinite(model.partial_fit([Report("c", 0, 0, 10, 0.1)]).predict([0])).all()
+
+
+def test_auto_model_after_no_report_answers_like_the_other_models() -> None:
+    """partial_fit([]) then predict raised 'NARXThroughput has seen no report yet', naming a model the user never
+    chose; the others answer NaN (no worker known), and the split is the equal one."""
+    model = AutoCapacityModel().partial_fit([])
+    assert np.isnan(model.predict([0, 1])).all() and model.max_batch([0, 1]) is None
+    assert allocate(model.time_model([0, 1]), 10, [1, 1], [10, 10]).tolist() == [5, 5]
+    np.testing.assert_array_equal(model.explore([0, 1], np.array([5, 5]), np.ones(2), np.full(2, 9)), [5, 5])

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from sklearn.base import clone
 
-from ..allocation import InvertibleTimeModel
+from ..allocation import InvertibleTimeModel, LinearTime
 from ..config import _integer
 from ..errors import ConfigError
 from ..protocol import Report
@@ -139,6 +139,8 @@ class AutoCapacityModel(CapacityModel):
         out = np.asarray(sizes, dtype=np.int64).copy()
         ids = worker_ids(workers)
         for kind, positions in self._groups(ids).items():
+            if kind not in self.fed_:
+                continue
             out[positions] = self.models_[kind].explore(ids[positions], out[positions], np.asarray(lower)[positions],
                                                         np.asarray(upper)[positions])
         return out
@@ -148,9 +150,13 @@ class AutoCapacityModel(CapacityModel):
         ids = worker_ids(workers)
         groups = self._groups(ids)
         if len(groups) == 1:
-            return self.models_[next(iter(groups))].time_model(ids)
-        return MixedTime(tuple((positions, self.models_[kind].time_model(ids[positions]))
-                               for kind, positions in groups.items()), ids.size)
+            return self._time_model(next(iter(groups)), ids)
+        return MixedTime(tuple((positions, self._time_model(kind, ids[positions])) for kind, positions in groups.items()),
+                         ids.size)
+
+    def _time_model(self, kind: str, ids: np.ndarray) -> InvertibleTimeModel:
+        """The ``kind``'s model's time model, or equal speeds where that model has had no report."""
+        return self.models_[kind].time_model(ids) if kind in self.fed_ else LinearTime(np.ones(ids.size))
 
     def _groups(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         """Positions of each kind in ``ids``; a worker never seen is of the kind ``kinds`` pins (once that kind's
@@ -164,7 +170,7 @@ class AutoCapacityModel(CapacityModel):
         pinned = self.kinds or {}
         kinds = [self.kind_.get(w) or (kind if (kind := pinned.get(w)) in self.fed_ else None) for w in ids.tolist()]
         if None in kinds:
-            seen = [k for k in kinds if k is not None] or list(self.kind_.values())
+            seen = [k for k in kinds if k is not None] or list(self.kind_.values()) or sorted(self.fed_)
             common = max(KINDS, key=seen.count)  # ties in the order of KINDS: the same in every process
             kinds = [k or common for k in kinds]
         labels = np.array(kinds)
@@ -177,7 +183,8 @@ class AutoCapacityModel(CapacityModel):
         ids = worker_ids(workers)
         out = np.full(ids.size, fill, dtype=float)
         for kind, positions in self._groups(ids).items():
-            out[positions] = ask(self.models_[kind], ids[positions])
+            if kind in self.fed_:  # a model with no report cannot answer: its workers keep ``fill``
+                out[positions] = ask(self.models_[kind], ids[positions])
         return out
 
 
