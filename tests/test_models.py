@@ -23,6 +23,7 @@ from lbbsp.models import (
     NARXThroughput,
     NotFittedError,
     fit_hinge,
+    similar_hardware_prior,
     worker_kind,
 )
 from lbbsp.policies import LBBSPPolicy
@@ -416,3 +417,23 @@ def test_auto_model_after_no_report_answers_like_the_other_models() -> None:
     assert np.isnan(model.predict([0, 1])).all() and model.max_batch([0, 1]) is None
     assert allocate(model.time_model([0, 1]), 10, [1, 1], [10, 10]).tolist() == [5, 5]
     np.testing.assert_array_equal(model.explore([0, 1], np.array([5, 5]), np.ones(2), np.full(2, 9)), [5, 5])
+
+
+def test_similar_hardware_prior_falls_back_from_hardware_to_device_family_to_everyone() -> None:
+    values = {0: 100.0, 1: 300.0, 2: 1000.0, 3: float("nan")}
+    hardware = {0: ("cpu", 8), 1: ("cpu", 8), 2: ("cuda", 16), 3: ("cuda", 16), 4: ("cpu", 64), 5: ("tpu", 4)}
+    prior = similar_hardware_prior(values, hardware, [3, 4, 5, 6])
+    # worker 3: its hardware's median (its own NaN is no value); 4: the cpu family's; 5 and 6: everyone's
+    np.testing.assert_allclose(prior, [1000.0, 200.0, 300.0, 300.0])
+    assert np.isnan(similar_hardware_prior({}, hardware, [0])).all()
+    assert similar_hardware_prior({}, hardware, [0], default=1.0).tolist() == [1.0]
+
+
+def test_perturb_pairs_moves_a_share_within_each_pair_and_keeps_the_sum_and_the_bounds() -> None:
+    from lbbsp.models.gpu_curve import perturb_pairs  # noqa: PLC0415  (the model's helper)
+
+    sizes = np.array([100, 100, 40, 60, 50])
+    out = perturb_pairs(sizes, np.array([0, 1, 2, 3, 4]), 0.1, np.full(5, 1), np.array([200, 200, 200, 62, 200]))
+    # pairs (0, 1) and (2, 3) shift round(0.1 x the smaller size): 10, and 4 cut to the 2 that 3's bound allows;
+    # the odd worker out, 4, is left as it was
+    assert out.tolist() == [90, 110, 38, 62, 50] and out.sum() == sizes.sum()
