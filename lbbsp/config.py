@@ -84,6 +84,8 @@ class JobConfig:
     ``lag`` is how many iterations a decision runs ahead: the vector of iteration k is decided from the
     reports of iteration k - lag. With the default 2 the decision overlaps iteration k-1, so the
     coordinator is off the critical path; 1 reacts an iteration sooner but every step waits for it.
+    ``ttl_s`` is how long the job's keys outlive their last use; an iteration's assignment must outlive the
+    time between two workers' reads of it, so keep it well above the longest iteration (or federated round).
 
     Every field is checked here, with numpy numbers turned into plain ones, so the config always round-trips
     through JSON and a bad value fails at construction with a :class:`ConfigError` rather than mid-run.

@@ -26,7 +26,7 @@ from .embedded import release_cpu_pinning
 from .errors import LBBSPError, PolicyError, ProtocolError
 from .models import AutoCapacityModel
 from .policies import Decision, LBBSPPolicy, Policy
-from .protocol import Assignment, Report
+from .protocol import MAX_POLICY_NAME_CHARS, MAX_REASON_CHARS, Assignment, Report
 from .store import REDIS_ERRORS, REDIS_FAILURES, Store
 
 log = logging.getLogger("lbbsp.coordinator")
@@ -63,6 +63,11 @@ class Outcome:
     learn_s: float = 0.0  # the policy's learning after the write, off the decision's path
 
 
+def _clipped(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, ending in an ellipsis where it was cut."""
+    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
+
+
 class GuardedPolicy:
     """A policy held to the job's rules, as the coordinator runs it: a split that breaks them, or a policy that
     fails, keeps the split in force (logged with the reason) instead of stopping the job. The simulator runs
@@ -71,6 +76,9 @@ class GuardedPolicy:
     def __init__(self, policy: Policy, config: JobConfig) -> None:
         self.policy, self.config = policy, config
         self._bounds = tuple(np.asarray(b, dtype=np.int64) for b in config.bounds())
+        # an assignment holds a name and a reason of bounded length: longer ones are cut, not refused (a policy
+        # error's long message made even the split kept in force invalid, and nothing was written)
+        self._name = _clipped(str(policy.name), MAX_POLICY_NAME_CHARS)
 
     def decide(self, target: int, current: tuple[int, ...], reports: list[Report]) -> tuple[Decision, Assignment]:
         """Observe ``reports`` and decide the assignment of ``target``; ``current`` (the split of ``target - 1``)
@@ -85,7 +93,8 @@ class GuardedPolicy:
             log.exception("policy %s failed to decide iteration %d; keeping the current split", self.policy.name,
                           target)
             decision = Decision(current, f"policy failed ({type(exc).__name__}: {exc}); kept the split")
-            return decision, Assignment(self.config.job, target, current, self.policy.name, decision.reason)
+            return decision, Assignment(self.config.job, target, current, self._name, _clipped(decision.reason,
+                                                                                               MAX_REASON_CHARS))
 
     def learn(self, iteration: int) -> None:
         """Let the policy learn from the reports of ``iteration`` once the split is out; a failure is logged."""
@@ -122,8 +131,8 @@ class GuardedPolicy:
             raise refuse(f"worker {w} got {sizes[w]} samples, outside its bounds [{lower[w]}, {upper[w]}] "
                          f"({int(outside.sum())} workers outside)")
         try:
-            return Assignment(self.config.job, target, tuple(sizes.tolist()), self.policy.name,
-                              decision.reason).validate(global_batch=self.config.global_batch)
+            return Assignment(self.config.job, target, tuple(sizes.tolist()), self._name,
+                              _clipped(decision.reason, MAX_REASON_CHARS)).validate(global_batch=self.config.global_batch)
         except ProtocolError as exc:
             raise refuse(exc.message) from exc
 

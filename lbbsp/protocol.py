@@ -22,6 +22,7 @@ MAX_ITERATION = 2**53
 MAX_SECONDS = 86_400.0
 MIN_COMPUTE_S = 1e-9  # a measured compute time below a nanosecond is a broken timer: its throughput overflows
 MAX_REASON_CHARS = 512
+MAX_POLICY_NAME_CHARS = 64
 MAX_WORKERS = 100_000
 
 #: Resource features a report may carry, with their allowed closed ranges.
@@ -302,7 +303,7 @@ class Assignment:
             raise _fail(f"has {len(self.sizes)} sizes for {num_workers} workers", "sizes", **where)
         if global_batch is not None and sum(self.sizes) != global_batch:
             raise _fail(f"sums to {sum(self.sizes)}, not the global batch {global_batch}", "sizes", **where)
-        _str(self.policy, "policy", 64, **where)
+        _str(self.policy, "policy", MAX_POLICY_NAME_CHARS, **where)
         _str(self.reason, "reason", MAX_REASON_CHARS, **where)
         if not isinstance(self.fallback, bool):
             raise _fail("must be a boolean", "fallback", **where)

@@ -15,6 +15,7 @@ Keys (all under ``lbbsp:{job}:``, all with a TTL so that finished jobs do not le
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
@@ -155,12 +156,24 @@ class Store:
             raise ConfigError(f"config is for job {config.job!r}, store for {self.job!r}", job=self.job)
         self.ttl_s = config.ttl_s
         key = self.key("config")
-        self.client.set(key, config.to_json(), nx=True, ex=self.ttl_s)
-        stored = JobConfig.from_json(self.client.get(key) or b"{}")
+        with self._typed("config"):
+            self.client.set(key, config.to_json(), nx=True, ex=self.ttl_s)
+            stored = JobConfig.from_json(self.client.get(key) or b"{}")
         if stored != config:
             raise ConfigError(f"job {self.job!r} already runs with {stored}, not {config}; "
                               "use another job name or the same settings", job=self.job)
         return stored
+
+    @contextlib.contextmanager
+    def _typed(self, name: str) -> Iterator[None]:
+        """Turn Redis's WRONGTYPE answer about the job's key ``name`` into a ConfigError that names the key."""
+        try:
+            yield
+        except redis.ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            raise ConfigError(f"Redis key {self.key(name)} holds a value of another type than lbbsp writes there "
+                              "(left by something else?): delete it, or use another job name", job=self.job) from None
 
     def has_config(self) -> bool:
         """Whether the job's configuration is stored: False once Redis has lost the job's keys."""
@@ -224,7 +237,15 @@ class Store:
         ) == 1
 
     def get_assignment(self, iteration: int) -> bytes | None:
-        return cast("bytes | None", self.client.get(self.key("assign", iteration)))
+        """The stored assignment of ``iteration``, its TTL renewed in the same transaction: the key is written
+        an iteration before it is read (lag 2), so with a short TTL it could expire between two workers' reads,
+        and the second would write and use a fallback the first never saw."""
+        key = self.key("assign", iteration)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.get(key)
+        pipe.expire(key, self.ttl_s)
+        raw, _ = pipe.execute()
+        return cast("bytes | None", raw)
 
     def subscribe(self) -> redis.client.PubSub:
         """A subscription to the channel that announces each newly written assignment."""
@@ -246,7 +267,8 @@ class Store:
 
     def decision_count(self) -> int:
         """How many decisions the job's log holds (at most ``DECISION_LOG_LENGTH``): 0 for a new job."""
-        return int(self.client.llen(self.key("decisions")))
+        with self._typed("decisions"):
+            return int(self.client.llen(self.key("decisions")))
 
     def claim_coordinator(self, identity: str, ttl_s: int) -> str | None:
         """Mark ``identity`` as the job's coordinator for ``ttl_s`` seconds; the identity of another live

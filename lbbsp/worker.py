@@ -86,8 +86,9 @@ class WorkerClient:
 
     # -- the agreed assignment --------------------------------------------------------------------------
     def assignment(self, iteration: int) -> Assignment:
-        """The vector every worker uses at ``iteration``; waits at most about ``assignment_timeout_s`` (on a
-        Redis that stalls, plus one call's socket timeout: see :func:`~lbbsp.store.worker_socket_timeout`)."""
+        """The vector every worker uses at ``iteration``; waits at most about ``assignment_timeout_s``. On a Redis
+        that stalls, add up to three of the store's socket timeouts (a call and its two retries): connect with
+        :func:`~lbbsp.store.worker_socket_timeout` (a third of the timeout) as the integrations do."""
         known = self._known.get(iteration)
         if known is not None:
             return known

@@ -307,6 +307,52 @@ def test_the_config_key_lives_as_long_as_the_job_and_ttl_s_is_the_jobs(redis_url
         coordinator.decide(0)
         assert store.client.ttl(store.key("config")) > 50  # renewed by the decision
         assert 50 < store.client.ttl(store.key("assign", 2)) <= 60
+        # a read renews the assignment: it is written an iteration before it is read, and with a short TTL it
+        # expired between two workers' reads, so the second wrote and used a fallback the first never saw
+        store.client.expire(store.key("assign", 2), 3)
+        assert store.get_assignment(2) is not None and store.client.ttl(store.key("assign", 2)) > 50
+
+
+class Verbose(LBBSPPolicy):
+    """A policy whose errors, reasons and name are longer than an assignment holds."""
+
+    name = "a-policy-with-a-name-longer-than-the-sixty-four-characters-an-assignment-holds"
+
+    def __init__(self, fail: bool) -> None:
+        super().__init__()
+        self.fail = fail
+
+    def decide(self, iteration, current, config):  # type: ignore[no-untyped-def]
+        if self.fail:
+            raise ValueError("x" * 600)
+        return Decision(tuple(current), "y" * 2000)
+
+
+@pytest.mark.parametrize("fail", [True, False], ids=["long error", "long reason"])
+def test_long_reasons_and_names_are_cut_not_refused(redis_url: str, job: str, fail: bool) -> None:
+    """A policy error of 600 characters made even the kept split's assignment invalid: nothing was written,
+    and every iteration waited out assignment_timeout_s for a worker's fallback."""
+    config = JobConfig(job, 2, 10)
+    with Store.from_url(redis_url, job) as store:
+        coordinator = Coordinator(store, config, Verbose(fail))
+        for i, size in enumerate(config.initial_sizes()):
+            store.post_report(Report(job, i, 0, size, 0.01 * size), 2)
+        outcome = coordinator.decide(0)
+        assert outcome.written and outcome.assignment.sizes == config.initial_sizes()
+        assert len(outcome.assignment.reason) == 512 and outcome.assignment.reason.endswith("\u2026")
+        assert len(outcome.assignment.policy) == 64
+
+
+@pytest.mark.parametrize(("key", "value"), [("config", {"a": "b"}), ("decisions", "x")])
+def test_a_key_of_another_type_in_the_jobs_place_is_named(redis_url: str, job: str, key: str, value: object) -> None:
+    """It was Redis's bare 'WRONGTYPE Operation against a key holding the wrong kind of value'."""
+    with Store.from_url(redis_url, job) as store:
+        if isinstance(value, dict):
+            store.client.hset(store.key(key), mapping=value)
+        else:
+            store.client.set(store.key(key), value)
+        with pytest.raises(ConfigError, match=f"Redis key lbbsp:{job}:{key} holds a value of another type"):
+            Coordinator(store, JobConfig(job, 2, 10))
 
 
 def test_a_second_coordinator_and_a_reused_job_name_are_warned_about(redis_url: str, job: str,
