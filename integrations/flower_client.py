@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
+from lbbsp.config import _integer
 from lbbsp.errors import ConfigError, ProtocolError
 from lbbsp.protocol import MAX_BATCH, MAX_SECONDS
 
@@ -147,6 +148,10 @@ class LocalRound:
     def __init__(self, msg: Message, *, link: Link | None = None, default: Workload | None = None,
                  data_size: int | None = None, config_key: str = "config",
                  weighted_by_key: str = "num-examples") -> None:
+        if default is not None and not isinstance(default, Workload):
+            raise ConfigError(f"default must be a Workload(batch_size, local_steps), got {default!r}")
+        if data_size is not None:
+            _integer(data_size, "data_size", 0, None)  # a share of the average: whole and not negative
         self.msg = msg
         self.data_size = data_size
         self.link = link if link is not None else MessageClock()

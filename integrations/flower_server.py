@@ -41,7 +41,7 @@ from lbbsp.allocation import (
 from lbbsp.client_history import ClientHistory, ClientStatus
 from lbbsp.errors import ConfigError, ProtocolError, StoreUnavailable
 from lbbsp.fedagg import fednova_scales, rescale_update
-from lbbsp.models import FLClientModel, NotFittedError
+from lbbsp.models import CapacityModel, FLClientModel, NotFittedError
 from lbbsp.protocol import MAX_SECONDS, MAX_WORKERS, Report, equal_split
 
 from .flower_client import COMPUTE_S, DATA_SIZE, DOWNLOAD_S, MAX_LOCAL_STEPS, SAMPLES, STEPS, UPLOAD_S, Workload
@@ -192,6 +192,8 @@ class LoadBalanced(Strategy):
         self.compensate_dropouts = compensate_dropouts
         self.sit_out = sit_out_share(sit_out)
         self.rounds_out = RoundsOut(rejoin_after)
+        if model is not None and not isinstance(model, CapacityModel):
+            raise ConfigError(f"model must be a CapacityModel instance (FLClientModel(), ...), got {model!r}")
         self.model = model if model is not None else FLClientModel(local_steps)
         self.weighted_by_key: str = getattr(strategy, "weighted_by_key", "num-examples")
         self.configrecord_key: str = getattr(strategy, "configrecord_key", "config")
@@ -326,7 +328,7 @@ class LoadBalanced(Strategy):
                 try:
                     results[node], report = self.check_reply(message, sent, worker, iteration)
                 except ProtocolError as exc:
-                    reason = f"bad lbbsp reply: {exc}"
+                    reason = f"bad reply: {exc}"
                 else:
                     if report is not None:
                         reports.append(report)
@@ -357,7 +359,12 @@ class LoadBalanced(Strategy):
         (:meth:`ClientResult.check`) and make a valid Report, and the arrays have the keys and shapes of the
         model sent: an lbbsp reply's weight and FedNova scale come from its own claims.
         """
-        metrics = next(iter(message.content.metric_records.values()), MetricRecord())
+        records = message.content.metric_records
+        if sent is not None:  # every train reply, a plain Flower one too: it is averaged into the model
+            _check_arrays(sent.arrays, message.content)
+            if len(records) > 1:  # the strategy would refuse the round (InconsistentMessageReplies), not the reply
+                raise ProtocolError(f"must hold at most one MetricRecord, holds {len(records)}", field="metrics")
+        metrics = next(iter(records.values()), MetricRecord())
         if not has_timings(metrics):
             return None, None
         result = ClientResult.from_metrics(metrics)
@@ -366,7 +373,6 @@ class LoadBalanced(Strategy):
             if workload is None:
                 raise ProtocolError("this node was sent no workload this round", field="node")
             result.check(workload)
-            _check_arrays(sent.arrays, message.content)
         if worker is None:
             return result, None
         return result, Report(self.history.job, worker, iteration, result.samples, result.compute_s,
@@ -500,8 +506,8 @@ class LoadBalanced(Strategy):
 
 
 def _check_arrays(model: ArrayRecord, content: RecordDict) -> None:
-    """Raise a ProtocolError unless ``content`` holds one ArrayRecord with the arrays of ``model``, by name and
-    shape (in any order)."""
+    """Raise a ProtocolError unless ``content`` holds one ArrayRecord with the arrays of ``model``, by name, shape
+    and dtype (in any order), and finite: one NaN, or a complex or string array, would spoil or stop the average."""
     if len(content.array_records) != 1:
         raise ProtocolError(f"must hold one ArrayRecord, holds {len(content.array_records)}", field="arrays")
     local = next(iter(content.array_records.values()))
@@ -512,6 +518,11 @@ def _check_arrays(model: ArrayRecord, content: RecordDict) -> None:
         if tuple(array.shape) != tuple(model[name].shape):
             raise ProtocolError(f"shape {tuple(array.shape)}, the model's is {tuple(model[name].shape)}",
                                 field=f"arrays.{name}")
+        if array.dtype != model[name].dtype:
+            raise ProtocolError(f"dtype {array.dtype}, the model's is {model[name].dtype}", field=f"arrays.{name}")
+        values = array.numpy()
+        if values.dtype.kind in "fc" and not np.isfinite(values).all():
+            raise ProtocolError("holds NaN or infinite values", field=f"arrays.{name}")
 
 
 def _whole(name: str, value: object) -> int:

@@ -102,8 +102,14 @@ def test_fednova_pairs_a_clients_arrays_with_the_models_by_name(redis_url: str, 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("steps", [1, 2])  # node 2's update rescaled (steps differ) or not
-@pytest.mark.parametrize("bad", [{"a": np.ones(2)}, {"a": np.ones(2), "b": np.ones(4)},
-                                 {"a": np.ones(2), "c": np.ones(3)}])
+@pytest.mark.parametrize("bad", [
+    {"a": np.ones(2)}, {"a": np.ones(2), "b": np.ones(4)}, {"a": np.ones(2), "c": np.ones(3)},
+    # the model's names and shapes, but values no average can take: they passed, and the model became NaN,
+    # turned complex, or the run stopped in the aggregation
+    {"a": np.array([np.nan, 1.0]), "b": np.ones(3)}, {"a": np.array([np.inf, 1.0]), "b": np.ones(3)},
+    {"a": np.ones(2, dtype=complex), "b": np.ones(3)}, {"a": np.array(["x", "y"]), "b": np.ones(3)},
+    {"a": np.ones(2, dtype=np.float32), "b": np.ones(3)},
+], ids=["missing", "shape", "name", "nan", "inf", "complex", "string", "float32"])
 def test_a_reply_whose_arrays_are_not_the_models_is_left_out_as_failed(redis_url: str, job: str, steps: int,
                                                                        bad: dict[str, np.ndarray]) -> None:
     grid = LocalGrid(ClientApp(), [{}, {}])
@@ -186,3 +192,47 @@ def test_worker_indices_stay_unique_after_redis_loses_its_data(job: str) -> None
         assert history.workers() == {"c": c, "a": a} and history.known_index("a") == a
         assert history.worker_indices(["a", "c", "b"]) == [a, c, history.worker_index("b")]
         assert len(set(history.workers().values())) == 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("reply_content", ["plain, other shape", "two metric records"])
+def test_every_reply_is_checked_not_only_lbbsps(redis_url: str, job: str, reply_content: str) -> None:
+    """A reply without lbbsp's metrics skipped the array checks: a (1,) array where the model holds (2,) was
+    broadcast into the average ([51.25, 51.25]) and its client recorded ok. A second MetricRecord made the
+    wrapped FedAvg refuse the whole round."""
+    grid = LocalGrid(ClientApp(), [{}, {}])
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = LoadBalanced(FedAvg(min_available_nodes=2), history, batch_size=1, local_steps=2)
+        sent = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, _arrays(a=np.zeros(2)), ConfigRecord(),
+                                                                           grid)}
+        good = {**HONEST, "lbbsp-samples": 2, "lbbsp-steps": 2, "num-examples": 2}
+        if reply_content.startswith("plain"):
+            content = {"arrays": _arrays(a=np.full(1, 300.0)), "metrics": MetricRecord({"num-examples": 2})}
+        else:
+            content = {"arrays": _arrays(a=np.full(2, 300.0)), "metrics": MetricRecord(good),
+                       "more": MetricRecord({"loss": 1.0})}
+        replies = [Message(RecordDict({"arrays": _arrays(a=np.ones(2)), "metrics": MetricRecord(good)}),
+                           reply_to=sent[1]),
+                   Message(RecordDict(content), reply_to=sent[2])]
+        arrays, _ = strategy.aggregate_train(1, replies)
+        assert history.statuses()[history.worker_index(2)].status == "failed"
+    grid.close()
+    assert arrays is not None and arrays["a"].numpy().tolist() == [1.0, 1.0]  # node 1's alone
+
+
+def test_wrong_usage_is_a_config_error_up_front(redis_url: str) -> None:
+    """An empty job name was taken and every reply then refused ('job: must not be empty'), as if the clients
+    were at fault; a model name for a model, a tuple for a Workload and a fractional data size failed later or
+    were truncated."""
+    from lbbsp.errors import ConfigError  # noqa: PLC0415
+    from lbbsp.integrations.flower import LocalRound, Workload  # noqa: PLC0415
+
+    with pytest.raises(ConfigError, match="job name"):
+        ClientHistory.from_url(redis_url, "")
+    with ClientHistory.from_url(redis_url, "usage") as history, pytest.raises(ConfigError, match="model"):
+        LoadBalanced(FedAvg(), history, model="fl")  # type: ignore[arg-type]
+    msg = Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=1, message_type=MessageType.TRAIN)
+    for kwargs in ({"default": (32, 5)}, {"default": Workload(32, 5), "data_size": 1.7},
+                   {"default": Workload(32, 5), "data_size": -5}):
+        with pytest.raises(ConfigError, match="default|data_size"):
+            LocalRound(msg, **kwargs)  # type: ignore[arg-type]
