@@ -228,6 +228,12 @@ class Balancer:
                               job=self.config.job, worker=self.rank) from exc
         self.weighting = weighting
         self._hooks.append(model.register_forward_pre_hook(self._saw_forward))
+        if model.broadcast_buffers and any(True for _ in model.module.buffers()):
+            # DDP broadcasts the buffers from rank 0 before each forward: a collective, where a fast rank waits
+            # for a slow one inside the step; the clock leaves it out (it stops before DDP.forward, resumes as
+            # the wrapped module's forward starts, after the broadcast)
+            self._hooks.append(model.register_forward_pre_hook(lambda *_: self._clock.pause()))
+            self._hooks.append(model.module.register_forward_pre_hook(lambda *_: self._clock.resume()))
         return model
 
     def scale_loss(self, loss: torch.Tensor, samples: int | None = None) -> torch.Tensor:

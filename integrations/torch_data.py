@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lbbsp.errors import ConfigError
@@ -86,6 +87,7 @@ class BalancedLoader:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[Any]:
+        _check_ranks_agree(self.sampler, self.balancer)
         try:
             for step in range(len(self.sampler)):
                 indices = self.balancer.begin_step(self.sampler, step)
@@ -102,6 +104,32 @@ class BalancedLoader:
     def _load(self, indices: Sequence[int] | np.ndarray) -> Any:
         self._plan.indices = [int(i) for i in indices]
         return next(iter(self._loader))
+
+
+#: What every rank's sampler must agree on, or the ranks' slices overlap and miss samples (or their step counts
+#: differ, and one rank waits for the others in a collective until the process group times out).
+_AGREED = ("dataset size", "seed", "shuffle", "drop_last", "epoch")
+
+
+def _check_ranks_agree(sampler: GlobalBatchSampler, balancer: Balancer) -> None:
+    """Raise a ConfigError on every rank unless all ranks' samplers agree on ``_AGREED`` (one all-gather of five
+    integers as each epoch starts)."""
+    if balancer.world_size < 2:
+        return
+    nccl = dist.get_backend(balancer.group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    mine = torch.tensor([sampler.dataset_size, sampler.seed % 2**63, int(sampler.shuffle), int(sampler.drop_last),
+                         sampler.epoch], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(balancer.world_size)]
+    dist.all_gather(everyone, mine, group=balancer.group)
+    rows = torch.stack(everyone).cpu().tolist()
+    for j, name in enumerate(_AGREED):
+        values = [row[j] for row in rows]
+        if len(set(values)) > 1:
+            raise ConfigError(f"the ranks' loaders differ in {name} ({values}, by rank): every rank must load the "
+                              "whole dataset (not a shard: the loader splits it) with the same seed, shuffle and "
+                              "drop_last, and call set_epoch with the same epoch", job=balancer.config.job,
+                              worker=balancer.rank)
 
 
 def _empty_like(batch: Any) -> Any:

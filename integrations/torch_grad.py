@@ -136,30 +136,44 @@ def all_reduce_gradients(balancer: "Balancer", parameters: Iterable[nn.Parameter
 
 
 class ComputeClock:
-    """Measures one step's compute: wall time on CPU, CUDA events on a GPU (read once the step is over)."""
+    """Measures one step's compute: wall time on CPU, CUDA events on a GPU (read once the step is over), less
+    the spans between :meth:`pause` and :meth:`resume` (a collective inside the step, such as DDP's buffer
+    broadcast at the start of each forward, where a fast rank waits for a slow one)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self._start: float | torch.cuda.Event = 0.0
         self._end: float | torch.cuda.Event | None = None
+        self._paused_at: float | torch.cuda.Event | None = None
+        self._pauses: list[tuple[float, float] | tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def _now(self) -> float | torch.cuda.Event:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def start(self) -> None:
-        self._end = None
-        if self.cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._start = time.perf_counter()
+        self._end, self._paused_at, self._pauses = None, None, []
+        self._start = self._now()
+
+    def pause(self) -> None:
+        """Leave out what follows, until :meth:`resume`; nothing while the clock is stopped or paused."""
+        if self._end is None and self._paused_at is None:
+            self._paused_at = self._now()
+
+    def resume(self) -> None:
+        if self._paused_at is not None:
+            self._pauses.append((self._paused_at, self._now()))  # type: ignore[arg-type]
+            self._paused_at = None
 
     def stop(self) -> None:
         """Mark the end of compute (first call wins)."""
         if self._end is not None:
             return
-        if self.cuda:
-            self._end = torch.cuda.Event(enable_timing=True)
-            self._end.record()
-        else:
-            self._end = time.perf_counter()
+        self._paused_at = None  # a pause never resumed (no wrapped forward ran) is counted as compute, as before
+        self._end = self._now()
 
     @property
     def stopped(self) -> bool:
@@ -175,8 +189,9 @@ class ComputeClock:
             raise ConfigError("the compute clock was read before it was stopped")
         if self.cuda:
             self._end.synchronize()  # type: ignore[union-attr]
-            return self._start.elapsed_time(self._end) / 1e3  # type: ignore[union-attr, arg-type]
-        return float(self._end - self._start)  # type: ignore[operator]
+            paused = sum(a.elapsed_time(b) for a, b in self._pauses) / 1e3  # type: ignore[union-attr, arg-type]
+            return self._start.elapsed_time(self._end) / 1e3 - paused  # type: ignore[union-attr, arg-type]
+        return float(self._end - self._start) - sum(b - a for a, b in self._pauses)  # type: ignore[operator, misc]
 
 
 def check_weighting(weighting: str) -> str:

@@ -23,11 +23,13 @@ STALL_S = 0.25  # rank 1's extra compute per step, inside its forward pass
 STEPS = 6
 
 
-def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> None:
+def _worker(rank: int, world: int, init: str, url: str, job: str, out: str, where: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     model = mlp()
-    if rank == 1:  # the straggler: its forward pass really takes longer
+    if where == "before the forward":  # a buffer: DDP broadcasts it, a collective, as each forward starts
+        model.register_buffer("scale", torch.ones(1))
+    if rank == 1 and where == "in the forward":  # the straggler: its forward pass really takes longer
         model.register_forward_hook(lambda *_: time.sleep(STALL_S))
     ddp = DDP(model)
     lb = Balancer.from_env(40, redis=url, job=job, policy=BSPPolicy())
@@ -36,6 +38,8 @@ def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> N
     compute, wall = [], []
     for step, (x, y, _) in enumerate(loader):
         started = time.perf_counter()
+        if rank == 1 and where == "before the forward":  # or what comes before it (loading, say)
+            time.sleep(STALL_S)
         F.cross_entropy(ddp(x), y).backward()  # the all-reduce inside waits for the straggler
         wall.append(time.perf_counter() - started)
         compute.append(lb.last_report.compute_s)
@@ -48,9 +52,13 @@ def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> N
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_reported_compute_leaves_out_the_wait_at_the_all_reduce(tmp_path: Path, redis_server) -> None:
+@pytest.mark.parametrize("where", ["in the forward", "before the forward"])
+def test_reported_compute_leaves_out_the_wait_at_the_all_reduce(tmp_path: Path, redis_server, where: str) -> None:
+    """'before the forward', with a model that has a buffer: DDP's buffer broadcast at the start of the forward
+    made the fast rank wait inside its step, and it reported the straggler's time (0.407 s against 0.001 s), so
+    the split never moved."""
     url = os.environ.get("LBBSP_TEST_REDIS_URL", redis_server.url)
-    spawn(_worker, (2, str(tmp_path / "rdv"), url, f"test-{uuid.uuid4().hex[:10]}", str(tmp_path)), nprocs=2,
+    spawn(_worker, (2, str(tmp_path / "rdv"), url, f"test-{uuid.uuid4().hex[:10]}", str(tmp_path), where), nprocs=2,
           timeout_s=150)
     fast, slow = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     # step 0 includes start-up; medians over the other steps, so one scheduling stall of a rank on a loaded
@@ -58,3 +66,39 @@ def test_reported_compute_leaves_out_the_wait_at_the_all_reduce(tmp_path: Path, 
     assert statistics.median(fast["wall"][1:]) > STALL_S * 0.8, "the fast rank did not wait for the straggler"
     assert statistics.median(fast["compute"][1:]) < STALL_S * 0.4, "the fast rank's wait was counted as compute"
     assert min(slow["compute"][1:]) > STALL_S, "the straggler's real compute was not counted"
+
+
+def _misusing_worker(rank: int, world: int, init: str, url: str, job: str, out: str, misuse: str) -> None:
+    from lbbsp.errors import ConfigError  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    lb = Balancer.from_env(40, redis=url, job=job, policy=BSPPolicy())
+    data = digits()
+    if misuse == "a shard per rank" and rank == 1:
+        data = torch.utils.data.Subset(data, range(len(data) - 300))  # also one global batch fewer: a hang
+    loader = lb.loader(data, seed=rank if misuse == "a seed per rank" else 0)
+    if misuse == "set_epoch on rank 0 only" and rank == 0:
+        loader.set_epoch(1)
+    try:
+        for _ in loader:
+            pass
+        Path(out, f"rank{rank}.txt").write_text("trained")
+    except ConfigError as exc:
+        Path(out, f"rank{rank}.txt").write_text(str(exc))
+    lb.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("misuse", ["a seed per rank", "set_epoch on rank 0 only", "a shard per rank"])
+def test_ranks_whose_loaders_disagree_stop_with_an_error_before_the_epoch(tmp_path: Path, redis_server,
+                                                                         misuse: str) -> None:
+    """Each of these used some samples twice and others never, without an error; a shard with fewer global
+    batches left one rank waiting in a collective until the process group's timeout."""
+    url = os.environ.get("LBBSP_TEST_REDIS_URL", redis_server.url)
+    spawn(_misusing_worker, (2, str(tmp_path / "rdv"), url, f"test-{uuid.uuid4().hex[:10]}", str(tmp_path), misuse),
+          nprocs=2, timeout_s=90)
+    said = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    field = {"a seed per rank": "seed", "set_epoch on rank 0 only": "epoch", "a shard per rank": "dataset size"}
+    assert all(f"the ranks' loaders differ in {field[misuse]}" in text for text in said), said
