@@ -438,12 +438,25 @@ def _refers_to_main(policy: Policy | None) -> bool:
     return b"__main__" in data or b"__mp_main__" in data
 
 
+def _stop_when_orphaned(coordinator: Coordinator, parent: int, poll_s: float = 1.0) -> None:
+    """Stop serving once the process that started this one is gone (killed with SIGKILL, say, by the OOM
+    killer: no stop() comes then, and the child served on, logging that Redis was unavailable, for good)."""
+    while not coordinator._stop.wait(poll_s):
+        if os.getppid() != parent:
+            log.warning("the process that started this coordinator (pid %d) is gone: stopping", parent)
+            coordinator.stop(timeout_s=0)
+            return
+
+
 def _serve(url: str, config_json: str, policy: Policy | None, ready: threading.Event) -> None:
     release_cpu_pinning()
+    parent = os.getppid()
     config = JobConfig.from_json(config_json)
     store = Store.from_url(url, config.job)
     coordinator = Coordinator(store, config, policy)
     signal.signal(signal.SIGTERM, lambda *_: coordinator.stop(timeout_s=0))
+    threading.Thread(target=_stop_when_orphaned, args=(coordinator, parent), name="lbbsp-parent-watch",
+                     daemon=True).start()
     ready.set()
     try:
         coordinator.run()

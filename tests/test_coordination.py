@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -471,3 +473,31 @@ if __name__ == "__main__":
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("serving True") == 2
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie that no one reaps, as in a container, counts)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+@pytest.mark.timeout(90)
+def test_a_coordinator_process_stops_when_its_parent_is_killed(redis_url: str, job: str) -> None:
+    """Rank 0 SIGKILLed (the OOM killer, say) left its coordinator child serving for good."""
+    code = ("import sys, time\nfrom lbbsp import CoordinatorProcess, JobConfig\n"
+            "p = CoordinatorProcess(sys.argv[1], JobConfig(sys.argv[2], 2, 10))\n"
+            "print(p._process.pid, flush=True)\ntime.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code, redis_url, job], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    orphaned = not _gone(child)
+    if orphaned:  # leave no process behind for the rest of the session
+        os.kill(child, signal.SIGKILL)
+    assert not orphaned, "the coordinator child outlived its parent"
