@@ -41,7 +41,8 @@ from lbbsp.allocation import (
 from lbbsp.client_history import ClientHistory, ClientStatus
 from lbbsp.errors import ConfigError, ProtocolError, StoreUnavailable
 from lbbsp.fedagg import fednova_scales, rescale_update
-from lbbsp.models import CapacityModel, FLClientModel, NotFittedError
+from lbbsp.models import FLClientModel, NotFittedError
+from lbbsp.policies import _model
 from lbbsp.protocol import MAX_SECONDS, MAX_WORKERS, Report, equal_split
 
 from .flower_client import COMPUTE_S, DATA_SIZE, DOWNLOAD_S, MAX_LOCAL_STEPS, SAMPLES, STEPS, UPLOAD_S, Workload
@@ -192,9 +193,7 @@ class LoadBalanced(Strategy):
         self.compensate_dropouts = compensate_dropouts
         self.sit_out = sit_out_share(sit_out)
         self.rounds_out = RoundsOut(rejoin_after)
-        if model is not None and not isinstance(model, CapacityModel):
-            raise ConfigError(f"model must be a CapacityModel instance (FLClientModel(), ...), got {model!r}")
-        self.model = model if model is not None else FLClientModel(local_steps)
+        self.model = _model(model) or FLClientModel(local_steps)
         self.weighted_by_key: str = getattr(strategy, "weighted_by_key", "num-examples")
         self.configrecord_key: str = getattr(strategy, "configrecord_key", "config")
         self._pending: dict[int, _Round] = {}

@@ -43,6 +43,7 @@ from .torch_data import BalancedLoader
 from .torch_grad import (
     BatchNormWarning,
     ComputeClock,
+    _collective_device,
     all_reduce_gradients,
     batch_norm_layers,
     check_batch_norm,
@@ -379,9 +380,3 @@ def device_label(device: torch.device) -> str:
         return device.type
     return f"cuda:{torch.cuda.get_device_name(device)}"[:64]
 
-
-def _collective_device() -> torch.device:
-    """Where tensors for the default group's collectives live: the current GPU under NCCL, else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

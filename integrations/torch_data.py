@@ -23,6 +23,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from lbbsp.errors import ConfigError
 from lbbsp.sampling import GlobalBatchSampler
 
+from .torch_grad import _collective_device
+
 if TYPE_CHECKING:
     from .torch import Balancer
 
@@ -116,10 +118,8 @@ def _check_ranks_agree(sampler: GlobalBatchSampler, balancer: Balancer) -> None:
     integers as each epoch starts)."""
     if balancer.world_size < 2:
         return
-    nccl = dist.get_backend(balancer.group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     mine = torch.tensor([sampler.dataset_size, sampler.seed % 2**63, int(sampler.shuffle), int(sampler.drop_last),
-                         sampler.epoch], dtype=torch.int64, device=device)
+                         sampler.epoch], dtype=torch.int64, device=_collective_device(balancer.group))
     everyone = [torch.empty_like(mine) for _ in range(balancer.world_size)]
     dist.all_gather(everyone, mine, group=balancer.group)
     rows = torch.stack(everyone).cpu().tolist()

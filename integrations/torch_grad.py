@@ -135,6 +135,14 @@ def all_reduce_gradients(balancer: "Balancer", parameters: Iterable[nn.Parameter
         offset += n
 
 
+def _collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where tensors for ``group``'s collectives (the default group's for None) live: the current GPU under
+    NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class ComputeClock:
     """Measures one step's compute: wall time on CPU, CUDA events on a GPU (read once the step is over), less
     the spans between :meth:`pause` and :meth:`resume` (a collective inside the step, such as DDP's buffer

@@ -23,8 +23,8 @@ from typing import Literal, TypeVar
 
 import redis
 
-from .config import _JOB_NAME
-from .errors import ConfigError, ProtocolError, StoreUnavailable
+from .config import _job_name
+from .errors import ProtocolError, StoreUnavailable
 from .protocol import MAX_PAYLOAD_BYTES, MAX_REASON_CHARS, MAX_WORKERS, Report
 from .store import REDIS_ERRORS, connect
 
@@ -104,10 +104,8 @@ class ClientHistory:
 
     def __init__(self, client: redis.Redis, job: str, *, ttl_s: int = 7 * 86_400, max_reports: int = 50,
                  owns_client: bool = False) -> None:
-        if not isinstance(job, str) or not _JOB_NAME.fullmatch(job):  # every reply would be refused for it
-            raise ConfigError(f"job name must match {_JOB_NAME.pattern}, got {job!r}")
         self.client = client
-        self.job = job
+        self.job = _job_name(job)  # checked here: an invalid one would have every reply refused
         self.ttl_s = ttl_s
         self.max_reports = max_reports
         self.prefix = f"lbbsp:{job}:fl:"

@@ -25,6 +25,13 @@ def _given(value: object) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
+def _job_name(job: object) -> str:
+    """``job`` if it is a valid job name (it becomes part of every Redis key), else a :class:`ConfigError`."""
+    if not isinstance(job, str) or not _JOB_NAME.fullmatch(job):
+        raise ConfigError(f"job name must match {_JOB_NAME.pattern}, got {job!r}")
+    return job
+
+
 def _integer(value: object, name: str, lo: int, hi: int | None, job: str | None = None) -> int:
     """``value`` as a plain int in [lo, hi]; numpy integers pass, bools and floats do not."""
     if isinstance(value, bool) or not isinstance(value, Integral):
@@ -101,9 +108,7 @@ class JobConfig:
     lag: int = 2
 
     def __post_init__(self) -> None:
-        if not isinstance(self.job, str) or not _JOB_NAME.fullmatch(self.job):
-            raise ConfigError(f"job name must match {_JOB_NAME.pattern}, got {self.job!r}")
-        job = self.job
+        job = _job_name(self.job)
         self._set("num_workers", _integer(self.num_workers, "num_workers", 1, MAX_WORKERS, job))
         self._set("global_batch", _integer(self.global_batch, "global_batch", 1, MAX_BATCH, job))
         self._set("min_batch", _integer(self.min_batch, "min_batch", 0, MAX_BATCH, job))

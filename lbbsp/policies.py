@@ -38,15 +38,13 @@ BAND_PER_MISS = 3.0
 MIN_BAND = 0.005
 
 
-def _model(model: object, default: CapacityModel | None) -> CapacityModel | None:
-    """``model``, or ``default`` for None; a :class:`ConfigError` for anything that is not a capacity model
-    (a name such as "ewma" is what the command line takes, not a policy)."""
-    if model is None:
-        return default
-    if not isinstance(model, CapacityModel):
-        raise ConfigError(f"model must be a CapacityModel instance (lbbsp.models: EWMAThroughput(), "
-                          f"NARXThroughput(), ...), got {model!r}")
-    return model
+def _model(model: object) -> CapacityModel | None:
+    """``model`` (None stays None); a :class:`ConfigError` for anything that is not a capacity model (a name
+    such as "ewma" is what the command line takes, not a policy)."""
+    if model is None or isinstance(model, CapacityModel):
+        return model
+    raise ConfigError(f"model must be a CapacityModel instance (lbbsp.models: EWMAThroughput(), NARXThroughput(), "
+                      f"FLClientModel(), ...), got {model!r}")
 
 
 @dataclass(frozen=True)
@@ -124,7 +122,7 @@ class LBBSPPolicy(Policy):
 
     def __init__(self, model: CapacityModel | None = None, *, deadband: float = 0.03,
                  hedge: float | None = 2.0, sit_out: float = 0.0, rejoin_after: int | None = 10) -> None:
-        self.model: CapacityModel = _model(model, None) or AutoCapacityModel()
+        self.model: CapacityModel = _model(model) or AutoCapacityModel()
         self.deadband = _real(deadband, "deadband", 0.0, 0.99, "a share of the predicted finish in [0, 0.99]")
         self.hedge = None if hedge is None else _real(hedge, "hedge", 0.0, 1e6, "None or a number of workers >= 0")
         self.sit_out = sit_out_share(sit_out)
@@ -312,7 +310,7 @@ class PerEpochPolicy(LBBSPPolicy):
     name = "per-epoch"
 
     def __init__(self, iterations_per_epoch: int = 50, model: CapacityModel | None = None) -> None:
-        super().__init__(_model(model, None) or EWMAThroughput(alpha=0.05), deadband=0.0, hedge=None)
+        super().__init__(_model(model) or EWMAThroughput(alpha=0.05), deadband=0.0, hedge=None)
         self.iterations_per_epoch = _integer(iterations_per_epoch, "iterations_per_epoch", 1, None)
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
@@ -335,7 +333,7 @@ class LeaderStragglerPolicy(Policy):
         self.window = _integer(window, "window", 1, None)
         self.initial_step_fraction = _real(initial_step_fraction, "initial_step_fraction", 1e-9, 1.0,
                                            "a share of the mean batch in (0, 1]")
-        self.model = _model(model, None)
+        self.model = _model(model)
         self._times: dict[int, list[float]] = {}
         self._observed = 0
         self._step: int | None = None
