@@ -287,6 +287,45 @@ def test_contract(factory: type) -> None:
         sklearn.base.clone(model).partial_fit(history[0][0].to_json().decode())  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(("factory", "bad", "shaping", "tuning"), [
+    (EWMAThroughput, {"alpha": 0.0}, None, {"alpha": 0.9}),
+    (FLClientModel, {"local_steps": 0}, None, {"alpha": 0.9}),
+    (BatchTimeCurve, {"window": 1}, {"window": 4}, {"half_life": 5.0}),
+    (NARXThroughput, {"hidden": "16"}, {"lags": 6}, {"learning_rate": 1e-2}),
+    (AutoCapacityModel, {"kinds": {0: "tpu"}}, {"horizon": 1}, None),
+])
+def test_set_params_is_checked_and_takes_effect(factory: type, bad: dict, shaping: dict | None,
+                                               tuning: dict | None) -> None:
+    """set_params on a fitted model: a bad value is refused at once and changes nothing; a parameter that shapes
+    what was learned is not silently ignored (the model forgets, and relearns with it); any other keeps state."""
+    history = [[Report("c", w, k, 10, 0.1 * (w + 1)) for w in range(3)] for k in range(12)]
+    model = factory().fit(history)
+    (name, value), = bad.items()
+    with pytest.raises(ConfigError, match=name):
+        model.set_params(**bad)
+    assert model.get_params()[name] == factory().get_params()[name]
+    assert model.predict([0, 1, 2]) == pytest.approx([100.0, 50.0, 33.33], rel=0.05)  # still fitted, as before
+    if tuning is not None:
+        assert model.set_params(**tuning).predict([0]) == pytest.approx([100.0], rel=0.05)
+    if shaping is not None:
+        with pytest.raises(sklearn.exceptions.NotFittedError):
+            model.set_params(**shaping).predict([0])
+        model.fit(history)
+        assert model.predict([0, 1, 2]) == pytest.approx([100.0, 50.0, 33.33], rel=0.05)
+        assert model.get_params()[next(iter(shaping))] == next(iter(shaping.values()))
+
+
+def test_set_params_reshapes_what_is_learned() -> None:
+    """A new ``lags`` or ``window`` is what the model then uses (it used to keep its old shapes, unlike get_params)."""
+    history = [[Report("c", 0, k, 10, 0.1)] for k in range(5)]
+    narx = NARXThroughput().fit(history).set_params(lags=7)
+    curve = BatchTimeCurve().fit(history).set_params(window=3)
+    for reports in history:
+        narx.partial_fit(reports)
+        curve.partial_fit(reports)
+    assert narx.log_thr_.shape == (1, 7) and curve.slot_size_.shape == (1, 3)
+
+
 @pytest.mark.parametrize("reports", [[], [Report("a", 0, 0, 0, 0.0, device="cuda:0")], [Report("a", 0, 0, 10, 0.0)]],
                          ids=["empty", "announcement", "no-time"])
 def test_gpu_curve_answers_after_reports_that_measured_nothing(reports: list[Report]) -> None:

@@ -67,6 +67,7 @@ class AutoCapacityModel(CapacityModel):
     """Routes each worker to the model of its kind; ``models`` replaces any kind's model, ``kinds`` pins
     a worker's kind (``{worker: "gpu"}``); ``horizon`` is how far ahead forecasts are used (``JobConfig.lag``)."""
 
+    _STRUCTURAL = frozenset({"models", "kinds", "horizon"})
     _groups_cache: tuple[bytes, dict[str, np.ndarray]] | None  # (worker ids as bytes, positions of each kind)
 
     def __init__(self, models: Mapping[str, CapacityModel] | None = None,
@@ -78,19 +79,8 @@ class AutoCapacityModel(CapacityModel):
     def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> AutoCapacityModel:
         reports = as_reports(reports)
         if not hasattr(self, "models_"):
-            _integer(self.horizon, "horizon (JobConfig.lag)", 1, 8)
-            for name in ("models", "kinds"):
-                if not isinstance(getattr(self, name), (Mapping, type(None))):
-                    raise ConfigError(f"{name} must be a mapping or None, got {getattr(self, name)!r}")
+            self._check_params()
             given = dict(self.models or {})
-            for worker in self.kinds or {}:
-                _integer(worker, f"kinds' key {worker!r} (a worker id)", 0, None)
-            unknown = set(given) - set(KINDS) | {k for k in (self.kinds or {}).values() if k not in KINDS}
-            if unknown:
-                raise ConfigError(f"unknown worker kind(s) {sorted(map(str, unknown))}; kinds are {KINDS}")
-            wrong = sorted(kind for kind, model in given.items() if not isinstance(model, CapacityModel))
-            if wrong:
-                raise ConfigError(f"models for {wrong} are not CapacityModel instances")
             # clones, as scikit-learn's meta-estimators do: the parameter stays as given, so models built from the
             # same parameters, or one fitted again, do not learn into each other's state
             self.models_ = default_models(self.horizon) | {kind: clone(model) for kind, model in given.items()}
@@ -119,6 +109,21 @@ class AutoCapacityModel(CapacityModel):
                     self.fed_.add(kind)
                     self._groups_cache = None
         return self
+
+    def _check_params(self) -> None:
+        _integer(self.horizon, "horizon (JobConfig.lag)", 1, 8)
+        for name in ("models", "kinds"):
+            if not isinstance(getattr(self, name), (Mapping, type(None))):
+                raise ConfigError(f"{name} must be a mapping or None, got {getattr(self, name)!r}")
+        for worker in self.kinds or {}:
+            _integer(worker, f"kinds' key {worker!r} (a worker id)", 0, None)
+        given = dict(self.models or {})
+        unknown = set(given) - set(KINDS) | {k for k in (self.kinds or {}).values() if k not in KINDS}
+        if unknown:
+            raise ConfigError(f"unknown worker kind(s) {sorted(map(str, unknown))}; kinds are {KINDS}")
+        wrong = sorted(kind for kind, model in given.items() if not isinstance(model, CapacityModel))
+        if wrong:
+            raise ConfigError(f"models for {wrong} are not CapacityModel instances")
 
     def finish_learning(self) -> AutoCapacityModel:
         for model in getattr(self, "models_", {}).values():

@@ -101,6 +101,24 @@ class CapacityModel(BaseEstimator):
     """Base class: ``partial_fit`` one iteration's reports, ``predict`` next-iteration throughput. A scikit-learn
     estimator: ``get_params``, ``set_params`` and ``sklearn.base.clone`` work on every model."""
 
+    #: Parameters that shape what a model learns (array widths, a network's layers): see :meth:`set_params`.
+    _STRUCTURAL: frozenset[str] = frozenset()
+
+    def set_params(self, **params: Any) -> CapacityModel:
+        """scikit-learn's ``set_params``, checked at once: a bad value is a ConfigError and changes nothing. A new
+        value of a parameter that shapes what was learned (``window``, ``lags``, ...) makes a fitted model forget
+        it, as :meth:`fit` does, so that the model relearns with the value instead of ignoring it."""
+        before = self.get_params(deep=False)
+        super().set_params(**params)
+        try:
+            self._check_params()
+        except ConfigError:
+            super().set_params(**{name: before[name] for name in params if name in before})
+            raise
+        if any(name in self._STRUCTURAL and _changed(before[name], value) for name, value in params.items()):
+            self._forget()
+        return self
+
     def fit(self, history: Iterable[Sequence[Report]] | Iterable[Report]) -> CapacityModel:
         """Forget what was learned, then learn from each iteration's reports in order: ``history`` holds one
         list of reports per iteration, or is one flat list of reports, taken iteration by iteration."""
@@ -114,8 +132,7 @@ class CapacityModel(BaseEstimator):
             for report in iterations:
                 by_iteration.setdefault(report.iteration, []).append(report)
             iterations = [by_iteration[k] for k in sorted(by_iteration)]
-        for name in [n for n in vars(self) if n.endswith("_") and not n.startswith("_")]:
-            delattr(self, name)
+        self._forget()
         for reports in iterations:
             self.partial_fit(reports)
         return self
@@ -152,6 +169,14 @@ class CapacityModel(BaseEstimator):
         """Sizes nudged to learn what the model does not know yet (same sum, within bounds); as is by default."""
         return sizes
 
+    def _check_params(self) -> None:
+        """Raise a ConfigError naming the first parameter out of its range; a model with parameters overrides it."""
+
+    def _forget(self) -> None:
+        """Drop everything learned (the attributes ending in ``_``): the next ``partial_fit`` starts afresh."""
+        for name in [n for n in vars(self) if n.endswith("_") and not n.startswith("_")]:
+            delattr(self, name)
+
     def _check_is_fitted(self, attribute: str) -> None:
         if not hasattr(self, attribute):
             raise NotFittedError(f"{type(self).__name__} has seen no report yet; call partial_fit first")
@@ -177,6 +202,16 @@ class CapacityModel(BaseEstimator):
             known = dict(zip(finite.tolist(), values[finite].tolist()))
             out[missing] = similar_hardware_prior(known, getattr(self, "hardware_", {}), ids[missing].tolist())
         return out
+
+
+def _changed(old: Any, new: Any) -> bool:
+    """Whether a parameter's new value differs from its old one (``==`` of values such as tuples and numbers)."""
+    if old is new:
+        return False
+    try:
+        return bool(old != new)
+    except (TypeError, ValueError):  # values that do not compare to one bool: take them as changed
+        return True
 
 
 def smoothed(table: np.ndarray | None, workers: np.ndarray, values: np.ndarray, alpha: float,

@@ -18,12 +18,15 @@ class EWMAThroughput(CapacityModel):
 
     def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> EWMAThroughput:
         reports = as_reports(reports)
-        _real(self.alpha, "alpha", 0.0, 1.0, "in (0, 1]", lo_open=True)
+        self._check_params()
         self._remember_hardware(reports)
         # a report that computed nothing (an empty final slice) says nothing about speed
         workers, measured = measured_throughput(reports)
         self.throughput_ = smoothed(getattr(self, "throughput_", None), workers, measured, self.alpha)
         return self
+
+    def _check_params(self) -> None:
+        _real(self.alpha, "alpha", 0.0, 1.0, "in (0, 1]", lo_open=True)
 
     def predict(self, workers: WorkerIds) -> np.ndarray:
         self._check_is_fitted("throughput_")

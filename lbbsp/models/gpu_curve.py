@@ -169,6 +169,8 @@ class BatchTimeCurve(CapacityModel):
     mem_held_: np.ndarray  # a reading did not fall when the size did: held at a caching allocator's peak
     pending_: np.ndarray
 
+    _STRUCTURAL = frozenset({"window"})
+
     def __init__(self, window: int = 8, *, memory_margin: float = 0.05, memory_floor: float = 0.01,
                  explore_fraction: float = 0.05, half_life: float = 20.0) -> None:
         self.window = window

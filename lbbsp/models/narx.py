@@ -43,6 +43,7 @@ class NARXThroughput(CapacityModel):
     keeps the cost per decision bounded at any cluster size.
     """
 
+    _STRUCTURAL = frozenset({"lags", "exog_lags", "features", "horizon", "hidden", "buffer_size", "random_state"})
     pending_: tuple[np.ndarray, np.ndarray] | None = None  # (rows, targets) not scored or trained on yet; fit forgets
     forecast_: np.ndarray | None = None  # every worker's forecast, computed on the first predict after an update
 
@@ -128,7 +129,7 @@ class NARXThroughput(CapacityModel):
         return self._with_prior(self.forecast_, workers)
 
     # -- helpers -----------------------------------------------------------------------------------------
-    def _initialise(self) -> None:
+    def _check_params(self) -> None:
         lags = _integer(self.lags, "lags", 1, None)
         _integer(self.exog_lags, "exog_lags", 0, lags)
         _integer(self.horizon, "horizon (JobConfig.lag)", 1, 8)
@@ -146,6 +147,9 @@ class NARXThroughput(CapacityModel):
         if isinstance(self.features, str) or not set(self.features) <= set(FEATURE_RANGES):
             raise ConfigError(f"features must be a sequence of report features {sorted(FEATURE_RANGES)}, "
                               f"got {self.features!r}")
+
+    def _initialise(self) -> None:
+        self._check_params()
         self.rng_ = np.random.default_rng(self.random_state)
         width = self.lags + self.exog_lags * len(self.features)
         shapes = [(a, b) for a, b in zip([width, *self.hidden], [*self.hidden, 1])]
