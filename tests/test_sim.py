@@ -233,6 +233,25 @@ def test_a_round_none_of_its_asked_clients_reaches_is_charged_as_if_they_came(re
     assert through_redis["lbbsp-sit-out"].sizes == in_process.sizes
 
 
+def test_samples_lost_with_a_client_that_drops_out_are_charged() -> None:
+    """A round is charged per B samples trained: the slowest client that came, times B / the samples of the
+    clients that came. Before, a dropped client's samples were lost for free, and more so for LB-BSP, which
+    gives fast clients more (LB-BSP with EWMA came out 0.6% faster than the oracle with 2 clients)."""
+    scenario = FLClients(8, 40, seed=0)
+    batch = scenario.config.global_batch
+    runs = compare(scenario, 40, {"bsp": BSPPolicy(), "lbbsp": standard_policies(scenario)["lbbsp"]})
+    partial = 0
+    for name, run in runs.items():
+        for k, sizes in enumerate(map(np.asarray, run.sizes)):
+            came = (sizes > 0) & scenario.present[k]
+            if came.any() and not came[sizes > 0].all():
+                partial += 1
+                seconds = scenario.truth(k).time_model.time(sizes)
+                expected = seconds[came].max() * batch / sizes[came].sum()
+                assert run.iteration_s[k] == pytest.approx(expected, rel=1e-12), (name, k)
+    assert partial >= 10
+
+
 def _parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)

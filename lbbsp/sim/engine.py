@@ -147,12 +147,14 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
             # a round that none of its asked workers reaches trains nothing: it is charged as if they had come,
             # so that no policy gains from it (nobody to wait for would make it free)
             timed = present if present.any() else asked
-            finish = np.sort(seconds[timed])
-            waited_for = finish[:max(1, round(aggregated * timed.sum() / n))]
-            iteration_s = float(waited_for[-1]) * (n / aggregated)  # time per full global batch of B samples
-            run.iteration_s.append(iteration_s)
-            run.idle_fraction.append(float(np.mean(1.0 - np.minimum(seconds[timed], waited_for[-1])
-                                                   / waited_for[-1])))
+            by_finish = np.flatnonzero(timed)[np.argsort(seconds[timed], kind="stable")]
+            waited_for = by_finish[:max(1, round(aggregated * timed.sum() / n))]
+            slowest = float(seconds[waited_for[-1]])
+            # time per full global batch of B samples: the samples of workers not waited for (backup workers'
+            # drops, clients that dropped out) are lost, so an iteration is charged B / the samples it trained on
+            used = int(sizes[waited_for].sum()) if present.any() else config.global_batch
+            run.iteration_s.append(slowest * (config.global_batch / used if used else n / aggregated))
+            run.idle_fraction.append(float(np.mean(1.0 - np.minimum(seconds[timed], slowest) / slowest)))
             run.sizes.append(sizes.tolist())
             run.over_memory += int(truth.max_batch is not None and bool((sizes > truth.max_batch).any()))
             samples, compute_s = scenario.measured(sizes, seconds)
