@@ -230,8 +230,8 @@ class Coordinator:
         raw = self.store.get_assignment(iteration)
         if raw is not None:
             try:
-                return Assignment.from_json(raw, job=self.config.job, num_workers=self.config.num_workers,
-                                            global_batch=self.config.global_batch)
+                return Assignment.from_json(raw, job=self.config.job, iteration=iteration,
+                                            num_workers=self.config.num_workers, global_batch=self.config.global_batch)
             except ProtocolError as exc:
                 log.error("stored assignment of iteration %d is invalid: %s", iteration, exc)
         return None

@@ -61,7 +61,10 @@ def _int(value: Any, name: str, lo: int, hi: int, **where: Any) -> int:
 def _float(value: Any, name: str, lo: float, hi: float, **where: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(f"must be a number, got {type(value).__name__}", name, **where)
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond any float (JSON has no limit): out of range, not a crash
+        raise _fail(f"must be in [{lo}, {hi}], got an integer of {value.bit_length()} bits", name, **where) from None
     if not math.isfinite(value):
         raise _fail(f"must be finite, got {value}", name, **where)
     if not lo <= value <= hi:
@@ -94,6 +97,8 @@ def _decode(data: bytes | str, kind: str, allowed: set[str], max_bytes: int) -> 
         raise _fail(f"{kind} is not valid JSON: {exc}", "payload") from None
     except RecursionError:  # [[[...]]] under the size cap: the decoder's stack, not the whole decision, gives out
         raise _fail(f"{kind} is nested too deeply", "payload") from None
+    except ValueError:  # an integer literal of more than 4,300 digits: Python's limit on reading one
+        raise _fail(f"{kind} holds a number too long to read", "payload") from None
     if not isinstance(obj, dict):
         raise _fail(f"{kind} must be a JSON object, got {type(obj).__name__}", "payload")
     unknown = [] if allowed.issuperset(obj) else sorted(set(obj) - allowed)
@@ -285,13 +290,17 @@ class Assignment:
         """Position in the global batch where ``worker``'s slice starts."""
         return sum(self.sizes[:worker])
 
-    def validate(self, *, job: str | None = None, num_workers: int | None = None,
+    def validate(self, *, job: str | None = None, iteration: int | None = None, num_workers: int | None = None,
                  global_batch: int | None = None) -> Assignment:
+        """Check every field, and that it is the assignment of ``job`` and ``iteration`` (the key it was read from)."""
         where: dict[str, Any] = {"job": self.job if isinstance(self.job, str) else None}
         _str(self.job, "job", 128, **where)
         if job is not None and self.job != job:
             raise _fail(f"assignment is for job {self.job!r}, not {job!r}", "job", job=job)
         _int(self.iteration, "iteration", 0, MAX_ITERATION, **where)
+        if iteration is not None and self.iteration != iteration:
+            raise _fail(f"assignment is for iteration {self.iteration}, not {iteration}", "iteration", job=self.job,
+                        iteration=iteration)
         where["iteration"] = self.iteration
         if not self.sizes or len(self.sizes) > MAX_WORKERS:
             raise _fail(f"must hold 1 to {MAX_WORKERS} sizes, got {len(self.sizes)}", "sizes", **where)
@@ -319,8 +328,8 @@ class Assignment:
         ).encode()
 
     @classmethod
-    def from_json(cls, data: bytes | str, *, job: str | None = None, num_workers: int | None = None,
-                  global_batch: int | None = None) -> Assignment:
+    def from_json(cls, data: bytes | str, *, job: str | None = None, iteration: int | None = None,
+                  num_workers: int | None = None, global_batch: int | None = None) -> Assignment:
         obj = _decode(data, "assignment", _ASSIGNMENT_FIELDS, MAX_ASSIGNMENT_BYTES)
         sizes = _require(obj, "sizes")
         if not isinstance(sizes, list):
@@ -330,7 +339,7 @@ class Assignment:
             policy=_require(obj, "policy"), reason=obj.get("reason", ""), fallback=obj.get("fallback", False),
             created=_require(obj, "created"),
         )
-        return assignment.validate(job=job, num_workers=num_workers, global_batch=global_batch)
+        return assignment.validate(job=job, iteration=iteration, num_workers=num_workers, global_batch=global_batch)
 
 
 def equal_split(global_batch: int, num_workers: int) -> tuple[int, ...]:

@@ -84,8 +84,9 @@ class GlobalBatchSampler:
 
     def split_for(self, step: int, sizes: Sequence[int]) -> tuple[int, ...]:
         """The split actually used at ``step``: ``sizes``, scaled down for a short final batch."""
-        if not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 0 for s in sizes):
-            raise ConfigError(f"sizes must be integers >= 0, got {tuple(sizes)[:8]}")
+        sizes = tuple(sizes)  # a generator would be used up by the first check
+        if not all(_is_integer(s) and s >= 0 for s in sizes):
+            raise ConfigError(f"sizes must be integers >= 0, got {sizes[:8]}")
         if sum(sizes) != self.global_batch:
             raise ConfigError(f"sizes {tuple(sizes)} sum to {sum(sizes)}, not the global batch {self.global_batch}")
         return scale_split(sizes, self.batch_size(step))
@@ -93,11 +94,20 @@ class GlobalBatchSampler:
     def worker_indices(self, step: int, sizes: Sequence[int], worker: int) -> np.ndarray:
         """Dataset indices that ``worker`` computes at ``step`` of the epoch under the agreed ``sizes``."""
         split = self.split_for(step, sizes)
+        if not _is_integer(worker):
+            raise ConfigError(f"worker must be an integer, got {worker!r}")
         if not 0 <= worker < len(split):
             raise ConfigError(f"worker {worker} is not in a split of {len(split)} workers")
         offset = sum(split[:worker])
         return self.global_indices(step)[offset:offset + split[worker]]
 
     def _check_step(self, step: int) -> None:
+        if not _is_integer(step):
+            raise ConfigError(f"step must be an integer, got {step!r}")
         if not 0 <= step < len(self):
             raise ConfigError(f"step {step} is outside the epoch's {len(self)} global batches")
+
+
+def _is_integer(value: object) -> bool:
+    """A plain or numpy integer, not a bool: True would pass for worker 1, and a float fails inside numpy."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

@@ -156,9 +156,13 @@ class Store:
             raise ConfigError(f"config is for job {config.job!r}, store for {self.job!r}", job=self.job)
         self.ttl_s = config.ttl_s
         key = self.key("config")
-        with self._typed("config"):
-            self.client.set(key, config.to_json(), nx=True, ex=self.ttl_s)
-            stored = JobConfig.from_json(self.client.get(key) or b"{}")
+        try:
+            with self._typed("config"):
+                self.client.set(key, config.to_json(), nx=True, ex=self.ttl_s)
+                stored = JobConfig.from_json(self.client.get(key) or b"{}")
+        except REDIS_ERRORS:
+            self.ping()  # a StoreUnavailable that names the URL, where Redis does not answer
+            raise
         if stored != config:
             raise ConfigError(f"job {self.job!r} already runs with {stored}, not {config}; "
                               "use another job name or the same settings", job=self.job)

@@ -14,12 +14,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
+from numbers import Integral
 
 import redis
 
-from .config import JobConfig
+from .config import JobConfig, _integer
 from .errors import LBBSPError, ProtocolError
-from .protocol import Assignment, Report
+from .protocol import MAX_ITERATION, Assignment, Report
 from .store import REDIS_ERRORS, REDIS_FAILURES, Store
 
 log = logging.getLogger("lbbsp.worker")
@@ -33,8 +34,7 @@ class WorkerClient:
 
     def __init__(self, store: Store, config: JobConfig, worker: int, *, agree: Agree | None = None,
                  device: str = "cpu") -> None:
-        if not isinstance(worker, int) or not 0 <= worker < config.num_workers:
-            raise LBBSPError(f"worker must be in [0, {config.num_workers}), got {worker!r}", job=config.job)
+        worker = _integer(worker, "worker", 0, config.num_workers - 1, config.job)  # True is not worker 1
         self.store = store
         self.config = store.register(config)
         self.worker = worker
@@ -47,11 +47,18 @@ class WorkerClient:
         self._pubsub: redis.client.PubSub | None = None
         self._late = 0  # fallbacks this worker wrote because no decision came in time
         self._next_late_warning = 0.0
+        self._duplicates = 0  # reports Redis ignored because this worker had reported their iteration already
+        self._next_duplicate_warning = 0.0
+        self._closed = False
 
     # -- reporting --------------------------------------------------------------------------------------
     def report(self, iteration: int, samples: int, compute_s: float, *, comm_s: float | None = None,
                wait_s: float | None = None, features: Mapping[str, float] | None = None) -> Report:
         """Validate and queue this iteration's measurement; returns at once (a thread sends it)."""
+        iteration = self._iteration(iteration)
+        if self._closed:  # the sender has stopped: the report would be dropped without a word
+            raise LBBSPError("report() after close(): the report would never be sent", job=self.config.job,
+                             worker=self.worker, iteration=iteration)
         report = Report(job=self.config.job, worker=self.worker, iteration=iteration, samples=samples,
                         compute_s=compute_s, comm_s=comm_s, wait_s=wait_s, features=dict(features or {}),
                         device=self.device)
@@ -68,7 +75,8 @@ class WorkerClient:
             deadline = time.monotonic() + self.config.assignment_timeout_s
             while True:
                 try:
-                    self.store.post_report(report, self.config.num_workers)
+                    if not self.store.post_report(report, self.config.num_workers):
+                        self._warn_duplicate(report.iteration)
                     break
                 except REDIS_FAILURES as exc:  # the thread must outlive any one report, or every later one is lost
                     if time.monotonic() > deadline:
@@ -77,6 +85,17 @@ class WorkerClient:
                         break
                     time.sleep(0.05)
             self._outbox.task_done()
+
+    def _warn_duplicate(self, iteration: int) -> None:
+        """Say, at most once a minute, that a report was ignored because the first one of its iteration counts: an
+        iteration counter that restarts each epoch silently replays the first epoch's splits and stops learning."""
+        self._duplicates += 1
+        now = time.monotonic()
+        if now >= self._next_duplicate_warning:
+            self._next_duplicate_warning = now + 60.0
+            log.warning("job %s, worker %d: iteration %d was reported already, so this report is ignored (%d time(s) "
+                        "so far); the iteration number must count across epochs, not restart", self.config.job,
+                        self.worker, iteration, self._duplicates)
 
     def flush(self, timeout_s: float = 5.0) -> None:
         """Wait until every queued report has been sent, including the one in flight (tests, shutdown)."""
@@ -89,6 +108,7 @@ class WorkerClient:
         """The vector every worker uses at ``iteration``; waits at most about ``assignment_timeout_s``. On a Redis
         that stalls, add up to three of the store's socket timeouts (a call and its two retries): connect with
         :func:`~lbbsp.store.worker_socket_timeout` (a third of the timeout) as the integrations do."""
+        iteration = self._iteration(iteration)
         known = self._known.get(iteration)
         if known is not None:
             return known
@@ -109,6 +129,15 @@ class WorkerClient:
             agreed = self.agree(agreed)
         self._remember(agreed)
         return agreed
+
+    def _iteration(self, value: object) -> int:
+        """``value`` as a plain int (numpy's integers pass), checked before any wait: the fallback written after
+        one must carry the same iteration number as the key read before it."""
+        number = int(value) if isinstance(value, Integral) and not isinstance(value, bool) else -1
+        if not 0 <= number <= MAX_ITERATION:
+            raise ProtocolError(f"must be an integer in [0, {MAX_ITERATION}], got {value!r}", field="iteration",
+                                job=self.config.job, worker=self.worker)
+        return number
 
     def _fetch(self, iteration: int, deadline: float) -> Assignment:
         found = self._read(iteration)
@@ -155,8 +184,8 @@ class WorkerClient:
         if raw is None:
             return None
         try:
-            return Assignment.from_json(raw, job=self.config.job, num_workers=self.config.num_workers,
-                                        global_batch=self.config.global_batch)
+            return Assignment.from_json(raw, job=self.config.job, iteration=iteration,
+                                        num_workers=self.config.num_workers, global_batch=self.config.global_batch)
         except ProtocolError as exc:
             raise LBBSPError(f"stored assignment is invalid: {exc.message}", job=self.config.job, worker=self.worker,
                              iteration=iteration) from exc
@@ -188,6 +217,7 @@ class WorkerClient:
 
     def close(self) -> None:
         """Send what is queued, stop the sender thread and the subscription; safe to call twice."""
+        self._closed = True
         if self._sender.is_alive():
             self._outbox.put(None)
             self._sender.join(self.config.assignment_timeout_s + 1)
