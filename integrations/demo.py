@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import importlib.util
 import os
 import queue
 import signal
@@ -19,6 +20,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,11 +135,18 @@ def build(hidden: int) -> tuple[Any, Any]:
 
 
 def _worker(rank: int, config: DemoConfig, init: str, url: str, events: Any) -> None:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         _train_both(rank, config, init, url, events)
-    except BaseException:  # the launcher shows it and stops the others
+    except Exception:  # the launcher shows it and stops the others
         events.put(("error", rank, traceback.format_exc()))
         raise
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """The launcher's stop (after Ctrl-C or a failed peer) as SystemExit: the worker's cleanup runs, so its load
+    processes and rank 0's coordinator process end with it instead of outliving the launcher."""
+    raise SystemExit(128 + signum)
 
 
 def _train_both(rank: int, config: DemoConfig, init: str, url: str, events: Any) -> None:
@@ -212,6 +221,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis", default=None, help="Redis URL; default: an embedded redis-server")
 
 
+@contextlib.contextmanager
+def _ctrl_c_ignored() -> Iterator[None]:
+    """Ignore SIGINT while processes are started: a terminal's Ctrl-C reaches the whole process group, and each
+    worker and its coordinator process printed a KeyboardInterrupt traceback; the launcher alone stops them."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run(args: argparse.Namespace) -> int:
     import multiprocessing as mp  # noqa: PLC0415
 
@@ -221,6 +241,8 @@ def run(args: argparse.Namespace) -> int:
     from lbbsp.embedded import EmbeddedRedis  # noqa: PLC0415
     from lbbsp.store import Store  # noqa: PLC0415
 
+    if importlib.util.find_spec("torch") is None:  # else each worker failed with an ImportError traceback
+        raise LBBSPError("the demo trains with PyTorch, which is not installed: pip install 'lbbsp[torch]' (or torch)")
     config = DemoConfig(workers=args.workers, global_batch=args.global_batch, hidden=args.hidden,
                         steps=args.steps, slow_worker=args.slow_worker, load_procs=args.load_procs,
                         schedule=parse_schedule(args.load_schedule))
@@ -240,8 +262,9 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="lbbsp-demo-") as tmp:
         procs = [ctx.Process(target=_worker, args=(r, config, os.path.join(tmp, "rdv"), url, events), daemon=False)
                  for r in range(config.workers)]
-        for proc in procs:
-            proc.start()
+        with _ctrl_c_ignored():  # inherited: the children, theirs too, leave Ctrl-C to this process
+            for proc in procs:
+                proc.start()
         try:
             live = Live(view.table(), console=console, refresh_per_second=4) if console.is_terminal else None
             with live or contextlib.nullcontext():
@@ -265,6 +288,11 @@ def run(args: argparse.Namespace) -> int:
             for proc in procs:
                 if proc.is_alive():
                     proc.terminate()
+            for proc in procs:  # gone before their Redis is, and before this process exits
+                proc.join(10)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
             if server is not None:
                 server.close()
     return view.summary(console)

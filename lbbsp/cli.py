@@ -62,6 +62,19 @@ _POLICIES: dict[str, Callable[[CapacityModel | None], Policy]] = {
 }
 
 
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``minimum`` (a negative count was taken, and meant nothing)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
+
+
 def _policy(args: argparse.Namespace) -> Policy:
     """The policy the flags name; ``--model`` only where the policy predicts with one."""
     if args.model is not None and args.policy in ("bsp", "static-proportional"):
@@ -205,13 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--model", choices=sorted(_MODELS), default=None,
                              help="the capacity model of lbbsp, per-epoch or leader-straggler (default: auto, which "
                                   "picks NARX, the GPU curve or the client model from each worker's reports)")
-    coordinator.add_argument("--max-decisions", type=int, default=None, help="exit after this many decisions")
+    coordinator.add_argument("--max-decisions", type=_at_least(1), default=None, help="exit after this many decisions")
     coordinator.set_defaults(handler=_coordinator)
 
     status = sub.add_parser("status", help="show each worker's size, speed and wait, and the last decision")
     status.add_argument("--redis", help="Redis URL (default: $LBBSP_REDIS_URL)")
     status.add_argument("--job", help="job name (default: every job on this Redis)")
-    status.add_argument("--decisions", type=int, default=0, metavar="N",
+    status.add_argument("--decisions", type=_at_least(0), default=0, metavar="N",
                         help="also list the last N decisions with their reasons and rejected reports")
     status.set_defaults(handler=_status)
 

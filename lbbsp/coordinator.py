@@ -455,6 +455,9 @@ def _serve(url: str, config_json: str, policy: Policy | None, ready: threading.E
     store = Store.from_url(url, config.job)
     coordinator = Coordinator(store, config, policy)
     signal.signal(signal.SIGTERM, lambda *_: coordinator.stop(timeout_s=0))
+    # a terminal's Ctrl-C reaches the whole process group: the child printed a KeyboardInterrupt traceback under
+    # the training script's own; its parent stops it (stop(), or by exiting: _stop_when_orphaned)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_stop_when_orphaned, args=(coordinator, parent), name="lbbsp-parent-watch",
                      daemon=True).start()
     ready.set()

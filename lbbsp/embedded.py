@@ -98,11 +98,13 @@ class _Launcher:
     def _serve(self) -> None:
         while True:
             args, started = self._requests.get()
-            # preexec_fn on purpose: the parent-death signal can only be set in the child, before exec
+            # preexec_fn on purpose: the parent-death signal can only be set in the child, before exec. A session
+            # of its own keeps a terminal's Ctrl-C, meant for the owner, from stopping the server under the
+            # owner's cleanup; the owner stops it (close(), at exit, or by dying).
             die_with_parent = functools.partial(_die_with_parent, os.getpid())
             try:
                 started.set_result(subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                                    stderr=subprocess.DEVNULL,
+                                                    stderr=subprocess.DEVNULL, start_new_session=True,
                                                     preexec_fn=die_with_parent))  # noqa: PLW1509
             except Exception as exc:  # noqa: BLE001  (handed to the caller, who raises it)
                 started.set_exception(exc)

@@ -40,15 +40,20 @@ def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
 
     Retries a failed command briefly with backoff, and never blocks longer than ``socket_timeout_s``.
     """
+    expected = "expected redis://host:port/db, rediss://... (TLS) or unix:///path/to/socket"
     try:
-        return redis.Redis.from_url(
+        client = redis.Redis.from_url(
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=min(socket_timeout_s, 2.0),
             retry=Retry(ExponentialBackoff(cap=0.1, base=0.005), 2),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError], health_check_interval=0,
         )
     except ValueError as exc:
-        raise ConfigError(f"not a usable Redis URL: {_redacted(url)} ({exc}); expected redis://host:port/db, "
-                          "rediss://... (TLS) or unix:///path/to/socket") from exc
+        raise ConfigError(f"not a usable Redis URL: {_redacted(url)} ({exc}); {expected}") from exc
+    pool = client.connection_pool
+    if issubclass(pool.connection_class, redis.UnixDomainSocketConnection) and not pool.connection_kwargs.get("path"):
+        client.close()
+        raise ConfigError(f"not a usable Redis URL: {_redacted(url)} names no socket; {expected}")
+    return client
 
 
 def worker_socket_timeout(assignment_timeout_s: float) -> float:
@@ -138,15 +143,20 @@ class Store:
 
     def ping(self, *, hint: str = "") -> None:
         """Raise :class:`StoreUnavailable` with the URL and its error (and ``hint``) if Redis does not answer."""
+        where = self.client.connection_pool.connection_kwargs
+        url = (f"unix://{where['path']}" if "path" in where
+               else f"{where.get('host') or 'localhost'}:{where.get('port') or 6379}")
         try:
             self.client.ping()
+        except redis.AuthenticationError as exc:  # it answers, but not to us: say so, not "cannot reach"
+            why = "refused the URL's password" if where.get("password") else "needs a password, and the URL gives none"
+            raise StoreUnavailable(f"Redis at {url} {why}: give it as redis://:PASSWORD@host:port/db (or "
+                                   "redis://USER:PASSWORD@...)", job=self.job or None) from exc
         except REDIS_ERRORS as exc:
-            where = self.client.connection_pool.connection_kwargs
-            url = f"unix://{where['path']}" if "path" in where else f"{where.get('host')}:{where.get('port')}"
             detail = str(exc).rstrip(".") + (f"; {hint}" if hint else "")
             raise StoreUnavailable(f"cannot reach Redis at {url}: {detail}", job=self.job or None) from exc
         except redis.ResponseError as exc:  # e.g. a database number the server does not have
-            raise ConfigError(f"Redis refused the connection's settings: {exc}", job=self.job) from exc
+            raise ConfigError(f"Redis refused the connection's settings: {exc}", job=self.job or None) from exc
 
     # -- configuration ------------------------------------------------------------------------------------
     def register(self, config: JobConfig) -> JobConfig:

@@ -501,3 +501,19 @@ def test_a_coordinator_process_stops_when_its_parent_is_killed(redis_url: str, j
     if orphaned:  # leave no process behind for the rest of the session
         os.kill(child, signal.SIGKILL)
     assert not orphaned, "the coordinator child outlived its parent"
+
+
+def test_ctrl_c_leaves_the_coordinator_process_to_its_parent(redis_url: str, job: str) -> None:
+    """Ctrl-C in a terminal signals the whole process group: the coordinator child printed a KeyboardInterrupt
+    traceback of its own; now the training script alone handles it, and stops the child."""
+    code = ("import sys, time\nfrom lbbsp import CoordinatorProcess, JobConfig\n"
+            "p = CoordinatorProcess(sys.argv[1], JobConfig(sys.argv[2], 2, 10))\n"
+            "try:\n    print(p._process.pid, flush=True)\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    p.stop()\n    print('stopped', flush=True)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code, redis_url, job], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    os.killpg(parent.pid, signal.SIGINT)
+    out, err = parent.communicate(timeout=30)
+    assert "stopped" in out and _gone(child)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err

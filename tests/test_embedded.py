@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lbbsp import EmbeddedRedis, Store, StoreUnavailable
-from lbbsp.embedded import temp_parent
+from lbbsp import ConfigError, EmbeddedRedis, Store, StoreUnavailable
+from lbbsp.embedded import redis_server_binary, temp_parent
 
 
 def test_start_restart_and_clean_stop() -> None:
@@ -66,6 +66,29 @@ def test_unreachable_redis_gives_a_clear_error(tmp_path: os.PathLike) -> None:
     with Store.from_url(f"unix://{tmp_path}/nothing.sock", "j") as store:
         with pytest.raises(StoreUnavailable, match="cannot reach Redis"):
             store.ping()
+
+
+def test_a_redis_that_needs_a_password_or_a_url_without_a_socket_says_so(tmp_path: Path) -> None:
+    """A reachable Redis that refuses us was reported as "cannot reach Redis at ...: HELLO must be called with the
+    client already authenticated..."; "unix://" with no socket as "cannot reach Redis at None:None"."""
+    sock = tmp_path / "auth.sock"
+    server = subprocess.Popen([redis_server_binary(), "--port", "0", "--unixsocket", str(sock), "--requirepass",
+                               "sekret", "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for url, said in ((f"unix://{sock}", "needs a password, and the URL gives none"),
+                          (f"unix://:wrong@{sock}", "refused the URL's password")):
+            with Store.from_url(url, "j") as store, pytest.raises(StoreUnavailable, match=said):
+                store.ping()
+        with Store.from_url(f"unix://:sekret@{sock}", "j") as store:
+            store.ping()
+    finally:
+        server.terminate()
+        server.wait()
+    with pytest.raises(ConfigError, match="names no socket"):
+        Store.from_url("unix://", "j")
 
 
 def _folder_with_a_dead_socket(*, age_s: float = 0.0) -> Path:
