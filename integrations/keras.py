@@ -176,6 +176,7 @@ class StepProbe:
     def __init__(self) -> None:
         self.computed: list[float] = []
         self.reduced: list[float] = []
+        self.enabled = True  # read when the step is traced: XLA (jit_compile=True) cannot compile a tf.py_function
 
     def clear(self) -> None:
         self.computed.clear()
@@ -214,6 +215,8 @@ def install_probe(optimizer: Any) -> StepProbe | None:
             return [None if g is None else tf.identity(g) for g in grads]
 
     def aggregate_gradients(grads_and_vars: Any) -> Any:
+        if not probe.enabled:
+            return original(grads_and_vars)
         grads, variables = zip(*grads_and_vars)
         reduced = original(list(zip(mark_after(probe.computed, list(grads)), variables)))
         reduced_grads, reduced_vars = zip(*reduced)
@@ -369,7 +372,14 @@ class _CallbackLogic:
                               "TF_CONFIG, and build the model under MultiWorkerMirroredStrategy().scope()", job=job)
         self.source.attach(self.iteration, self.epochs_done, replicas)
         if _keras_of(type(self)) == "tf_keras":
+            jit = bool(self.model.jit_compile)
+            if jit and replicas > 1:
+                raise ConfigError("compile(jit_compile=True) cannot time compute without the all-reduce wait (XLA "
+                                  "cannot compile the time marks) under a multi-worker strategy: compile with "
+                                  "jit_compile=False", job=job)
             self.probe = install_probe(self.model.optimizer)
+            if self.probe is not None:
+                self.probe.enabled = not jit  # with one worker, the wall time has no barrier in it
             if replicas > 1:
                 ExactLogs.install(self.model)
         self.source.publish(self.client.assignment(self.iteration))

@@ -185,6 +185,9 @@ class BalancedSource:
     def publish(self, assignment: Assignment) -> None:
         """Make the agreed vector of ``assignment.iteration`` available to the batches of that iteration."""
         with self._changed:
+            if not self._attached:  # a pipeline built during the fit ended it (see _end_failed_fit)
+                raise ConfigError("the source was detached during model.fit: build its pipelines before fit",
+                                  job=self.config.job, worker=self.worker)
             self._vectors[assignment.iteration] = assignment.sizes
             for old in [k for k in self._vectors if k < assignment.iteration - _KEEP_ITERATIONS]:
                 del self._vectors[old]
@@ -257,6 +260,14 @@ class BalancedSource:
         if self._attached:
             self._reader = pipeline
             self._trained.add(pipeline)
+
+    def _end_failed_fit(self) -> None:
+        """A pipeline built while a fit is attached means that fit raised (Keras then skips ``on_train_end``): stop
+        serving it, so that its waiting prefetches return and the next fit's shape probe gets the equal split."""
+        with self._changed:
+            if self._attached:
+                self._attached = False
+                self._changed.notify_all()
 
     def _sampler_for(self, epoch: int) -> GlobalBatchSampler:
         """A sampler per epoch, so that threads cutting two epochs at once never share a permutation."""
@@ -344,12 +355,17 @@ class BalancedSource:
         replicas = 1 if strategy is None else strategy.num_replicas_in_sync
         if replicas > 1:
             self._check_distributed(strategy)
+        self._end_failed_fit()
         signature = (spec(self.x), spec(self.y), tf.TensorSpec((None,), tf.as_dtype(self.weight_dtype)))
         dataset = tf.data.Dataset.from_generator(functools.partial(self._epoch_batches, next(self._pipelines)),
                                                  output_signature=signature)
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(self))).repeat()
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        # No prefetch thread of tf.data's own: after a fit that raised, it would sit in the generator waiting for a
+        # vector, and the iterator's destructor (run by the GC, holding the GIL) would wait for it forever. Batch k
+        # cannot be cut before step k - 1 ends anyway.
+        options.experimental_optimization.inject_prefetch = False
         dataset = dataset.with_options(options)
         self._pipeline_replicas = replicas
         self.latest_pipeline = "tf_dataset"
@@ -381,6 +397,7 @@ class BalancedSource:
         from .keras import keras_module  # noqa: PLC0415
 
         keras = keras or keras_module()
+        self._end_failed_fit()
         has_py_dataset = hasattr(keras.utils, "PyDataset")  # Keras 3; tf_keras has only Sequence
         base = keras.utils.PyDataset if has_py_dataset else keras.utils.Sequence
         source = self

@@ -3,8 +3,15 @@
 tf_keras prefetches from the source as soon as the callback publishes the next vector. A fit that stops
 early (``EarlyStopping``) or raises has published the vector of the next epoch's first iteration, so the
 source served batches of it that were never trained. They must not reach ``served`` or a report.
+
+A fit that raises must not leave anything behind that hangs the process later (tf.data's own prefetch thread).
 """
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -117,3 +124,87 @@ def test_a_batch_still_being_cut_when_the_fit_ends_is_not_recorded(job: str, mon
     monkeypatch.setattr(source, "_cut", cut_as_the_fit_ends)
     assert len(data[0][0]) == 3
     assert not source.served and source.samples_in(0) == 0
+
+
+_RAISE_IN_FIT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import keras
+    from lbbsp import JobConfig
+    from lbbsp.integrations.keras import BalancedSource, WorkerSession, callback_class
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                raise RuntimeError("a bug in a callback of the user's")
+
+    config = JobConfig(sys.argv[2], num_workers=1, global_batch=100)
+    x = np.zeros((1000, 8), "float32")
+    with WorkerSession(config, 0, url=sys.argv[1]) as session:
+        source = BalancedSource(x, x[:, :1], config, 0)
+        model = keras.Sequential([keras.layers.Input((8,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        try:
+            model.fit(source.tf_dataset(), epochs=2, steps_per_epoch=len(source), shuffle=False, verbose=0,
+                      callbacks=[callback_class(keras)(session.client, source), Boom()])
+        except RuntimeError:
+            print("raised")
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_fit_that_raised_leaves_no_prefetch_thread_to_hang_the_exit(redis_url: str, job: str) -> None:
+    """Keras 3 from a tf_dataset: tf.data's injected prefetch thread waited in the generator for the next vector,
+    and the GC at exit destroyed the iterator and waited for that thread forever (often, not always: 3 tries)."""
+    pytest.importorskip("keras", minversion="3")
+    env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"} | {"TF_CPP_MIN_LOG_LEVEL": "2"}
+    for attempt in range(3):
+        try:
+            done = subprocess.run([sys.executable, "-c", _RAISE_IN_FIT, redis_url, f"{job}-{attempt}"], env=env,
+                                  capture_output=True, text=True, timeout=40, check=False)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the process hung at exit after a fit that raised (try {attempt + 1})")
+        assert done.returncode == 0 and "raised" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_tf_keras_trains_with_jit_compile(redis_url: str, job: str) -> None:
+    """The compute probe's tf.py_function time marks made XLA fail: "Detected unsupported operations ... EagerPyFunc".
+    A fit without XLA first installs the probe on the optimizer; the fit with XLA must then leave it out."""
+    config = JobConfig(job, num_workers=1, global_batch=GLOBAL_BATCH)
+    x = np.random.default_rng(0).normal(size=(SAMPLES, 6)).astype("float32")
+    with WorkerSession(config, 0, url=redis_url) as session:
+        source = BalancedSource(x, x[:, :1], config, 0)
+        callback = callback_class(tf_keras)(session.client, source)
+        model = _model()
+        for jit_compile in (False, True):
+            model.jit_compile = jit_compile
+            model.fit(source.tf_dataset(), epochs=1, steps_per_epoch=len(source), callbacks=[callback], verbose=0)
+    assert [b.size for b in source.served] == [32, 32, 32, 24] * 2
+
+
+class _RaiseAtSecondBatch(tf_keras.callbacks.Callback):
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if batch == 1:
+            raise RuntimeError("stopped")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_fit_again_after_one_that_raised_reads_a_new_py_dataset(redis_url: str, job: str) -> None:
+    """The source stayed attached to the fit that raised, so the next fit's first read of its new pipeline (before
+    ``on_train_begin``) was refused as "a second pipeline ... validation_data"."""
+    config = JobConfig(job, num_workers=1, global_batch=GLOBAL_BATCH)
+    x = np.random.default_rng(0).normal(size=(SAMPLES, 6)).astype("float32")
+    with WorkerSession(config, 0, url=redis_url) as session:
+        source = BalancedSource(x, x[:, :1], config, 0)
+        callback = callback_class(tf_keras)(session.client, source)
+        model = _model()
+        with pytest.raises(RuntimeError, match="stopped"):
+            model.fit(source.py_dataset(tf_keras), epochs=1, steps_per_epoch=len(source), shuffle=False, workers=2,
+                      callbacks=[callback, _RaiseAtSecondBatch()], verbose=0)
+        model.fit(source.py_dataset(tf_keras), epochs=1, steps_per_epoch=len(source), shuffle=False, workers=2,
+                  callbacks=[callback], verbose=0)
+    assert [(b.iteration, b.step) for b in source.served] == [(0, 0), (1, 1), (2, 0), (3, 1), (4, 2), (5, 3)]
