@@ -29,6 +29,23 @@ Agree = Callable[[Assignment], Assignment]
 _KEEP_ASSIGNMENTS = 8
 
 
+class _EveryMinute:
+    """Counts the occurrences of something worth a warning, and says when to give it: at most once a minute."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._next = 0.0
+
+    def due(self) -> bool:
+        """Count one occurrence; True if the warning is due now."""
+        self.count += 1
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + 60.0
+        return True
+
+
 class WorkerClient:
     """One worker's connection to the job: ``report`` after computing, ``assignment`` before the next step."""
 
@@ -45,10 +62,8 @@ class WorkerClient:
         self._sender = threading.Thread(target=self._send_loop, name=f"lbbsp-report-{worker}", daemon=True)
         self._sender.start()
         self._pubsub: redis.client.PubSub | None = None
-        self._late = 0  # fallbacks this worker wrote because no decision came in time
-        self._next_late_warning = 0.0
-        self._duplicates = 0  # reports Redis ignored because this worker had reported their iteration already
-        self._next_duplicate_warning = 0.0
+        self._late = _EveryMinute()  # fallbacks this worker wrote because no decision came in time
+        self._duplicates = _EveryMinute()  # reports Redis ignored: this worker had reported their iteration already
         self._closed = False
 
     # -- reporting --------------------------------------------------------------------------------------
@@ -89,13 +104,10 @@ class WorkerClient:
     def _warn_duplicate(self, iteration: int) -> None:
         """Say, at most once a minute, that a report was ignored because the first one of its iteration counts: an
         iteration counter that restarts each epoch silently replays the first epoch's splits and stops learning."""
-        self._duplicates += 1
-        now = time.monotonic()
-        if now >= self._next_duplicate_warning:
-            self._next_duplicate_warning = now + 60.0
+        if self._duplicates.due():
             log.warning("job %s, worker %d: iteration %d was reported already, so this report is ignored (%d time(s) "
                         "so far); the iteration number must count across epochs, not restart", self.config.job,
-                        self.worker, iteration, self._duplicates)
+                        self.worker, iteration, self._duplicates.count)
 
     def flush(self, timeout_s: float = 5.0) -> None:
         """Wait until every queued report has been sent, including the one in flight (tests, shutdown)."""
@@ -163,13 +175,10 @@ class WorkerClient:
     def _warn_late(self, iteration: int) -> None:
         """Say, at most once a minute, that this worker wrote a fallback because no decision came in time:
         each such iteration costs ``assignment_timeout_s`` of waiting, often because no coordinator runs."""
-        self._late += 1
-        now = time.monotonic()
-        if now >= self._next_late_warning:
-            self._next_late_warning = now + 60.0
+        if self._late.due():
             log.warning("job %s, worker %d: no decision for iteration %d within %gs, so the previous split is used "
                         "(%d time(s) so far); is a coordinator running for this job (lbbsp status)?", self.config.job,
-                        self.worker, iteration, self.config.assignment_timeout_s, self._late)
+                        self.worker, iteration, self.config.assignment_timeout_s, self._late.count)
 
     def _fallback(self, iteration: int, why: str) -> Assignment:
         """The previous iteration's vector (the initial split if unknown), marked as a fallback."""
