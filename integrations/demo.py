@@ -252,6 +252,10 @@ def run(args: argparse.Namespace) -> int:
                   f"{config.global_batch}, {config.steps} steps per run; {config.load_procs} busy process(es) on "
                   f"core {cores[config.slow_worker]} (worker {config.slow_worker}) during {args.load_schedule} "
                   "of each run")
+    if len(set(cores)) < len(cores):
+        console.print(f"[yellow]warning[/]: {config.workers} workers share {len(set(cores))} core(s): the busy "
+                      "processes slow the workers that share the slow worker's core too, and the speedup shown is "
+                      "smaller than on one core per worker")
     server = EmbeddedRedis() if args.redis is None else None
     url = args.redis or server.url  # type: ignore[union-attr]
     with Store.from_url(url, "") as probe:  # a clear error here, not one traceback per worker process

@@ -340,6 +340,9 @@ class _CallbackLogic:
 
     def __init__(self, client: WorkerClient, source: BalancedSource, *, monitor: ResourceMonitor | None = None) -> None:
         super().__init__()
+        if not isinstance(client, WorkerClient) or not isinstance(source, BalancedSource):
+            raise ConfigError(f"LBBSPCallback takes (client, source): a WorkerClient and a BalancedSource, got "
+                              f"({type(client).__name__}, {type(source).__name__})")
         if client.worker != source.worker or client.config.job != source.config.job:
             raise ConfigError("the client and the source belong to different workers or jobs", job=client.config.job)
         self.client = client

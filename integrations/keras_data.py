@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from lbbsp.config import JobConfig
+from lbbsp.config import JobConfig, _integer
 from lbbsp.errors import ConfigError, LBBSPError
 from lbbsp.protocol import Assignment
 from lbbsp.sampling import GlobalBatchSampler
@@ -78,14 +78,12 @@ class BalancedSource:
             if sample_weight.shape != (len(x),):  # Keras would read (n, t) as per-timestep weights
                 raise ConfigError(f"sample_weight must hold one weight per sample, shape ({len(x)},), got shape "
                                   f"{sample_weight.shape}", job=config.job)
-        if not 0 <= worker < config.num_workers:
-            raise ConfigError(f"worker must be in [0, {config.num_workers}), got {worker}", job=config.job)
+        worker = _integer(worker, "worker", 0, config.num_workers - 1, config.job)  # True is not worker 1
         if config.min_batch < 1:
             raise ConfigError("the Keras integration needs min_batch >= 1, so that every worker trains on every full "
                               "global batch (only a short final batch can leave a worker empty: see drop_last)",
                               job=config.job)
-        if steps_per_execution < 1:
-            raise ConfigError(f"steps_per_execution must be positive, got {steps_per_execution}", job=config.job)
+        steps_per_execution = _integer(steps_per_execution, "steps_per_execution", 1, None, config.job)  # 2.0: float steps
         self.x, self.y = x, y
         self.sample_weights = sample_weight
         self.config = config

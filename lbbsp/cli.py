@@ -200,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     coordinator = sub.add_parser("coordinator", help="run the BatchSize Manager for one job",
+                                 description="Decide each iteration's batch-size vector for one job from its workers' "
+                                             "reports, until stopped (Ctrl-C) or --max-decisions. The integrations start "
+                                             "one on worker 0 by themselves; Balancer.from_env(..., coordinator=False) "
+                                             "leaves a PyTorch job to this one.",
                                  formatter_class=_WithDefaults)
     coordinator.add_argument("--redis", help="Redis URL (redis://, rediss://, unix://); default: $LBBSP_REDIS_URL, "
                                              "or else start an embedded one")
@@ -221,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--max-decisions", type=_at_least(1), default=None, help="exit after this many decisions")
     coordinator.set_defaults(handler=_coordinator)
 
-    status = sub.add_parser("status", help="show each worker's size, speed and wait, and the last decision")
+    status = sub.add_parser("status", help="show each worker's size, speed and wait, and the last decision",
+                            description="Show, for each job on a Redis (or --job), each worker's latest size, "
+                                        "throughput, compute and wait, and the last decision with its reason.")
     status.add_argument("--redis", help="Redis URL (default: $LBBSP_REDIS_URL)")
     status.add_argument("--job", help="job name (default: every job on this Redis)")
     status.add_argument("--decisions", type=_at_least(0), default=0, metavar="N",

@@ -104,3 +104,13 @@ def test_a_negative_count_is_refused(argv: list[str], capsys: pytest.CaptureFixt
         main(argv)
     assert exit_.value.code == 2
     assert "must be at least" in capsys.readouterr().err
+
+
+def test_the_demo_warns_when_workers_share_a_core(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """More workers than cores put the slow worker's load on another worker too, with no word of it."""
+    from lbbsp.integrations import demo  # noqa: PLC0415
+
+    monkeypatch.setattr(demo, "cores_for", lambda workers: [0] * workers)
+    assert main(["demo", "--redis", "unix:///nowhere.sock"]) == 2  # stops at the Redis check, after the header
+    assert "2 workers share 1 core(s)" in " ".join(capsys.readouterr().out.split())

@@ -16,7 +16,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from lbbsp import Assignment, JobConfig
+from lbbsp import Assignment, ConfigError, JobConfig
 
 tf_keras = pytest.importorskip("tf_keras")
 from lbbsp.integrations.keras import BalancedSource, WorkerSession, callback_class  # noqa: E402
@@ -208,3 +208,17 @@ def test_a_fit_again_after_one_that_raised_reads_a_new_py_dataset(redis_url: str
         model.fit(source.py_dataset(tf_keras), epochs=1, steps_per_epoch=len(source), shuffle=False, workers=2,
                   callbacks=[callback], verbose=0)
     assert [(b.iteration, b.step) for b in source.served] == [(0, 0), (1, 1), (2, 0), (3, 1), (4, 2), (5, 3)]
+
+
+def test_swapped_or_mistyped_arguments_are_named(redis_url: str, job: str) -> None:
+    """LBBSPCallback(source, client) failed with "AttributeError: ... 'expect_callback'"; steps_per_execution=2.0
+    was taken and gave float iteration numbers; worker=True was taken as worker 1."""
+    config = JobConfig(job, num_workers=2, global_batch=GLOBAL_BATCH)
+    x = np.zeros((SAMPLES, 2), dtype="float32")
+    for bad in ({"steps_per_execution": 2.0}, {"worker": True}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            BalancedSource(x, x, config, **{"worker": 0, **bad})  # type: ignore[arg-type]
+    with WorkerSession(config, 1, url=redis_url) as session:
+        source = BalancedSource(x, x, config, 1)
+        with pytest.raises(ConfigError, match=r"\(client, source\).*got \(BalancedSource, WorkerClient\)"):
+            callback_class(tf_keras)(source, session.client)  # type: ignore[arg-type]
