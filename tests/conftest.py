@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from lbbsp import EmbeddedRedis
+
+# The tests that press Ctrl-C on a child need the child to react to it. A shell that starts pytest in the background
+# (`cmd &` in a script) starts it with SIGINT ignored, which every child inherits; restore it, as in a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
