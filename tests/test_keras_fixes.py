@@ -8,10 +8,13 @@ A fit that raises must not leave anything behind that hangs the process later (t
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -168,16 +171,22 @@ def test_a_fit_that_raised_leaves_no_prefetch_thread_to_hang_the_exit(redis_url:
         assert done.returncode == 0 and "raised" in done.stdout, done.stderr[-2000:]
 
 
+@contextlib.contextmanager
+def _one_worker(redis_url: str, job: str) -> Iterator[tuple[BalancedSource, Any]]:
+    """A one-worker job's source (random x, its first column as y) and tf_keras callback, in a live session."""
+    config = JobConfig(job, num_workers=1, global_batch=GLOBAL_BATCH)
+    x = np.random.default_rng(0).normal(size=(SAMPLES, 6)).astype("float32")
+    with WorkerSession(config, 0, url=redis_url) as session:
+        source = BalancedSource(x, x[:, :1], config, 0)
+        yield source, callback_class(tf_keras)(session.client, source)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_tf_keras_trains_with_jit_compile(redis_url: str, job: str) -> None:
     """The compute probe's tf.py_function time marks made XLA fail: "Detected unsupported operations ... EagerPyFunc".
     A fit without XLA first installs the probe on the optimizer; the fit with XLA must then leave it out."""
-    config = JobConfig(job, num_workers=1, global_batch=GLOBAL_BATCH)
-    x = np.random.default_rng(0).normal(size=(SAMPLES, 6)).astype("float32")
-    with WorkerSession(config, 0, url=redis_url) as session:
-        source = BalancedSource(x, x[:, :1], config, 0)
-        callback = callback_class(tf_keras)(session.client, source)
+    with _one_worker(redis_url, job) as (source, callback):
         model = _model()
         for jit_compile in (False, True):
             model.jit_compile = jit_compile
@@ -196,11 +205,7 @@ class _RaiseAtSecondBatch(tf_keras.callbacks.Callback):
 def test_a_fit_again_after_one_that_raised_reads_a_new_py_dataset(redis_url: str, job: str) -> None:
     """The source stayed attached to the fit that raised, so the next fit's first read of its new pipeline (before
     ``on_train_begin``) was refused as "a second pipeline ... validation_data"."""
-    config = JobConfig(job, num_workers=1, global_batch=GLOBAL_BATCH)
-    x = np.random.default_rng(0).normal(size=(SAMPLES, 6)).astype("float32")
-    with WorkerSession(config, 0, url=redis_url) as session:
-        source = BalancedSource(x, x[:, :1], config, 0)
-        callback = callback_class(tf_keras)(session.client, source)
+    with _one_worker(redis_url, job) as (source, callback):
         model = _model()
         with pytest.raises(RuntimeError, match="stopped"):
             model.fit(source.py_dataset(tf_keras), epochs=1, steps_per_epoch=len(source), shuffle=False, workers=2,
