@@ -6,7 +6,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import MISSING, asdict, dataclass, fields
 from numbers import Integral, Real
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -32,9 +32,15 @@ def _job_name(job: object) -> str:
     return job
 
 
+def _is_integer(value: object) -> TypeGuard[int | np.integer[Any]]:
+    """Whether ``value`` is a whole number as callers hold one: a plain or numpy integer, not a bool (True would
+    pass for 1) and not a float (2.0 fails later, inside numpy or as an index)."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
 def _integer(value: object, name: str, lo: int, hi: int | None, job: str | None = None) -> int:
     """``value`` as a plain int in [lo, hi]; numpy integers pass, bools and floats do not."""
-    if isinstance(value, bool) or not isinstance(value, Integral):
+    if not _is_integer(value):
         raise ConfigError(f"{name} must be an integer, got {_given(value)}", job=job)
     number = int(value)
     if number < lo or (hi is not None and number > hi):

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .config import _integer
+from .config import _integer, _is_integer
 from .errors import ConfigError
 
 
@@ -106,8 +106,3 @@ class GlobalBatchSampler:
             raise ConfigError(f"step must be an integer, got {step!r}")
         if not 0 <= step < len(self):
             raise ConfigError(f"step {step} is outside the epoch's {len(self)} global batches")
-
-
-def _is_integer(value: object) -> bool:
-    """A plain or numpy integer, not a bool: True would pass for worker 1, and a float fails inside numpy."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

@@ -14,11 +14,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from numbers import Integral
 
 import redis
 
-from .config import JobConfig, _integer
+from .config import JobConfig, _integer, _is_integer
 from .errors import LBBSPError, ProtocolError
 from .protocol import MAX_ITERATION, Assignment, Report
 from .store import REDIS_ERRORS, REDIS_FAILURES, Store
@@ -145,7 +144,7 @@ class WorkerClient:
     def _iteration(self, value: object) -> int:
         """``value`` as a plain int (numpy's integers pass), checked before any wait: the fallback written after
         one must carry the same iteration number as the key read before it."""
-        number = int(value) if isinstance(value, Integral) and not isinstance(value, bool) else -1
+        number = int(value) if _is_integer(value) else -1
         if not 0 <= number <= MAX_ITERATION:
             raise ProtocolError(f"must be an integer in [0, {MAX_ITERATION}], got {value!r}", field="iteration",
                                 job=self.config.job, worker=self.worker)
