@@ -96,6 +96,30 @@ def test_narx_forecast_is_a_median_not_pulled_down_by_rare_slow_iterations() -> 
     assert np.abs(model.predict(range(workers))[usual] / 1000 - 1).max() < 0.03
 
 
+def test_narx_holds_back_a_lone_spike_and_follows_a_confirmed_jump() -> None:
+    """A report claiming 100x the worker's speed (a timing glitch) moves no forecast and is not learned from;
+    a real tenfold speed-up is followed one report late; with ``spike=None`` the glitch is taken as is."""
+    def steady(model: NARXThroughput, start: int, stop: int, seconds: float = 0.1) -> None:
+        for t in range(start, stop):
+            model.partial_fit([Report("s", w, t, 100, seconds * (1 + 0.01 * ((t + w) % 3))) for w in range(4)])
+
+    guarded, unguarded = NARXThroughput(warmup=0), NARXThroughput(warmup=0, spike=None)
+    for model in (guarded, unguarded):
+        steady(model, 0, 40)
+    before = guarded.predict(range(4))
+    for model in (guarded, unguarded):
+        model.partial_fit([Report("s", w, 40, 100, 0.001 if w == 0 else 0.1) for w in range(4)])
+    assert guarded.predict([0])[0] == pytest.approx(before[0], rel=0.02) and guarded.count_[0] == 40
+    assert unguarded.predict([0])[0] > 3 * before[0]
+    steady(guarded, 41, 43)  # the next reports are ordinary: the spike is dropped, not kept for later
+    assert guarded.predict([0])[0] == pytest.approx(1000, rel=0.05)
+
+    guarded.partial_fit([Report("s", w, 43, 100, 0.01 if w == 0 else 0.1) for w in range(4)])
+    assert guarded.predict([0])[0] == pytest.approx(1000, rel=0.05)  # held: one report is no proof
+    guarded.partial_fit([Report("s", w, 44, 100, 0.01 if w == 0 else 0.1) for w in range(4)])
+    assert guarded.predict([0])[0] > 3000  # confirmed: followed
+
+
 def test_narx_handles_late_joiners_skipped_iterations_and_missing_features() -> None:
     model = NARXThroughput(warmup=0)
     for t in range(40):
@@ -133,7 +157,8 @@ def test_deferred_training_changes_when_the_network_learns_not_what() -> None:
 @pytest.mark.parametrize("params", [{"horizon": 0}, {"horizon": 9}, {"lags": 2, "exog_lags": 3},
                                     {"huber_delta": 0.0}, {"alpha_ewma": 1.5}, {"hidden": (0,)}, {"hidden": (-4,)},
                                     {"hidden": 16}, {"learning_rate": 0.0}, {"buffer_size": 0},
-                                    {"rows_per_update": 0}, {"features": "cpu_util"}, {"features": ("cpu_load",)}])
+                                    {"rows_per_update": 0}, {"features": "cpu_util"}, {"features": ("cpu_load",)},
+                                    {"spike": 1.0}, {"spike": float("inf")}, {"spike": "4"}])
 def test_narx_rejects_bad_parameters_at_first_fit(params: dict) -> None:
     with pytest.raises(ConfigError):
         NARXThroughput(**params).partial_fit([Report("b", 0, 0, 10, 0.1)])
