@@ -3,7 +3,8 @@
 Run by pytest, this file starts itself twice as ``python tests/test_keras_mwms.py worker ...``: two TF
 processes on localhost ports, worker 0 running the coordinator in-process, both on the test's embedded Redis.
 The coordinator uses a scripted policy, so the splits are uneven and change every iteration.
-Before training, each worker also checks that a dataset built without the strategy is refused.
+Before training, each worker also checks that a dataset built without the strategy, and a model compiled with
+jit_compile=True (XLA cannot compile the time marks that exclude the all-reduce wait), are refused.
 """
 from __future__ import annotations
 
@@ -81,6 +82,16 @@ def run_worker(index: int, ports: list[int], url: str, job: str, steps_per_execu
             refused = ""
         except ConfigError as exc:
             refused = str(exc)
+        with strategy.scope():
+            jitted = build_model(keras, steps_per_execution)
+            jitted.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True,
+                           steps_per_execution=steps_per_execution)
+        try:
+            jitted.fit(source.tf_dataset(strategy), epochs=1, steps_per_epoch=len(source),
+                       callbacks=[LBBSPCallback(session.client, source)], verbose=0)
+            jit_refused = ""
+        except ConfigError as exc:
+            jit_refused = str(exc)
         traces: list[int] = []
         count_traces = keras.callbacks.LambdaCallback(
             on_epoch_end=lambda *_: traces.append(model.train_function.experimental_get_tracing_count()))
@@ -91,7 +102,8 @@ def run_worker(index: int, ports: list[int], url: str, job: str, steps_per_execu
         served = [[b.iteration, b.epoch, b.step, b.size] for b in source.served]
         (out / f"served{index}.json").write_text(json.dumps({
             "served": served, "iterations": callback.iteration, "traces": traces,
-            "probed": callback.probe is not None, "history": history.history, "refused": refused}))
+            "probed": callback.probe is not None, "history": history.history, "refused": refused,
+            "jit_refused": jit_refused}))
 
 
 def run_keras3_worker(index: int, ports: list[int], url: str, job: str, out: Path) -> None:
@@ -246,6 +258,7 @@ def test_two_workers_resize_and_match_single_process(tmp_path: Path, redis_url: 
     used_sizes = set()
     for worker, record in enumerate(records):
         assert "source.tf_dataset(strategy)" in record["refused"], record["refused"]
+        assert "jit_compile=False" in record["jit_refused"], record["jit_refused"]
         assert len(record["served"]) == EPOCHS * 7
         for iteration, _epoch, step, size in record["served"]:
             agreed = Assignment.from_json(store.get_assignment(iteration), job=job, num_workers=2,
