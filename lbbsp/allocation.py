@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from .errors import AllocationError, ConfigError
+from .protocol import MAX_BATCH
 
 _SEARCH_STEPS = 100
 
@@ -46,8 +47,8 @@ class LinearTime:
 
     def time(self, sizes: np.ndarray) -> np.ndarray:
         x = np.asarray(sizes, dtype=float)
-        with np.errstate(divide="ignore", over="ignore"):  # a speed of (nearly) 0: it takes forever
-            seconds = self.overhead + x / self.speed
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):  # a speed of (nearly) 0: forever,
+            seconds = self.overhead + np.where(x > 0, x / self.speed, 0.0)  # but no samples take no compute
         return np.where(x > 0, seconds, 0.0) if self.idle_is_free else seconds
 
     def capacity(self, deadline: float) -> np.ndarray:
@@ -76,13 +77,16 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
     bound while the others can hold the rest. Raises :class:`AllocationError` if the global batch does not
     fit within the bounds.
     """
-    lower = np.asarray(lower, dtype=np.int64)
-    upper = np.asarray(upper, dtype=np.int64)
+    if isinstance(global_batch, (bool, np.bool_)) or not isinstance(global_batch, (Integral, np.integer)) \
+            or not 0 <= global_batch <= MAX_BATCH:
+        raise AllocationError(f"global_batch must be a whole number of samples in [0, {MAX_BATCH}], got {global_batch!r}")
+    global_batch = int(global_batch)
+    lower, upper = _sizes(lower, "lower"), _sizes(upper, "upper")
     if lower.shape != upper.shape or lower.ndim != 1 or lower.size == 0:
         raise AllocationError(f"bounds must be two 1-D arrays of one length, got {lower.shape} and {upper.shape}")
     if (lower < 0).any() or (lower > upper).any():
         raise AllocationError("bounds must satisfy 0 <= lower <= upper for every worker")
-    upper = np.asarray(np.minimum(upper, max(global_batch, 0)), dtype=np.int64)  # no worker takes more than B
+    upper = np.minimum(upper, global_batch)  # no worker takes more than B
     if not lower.sum() <= global_batch <= upper.sum():
         raise AllocationError(f"global batch {global_batch} cannot be placed within the bounds: they allow "
                               f"{int(lower.sum())} to {int(upper.sum())} samples")
@@ -138,10 +142,9 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
             t_lo, x_lo, f_lo = mid, x_mid, float(excess)
             f_hi = f_hi / 2 if kept < 0 else f_hi
             kept = -1
+    # x_lo always sums to less than B and x_hi to B or more, so the fill below lands on B exactly.
     x_hi = np.maximum(x_hi, x_lo)
     deficit = global_batch - int(x_lo.sum())
-    if deficit <= 0:  # only possible through a non-monotone model; stay feasible anyway
-        return _trim(x_lo, lower, global_batch, model)
     room = x_hi - x_lo
     candidates = np.flatnonzero(room > 0)
     order = candidates[np.argsort(model.time(np.minimum(x_lo + 1, upper))[candidates], kind="stable")]
@@ -149,9 +152,18 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
     take = np.clip(deficit - filled_before, 0, room[order])
     x = x_lo.copy()
     x[order] += take
-    if x.sum() != global_batch:  # unreachable for a monotone model; a clear error beats a wrong split
-        raise AllocationError("the time model is not non-decreasing in the batch size")
     return x
+
+
+def _sizes(values: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
+    """Bounds as int64 sizes; an :class:`AllocationError` for anything but whole numbers (numpy would truncate
+    0.5 to 0). Sizes beyond ``MAX_BATCH`` are held just above it, so that no sum can wrap."""
+    arr = np.asarray(values)
+    whole = arr.dtype.kind in "iu" or (arr.dtype.kind == "f" and bool(np.isfinite(arr).all())
+                                        and bool((arr == np.floor(arr)).all()))
+    if not whole:
+        raise AllocationError(f"{name} bounds must be whole numbers of samples, got {str(values)[:80]}")
+    return np.clip(arr, -1, MAX_BATCH + 1).astype(np.int64)
 
 
 def sit_out_share(value: float) -> float:
@@ -250,15 +262,6 @@ def _only_flat_jumps(model: TimeModel, x_lo: np.ndarray, x_hi: np.ndarray, room:
         return False
     first = model.time(np.where(wide, x_lo + 1, x_lo))[wide]
     return bool((model.time(x_hi)[wide] <= first * (1 + 1e-12)).all())
-
-
-def _trim(x: np.ndarray, lower: np.ndarray, global_batch: int, model: TimeModel) -> np.ndarray:
-    """Remove the excess samples from the workers with the latest predicted finish."""
-    x = x.copy()
-    while x.sum() > global_batch:
-        times = np.where(x > lower, model.time(x), -np.inf)
-        x[int(np.argmax(times))] -= 1
-    return x
 
 
 def predicted_makespan(model: TimeModel, sizes: Sequence[int] | np.ndarray) -> float:

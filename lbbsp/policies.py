@@ -114,8 +114,9 @@ class LBBSPPolicy(Policy):
     workers that may be given nothing in an iteration, where the rest then finish sooner
     (:func:`~lbbsp.allocation.allocate_sitting_out`); it pays for federated clients, whose transfers a round
     spares the clients it does not ask (the torch and Keras integrations expect every worker to get samples).
-    ``rejoin_after``: no worker sits out more iterations in a row than this (None: no limit), so that each
-    trains on its data now and then and its estimate is renewed.
+    ``rejoin_after``: no worker is given nothing more iterations in a row than this (None: no limit), whether it
+    sits out or the job's ``min_batch`` is 0, so that each trains on its data now and then and its estimate
+    (which only a measurement renews) catches up with a worker that got faster.
     """
 
     name = "lbbsp"
@@ -188,9 +189,13 @@ class LBBSPPolicy(Policy):
         ``time_model``) may sit out, where that is predicted to gain more than the dead band: margins learned
         from compute misses would mis-rank transfer-bound clients. Workers out ``rejoin_after`` times in a row
         stay in."""
-        stay = self.rounds_out.due(range(config.num_workers)) if self.sit_out else None
+        stay = self.rounds_out.due(range(config.num_workers)) if self._may_idle(lower) else None
         return allocate_sitting_out(time_model, config.global_batch, lower, upper, self.sit_out, self.deadband,
                                     ranked_by=forecast, stay=stay)
+
+    def _may_idle(self, lower: np.ndarray) -> bool:
+        """Whether a worker can be given nothing: it may sit out, or the job lets a size be 0."""
+        return bool(self.sit_out) or not lower.all()
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         if not self._seen:
@@ -202,9 +207,11 @@ class LBBSPPolicy(Policy):
         current_arr = np.asarray(current, dtype=np.int64)
         lower, upper = self.bounds(workers, current_arr, config)
         proposed = self.propose(plan, config, lower, upper, time_model)
+        may_idle = self._may_idle(lower)
+        # a worker sitting out is within bounds; one due back may not stay out
         in_bounds = current_arr.shape == proposed.shape and bool(
-            ((current_arr >= lower) & (current_arr <= upper)).all()) and not (
-            self.sit_out and (current_arr[self.rounds_out.due(workers)] == 0).any())  # one due back may not stay out
+            (((current_arr >= lower) | ((current_arr == 0) & bool(self.sit_out))) & (current_arr <= upper)).all()) and not (
+            may_idle and (current_arr[self.rounds_out.due(workers)] == 0).any())
         band = self.band(time_model, current_arr)
         sizes, changed = damp(current_arr, proposed, plan, band) if in_bounds else (proposed, True)
         forced = lower.sum() == config.global_batch or upper.sum() == config.global_batch  # one split fits
@@ -224,10 +231,10 @@ class LBBSPPolicy(Policy):
             reason = f"kept: predicted gain under the {band:.1%} dead band ({finish_label} {finish:.4g}s)"
         if plan is not time_model:
             reason += f"; slowdown margins x{factor.min():.2f} to x{factor.max():.2f}"
-        if self.sit_out:
+        if may_idle:
             self.rounds_out.record(workers, sizes)
-            if not sizes.all():
-                reason += f"; {int((sizes == 0).sum())} sit out"
+        if self.sit_out and not sizes.all():
+            reason += f"; {int((sizes == 0).sum())} sit out"
         caps = _whole_caps(self.model.max_batch(workers), upper)
         if caps is not None and (over := np.flatnonzero(sizes > caps)).size:  # bounds() could not keep them
             held = int(np.minimum(caps, upper).sum())
@@ -280,7 +287,8 @@ def _overhead(time_model: TimeModel, count: int) -> np.ndarray | None:
 
 
 class StaticProportionalPolicy(LBBSPPolicy):
-    """Sizes proportional to each worker's speed, profiled over the first ``profile_iterations`` and then fixed."""
+    """Sizes proportional to each worker's speed, profiled over the first ``profile_iterations`` (an EWMA with
+    alpha 0.5: the latest counts most) and then fixed."""
 
     name = "static-proportional"
 
@@ -305,7 +313,8 @@ class StaticProportionalPolicy(LBBSPPolicy):
 
 
 class PerEpochPolicy(LBBSPPolicy):
-    """Re-balances once per epoch from the epoch's average speed, as DBS and OmniLearn do."""
+    """Re-balances once every ``iterations_per_epoch`` iterations, as DBS and OmniLearn do once per epoch, from a
+    slow EWMA of each worker's speed (alpha 0.05: about the last 20 iterations, across epoch boundaries)."""
 
     name = "per-epoch"
 
@@ -314,9 +323,10 @@ class PerEpochPolicy(LBBSPPolicy):
         self.iterations_per_epoch = _integer(iterations_per_epoch, "iterations_per_epoch", 1, None)
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
-        caps = _whole_caps(self.model.max_batch(range(config.num_workers)), np.asarray(config.bounds()[1])) \
-            if self._seen else None
-        over_caps = caps is not None and bool((np.asarray(current) > caps).any())  # a cap that shrank: now
+        current_arr = np.asarray(current, dtype=np.int64)
+        # a memory cap that shrank below a worker's size is acted on at once (bounds() lifts caps it cannot keep)
+        over_caps = self._seen and bool((current_arr > self.bounds(np.arange(config.num_workers), current_arr,
+                                                                      config)[1]).any())
         if iteration % self.iterations_per_epoch != 0 and not over_caps:
             return Decision(tuple(int(s) for s in current), "within the epoch: keep the split")
         return super().decide(iteration, current, config)
@@ -325,7 +335,9 @@ class PerEpochPolicy(LBBSPPolicy):
 class LeaderStragglerPolicy(Policy):
     """The LB-BSP paper's search for GPU clusters: every ``window`` iterations move ``step`` samples from the
     slowest worker (straggler) to the fastest one with memory to spare (leader); when a worker that just
-    received samples becomes the straggler (the sizes oscillate), halve the step."""
+    received samples becomes the straggler (the sizes oscillate), halve the step. The window pools only the
+    reports of iterations that ran the split in force: under ``JobConfig.lag`` the first reports after a move
+    still measure the split before it, and acting on them overshoots."""
 
     name = "leader-straggler"
 
@@ -338,13 +350,22 @@ class LeaderStragglerPolicy(Policy):
         self._observed = 0
         self._step: int | None = None
         self._last_leader: int | None = None
+        self._since = 0  # the first iteration of the split in force
 
     def observe(self, reports: Sequence[Report]) -> None:
         if self.model is not None and reports:
             self.model.partial_fit(reports)
-        for report in reports:
+        current = [report for report in reports if report.iteration >= self._since]
+        for report in current:
             self._times.setdefault(report.worker, []).append(report.compute_s)
-        self._observed += 1
+        self._observed += bool(current)
+
+    def _moved(self, iteration: int, decision: Decision) -> Decision:
+        """``decision``, which changes the split from ``iteration`` on: the window starts again from there."""
+        self._since = iteration
+        self._times.clear()
+        self._observed = 0
+        return decision
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         sizes = np.asarray(current, dtype=np.int64).copy()
@@ -357,7 +378,7 @@ class LeaderStragglerPolicy(Policy):
         mean_time = np.array([np.mean(self._times[w][-self.window:]) if w in self._times else np.nan
                               for w in range(config.num_workers)])
         if (over := sizes > upper).any():  # a memory cap that shrank comes first, window or not
-            return self._shed(sizes, upper, over, mean_time)
+            return self._moved(iteration, self._shed(sizes, upper, over, mean_time))
         if self._observed < self.window or not self._times:
             return Decision(tuple(int(s) for s in sizes), "observing")
         self._times.clear()
@@ -377,8 +398,8 @@ class LeaderStragglerPolicy(Policy):
         sizes[straggler] -= moved
         sizes[leader] += moved
         self._last_leader = leader
-        return Decision(tuple(int(s) for s in sizes), f"moved {moved} samples from straggler {straggler} "
-                                                        f"to leader {leader} (step {self._step})")
+        return self._moved(iteration, Decision(tuple(int(s) for s in sizes), f"moved {moved} samples from "
+                                               f"straggler {straggler} to leader {leader} (step {self._step})"))
 
     @staticmethod
     def _shed(sizes: np.ndarray, upper: np.ndarray, over: np.ndarray, mean_time: np.ndarray) -> Decision:

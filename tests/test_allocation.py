@@ -142,6 +142,23 @@ def test_workers_that_never_finish_get_their_lower_bound_while_the_others_hold_t
     assert allocate(LinearTime(np.array([1e-300, 2.0, 3.0])), 90, [1, 1, 1], [90, 50, 30]).tolist() == [10, 50, 30]
     with pytest.raises(AllocationError, match="never finish"):
         allocate(LinearTime(np.array([0.0, 0.0, 0.0])), 90, [1, 1, 1], [90, 90, 90])
+    # a lower bound of 0: nothing to compute takes no time, even at a speed of 0 (0 / 0 was NaN, an error)
+    assert allocate(LinearTime(np.array([0.0, 2.0, 3.0])), 90, [0, 0, 0], [90, 90, 90]).tolist() == [0, 36, 54]
+
+
+@pytest.mark.parametrize(("global_batch", "lower", "upper", "message"), [
+    (60.5, [0] * 3, [60] * 3, "global_batch must be a whole number"),
+    (True, [0] * 3, [60] * 3, "global_batch must be a whole number"),
+    (float("nan"), [0] * 3, [60] * 3, "global_batch must be a whole number"),
+    (2**62, [0] * 3, [2**62] * 3, "global_batch must be a whole number"),
+    (60, [0, 0.5, 0], [60] * 3, "lower bounds must be whole numbers"),
+    (60, [0] * 3, [60, float("nan"), 60], "upper bounds must be whole numbers"),
+])
+def test_bad_arguments_are_a_clear_allocation_error(global_batch: object, lower: list, upper: list,
+                                                    message: str) -> None:
+    """Not numpy's UFuncTypeError, a bound of 0.5 truncated to 0, True taken as 1, or a sum that wraps."""
+    with pytest.raises(AllocationError, match=message):
+        allocate(LinearTime(np.ones(3)), global_batch, lower, upper)  # type: ignore[arg-type]
 
 
 def test_caps_near_the_integer_limit_do_not_overflow() -> None:

@@ -216,18 +216,91 @@ def test_a_worker_predicted_to_never_finish_gets_its_smallest_batch(speed: float
 
 
 def test_leader_straggler_goes_on_without_a_worker_that_stopped_reporting() -> None:
-    config = JobConfig("p", 3, 90)
+    config = JobConfig("p", 3, 90)  # lag 2: the reports of k decide iteration k + 2
     policy = LeaderStragglerPolicy(window=2)
-    sizes: tuple[int, ...] = (30, 30, 30)
+    schedule: dict[int, tuple[int, ...]] = {0: (30, 30, 30), 1: (30, 30, 30)}
     moved = []
-    for k in range(12):
-        reports = _reports(k, np.array(sizes), np.array([1.0, 2.0, 3.0]))
+    for k in range(16):
+        reports = _reports(k, np.array(schedule[k]), np.array([1.0, 2.0, 3.0]))
         policy.observe(reports if k < 2 else reports[1:])  # worker 0 stops reporting after iteration 1
-        decision = policy.decide(k + 2, sizes, config)
-        moved.append(decision.sizes != sizes)
-        sizes = decision.sizes
+        schedule[k + 2] = policy.decide(k + 2, schedule[k + 1], config).sizes
+        moved.append(schedule[k + 2] != schedule[k + 1])
+    sizes = schedule[17]
     assert sum(moved[2:]) >= 4  # it keeps moving samples between the workers that report
     assert sizes[0] < 30 and sizes[2] > sizes[1]
+
+
+def test_leader_straggler_waits_for_reports_of_the_split_it_set() -> None:
+    """Under lag 2 the first reports after a move still ran the split before it: acting on them, the search
+    moved twice per measurement, overshot to 1 sample (from 200, optimum 100) and halved its step late."""
+    config = JobConfig("p", 2, 400, lag=2)
+    speeds = np.array([100.0, 300.0])
+    policy = LeaderStragglerPolicy(window=1)
+    in_force = {0: config.initial_sizes(), 1: config.initial_sizes()}
+    for k in range(40):
+        policy.observe(_reports(k, np.array(in_force[k]), speeds))
+        in_force[k + 2] = policy.decide(k + 2, in_force[k + 1], config).sizes
+    first = [in_force[k][0] for k in range(42)]
+    assert min(first) >= 50, first  # each step measured before the next: 200, 150, 100, 50, 75, 100, ...
+    assert all(abs(size - 100) <= 2 for size in first[-10:]), first
+
+
+def test_per_epoch_rebalances_once_when_a_memory_cap_cannot_be_kept() -> None:
+    """A cap under min_batch is lifted to it by the bounds; the epoch gate compared sizes with the raw cap,
+    saw a worker over it for good, and re-balanced at every iteration."""
+    class Capped(EWMAThroughput):
+        def max_batch(self, workers):  # worker 0's memory holds 2 samples, under the job's min_batch of 4
+            return np.where(np.asarray(workers) == 0, 2.0, np.nan)
+
+    config = JobConfig("p", 4, 200, min_batch=4)
+    policy = PerEpochPolicy(iterations_per_epoch=50, model=Capped())
+    sizes, changed = config.initial_sizes(), []
+    rng = np.random.default_rng(0)
+    for k in range(2, 30):
+        policy.observe(_reports(k - 2, np.array(sizes), rng.uniform(100, 400, 4)))
+        new = policy.decide(k, sizes, config).sizes
+        if new != sizes:
+            changed.append(k)
+        sizes = new
+    assert changed == [2] and sizes[0] == 4
+
+
+def test_dead_band_holds_while_a_client_sits_out() -> None:
+    """A client sitting out (size 0, under min_batch) is within the bounds: the dead band applies, and ±1%
+    noise does not churn the split. It did at every decision, reading "the current split does not fit"."""
+    class Noisy(EWMAThroughput):
+        def time_model(self, workers):  # client 0: slow compute and a 30 s transfer
+            ids = np.asarray(workers)
+            speed = np.where(ids == 0, 0.5, 10.0) * self.rng.uniform(0.99, 1.01, ids.size)
+            return LinearTime(speed, overhead=np.where(ids == 0, 30.0, 1.0), idle_is_free=True)
+
+    model = Noisy()
+    model.rng = np.random.default_rng(0)
+    config = JobConfig("p", 8, 400)
+    policy = LBBSPPolicy(model, hedge=None, sit_out=0.2, rejoin_after=None)
+    sizes, changes = config.initial_sizes(), 0
+    for k in range(2, 22):
+        policy.observe(_reports(k - 2, np.maximum(sizes, 1), np.full(8, 10.0)))
+        decision = policy.decide(k, sizes, config)
+        changes += decision.sizes != sizes
+        sizes = decision.sizes
+    assert sizes[0] == 0 and changes == 1, (changes, decision.reason)
+
+
+def test_a_worker_given_nothing_under_min_batch_zero_comes_back() -> None:
+    """min_batch=0: a worker given 0 sends no measurement, so its estimate froze at its slow past and it
+    was starved for good. ``rejoin_after`` now holds whenever a size can be 0: it is asked again, measured,
+    and given its share once it is fast."""
+    config = JobConfig("p", 4, 64, min_batch=0)
+    policy = LBBSPPolicy(EWMAThroughput(), rejoin_after=3)
+    sizes, first = config.initial_sizes(), []
+    for k in range(2, 40):
+        speeds = np.array([0.2 if k < 12 else 200.0, 100.0, 100.0, 100.0])  # worker 0 loaded, then free
+        policy.observe([r for r in _reports(k - 2, np.array(sizes), speeds) if r.samples])
+        sizes = policy.decide(k, sizes, config).sizes
+        first.append(sizes[0])
+    assert 0 in first[:10] and all(first[i:i + 4] != [0] * 4 for i in range(len(first) - 3)), first
+    assert sizes[0] >= 24, sizes  # twice as fast as each of the others: 2/5 of 64
 
 
 @pytest.mark.parametrize("make", [
