@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import uuid
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -100,6 +101,7 @@ class Balancer:
         self._monitor = ResourceMonitor(self.device.index if self.device.type == "cuda" else None)
         self._hooks: list[RemovableHandle] = []  # forward pre-hooks on attached models, removed on close
         self._closed = False
+        self._loaders: weakref.WeakSet[BalancedLoader] = weakref.WeakSet()  # closed with the Balancer
         # What the step in progress has seen, checked when it ends (see _check_weighted).
         self._open = False  # begun by the loader, not yet ended
         self._reported = True
@@ -183,6 +185,9 @@ class Balancer:
 
     def begin_step(self, sampler: GlobalBatchSampler, step: int) -> np.ndarray:
         """End the previous step, agree on this step's vector, start the clock; our dataset indices."""
+        if self._closed:  # else each step would wait out assignment_timeout_s on a Redis that is gone
+            raise LBBSPError("this Balancer is closed: draw batches before lb.close(), or start a new Balancer",
+                             job=self.config.job, worker=self.rank)
         self.end_step()
         assignment = self.client.assignment(self._iteration)
         split = sampler.split_for(step, assignment.sizes)
@@ -206,6 +211,14 @@ class Balancer:
         self._finish_step()
         if not abandoned:
             self._check_weighted()
+
+    def end_epoch(self) -> None:
+        """Called by :class:`BalancedLoader` when an epoch's loop ends: refuse an epoch in which no gradient went
+        through the attached model's hook (each step is checked too, but a step may end with no backward)."""
+        if self.weighting is not None and not self._ever_synced:
+            raise ConfigError("an epoch ended and no gradient went through the hook of the attached DDP model, so "
+                              "the ranks' gradients were never averaged: call the DDP model for the forward "
+                              "(ddp_model(x)), not ddp_model.module(x)", job=self.config.job, worker=self.rank)
 
     # -- the gradient side ----------------------------------------------------------------------------------
     def attach(self, model: DistributedDataParallel, weighting: str = "hook") -> DistributedDataParallel:
@@ -325,6 +338,8 @@ class Balancer:
         try:
             if not failing:
                 self.end_step(abandoned=True)
+            for loader in list(self._loaders):
+                loader.close()
             for handle in self._hooks:
                 handle.remove()
             self.client.close()

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from lbbsp.config import _integer
 from lbbsp.errors import ConfigError
 from lbbsp.sampling import GlobalBatchSampler
 
@@ -66,7 +67,11 @@ class BalancedLoader:
         reserved = sorted(set(dataloader_kwargs) & set(_RESERVED))
         if reserved:
             raise ConfigError("BalancedLoader sets " + "; ".join(f"{key} itself: {_RESERVED[key]}" for key in reserved))
-        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        if isinstance(dataset, DataLoader):
+            raise ConfigError("BalancedLoader takes the dataset, not a DataLoader: pass loader.dataset (and its "
+                              "num_workers, collate_fn or pin_memory as keyword arguments); batch_size and the "
+                              "sampler are set from the Balancer's global batch")
+        if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise ConfigError(f"BalancedLoader needs a map-style dataset (__getitem__ and __len__), got "
                               f"{type(dataset).__name__}: each step reads the positions of its rank's slice of a "
                               "seeded permutation of the epoch")
@@ -79,17 +84,36 @@ class BalancedLoader:
         workers = int(dataloader_kwargs.get("num_workers", 0))
         self._loader = DataLoader(dataset, batch_sampler=self._plan, persistent_workers=workers > 0,
                                   **dataloader_kwargs)
+        self._iterating = False
+        self._next_epoch: int | None = None
+        balancer._loaders.add(self)
 
     def set_epoch(self, epoch: int) -> None:
-        """Use the permutation of ``epoch``, as ``DistributedSampler.set_epoch`` does."""
-        self.sampler.set_epoch(epoch)
+        """Use the permutation of ``epoch``, as ``DistributedSampler.set_epoch`` does: called while an epoch
+        is being iterated, from the next iteration on (switching mid-epoch would repeat and skip samples)."""
+        if self._iterating:
+            self._next_epoch = _integer(epoch, "epoch", 0, None)
+        else:
+            self.sampler.set_epoch(epoch)
+
+    def close(self) -> None:
+        """Stop the loader's worker processes (they persist between steps); :meth:`Balancer.close` calls it."""
+        iterator = getattr(self._loader, "_iterator", None)
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self._loader._iterator = None  # type: ignore[attr-defined]
 
     def __len__(self) -> int:
         """Steps per epoch, the same on every rank."""
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[Any]:
+        if self._next_epoch is not None:
+            self.sampler.set_epoch(self._next_epoch)
+            self._next_epoch = None
         _check_ranks_agree(self.sampler, self.balancer)
+        self._iterating = True
         try:
             for step in range(len(self.sampler)):
                 indices = self.balancer.begin_step(self.sampler, step)
@@ -101,7 +125,10 @@ class BalancedLoader:
         except GeneratorExit:  # the loop was left early (break, zip, an error): its open step is abandoned
             self.balancer.end_step(abandoned=True)
             raise
+        finally:
+            self._iterating = False
         self.balancer.end_step()
+        self.balancer.end_epoch()
 
     def _load(self, indices: Sequence[int] | np.ndarray) -> Any:
         self._plan.indices = [int(i) for i in indices]
@@ -133,9 +160,12 @@ def _check_ranks_agree(sampler: GlobalBatchSampler, balancer: Balancer) -> None:
 
 
 def _empty_like(batch: Any) -> Any:
-    """The same structure with every tensor cut to zero rows."""
-    if isinstance(batch, torch.Tensor):
+    """The same structure with every tensor and array cut to zero rows, and every list of per-sample values
+    (file names, labels as a custom ``collate_fn`` leaves them) emptied: nothing of the sample it was cut from."""
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
         return batch[:0]
+    if isinstance(batch, list) and all(isinstance(v, (str, bytes, int, float)) for v in batch):
+        return []
     if isinstance(batch, Mapping):
         return type(batch)({k: _empty_like(v) for k, v in batch.items()})  # type: ignore[call-arg]
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):

@@ -129,7 +129,7 @@ def all_reduce_gradients(balancer: "Balancer", parameters: Iterable[nn.Parameter
         n = p.numel()
         chunk = flat[offset:offset + n].view_as(p)
         if p.grad is None:
-            p.grad = chunk.clone()
+            p.grad = chunk.to(p.dtype, copy=True)  # torch.cat promoted mixed dtypes to the widest
         else:
             p.grad.copy_(chunk)
         offset += n

@@ -44,6 +44,10 @@ class GlobalBatchSampler:
         for name, value, least in (("dataset_size", dataset_size, 1), ("global_batch", global_batch, 1),
                                    ("seed", seed, 0)):
             _integer(value, name, least, None)
+        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last)):
+            if not isinstance(flag, (bool, np.bool_)):  # "no" would shuffle, None would fail later
+                raise ConfigError(f"{name} must be True or False, got {flag!r}")
+        shuffle, drop_last = bool(shuffle), bool(drop_last)
         if drop_last and dataset_size < global_batch:
             raise ConfigError(f"drop_last with {dataset_size} samples and global batch {global_batch} leaves "
                               "no batch at all")

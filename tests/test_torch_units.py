@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -28,6 +29,9 @@ def test_empty_like_keeps_structure() -> None:
     empty = _empty_like(batch)
     assert empty["a"].shape == (0, 2) and empty["b"][0].shape == (0,)
     assert isinstance(empty["b"][1], Pair) and empty["b"][1].x.shape == (0,) and empty["b"][1].y == 7
+    # nothing of the sample it was cut from: numpy arrays (a custom collate_fn) and lists of per-sample values
+    empty = _empty_like([np.ones((1, 4)), ["img30.png"], torch.ones(1, 4)])
+    assert empty[0].shape == (0, 4) and empty[1] == [] and empty[2].shape == (0, 4)
 
 
 def test_scaled_loss_weights_and_survives_an_empty_slice() -> None:

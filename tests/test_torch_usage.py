@@ -1,10 +1,12 @@
 """What a new user's training loop does to a Balancer, on 2 real gloo ranks: steps left early are harmless,
 silently wrong gradients are refused, a second Balancer on one DDP model is refused, an external coordinator's
---lag and --ttl are adopted, and bad settings get errors that say what to do."""
+--lag and --ttl are adopted, bad settings get errors that say what to do, and likely mistakes (a DataLoader
+for a dataset, set_epoch inside the loop, a forward around DDP, a loader used after close) are caught."""
 from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from torch.utils.data import IterableDataset, TensorDataset  # noqa: E402
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset  # noqa: E402
 
 from lbbsp import ConfigError, EmbeddedRedis, JobConfig, LBBSPError, Store, StoreUnavailable  # noqa: E402
 from lbbsp.integrations.torch import Balancer  # noqa: E402
@@ -174,9 +176,58 @@ def settings(url: str, job: str) -> dict:
     return result
 
 
+def mistakes(url: str, job: str) -> dict:
+    """What the audit of the torch adapter found users could get silently wrong, each now caught or fixed."""
+    result: dict = {}
+    model = linear()
+    train = trainer(model)
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-1") as lb:
+        for name, call in (("dataloader", lambda: lb.loader(DataLoader(data(), batch_size=4))),
+                           ("shuffle", lambda: lb.loader(data(), shuffle="no"))):  # "no" used to shuffle
+            try:
+                call()
+            except ConfigError as exc:
+                result[name] = str(exc)
+        lb.attach(model)
+        loader = lb.loader(data(), num_workers=1)
+        result["seen"] = []
+        for i, (x, y, index) in enumerate(loader):
+            if i == 3:
+                loader.set_epoch(1)  # from the next epoch on: switching now repeated and skipped samples
+            train(x, y)
+            result["seen"] += index.tolist()
+        result["epoch_then"] = loader.sampler.epoch
+        next(iter(loader))  # the next epoch's first step (its loop left at once)
+        result["epoch_next"] = loader.sampler.epoch
+    result["children_after_close"] = len(multiprocessing.active_children())  # the loader's worker too
+    try:
+        next(iter(loader))
+    except LBBSPError as exc:
+        result["after_close"] = str(exc)
+
+    model = linear()
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-2") as lb:
+        lb.attach(model)
+        try:
+            for x, y, _ in lb.loader(data()):
+                F.mse_loss(model.module(x), y).backward()  # around DDP: no gradient is ever averaged
+        except ConfigError as exc:
+            result["module"] = str(exc)
+
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-3") as lb:  # no DDP, mixed dtypes
+        torch.manual_seed(0)
+        used, unused = torch.nn.Linear(5, 1).double(), torch.nn.Linear(5, 1)
+        params = [*used.parameters(), *unused.parameters()]
+        for x, y, _ in lb.loader(data()):
+            F.mse_loss(used(x.double()), y.double()).backward()
+            lb.all_reduce_gradients(params)  # a float32 parameter without a gradient got a float64 one
+        result["grad_dtypes"] = [str(p.grad.dtype) for p in params]
+    return result
+
+
 SCENARIOS = {f.__name__: f for f in (abandoned_steps, no_sync_with_the_hook, without_attach,
                                      loss_form_without_scale_loss, second_balancer_on_one_model,
-                                     external_coordinator, settings)}
+                                     external_coordinator, settings, mistakes)}
 
 
 def _scenarios(url: str, job: str) -> dict:
@@ -274,3 +325,19 @@ def test_settings_errors_say_what_to_do(outcomes: list[dict]) -> None:
     assert "map-style dataset" in result["iterable"]
     assert "persistent_workers itself" in result["persistent_workers"]
     assert "127.0.0.1:1" in result["unreachable"] and "LBBSP_REDIS_URL" in result["unreachable"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_likely_mistakes_are_caught(outcomes: list[dict]) -> None:
+    ranks = [r["mistakes"] for r in outcomes]
+    assert all("error" not in r for r in ranks), ranks
+    result = ranks[0]
+    assert "pass loader.dataset" in result["dataloader"]
+    assert "shuffle must be True or False" in result["shuffle"]
+    assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == list(range(SAMPLES))  # once each, set_epoch or not
+    assert [(r["epoch_then"], r["epoch_next"]) for r in ranks] == [(0, 1)] * 2
+    assert [r["children_after_close"] for r in ranks] == [0, 0]
+    assert "closed" in result["after_close"]
+    assert "not ddp_model.module(x)" in result["module"]
+    assert result["grad_dtypes"] == ["torch.float64"] * 2 + ["torch.float32"] * 2
