@@ -102,7 +102,7 @@ class BalancedLoader:
         shutdown = getattr(iterator, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
-        self._loader._iterator = None  # type: ignore[attr-defined]
+        self._loader._iterator = None
 
     def __len__(self) -> int:
         """Steps per epoch, the same on every rank."""
