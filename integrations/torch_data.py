@@ -91,9 +91,11 @@ class BalancedLoader:
     def set_epoch(self, epoch: int) -> None:
         """Use the permutation of ``epoch``, as ``DistributedSampler.set_epoch`` does: called while an epoch
         is being iterated, from the next iteration on (switching mid-epoch would repeat and skip samples)."""
+        epoch = _integer(epoch, "epoch", 0, None)
         if self._iterating:
-            self._next_epoch = _integer(epoch, "epoch", 0, None)
-        else:
+            self._next_epoch = epoch
+        else:  # and one asked for during an earlier iteration is superseded
+            self._next_epoch = None
             self.sampler.set_epoch(epoch)
 
     def close(self) -> None:

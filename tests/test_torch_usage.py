@@ -199,6 +199,13 @@ def mistakes(url: str, job: str) -> dict:
         result["epoch_then"] = loader.sampler.epoch
         next(iter(loader))  # the next epoch's first step (its loop left at once)
         result["epoch_next"] = loader.sampler.epoch
+        steps = iter(loader)
+        next(steps)
+        loader.set_epoch(3)  # asked for during an iteration ...
+        steps.close()
+        loader.set_epoch(2)  # ... and superseded by one asked for between iterations
+        next(iter(loader))
+        result["epoch_last"] = loader.sampler.epoch
     result["children_after_close"] = len(multiprocessing.active_children())  # the loader's worker too
     try:
         next(iter(loader))
@@ -336,7 +343,7 @@ def test_likely_mistakes_are_caught(outcomes: list[dict]) -> None:
     assert "pass loader.dataset" in result["dataloader"]
     assert "shuffle must be True or False" in result["shuffle"]
     assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == list(range(SAMPLES))  # once each, set_epoch or not
-    assert [(r["epoch_then"], r["epoch_next"]) for r in ranks] == [(0, 1)] * 2
+    assert [(r["epoch_then"], r["epoch_next"], r["epoch_last"]) for r in ranks] == [(0, 1, 2)] * 2
     assert [r["children_after_close"] for r in ranks] == [0, 0]
     assert "closed" in result["after_close"]
     assert "not ddp_model.module(x)" in result["module"]
