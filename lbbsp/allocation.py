@@ -77,8 +77,8 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
     bound while the others can hold the rest. Raises :class:`AllocationError` if the global batch does not
     fit within the bounds.
     """
-    if isinstance(global_batch, (bool, np.bool_)) or not isinstance(global_batch, (Integral, np.integer)) \
-            or not 0 <= global_batch <= MAX_BATCH:
+    # numpy's integers are Integral and its bool is not; config._is_integer is the same test, but config imports this
+    if isinstance(global_batch, bool) or not isinstance(global_batch, Integral) or not 0 <= global_batch <= MAX_BATCH:
         raise AllocationError(f"global_batch must be a whole number of samples in [0, {MAX_BATCH}], got {global_batch!r}")
     global_batch = int(global_batch)
     lower, upper = _sizes(lower, "lower"), _sizes(upper, "upper")

@@ -208,10 +208,10 @@ class LBBSPPolicy(Policy):
         lower, upper = self.bounds(workers, current_arr, config)
         proposed = self.propose(plan, config, lower, upper, time_model)
         may_idle = self._may_idle(lower)
-        # a worker sitting out is within bounds; one due back may not stay out
+        sitting = (current_arr == 0) & bool(self.sit_out)  # a worker sitting out is within its bounds
         in_bounds = current_arr.shape == proposed.shape and bool(
-            (((current_arr >= lower) | ((current_arr == 0) & bool(self.sit_out))) & (current_arr <= upper)).all()) and not (
-            may_idle and (current_arr[self.rounds_out.due(workers)] == 0).any())
+            (((current_arr >= lower) | sitting) & (current_arr <= upper)).all()) and not (
+            may_idle and (current_arr[self.rounds_out.due(workers)] == 0).any())  # one due back may not stay out
         band = self.band(time_model, current_arr)
         sizes, changed = damp(current_arr, proposed, plan, band) if in_bounds else (proposed, True)
         forced = lower.sum() == config.global_batch or upper.sum() == config.global_batch  # one split fits
