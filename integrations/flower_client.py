@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from numbers import Real
 from typing import Any, Protocol
 
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
@@ -55,6 +56,9 @@ class Workload:
         if self.deadline_s is not None and not (
                 isinstance(self.deadline_s, (int, float)) and 0 < self.deadline_s <= MAX_SECONDS):
             raise ConfigError(f"deadline_s must be in (0, {MAX_SECONDS}], got {self.deadline_s!r}")
+        if self.samples > MAX_BATCH:  # the round's samples go into one Report
+            raise ConfigError(f"batch_size x local_steps must be at most {MAX_BATCH:,} samples a round, got "
+                              f"{self.batch_size} x {self.local_steps}")
 
     @property
     def samples(self) -> int:
@@ -102,7 +106,9 @@ class MessageClock:
     """
 
     def download(self, msg: Message) -> float:
-        return max(0.0, time.time() - msg.metadata.created_at)
+        # A clock skewed either way gives 0 or at most a day, not a span no Report can carry (the server would
+        # refuse the whole reply, the update with it).
+        return min(max(0.0, time.time() - msg.metadata.created_at), MAX_SECONDS)
 
     def upload(self, nbytes: int) -> float:
         return 0.0
@@ -121,6 +127,12 @@ class EmulatedLink:
     down_bps: float
     up_bps: float
     count_delivery: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("down_bps", "up_bps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, Real) or not 0 < float(value) < math.inf:
+                raise ConfigError(f"{name} must be a positive number of bytes per second, got {value!r}")
 
     def download(self, msg: Message) -> float:
         seconds = self._transfer(array_bytes(msg.content), self.down_bps)
@@ -143,10 +155,15 @@ class LocalRound:
     >>> for batch_size in rnd.batches():          # one local step per batch; only this body is timed
     ...     model.step(next_batch(batch_size))
     >>> return rnd.reply(ArrayRecord(model.arrays()), {"train-loss": loss})
+
+    A step counts once the loop asks for the next batch size (or ends): a loop that stops early should
+    ``break`` before a step's work, as ``zip(rnd.batches(), loader)`` does when the data runs out; a step
+    broken out of after its work is not counted. ``config_key`` None (the default) reads the workload from
+    whichever ConfigRecord holds it (the strategy's ``configrecord_key``), else from "config".
     """
 
     def __init__(self, msg: Message, *, link: Link | None = None, default: Workload | None = None,
-                 data_size: int | None = None, config_key: str = "config",
+                 data_size: int | None = None, config_key: str | None = None,
                  weighted_by_key: str = "num-examples") -> None:
         if default is not None and not isinstance(default, Workload):
             raise ConfigError(f"default must be a Workload(batch_size, local_steps), got {default!r}")
@@ -156,7 +173,10 @@ class LocalRound:
         self.data_size = data_size
         self.link = link if link is not None else MessageClock()
         self.weighted_by_key = weighted_by_key
-        config: Mapping[str, Any] = msg.content.config_records.get(config_key, {})
+        records = msg.content.config_records
+        if config_key is None:
+            config_key = next((name for name, record in records.items() if BATCH_SIZE in record), "config")
+        config: Mapping[str, Any] = records.get(config_key, {})
         self.workload = Workload.from_config(config, default)
         self.download_s = self.link.download(msg)
         self.steps = 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from logging import INFO, WARNING
@@ -42,8 +43,7 @@ from lbbsp.client_history import ClientHistory, ClientStatus
 from lbbsp.errors import ConfigError, ProtocolError, StoreUnavailable
 from lbbsp.fedagg import fednova_scales, rescale_update
 from lbbsp.models import FLClientModel, NotFittedError
-from lbbsp.policies import _model
-from lbbsp.protocol import MAX_SECONDS, MAX_WORKERS, Report, equal_split
+from lbbsp.protocol import MAX_BATCH, MAX_SECONDS, MAX_WORKERS, Report, equal_split
 
 from .flower_client import COMPUTE_S, DATA_SIZE, DOWNLOAD_S, MAX_LOCAL_STEPS, SAMPLES, STEPS, UPLOAD_S, Workload
 
@@ -71,8 +71,8 @@ class ClientResult:
             value = metrics.get(key)
             if key == DATA_SIZE and value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
-                raise ProtocolError(f"must be a finite non-negative number, got {value!r}", field=key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) or value < 0:
+                raise ProtocolError(f"must be a finite non-negative number, got {value!r:.40}", field=key)
             values[key] = value
         if any(values[k] != int(values[k]) for k in (SAMPLES, STEPS, DATA_SIZE) if k in values):
             raise ProtocolError("samples, steps and data size must be whole numbers", field=SAMPLES)
@@ -100,6 +100,12 @@ class ClientResult:
         if weight_by != "samples" and self.data_size is not None:
             return self.data_size
         return self.samples
+
+
+def _finite(value: int | float) -> bool:
+    """Whether a metric is a finite float or an int under 2**63 (a MetricRecord built in process may hold a
+    larger one, which numpy's isfinite and float() refuse)."""
+    return math.isfinite(value) if isinstance(value, float) else abs(value) < 2**63
 
 
 def has_timings(metrics: MetricRecord) -> bool:
@@ -164,7 +170,7 @@ class LoadBalanced(Strategy):
         if not isinstance(history, ClientHistory):
             raise ConfigError(f"history must be a ClientHistory, e.g. ClientHistory.from_url(url, job), "
                               f"got {history!r}")
-        Workload(batch_size, local_steps)  # validates both
+        Workload(batch_size, local_steps)  # validates both, and that one client's round fits a Report
         if adapt not in ("batch", "steps"):
             raise ConfigError(f"adapt must be 'batch' or 'steps', got {adapt!r}")
         if weight_by not in ("auto", "samples", "data"):
@@ -193,7 +199,10 @@ class LoadBalanced(Strategy):
         self.compensate_dropouts = compensate_dropouts
         self.sit_out = sit_out_share(sit_out)
         self.rounds_out = RoundsOut(rejoin_after)
-        self.model = _model(model) or FLClientModel(local_steps)
+        if model is not None and not isinstance(model, FLClientModel):
+            raise ConfigError(f"model must be an FLClientModel (lbbsp.models): the plan needs each client's transfer "
+                              f"time and availability, which only it learns; got {model!r}")
+        self.model = model or FLClientModel(local_steps)
         self.weighted_by_key: str = getattr(strategy, "weighted_by_key", "num-examples")
         self.configrecord_key: str = getattr(strategy, "configrecord_key", "config")
         self._pending: dict[int, _Round] = {}
@@ -205,6 +214,7 @@ class LoadBalanced(Strategy):
         last = history.statuses()  # each client's last outcome: a start for its availability after a restart
         self._round_base = max([r.iteration for rounds in stored for r in rounds] +
                                [status.round for status in last.values()], default=0)
+        self._last_iteration = self._round_base  # the highest round recorded: a second start() carries on from it
         if stored:
             self.model.fit(stored)
         if last:
@@ -220,6 +230,8 @@ class LoadBalanced(Strategy):
     # -- training ----------------------------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
+        if server_round == 1:  # a run starts (again): its rounds follow every round recorded before
+            self._round_base = self._last_iteration
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         plan = self.plan(server_round, [m.metadata.dst_node_id for m in messages])
         messages = [m for m in messages if m.metadata.dst_node_id in plan]  # the others sit this round out
@@ -266,9 +278,7 @@ class LoadBalanced(Strategy):
         """The split of the smallest total (at most ``MAX_COMPENSATION`` x ``total``, and what ``max_size``
         holds) whose samples expected back reach ``total``: a bisection, since more in total never brings less
         back."""
-        low, high = total, MAX_COMPENSATION * total
-        if self.max_size is not None:
-            high = min(high, self.max_size * stay.size)
+        low, high = total, min(MAX_COMPENSATION * total, self._largest(MAX_COMPENSATION * total) * stay.size)
         while low < high:
             middle = (low + high) // 2
             if available @ self._split(time_model, middle, stay)[0] >= total:
@@ -283,7 +293,7 @@ class LoadBalanced(Strategy):
         count = stay.size
         if time_model is None:
             return np.array(equal_split(total, count)), "equal split (no measurements yet)"
-        upper = min(self.max_size or total, total)
+        upper = self._largest(total)
         sizes = allocate_sitting_out(time_model, total, [self.min_size] * count, [upper] * count, self.sit_out,
                                      MIN_GAIN, stay=stay)
         predicted = predicted_makespan(time_model, sizes)
@@ -291,6 +301,12 @@ class LoadBalanced(Strategy):
         if not balanced:
             return chosen, f"equal split (balancing gains under {MIN_GAIN:.0%}; predicted round {predicted:.3g}s)"
         return sizes, f"predicted round {predicted:.3g}s"
+
+    def _largest(self, total: int) -> int:
+        """The most one client may be given of a round ``total``: ``max_size``, and no more samples in a round
+        than a Report can carry (``MAX_BATCH``)."""
+        other = self.local_steps if self.adapt == "batch" else self.batch_size
+        return min(self.max_size or total, total, MAX_BATCH // other)
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -319,10 +335,12 @@ class LoadBalanced(Strategy):
         workers = sent.workers if sent is not None else {}
         iteration = self._round_base + server_round
         now = time.time()
+        self._last_iteration = max(self._last_iteration, iteration)
+        odd = self._unlike_the_others(replies)
         for message in replies:
             node = message.metadata.src_node_id
             worker = workers.get(node)
-            reason = (message.error.reason or "error reply") if message.has_error() else ""
+            reason = (message.error.reason or "error reply") if message.has_error() else odd.get(node, "")
             if not reason:
                 try:
                     results[node], report = self.check_reply(message, sent, worker, iteration)
@@ -361,10 +379,14 @@ class LoadBalanced(Strategy):
         records = message.content.metric_records
         if sent is not None:  # every train reply, a plain Flower one too: it is averaged into the model
             _check_arrays(sent.arrays, message.content)
-            if len(records) > 1:  # the strategy would refuse the round (InconsistentMessageReplies), not the reply
-                raise ProtocolError(f"must hold at most one MetricRecord, holds {len(records)}", field="metrics")
-        metrics = next(iter(records.values()), MetricRecord())
+        if len(records) != 1:  # the strategy would refuse the round (InconsistentMessageReplies), not the reply
+            raise ProtocolError(f"must hold one MetricRecord, holds {len(records)}", field="metrics")
+        metrics = next(iter(records.values()))
         if not has_timings(metrics):
+            weight = metrics.get(self.weighted_by_key)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+                raise ProtocolError(f"a reply without lbbsp's metrics must give its weight as a number, got "
+                                    f"{weight!r}", field=self.weighted_by_key)
             return None, None
         result = ClientResult.from_metrics(metrics)
         if sent is not None:
@@ -376,6 +398,28 @@ class LoadBalanced(Strategy):
             return result, None
         return result, Report(self.history.job, worker, iteration, result.samples, result.compute_s,
                               features={"download_s": result.download_s, "upload_s": result.upload_s})
+
+    def _unlike_the_others(self, replies: list[Message]) -> dict[int, str]:
+        """Why each reply whose records are laid out unlike most of the round's is left out, by node: the
+        wrapped strategy refuses a round whose replies differ in record names or metric keys, so one odd reply
+        would otherwise cost every client's update. The layout most replies share is kept (on a tie, the
+        first reply's)."""
+        layouts = {m.metadata.src_node_id: self._layout(m) for m in replies if not m.has_error()}
+        if len(set(layouts.values())) < 2:
+            return {}
+        counts = Counter(layouts.values())
+        kept = max(counts, key=counts.__getitem__)  # Counter keeps the first-seen order; max takes the first best
+        return {node: f"bad reply: its records {_describe(layout)} differ from the round's others "
+                      f"{_describe(kept)}" for node, layout in layouts.items() if layout != kept}
+
+    def _layout(self, message: Message) -> tuple[tuple[str, ...], tuple[str, ...], frozenset[str]]:
+        """What the wrapped strategy needs alike in every reply: the names of the ArrayRecords and MetricRecords
+        and the metric keys that reach it (lbbsp's own are removed; the weight key is set)."""
+        content = message.content
+        keys = {name for record in content.metric_records.values() for name in record.keys()
+                if not name.startswith(LBBSP_PREFIX)}
+        return (tuple(sorted(content.array_records.keys())), tuple(sorted(content.metric_records.keys())),
+                frozenset(keys | {self.weighted_by_key}))
 
     def normalise(self, sent: _Round, replies: list[Message], results: dict[int, ClientResult | None]) -> None:
         """Set each lbbsp reply's weight (``weight_by``); rescale updates FedNova-style if steps differ.
@@ -519,9 +563,21 @@ def _check_arrays(model: ArrayRecord, content: RecordDict) -> None:
                                 field=f"arrays.{name}")
         if array.dtype != model[name].dtype:
             raise ProtocolError(f"dtype {array.dtype}, the model's is {model[name].dtype}", field=f"arrays.{name}")
-        values = array.numpy()
+        try:  # the labels above are the sender's word: the bytes decide what the average gets
+            values = array.numpy()
+        except (ValueError, TypeError) as exc:
+            raise ProtocolError(f"cannot be read as an array: {exc}", field=f"arrays.{name}") from None
+        expected = model[name].numpy()
+        if values.shape != expected.shape or values.dtype != expected.dtype:
+            raise ProtocolError(f"holds a {values.dtype} array of shape {values.shape}, the model's is "
+                                f"{expected.dtype} of shape {expected.shape}", field=f"arrays.{name}")
         if values.dtype.kind in "fc" and not np.isfinite(values).all():
             raise ProtocolError("holds NaN or infinite values", field=f"arrays.{name}")
+
+
+def _describe(layout: tuple[tuple[str, ...], tuple[str, ...], frozenset[str]]) -> str:
+    arrays, metrics, keys = layout
+    return f"(arrays {list(arrays)}, metrics {list(metrics)} with keys {sorted(keys)[:8]})"
 
 
 def _whole(name: str, value: object) -> int:

@@ -23,10 +23,10 @@ from typing import Literal, TypeVar
 
 import redis
 
-from .config import _job_name
+from .config import _integer, _job_name
 from .errors import ProtocolError, StoreUnavailable
 from .protocol import MAX_PAYLOAD_BYTES, MAX_REASON_CHARS, MAX_WORKERS, Report
-from .store import REDIS_ERRORS, connect
+from .store import REDIS_FAILURES, connect
 
 T = TypeVar("T")
 
@@ -106,8 +106,8 @@ class ClientHistory:
                  owns_client: bool = False) -> None:
         self.client = client
         self.job = _job_name(job)  # checked here: an invalid one would have every reply refused
-        self.ttl_s = ttl_s
-        self.max_reports = max_reports
+        self.ttl_s = _integer(ttl_s, "ttl_s", 1, None, job)  # 0 would delete what each write stores
+        self.max_reports = _integer(max_reports, "max_reports", 1, None, job)  # 0 would keep every report
         self.prefix = f"lbbsp:{job}:fl:"
         self._owns_client = owns_client
         self._assign = client.register_script(self.ASSIGN_INDICES)
@@ -221,5 +221,5 @@ class ClientHistory:
     def _call(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         try:
             return fn(*args, **kwargs)
-        except REDIS_ERRORS as exc:
-            raise StoreUnavailable(f"cannot reach Redis: {exc}", job=self.job) from exc
+        except REDIS_FAILURES as exc:  # unreachable, or refusing (out of memory, read-only replica, ...)
+            raise StoreUnavailable(f"Redis unusable ({type(exc).__name__}): {exc}", job=self.job) from exc
