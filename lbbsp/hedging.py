@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
 
 import numpy as np
 
-from .allocation import HingeTime, InvertibleTimeModel, LinearTime, TimeModel
+from .allocation import HingeTime, LinearTime, TimeModel
 from .config import _integer, _real
-from .models.auto import MixedTime
+from .models.auto import GroupedTime, grouped
 from .models.base import Hardware, hardware_of
 from .protocol import Report
 
@@ -48,12 +47,9 @@ def hedged(model: TimeModel, factor: np.ndarray) -> TimeModel:
     is hedged group by group while every group keeps one; any other model is left to the allocator's search.
     """
     factor = np.asarray(factor, dtype=float)
-    if isinstance(model, MixedTime):
-        groups = [(positions, hedged(inner, factor[positions])) for positions, inner in model.groups]
-        if all(hasattr(inner, "capacity") for _, inner in groups):
-            return MixedTime(tuple((positions, cast(InvertibleTimeModel, inner)) for positions, inner in groups),
-                             model.size)
-        return HedgedTime(model, factor)  # a group of a model of the user's own: the allocator searches
+    if isinstance(model, GroupedTime):  # a group of a model of the user's own: the allocator searches
+        return grouped(tuple((positions, hedged(inner, factor[positions])) for positions, inner in model.groups),
+                       model.size)
     if isinstance(model, (LinearTime, HingeTime)):
         return InvertibleHedgedTime(model, factor)
     return HedgedTime(model, factor)

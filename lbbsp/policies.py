@@ -26,7 +26,7 @@ from .config import JobConfig, _integer, _real
 from .errors import ConfigError
 from .hedging import ForecastRisk, hedged
 from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
-from .models.auto import MixedTime
+from .models.auto import GroupedTime
 from .models.base import WorkerIds
 from .protocol import Report
 
@@ -271,10 +271,10 @@ def _forecast_share(time_model: TimeModel, sizes: np.ndarray) -> float:
 
 def _overhead(time_model: TimeModel, count: int) -> np.ndarray | None:
     """Each of ``count`` workers' time that no forecast sets (a :class:`LinearTime`'s overhead; a
-    :class:`MixedTime` has its groups'), or None where there is none."""
+    :class:`GroupedTime` has its groups'), or None where there is none."""
     if isinstance(time_model, LinearTime):
         return np.broadcast_to(time_model.overhead, (count,)) if np.any(time_model.overhead) else None
-    if isinstance(time_model, MixedTime):
+    if isinstance(time_model, GroupedTime):
         parts = [(positions, _overhead(model, positions.size)) for positions, model in time_model.groups]
         if all(part is None for _, part in parts):
             return None

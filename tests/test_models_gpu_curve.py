@@ -89,9 +89,11 @@ def test_gpu_mix_never_exceeds_memory_with_peak_held_readings(seed: int) -> None
 
 
 def test_a_new_gpu_is_capped_by_the_memory_it_announces() -> None:
-    """Two A100s measured on 32-core hosts (1.5 GB + 85 MB per sample of 40 GB); a third on a 64-core host
-    announces its memory: it is capped at what 38 GB holds at 97.5 MB per sample (measured at 120), not left
-    uncapped for lack of peers with its exact hardware; one that announces nothing stays uncapped."""
+    """Two A100s measured on 32-core hosts (1.5 GB + 85 MB per sample of 40 GB) at 112 and 120 samples: sizes
+    too close to follow their line far (it allowed 436), so the line through the origin caps them. A third on a
+    64-core host announces its memory: it is capped at what its free memory holds at 97.5 MB per sample
+    (measured at 120), not left uncapped for lack of peers with its exact hardware; one that announces nothing
+    stays uncapped."""
     model = BatchTimeCurve()
 
     def features(size: int, cores: float) -> dict[str, float]:
@@ -105,8 +107,8 @@ def test_a_new_gpu_is_capped_by_the_memory_it_announces() -> None:
                               features={"gpu_mem_used": 0.5 * GB, "gpu_mem_free": 39.5 * GB, "cores": 64.0}),
                        Report("g", 3, 1, 0, 0.0, device="cuda:A100", features={"cores": 16.0})])
     caps = model.max_batch([0, 1, 2, 3])
-    assert caps[0] == caps[1] == 436
-    assert caps[2] == 390  # (0.5 + 0.95 * 39.5) GB / (11.7 GB / 120)
+    assert caps[0] == caps[1] == 395  # (11.7 + 0.95 * 28.3) GB / (11.7 GB / 120)
+    assert caps[2] == 384  # 0.95 * 39.5 GB / (11.7 GB / 120): the 0.5 GB in use is not planned on (it was 390)
     assert caps[3] > 1e9
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 from sklearn.base import clone
 
-from ..allocation import InvertibleTimeModel, LinearTime
+from ..allocation import InvertibleTimeModel, LinearTime, TimeModel
 from ..config import _integer
 from ..errors import ConfigError
 from ..protocol import Report
@@ -37,6 +38,13 @@ def worker_kind(report: Report) -> str:
     return "cpu"
 
 
+def grouped(groups: tuple[tuple[np.ndarray, TimeModel], ...], size: int) -> GroupedTime:
+    """A :class:`MixedTime` of ``groups`` where each has ``capacity``, else a :class:`GroupedTime`."""
+    if all(hasattr(model, "capacity") for _, model in groups):
+        return MixedTime(cast(tuple[tuple[np.ndarray, InvertibleTimeModel], ...], groups), size)
+    return GroupedTime(groups, size)
+
+
 def default_models(horizon: int = 2) -> dict[str, CapacityModel]:
     """NARX for CPU workers (forecasting ``horizon`` iterations ahead), the batch-time curve for GPUs, the
     client model for federated clients."""
@@ -44,10 +52,11 @@ def default_models(horizon: int = 2) -> dict[str, CapacityModel]:
 
 
 @dataclass(frozen=True)
-class MixedTime:
-    """Time model of a job whose workers are split into groups, each with its own invertible time model."""
+class GroupedTime:
+    """Time model of a job whose workers are split into groups, each with its own time model; the allocator
+    searches it (:class:`MixedTime` where every group's model is invertible)."""
 
-    groups: tuple[tuple[np.ndarray, InvertibleTimeModel], ...]  # (positions in the job's worker list, model)
+    groups: tuple[tuple[np.ndarray, TimeModel], ...]  # (positions in the job's worker list, model)
     size: int
 
     def time(self, sizes: np.ndarray) -> np.ndarray:
@@ -55,6 +64,13 @@ class MixedTime:
         for positions, model in self.groups:
             out[positions] = model.time(np.asarray(sizes)[positions])
         return out
+
+
+@dataclass(frozen=True)
+class MixedTime(GroupedTime):
+    """Time model of a job whose workers are split into groups, each with its own invertible time model."""
+
+    groups: tuple[tuple[np.ndarray, InvertibleTimeModel], ...]
 
     def capacity(self, deadline: float) -> np.ndarray:
         out = np.empty(self.size)
@@ -150,16 +166,18 @@ class AutoCapacityModel(CapacityModel):
                                                         np.asarray(upper)[positions])
         return out
 
-    def time_model(self, workers: WorkerIds) -> InvertibleTimeModel:
+    def time_model(self, workers: WorkerIds) -> TimeModel:
+        """One time model per kind; a :class:`MixedTime` where the job mixes kinds (a :class:`GroupedTime`,
+        searched, where a model of the user's own gives one without ``capacity``)."""
         self._check_is_fitted("models_")
         ids = worker_ids(workers)
         groups = self._groups(ids)
         if len(groups) == 1:
             return self._time_model(next(iter(groups)), ids)
-        return MixedTime(tuple((positions, self._time_model(kind, ids[positions])) for kind, positions in groups.items()),
-                         ids.size)
+        return grouped(tuple((positions, self._time_model(kind, ids[positions])) for kind, positions in groups.items()),
+                       ids.size)
 
-    def _time_model(self, kind: str, ids: np.ndarray) -> InvertibleTimeModel:
+    def _time_model(self, kind: str, ids: np.ndarray) -> TimeModel:
         """The ``kind``'s model's time model, or equal speeds where that model has had no report."""
         return self.models_[kind].time_model(ids) if kind in self.fed_ else LinearTime(np.ones(ids.size))
 

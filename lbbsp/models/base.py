@@ -24,7 +24,7 @@ import numpy as np
 from sklearn import exceptions
 from sklearn.base import BaseEstimator
 
-from ..allocation import InvertibleTimeModel, LinearTime
+from ..allocation import LinearTime, TimeModel
 from ..errors import ConfigError, LBBSPError
 from ..protocol import Report
 
@@ -109,15 +109,22 @@ class CapacityModel(BaseEstimator):
         value of a parameter that shapes what was learned (``window``, ``lags``, ...) makes a fitted model forget
         it, as :meth:`fit` does, so that the model relearns with the value instead of ignoring it."""
         before = self.get_params(deep=False)
-        super().set_params(**params)
         try:
+            super().set_params(**params)
             self._check_params()
-        except ConfigError:
+        except (ConfigError, ValueError):  # a bad value, or a misspelt name (scikit-learn sets the names before it)
             super().set_params(**{name: before[name] for name in params if name in before})
             raise
-        if any(name in self._STRUCTURAL and _changed(before[name], value) for name, value in params.items()):
+        changed = {name for name, value in params.items() if name in before and _changed(before[name], value)}
+        if changed & self._STRUCTURAL:
             self._forget()
+        elif changed:
+            self._parameters_changed(changed)
         return self
+
+    def _parameters_changed(self, names: set[str]) -> None:
+        """Apply new values of ``names`` (none structural) to what was learned, where a model caches what they
+        shape; otherwise they apply from the next update."""
 
     def fit(self, history: Iterable[Sequence[Report]] | Iterable[Report]) -> CapacityModel:
         """Forget what was learned, then learn from each iteration's reports in order: ``history`` holds one
@@ -152,7 +159,7 @@ class CapacityModel(BaseEstimator):
         history, NaN only when no worker has any."""
         raise NotImplementedError
 
-    def time_model(self, workers: WorkerIds) -> InvertibleTimeModel:
+    def time_model(self, workers: WorkerIds) -> TimeModel:
         """Predicted time as a function of batch size; linear in the size unless a model knows better. A worker
         with no forecast (NaN) is taken at the median speed; one predicted at 0 or below never finishes."""
         speed = self.predict(workers)

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..allocation import LinearTime
 from ..config import _integer, _real
-from ..protocol import Report
+from ..protocol import MAX_SECONDS, Report
 from .base import CapacityModel, WorkerIds, as_reports, measured_throughput, smoothed
 
 
@@ -98,4 +98,6 @@ class FLClientModel(CapacityModel):
         for name in ("bandwidth_down", "bandwidth_up"):
             if features.get(name, 0.0) > 0:
                 seconds += self.model_bytes / features[name]
-        return seconds if seconds > 0 else None
+        # a bandwidth near 0 (a glitch) would give a time no average recovers from: at most what a Report
+        # carries as measured transfer times, a day each way
+        return min(seconds, 2 * MAX_SECONDS) if seconds > 0 else None

@@ -7,7 +7,8 @@ reading at that size. Repeats of a size average the noise out instead of pushing
 new size needs a slot the two closest sizes merge (at a whole size), so the widest spread of sizes (what pins
 the slope) stays in the slots through a long run at one size, though with decaying weight: once that spread
 has decayed far, the curve counts as unknown again and is explored again. The slots are fitted with the best
-hinge whose knee is 0 or one of the slot sizes (non-negative slope, so the fit is monotone). Workers with the
+hinge whose knee is 0, one of the slot sizes or between two of them (non-negative slope, so the fit is
+monotone). Workers with the
 same hardware key share what they learn: each curve is shrunk toward its group's mean as far as the group's
 spread allows. Memory: bytes = a + b * batch from the slots' ``gpu_mem_used`` where the readings identify the
 line, else the line through the origin and the largest measurement (:func:`fit_memory_cap`), refitted
@@ -30,6 +31,10 @@ _NO_CAP = np.iinfo(np.int64).max // 4
 #: The memory line counts only where its slope is at least this share of the bytes per sample in use at the
 #: largest size measured (fit_memory_cap).
 _MIN_SLOPE_SHARE = 0.1
+#: The memory line is trusted this many times the span of the sizes it was fitted on past the largest of them:
+#: a slope fitted on close sizes (an exploration's 5%) is off by what the readings' noise is over that span.
+#: Further on, the line through the origin (which errs low) sets the cap, and the cap grows as sizes spread.
+_LINE_REACH = 2.0
 #: A known curve becomes unknown (and is explored again) when its weighted spread of sizes has decayed to this
 #: share of the spread that made it known.
 _STILL_KNOWN = 1e-3
@@ -43,15 +48,16 @@ _SHIFT, _SHIFT_SIGMAS, _SHIFT_MISSES = 0.10, 6.0, 2
 def fit_hinge(sizes: np.ndarray, times: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Weighted least-squares hinge  t = base + slope * max(x - knee, 0)  per row, slope >= 0.
 
-    Arrays are (workers, points); ``weight`` 0 (or False) marks an absent point. The knee is 0 or one of the
-    row's sizes above its smallest (so some points lie on the flat part), taken only when it fits clearly
-    better than the straight line. A row with a single distinct size says nothing about the shape: it gets
+    Arrays are (workers, points); ``weight`` 0 (or False) marks an absent point. The knee is 0, one of the
+    row's sizes or the best knee between two neighbouring sizes (:func:`_knees_between`), above its smallest
+    size (so some points lie on the flat part), taken only when it fits clearly better than the straight line. A row with a single distinct size says nothing about the shape: it gets
     the proportional line through the origin (the CPU assumption). Pure function.
     """
     w = np.asarray(weight, dtype=float)
     present = w > 0
     n = sizes.shape[0]
-    knees = np.concatenate([np.zeros((n, 1)), np.where(present, sizes, 0.0)], axis=1)  # (n, J)
+    knees = np.concatenate([np.zeros((n, 1)), np.where(present, sizes, 0.0), _knees_between(sizes, times, w)],
+                           axis=1)  # (n, J)
     t = np.where(present, times, 0.0)
     base, slope, proportional = line_from_sums(hinge_sums(sizes[:, None, :], t[:, None, :], w[:, None, :],
                                                           knees[:, :, None]))
@@ -65,6 +71,28 @@ def fit_hinge(sizes: np.ndarray, times: np.ndarray, weight: np.ndarray) -> tuple
     single = ~(np.where(present, sizes, -np.inf).max(1) > smallest)
     return (np.where(single, 1e-9, np.maximum(base[pick], 1e-9)), np.where(single, 0.0, knees[pick]),
             np.where(single, proportional[:, 0], slope[pick]))
+
+
+def _knees_between(sizes: np.ndarray, times: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """For each pair of neighbouring sizes of each row, the knee between them that fits best: where the mean of
+    the points up to the lower size (the flat part) meets the least-squares line of the points from the upper
+    size on, clipped to the pair. (n, points - 1); 0 where the points above do not determine a rising line.
+    A knee that falls between measured sizes is found exactly, where the sizes alone missed it by a gap."""
+    order = np.argsort(np.where(w > 0, sizes, np.inf), axis=1)  # absent points last, weight 0
+    x, t, v = (np.take_along_axis(np.asarray(a, dtype=float), order, axis=1) for a in (sizes, times, w))
+    x = np.where(v > 0, x, 0.0)
+    left_w, left_t = np.cumsum(v, 1)[:, :-1], np.cumsum(v * t, 1)[:, :-1]
+
+    def above(a: np.ndarray) -> np.ndarray:  # sums over the points from the upper size of each pair on
+        return np.cumsum(a[:, ::-1], 1)[:, ::-1][:, 1:]
+
+    r_w, r_x, r_t, r_xx, r_xt = (above(a) for a in (v, v * x, v * t, v * x * x, v * x * t))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        det = r_w * r_xx - r_x ** 2
+        slope = (r_w * r_xt - r_x * r_t) / det
+        knee = (left_t / left_w - (r_t - slope * r_x) / r_w) / slope
+    fits = (left_w > 0) & (det > 1e-9 * np.maximum(r_w * r_xx, 1e-300)) & (slope > 0) & np.isfinite(knee)
+    return np.where(fits, np.clip(np.nan_to_num(knee), x[:, :-1], x[:, 1:]), 0.0)
 
 
 def hinge_sums(sizes: np.ndarray, times: np.ndarray, w: np.ndarray, knees: np.ndarray) -> np.ndarray:
@@ -106,7 +134,9 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
     which would put the cap many cards away, the second. Elsewhere bytes follow the line through the origin and
     the largest measurement, which over-predicts them above it (a >= 0), so the cap errs low; and where the
     fitted a < 0, whichever of the two lines predicts more. So the cap goes about ten times as far past the
-    largest measured size as the line through the origin would, at most. ``held``: rows whose readings were
+    largest measured size as the line through the origin would, at most, and the fitted line is followed at
+    most ``_LINE_REACH`` times the span of measured sizes past the largest (its slope is only as good as the
+    readings are over that span); beyond, the origin line's cap, where that reaches further. ``held``: rows whose readings were
     seen not to fall when the size did (a caching allocator's peak, which slots merged from several sizes can
     hide from the first test); they get the line through the origin.
     """
@@ -132,7 +162,10 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
             linear &= ~held
         origin_cap = budget / through_origin
         line_cap = (budget - np.where(linear, a, 0.0)) / np.where(linear, b, 1.0)
-        cap = np.where(linear, np.where(a < 0, np.minimum(line_cap, origin_cap), line_cap), origin_cap)
+        top, bottom = sizes[rows, largest], np.where(valid, sizes, np.inf).min(1)
+        reach = top + _LINE_REACH * (top - bottom)
+        reached = np.where(line_cap <= reach, line_cap, np.maximum(reach, origin_cap))
+        cap = np.where(linear, np.where(a < 0, np.minimum(line_cap, origin_cap), reached), origin_cap)
     cap = np.where(count > 0, cap, np.inf)
     return np.floor(np.clip(np.nan_to_num(cap, nan=0.0, posinf=_NO_CAP), 0, _NO_CAP)).astype(np.int64)
 
@@ -273,8 +306,8 @@ class BatchTimeCurve(CapacityModel):
         """Largest batch each worker's GPU memory holds (with the margin). For a worker with no memory reading of
         its own yet (not measured, or measured without GPU features), the smallest cap on its hardware (else it
         would take what its capped peers cannot hold, and run out of memory) and, where it announced its GPU
-        memory, what that holds at the most bytes per sample any worker measured (both where both apply); a huge
-        number where nothing is known."""
+        memory, what the memory it announced free holds at the most bytes per sample any worker measured (both
+        where both apply); a huge number where nothing is known."""
         self._check_is_fitted("slot_size_")
         workers_arr = worker_ids(workers)
         inside = workers_arr < self.count_.size
@@ -291,7 +324,8 @@ class BatchTimeCurve(CapacityModel):
             rates = self.mem_rate_[measured & (self.mem_rate_ > 0)]
             if rates.size:
                 cold_safe = np.where(inside[cold], workers_arr[cold], 0)
-                budget = self._budget(self.mem_total_[cold_safe], self.mem_announced_[cold_safe])
+                in_use = self.mem_announced_[cold_safe]  # another process's, or this worker's loaded model
+                budget = self._budget(self.mem_total_[cold_safe], in_use) - in_use
                 announced = np.floor(np.clip(np.nan_to_num(budget / rates.max(), nan=_NO_CAP), 0, _NO_CAP))
                 caps[cold] = np.where(inside[cold], np.minimum(caps[cold], announced.astype(np.int64)), caps[cold])
         return caps
@@ -329,6 +363,11 @@ class BatchTimeCurve(CapacityModel):
     def _needed_spread(self, largest: np.ndarray) -> np.ndarray:
         """The span of sizes that makes a curve known: explore_fraction / 2 of the largest, at least 1."""
         return np.maximum(1.0, 0.5 * self.explore_fraction * largest)
+
+    def _parameters_changed(self, names: set[str]) -> None:
+        """New memory margins apply to the cached caps at once (they are refitted only when a reading changes)."""
+        if names & {"memory_margin", "memory_floor"} and hasattr(self, "cap_"):
+            self._fit_memory(np.arange(self.cap_.size))
 
     def _budget(self, total: np.ndarray, seen: np.ndarray) -> np.ndarray:
         """Bytes a worker may plan to use: ``seen`` in use and (1 - memory_margin) of the rest of its card

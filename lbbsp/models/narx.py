@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from numbers import Integral
+from typing import Any
 
 import numpy as np
 
@@ -176,18 +177,13 @@ class NARXThroughput(CapacityModel):
         self._check_params()
         self.rng_ = np.random.default_rng(self.random_state)
         width = self.lags + self.exog_lags * len(self.features)
-        shapes = [(a, b) for a, b in zip([width, *self.hidden], [*self.hidden, 1])]
         # all weights and biases in one flat vector (Adam then updates it in a few array operations);
         # weights_ holds (W, b) views into it. Glorot-uniform weights and zero biases, as MLPRegressor.
-        self.params_ = np.zeros(sum(a * b + b for a, b in shapes))
-        self.weights_ = []
-        start = 0
-        for fan_in, fan_out in shapes:
-            w = self.params_[start:start + fan_in * fan_out].reshape(fan_in, fan_out)
+        self.params_ = np.zeros(sum(a * b + b for a, b in self._shapes()))
+        self.weights_ = self._views()
+        for w, _ in self.weights_:
+            fan_in, fan_out = w.shape
             w[:] = self.rng_.uniform(-1, 1, w.shape) * np.sqrt(6.0 / (fan_in + fan_out))
-            start += fan_in * fan_out
-            self.weights_.append((w, self.params_[start:start + fan_out]))
-            start += fan_out
         self.moments_ = np.zeros((2, self.params_.size))  # Adam's first and second moments
         self.buffer_x_ = np.empty((self.buffer_size, width))
         self.buffer_y_ = np.empty(self.buffer_size)
@@ -204,6 +200,28 @@ class NARXThroughput(CapacityModel):
         self.forecast_ = None
         self.pending_ = None
         self.recent_error_ = np.full(2, np.inf)  # (network, EWMA level), smoothed over updates
+
+    def _shapes(self) -> list[tuple[int, int]]:
+        """(fan in, fan out) of each layer."""
+        width = self.lags + self.exog_lags * len(self.features)
+        return list(zip([width, *self.hidden], [*self.hidden, 1]))
+
+    def _views(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(W, b) of each layer as views into ``params_``, which Adam updates in place."""
+        views, start = [], 0
+        for fan_in, fan_out in self._shapes():
+            w = self.params_[start:start + fan_in * fan_out].reshape(fan_in, fan_out)
+            start += fan_in * fan_out
+            views.append((w, self.params_[start:start + fan_out]))
+            start += fan_out
+        return views
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling (and deepcopy) copies ``weights_`` apart from ``params_``: make them views again, or Adam
+        would update parameters the network no longer reads (a policy sent to a spawned coordinator froze)."""
+        super().__setstate__(state)
+        if "params_" in self.__dict__:
+            self.weights_ = self._views()
 
     def _grow(self, size: int) -> None:
         extra = size - self.count_.size

@@ -1,0 +1,138 @@
+"""Capacity models, from a read-and-probe audit: a copied NARX keeps learning, memory caps stay on the card
+when readings are noisy or the card is partly taken, parameters apply as documented, a knee between measured
+sizes is found, one glitched bandwidth does not poison a client, and a mixed job takes a model of one's own."""
+from __future__ import annotations
+
+import copy
+import pickle
+
+import numpy as np
+import pytest
+
+from lbbsp.allocation import allocate
+from lbbsp.errors import ConfigError
+from lbbsp.models import (
+    AutoCapacityModel,
+    BatchTimeCurve,
+    FLClientModel,
+    LastValue,
+    NARXThroughput,
+    fit_hinge,
+    fit_memory_cap,
+)
+from lbbsp.protocol import Report
+
+GB, MB = 1e9, 1e6
+
+
+def _cpu_history(iterations: int, start: int = 0) -> list[list[Report]]:
+    rng = np.random.default_rng(start)
+    return [[Report("j", w, k, 100, float(rng.uniform(0.5, 1.5)) * (1 + w), features={"cpu_util": 0.5})
+             for w in range(3)] for k in range(start, start + iterations)]
+
+
+@pytest.mark.parametrize("copy_of", [lambda m: pickle.loads(pickle.dumps(m)), copy.deepcopy],
+                         ids=["pickle", "deepcopy"])
+def test_a_copied_narx_learns_on_exactly_as_the_original(copy_of: object) -> None:
+    # the coordinator pickles its policy into a spawned process: the copy's network had stopped reading what
+    # Adam updated, so a pre-trained NARX froze there
+    original = NARXThroughput(random_state=0, warmup=0).fit(_cpu_history(30))
+    twin = copy_of(original)  # type: ignore[operator]
+    for reports in _cpu_history(20, start=30):
+        original.partial_fit(reports)
+        twin.partial_fit(reports)
+    np.testing.assert_array_equal(twin.predict([0, 1, 2]), original.predict([0, 1, 2]))
+    assert np.shares_memory(twin.weights_[0][0], twin.params_)
+
+
+def test_a_memory_line_from_close_sizes_is_not_followed_past_the_card() -> None:
+    """4 GB + 20 MB per sample on a 16 GB card (592 samples fit 99%), measured at sizes 5% apart with 40 MB of
+    noise: the slope is off by what the noise is over 24 samples, and 611 caps in 2,000 lay past the card."""
+    rng = np.random.default_rng(0)
+    sizes = np.tile([240.0, 252.0, 264.0], (2000, 1))
+    used = 4 * GB + 20 * MB * sizes + rng.normal(0, 40 * MB, sizes.shape)
+    budget = np.minimum(0.99 * 16 * GB, used[:, 2] + 0.95 * (16 * GB - used[:, 2]))
+    caps = fit_memory_cap(sizes, used, np.ones(sizes.shape, bool), budget)
+    assert (4 * GB + 20 * MB * caps <= 16 * GB).all()
+    assert (caps > 264).all()  # it still grows, along the line through the origin
+
+
+def test_a_new_gpu_is_not_planned_on_memory_already_in_use() -> None:
+    model = BatchTimeCurve()
+    for k, size in enumerate([100, 300]):  # 2 GB + 20 MB per sample on 16 GB cards
+        model.partial_fit([Report("j", w, k, size, 0.1, device="cuda:T4", features={
+            "gpu_mem_used": 2 * GB + 20 * MB * size, "gpu_mem_free": 14 * GB - 20 * MB * size}) for w in (0, 1)])
+    other = 6 * GB  # another process holds 6 GB of the new worker's card
+    model.partial_fit([Report("j", 2, 2, 0, 0.0, device="cuda:T4",
+                              features={"gpu_mem_used": other, "gpu_mem_free": 16 * GB - other})])
+    cap = int(model.max_batch([2])[0])
+    assert other + 2 * GB + 20 * MB * cap <= 16 * GB  # it was 581 samples: 19.6 GB
+    assert cap > 300
+
+
+def test_new_memory_margins_apply_to_the_caps_at_once() -> None:
+    model = BatchTimeCurve()
+    for k, size in enumerate([100, 400]):
+        model.partial_fit([Report("j", 0, k, size, 0.1, device="cuda:0", features={
+            "gpu_mem_used": 2 * GB + 10 * MB * size, "gpu_mem_free": 14 * GB - 10 * MB * size})])
+    model.set_params(memory_margin=0.9, memory_floor=0.5)  # at most 8 GB of the card
+    fresh = BatchTimeCurve(memory_margin=0.9, memory_floor=0.5)
+    for k, size in enumerate([100, 400]):
+        fresh.partial_fit([Report("j", 0, k, size, 0.1, device="cuda:0", features={
+            "gpu_mem_used": 2 * GB + 10 * MB * size, "gpu_mem_free": 14 * GB - 10 * MB * size})])
+    assert model.max_batch([0])[0] == fresh.max_batch([0])[0] <= 600  # it kept the old cap, 1,155
+
+
+@pytest.mark.parametrize("model, change", [(BatchTimeCurve(), {"window": 4, "windw": 3}),
+                                           (NARXThroughput(), {"lags": 6, "lag": 1})], ids=["gpu", "narx"])
+def test_a_misspelt_parameter_changes_nothing(model: BatchTimeCurve | NARXThroughput,
+                                              change: dict[str, int]) -> None:
+    model.fit([[Report("j", w, k, 10 + k, 0.1, device="cuda:0") for w in range(2)] for k in range(4)])
+    before = model.get_params()
+    with pytest.raises(ValueError, match="Invalid parameter"):
+        model.set_params(**change)
+    assert model.get_params() == before  # the valid name had been set, without the forgetting it needs
+    model.partial_fit([Report("j", 5, 9, 20, 0.1, device="cuda:0")])  # the GPU curve had crashed here
+
+
+def test_a_knee_between_measured_sizes_is_found() -> None:
+    sizes = np.array([[16.0, 48, 80, 112, 144]])  # flat 0.1 s up to 64 samples, then 2 ms per sample
+    base, knee, slope = fit_hinge(sizes, 0.1 + 0.002 * np.maximum(sizes - 64, 0), np.ones(sizes.shape, bool))
+    assert (base[0], knee[0], slope[0]) == pytest.approx((0.1, 64, 0.002))  # knee 48, slope 0.00165 before
+
+
+def test_one_glitched_bandwidth_does_not_poison_a_client() -> None:
+    model = FLClientModel(model_bytes=1e8)
+    fine = {"bandwidth_down": 1e7, "bandwidth_up": 1e7}
+    model.partial_fit([Report("j", w, 0, 100, 1.0, features=fine) for w in (0, 1)])
+    model.partial_fit([Report("j", 0, 1, 100, 1.0, features={"bandwidth_down": 1e-300, "bandwidth_up": 1e7}),
+                       Report("j", 1, 1, 100, 1.0, features=fine)])
+    for k in range(2, 22):
+        model.partial_fit([Report("j", w, k, 100, 1.0, features=fine) for w in (0, 1)])
+    assert model.transfer_s([0])[0] < 1.1 * model.transfer_s([1])[0]  # it was 4.8e301 s, and 1 sample of 200
+    assert allocate(model.time_model([0, 1]), 200, [1, 1], [200, 200]).min() > 90
+
+
+def test_a_mixed_job_allocates_with_a_time_model_of_ones_own() -> None:
+    class Quadratic:
+        def __init__(self, k: np.ndarray) -> None:
+            self.k = k
+
+        def time(self, sizes: np.ndarray) -> np.ndarray:
+            return self.k * np.asarray(sizes, float) ** 2
+
+    class MyGPU(LastValue):
+        def time_model(self, workers: object) -> Quadratic:  # type: ignore[override]
+            return Quadratic(1.0 / self.predict(workers))  # type: ignore[arg-type]
+
+    model = AutoCapacityModel(models={"gpu": MyGPU(), "cpu": LastValue()})
+    model.partial_fit([Report("j", 0, 0, 10, 0.1, device="cuda:0"), Report("j", 1, 0, 10, 0.1)])
+    sizes = allocate(model.time_model([0, 1]), 100, [1, 1], [100, 100])  # an AttributeError before
+    assert sizes.sum() == 100 and sizes[0] < sizes[1]  # quadratic time: the GPU worker takes fewer
+
+
+def test_set_params_still_refuses_a_bad_value() -> None:
+    model = BatchTimeCurve().fit([[Report("j", 0, 0, 10, 0.1, device="cuda:0")]])
+    with pytest.raises(ConfigError, match="memory_margin"):
+        model.set_params(memory_margin=1.5)
+    assert model.memory_margin == 0.05
