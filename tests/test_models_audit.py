@@ -136,3 +136,14 @@ def test_set_params_still_refuses_a_bad_value() -> None:
     with pytest.raises(ConfigError, match="memory_margin"):
         model.set_params(memory_margin=1.5)
     assert model.memory_margin == 0.05
+
+
+def test_a_claimed_transfer_ages_out_once_reports_carry_none() -> None:
+    # a training worker whose first report claimed a day of transfer was routed to the client model, which kept
+    # that day for good: the predicted finish never fell below it, so the job kept the equal split
+    model = AutoCapacityModel()
+    model.partial_fit([Report("j", 0, 0, 100, 1.0, features={"download_s": 86_400.0, "upload_s": 0.0}),
+                       Report("j", 1, 0, 100, 1.0)])
+    for k in range(1, 30):
+        model.partial_fit([Report("j", w, k, 100, 1.0) for w in (0, 1)])
+    assert model.time_model([0, 1]).time(np.array([100, 100])).max() < 1.1

@@ -17,6 +17,9 @@ from ..protocol import MAX_SECONDS, Report
 from .base import CapacityModel, WorkerIds, as_reports, measured_throughput, smoothed
 
 
+_TRANSFER_FEATURES = frozenset({"download_s", "upload_s", "bandwidth_down", "bandwidth_up"})
+
+
 class FLClientModel(CapacityModel):
     """Learns each client's compute throughput and model-transfer seconds (exponentially weighted).
 
@@ -89,7 +92,12 @@ class FLClientModel(CapacityModel):
             _real(self.model_bytes, "model_bytes", 0.0, 1e15, "a positive number of bytes or None", lo_open=True)
 
     def _transfer_seconds(self, report: Report) -> float | None:
+        """The report's transfer seconds; None where it does not tell them. A measurement with no transfer
+        feature at all transferred nothing: a worker that once claimed a transfer (a day of it, say) and then
+        reports like the training process it is does not keep that claim for good."""
         features = report.features
+        if report.samples > 0 and not features.keys() & _TRANSFER_FEATURES:
+            return 0.0
         if "download_s" in features or "upload_s" in features:
             return features.get("download_s", 0.0) + features.get("upload_s", 0.0)
         if self.model_bytes is None:
