@@ -16,7 +16,6 @@ from ..config import _integer, _real
 from ..protocol import MAX_SECONDS, Report
 from .base import CapacityModel, WorkerIds, as_reports, measured_throughput, smoothed
 
-
 _TRANSFER_FEATURES = frozenset({"download_s", "upload_s", "bandwidth_down", "bandwidth_up"})
 
 
