@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -24,7 +25,7 @@ import numpy as np
 from .config import JobConfig
 from .embedded import release_cpu_pinning
 from .errors import LBBSPError, PolicyError, ProtocolError
-from .models import AutoCapacityModel
+from .models import AutoCapacityModel, worker_kind
 from .policies import Decision, LBBSPPolicy, Policy
 from .protocol import MAX_POLICY_NAME_CHARS, MAX_REASON_CHARS, Assignment, Report
 from .store import REDIS_ERRORS, REDIS_FAILURES, Store
@@ -86,7 +87,8 @@ class GuardedPolicy:
         try:
             self.policy.observe(reports)
             decision = self.policy.decide(target, current, self.config)
-            return decision, self._checked(target, decision)
+            assignment = self._checked(target, decision)
+            return dataclasses.replace(decision, predicted_throughput=self._predictions(target, decision)), assignment
         except REDIS_ERRORS:
             raise
         except Exception as exc:  # a policy's bug must not stop the job: keep the split in force, say why
@@ -102,6 +104,22 @@ class GuardedPolicy:
             self.policy.learn()
         except Exception:  # as above: logged, and the next decision goes on
             log.exception("policy %s failed to learn from iteration %d", self.policy.name, iteration)
+
+    def _predictions(self, target: int, decision: Decision) -> tuple[float, ...] | None:
+        """The decision's predicted throughputs as one float per worker (NaN or inf where the model knows none:
+        shown as null), or None, with a warning, if they are not that: the split is good, and the status the
+        coordinator records after writing it must not fail on them."""
+        if decision.predicted_throughput is None:
+            return None
+        try:
+            predicted = np.asarray(decision.predicted_throughput)
+        except (TypeError, ValueError):  # ragged
+            predicted = np.asarray(None)
+        if predicted.shape != (self.config.num_workers,) or predicted.dtype.kind not in "iuf":
+            log.warning("policy %s's predicted throughput for iteration %d is not one number per worker (%.80r); "
+                        "recording none", self.policy.name, target, decision.predicted_throughput)
+            return None
+        return tuple(predicted.astype(float, copy=False).tolist())
 
     def _checked(self, target: int, decision: Decision) -> Assignment:
         """The decision as the assignment of ``target``, or a :class:`PolicyError` if it breaks the job's rules
@@ -193,6 +211,7 @@ class Coordinator:
     def _parse_reports(self, iteration: int) -> tuple[list[Report], list[Rejection]]:
         reports: list[Report] = []
         rejected: list[Rejection] = []
+        assigned = self._sizes_used(iteration)
         for raw_worker, payload in self.store.reports(iteration).items():
             worker = raw_worker.decode(errors="replace")[:32]
             try:
@@ -201,6 +220,7 @@ class Coordinator:
                     raise ProtocolError(f"report for worker {report.worker}, iteration {report.iteration} "
                                         f"was posted under worker {worker}, iteration {iteration}",
                                         field="worker", job=self.config.job)
+                self._check_samples(report, assigned)
             except ProtocolError as exc:
                 log.warning("rejected report of worker %s for iteration %d: %s", worker, iteration, exc)
                 rejected.append(Rejection(worker, str(exc)))
@@ -208,6 +228,29 @@ class Coordinator:
             reports.append(report)
         reports.sort(key=attrgetter("worker"))  # Redis hash order varies: the same reports, the same split
         return reports, rejected
+
+    def _sizes_used(self, iteration: int) -> tuple[int, ...] | None:
+        """The sizes the workers computed at ``iteration``, where known: the assignment this coordinator wrote for
+        it, the initial split, or the stored one; None if Redis no longer holds it."""
+        for written in self._written:
+            if written.iteration == iteration:
+                return written.sizes
+        if iteration < self.config.lag:
+            return self.config.initial_sizes()
+        stored = self._stored(iteration)
+        return stored.sizes if stored is not None else None
+
+    def _check_samples(self, report: Report, assigned: tuple[int, ...] | None) -> None:
+        """Raise unless ``report`` claims at most the samples its worker was assigned (the global batch where the
+        assignment is not known): one report of 10M samples in a global batch of 400 gave its worker nearly
+        the whole batch for 20 iterations under EWMA. A federated client's samples count its local steps, so
+        only the protocol's bound holds for those."""
+        known = assigned is not None
+        most = assigned[report.worker] if assigned is not None else self.config.global_batch
+        if report.samples > most and worker_kind(report) != "fl":
+            bound = f"the {most} assigned to worker {report.worker}" if known else f"the global batch {most}"
+            raise ProtocolError(f"{report.samples} samples, more than {bound}", field="samples", job=self.config.job,
+                                worker=report.worker, iteration=report.iteration)
 
     def _assignment(self, iteration: int) -> Assignment:
         """The stored assignment of ``iteration`` (validated), or the initial split if none is stored."""
@@ -244,7 +287,7 @@ class Coordinator:
         for worker, size in enumerate(assignment.sizes):  # a template: json.dumps per worker costs 6 ms at 1,024
             report = by_worker.get(worker)
             statuses[worker] = _STATUS % (
-                assignment.iteration, size, _number(predicted[worker] if predicted else None),
+                assignment.iteration, size, _number(predicted[worker] if predicted is not None else None),
                 _number(report.throughput if report else None), _number(report.compute_s if report else None),
                 _number(report.wait_s if report else None))
         record = {
@@ -336,21 +379,30 @@ class Coordinator:
         except REDIS_ERRORS:
             pass
 
-    def start(self) -> Coordinator:
-        """Serve in a daemon thread of this process."""
-        if self._thread is None or not self._thread.is_alive():
-            self._stop.clear()
-            self._thread = threading.Thread(target=self.run, name=f"lbbsp-coordinator-{self.config.job}",
-                                            daemon=True)
-            self._thread.start()
+    def start(self, timeout_s: float = 5.0) -> Coordinator:
+        """Serve in a daemon thread of this process (still serving if it does already). A thread that
+        :meth:`stop` left running, stuck in a call to a stalled Redis, is waited for up to ``timeout_s``;
+        an :class:`LBBSPError` if it is still running then: two threads would share one policy."""
+        if self._thread is not None and self._thread.is_alive():
+            if not self._stop.is_set():
+                return self
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise LBBSPError(f"the coordinator's previous thread has not stopped within {timeout_s}s (a Redis "
+                                 "call stalled?): call start() again later", job=self.config.job)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.run, name=f"lbbsp-coordinator-{self.config.job}", daemon=True)
+        self._thread.start()
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop serving; safe to call twice or before :meth:`start`."""
+        """Stop serving, waiting up to ``timeout_s`` for the thread to end; safe to call twice or before
+        :meth:`start`."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
-            self._thread = None
+            if not self._thread.is_alive():
+                self._thread = None
 
 
 class CoordinatorProcess:

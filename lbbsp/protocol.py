@@ -105,7 +105,7 @@ def _decode(data: bytes | str, kind: str, allowed: set[str], max_bytes: int) -> 
     if unknown:
         raise _fail(f"unknown field(s) in {kind}: {', '.join(map(str, unknown))}", str(unknown[0]))
     version = obj.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:  # true and 1.0 equal 1 in Python
         raise _fail(f"unsupported protocol version {version!r}, expected {PROTOCOL_VERSION}", "v")
     return obj
 

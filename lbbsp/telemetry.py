@@ -1,9 +1,15 @@
 """Resource features for reports: CPU, memory and co-located load (psutil); GPU memory and use (NVML)."""
 from __future__ import annotations
 
+import logging
+import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import psutil
+
+log = logging.getLogger("lbbsp.telemetry")
 
 
 class ResourceMonitor:
@@ -22,6 +28,7 @@ class ResourceMonitor:
         self._process.cpu_percent(None)
         psutil.cpu_percent(None)
         self._nvml = _nvml_handle(gpu_index) if gpu_index is not None else None
+        self._nvml_failed: set[str] = set()  # the GPU readings that failed once (logged then, not every time)
 
     def sample(self) -> dict[str, float]:
         """Machine CPU use, this process's cores, others' load per core, memory use; GPU when known."""
@@ -38,22 +45,60 @@ class ResourceMonitor:
             "cores": float(self._cores),
         }
         if self._nvml is not None:
-            features.update(_nvml_sample(*self._nvml))
+            for what, reading in _GPU_READINGS.items():
+                features.update(self._gpu(what, reading, *self._nvml))
         self._last, self._last_at = features, now
         return dict(features)
 
+    def _gpu(self, what: str, reading: Callable[[Any, Any], dict[str, float]], pynvml: Any,
+             handle: Any) -> dict[str, float]:
+        """One NVML reading, or nothing if NVML fails it (utilisation is not supported on a MIG instance; a lost
+        GPU fails every call): the training step that reports must not fail with it. Logged once per reading."""
+        try:
+            return reading(pynvml, handle)
+        except Exception as exc:  # noqa: BLE001  (NVMLError, or whatever another pynvml version raises)
+            if what not in self._nvml_failed:
+                self._nvml_failed.add(what)
+                log.warning("NVML cannot read the GPU's %s (%s: %s): reports go without it", what, type(exc).__name__,
+                            exc)
+            return {}
 
-def _nvml_handle(index: int) -> tuple[object, object] | None:
+
+def _nvml_handle(index: int) -> tuple[Any, Any] | None:
+    """pynvml and the handle of torch's GPU ``index``, or None (no driver, no library, no such device). Under
+    ``CUDA_VISIBLE_DEVICES`` torch's index counts the listed GPUs only: ``3,5`` makes cuda:1 the machine's GPU 5,
+    which NVML numbers 5 (in the PCI bus order, as CUDA's with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or identical
+    GPUs). A listed UUID is looked up by UUID."""
     try:
         import pynvml  # noqa: PLC0415  (optional: only on machines with NVIDIA GPUs)
 
         pynvml.nvmlInit()
-        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
-    except Exception:  # noqa: BLE001  (no driver, no library, no such device: GPU features are simply absent)
+    except Exception:  # noqa: BLE001  (no driver, no library: GPU features are simply absent)
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    listed = [entry.strip() for entry in visible.split(",")] if visible is not None else None
+    try:
+        if listed is None:
+            return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+        if index >= len(listed) or not listed[index]:
+            raise LookupError(f"no device {index} in CUDA_VISIBLE_DEVICES={visible!r}")
+        if listed[index].isdigit():
+            return pynvml, pynvml.nvmlDeviceGetHandleByIndex(int(listed[index]))
+        if not hasattr(pynvml, "nvmlDeviceGetHandleByUUID"):
+            raise LookupError(f"this pynvml cannot look up {listed[index]!r} of CUDA_VISIBLE_DEVICES by UUID")
+        return pynvml, pynvml.nvmlDeviceGetHandleByUUID(listed[index])
+    except Exception as exc:  # noqa: BLE001  (as above: reports go without GPU features)
+        log.warning("NVML cannot find GPU %d (%s: %s): no GPU features in reports", index, type(exc).__name__, exc)
         return None
 
 
-def _nvml_sample(pynvml: object, handle: object) -> dict[str, float]:
-    memory = pynvml.nvmlDeviceGetMemoryInfo(handle)  # type: ignore[attr-defined]
-    util = pynvml.nvmlDeviceGetUtilizationRates(handle)  # type: ignore[attr-defined]
-    return {"gpu_mem_used": float(memory.used), "gpu_mem_free": float(memory.free), "gpu_util": util.gpu / 100.0}
+def _gpu_memory(pynvml: Any, handle: Any) -> dict[str, float]:
+    memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    return {"gpu_mem_used": float(memory.used), "gpu_mem_free": float(memory.free)}
+
+
+def _gpu_utilisation(pynvml: Any, handle: Any) -> dict[str, float]:
+    return {"gpu_util": pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0}
+
+
+_GPU_READINGS = {"memory": _gpu_memory, "utilisation": _gpu_utilisation}

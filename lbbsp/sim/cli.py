@@ -195,7 +195,8 @@ def plot(scenario: Scenario, runs: dict[str, PolicyRun], summary: dict[str, dict
               Patch(color="tab:gray", label="references (know more)")]
     if any(summary[n]["over_memory_iterations"] for n in names):
         legend.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="over GPU memory (a job fails)"))
-    bars.legend(handles=legend, fontsize=7, loc="upper right")
+    # below the axis label: inside the axes it covered a bar's label (the top one, with 2 workers)
+    bars.legend(handles=legend, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     bars.set_xlim(0, 1.3 * max(summary[n]["vs_oracle"] for n in names))  # room for the labels
     for i, n in enumerate(names):
         over = summary[n]["over_memory_iterations"]

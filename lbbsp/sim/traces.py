@@ -45,8 +45,10 @@ class CPUTrace:
         except KeyError as exc:
             raise ConfigError(f"cannot read CPU trace {path}: no {exc} entry (a trace is an object with "
                               "'columns' and 'rows')") from None
-        except (OSError, ValueError, IndexError, TypeError) as exc:
+        except (OSError, ValueError, IndexError, TypeError, OverflowError) as exc:  # Overflow: an int beyond a float
             raise ConfigError(f"cannot read CPU trace {path}: {exc}") from None
+        except RecursionError:
+            raise ConfigError(f"cannot read CPU trace {path}: nested too deeply") from None
         if not (np.isfinite(np.column_stack([throughput, level, features])).all() and (throughput > 0).all()
                 and (level == np.round(level)).all()):
             raise ConfigError(f"cannot read CPU trace {path}: every throughput must be positive and finite, every "
