@@ -147,3 +147,11 @@ def test_a_claimed_transfer_ages_out_once_reports_carry_none() -> None:
     for k in range(1, 30):
         model.partial_fit([Report("j", w, k, 100, 1.0) for w in (0, 1)])
     assert model.time_model([0, 1]).time(np.array([100, 100])).max() < 1.1
+
+
+@pytest.mark.parametrize("ids", [[0.9, 1.9], ["1"], [True, False]], ids=["floats", "strings", "bools"])
+def test_worker_ids_that_are_not_integers_are_refused(ids: list[object]) -> None:
+    model = LastValue().fit([[Report("j", w, 0, 10, 0.1) for w in range(2)]])
+    with pytest.raises(ConfigError, match="worker ids must be integers"):
+        model.predict(ids)  # type: ignore[arg-type]  (0.9 had been read as worker 0)
+    assert model.predict([]).size == 0 and model.predict(np.arange(2)).size == 2

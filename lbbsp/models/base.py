@@ -37,8 +37,12 @@ _DEVICE_INDEX = re.compile(r"[:/]\d+$")
 
 
 def worker_ids(workers: WorkerIds) -> np.ndarray:
-    """``workers`` as a flat int64 array; a clear error for a negative id (numpy would wrap it to the last)."""
-    ids = np.asarray(workers, dtype=np.int64).reshape(-1)
+    """``workers`` as a flat int64 array; a clear error for a negative id (numpy would wrap it to the last) and
+    for ids that are not integers (0.9 and "1" had been read as workers 0 and 1)."""
+    given = np.asarray(workers)
+    if given.size and given.dtype.kind not in "iu":
+        raise ConfigError(f"worker ids must be integers, got {given.dtype} values such as {given.flat[0]!r}")
+    ids = given.astype(np.int64).reshape(-1)
     if ids.size and ids.min() < 0:
         raise ConfigError(f"worker ids must be >= 0, got {int(ids.min())}")
     return ids
