@@ -135,20 +135,21 @@ def decision_times(url: str, workers: int, warmup: int, repeats: int) -> dict[st
     long run). The models take turns within each iteration, so a drift in this machine's speed hits all alike."""
     rng = np.random.default_rng(0)
     speed = rng.uniform(500, 5000, workers)
-    # per model: name, worker kind, job, store, timed policy, coordinator, times, [the sizes in use]
+    # per model: name, worker kind, job, store, timed policy, coordinator, times, the split of each iteration
     runs: list[tuple[str, str, JobConfig, Store, _Timed, Coordinator,
-                     dict[str, list[float]], list[tuple[int, ...]]]] = []
+                     dict[str, list[float]], dict[int, tuple[int, ...]]]] = []
     with contextlib.ExitStack() as stack:
         for name, (model, kind, hedge) in MODELS.items():
             config = JobConfig(f"decide-{workers}-{len(runs)}-{time.time_ns()}", workers, 64 * workers)
             store = stack.enter_context(Store.from_url(url, config.job))
             timed = _Timed(LBBSPPolicy(model(), hedge=hedge))
             runs.append((name, kind, config, store, timed, Coordinator(store, config, timed),
-                         {"policy": [], "policy_cpu": [], "step": [], "learn": []}, [config.initial_sizes()]))
+                         {"policy": [], "policy_cpu": [], "step": [], "learn": []}, {}))
         for k in range(warmup + repeats):
             for _name, kind, config, store, timed, coordinator, times, sizes in runs:
                 pipe = store.client.pipeline(transaction=False)
-                for report in _reports(config.job, kind, k, sizes[0], speed, rng):
+                # iteration k runs the split decided for it (lag iterations before), as the workers do
+                for report in _reports(config.job, kind, k, sizes.pop(k, config.initial_sizes()), speed, rng):
                     pipe.hset(store.key("reports", k), str(report.worker), report.to_json())
                 pipe.execute()
                 timed.seconds = timed.cpu_seconds = timed.learn_seconds = 0.0
@@ -158,7 +159,7 @@ def decision_times(url: str, workers: int, warmup: int, repeats: int) -> dict[st
                     times["policy_cpu"].append(timed.cpu_seconds)
                     times["learn"].append(timed.learn_seconds)
                     times["step"].append(outcome.decision_s)
-                sizes[0] = outcome.assignment.sizes
+                sizes[outcome.assignment.iteration] = outcome.assignment.sizes
     return {name: {key: np.array(v) for key, v in times.items()} for name, _, _, _, _, _, times, _ in runs}
 
 
