@@ -17,12 +17,11 @@ import math
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from numbers import Real
 from typing import Any, Protocol
 
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
-from lbbsp.config import _integer
+from lbbsp.config import _integer, _real
 from lbbsp.errors import ConfigError, ProtocolError
 from lbbsp.protocol import MAX_BATCH, MAX_SECONDS
 
@@ -130,9 +129,8 @@ class EmulatedLink:
 
     def __post_init__(self) -> None:
         for name in ("down_bps", "up_bps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, Real) or not 0 < float(value) < math.inf:
-                raise ConfigError(f"{name} must be a positive number of bytes per second, got {value!r}")
+            _real(getattr(self, name), name, 0.0, math.inf, "a positive number of bytes per second", lo_open=True,
+                  hi_open=True)
 
     def download(self, msg: Message) -> float:
         seconds = self._transfer(array_bytes(msg.content), self.down_bps)

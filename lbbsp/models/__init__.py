@@ -7,6 +7,6 @@ from .gpu_curve import BatchTimeCurve, fit_hinge, fit_memory_cap
 from .last_value import LastValue
 from .narx import NARXThroughput
 
-__all__ = ["AutoCapacityModel", "BatchTimeCurve", "CapacityModel", "EWMAThroughput", "FLClientModel", "LastValue",
-           "GroupedTime", "MixedTime", "NARXThroughput", "NotFittedError", "fit_hinge", "fit_memory_cap", "hardware_of",
+__all__ = ["AutoCapacityModel", "BatchTimeCurve", "CapacityModel", "EWMAThroughput", "FLClientModel", "GroupedTime",
+           "LastValue", "MixedTime", "NARXThroughput", "NotFittedError", "fit_hinge", "fit_memory_cap", "hardware_of",
            "similar_hardware_prior", "worker_kind"]

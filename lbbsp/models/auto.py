@@ -20,7 +20,7 @@ from ..config import _integer
 from ..errors import ConfigError
 from ..protocol import Report
 from .base import CapacityModel, WorkerIds, as_reports, worker_ids
-from .fl_client import FLClientModel
+from .fl_client import TRANSFER_FEATURES, FLClientModel
 from .gpu_curve import BatchTimeCurve
 from .narx import NARXThroughput
 
@@ -31,7 +31,7 @@ _GPU_DEVICES = ("cuda", "gpu", "rocm", "hip", "mps", "xpu", "tpu")
 def worker_kind(report: Report) -> str:
     """'fl' for a report with model-transfer features, 'gpu' for an accelerator device or GPU features, else 'cpu'."""
     features = report.features
-    if any(name in features for name in ("download_s", "upload_s", "bandwidth_down", "bandwidth_up")):
+    if not TRANSFER_FEATURES.isdisjoint(features):
         return "fl"
     if report.device.strip().lower().startswith(_GPU_DEVICES) or "gpu_mem_used" in features:
         return "gpu"

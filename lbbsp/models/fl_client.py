@@ -16,7 +16,8 @@ from ..config import _integer, _real
 from ..protocol import MAX_SECONDS, Report
 from .base import CapacityModel, WorkerIds, as_reports, measured_throughput, smoothed
 
-_TRANSFER_FEATURES = frozenset({"download_s", "upload_s", "bandwidth_down", "bandwidth_up"})
+#: Report features that tell a model transfer: a report with any of them comes from a federated client.
+TRANSFER_FEATURES = frozenset({"download_s", "upload_s", "bandwidth_down", "bandwidth_up"})
 
 
 class FLClientModel(CapacityModel):
@@ -95,7 +96,7 @@ class FLClientModel(CapacityModel):
         feature at all transferred nothing: a worker that once claimed a transfer (a day of it, say) and then
         reports like the training process it is does not keep that claim for good."""
         features = report.features
-        if report.samples > 0 and not features.keys() & _TRANSFER_FEATURES:
+        if report.samples > 0 and not features.keys() & TRANSFER_FEATURES:
             return 0.0
         if "download_s" in features or "upload_s" in features:
             return features.get("download_s", 0.0) + features.get("upload_s", 0.0)

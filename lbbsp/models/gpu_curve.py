@@ -8,13 +8,12 @@ new size needs a slot the two closest sizes merge (at a whole size), so the wide
 the slope) stays in the slots through a long run at one size, though with decaying weight: once that spread
 has decayed far, the curve counts as unknown again and is explored again. The slots are fitted with the best
 hinge whose knee is 0, one of the slot sizes or between two of them (non-negative slope, so the fit is
-monotone). Workers with the
-same hardware key share what they learn: each curve is shrunk toward its group's mean as far as the group's
-spread allows. Memory: bytes = a + b * batch from the slots' ``gpu_mem_used`` where the readings identify the
-line, else the line through the origin and the largest measurement (:func:`fit_memory_cap`), refitted
-whenever a reading changes. The cap extrapolates into at most (1 - memory_margin) of the memory not yet seen
-in use at the largest size measured, and never past (1 - memory_floor) of used + free: a worker nears its
-card's limit in steps that its measurements confirm.
+monotone). Workers with the same hardware key share what they learn: each curve is shrunk toward its group's
+mean as far as the group's spread allows. Memory: bytes = a + b * batch from the slots' ``gpu_mem_used``
+where the readings identify the line, else the line through the origin and the largest measurement
+(:func:`fit_memory_cap`), refitted whenever a reading changes. The cap extrapolates into at most
+(1 - memory_margin) of the memory not yet seen in use at the largest size measured, and never past
+(1 - memory_floor) of used + free: a worker nears its card's limit in steps that its measurements confirm.
 """
 from __future__ import annotations
 
@@ -50,8 +49,9 @@ def fit_hinge(sizes: np.ndarray, times: np.ndarray, weight: np.ndarray) -> tuple
 
     Arrays are (workers, points); ``weight`` 0 (or False) marks an absent point. The knee is 0, one of the
     row's sizes or the best knee between two neighbouring sizes (:func:`_knees_between`), above its smallest
-    size (so some points lie on the flat part), taken only when it fits clearly better than the straight line. A row with a single distinct size says nothing about the shape: it gets
-    the proportional line through the origin (the CPU assumption). Pure function.
+    size (so some points lie on the flat part), taken only when it fits clearly better than the straight line.
+    A row with a single distinct size says nothing about the shape: it gets the proportional line through the
+    origin (the CPU assumption). Pure function.
     """
     w = np.asarray(weight, dtype=float)
     present = w > 0
@@ -136,9 +136,9 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
     fitted a < 0, whichever of the two lines predicts more. So the cap goes about ten times as far past the
     largest measured size as the line through the origin would, at most, and the fitted line is followed at
     most ``_LINE_REACH`` times the span of measured sizes past the largest (its slope is only as good as the
-    readings are over that span); beyond, the origin line's cap, where that reaches further. ``held``: rows whose readings were
-    seen not to fall when the size did (a caching allocator's peak, which slots merged from several sizes can
-    hide from the first test); they get the line through the origin.
+    readings are over that span); beyond, the origin line's cap, where that reaches further. ``held``: rows
+    whose readings were seen not to fall when the size did (a caching allocator's peak, which slots merged from
+    several sizes can hide from the first test); they get the line through the origin.
     """
     weight = valid.astype(float)
     count = weight.sum(1)
