@@ -7,9 +7,11 @@ after the barrier, for the slowest worker of each iteration. With lag 2 (the def
 the next iteration; with lag 1 it does not. The floor row does one plain Redis GET instead. Decision time:
 the policy's prediction + allocation with each real capacity model in steady state, and the whole coordinator
 step with Redis I/O and validation, up to the written split; beside them the learning the coordinator does
-after the write (NARX's training, the margins' pooling), which no worker waits for.
+after the write (NARX's training, the margins' pooling), which no worker waits for. The critical-path rows
+take turns in --rounds rounds, and the models take turns each iteration, so a drift in this machine's speed
+hits all alike.
 
-    python experiments/bench_coordinator.py [--iterations 200] [--workers 4 16 64]
+    python experiments/bench_coordinator.py [--iterations 100] [--rounds 3] [--workers 4 16 64]
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from lbbsp.models import AutoCapacityModel, BatchTimeCurve, CapacityModel, EWMAT
 from lbbsp.policies import Decision, Policy
 
 FORK = mp.get_context("fork")
+WARM_UP = 5  # iterations of each critical-path run left out: process start, first connections
+BARRIER_TIMEOUT_S = 60.0  # a worker that died leaves the others here; they fail instead of waiting for ever
 
 
 def _worker(url: str, config_json: str, worker: int, iterations: int, compute_s: float, floor: bool,
@@ -42,7 +46,7 @@ def _worker(url: str, config_json: str, worker: int, iterations: int, compute_s:
         if not floor:
             client.report(k, sizes[worker], sizes[worker] / speed * rng.uniform(0.9, 1.1))
         reported = time.perf_counter()
-        barrier.wait()  # the gradient all-reduce: BSP would go on from here
+        barrier.wait(BARRIER_TIMEOUT_S)  # the gradient all-reduce: BSP would go on from here
         released = time.perf_counter()
         if floor:  # what one Redis read costs here, with no lbbsp logic at all
             client.store.client.get(client.store.key("assign", 0))
@@ -55,20 +59,25 @@ def _worker(url: str, config_json: str, worker: int, iterations: int, compute_s:
 def critical_path(url: str, workers: int, iterations: int, lag: int, compute_s: float, floor: bool = False) -> np.ndarray:
     config = JobConfig(f"bench-{workers}-{time.time_ns()}", workers, 64 * workers, assignment_timeout_s=10.0,
                        lag=lag)
-    store = Store.from_url(url, config.job)
-    coordinator = Coordinator(store, config).start()
     barrier = FORK.Barrier(workers)
-    times = FORK.Array("d", iterations * workers, lock=False)
-    procs = [FORK.Process(target=_worker, args=(url, config.to_json(), i, iterations, compute_s, floor, barrier, times))
-             for i in range(workers)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    coordinator.stop()
-    store.close()
+    times = FORK.Array("d", [np.nan] * (iterations * workers), lock=False)
+    with Store.from_url(url, config.job) as store:
+        coordinator = Coordinator(store, config).start()
+        try:
+            procs = [FORK.Process(target=_worker, args=(url, config.to_json(), i, iterations, compute_s, floor,
+                                                        barrier, times)) for i in range(workers)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join()
+        finally:
+            coordinator.stop()
+    failed = [i for i, p in enumerate(procs) if p.exitcode != 0]
     added = np.frombuffer(times, dtype=float).reshape(iterations, workers)
-    return added.max(axis=1)[5:]  # the slowest worker's added time, per iteration; skip warm-up
+    if failed or np.isnan(added).any():
+        raise SystemExit(f"critical path with {workers} workers: worker(s) {failed} failed (exit codes "
+                         f"{[procs[i].exitcode for i in failed]}); see their tracebacks above")
+    return added.max(axis=1)[WARM_UP:]  # the slowest worker's added time, per iteration
 
 
 class _Timed(Policy):
@@ -184,7 +193,10 @@ def _ms(values: np.ndarray, q: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=200)
+    parser.add_argument("--iterations", type=int, default=100,
+                        help=f"iterations of each critical-path run (the first {WARM_UP} left out)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="critical-path runs per row; the rows take turns, round by round")
     parser.add_argument("--workers", type=int, nargs="+", default=[4, 16, 64])
     parser.add_argument("--compute-ms", type=float, default=20.0, help="emulated compute per iteration")
     parser.add_argument("--decision-workers", type=int, nargs="+", default=[1024, 10_000])
@@ -194,6 +206,14 @@ def main() -> None:
     parser.add_argument("--skip-critical-path", action="store_true", help="only time the decisions")
     parser.add_argument("--redis", help="Redis URL (default: an embedded redis-server)")
     args = parser.parse_args()
+    if args.iterations <= WARM_UP or args.rounds < 1:
+        parser.error(f"--iterations must be more than {WARM_UP} (the warm-up left out) and --rounds at least 1")
+    if min(args.workers + args.decision_workers) < 1:
+        parser.error("--workers and --decision-workers must be at least 1")
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error("--repeats must be at least 1 and --warmup at least 0")
+    if not 0 <= args.compute_ms < 1e6:  # NaN too
+        parser.error("--compute-ms must be a number of milliseconds, at least 0")
     server = None if args.redis else EmbeddedRedis()
     url = server.url if server is not None else args.redis
     try:
@@ -201,11 +221,18 @@ def main() -> None:
             print("critical path added per iteration (report call + fetch of the next vector after the barrier; "
                   "slowest worker)")
             print("(floor: each worker only does one plain Redis GET, the least any coordination could cost here)")
+            print(f"({args.rounds} rounds; in each, every row runs {args.iterations} iterations in turn)")
+            rows = [(label, lag, floor, n) for n in args.workers
+                    for label, lag, floor in (("floor", 2, True), ("2", 2, False), ("1", 1, False))]
+            added: dict[tuple[str, int], list[np.ndarray]] = {(label, n): [] for label, _, _, n in rows}
+            for r in range(args.rounds):
+                for label, lag, floor, n in rows:
+                    added[label, n].append(critical_path(url, n, args.iterations, lag, args.compute_ms / 1e3, floor))
+                print(f"  round {r + 1}/{args.rounds} done", flush=True)
             print(f"{'lag':>5} {'workers':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
-            for label, lag, floor in (("floor", 2, True), ("2", 2, False), ("1", 1, False)):
-                for n in args.workers:
-                    added = critical_path(url, n, args.iterations, lag, args.compute_ms / 1e3, floor=floor)
-                    print(f"{label:>5} {n:>8} {_ms(added, 50)} {_ms(added, 99)} {_ms(added, 100)}", flush=True)
+            for (label, n), runs in added.items():
+                pooled = np.concatenate(runs)
+                print(f"{label:>5} {n:>8} {_ms(pooled, 50)} {_ms(pooled, 99)} {_ms(pooled, 100)}", flush=True)
         print(f"\ndecision time in steady state (after {args.warmup} iterations), LB-BSP with each real model; "
               "the models take turns each iteration")
         print(f"{'model':<26} {'workers':>8} {'policy p50':>11} {'policy p99':>11} {'cpu p50':>8} {'step p50':>9} "

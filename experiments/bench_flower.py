@@ -107,7 +107,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--target", type=float, default=0.88)
     parser.add_argument("--dropout", type=float, default=0.4, help="the most-dropping clients' chance per round")
+    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_flower.json",
+                        help="the JSON file written (default: the one the docs quote)")
     args = parser.parse_args()
+    if args.clients < 1 or args.rounds < 1:
+        parser.error("--clients and --rounds must be at least 1")
+    if not (0 <= args.dropout <= 1 and 0 <= args.target <= 1):  # NaN too
+        parser.error("--dropout (a chance) and --target (an accuracy) must lie in [0, 1]")
     logging.getLogger("flwr").setLevel(logging.ERROR)  # the emulated dropouts would log a warning each
     summaries: dict[str, Summary] = {}
     results: dict[str, dict[str, object]] = {}  # the summaries with their rounds, for the JSON file
@@ -131,11 +137,11 @@ def main() -> None:
         print(f"{name:32s} {res['mean_round_s']:12.2f} {ttt if ttt is None else round(ttt, 2)!s:>12s} "
               f"{res['rounds_to_target']!s:>7s} {res['final_accuracy']:9.3f} "
               f"{res['mean_round_s'] / base['mean_round_s']:11.3f} {ratio_t:>12s} {share_back:>12s}")
-    out = ROOT / "experiments" / "results" / "bench_flower.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"clients": args.clients, "rounds": args.rounds, "target": args.target,
-                               "dropout": args.dropout, "emulated": True, "runs": results}, indent=1))
-    print(f"written to {out.relative_to(ROOT)}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"clients": args.clients, "rounds": args.rounds, "target": args.target,
+                                    "dropout": args.dropout, "emulated": True, "runs": results}, indent=1,
+                                   allow_nan=False))
+    print(f"written to {args.out}")
 
 
 if __name__ == "__main__":

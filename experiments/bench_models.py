@@ -90,7 +90,8 @@ def main() -> int:
     parser.add_argument("--traces", default=str(DEFAULT_TRACE_DIR))
     parser.add_argument("--skip", type=int, default=50, help="warm-up iterations not scored")
     args = parser.parse_args()
-
+    if args.skip < 0:
+        parser.error("--skip must be at least 0")
     try:
         traces = load_traces(args.traces)
     except ConfigError as exc:

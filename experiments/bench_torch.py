@@ -1,6 +1,6 @@
 """Plain DDP vs lbbsp on real gloo workers with real co-located load (prints figures; not a timed test).
 
-    python experiments/bench_torch.py [--steps 60] [--hidden 512] [--global-batch 1024] [--repeats 3]
+    python experiments/bench_torch.py [--steps 60] [--hidden 512] [--global-batch 1024] [--repeats 3] [--out F]
 
 Two workers, each pinned to its own core; busy-loop processes pinned to worker 1's core slow it down.
 (none) no load: what lbbsp costs when there is nothing to balance. (a) static load: 1 busy process (about
@@ -11,7 +11,7 @@ is that per-step work's cost. (b) fluctuating load: 0, 1 or 2 busy processes, ch
 a seeded schedule. Each case runs DDP, lbbsp and the oracle in turn, ``--repeats`` times, so that a change
 in the machine's speed falls on all three alike; the ratios are the median of the repeats. Every run sees
 the same global batches, so plain DDP and lbbsp must end with the same parameters. Figures go to stdout
-and to experiments/results/bench_torch.json.
+and, with the arguments, to --out (default experiments/results/bench_torch.json, the file the docs quote).
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from lbbsp.integrations.torch import Balancer
 from lbbsp.policies import Decision
 
 WORLD = 2
+DIGITS = 1797  # samples in scikit-learn's digits, the data of every run
 SLOW = 1
 
 
@@ -189,20 +190,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="training steps per run")
     parser.add_argument("--hidden", type=int, default=512, help="MLP width (compute per sample)")
-    parser.add_argument("--global-batch", type=int, default=1024, help="at most 1797 (the digits data)")
+    parser.add_argument("--global-batch", type=int, default=1024, help=f"at most {DIGITS} (the digits data)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each mode per case")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "bench_torch.json",
+                        help="the JSON file written (default: the one the docs quote)")
     args = parser.parse_args()
-    if args.repeats < 1 or args.steps < 1:
-        parser.error("--repeats and --steps must be at least 1")
+    if args.repeats < 1 or args.steps < 1 or args.hidden < 1:
+        parser.error("--repeats, --steps and --hidden must be at least 1")
+    if not WORLD <= args.global_batch <= DIGITS:
+        parser.error(f"--global-batch must lie in [{WORLD}, {DIGITS}]: a sample per worker, and a whole batch of "
+                     "the digits data")
     print(f"bench_torch: {WORLD} gloo workers on cores {cores_for(WORLD)}, load on worker {SLOW}'s core; "
           f"{args.steps} steps x global batch {args.global_batch}, MLP width {args.hidden} (float64); "
           f"{args.repeats} alternating runs of each mode per case", flush=True)
-    results_dir = Path(__file__).resolve().parent / "results"
-    results_dir.mkdir(exist_ok=True)
-    out = results_dir / "bench_torch.json"
     with EmbeddedRedis() as server, tempfile.TemporaryDirectory(prefix="lbbsp-bench-") as tmp:
-        mp.spawn(_worker, args=(args, os.path.join(tmp, "rdv"), server.url, str(out)), nprocs=WORLD, join=True)
-    results = json.loads(out.read_text())
+        cases = os.path.join(tmp, "cases.json")
+        mp.spawn(_worker, args=(args, os.path.join(tmp, "rdv"), server.url, cases), nprocs=WORLD, join=True)
+        results = json.loads(Path(cases).read_text())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"args": {**vars(args), "out": str(args.out)}, "cases": results}))
     print(f"\n{'case':<6}{'DDP /s':>10}{'lbbsp /s':>10}{'lbbsp/DDP':>11}{'(range)':>13}{'oracle /s':>11}"
           f"{'lbbsp/oracle':>14}{'(range)':>13}{'oracle split':>14}{'param diff':>12}")
     for r in results:
@@ -214,7 +220,7 @@ def main() -> int:
               f"{r['param_rel_diff']:>12.1e}")
     print("samples/s: medians over the repeats; ratios: the median (and range) of each repeat's runs, made one "
           "after the other")
-    print(f"\nwritten to {out}")
+    print(f"\nwritten to {args.out}")
     return 0
 
 

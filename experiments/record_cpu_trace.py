@@ -6,7 +6,12 @@ iterations, with exponentially distributed dwell times: level 0, 1 or 2 busy pro
 iteration the recorder writes the measured throughput and the worker's :class:`lbbsp.ResourceMonitor`
 features, exactly as a worker would report them, plus the true contention level (for analysis only).
 
-    python experiments/record_cpu_trace.py --backend numpy --seconds 180 --out experiments/traces/cpu_numpy.json
+    python experiments/record_cpu_trace.py --backend numpy --seconds 180 --out my_traces/cpu_numpy.json
+    lbbsp simulate --scenario cpu-contention --traces my_traces
+
+Record into a folder of your own: experiments/traces holds the shipped traces, which bench_models.py and
+``lbbsp simulate`` read by default (every *.json there). They were recorded with ``--backend numpy --batch
+2048 --seed 1 --core 0`` (cpu_numpy_mlp) and ``--backend torch --batch 256 --seed 2 --core 1`` (cpu_torch_cnn).
 """
 from __future__ import annotations
 
@@ -160,8 +165,9 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="trace file to write (JSON)")
     args = parser.parse_args()
     # checked before recording: each of these failed only after it (or stopped the load switches unseen)
-    if args.batch < 1 or args.max_level < 0 or not args.mean_dwell_s > 0:
-        parser.error("--batch must be at least 1, --max-level at least 0 and --mean-dwell-s positive")
+    if args.batch < 1 or args.max_level < 0 or not 0 < args.mean_dwell_s < 1e6:  # inf stopped the switches
+        parser.error("--batch must be at least 1, --max-level at least 0 and --mean-dwell-s positive, "
+                     "below a million seconds")
     if args.core not in os.sched_getaffinity(0):
         parser.error(f"--core {args.core} is not one this process may run on: {sorted(os.sched_getaffinity(0))}")
     out = Path(args.out)
@@ -169,8 +175,13 @@ def main() -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         parser.error(f"cannot create the folder of --out: {exc}")
-    if out.is_dir() or not os.access(out.parent, os.W_OK):
-        parser.error(f"--out {out} is not a file this process can write")
+    existed = out.exists()
+    try:  # opened now, not after the recording (os.access says yes to root, whatever the file system)
+        out.open("a").close()
+    except OSError as exc:
+        parser.error(f"--out {out} is not a file this process can write: {exc}")
+    if not existed:
+        out.unlink()
 
     os.sched_setaffinity(0, {args.core})
     rng = np.random.default_rng(args.seed)
