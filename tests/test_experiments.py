@@ -1,0 +1,61 @@
+"""The benchmark scripts refuse bad arguments at once, and a benchmark whose workers die says so."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+
+# Each of these crashed late with a traceback, printed rows of NaN or 0.000, or wrote invalid JSON.
+BAD_ARGUMENTS = [
+    ("bench_coordinator.py", ["--iterations", "5"]),
+    ("bench_coordinator.py", ["--compute-ms", "-5"]),
+    ("bench_coordinator.py", ["--decision-workers", "0"]),
+    ("bench_models.py", ["--skip", "-5"]),
+    ("bench_flower.py", ["--rounds", "0"]),
+    ("bench_flower.py", ["--dropout", "3"]),
+    ("bench_torch.py", ["--global-batch", "2000"]),
+    ("bench_keras.py", ["--repeats", "0"]),
+    ("record_cpu_trace.py", ["--mean-dwell-s", "inf"]),
+]
+
+
+@pytest.mark.parametrize(("script", "bad"), BAD_ARGUMENTS, ids=[f"{s}{' '.join(a)}" for s, a in BAD_ARGUMENTS])
+def test_a_benchmark_refuses_a_bad_argument_before_it_runs(script: str, bad: list[str], tmp_path: Path) -> None:
+    out = [] if script in ("bench_coordinator.py", "bench_models.py") else ["--out", str(tmp_path / "out.json")]
+    result = subprocess.run([sys.executable, str(EXPERIMENTS / script), *out, *bad], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 2 and "error:" in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "out.json").exists()
+
+
+def _bench_coordinator() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_coordinator", EXPERIMENTS / "bench_coordinator.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_critical_path_benchmark_fails_when_a_worker_dies(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dead worker had left its slots at 0.0: the row read 0.000 ms and the script exited 0."""
+    bench = _bench_coordinator()
+    real = bench._worker
+
+    def dies_at_once(url: str, config_json: str, worker: int, *rest: object) -> None:
+        if worker == 1:
+            raise RuntimeError("worker 1 died")
+        real(url, config_json, worker, *rest)
+
+    monkeypatch.setattr(bench, "_worker", dies_at_once)  # the forked workers run it: a stand-in inside one test
+    monkeypatch.setattr(bench, "BARRIER_TIMEOUT_S", 3.0)
+    with pytest.raises(SystemExit, match=r"worker\(s\) \[.*1.*\] failed"):
+        bench.critical_path(redis_url, 3, 20, 2, 0.001)
+    monkeypatch.setattr(bench, "_worker", real)
+    added = bench.critical_path(redis_url, 2, 10, 2, 0.001)  # and without the stand-in, a row of real figures
+    assert added.size == 10 - bench.WARM_UP and (added > 0).all()
