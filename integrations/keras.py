@@ -107,10 +107,12 @@ class WorkerSession:
 
     Without ``url``, worker 0 starts an embedded redis-server on a unix socket that the other workers on
     the same machine find from the job name; across machines, pass a ``redis://`` URL on every worker.
+    A Redis that stays unusable is waited for up to ``outage_s``, then fit stops with StoreUnavailable (there
+    is no agreed fallback under MWMS: see docs/keras.md, Agreement).
     """
 
     def __init__(self, config: JobConfig, worker: int, *, url: str | None = None, policy: Policy | None = None,
-                 connect_timeout_s: float = 60.0) -> None:
+                 connect_timeout_s: float = 60.0, outage_s: float = 60.0) -> None:
         tasks = _training_tasks()
         if tasks is not None and tasks != config.num_workers:
             raise ConfigError(f"TF_CONFIG lists {tasks} training workers but JobConfig.num_workers is "
@@ -135,7 +137,7 @@ class WorkerSession:
             store = Store(client, config.job, ttl_s=config.ttl_s, owns_client=True)
             if worker == 0:
                 self.coordinator = CoordinatorProcess(url, config, policy)
-            self.client = WorkerClient(store, config, worker, device=device_label())
+            self.client = WorkerClient(store, config, worker, device=device_label(), outage_s=outage_s)
         except BaseException:
             self.close()
             raise

@@ -175,6 +175,9 @@ class Coordinator:
         self._next_outage_log = 0.0
         self._failure, self._failures, self._next_failure_log = "", 0, 0.0  # the last failed step's, see _failed
         self._written: deque[Assignment] = deque(maxlen=self.config.lag + 1)  # the ones workers may not have read
+        # the splits of the latest iterations: a worker that fell back (agreed, Redis unusable) used one of them
+        self._recent: deque[tuple[int, ...]] = deque([self.config.initial_sizes()], maxlen=_LOOK_BACK)
+        self._claim_seen: str | None = None  # the other coordinator's claim found at the last heartbeat
         stored = store.decision_count()
         if stored:
             log.warning("job %s already has %d decisions in this Redis: resuming it, and reusing its stored "
@@ -204,6 +207,7 @@ class Coordinator:
             self._written.append(assignment)
         else:
             assignment = self._assignment(target)
+        self._recent.append(assignment.sizes)
         self._record(iteration, assignment, written, decision, reports, rejected, decision_s, learn_s)
         self.decisions_made += 1
         return Outcome(iteration, assignment, written, decision_s, rejected, learn_s)
@@ -242,13 +246,18 @@ class Coordinator:
 
     def _check_samples(self, report: Report, assigned: tuple[int, ...] | None) -> None:
         """Raise unless ``report`` claims at most the samples its worker was assigned (the global batch where the
-        assignment is not known): one report of 10M samples in a global batch of 400 gave its worker nearly
-        the whole batch for 20 iterations under EWMA. A federated client's samples count its local steps, so
-        only the protocol's bound holds for those."""
+        assignment is not known), or had in one of the latest splits (workers that could not reach Redis fall
+        back, agreed, to the split they last had): one report of 10M samples in a global batch of 400 gave its
+        worker nearly the whole batch for 20 iterations under EWMA. A federated client's samples count its
+        local steps, so only the protocol's bound holds for those."""
         known = assigned is not None
         most = assigned[report.worker] if assigned is not None else self.config.global_batch
-        if report.samples > most and worker_kind(report) != "fl":
-            bound = f"the {most} assigned to worker {report.worker}" if known else f"the global batch {most}"
+        if report.samples <= most or worker_kind(report) == "fl":
+            return
+        lately = max(sizes[report.worker] for sizes in self._recent)
+        if report.samples > lately:
+            bound = (f"the {most} assigned to worker {report.worker} (or its {lately} in the splits of the last "
+                     f"{len(self._recent)} iterations, which a fallback uses)" if known else f"the global batch {most}")
             raise ProtocolError(f"{report.samples} samples, more than {bound}", field="samples", job=self.config.job,
                                 worker=report.worker, iteration=report.iteration)
 
@@ -365,10 +374,15 @@ class Coordinator:
             self.store.register(self.config)
             self._republish()
         other = self.store.claim_coordinator(self._identity, ttl_s=5)
-        if other is not None and other != self._warned_about:
+        # A claim found once may be a stopped coordinator's, left to expire (a crash leaves it up to 5 s); one
+        # found again has overwritten this coordinator's claim in between, so it is alive.
+        if other is not None and other == self._claim_seen and other != self._warned_about:
             log.warning("another coordinator (%s) is serving job %s too: they split the iterations between them "
                         "and each model learns from only part of them; stop one", other, self.config.job)
-        self._warned_about = other
+            self._warned_about = other
+        elif other is None:
+            self._warned_about = None
+        self._claim_seen = other
 
     def _republish(self) -> None:
         """Write the assignments that workers may still read again (write-once), in case Redis lost them: a

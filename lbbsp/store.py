@@ -97,13 +97,15 @@ class Store:
 
     # KEYS[1] = assign:{k} string, KEYS[2] = assigned channel
     # ARGV[1] = assignment JSON, ARGV[2] = TTL s, ARGV[3] = iteration k
-    # Returns 1 if this call wrote the assignment, 0 if one was already there (write-once).
+    # Returns {1, the JSON} if this call wrote the assignment, else {0, the one already there} (write-once),
+    # its TTL renewed: read in the same script, so no flush or expiry can fall between the write and the read.
     PUBLISH_ASSIGNMENT = """
     if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
         redis.call('PUBLISH', KEYS[2], ARGV[3])
-        return 1
+        return {1, ARGV[1]}
     end
-    return 0
+    redis.call('EXPIRE', KEYS[1], ARGV[2])
+    return {0, redis.call('GET', KEYS[1])}
     """
 
     # KEYS[1] = coordinator string, ARGV[1] = identity: delete the claim only if it is still this identity's
@@ -245,10 +247,14 @@ class Store:
     # -- assignments --------------------------------------------------------------------------------------
     def publish(self, assignment: Assignment) -> bool:
         """Write the assignment for its iteration if none exists yet; True if this call wrote it."""
-        return self._publish(
-            keys=[self.key("assign", assignment.iteration), self.key("assigned")],
-            args=[assignment.to_json(), self.ttl_s, assignment.iteration],
-        ) == 1
+        return self.publish_or_read(assignment)[0]
+
+    def publish_or_read(self, assignment: Assignment) -> tuple[bool, bytes]:
+        """Write the assignment for its iteration if none exists yet, and return whether this call wrote it and
+        the stored one, in one step: a worker that read after writing could find the key flushed in between."""
+        written, raw = self._publish(keys=[self.key("assign", assignment.iteration), self.key("assigned")],
+                                     args=[assignment.to_json(), self.ttl_s, assignment.iteration])
+        return written == 1, cast("bytes", raw)
 
     def get_assignment(self, iteration: int) -> bytes | None:
         """The stored assignment of ``iteration``, its TTL renewed in the same transaction: the key is written

@@ -4,8 +4,10 @@ Agreement rule (GUIDE step 5): the assignment of iteration k lives in a write-on
 writes it when all reports of k - lag are in (``JobConfig.lag``). A worker that has waited ``assignment_timeout_s`` writes its
 fallback (the vector of k-1) with the same write-once operation and then uses whatever the key holds, so
 every worker ends up with the same vector. If Redis itself cannot be reached within the bound, the worker
-falls back to the vector of k-1 and, when the integration gives an ``agree`` function (a broadcast over the
-training framework's own process group), that function makes every worker use the same one.
+falls back to the vector of k-1 only when the integration gives an ``agree`` function (a broadcast over the
+training framework's own process group), which makes every worker use the same one. Without it a worker
+that cannot reach Redis keeps trying, up to ``outage_s``, and then raises: another worker may have read the
+decision just before the outage, and a fallback of its own would split from it.
 """
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from collections.abc import Callable, Mapping
 
 import redis
 
-from .config import JobConfig, _integer, _is_integer
-from .errors import LBBSPError, ProtocolError
+from .config import JobConfig, _integer, _is_integer, _real
+from .errors import LBBSPError, ProtocolError, StoreUnavailable
 from .protocol import MAX_ITERATION, Assignment, Report
 from .store import REDIS_ERRORS, REDIS_FAILURES, Store
 
@@ -49,8 +51,10 @@ class WorkerClient:
     """One worker's connection to the job: ``report`` after computing, ``assignment`` before the next step."""
 
     def __init__(self, store: Store, config: JobConfig, worker: int, *, agree: Agree | None = None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", outage_s: float = 60.0) -> None:
         worker = _integer(worker, "worker", 0, config.num_workers - 1, config.job)  # True is not worker 1
+        self.outage_s = _real(outage_s, "outage_s", config.assignment_timeout_s, 86_400.0,
+                              f"seconds in [assignment_timeout_s ({config.assignment_timeout_s:g}), 86400]")
         self.store = store
         self.config = store.register(config)
         self.worker = worker
@@ -62,6 +66,7 @@ class WorkerClient:
         self._sender.start()
         self._pubsub: redis.client.PubSub | None = None
         self._late = _EveryMinute()  # fallbacks this worker wrote because no decision came in time
+        self._unusable = _EveryMinute()  # iterations this worker found Redis unusable past the bound
         self._duplicates = _EveryMinute()  # reports Redis ignored: this worker had reported their iteration already
         self._closed = False
 
@@ -118,7 +123,9 @@ class WorkerClient:
     def assignment(self, iteration: int) -> Assignment:
         """The vector every worker uses at ``iteration``; waits at most about ``assignment_timeout_s``. On a Redis
         that stalls, add up to three of the store's socket timeouts (a call and its two retries): connect with
-        :func:`~lbbsp.store.worker_socket_timeout` (a third of the timeout) as the integrations do."""
+        :func:`~lbbsp.store.worker_socket_timeout` (a third of the timeout) as the integrations do. Without
+        ``agree`` (and more than one worker), an unusable Redis is waited for up to ``outage_s`` instead, then
+        :class:`StoreUnavailable` is raised: only an agreed fallback is safe."""
         iteration = self._iteration(iteration)
         known = self._known.get(iteration)
         if known is not None:
@@ -130,9 +137,7 @@ class WorkerClient:
                 break
             except REDIS_FAILURES as exc:  # retry within the bound: Redis may be restarting
                 self._drop_subscription()
-                if time.monotonic() >= deadline:
-                    log.warning("worker %d, iteration %d: Redis unusable (%s: %s); using the previous vector",
-                                self.worker, iteration, type(exc).__name__, exc)
+                if time.monotonic() >= deadline and self._unusable_past_bound(iteration, exc, deadline):
                     agreed = self._fallback(iteration, f"Redis unusable ({type(exc).__name__})")
                     break
                 time.sleep(0.05)
@@ -140,6 +145,26 @@ class WorkerClient:
             agreed = self.agree(agreed)
         self._remember(agreed)
         return agreed
+
+    def _unusable_past_bound(self, iteration: int, exc: Exception, deadline: float) -> bool:
+        """True if this worker may fall back, Redis being unusable past the bound: with ``agree`` every worker
+        then uses one vector (alone, it has no one to split from). Otherwise another worker may have read the
+        decision of ``iteration`` before the outage, so this one waits for Redis, and raises after ``outage_s``."""
+        if self.agree is not None or self.config.num_workers == 1:
+            if self._unusable.due():
+                log.warning("worker %d, iteration %d: Redis unusable (%s: %s); using the previous vector, agreed "
+                            "(%d time(s) so far)", self.worker, iteration, type(exc).__name__, exc, self._unusable.count)
+            return True
+        waited = time.monotonic() - deadline + self.config.assignment_timeout_s
+        if waited >= self.outage_s:
+            raise StoreUnavailable(f"Redis unusable for {waited:.0f}s ({type(exc).__name__}: {exc}); without an agree "
+                                   "function a worker cannot fall back safely (another may have read the decision), "
+                                   "so it stops: bring Redis back, or give WorkerClient agree=",
+                                   job=self.config.job, worker=self.worker, iteration=iteration) from exc
+        if self._unusable.due():
+            log.warning("worker %d, iteration %d: Redis unusable (%s: %s); waiting for it, up to %gs (no agree "
+                        "function, so no fallback)", self.worker, iteration, type(exc).__name__, exc, self.outage_s)
+        return False
 
     def _iteration(self, value: object) -> int:
         """``value`` as a plain int (numpy's integers pass), checked before any wait: the fallback written after
@@ -157,8 +182,7 @@ class WorkerClient:
         if iteration < self.config.lag:
             # Nothing to wait for: no decision covers the first ``lag`` iterations. They use the initial
             # split, agreed through the same write-once key.
-            self.store.publish(self.config.initial_assignment(iteration))
-            return self._read_required(iteration)
+            return self._parse(self.store.publish_or_read(self.config.initial_assignment(iteration))[1], iteration)
         pubsub = self._subscription()
         found = self._read(iteration)
         while found is None and (remaining := deadline - time.monotonic()) > 0:
@@ -167,9 +191,11 @@ class WorkerClient:
         if found is not None:
             return found
         waited = self.config.assignment_timeout_s
-        if self.store.publish(self._fallback(iteration, f"coordinator late: worker {self.worker} waited {waited:g}s")):
+        written, raw = self.store.publish_or_read(
+            self._fallback(iteration, f"coordinator late: worker {self.worker} waited {waited:g}s"))
+        if written:
             self._warn_late(iteration)
-        return self._read_required(iteration)
+        return self._parse(raw, iteration)
 
     def _warn_late(self, iteration: int) -> None:
         """Say, at most once a minute, that this worker wrote a fallback because no decision came in time:
@@ -189,21 +215,15 @@ class WorkerClient:
 
     def _read(self, iteration: int) -> Assignment | None:
         raw = self.store.get_assignment(iteration)
-        if raw is None:
-            return None
+        return None if raw is None else self._parse(raw, iteration)
+
+    def _parse(self, raw: bytes, iteration: int) -> Assignment:
         try:
             return Assignment.from_json(raw, job=self.config.job, iteration=iteration,
                                         num_workers=self.config.num_workers, global_batch=self.config.global_batch)
         except ProtocolError as exc:
             raise LBBSPError(f"stored assignment is invalid: {exc.message}", job=self.config.job, worker=self.worker,
                              iteration=iteration) from exc
-
-    def _read_required(self, iteration: int) -> Assignment:
-        found = self._read(iteration)
-        if found is None:  # the key expired between write and read: only with a tiny TTL
-            raise LBBSPError("assignment vanished right after it was written", job=self.config.job,
-                             worker=self.worker, iteration=iteration)
-        return found
 
     def _remember(self, assignment: Assignment) -> None:
         self._known[assignment.iteration] = assignment

@@ -366,6 +366,10 @@ def test_a_second_coordinator_and_a_reused_job_name_are_warned_about(redis_url: 
         second = Coordinator(store, config)
         with caplog.at_level("WARNING", logger="lbbsp.coordinator"):
             second._heartbeat()
+            assert "another coordinator" not in caplog.text  # first may have just stopped: its claim lasts 5 s
+            first._next_heartbeat = second._next_heartbeat = 0.0
+            first._heartbeat()  # it is alive: it claims the job back
+            second._heartbeat()
         assert "another coordinator" in caplog.text and first._identity in caplog.text
         for i, size in enumerate(config.initial_sizes()):
             store.post_report(Report(job, i, 0, size, 0.01 * size), 2)
@@ -374,6 +378,21 @@ def test_a_second_coordinator_and_a_reused_job_name_are_warned_about(redis_url: 
         with caplog.at_level("WARNING", logger="lbbsp.coordinator"):
             Coordinator(store, config)
         assert "already has 1 decisions" in caplog.text and "new job name" in caplog.text
+
+
+def test_a_crashed_coordinators_claim_is_not_taken_for_a_live_one(redis_url: str, job: str,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A coordinator killed with SIGKILL leaves its claim for up to 5 s: the next one warned that another
+    coordinator was serving the job."""
+    config = JobConfig(job, 2, 10)
+    with Store.from_url(redis_url, job) as store:
+        store.claim_coordinator("host:12898:dead", ttl_s=5)
+        restarted = Coordinator(store, config)
+        with caplog.at_level("WARNING", logger="lbbsp.coordinator"):
+            for _ in range(3):
+                restarted._next_heartbeat = 0.0
+                restarted._heartbeat()
+    assert "another coordinator" not in caplog.text
 
 
 def test_a_stopped_coordinator_leaves_no_claim_for_the_next_run_to_be_warned_about(
