@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from lbbsp import Assignment, JobConfig, Report, Store, scale_split
+from lbbsp import Assignment, EmbeddedRedis, JobConfig, Report, Store, scale_split
 from lbbsp.errors import ConfigError
 from lbbsp.policies import Decision, Policy
 
@@ -135,8 +137,6 @@ def run_timed_worker(index: int, ports: list[int], url: str, job: str) -> None:
     """One MWMS worker of the timing test: worker 1's forward pass sleeps SLOW_S, worker 0's does not."""
     os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
                                           "task": {"type": "worker", "index": index}})
-    import time  # noqa: PLC0415
-
     import tensorflow as tf  # noqa: PLC0415
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -160,6 +160,37 @@ def run_timed_worker(index: int, ports: list[int], url: str, job: str) -> None:
             model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         model.fit(source.tf_dataset(strategy), epochs=EPOCHS, steps_per_epoch=len(source),
                   callbacks=[LBBSPCallback(session.client, source)], verbose=0)
+
+
+OUTAGE_S = 4.0  # how long the outage test's workers wait for a stalled Redis before they stop
+
+
+def run_outage_worker(index: int, ports: list[int], url: str, job: str, out: Path) -> None:
+    """One MWMS worker of the outage test: trains until Redis stalls for good, then records how fit ended."""
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
+                                          "task": {"type": "worker", "index": index}})
+    import tensorflow as tf  # noqa: PLC0415
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    import tf_keras as keras  # noqa: PLC0415
+
+    from lbbsp.integrations.keras import BalancedSource, LBBSPCallback, WorkerSession  # noqa: PLC0415
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    config = JobConfig(job, num_workers=2, global_batch=GLOBAL_BATCH, assignment_timeout_s=1.0)
+    with WorkerSession(config, index, url=url, policy=ScriptedPolicy(), outage_s=OUTAGE_S) as session:
+        source = BalancedSource(*make_data(), config, session.worker, seed=SEED)
+        with strategy.scope():
+            model = build_model(keras)
+        callback = LBBSPCallback(session.client, source)
+        try:
+            model.fit(source.tf_dataset(strategy), epochs=1000, steps_per_epoch=len(source), callbacks=[callback],
+                      verbose=0)
+            ended = {"error": None}
+        except Exception as exc:  # noqa: BLE001 - the test reads what stopped fit
+            ended = {"error": type(exc).__name__, "message": str(exc)[:2000]}
+        ended.update(iterations=callback.iteration, at=time.time())
+        (out / f"outage{index}.json").write_text(json.dumps(ended))
 
 
 def _free_ports(count: int) -> list[int]:
@@ -199,14 +230,18 @@ def _reference_run(initial: list[np.ndarray]) -> tuple[list[np.ndarray], dict[st
     return model.get_weights(), logs
 
 
-def _run_two_workers(mode: str, args: list[str], legacy: bool) -> None:
-    """Run this file as two MWMS worker processes (``mode`` selects the function) and wait for both."""
-    ports = _free_ports(2)
+def _start_two_workers(mode: str, ports: list[int], args: list[str], legacy: bool) -> list[subprocess.Popen[str]]:
+    """Start this file as two MWMS worker processes; ``mode`` selects the function each runs."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
     env.pop("TF_USE_LEGACY_KERAS", None)
     env.update({"TF_USE_LEGACY_KERAS": "1"} if legacy else {})
-    procs = [subprocess.Popen([sys.executable, __file__, mode, str(i), ",".join(map(str, ports)), *args], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    return [subprocess.Popen([sys.executable, __file__, mode, str(i), ",".join(map(str, ports)), *args], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+
+
+def _run_two_workers(mode: str, args: list[str], legacy: bool) -> None:
+    """Run this file as two MWMS worker processes (``mode`` selects the function) and wait for both."""
+    procs = _start_two_workers(mode, _free_ports(2), args, legacy)
     outputs = []
     for proc in procs:
         try:
@@ -294,12 +329,48 @@ def test_keras3_multi_worker_is_refused(tmp_path: Path, redis_url: str, job: str
         assert all("needs tf_keras: set TF_USE_LEGACY_KERAS=1" in message for message in refused.values()), refused
 
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_redis_stalled_for_good_stops_both_workers_and_neither_hangs(tmp_path: Path, job: str) -> None:
+    """Under MWMS there is no agreed fallback: when Redis stalls past outage_s, each worker's fit must end with
+    StoreUnavailable (not a hang in the all-reduce, not a split of its own), within a bounded time."""
+    with EmbeddedRedis() as server:
+        assert server.pid is not None
+        ports = _free_ports(2)
+        procs = _start_two_workers("outage", ports, [server.url, job, str(tmp_path)], legacy=True)
+        try:
+            with Store.from_url(server.url, job) as store:
+                deadline = time.monotonic() + 150
+                while len(store.reports(5)) < 2:  # training is under way, resized by the coordinator
+                    assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                        [p.communicate()[0][-3000:] for p in procs if p.poll() is not None]
+                    time.sleep(0.1)
+            os.kill(server.pid, signal.SIGSTOP)
+            stalled = time.time()
+            outputs = [p.communicate(timeout=90)[0] for p in procs]
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+            for p in procs:
+                p.kill()
+    for index, output in enumerate(outputs):
+        assert procs[index].returncode == 0, output[-4000:]
+        ended = json.loads((tmp_path / f"outage{index}.json").read_text())
+        assert ended["error"] == "StoreUnavailable", (ended, output[-3000:])
+        assert "Redis unusable for" in ended["message"] and "cannot fall back safely" in ended["message"], ended
+        assert ended["iterations"] >= 6, ended
+        # outage_s, plus the assignment timeout and socket timeouts: not a hang
+        assert OUTAGE_S <= ended["at"] - stalled < OUTAGE_S + 30, ended
+
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     _, _, index, ports, url, job, spe, out = sys.argv
     run_worker(int(index), [int(p) for p in ports.split(",")], url, job, int(spe), Path(out))
 elif __name__ == "__main__" and sys.argv[1:2] == ["timed"]:
     _, _, index, ports, url, job = sys.argv
     run_timed_worker(int(index), [int(p) for p in ports.split(",")], url, job)
+elif __name__ == "__main__" and sys.argv[1:2] == ["outage"]:
+    _, _, index, ports, url, job, out = sys.argv
+    run_outage_worker(int(index), [int(p) for p in ports.split(",")], url, job, Path(out))
 elif __name__ == "__main__" and sys.argv[1:2] == ["keras3"]:
     _, _, index, ports, url, job, out = sys.argv
     run_keras3_worker(int(index), [int(p) for p in ports.split(",")], url, job, Path(out))
