@@ -48,13 +48,12 @@ class Workload:
     deadline_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name, value, hi in (("batch_size", self.batch_size, MAX_BATCH),
-                                ("local_steps", self.local_steps, MAX_LOCAL_STEPS)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
-                raise ConfigError(f"{name} must be an integer in [1, {hi}], got {value!r}")
-        if self.deadline_s is not None and not (
-                isinstance(self.deadline_s, (int, float)) and 0 < self.deadline_s <= MAX_SECONDS):
-            raise ConfigError(f"deadline_s must be in (0, {MAX_SECONDS}], got {self.deadline_s!r}")
+        # numpy's integers and floats pass as plain ones (they go into a ConfigRecord); True is not a deadline
+        object.__setattr__(self, "batch_size", _integer(self.batch_size, "batch_size", 1, MAX_BATCH))
+        object.__setattr__(self, "local_steps", _integer(self.local_steps, "local_steps", 1, MAX_LOCAL_STEPS))
+        if self.deadline_s is not None:
+            object.__setattr__(self, "deadline_s", _real(self.deadline_s, "deadline_s", 0.0, MAX_SECONDS,
+                                                         f"in (0, {MAX_SECONDS}]", lo_open=True))
         if self.samples > MAX_BATCH:  # the round's samples go into one Report
             raise ConfigError(f"batch_size x local_steps must be at most {MAX_BATCH:,} samples a round, got "
                               f"{self.batch_size} x {self.local_steps}")

@@ -139,16 +139,17 @@ class BalancedLoader:
 
 #: What every rank's sampler must agree on, or the ranks' slices overlap and miss samples (or their step counts
 #: differ, and one rank waits for the others in a collective until the process group times out).
-_AGREED = ("dataset size", "seed", "shuffle", "drop_last", "epoch")
+_AGREED = ("dataset size", "shuffle", "drop_last", "epoch", "seed (the epoch order's fingerprint)")
 
 
 def _check_ranks_agree(sampler: GlobalBatchSampler, balancer: Balancer) -> None:
     """Raise a ConfigError on every rank unless all ranks' samplers agree on ``_AGREED`` (one all-gather of five
-    integers as each epoch starts)."""
+    integers as each epoch starts; the first that differs is named, the order's fingerprint last as it differs
+    whenever another does)."""
     if balancer.world_size < 2:
         return
-    mine = torch.tensor([sampler.dataset_size, sampler.seed % 2**63, int(sampler.shuffle), int(sampler.drop_last),
-                         sampler.epoch], dtype=torch.int64, device=_collective_device(balancer.group))
+    mine = torch.tensor([sampler.dataset_size, int(sampler.shuffle), int(sampler.drop_last), sampler.epoch,
+                         sampler.fingerprint()], dtype=torch.int64, device=_collective_device(balancer.group))
     everyone = [torch.empty_like(mine) for _ in range(balancer.world_size)]
     dist.all_gather(everyone, mine, group=balancer.group)
     rows = torch.stack(everyone).cpu().tolist()

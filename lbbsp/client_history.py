@@ -24,8 +24,8 @@ from typing import Literal, TypeVar
 import redis
 
 from .config import _integer, _job_name
-from .errors import ProtocolError, StoreUnavailable
-from .protocol import MAX_PAYLOAD_BYTES, MAX_REASON_CHARS, MAX_WORKERS, Report
+from .errors import ConfigError, ProtocolError, StoreUnavailable
+from .protocol import MAX_ITERATION, MAX_PAYLOAD_BYTES, MAX_REASON_CHARS, MAX_WORKERS, Report
 from .store import REDIS_FAILURES, connect
 
 T = TypeVar("T")
@@ -60,8 +60,9 @@ class ClientStatus:
         if not isinstance(obj, dict) or set(obj) != {"round", "status", "reason", "at"}:
             raise ProtocolError("status must be an object with round, status, reason, at", field="payload")
         rnd, status, reason, at = obj["round"], obj["status"], obj["reason"], obj["at"]
-        if isinstance(rnd, bool) or not isinstance(rnd, int) or rnd < 0:
-            raise ProtocolError(f"must be a non-negative integer, got {rnd!r}", field="round")
+        if isinstance(rnd, bool) or not isinstance(rnd, int) or not 0 <= rnd <= MAX_ITERATION:
+            raise ProtocolError(f"must be an integer in [0, {MAX_ITERATION}] (a report's iteration), got {rnd!r}",
+                                field="round")
         if status not in _OUTCOMES:
             raise ProtocolError(f"must be one of {_OUTCOMES}, got {status!r}", field="status")
         if not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS:
@@ -81,13 +82,29 @@ class ClientHistory:
     # KEYS[1] = ids hash, KEYS[2] = next counter; ARGV[1] = TTL s, ARGV[2] = max index, ARGV[3] = the lowest index a
     # new client may get, ARGV[4..] = client keys.
     # Returns each client's worker index, assigning the next free one to a client the hash lacks (never seen, or
-    # its entry lost with Redis's data); -1 for a client that finds every index taken.
+    # its entry lost with Redis's data, or not a decimal index in range: no lbbsp process wrote it); -1 for a
+    # client that finds every index taken. A counter that is not a decimal restarts above the hash's indices.
     ASSIGN_INDICES = """
+    local function index_in(raw)
+        if raw and string.match(raw, '^%d+$') and #raw <= 6 and tonumber(raw) <= tonumber(ARGV[2]) then
+            return tonumber(raw)
+        end
+        return nil
+    end
     local out = {}
     for i = 4, #ARGV do
-        local index = tonumber(redis.call('HGET', KEYS[1], ARGV[i]))
+        local index = index_in(redis.call('HGET', KEYS[1], ARGV[i]))
         if not index then
-            index = math.max(tonumber(redis.call('GET', KEYS[2])) or 0, tonumber(ARGV[3]))
+            local counter = redis.call('GET', KEYS[2])
+            local next_free = counter and string.match(counter, '^%d+$') and tonumber(counter)
+            if not next_free then
+                next_free = 0
+                for _, stored in ipairs(redis.call('HVALS', KEYS[1])) do
+                    local known = index_in(stored)
+                    if known and known >= next_free then next_free = known + 1 end
+                end
+            end
+            index = math.max(next_free, tonumber(ARGV[3]))
             if index > tonumber(ARGV[2]) then
                 index = -1
             else
@@ -142,7 +159,8 @@ class ClientHistory:
 
         Redis is asked every time, not a cache: a client whose entry was lost (FLUSHALL, a restart without
         persistence) is indexed again, and never with an index handed out here before, so no two clients share
-        one. Raises StoreUnavailable when Redis is unreachable (:meth:`known_index` has what was last seen).
+        one. Raises StoreUnavailable when Redis is unreachable (:meth:`known_index` has what was last seen), and
+        ConfigError when a new client finds all ``MAX_WORKERS`` indices taken (they are never reused in a job).
         """
         names = [str(key) for key in client_keys]
         if any(not name or len(name) > MAX_CLIENT_KEY_CHARS for name in names):
@@ -153,7 +171,8 @@ class ClientHistory:
         indices = [int(i) for i in self._call(self._assign, keys=[self.key("ids"), self.key("next")],
                                               args=[self.ttl_s, MAX_WORKERS - 1, self._lowest_new, *names])]
         if min(indices) < 0:
-            raise StoreUnavailable(f"job has more than {MAX_WORKERS} clients", job=self.job)
+            raise ConfigError(f"every client index of the job is taken: {MAX_WORKERS} distinct client keys were seen "
+                              "(an index is kept for good within a job); run on under a new job name", job=self.job)
         self._known.update(zip(names, indices))
         self._lowest_new = max(self._lowest_new, max(indices) + 1)
         return indices
@@ -195,7 +214,10 @@ class ClientHistory:
         out = {}
         for name, index in self._call(self.client.hgetall, self.key("ids")).items():
             try:
-                out[name.decode() if isinstance(name, bytes) else name] = int(index)
+                text = index.decode() if isinstance(index, bytes) else str(index)
+                if not (text.isascii() and text.isdigit() and int(text) < MAX_WORKERS):  # as ASSIGN_INDICES reads it
+                    raise ValueError(text)
+                out[name.decode() if isinstance(name, bytes) else name] = int(text)
             except (UnicodeDecodeError, ValueError):
                 log.warning("skipping a bad client id entry in job %s", self.job)
         return out

@@ -19,17 +19,27 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .config import _is_integer
 from .errors import LBBSPError
 
 Arrays = Sequence[np.ndarray]
 
 
 def sample_weights(samples: Sequence[float]) -> np.ndarray:
-    """p_i = samples_i / sum(samples); raises if any count is negative or all are zero."""
-    counts = np.asarray(samples, dtype=float)
+    """p_i = samples_i / sum(samples); raises if any count is negative or not a number, or all are zero."""
+    bad = LBBSPError(f"sample counts must be a non-empty list of finite non-negative numbers, got {samples}")
+    try:
+        if any(isinstance(c, (bool, np.bool_)) for c in samples):
+            raise bad  # True would count as one sample
+        counts = np.asarray(samples, dtype=float)
+    except (OverflowError, TypeError, ValueError):
+        raise bad from None
     if counts.ndim != 1 or counts.size == 0 or not np.isfinite(counts).all() or (counts < 0).any():
-        raise LBBSPError(f"sample counts must be a non-empty list of finite non-negative numbers, got {samples}")
-    total = counts.sum()
+        raise bad
+    with np.errstate(over="ignore"):
+        total = counts.sum()
+    if not np.isfinite(total):  # [1e308, 1e308] would give weights of 0
+        raise LBBSPError(f"sample counts sum beyond a float: {samples}")
     if total <= 0:
         raise LBBSPError("no client processed any sample: nothing to aggregate")
     return counts / total
@@ -40,9 +50,9 @@ def fednova_scales(steps: Sequence[int], weights: Sequence[float]) -> np.ndarray
 
     ``weights`` are the clients' aggregation weights up to a factor (samples processed, or data sizes).
     """
+    if len(steps) != len(weights) or not all(_is_integer(t) and 0 < t < 2**53 for t in steps):
+        raise LBBSPError(f"steps must be one positive integer count per client ({len(weights)}), got {steps}")
     tau = np.asarray(steps, dtype=float)
-    if tau.shape != (len(weights),) or (tau <= 0).any() or not np.isfinite(tau).all():
-        raise LBBSPError(f"steps must be one positive count per client, got {steps}")
     return float(sample_weights(weights) @ tau) / tau
 
 
@@ -50,6 +60,8 @@ def rescale_update(global_arrays: Arrays, local_arrays: Arrays, scale: float) ->
     """x + scale * (x_i - x): a client's model with its update stretched by ``scale``.
 
     The arrays are paired by position, so each pair must have one shape (numpy would broadcast a mismatch).
+    Integer arrays (a counter such as BatchNorm's ``num_batches_tracked``) are rounded to the nearest integer,
+    not truncated towards zero.
     """
     if len(global_arrays) != len(local_arrays):
         raise LBBSPError(f"model has {len(global_arrays)} arrays, client sent {len(local_arrays)}")
@@ -58,13 +70,18 @@ def rescale_update(global_arrays: Arrays, local_arrays: Arrays, scale: float) ->
         x, local = np.asarray(g), np.asarray(xi)
         if x.shape != local.shape:
             raise LBBSPError(f"array {i} of the model has shape {x.shape}, the client's {local.shape}")
-        out.append((x + scale * (local - x)).astype(np.result_type(x, local), copy=False))
+        stretched = x + scale * (local - x)
+        dtype = np.result_type(x, local)
+        out.append((np.rint(stretched) if dtype.kind in "iub" else stretched).astype(dtype, copy=False))
     return out
 
 
 def weighted_average(local_arrays: Sequence[Arrays], weights: Sequence[float]) -> list[np.ndarray]:
     """sum_i p_i x_i with p_i = weights_i / sum(weights): FedAvg. Every client's arrays must have the shapes
     of the first client's, position by position."""
+    if len(local_arrays) != len(weights) or not local_arrays:
+        raise LBBSPError(f"{len(local_arrays)} clients' arrays and {len(weights)} weights: need one weight per "
+                         "client, and at least one client")
     p = sample_weights(weights)
     shapes = [np.shape(a) for a in local_arrays[0]]
     for i, arrays in enumerate(local_arrays):
@@ -77,6 +94,8 @@ def weighted_average(local_arrays: Sequence[Arrays], weights: Sequence[float]) -
 def fednova(global_arrays: Arrays, local_arrays: Sequence[Arrays], steps: Sequence[int],
             weights: Sequence[float]) -> list[np.ndarray]:
     """x + tau_eff * sum_i p_i (x_i - x) / steps_i, the FedNova aggregate for vanilla local SGD."""
+    if len(local_arrays) != len(steps):
+        raise LBBSPError(f"{len(local_arrays)} clients' arrays and {len(steps)} step counts: need one per client")
     scales = fednova_scales(steps, weights)
     rescaled = [rescale_update(global_arrays, arrays, s) for arrays, s in zip(local_arrays, scales)]
     return weighted_average(rescaled, weights)

@@ -12,6 +12,7 @@ the agreed vector by :func:`scale_split`, so that it too is covered exactly once
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,8 +21,18 @@ from .config import _integer, _is_integer
 from .errors import ConfigError
 
 
+def _checked_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
+    """``sizes`` as a tuple (a generator would be used up by the check), if all are integers >= 0."""
+    sizes = tuple(sizes)
+    if not all(_is_integer(s) and s >= 0 for s in sizes):
+        raise ConfigError(f"sizes must be integers >= 0, got {sizes[:8]}")
+    return sizes
+
+
 def scale_split(sizes: Sequence[int], total: int) -> tuple[int, ...]:
     """Scale a split to a new total, proportionally, by largest remainders (ties to the lower index)."""
+    sizes = _checked_sizes(sizes)
+    _integer(total, "total", 0, None)
     sizes_arr = np.asarray(sizes, dtype=np.int64)
     whole = int(sizes_arr.sum())
     if whole == total:
@@ -71,6 +82,14 @@ class GlobalBatchSampler:
             self.epoch = epoch
             self._order = self._permutation(epoch)
 
+    def fingerprint(self) -> int:
+        """63 bits of a hash of the seed and the current epoch's order: equal on two workers only if they split the
+        same permutation (a seed that differs by any amount, or a numpy that draws another permutation from the
+        same seed, gives another)."""
+        digest = hashlib.blake2b(str(self.seed).encode(), digest_size=8)
+        digest.update(np.ascontiguousarray(self._order, dtype=np.int64).tobytes())
+        return int.from_bytes(digest.digest(), "little") >> 1
+
     def __len__(self) -> int:
         """Global batches per epoch."""
         full, rest = divmod(self.dataset_size, self.global_batch)
@@ -88,9 +107,7 @@ class GlobalBatchSampler:
 
     def split_for(self, step: int, sizes: Sequence[int]) -> tuple[int, ...]:
         """The split actually used at ``step``: ``sizes``, scaled down for a short final batch."""
-        sizes = tuple(sizes)  # a generator would be used up by the first check
-        if not all(_is_integer(s) and s >= 0 for s in sizes):
-            raise ConfigError(f"sizes must be integers >= 0, got {sizes[:8]}")
+        sizes = _checked_sizes(sizes)
         if sum(sizes) != self.global_batch:
             raise ConfigError(f"sizes {tuple(sizes)} sum to {sum(sizes)}, not the global batch {self.global_batch}")
         return scale_split(sizes, self.batch_size(step))

@@ -10,7 +10,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp.strategy import FedAvg
 
 from lbbsp.errors import LBBSPError
-from lbbsp.fedagg import fednova, fednova_scales, sample_weights, weighted_average
+from lbbsp.fedagg import fednova, fednova_scales, rescale_update, sample_weights, weighted_average
 from lbbsp.integrations.flower import ClientHistory, LoadBalanced
 from lbbsp.integrations.flower_local import LocalGrid
 
@@ -53,10 +53,32 @@ def test_fednova_with_equal_steps_is_the_weighted_average() -> None:
     np.testing.assert_allclose(fednova_scales([4, 4, 4], [5, 1, 2]), 1.0)
 
 
-@pytest.mark.parametrize("weights", [[-1, 2], [0, 0], [np.nan, 1], []])
+@pytest.mark.parametrize("weights", [[-1, 2], [0, 0], [np.nan, 1], [], [True, False], [1e308, 1e308],
+                                     [10**400, 1], 3.0])
 def test_bad_weights_are_rejected(weights: list[float]) -> None:
+    """[1e308, 1e308] summed beyond a float and gave weights of 0; 10**400 raised a bare OverflowError."""
     with pytest.raises(LBBSPError):
         sample_weights(weights)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: weighted_average([[W_A], [W_B]], [1, 1, 2]),  # gave 2/3 of the average: weights summed to less than 1
+    lambda: weighted_average([[W_A], [W_B], [W_B]], [1, 2]),  # dropped the third client
+    lambda: weighted_average([], [1.0]),  # a bare IndexError
+    lambda: fednova([W0], [[W_A], [W_B]], steps=[1, 2, 2], weights=[1, 2, 2]),
+    lambda: fednova([W0], [[W_A], [W_B]], steps=[1, 2], weights=[1, 2, 2]),
+    lambda: fednova_scales([True, 2], [1, 1]), lambda: fednova_scales([1.5, 2], [1, 1]),
+])
+def test_a_count_of_clients_weights_or_steps_that_does_not_match_is_refused(call) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(LBBSPError):
+        call()
+
+
+def test_an_integer_array_is_rounded_not_truncated() -> None:
+    """A counter such as BatchNorm's num_batches_tracked, stretched by FedNova: 100 + 0.7 * (97 - 100) = 97.9 was
+    truncated to 97."""
+    out = rescale_update([np.array([100, 100])], [np.array([105, 97])], 0.7)[0]
+    assert out.dtype == np.int64 and out.tolist() == [104, 98]  # 103.5 and 97.9
 
 
 def _reply(instruction: Message, w: np.ndarray, samples: int, steps: int) -> Message:

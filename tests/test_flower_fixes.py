@@ -2,6 +2,7 @@
 threads that hold no exit, worker indices that stay unique after Redis loses its data, delivery time counted."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -18,10 +19,12 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
 from lbbsp import EmbeddedRedis
-from lbbsp.errors import LBBSPError
+from lbbsp.client_history import ClientStatus
+from lbbsp.errors import ConfigError, LBBSPError, ProtocolError
 from lbbsp.fedagg import fednova, rescale_update, weighted_average
 from lbbsp.integrations.flower import ClientHistory, LoadBalanced
 from lbbsp.integrations.flower_local import LocalGrid
+from lbbsp.protocol import MAX_WORKERS
 
 #: An honest reply to a workload of 5 steps of batch 8.
 HONEST = {"lbbsp-samples": 40, "lbbsp-steps": 5, "lbbsp-compute-s": 0.1, "lbbsp-download-s": 0.01,
@@ -194,6 +197,50 @@ def test_worker_indices_stay_unique_after_redis_loses_its_data(job: str) -> None
         assert len(set(history.workers().values())) == 3
 
 
+
+@pytest.mark.parametrize("stored", ["1.5", "250000", "-3", "x", "1e0"])
+def test_a_stored_index_no_lbbsp_process_wrote_is_replaced_not_used(redis_url: str, job: str, stored: str) -> None:
+    """The assignment script used any number it found ("1.5" gave the second client 1, which "b" has; "250000"
+    is outside the index space; "-3" raised 'more than 100000 clients'), while workers() skipped it."""
+    with ClientHistory.from_url(redis_url, job) as history:
+        assert history.worker_indices(["a", "b"]) == [0, 1]
+        history.client.hset(history.key("ids"), "c", stored)
+        assert history.worker_index("c") == 2 and history.workers() == {"a": 0, "b": 1, "c": 2}
+        assert history.worker_index("d") == 3
+
+
+@pytest.mark.parametrize("counter", ["abc", "1.5", "-2"])
+def test_a_counter_no_lbbsp_process_wrote_restarts_above_the_stored_indices(redis_url: str, job: str,
+                                                                            counter: str) -> None:
+    with ClientHistory.from_url(redis_url, job) as history:
+        assert history.worker_indices(["a", "b", "c"]) == [0, 1, 2]
+        history.client.set(history.key("next"), counter)
+        with ClientHistory.from_url(redis_url, job) as restarted:  # a new server: nothing handed out in memory
+            assert restarted.worker_index("d") == 3
+
+
+def test_a_full_index_space_is_a_clear_error_not_an_outage(redis_url: str, job: str) -> None:
+    """It raised StoreUnavailable, which LoadBalanced takes for Redis down: it then gave a 'temporary' index
+    counting down from 99,999, which Redis had given to a stored client."""
+    with ClientHistory.from_url(redis_url, job) as history:
+        assert history.worker_index("a") == 0
+        history.client.set(history.key("next"), str(MAX_WORKERS))
+        with pytest.raises(ConfigError, match="every client index of the job is taken"):
+            history.worker_index("new")
+        assert history.worker_index("a") == 0
+
+
+def test_a_stored_status_beyond_any_round_is_skipped(redis_url: str, job: str) -> None:
+    """A round of 2**60 was taken: LoadBalanced then numbered its rounds past what a report may carry, refused
+    every reply, and stored the failures with the same round."""
+    with pytest.raises(ProtocolError, match="round"):
+        ClientStatus.from_json('{"round": 1152921504606846976, "status": "ok", "reason": "", "at": 0}')
+    with ClientHistory.from_url(redis_url, job) as history:
+        history.record([], {0: ClientStatus(3, "ok"), 1: ClientStatus(4, "missed")})
+        history.client.hset(history.key("status"), "2", json.dumps({"round": 2**60, "status": "ok", "reason": "",
+                                                                    "at": 0}))
+        assert {w: s.round for w, s in history.statuses().items()} == {0: 3, 1: 4}
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("reply_content", ["plain, other shape", "two metric records"])
 def test_every_reply_is_checked_not_only_lbbsps(redis_url: str, job: str, reply_content: str) -> None:
@@ -236,3 +283,16 @@ def test_wrong_usage_is_a_config_error_up_front(redis_url: str) -> None:
                    {"default": Workload(32, 5), "data_size": -5}):
         with pytest.raises(ConfigError, match="default|data_size"):
             LocalRound(msg, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_workload_takes_numpy_numbers_and_refuses_a_bool_deadline(redis_url: str, job: str) -> None:
+    """Workload(8, 2, True) was a 1 s deadline, and np.int64(32) was refused as 'not an integer' (so was
+    LoadBalanced(batch_size=np.int64(32)))."""
+    from lbbsp.integrations.flower import Workload  # noqa: PLC0415
+
+    assert Workload(np.int64(32), np.int32(5), np.float32(1.5)) == Workload(32, 5, 1.5)
+    assert type(Workload(np.int64(32), 5).batch_size) is int
+    with pytest.raises(ConfigError, match="deadline_s"):
+        Workload(8, 2, True)
+    with ClientHistory.from_url(redis_url, job) as history:
+        assert LoadBalanced(FedAvg(), history, batch_size=np.int64(32), local_steps=np.int64(2)).batch_size == 32

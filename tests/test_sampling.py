@@ -70,3 +70,20 @@ def test_bad_sizes_and_steps_are_rejected() -> None:
 def test_bad_sizes_and_arguments_are_config_errors(call) -> None:
     with pytest.raises(ConfigError):
         call(GlobalBatchSampler(20, 8))
+
+
+@pytest.mark.parametrize(("sizes", "total"), [((5, -2), 2), ((2.7, 1.3), 4), ((1, 2), -3), ((True, 3), 2),
+                                             ((1, 2), True)])
+def test_scale_split_refuses_what_is_not_a_split(sizes: tuple, total: int) -> None:
+    """Exported on its own, it gave (3, -1), truncated floats, and scaled to a negative total."""
+    with pytest.raises(ConfigError):
+        scale_split(sizes, total)
+
+
+def test_the_fingerprint_tells_seeds_and_epochs_apart() -> None:
+    """The torch ranks compare it: their check had compared seed % 2**63, so seeds 2**63 apart passed."""
+    a, b = GlobalBatchSampler(50, 8, seed=5), GlobalBatchSampler(50, 8, seed=5 + 2**63)
+    assert a.fingerprint() != b.fingerprint() and a.fingerprint() == GlobalBatchSampler(50, 8, seed=5).fingerprint()
+    first = a.fingerprint()
+    a.set_epoch(1)
+    assert a.fingerprint() != first and 0 <= a.fingerprint() < 2**63

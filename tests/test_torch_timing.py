@@ -77,7 +77,8 @@ def _misusing_worker(rank: int, world: int, init: str, url: str, job: str, out: 
     data = digits()
     if misuse == "a shard per rank" and rank == 1:
         data = torch.utils.data.Subset(data, range(len(data) - 300))  # also one global batch fewer: a hang
-    loader = lb.loader(data, seed=rank if misuse == "a seed per rank" else 0)
+    seeds = {"a seed per rank": rank, "seeds 2**63 apart": 5 + rank * 2**63}  # the second passed a check of seed % 2**63
+    loader = lb.loader(data, seed=seeds.get(misuse, 0))
     if misuse == "set_epoch on rank 0 only" and rank == 0:
         loader.set_epoch(1)
     try:
@@ -91,7 +92,8 @@ def _misusing_worker(rank: int, world: int, init: str, url: str, job: str, out: 
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("misuse", ["a seed per rank", "set_epoch on rank 0 only", "a shard per rank"])
+@pytest.mark.parametrize("misuse", ["a seed per rank", "seeds 2**63 apart", "set_epoch on rank 0 only",
+                                   "a shard per rank"])
 def test_ranks_whose_loaders_disagree_stop_with_an_error_before_the_epoch(tmp_path: Path, redis_server,
                                                                          misuse: str) -> None:
     """Each of these used some samples twice and others never, without an error; a shard with fewer global
@@ -100,5 +102,6 @@ def test_ranks_whose_loaders_disagree_stop_with_an_error_before_the_epoch(tmp_pa
     spawn(_misusing_worker, (2, str(tmp_path / "rdv"), url, f"test-{uuid.uuid4().hex[:10]}", str(tmp_path), misuse),
           nprocs=2, timeout_s=90)
     said = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
-    field = {"a seed per rank": "seed", "set_epoch on rank 0 only": "epoch", "a shard per rank": "dataset size"}
+    field = {"a seed per rank": "seed", "seeds 2**63 apart": "seed", "set_epoch on rank 0 only": "epoch",
+             "a shard per rank": "dataset size"}
     assert all(f"the ranks' loaders differ in {field[misuse]}" in text for text in said), said
