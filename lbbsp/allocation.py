@@ -52,8 +52,10 @@ class LinearTime:
         return np.where(x > 0, seconds, 0.0) if self.idle_is_free else seconds
 
     def capacity(self, deadline: float) -> np.ndarray:
-        # The small slack keeps x whose time equals the deadline up to rounding.
-        return np.floor((deadline - self.overhead) * self.speed * (1 + 1e-12) + 1e-9)
+        # The small slack keeps x whose time equals the deadline up to rounding; 0 x inf is NaN (allocate's
+        # capacity reads it as nothing more).
+        with np.errstate(invalid="ignore"):
+            return np.floor((deadline - self.overhead) * self.speed * (1 + 1e-12) + 1e-9)
 
 
 def _capacity_by_search(model: TimeModel, deadline: float, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
@@ -92,6 +94,8 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
                               f"{int(lower.sum())} to {int(upper.sum())} samples")
     if lower.sum() == global_batch:
         return lower.copy()
+    if upper.sum() == global_batch:  # the only split there is, whatever the times (one worker, all at their caps)
+        return upper.copy()
     t_lower = np.asarray(model.time(lower), dtype=float)
     t_upper = np.asarray(model.time(upper), dtype=float)
     if np.isnan(t_lower).any() or np.isnan(t_upper).any() or np.isneginf(t_lower).any():
@@ -104,13 +108,15 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
     invert = getattr(model, "capacity", None)
 
     def capacity(deadline: float) -> np.ndarray:
-        if invert is not None:
-            return np.clip(invert(deadline), lower, upper).astype(np.int64)
+        if invert is not None:  # NaN (0 x inf: a speed of 0 and an infinite overhead) finishes nothing more
+            return np.clip(np.nan_to_num(invert(deadline), nan=-1.0), lower, upper).astype(np.int64)
         return _capacity_by_search(model, deadline, lower, upper)
 
     # Over the workers whose size is free (a fixed one's time, even an infinite one, moves nothing):
     t_lo = float(np.nextafter(t_lower[free].min(), -np.inf))  # capacity(t_lo) == lower, whose sum is < B
     t_hi = float(t_upper[free].max())  # capacity(t_hi) == upper, whose sum is >= B
+    t_floor = t_lo  # the tolerance below is of the time above it: an overhead of a day would make 1e-7 of the
+    # whole time span many samples of the part that the sizes change
     x_lo, x_hi = lower.copy(), upper.copy()
     # Narrow [t_lo, t_hi] until each worker can add at most one sample between the two deadlines (then the
     # greedy fill below is exact), or until the floats run out (flat curves). The next deadline interpolates
@@ -121,9 +127,10 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
     for _ in range(_SEARCH_STEPS):
         # Also done when the only workers that can add several samples take the same time for each of them
         # (a GPU under its knee jumps by many samples at one deadline), since the fill is then exact too, and
-        # once the deadlines agree to 1e-7 (the fill is then exact enough).
+        # once the deadlines agree to 1e-7 of the time the sizes add (the fill is then exact enough).
         room = x_hi - x_lo
-        if int(room.max()) <= 1 or _only_flat_jumps(model, x_lo, x_hi, room) or t_hi - t_lo <= 1e-7 * abs(t_hi):
+        if (int(room.max()) <= 1 or _only_flat_jumps(model, x_lo, x_hi, room)
+                or t_hi - t_lo <= 1e-7 * abs(t_hi - t_floor)):
             break
         mid = (t_lo * f_hi - t_hi * f_lo) / (f_hi - f_lo)
         if not t_lo < mid < t_hi:
@@ -242,15 +249,12 @@ def allocate_sitting_out(model: TimeModel, global_batch: int, lower: Sequence[in
 
 def _around_stalled(model: TimeModel, global_batch: int, lower: np.ndarray, upper: np.ndarray,
                     stalled: np.ndarray) -> np.ndarray:
-    """Allocate with the ``stalled`` workers (infinite time at their upper bound) held as low as the others
-    allow: at their lower bound, or, where the others cannot hold the rest, at the largest size they finish."""
-    if not stalled.all():
-        held = np.where(stalled, lower, upper)
-        if int(held.sum()) >= global_batch:
-            return allocate(model, global_batch, lower, held)
-        finite = np.where(stalled, _capacity_by_search(model, np.finfo(float).max, lower, upper), upper)
-        if int(finite.sum()) >= global_batch:
-            return allocate(model, global_batch, lower, finite)
+    """Allocate with each ``stalled`` worker (infinite time at its upper bound) capped at the largest size it
+    finishes: its lower bound if even one sample more never ends (a speed of 0), a memory wall's size if it has
+    one. Holding such a worker at its lower bound instead gave (10, 0) where (5, 5) finished in half the time."""
+    finite = np.where(stalled, _capacity_by_search(model, np.finfo(float).max, lower, upper), upper)
+    if int(finite.sum()) >= global_batch:
+        return allocate(model, global_batch, lower, finite)
     raise AllocationError(f"the time model predicts that {int(stalled.sum())} of {stalled.size} workers never "
                           f"finish, and the others cannot hold the global batch {global_batch}")
 

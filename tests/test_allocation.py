@@ -146,6 +146,48 @@ def test_workers_that_never_finish_get_their_lower_bound_while_the_others_hold_t
     assert allocate(LinearTime(np.array([0.0, 2.0, 3.0])), 90, [0, 0, 0], [90, 90, 90]).tolist() == [0, 36, 54]
 
 
+
+class MemoryWall:
+    """x / speed up to a wall, then never (out of memory): finite below the upper bound, infinite at it."""
+
+    def __init__(self, speed: list[float], wall: list[int]) -> None:
+        self.speed, self.wall = np.asarray(speed, dtype=float), np.asarray(wall)
+
+    def time(self, sizes: np.ndarray) -> np.ndarray:
+        x = np.asarray(sizes, dtype=float)
+        return np.where(x <= self.wall, x / self.speed, np.inf)
+
+
+def test_a_worker_that_never_finishes_above_a_size_is_capped_there_not_held_at_its_lower_bound() -> None:
+    """It was held at its lower bound: (10, 0) took 10 s where (5, 5) takes 5; with both walled it raised
+    'never finish' although (4, 6) finishes in 4 s. The only split there is (one worker) is no error either."""
+    assert allocate(MemoryWall([1.0, 2.0], [100, 5]), 10, [0, 0], [10, 10]).tolist() == [5, 5]
+    assert allocate(MemoryWall([1.0, 2.0], [6, 6]), 10, [0, 0], [10, 10]).tolist() == [4, 6]
+    assert allocate(LinearTime(np.array([0.0])), 10, [0], [10]).tolist() == [10]
+
+
+def test_a_capacity_of_nan_finishes_nothing_more() -> None:
+    """0 x inf (a speed of 0 and an infinite overhead, or an infinite speed at a deadline equal to the overhead)
+    went through astype(int64) as -2**63: the sizes summed to -9.2e18."""
+    never = LinearTime(np.array([0.0, 1.0, 2.0]), overhead=np.array([np.inf, 0.0, 0.0]))
+    assert allocate(never, 30, [0, 0, 0], [30, 30, 30]).tolist() == [0, 10, 20]
+    assert allocate(never, 30, [1, 0, 0], [1, 30, 30]).tolist() == [1, 10, 19]
+    for batch in (3, 6, 9):
+        x = allocate(LinearTime(np.array([np.inf, 1.0, 1.0]), overhead=batch / 3), batch, [0] * 3, [batch] * 3)
+        assert x.sum() == batch and (x >= 0).all()
+
+
+def test_a_large_overhead_does_not_blur_the_part_the_sizes_change() -> None:
+    """The search stopped once the deadlines agreed to 1e-7 of the whole time: with overheads of 1e5 s that
+    is 0.01 s, many samples, and the compute part came out 3.3x the best."""
+    rng = np.random.default_rng(1)
+    speed = rng.lognormal(10, 2, 100)
+    model = LinearTime(speed, overhead=np.full(100, 1e5))
+    x = allocate(model, 400_000, np.zeros(100, dtype=np.int64), np.full(100, 400_000))
+    best = allocate(LinearTime(speed), 400_000, np.zeros(100, dtype=np.int64), np.full(100, 400_000))
+    compute = predicted_makespan(model, x) - 1e5
+    assert compute <= (predicted_makespan(LinearTime(speed), best)) * (1 + 1e-4), compute
+
 @pytest.mark.parametrize(("global_batch", "lower", "upper", "message"), [
     (60.5, [0] * 3, [60] * 3, "global_batch must be a whole number"),
     (True, [0] * 3, [60] * 3, "global_batch must be a whole number"),
