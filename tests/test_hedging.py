@@ -228,3 +228,12 @@ def test_a_mixed_job_with_a_model_of_the_users_own_is_hedged_by_search() -> None
     sizes = allocate(hedged(mixed, factor), 1000, lower, upper)
     assert sizes.sum() == 1000 and (sizes >= lower).all() and (sizes <= upper).all()
     assert (sizes == allocate(HedgedTime(mixed, factor), 1000, lower, upper)).all()
+
+
+def test_the_quantile_is_the_order_statistic_it_names_despite_float_rounding() -> None:
+    """(1 - 3/9) * 396 is 264.00000000000006 in floats: its ceiling took the 265th smallest of 397 slowdowns."""
+    risk = ForecastRisk(hedge=3, buckets=1, min_samples=1, pool_size=397)
+    risk.pool_[0] = np.log(np.arange(1.0, 398.0))[::-1]  # slowdowns 1 .. 397, in no particular order
+    risk.pooled_[0] = 397
+    risk.record(5, np.arange(9), np.ones(9))
+    assert np.allclose(risk.factors(5), 265.0)  # index 264 of the sorted slowdowns (np.quantile's "higher" says 266)
