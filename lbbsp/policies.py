@@ -351,10 +351,12 @@ class LeaderStragglerPolicy(Policy):
         self._step: int | None = None
         self._last_leader: int | None = None
         self._since = 0  # the first iteration of the split in force
+        self._fed = False  # whether the model has had a report
 
     def observe(self, reports: Sequence[Report]) -> None:
         if self.model is not None and reports:
             self.model.partial_fit(reports)
+            self._fed = True
         current = [report for report in reports if report.iteration >= self._since]
         for report in current:
             self._times.setdefault(report.worker, []).append(report.compute_s)
@@ -370,7 +372,7 @@ class LeaderStragglerPolicy(Policy):
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         sizes = np.asarray(current, dtype=np.int64).copy()
         lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
-        if self.model is not None:
+        if self.model is not None and self._fed:  # a model that has seen no report knows no cap (it raises)
             caps = _whole_caps(self.model.max_batch(range(config.num_workers)), upper)
             upper = upper if caps is None else np.maximum(np.minimum(upper, caps), lower)
         # A worker that sent no report in the window (it left, or its reports were refused) keeps its size:

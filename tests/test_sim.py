@@ -16,7 +16,7 @@ import redis
 from lbbsp import Store
 from lbbsp.cli import main
 from lbbsp.errors import ConfigError, StoreUnavailable
-from lbbsp.policies import BSPPolicy, Decision
+from lbbsp.policies import BackupWorkersPolicy, BSPPolicy, Decision
 from lbbsp.sim import cli, engine
 from lbbsp.sim.engine import compare, standard_policies
 from lbbsp.sim.scenarios import CPUContention, FLClients, GPUMix
@@ -119,8 +119,37 @@ def test_federated_clients_sitting_out_beat_backup_workers_that_drop_as_many() -
     assert out == ([2] * 10 + [0]) * 2 + [2] * 6
     assert all(sum(sizes) == scenario.config.global_batch for sizes in runs["lbbsp-sit-out"].sizes)
     mean = {name: float(np.mean(run.iteration_s)) for name, run in runs.items()}
-    assert mean["oracle-sit-out"] <= mean["lbbsp-sit-out"] < mean["backup"] < mean["lbbsp"]
+    assert mean["oracle-sit-out"] <= mean["lbbsp-sit-out"] < min(mean["backup"], mean["lbbsp"])
 
+
+@pytest.mark.parametrize("dropout", [0.1, 1.0])
+def test_backup_workers_aggregate_the_first_n_minus_b_and_dropouts_are_among_the_b(dropout: float) -> None:
+    """Each round is charged the (N - b)-th finisher among the clients that came (all that came, if fewer), per B
+    samples trained; a round nobody reaches as if all had come. Backup dropped round(b x present / N) instead,
+    and a round nobody reached was charged its first finisher per B, half what it paid when everyone came."""
+    n, backups = 40, 2
+    scenario = FLClients(n, 20, seed=3, dropout=dropout)
+    run = compare(scenario, 20, {"backup": BackupWorkersPolicy(backups)})["backup"]
+    for k, (sizes, charged) in enumerate(zip(run.sizes, run.iteration_s)):
+        truth = scenario.truth(k)
+        seconds = truth.time_model.time(np.asarray(sizes))
+        came = np.flatnonzero(truth.present) if truth.present.any() else np.arange(n)
+        first = came[np.argsort(seconds[came], kind="stable")][:n - backups]
+        want = seconds[first].max() * scenario.config.global_batch / np.asarray(sizes)[first].sum()
+        assert charged == pytest.approx(want, rel=1e-12), k
+
+
+def test_compare_refuses_no_iterations() -> None:
+    with pytest.raises(ConfigError, match="iterations"):
+        compare(GPUMix(4, 5, seed=0), 0)
+
+
+def test_leader_straggler_deciding_before_any_report_logs_no_error(caplog: pytest.LogCaptureFixture) -> None:
+    """Its model's memory caps were read before the model had a report: NotFittedError, logged with a traceback
+    at every decision until the first report (the guard kept the split)."""
+    scenario = FLClients(2, 6, seed=73)
+    compare(scenario, 6, {"leader-straggler": standard_policies(scenario)["leader-straggler"]})
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING")], caplog.text
 
 def test_cli_writes_json_and_png(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()

@@ -148,11 +148,13 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
             # so that no policy gains from it (nobody to wait for would make it free)
             timed = present if present.any() else asked
             by_finish = np.flatnonzero(timed)[np.argsort(seconds[timed], kind="stable")]
-            waited_for = by_finish[:max(1, round(aggregated * timed.sum() / n))]
+            # the first `aggregated` to finish (backup workers: N - b), or all that came if fewer did: workers that
+            # dropped out are among the b that backup workers do without
+            waited_for = by_finish[:max(1, min(aggregated, int(timed.sum())))]
             slowest = float(seconds[waited_for[-1]])
             # time per full global batch of B samples: the samples of workers not waited for (backup workers'
             # drops, clients that dropped out) are lost, so an iteration is charged B / the samples it trained on
-            used = int(sizes[waited_for].sum()) if present.any() else config.global_batch
+            used = int(sizes[waited_for].sum())
             run.iteration_s.append(slowest * (config.global_batch / used if used else n / aggregated))
             run.idle_fraction.append(float(np.mean(1.0 - np.minimum(seconds[timed], slowest) / slowest)))
             run.sizes.append(sizes.tolist())
@@ -243,6 +245,8 @@ def compare(scenario: Scenario, iterations: int, policies: Mapping[str, Policy] 
             progress: Progress | None = None, redis_url: str | None = None) -> dict[str, PolicyRun]:
     """Run every policy on the same scenario, one after the other (through the Redis at ``redis_url``, if
     given: see :func:`run_policy`). Each policy must be fresh: one that has run already is a ConfigError."""
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ConfigError(f"iterations must be an integer >= 1, got {iterations!r}")
     if scenario.iterations is not None and iterations > scenario.iterations:
         raise ConfigError(f"the {scenario.name} scenario was built for {scenario.iterations} iterations, not "
                           f"{iterations}: build it with at least as many")
