@@ -1,8 +1,9 @@
 """Simulated clusters: each worker's true time model per iteration, and the features it would report.
 
 A scenario is generated in full from its seed before any policy runs, so every policy sees the same trace.
-Each random process draws from its own stream, iteration by iteration, so a longer run of the same seed
-begins with the same iterations as a shorter one.
+Every draw over the iterations fills them in order and is the last its generator makes (cpu-contention's
+processes each have a generator; gpu-mix and fl-clients draw the per-worker constants first), so a longer
+run of the same seed begins with the same iterations as a shorter one.
 """
 from __future__ import annotations
 
