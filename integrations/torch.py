@@ -109,6 +109,8 @@ class Balancer:
         self._scaled = False  # scale_loss was called
         self._unsynced_forward = False  # a DDP forward that will build gradients ran under no_sync
         self._ever_synced = False
+        self._epoch_synced = False  # some gradient of this loader epoch went through the attached model's hook
+        self._warned_gradient_free_epoch = False
 
     # -- construction ---------------------------------------------------------------------------------------
     @classmethod
@@ -215,10 +217,19 @@ class Balancer:
     def end_epoch(self) -> None:
         """Called by :class:`BalancedLoader` when an epoch's loop ends: refuse an epoch in which no gradient went
         through the attached model's hook (each step is checked too, but a step may end with no backward)."""
-        if self.weighting is not None and not self._ever_synced:
-            raise ConfigError("an epoch ended and no gradient went through the hook of the attached DDP model, so "
-                              "the ranks' gradients were never averaged: call the DDP model for the forward "
-                              "(ddp_model(x)), not ddp_model.module(x)", job=self.config.job, worker=self.rank)
+        synced, self._epoch_synced = self._epoch_synced, False
+        if self.weighting is None or synced:
+            return
+        if not self._ever_synced:
+            raise ConfigError("an epoch ended and no gradient went through the hook of the attached DDP model, so the "
+                              "ranks' gradients were never averaged: call the DDP model for the forward "
+                              "(ddp_model(x), not ddp_model.module(x)) and backpropagate at each step",
+                              job=self.config.job, worker=self.rank)
+        if not self._warned_gradient_free_epoch:  # an evaluation pass, most likely, after epochs that trained
+            self._warned_gradient_free_epoch = True
+            log.warning("an epoch of lb.loader ended with no backward through the attached model (an evaluation "
+                        "pass?): its steps were timed and balanced as training steps; to evaluate, use a plain "
+                        "DataLoader (said once)")
 
     # -- the gradient side ----------------------------------------------------------------------------------
     def attach(self, model: DistributedDataParallel, weighting: str = "hook") -> DistributedDataParallel:
@@ -276,7 +287,7 @@ class Balancer:
         """Mark the end of this step's compute; on CPU, report at once (before any wait for other ranks)."""
         if self.step is None:
             return
-        self._synced = self._ever_synced = True
+        self._synced = self._ever_synced = self._epoch_synced = True
         self._clock.stop()
         if not self._clock.cuda:
             self._finish_step()

@@ -33,6 +33,7 @@ from .store import REDIS_ERRORS, REDIS_FAILURES, Store
 log = logging.getLogger("lbbsp.coordinator")
 
 _LOOK_BACK = 16  # how many iterations back the coordinator looks for the split in force (see _in_force)
+_OUTAGE_GRACE_S = 3.0  # a coordinator whose training process ended is stopped by then (_stop_when_orphaned)
 
 #: One worker's status in the ``workers`` hash, as JSON (``lbbsp status`` reads it).
 _STATUS = ('{"iteration": %d, "size": %d, "predicted_throughput": %s, "measured_throughput": %s, '
@@ -333,19 +334,21 @@ class Coordinator:
                 self._failed(exc)
                 self._stop.wait(0.05)
             if self._outage_since is not None:
-                log.warning("Redis is back after %.1fs; serving job %s again", time.monotonic() - self._outage_since,
-                            self.config.job)
+                lasted = time.monotonic() - self._outage_since
+                if lasted >= _OUTAGE_GRACE_S:  # an outage that was logged
+                    log.warning("Redis is back after %.1fs; serving job %s again", lasted, self.config.job)
                 self._outage_since = None
 
     def _outage(self, exc: Exception) -> None:
-        """Log an outage when it starts and every 10 s while it lasts, not at every retry."""
+        """Log an outage once it has lasted ``_OUTAGE_GRACE_S``, then every 10 s, not at every retry. The grace
+        keeps quiet the coordinator of a training process that just ended: its embedded Redis went first, and
+        "Redis unavailable; retrying" under the process's own traceback read as the cause."""
         now = time.monotonic()
         if self._outage_since is None:
-            self._outage_since, self._next_outage_log = now, now + 10.0
-            log.warning("Redis unavailable (%s); retrying", exc)
+            self._outage_since, self._next_outage_log = now, now + _OUTAGE_GRACE_S
         elif now >= self._next_outage_log:
             self._next_outage_log = now + 10.0
-            log.warning("Redis still unavailable after %.0fs (%s); retrying", now - self._outage_since, exc)
+            log.warning("Redis unavailable for %.0fs (%s); retrying", now - self._outage_since, exc)
 
     def _failed(self, exc: Exception) -> None:
         """Log a failed step with its traceback; the same failure again (a key of the wrong type that someone

@@ -110,7 +110,9 @@ class WorkerClient:
         iteration counter that restarts each epoch silently replays the first epoch's splits and stops learning."""
         if self._duplicates.due():
             log.warning("job %s, worker %d: iteration %d was reported already, so this report is ignored (%d time(s) "
-                        "so far); the iteration number must count across epochs, not restart", self.config.job,
+                        "so far): an earlier run used this job name in this Redis (give each run a new one; the "
+                        "PyTorch Balancer picks one with job=None), or the iteration number restarts each epoch "
+                        "(it must count across epochs)", self.config.job,
                         self.worker, iteration, self._duplicates.count)
 
     def flush(self, timeout_s: float = 5.0) -> None:

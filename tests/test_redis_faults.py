@@ -253,3 +253,22 @@ def test_a_report_made_on_an_agreed_fallback_is_accepted(redis_url: str, job: st
         store.post_report(Report(job, 0, 2, 8, 0.1), 2)  # more than any split of worker 0 had
         store.post_report(Report(job, 1, 2, 3, 0.1), 2)
         assert [r.worker for r in coordinator.decide(2).rejected] == ["0"]
+
+
+def test_an_outage_is_logged_once_it_has_lasted_a_few_seconds(redis_url: str, job: str, caplog, monkeypatch) -> None:
+    """The coordinator of a training process that just ended (its embedded Redis went first) printed "Redis
+    unavailable; retrying" under the process's own traceback, where it read as the cause."""
+    import lbbsp.coordinator as coordinator_module  # noqa: PLC0415
+
+    now = [100.0]
+    monkeypatch.setattr(coordinator_module.time, "monotonic", lambda: now[0])
+    with Store.from_url(redis_url, job) as store:
+        coordinator = Coordinator(store, JobConfig(job, 2, 8))
+        with caplog.at_level(logging.WARNING, logger="lbbsp.coordinator"):
+            coordinator._outage(redis.ConnectionError("gone"))
+            now[0] += 2.0
+            coordinator._outage(redis.ConnectionError("gone"))
+            assert "unavailable" not in caplog.text  # the orphan watch stops it within a second: nothing said
+            now[0] += 1.5
+            coordinator._outage(redis.ConnectionError("gone"))
+            assert caplog.text.count("Redis unavailable for 4s (gone); retrying") == 1

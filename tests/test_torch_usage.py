@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import multiprocessing
 import os
 import subprocess
@@ -67,16 +68,31 @@ def abandoned_steps(url: str, job: str) -> dict:
                 model(x)  # a forward whose loss is not used
                 continue
             train(x, y)
-        with torch.no_grad():  # an evaluation pass (the docs advise a plain DataLoader)
-            for x, _, _ in loader:
-                model(x)
+        said = _Said()
+        logging.getLogger("lbbsp.torch").addHandler(said)
+        with torch.no_grad():  # an evaluation pass (the docs advise a plain DataLoader): a warning, once
+            for _ in range(2):
+                for x, _, _ in loader:
+                    model(x)
+        logging.getLogger("lbbsp.torch").removeHandler(said)
         for (x, y, _), _ in zip(loader, range(3)):  # zip draws a 4th step before range(3) ends
             train(x, y)
         seen: list[int] = []
         for x, y, index in loader:
             train(x, y)
             seen += index.tolist()
-        return {"steps": lb.step.iteration + 1, "seen": seen}
+        return {"steps": lb.step.iteration + 1, "seen": seen, "said": said.messages}
+
+
+class _Said(logging.Handler):
+    """The messages logged to the logger it is added to."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def no_sync_with_the_hook(url: str, job: str) -> dict:
@@ -221,6 +237,7 @@ def mistakes(url: str, job: str) -> dict:
         except ConfigError as exc:
             result["module"] = str(exc)
 
+
     with Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-3") as lb:  # no DDP, mixed dtypes
         torch.manual_seed(0)
         used, unused = torch.nn.Linear(5, 1).double(), torch.nn.Linear(5, 1)
@@ -287,7 +304,11 @@ def both(outcomes: list[dict], scenario: str) -> dict:
 def test_steps_left_early_are_harmless(outcomes: list[dict]) -> None:
     ranks = [r["abandoned_steps"] for r in outcomes]
     assert all("error" not in r for r in ranks), ranks
-    assert [r["steps"] for r in ranks] == [3 + 8 + 8 + 4 + 8] * 2  # every step begun counts, on every rank
+    assert [r["steps"] for r in ranks] == [3 + 8 + 16 + 4 + 8] * 2  # every step begun counts, on every rank
+    # the evaluation epochs: said once; it had said nothing (an epoch with no gradient was checked only when
+    # none had gone through the hook since the Balancer started)
+    assert all([m for m in r["said"] if "evaluation pass?" in m] == r["said"] and len(r["said"]) == 1
+               for r in ranks), ranks
     assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == list(range(SAMPLES))  # the last epoch, once each
 
 
