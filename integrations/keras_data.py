@@ -11,12 +11,14 @@ positions 3-7 of global batch 1, each sample weighted W * b_i / B = 2 * 5 / 8 (s
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
 import math
 import os
 import threading
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ from lbbsp.protocol import Assignment
 from lbbsp.sampling import GlobalBatchSampler
 
 _KEEP_ITERATIONS = 64
+_SOURCES: weakref.WeakSet[BalancedSource] = weakref.WeakSet()  # released at exit: see _release_all
 #: How long a ``PyDataset`` batch waits for the batches before it in its epoch to be asked for: in order, they
 #: were asked for a moment earlier (worker threads take indices first come, first served).
 _ORDER_GRACE_S = 5.0
@@ -115,6 +118,7 @@ class BalancedSource:
         self._unattached: dict[int, int] = {}  # per other pipeline: batches served
         self._warned_unattached = False
         self._callback_waiting = False  # a callback was made for this source and has not attached yet
+        _SOURCES.add(self)
 
     # -- shape of an epoch ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -420,3 +424,13 @@ class BalancedSource:
                 return source._indexed_batch(pipeline, index)
 
         return BalancedPyDataset()
+
+
+@atexit.register
+def _release_all() -> None:
+    """End every source's fit at exit, so that prefetches waiting for a vector return. Under MWMS a fit that
+    raised (Keras skips on_train_end) left the distributed iterator's prefetch waiting in the generator, and
+    destroying the iterator at exit waited for it: the process hung after its traceback, and SIGTERM did not
+    end it. Registered after TensorFlow's own exit handlers (this module imports after TF), so it runs first."""
+    for source in list(_SOURCES):
+        source._end_failed_fit()
