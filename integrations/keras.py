@@ -14,6 +14,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -355,6 +356,7 @@ class _CallbackLogic:
         self.epochs_done = 0
         self.probe: StepProbe | None = None
         self._started = 0.0
+        self._warned_unread = False
         self._epoch = 0
 
     def set_model(self, model: Any) -> None:
@@ -419,8 +421,20 @@ class _CallbackLogic:
         wall_s = time.perf_counter() - self._started
         probed = self.probe.compute_s(self._started) if self.probe is not None else None
         compute_s = max(probed if probed is not None else wall_s, 1e-9)
-        self.client.report(self.iteration, self.source.samples_in(self.iteration), compute_s,
-                           wait_s=max(wall_s - compute_s, 0.0), features=self.monitor.sample())
+        served = self.source.batches_in(self.iteration)
+        if not served and not self._warned_unread:  # fit reads arrays or a pipeline of its own: nothing is balanced
+            self._warned_unread = True
+            log.warning("LBBSPCallback is attached, but model.fit did not read the source's batches of iteration %d: "
+                        "pass source.tf_dataset(strategy) or source.py_dataset() to fit, or nothing is balanced and "
+                        "the reports count no samples (said once)", self.iteration)
+        samples, batches = self.source.samples_in(self.iteration), max(served, 1)
+        # One batch's worth: its mean size and a 1/batches share of the time. The throughput is the execution's,
+        # a batch-time curve sees the batch size it is asked about, and the samples stay within the size the
+        # coordinator assigned (the whole execution's were refused as more than assigned, every report).
+        per_batch = math.ceil(samples / batches)
+        scale = per_batch / samples if samples else 1.0 / batches
+        self.client.report(self.iteration, per_batch, max(compute_s * scale, 1e-9), wait_s=max(wall_s - compute_s, 0.0) * scale,
+                           features=self.monitor.sample())
         self.iteration += 1
         if not (self._epoch == self.params.get("epochs", 0) - 1 and batch >= len(self.source) - 1):
             self.source.publish(self.client.assignment(self.iteration))  # the next fit fetches it otherwise

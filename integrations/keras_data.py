@@ -98,6 +98,7 @@ class BalancedSource:
         self.weight_dtype = x.dtype if np.issubdtype(x.dtype, np.floating) else np.dtype(np.float32)
         self.served: deque[ServedBatch] = deque(maxlen=record_limit)
         self._samples: dict[int, int] = {}
+        self._batches: dict[int, int] = {}  # per iteration: batches served (an execution's N, fewer at an epoch's end)
         self._vectors: dict[int, tuple[int, ...]] = {}
         self._changed = threading.Condition()
         self._attached = False
@@ -176,6 +177,7 @@ class BalancedSource:
             self.served.clear()
             self.served.extend(kept)
         self._samples = {k: n for k, n in self._samples.items() if k < iteration}
+        self._batches = {k: n for k, n in self._batches.items() if k < iteration}
 
     def expect_callback(self) -> None:
         """Note that a callback for this source exists. Until it first attaches, unattached batches are
@@ -194,12 +196,18 @@ class BalancedSource:
             for old in [k for k in self._vectors if k < assignment.iteration - _KEEP_ITERATIONS]:
                 del self._vectors[old]
                 self._samples.pop(old, None)
+                self._batches.pop(old, None)
             self._changed.notify_all()
 
     def samples_in(self, iteration: int) -> int:
-        """Samples this worker served for ``iteration`` (the report's ``samples``)."""
+        """Samples this worker served for ``iteration``, over all the batches of its execution."""
         with self._changed:
             return self._samples.get(iteration, 0)
+
+    def batches_in(self, iteration: int) -> int:
+        """Batches this worker served for ``iteration``: ``steps_per_execution``, or fewer at an epoch's end."""
+        with self._changed:
+            return self._batches.get(iteration, 0)
 
     # -- cutting batches --------------------------------------------------------------------------------
     def _agreed(self, iteration: int) -> tuple[int, ...] | None:
@@ -230,6 +238,7 @@ class BalancedSource:
             if self._attached:  # else fit ended while this prefetch was being cut: it is never trained
                 self.served.append(ServedBatch(iteration, self._first_epoch + epoch, step, len(batch[0]), sizes))
                 self._samples[iteration] = self._samples.get(iteration, 0) + len(batch[0])
+                self._batches[iteration] = self._batches.get(iteration, 0) + 1
         return batch
 
     def _count_unattached(self, pipeline: int) -> None:

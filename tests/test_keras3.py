@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lbbsp import JobConfig, Store
+from lbbsp import JobConfig, Report, Store
 from lbbsp.embedded import FOLDER_PREFIX
 from lbbsp.errors import ConfigError
 
@@ -93,6 +93,13 @@ def test_steps_per_execution_reports_once_per_execution(redis_url: str, job: str
                       shuffle=False)
     assert callback.iteration == 2 * source.iterations_per_epoch == 4
     assert [b.iteration for b in source.served] == [0, 0, 1, 1, 2, 2, 3, 3]
+    # each report is one batch's worth (its size, half the execution's time): the whole execution's 64 samples
+    # were refused by the coordinator as more than the 32 assigned, every time, so nothing was ever balanced
+    with Store.from_url(redis_url, job) as store:
+        reports = [Report.from_json(payload, job=job) for k in range(4) for payload in store.reports(k).values()]
+        decisions = [json.loads(d) for d in store.decisions()]
+    assert [r.samples for r in reports] == [32, 28, 32, 28] and all(r.compute_s > 0 for r in reports)  # 32 + 24
+    assert len(decisions) >= 2 and all(d["rejected"] == [] for d in decisions), decisions
 
 
 @pytest.mark.timeout(120)
@@ -219,3 +226,16 @@ def test_without_a_url_worker_0_serves_an_embedded_redis_that_a_later_start_can_
         assert (folder / "owner").read_text().split()[0] == str(os.getpid())
         session.client.store.ping()  # raises if unreachable
     assert not folder.exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_callback_whose_fit_reads_arrays_says_so_once(redis_url: str, job: str, caplog) -> None:
+    """fit(x, y, callbacks=[LBBSPCallback(...)]) trained normally, and nothing was balanced or said: the reports
+    counted 0 samples and the coordinator predicted a finish of 64 s."""
+    config = JobConfig(job, num_workers=1, global_batch=32)
+    x, y = _data()
+    source = BalancedSource(x, y, config, 0)
+    with WorkerSession(config, 0, url=redis_url) as session, caplog.at_level("WARNING", logger="lbbsp.keras"):
+        _model().fit(x, y, batch_size=32, epochs=2, steps_per_epoch=len(source), verbose=0,
+                     callbacks=[LBBSPCallback(session.client, source)])
+    assert caplog.text.count("did not read the source's batches") == 1, caplog.text

@@ -302,6 +302,9 @@ def test_two_workers_resize_and_match_single_process(tmp_path: Path, redis_url: 
             assert size == scale_split(agreed.sizes, total)[worker], (worker, iteration, step)
             used_sizes.add(agreed.sizes)
     assert len(used_sizes) >= 4  # the splits really changed
+    # a report is one batch's worth: with steps_per_execution 3 the executions' samples were refused as more than
+    # assigned, every report, and under a real policy nothing was balanced
+    assert all(json.loads(d)["rejected"] == [] for d in store.decisions(100))
     store.close()
 
     weights = [list(np.load(tmp_path / f"weights{i}.npz").values()) for i in range(2)]
