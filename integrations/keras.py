@@ -433,8 +433,8 @@ class _CallbackLogic:
         # coordinator assigned (the whole execution's were refused as more than assigned, every report).
         per_batch = math.ceil(samples / batches)
         scale = per_batch / samples if samples else 1.0 / batches
-        self.client.report(self.iteration, per_batch, max(compute_s * scale, 1e-9), wait_s=max(wall_s - compute_s, 0.0) * scale,
-                           features=self.monitor.sample())
+        self.client.report(self.iteration, per_batch, max(compute_s * scale, 1e-9),
+                           wait_s=max(wall_s - compute_s, 0.0) * scale, features=self.monitor.sample())
         self.iteration += 1
         if not (self._epoch == self.params.get("epochs", 0) - 1 and batch >= len(self.source) - 1):
             self.source.publish(self.client.assignment(self.iteration))  # the next fit fetches it otherwise

@@ -366,6 +366,7 @@ class BalancedSource:
         replicas = 1 if strategy is None else strategy.num_replicas_in_sync
         if replicas > 1:
             self._check_distributed(strategy)
+        _release_at_exit()
         self._end_failed_fit()
         signature = (spec(self.x), spec(self.y), tf.TensorSpec((None,), tf.as_dtype(self.weight_dtype)))
         dataset = tf.data.Dataset.from_generator(functools.partial(self._epoch_batches, next(self._pipelines)),
@@ -408,6 +409,7 @@ class BalancedSource:
         from .keras import keras_module  # noqa: PLC0415
 
         keras = keras or keras_module()
+        _release_at_exit()
         self._end_failed_fit()
         has_py_dataset = hasattr(keras.utils, "PyDataset")  # Keras 3; tf_keras has only Sequence
         base = keras.utils.PyDataset if has_py_dataset else keras.utils.Sequence
@@ -435,11 +437,17 @@ class BalancedSource:
         return BalancedPyDataset()
 
 
-@atexit.register
 def _release_all() -> None:
     """End every source's fit at exit, so that prefetches waiting for a vector return. Under MWMS a fit that
     raised (Keras skips on_train_end) left the distributed iterator's prefetch waiting in the generator, and
     destroying the iterator at exit waited for it: the process hung after its traceback, and SIGTERM did not
-    end it. Registered after TensorFlow's own exit handlers (this module imports after TF), so it runs first."""
+    end it."""
     for source in list(_SOURCES):
         source._end_failed_fit()
+
+
+@functools.cache
+def _release_at_exit() -> None:
+    """Register :func:`_release_all` once, when the first pipeline is built: TensorFlow is imported by then, so
+    the handler comes after TensorFlow's own and runs before them (exit handlers run last first)."""
+    atexit.register(_release_all)
