@@ -31,8 +31,11 @@ def _checked_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
 
 def scale_split(sizes: Sequence[int], total: int) -> tuple[int, ...]:
     """Scale a split to a new total, proportionally, by largest remainders (ties to the lower index)."""
-    sizes = _checked_sizes(sizes)
-    _integer(total, "total", 0, None)
+    return _scaled(_checked_sizes(sizes), _integer(total, "total", 0, None))
+
+
+def _scaled(sizes: tuple[int, ...], total: int) -> tuple[int, ...]:
+    """:func:`scale_split` of sizes and a total already checked."""
     sizes_arr = np.asarray(sizes, dtype=np.int64)
     whole = int(sizes_arr.sum())
     if whole == total:
@@ -110,7 +113,7 @@ class GlobalBatchSampler:
         sizes = _checked_sizes(sizes)
         if sum(sizes) != self.global_batch:
             raise ConfigError(f"sizes {tuple(sizes)} sum to {sum(sizes)}, not the global batch {self.global_batch}")
-        return scale_split(sizes, self.batch_size(step))
+        return _scaled(sizes, self.batch_size(step))  # checked above
 
     def worker_indices(self, step: int, sizes: Sequence[int], worker: int) -> np.ndarray:
         """Dataset indices that ``worker`` computes at ``step`` of the epoch under the agreed ``sizes``."""
