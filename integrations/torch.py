@@ -99,6 +99,7 @@ class Balancer:
         self._iteration = 0
         self._clock = ComputeClock(self.device)
         self._monitor = ResourceMonitor(self.device.index if self.device.type == "cuda" else None)
+        self._model_device: torch.device | None = None  # where attached parameters live, timed from the next step
         self._hooks: list[RemovableHandle] = []  # forward pre-hooks on attached models, removed on close
         self._closed = False
         self._loaders: weakref.WeakSet[BalancedLoader] = weakref.WeakSet()  # closed with the Balancer
@@ -191,6 +192,7 @@ class Balancer:
             raise LBBSPError("this Balancer is closed: draw batches before lb.close(), or start a new Balancer",
                              job=self.config.job, worker=self.rank)
         self.end_step()
+        self._time_on_model_device()
         assignment = self.client.assignment(self._iteration)
         split = sampler.split_for(step, assignment.sizes)
         indices = sampler.worker_indices(step, assignment.sizes, self.rank)
@@ -252,6 +254,7 @@ class Balancer:
                               "wrap the module in a new DistributedDataParallel for this Balancer",
                               job=self.config.job, worker=self.rank) from exc
         self.weighting = weighting
+        self._model_device = _parameter_device(model.parameters())
         self._hooks.append(model.register_forward_pre_hook(self._saw_forward))
         if model.broadcast_buffers and any(True for _ in model.module.buffers()):
             # DDP broadcasts the buffers from rank 0 before each forward: a collective, where a fast rank waits
@@ -276,6 +279,8 @@ class Balancer:
 
     def all_reduce_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
         """For code without DDP: after backward, set every grad to ``sum_i (b_i / B) grad_i``."""
+        parameters = list(parameters)
+        self._model_device = _parameter_device(parameters) or self._model_device
         all_reduce_gradients(self, parameters)
 
     def compute_finished(self) -> None:
@@ -301,6 +306,17 @@ class Balancer:
         """Forward pre-hook of an attached model: note a forward whose backward will not be synchronised."""
         if torch.is_grad_enabled() and not model.require_backward_grad_sync:
             self._unsynced_forward = True
+
+    def _time_on_model_device(self) -> None:
+        """Time steps with CUDA events on the model's GPU, read its memory and report its model, whatever the
+        backend: under gloo with a CUDA model the collective device is the CPU, so every rank had reported the
+        device "cpu" and no GPU memory, and was balanced by the CPU model, with no memory cap."""
+        device = self._model_device
+        if device is None or device.type != "cuda" or (self._clock.cuda and self._clock.device == device):
+            return
+        self._clock = ComputeClock(device)
+        self._monitor = ResourceMonitor(device.index)
+        self.client.device = device_label(device)
 
     # -- reports ------------------------------------------------------------------------------
     def _finish_step(self) -> None:
@@ -397,6 +413,11 @@ def agree_with_rank0(assignment: Assignment, *, device: torch.device) -> Assignm
                 assignment.iteration, agreed)
     return Assignment(assignment.job, assignment.iteration, agreed, assignment.policy,
                       "rank 0's vector, agreed over the process group", fallback=True)
+
+
+def _parameter_device(parameters: Iterable[torch.Tensor]) -> torch.device | None:
+    """The device of the first parameter, or None for a model without parameters."""
+    return next((p.device for p in parameters), None)
 
 
 def device_label(device: torch.device) -> str:

@@ -145,11 +145,13 @@ def _collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
 
 
 class ComputeClock:
-    """Measures one step's compute: wall time on CPU, CUDA events on a GPU (read once the step is over), less
+    """Measures one step's compute: wall time on CPU, CUDA events on the model's GPU (read once the step is over:
+    the host only queues the GPU's work, so its own clock would time the queueing), less
     the spans between :meth:`pause` and :meth:`resume` (a collective inside the step, such as DDP's buffer
     broadcast at the start of each forward, where a fast rank waits for a slow one)."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.cuda = device.type == "cuda"
         self._start: float | torch.cuda.Event = 0.0
         self._end: float | torch.cuda.Event | None = None
@@ -160,7 +162,7 @@ class ComputeClock:
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the model's GPU, which need not be the current one
         return event
 
     def start(self) -> None:

@@ -60,9 +60,9 @@ ACCUMULATE = 2
 MODES = {"hook": ("hook", 0), "loss": ("loss", 2), "accumulate": ("loss", 0), "amp": ("hook", 0)}
 
 
-def _train(mode: str, rank: int, url: str, job: str) -> dict:
+def _train(mode: str, rank: int, url: str, job: str, device: str = "cpu") -> dict:
     weighting, workers = MODES[mode]
-    model = DDP(mlp())
+    model = DDP(mlp().to(device))
     lb = Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-{mode}", policy=ChangingSplit(), min_batch=0)
     lb.attach(model, weighting)
     loader = lb.loader(digits(), seed=SEED, num_workers=workers)
@@ -73,7 +73,8 @@ def _train(mode: str, rank: int, url: str, job: str) -> dict:
     for epoch in range(EPOCHS):
         loader.set_epoch(epoch)
         seen.append([])
-        for step, (x, y, index) in enumerate(loader):
+        for step, (features, labels, index) in enumerate(loader):
+            x, y = features.to(device), labels.to(device)
             last = mode != "accumulate" or step % ACCUMULATE == ACCUMULATE - 1 or step == len(loader) - 1
             with model.no_sync() if not last else contextlib.nullcontext():
                 loss = F.cross_entropy(model(x), y)
@@ -90,7 +91,8 @@ def _train(mode: str, rank: int, url: str, job: str) -> dict:
             seen[-1].extend(index.tolist())
             splits.append(list(lb.step.split))
     lb.close()
-    return {"seen": seen, "splits": splits, "params": [p.detach().tolist() for p in model.module.parameters()]}
+    return {"seen": seen, "splits": splits, "params": [p.detach().cpu().tolist() for p in model.module.parameters()],
+            "device": lb.last_report.device if lb.last_report else None}
 
 
 def in_gloo_group(rank: int, world: int, init: str, out: str, work: Callable[[], dict]) -> None:
