@@ -27,9 +27,9 @@ from ..protocol import Report
 from .base import CapacityModel, Hardware, WorkerIds, as_reports, feature_column, worker_ids
 
 _NO_CAP = np.iinfo(np.int64).max // 4
-#: The memory line counts only where its slope is at least this share of the bytes per sample in use at the
-#: largest size measured (fit_memory_cap).
-_MIN_SLOPE_SHARE = 0.1
+#: The memory line counts only where it rises at least this many bytes across the sizes it was fitted on
+#: (fit_memory_cap): less is within a reading's noise and an allocator's rounding (PyTorch rounds to 2 MB blocks).
+_MIN_RISE = 32 * 2**20
 #: The memory line is trusted this many times the span of the sizes it was fitted on past the largest of them:
 #: a slope fitted on close sizes (an exploration's 5%) is off by what the readings' noise is over that span.
 #: Further on, the line through the origin (which errs low) sets the cap, and the cap grows as sizes spread.
@@ -129,16 +129,18 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
 
     Bytes are predicted by the least-squares line a + b * batch where the readings identify it: two or more
     distinct sizes, each reading above the one at the next smaller size by at least half what the line
-    predicts there, and b at least a tenth of the bytes per sample in use at the largest size. Readings held
-    at a caching allocator's peak (flat below the largest size run so far) fail the first test; a slope near 0,
-    which would put the cap many cards away, the second. Elsewhere bytes follow the line through the origin and
-    the largest measurement, which over-predicts them above it (a >= 0), so the cap errs low; and where the
-    fitted a < 0, whichever of the two lines predicts more. So the cap goes about ten times as far past the
-    largest measured size as the line through the origin would, at most, and the fitted line is followed at
-    most ``_LINE_REACH`` times the span of measured sizes past the largest (its slope is only as good as the
-    readings are over that span); beyond, the origin line's cap, where that reaches further. ``held``: rows
-    whose readings were seen not to fall when the size did (a caching allocator's peak, which slots merged from
-    several sizes can hide from the first test); they get the line through the origin.
+    predicts there, and a rise of at least ``_MIN_RISE`` bytes across them. Readings held at a caching
+    allocator's peak (flat below the largest size run so far) fail the first test; readings that do not rise
+    (a framework that reserved the card up front) or rise by noise alone, the second. (A slope of at least a
+    tenth of the bytes per sample in use at the largest size had been asked instead: where the fixed part, the
+    model and other processes, dwarfs a sample's, as on a nearly full card, no true line passed, and an H100
+    with 3.8 GiB free grew from 32 samples by one sample a step, where 1,281 fit.) Elsewhere bytes follow the
+    line through the origin and the largest measurement, which over-predicts them above it (a >= 0), so the
+    cap errs low; and where the fitted a < 0, whichever of the two lines predicts more. The fitted line is
+    followed at most ``_LINE_REACH`` times the span of measured sizes past the largest (its slope is only as
+    good as the readings are over that span); beyond, the origin line's cap, where that reaches further.
+    ``held``: rows whose readings were seen not to fall when the size did (a caching allocator's peak, which
+    slots merged from several sizes can hide from the first test); they get the line through the origin.
     """
     weight = valid.astype(float)
     count = weight.sum(1)
@@ -157,12 +159,12 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
         rows = np.arange(sizes.shape[0])
         through_origin = used[rows, largest] / np.maximum(sizes[rows, largest], 1.0)
         consistent = (~pair | (rising >= 0.5 * b[:, None] * step)).all(1)
-        linear = np.isfinite(b) & (b >= _MIN_SLOPE_SHARE * through_origin) & consistent
+        top, bottom = sizes[rows, largest], np.where(valid, sizes, np.inf).min(1)
+        linear = np.isfinite(b) & (b * (top - bottom) >= _MIN_RISE) & consistent
         if held is not None:
             linear &= ~held
         origin_cap = budget / through_origin
         line_cap = (budget - np.where(linear, a, 0.0)) / np.where(linear, b, 1.0)
-        top, bottom = sizes[rows, largest], np.where(valid, sizes, np.inf).min(1)
         reach = top + _LINE_REACH * (top - bottom)
         reached = np.where(line_cap <= reach, line_cap, np.maximum(reach, origin_cap))
         cap = np.where(linear, np.where(a < 0, np.minimum(line_cap, origin_cap), reached), origin_cap)
