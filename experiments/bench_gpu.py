@@ -1,6 +1,7 @@
 """The GPU batch-time curve and memory cap, measured on a real GPU (prints figures; needs CUDA).
 
-    python experiments/bench_gpu.py [--sizes 1,2,4,...] [--repeats 10] [--free-gib 4] [--out F]
+    python experiments/bench_gpu.py [--sizes 1,2,4,...] [--repeats 10] [--free-gib 4] [--expandable-segments]
+                                    [--out F]
 
 (1) The curve. A small CNN on synthetic 3x32x32 images; each batch size's training step (forward, backward,
 SGD step) is timed with CUDA events, the median of ``--repeats`` after warm-up. ``BatchTimeCurve`` learns from
@@ -10,13 +11,15 @@ the median of the sizes learnt from.
 (2) The memory cap. A ballast tensor leaves ``--free-gib`` of the card free. A worker that starts at 32 samples
 is grown at each step to the smaller of twice its size and the model's cap, as the allocator grows the fastest
 worker, with the card's memory as NVML reads it (PyTorch's cache included), which is what the PyTorch
-integration reports; the largest size that fits is then found by bisection. Figures go to stdout and to --out (default
+integration reports; the largest size that fits is then found by bisection. PyTorch's allocator runs with
+fixed segments unless ``--expandable-segments``. Figures go to stdout and to --out (default
 experiments/results/bench_gpu.json, the file the docs quote).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lbbsp import Report
+from lbbsp.integrations.torch import expandable_segments
 from lbbsp.models import BatchTimeCurve
 from lbbsp.telemetry import ResourceMonitor
 
@@ -159,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=10, help="timed steps per size (after 3 warm-up steps)")
     parser.add_argument("--free-gib", type=float, default=4.0, help="GPU memory left free for the cap test")
     parser.add_argument("--grow-steps", type=int, default=24, help="steps of the growing worker")
+    parser.add_argument("--expandable-segments", action="store_true",
+                        help="run PyTorch's CUDA allocator with expandable segments (what docs/torch.md advises)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bench_gpu.json")
     args = parser.parse_args(argv)
     try:
@@ -169,12 +175,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--sizes needs at least 4 sizes, each >= 1")
     if args.repeats < 1 or args.grow_steps < 1 or not 0.5 <= args.free_gib <= 1e4:
         parser.error("--repeats and --grow-steps must be >= 1, --free-gib in [0.5, 1e4]")
+    if args.expandable_segments:  # read when CUDA starts, which is below
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if not torch.cuda.is_available():
         print("bench_gpu needs a CUDA GPU; none is visible here", file=sys.stderr)
         return 1
     gpu = torch.device("cuda", torch.cuda.current_device())
     device = f"cuda:{torch.cuda.get_device_name(gpu)}"[:64]
-    print(f"{torch.cuda.get_device_name(gpu)}, torch {torch.__version__}, TF32 matmul "
+    print(f"{torch.cuda.get_device_name(gpu)}, torch {torch.__version__}, expandable segments "
+          f"{expandable_segments()}, TF32 matmul "
           f"{torch.backends.cuda.matmul.allow_tf32}, cuDNN TF32 {torch.backends.cudnn.allow_tf32}", flush=True)
     print("(1) training step time per batch size (median of CUDA-event timings):", flush=True)
     curve = curve_figures(measure_curve(Trainer(gpu, max(sizes)), sizes, args.repeats), device)
@@ -203,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     memory = {"free_gib": args.free_gib, **grown, "largest_that_fits": limit, "cap_over_limit": cap / limit}
     del ballast
     result = {"gpu": torch.cuda.get_device_name(gpu), "torch": torch.__version__, "python": platform.python_version(),
-              "total_gib": total / GIB, "repeats": args.repeats, "curve": curve, "memory": memory}
+              "total_gib": total / GIB, "expandable_segments": expandable_segments(), "repeats": args.repeats, "curve": curve, "memory": memory}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -278,25 +278,30 @@ def test_a_gpu_that_reports_no_memory_keeps_its_cold_start_cap() -> None:
     assert caps[1] <= 346 and sizes[1] <= 350
 
 
-def _grow(model: BatchTimeCurve, fixed: float, per_sample: float, total: float, steps: int) -> list[int]:
-    """Grow one worker as the allocator grows the fastest, to min(2 x its size, its cap), with exact readings."""
+def _grow(model: BatchTimeCurve, fixed: float, per_sample: float, total: float, steps: int,
+          granule: float = 1.0) -> list[int]:
+    """Grow one worker as the allocator grows the fastest, to min(2 x its size, its cap), with readings rounded up
+    to ``granule`` bytes."""
     size, path = 32, []
     for k in range(steps):
         assert fixed + per_sample * size <= total, f"step {k}: size {size} does not fit"
-        model.partial_fit(_report(k, size, 0.01 + size / 1e4, used=fixed + per_sample * size, total=total))
+        used = np.ceil((fixed + per_sample * size) / granule) * granule
+        model.partial_fit(_report(k, size, 0.01 + size / 1e4, used=used, total=total))
         path.append(size)
         size = max(1, min(2 * size, int(model.max_batch([0])[0])))
     return path
 
 
-def test_a_nearly_full_card_grows_to_its_limit_in_a_few_steps() -> None:
+@pytest.mark.parametrize("granule", [1.0, 20 * 2**20])
+def test_a_nearly_full_card_grows_to_its_limit_in_a_few_steps(granule: float) -> None:
     """As measured on an H100 with 3.8 GiB of 80 free and 3 MB a sample: the line through the origin charges the
     76 GiB in use to 32 samples, so the cap rose by one sample a step, where 1,281 fit. The readings' line (once
     it rises 32 MiB) now sets it: within 20 steps the worker holds what fits in the 99% of the card it may use
-    (memory_floor), and never more."""
+    (memory_floor), and never more; also with readings in the 20 MiB steps of PyTorch's expandable segments,
+    which read the same at sizes a sample apart and had failed the line's test that each reading rises."""
     fixed, per_sample, total = 76.2 * 2**30, 3 * 2**20, 80 * 2**30
     fits = (0.99 * total - fixed) // per_sample
-    path = _grow(BatchTimeCurve(), fixed, per_sample, total, 20)
+    path = _grow(BatchTimeCurve(), fixed, per_sample, total, 20, granule)
     assert path[-1] >= 0.95 * fits, path
 
 

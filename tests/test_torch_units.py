@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from lbbsp import ConfigError, Report  # noqa: E402
 from lbbsp.integrations.demo import DemoConfig, load_on, parse_schedule  # noqa: E402
-from lbbsp.integrations.torch import device_label  # noqa: E402
+from lbbsp.integrations.torch import device_label, expandable_segments  # noqa: E402
 from lbbsp.integrations.torch_data import PlannedBatch, _empty_like  # noqa: E402
 from lbbsp.integrations.torch_grad import ComputeClock, check_weighting, scaled_loss  # noqa: E402
 from lbbsp.models import EWMAThroughput  # noqa: E402
@@ -76,3 +76,17 @@ def test_device_label_names_the_gpu_model_so_cold_start_learns_from_the_same_mod
                                           Report("g", 1, 0, 100, 1.0, device="cuda:Tesla V100-SXM2-16GB"),
                                           Report("g", 2, 0, 0, 0.0, device=a100)])  # joins: nothing measured yet
     assert model.predict([2])[0] == pytest.approx(1000.0)  # the A100's speed, not the V100's or a median
+
+
+@pytest.mark.parametrize(("settings", "expected"), [
+    ({}, False), ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+    ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:true"}, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False)])
+def test_expandable_segments_is_read_from_either_name_of_the_allocator_setting(
+        monkeypatch: pytest.MonkeyPatch, settings: dict[str, str], expected: bool) -> None:
+    """Without them a GPU grown toward its memory cap ran out of memory below it (fragmentation): attach warns."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    for name, value in settings.items():
+        monkeypatch.setenv(name, value)
+    assert expandable_segments() is expected

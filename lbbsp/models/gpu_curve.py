@@ -129,7 +129,8 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
 
     Bytes are predicted by the least-squares line a + b * batch where the readings identify it: two or more
     distinct sizes, each reading above the one at the next smaller size by at least half what the line
-    predicts there, and a rise of at least ``_MIN_RISE`` bytes across them. Readings held at a caching
+    predicts there (less ``_MIN_RISE``, an allocator's rounding), and a rise of at least ``_MIN_RISE`` bytes
+    across them. Readings held at a caching
     allocator's peak (flat below the largest size run so far) fail the first test; readings that do not rise
     (a framework that reserved the card up front) or rise by noise alone, the second. (A slope of at least a
     tenth of the bytes per sample in use at the largest size had been asked instead: where the fixed part, the
@@ -158,7 +159,9 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
         largest = np.argmax(np.where(valid, sizes, -1.0), axis=1)
         rows = np.arange(sizes.shape[0])
         through_origin = used[rows, largest] / np.maximum(sizes[rows, largest], 1.0)
-        consistent = (~pair | (rising >= 0.5 * b[:, None] * step)).all(1)
+        # a reading may fall short of the line by an allocator's granule (20 MB under expandable segments), so
+        # that sizes one sample apart, read the same, still fit a line
+        consistent = (~pair | (rising >= 0.5 * b[:, None] * step - _MIN_RISE)).all(1)
         top, bottom = sizes[rows, largest], np.where(valid, sizes, np.inf).min(1)
         linear = np.isfinite(b) & (b * (top - bottom) >= _MIN_RISE) & consistent
         if held is not None:
