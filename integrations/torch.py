@@ -255,7 +255,8 @@ class Balancer:
                               job=self.config.job, worker=self.rank) from exc
         self.weighting = weighting
         self._model_device = _parameter_device(model.parameters())
-        if self._model_device is not None and self._model_device.type == "cuda" and not expandable_segments():
+        if (self.rank == 0 and self._model_device is not None and self._model_device.type == "cuda"
+                and self.config.max_batch is None and not expandable_segments()):
             log.warning("PyTorch's CUDA allocator runs without expandable segments: lbbsp grows a fast GPU's batch "
                         "toward its memory cap, and with fixed segments fragmentation ran out of memory below it (an "
                         "H100: 4,427 samples where 5,196 fit); set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "

@@ -130,9 +130,9 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
     Bytes are predicted by the least-squares line a + b * batch where the readings identify it: two or more
     distinct sizes, each reading above the one at the next smaller size by at least half what the line
     predicts there (less ``_MIN_RISE``, an allocator's rounding), and a rise of at least ``_MIN_RISE`` bytes
-    across them. Readings held at a caching
-    allocator's peak (flat below the largest size run so far) fail the first test; readings that do not rise
-    (a framework that reserved the card up front) or rise by noise alone, the second. (A slope of at least a
+    across them. Readings held at a caching allocator's peak (flat below the largest size run so far) fail the
+    first test where the sizes are far enough apart to tell; readings that do not rise (a framework that
+    reserved the card up front) or rise by noise alone, the second. (A slope of at least a
     tenth of the bytes per sample in use at the largest size had been asked instead: where the fixed part, the
     model and other processes, dwarfs a sample's, as on a nearly full card, no true line passed, and an H100
     with 3.8 GiB free grew from 32 samples by one sample a step, where 1,281 fit.) Elsewhere bytes follow the
