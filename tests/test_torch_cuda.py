@@ -47,7 +47,7 @@ def gpu_of(rank: int) -> torch.device:
 
 @functools.cache
 def _cycles_per_second() -> float:
-    """The GPU's clock, measured once it is busy (an idle H100 reads 345 MHz, a busy one 1,980)."""
+    """The GPU's clock, measured once it is busy (an idle GPU clocks down: a stall calibrated then ran short)."""
     probe_cycles, rate = 50_000_000, 0.0
     for _ in range(4):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
