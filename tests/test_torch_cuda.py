@@ -176,3 +176,46 @@ def _check_gpu_features(features: list[str]) -> None:
     except ImportError:
         return  # no NVML bindings: reports go without GPU readings
     assert {"gpu_mem_used", "gpu_mem_free"} <= set(features), features
+
+
+PER_SAMPLE_S = 0.004  # the GPU straggler's extra work per sample of its slice
+
+
+def _balancing_worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> None:
+    device = gpu_of(rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    model = mlp().to(device)
+    if rank == 1:  # slower per sample, on the GPU: the host only queues the work
+        _cycles_per_second()
+        model.register_forward_hook(
+            lambda _, inputs, __: torch.cuda._sleep(int(_cycles_per_second() * PER_SAMPLE_S * len(inputs[0]))))
+    ddp = DDP(model)
+    lb = Balancer.from_env(80, redis=url, job=job)  # the default policy: LB-BSP with the automatic model
+    lb.attach(ddp)
+    loader = lb.loader(digits(), seed=0)
+    splits = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for x, y, _ in loader:
+            F.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
+            splits.append(list(lb.step.split))
+    lb.close()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"splits": splits, "device": lb.last_report.device}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+def test_lbbsp_moves_samples_off_a_gpu_straggler(tmp_path: Path, redis_server) -> None:
+    """End to end on a GPU: the coordinator's default model routes the ranks' CUDA reports to the batch-time curve,
+    and the split moves off the rank whose GPU work per sample is the larger."""
+    url = os.environ.get("LBBSP_TEST_REDIS_URL", redis_server.url)
+    spawn(_balancing_worker, (2, str(tmp_path / "rdv"), url, f"test-{uuid.uuid4().hex[:10]}", str(tmp_path)),
+          nprocs=2, timeout_s=200)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["splits"] == ranks[1]["splits"], "the ranks used different vectors"
+    splits = ranks[0]["splits"]
+    assert splits[0] == [40, 40], splits[:3]
+    late = [s[1] / sum(s) for s in splits[-10:]]
+    assert max(late) < 0.3, f"the straggler kept {max(late):.0%} of the batch: {splits[-10:]}"
+    assert all(r["device"].startswith("cuda:") for r in ranks)
