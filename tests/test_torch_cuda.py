@@ -59,6 +59,11 @@ def _cycles_per_second() -> float:
     return rate
 
 
+def gpu_sleep(seconds: float) -> None:
+    """Queue about ``seconds`` of GPU work; the host goes on at once."""
+    torch.cuda._sleep(int(_cycles_per_second() * seconds))
+
+
 class GPUStall:
     """A forward hook that keeps the GPU busy for about ``seconds`` while the host goes on (the host only queues
     the kernel); :meth:`seconds_taken` is what the stalls really took, by CUDA events."""
@@ -71,7 +76,7 @@ class GPUStall:
     def __call__(self, *_: object) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        torch.cuda._sleep(int(_cycles_per_second() * self.seconds))
+        gpu_sleep(self.seconds)
         end.record()
         self.events.append((start, end))
 
@@ -188,8 +193,7 @@ def _balancing_worker(rank: int, world: int, init: str, url: str, job: str, out:
     model = mlp().to(device)
     if rank == 1:  # slower per sample, on the GPU: the host only queues the work
         _cycles_per_second()
-        model.register_forward_hook(
-            lambda _, inputs, __: torch.cuda._sleep(int(_cycles_per_second() * PER_SAMPLE_S * len(inputs[0]))))
+        model.register_forward_hook(lambda _, inputs, __: gpu_sleep(PER_SAMPLE_S * len(inputs[0])))
     ddp = DDP(model)
     lb = Balancer.from_env(80, redis=url, job=job)  # the default policy: LB-BSP with the automatic model
     lb.attach(ddp)
