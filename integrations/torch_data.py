@@ -12,6 +12,7 @@ p[3:8]; if the next step agrees (6, 2), rank 0 gets p[8:14] and rank 1 gets p[14
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,8 @@ from .torch_grad import _collective_device
 
 if TYPE_CHECKING:
     from .torch import Balancer
+
+log = logging.getLogger("lbbsp.torch")
 
 #: DataLoader options that BalancedLoader sets itself, and why.
 _RESERVED = {
@@ -86,6 +89,8 @@ class BalancedLoader:
                                   **dataloader_kwargs)
         self._iterating = False
         self._next_epoch: int | None = None
+        self._served = (0, 0)  # (epoch, its next global batch): where the latest iteration stands
+        self._resume: tuple[int, int] | None = None  # (epoch, first global batch) of a loaded state, until used
         balancer._loaders.add(self)
 
     def set_epoch(self, epoch: int) -> None:
@@ -97,6 +102,41 @@ class BalancedLoader:
         else:  # and one asked for during an earlier iteration is superseded
             self._next_epoch = None
             self.sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, int | bool]:
+        """Where the loader stands, for a checkpoint: the epoch and its next global batch (a batch counts as
+        served once yielded, so save after the step's update), and what a resume must match. The position is
+        global, not this rank's, so a run may resume on another number of ranks."""
+        if self._resume is not None and not self._iterating:
+            epoch, step = self._resume
+        else:
+            epoch = self._next_epoch if self._next_epoch is not None and not self._iterating else self.sampler.epoch
+            step = self._served[1] if self._served[0] == epoch else 0
+        sampler = self.sampler
+        return {"epoch": epoch, "step": step, "dataset_size": sampler.dataset_size,
+                "global_batch": sampler.global_batch, "seed": sampler.seed, "shuffle": sampler.shuffle,
+                "drop_last": sampler.drop_last}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the state's epoch is selected, and its next iteration starts at the
+        state's global batch, so every sample of the epoch is still used once across the restart. A
+        ``ConfigError`` if the state is not a loader's or was saved with another dataset size, global batch,
+        seed, shuffle or drop_last (its positions would then name other samples)."""
+        if self._iterating:
+            raise ConfigError("load_state_dict while the loader is being iterated: load it before the loop")
+        if not isinstance(state, Mapping) or set(state) != set(self.state_dict()):
+            keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ConfigError(f"not a BalancedLoader state (keys {keys}): pass what loader.state_dict() returned")
+        now = self.state_dict()
+        for name in ("dataset_size", "global_batch", "seed", "shuffle", "drop_last"):
+            if state[name] != now[name] or isinstance(state[name], bool) != isinstance(now[name], bool):
+                raise ConfigError(f"the loader state was saved with {name}={state[name]!r}, this loader has "
+                                  f"{name}={now[name]!r}: its positions would name other samples; resume with the "
+                                  "same dataset, global batch, seed, shuffle and drop_last")
+        epoch = _integer(state["epoch"], "the state's epoch", 0, None)
+        step = _integer(state["step"], "the state's step", 0, len(self.sampler))
+        self.set_epoch(epoch)
+        self._resume = (epoch, step)
 
     def close(self) -> None:
         """Stop the loader's worker processes (they persist between steps); :meth:`Balancer.close` calls it."""
@@ -114,16 +154,22 @@ class BalancedLoader:
         if self._next_epoch is not None:
             self.sampler.set_epoch(self._next_epoch)
             self._next_epoch = None
-        _check_ranks_agree(self.sampler, self.balancer)
+        first = self._first_step()
+        _check_ranks_agree(self.sampler, self.balancer, first)
         self._iterating = True
+        self._served = (self.sampler.epoch, first)
+        if first == len(self.sampler):  # a state saved at the epoch's end: nothing of it is left to serve
+            self._iterating = False
+            return
         try:
-            for step in range(len(self.sampler)):
+            for step in range(first, len(self.sampler)):
                 indices = self.balancer.begin_step(self.sampler, step)
+                self._served = (self.sampler.epoch, step + 1)
                 if len(indices):
                     yield self._load(indices)
                 else:
-                    first = self.sampler.global_indices(step)[:1]
-                    yield _empty_like(self._load(first))
+                    one = self.sampler.global_indices(step)[:1]
+                    yield _empty_like(self._load(one))
         except GeneratorExit:  # the loop was left early (break, zip, an error): its open step is abandoned
             self.balancer.end_step(abandoned=True)
             raise
@@ -132,6 +178,19 @@ class BalancedLoader:
         self.balancer.end_step()
         self.balancer.end_epoch()
 
+    def _first_step(self) -> int:
+        """The global batch this iteration starts at: a loaded state's, once, if it is of this epoch."""
+        if self._resume is None:
+            return 0
+        (epoch, step), self._resume = self._resume, None
+        if epoch == self.sampler.epoch:
+            return step
+        if 0 < step < len(self.sampler):
+            log.warning("the loaded loader state resumes epoch %d at global batch %d, but epoch %d is iterated: it "
+                        "starts at its first batch, and the rest of epoch %d is not served", epoch, step,
+                        self.sampler.epoch, epoch)
+        return 0
+
     def _load(self, indices: Sequence[int] | np.ndarray) -> Any:
         self._plan.indices = [int(i) for i in indices]
         return next(iter(self._loader))
@@ -139,16 +198,17 @@ class BalancedLoader:
 
 #: What every rank's sampler must agree on, or the ranks' slices overlap and miss samples (or their step counts
 #: differ, and one rank waits for the others in a collective until the process group times out).
-_AGREED = ("dataset size", "shuffle", "drop_last", "epoch", "seed (the epoch order's fingerprint)")
+_AGREED = ("dataset size", "shuffle", "drop_last", "epoch", "first global batch (a loaded state's)",
+           "seed (the epoch order's fingerprint)")
 
 
-def _check_ranks_agree(sampler: GlobalBatchSampler, balancer: Balancer) -> None:
-    """Raise a ConfigError on every rank unless all ranks' samplers agree on ``_AGREED`` (one all-gather of five
+def _check_ranks_agree(sampler: GlobalBatchSampler, balancer: Balancer, first: int) -> None:
+    """Raise a ConfigError on every rank unless all ranks' samplers agree on ``_AGREED`` (one all-gather of six
     integers as each epoch starts; the first that differs is named, the order's fingerprint last as it differs
     whenever another does)."""
     if balancer.world_size < 2:
         return
-    mine = torch.tensor([sampler.dataset_size, int(sampler.shuffle), int(sampler.drop_last), sampler.epoch,
+    mine = torch.tensor([sampler.dataset_size, int(sampler.shuffle), int(sampler.drop_last), sampler.epoch, first,
                          sampler.fingerprint()], dtype=torch.int64, device=_collective_device(balancer.group))
     everyone = [torch.empty_like(mine) for _ in range(balancer.world_size)]
     dist.all_gather(everyone, mine, group=balancer.group)
@@ -158,7 +218,7 @@ def _check_ranks_agree(sampler: GlobalBatchSampler, balancer: Balancer) -> None:
         if len(set(values)) > 1:
             raise ConfigError(f"the ranks' loaders differ in {name} ({values}, by rank): every rank must load the "
                               "whole dataset (not a shard: the loader splits it) with the same seed, shuffle and "
-                              "drop_last, and call set_epoch with the same epoch", job=balancer.config.job,
+                              "drop_last, call set_epoch with the same epoch, and load the same loader state", job=balancer.config.job,
                               worker=balancer.rank)
 
 

@@ -1,0 +1,189 @@
+"""Resuming in the middle of an epoch from a checkpoint: 2 real gloo ranks train part of epoch 0 and save the
+loader's state with the model; 3 ranks, under a new job, load it and finish. The result equals single-process
+SGD on the same global batches, and every sample of the interrupted epoch is used once."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+from lbbsp import ConfigError, EmbeddedRedis, JobConfig  # noqa: E402
+from lbbsp.integrations.torch import Balancer  # noqa: E402
+from lbbsp.integrations.torch_data import BalancedLoader  # noqa: E402
+from test_torch_exact import (  # noqa: E402
+    EPOCHS,
+    GLOBAL_BATCH,
+    SEED,
+    ChangingSplit,
+    digits,
+    in_gloo_group,
+    mlp,
+    single_process_params,
+    spawn,
+)
+
+STOP_AFTER = 7  # global batches of epoch 0 trained before the "crash"
+
+
+def _first_run(rank: int, url: str, job: str, checkpoint: str) -> dict:
+    """Train epoch 0's first STOP_AFTER global batches, checkpoint (rank 0), and stop as a crash would."""
+    model = DDP(mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    lb = Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, policy=ChangingSplit(), min_batch=0)
+    lb.attach(model)
+    loader = lb.loader(digits(), seed=SEED)
+    loader.set_epoch(0)
+    seen: list[int] = []
+    for step, (x, y, index) in enumerate(loader):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        seen.extend(index.tolist())
+        if step == STOP_AFTER - 1:
+            state = loader.state_dict()
+            if rank == 0:
+                torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "loader": state,
+                            "epoch": 0}, checkpoint)
+            break
+    lb.close()
+    return {"seen": seen, "state": state}
+
+
+def _resumed_run(rank: int, url: str, job: str, checkpoint: str) -> dict:
+    """Load the checkpoint on 3 ranks and train to the end of EPOCHS; first, two misuses of loader states."""
+    ckpt = torch.load(checkpoint)
+    module = mlp()
+    module.load_state_dict(ckpt["model"])
+    model = DDP(module)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt.load_state_dict(ckpt["opt"])
+    lb = Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, policy=ChangingSplit(), min_batch=0)
+    lb.attach(model)
+    out: dict = {}
+
+    finished = lb.loader(digits(), seed=SEED)  # a state saved at an epoch's end: nothing of that epoch is left
+    finished.load_state_dict({**ckpt["loader"], "step": len(finished)})
+    out["after_the_end"] = len(list(finished))
+
+    uneven = lb.loader(digits(), seed=SEED)  # only rank 0 loads the state: every rank is told, none waits
+    if rank == 0:
+        uneven.load_state_dict(ckpt["loader"])
+    try:
+        next(iter(uneven))
+    except ConfigError as exc:
+        out["uneven"] = str(exc)
+
+    loader = lb.loader(digits(), seed=SEED)
+    loader.load_state_dict(ckpt["loader"])
+    out["state_after_load"] = loader.state_dict()
+    seen: list[list[int]] = []
+    for epoch in range(ckpt["epoch"], EPOCHS):
+        loader.set_epoch(epoch)  # the checkpoint's epoch again: the loaded position holds
+        seen.append([])
+        for x, y, index in loader:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            seen[-1].extend(index.tolist())
+    lb.close()
+    out.update(seen=seen, params=[p.detach().tolist() for p in model.module.parameters()])
+    return out
+
+
+def _first(rank: int, world: int, init: str, url: str, job: str, out: str, checkpoint: str) -> None:
+    in_gloo_group(rank, world, init, out, lambda: _first_run(rank, url, job, checkpoint))
+
+
+def _second(rank: int, world: int, init: str, url: str, job: str, out: str, checkpoint: str) -> None:
+    in_gloo_group(rank, world, init, out, lambda: _resumed_run(rank, url, job, checkpoint))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, redis_server: EmbeddedRedis) -> tuple[list[dict], list[dict]]:
+    tmp = tmp_path_factory.mktemp("resume")
+    url = os.environ.get("LBBSP_TEST_REDIS_URL", redis_server.url)
+    checkpoint = str(tmp / "checkpoint.pt")
+    results = []
+    for name, fn, world in (("first", _first, 2), ("second", _second, 3)):
+        out = tmp / name
+        out.mkdir()
+        job = f"test-{uuid.uuid4().hex[:10]}"  # a new job for the resumed run, as a restart uses
+        spawn(fn, (world, str(tmp / f"rdv-{name}"), url, job, str(out), checkpoint), nprocs=world, timeout_s=200)
+        results.append([json.loads((out / f"rank{r}.json").read_text()) for r in range(world)])
+    return results[0], results[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_resumed_mid_epoch_on_more_ranks_matches_single_process_sgd(runs) -> None:
+    first, second = runs
+    assert all(r["state"] == {"epoch": 0, "step": STOP_AFTER, "dataset_size": 1797, "global_batch": GLOBAL_BATCH,
+                              "seed": SEED, "shuffle": True, "drop_last": False} for r in first)
+    assert all(r["state_after_load"] == first[0]["state"] for r in second)
+    expected = single_process_params()
+    for result in second:
+        for got, want in zip(result["params"], expected):
+            np.testing.assert_allclose(np.array(got), want.numpy(), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_sample_of_the_interrupted_epoch_is_used_once(runs) -> None:
+    first, second = runs
+    before = [i for r in first for i in r["seen"]]
+    assert len(before) == STOP_AFTER * GLOBAL_BATCH
+    for epoch in range(EPOCHS):
+        after = [i for r in second for i in r["seen"][epoch]]
+        used = sorted(after + (before if epoch == 0 else []))
+        assert used == list(range(1797)), f"epoch {epoch}: samples missing or repeated across the restart"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_loaded_states_that_leave_nothing_or_differ_by_rank(runs) -> None:
+    _, second = runs
+    assert all(r["after_the_end"] == 0 for r in second)
+    for r in second:  # told on every rank, not left waiting in a collective
+        assert "differ in first global batch" in r["uneven"] and f"[{STOP_AFTER}, 0, 0]" in r["uneven"]
+
+
+def _alone() -> BalancedLoader:
+    """A loader of one rank, for what needs no process group (a stand-in Balancer: only its config is read)."""
+    balancer = SimpleNamespace(config=JobConfig("unit", 1, GLOBAL_BATCH), _loaders=set(), world_size=1)
+    return BalancedLoader(digits(), balancer, seed=SEED)
+
+
+def test_state_follows_set_epoch_and_round_trips_before_the_loop() -> None:
+    loader = _alone()
+    assert loader.state_dict()["epoch"] == 0 and loader.state_dict()["step"] == 0
+    loader.set_epoch(3)
+    assert (loader.state_dict()["epoch"], loader.state_dict()["step"]) == (3, 0)
+    loader.load_state_dict({**loader.state_dict(), "epoch": 1, "step": 5})
+    assert (loader.sampler.epoch, loader.state_dict()["step"]) == (1, 5)  # saved again before the loop: unchanged
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"global_batch": 50}, "saved with global_batch=50, this loader has global_batch=100"),
+    ({"dataset_size": 1000}, "saved with dataset_size=1000"),
+    ({"seed": SEED + 1}, "saved with seed=4"),
+    ({"shuffle": 1}, "saved with shuffle=1, this loader has shuffle=True"),
+    ({"step": 19}, "the state's step must be an integer in [0, 18]"),
+    ({"epoch": -1}, "the state's epoch must be an integer in [0, inf]"),
+    ({"extra": 1}, "not a BalancedLoader state (keys ['dataset_size', 'drop_last', 'epoch', 'extra'"),
+])
+def test_a_state_from_another_loader_is_refused_and_changes_nothing(change: dict, message: str) -> None:
+    loader = _alone()
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        loader.load_state_dict({**loader.state_dict(), **change})
+    assert (loader.sampler.epoch, loader.state_dict()["step"]) == (0, 0)
+    with pytest.raises(ConfigError, match="not a BalancedLoader state"):
+        loader.load_state_dict([0, 7])
