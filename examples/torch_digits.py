@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/torch_digits.py                  # embedded Redis, coordinator on rank 0
     torchrun --nproc-per-node 2 examples/torch_digits.py --redis redis://host:6379/0
+    torchrun --nproc-per-node 2 --max-restarts 3 examples/torch_digits.py --checkpoint ckpt.pt   # resumes from it
 
 The lines marked ``# lbbsp`` are all that differ from a plain DDP script.
 """
@@ -30,6 +31,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--global-batch", type=int, default=128)
     parser.add_argument("--lr", type=float, default=0.2)
     parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--checkpoint", default=None, help="save here every --checkpoint-every global batches, "
+                        "and resume from it where it exists (mid-epoch too)")
+    parser.add_argument("--checkpoint-every", type=int, default=5)
     return parser.parse_args()
 
 
@@ -59,9 +63,19 @@ def main() -> None:
     loader = lb.loader(train, seed=0, pin_memory=cuda)  # lbbsp: replaces DataLoader + DistributedSampler
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
+    start_epoch = 0
+    if args.checkpoint and os.path.exists(args.checkpoint):  # every rank loads the same checkpoint
+        ckpt = torch.load(args.checkpoint, map_location=device)
+        net.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        loader.load_state_dict(ckpt["loader"])  # lbbsp: the epoch goes on after the last global batch saved
+        start_epoch = ckpt["epoch"]
+        if rank == 0:
+            print(f"resumed at epoch {start_epoch}, global batch {ckpt['loader']['step']}", flush=True)
+
     accuracy = train_loss = 0.0
     full_split: tuple[int, ...] = ()  # the split of the last global batch of args.global_batch samples
-    for epoch in range(args.epochs):
+    for epoch in range(start_epoch, args.epochs):
         loader.set_epoch(epoch)
         seen = torch.zeros(2, device=device)  # this rank's summed training loss and its sample count
         for x, y in loader:
@@ -69,6 +83,11 @@ def main() -> None:
             loss.backward()
             opt.step()
             opt.zero_grad()
+            state = loader.state_dict()  # lbbsp: the epoch and its next global batch
+            if args.checkpoint and rank == 0 and state["step"] % args.checkpoint_every == 0:
+                torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "loader": state, "epoch": epoch},
+                           args.checkpoint + ".tmp")
+                os.replace(args.checkpoint + ".tmp", args.checkpoint)  # a crash while saving leaves the last one
             if len(y):  # an empty slice (a short final batch) has a NaN mean loss and adds nothing
                 seen[0] += loss.detach() * len(y)
                 seen[1] += len(y)

@@ -14,12 +14,14 @@ pytest.importorskip("torch")
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torch_digits.py"
 
 
-def run_example(*args: str) -> dict:  # type: ignore[type-arg]
-    """Run the example on two ranks; the JSON line it ends with."""
+def run_example(*args: str, printed: list[str] | None = None) -> dict:  # type: ignore[type-arg]
+    """Run the example on two ranks; the JSON line it ends with (and every line in ``printed``)."""
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
          *args], capture_output=True, text=True, timeout=170, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    if printed is not None:
+        printed.extend(done.stdout.splitlines())
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
@@ -34,3 +36,15 @@ def test_example_converges_under_torchrun() -> None:
 def test_example_loss_is_finite_with_an_empty_slice() -> None:
     # 1,437 training digits: one global batch of 1,436, then one of a single sample split (1, 0)
     assert math.isfinite(run_example("--epochs", "1", "--global-batch", "1436")["train_loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_example_resumes_mid_epoch_from_its_checkpoint(tmp_path: Path) -> None:
+    # 1,437 training digits in global batches of 128: 12 a epoch, a checkpoint after the 5th and the 10th
+    checkpoint = str(tmp_path / "ckpt.pt")
+    run_example("--epochs", "2", "--checkpoint", checkpoint)
+    printed: list[str] = []
+    result = run_example("--epochs", "12", "--checkpoint", checkpoint, printed=printed)
+    assert printed[0] == "resumed at epoch 1, global batch 10"
+    assert printed[1].startswith("epoch   1 ") and result["test_accuracy"] >= 0.9
