@@ -33,6 +33,8 @@ DEADLINE_S = "lbbsp-deadline-s"
 SAMPLES, STEPS, DATA_SIZE = "lbbsp-samples", "lbbsp-steps", "lbbsp-data-size"
 COMPUTE_S, DOWNLOAD_S, UPLOAD_S = "lbbsp-compute-s", "lbbsp-download-s", "lbbsp-upload-s"
 MAX_LOCAL_STEPS = 1_000_000
+#: The prefix of every key lbbsp adds to a ConfigRecord or a reply's MetricRecord.
+LBBSP_PREFIX = "lbbsp-"
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,9 @@ class Workload:
         try:
             return cls(config[BATCH_SIZE], config[LOCAL_STEPS], config.get(DEADLINE_S))
         except KeyError as exc:
-            raise ProtocolError("is missing from the train config", field=str(exc.args[0])) from None
+            raise ProtocolError("is missing from the train config: wrap the server's strategy in LoadBalanced, or, for "
+                                "a plain strategy, pass LocalRound(default=Workload(batch_size, local_steps))",
+                                field=str(exc.args[0])) from None
         except ConfigError as exc:
             raise ProtocolError(exc.message, field="config") from None
 
@@ -162,6 +166,9 @@ class LocalRound:
     def __init__(self, msg: Message, *, link: Link | None = None, default: Workload | None = None,
                  data_size: int | None = None, config_key: str | None = None,
                  weighted_by_key: str = "num-examples") -> None:
+        if not isinstance(msg, Message):
+            raise ConfigError(f"msg must be the Message the ClientApp's train function receives first, as in "
+                              f"train(msg, context), got {type(msg).__name__}")
         if default is not None and not isinstance(default, Workload):
             raise ConfigError(f"default must be a Workload(batch_size, local_steps), got {default!r}")
         if data_size is not None:
@@ -196,7 +203,17 @@ class LocalRound:
     def reply(self, arrays: ArrayRecord, metrics: Mapping[str, int | float] | None = None,
               array_key: str = "arrays", metric_key: str = "metrics") -> Message:
         """The train reply: the arrays, samples processed (the default weight), local data size if given, and
-        the round's timings (an emulated upload happens here)."""
+        the round's timings (an emulated upload happens here). ``metrics`` must set none of these: a weight of its
+        own (``num-examples`` = the data size, as a plain ClientApp sends) would be overwritten, so the data size
+        goes in ``LocalRound(data_size=...)`` instead."""
+        if not isinstance(arrays, ArrayRecord):
+            raise ConfigError(f"arrays must be an ArrayRecord, e.g. ArrayRecord(list_of_ndarrays) or "
+                              f"ArrayRecord(model.state_dict()), got {type(arrays).__name__}")
+        own = sorted(k for k in (metrics or {}) if k == self.weighted_by_key or k.startswith(LBBSP_PREFIX))
+        if own:
+            raise ConfigError(f"metrics must not set {own}: LocalRound sets {self.weighted_by_key!r} to the samples "
+                              f"processed and the server weights each reply by the data size passed as "
+                              f"LocalRound(data_size=...); pass yours there and leave these keys out")
         upload_s = self.link.upload(arrays.count_bytes())
         record = MetricRecord(dict(metrics or {}))
         timings = {COMPUTE_S: self.compute_s, DOWNLOAD_S: self.download_s, UPLOAD_S: upload_s}

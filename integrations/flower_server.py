@@ -45,12 +45,20 @@ from lbbsp.fedagg import fednova_scales, rescale_update
 from lbbsp.models import FLClientModel, NotFittedError
 from lbbsp.protocol import MAX_BATCH, MAX_SECONDS, MAX_WORKERS, Report, equal_split
 
-from .flower_client import COMPUTE_S, DATA_SIZE, DOWNLOAD_S, MAX_LOCAL_STEPS, SAMPLES, STEPS, UPLOAD_S, Workload
+from .flower_client import (
+    COMPUTE_S,
+    DATA_SIZE,
+    DOWNLOAD_S,
+    LBBSP_PREFIX,
+    MAX_LOCAL_STEPS,
+    SAMPLES,
+    STEPS,
+    UPLOAD_S,
+    Workload,
+)
 
 #: The reply metrics a LocalRound always sends; a reply with none of them is a plain Flower reply.
 TIMINGS = (SAMPLES, STEPS, COMPUTE_S, DOWNLOAD_S, UPLOAD_S)
-#: The prefix of every key lbbsp adds to a ConfigRecord or a reply's MetricRecord.
-LBBSP_PREFIX = "lbbsp-"
 
 
 @dataclass(frozen=True)
@@ -166,7 +174,8 @@ class LoadBalanced(Strategy):
                  compensate_dropouts: bool = False, sit_out: float = 0.0, rejoin_after: int | None = 10,
                  model: FLClientModel | None = None) -> None:
         if not isinstance(strategy, Strategy):
-            raise ConfigError(f"strategy must be a Flower strategy (flwr.serverapp.strategy), got {strategy!r}")
+            raise ConfigError(f"strategy must be a Flower message-API strategy instance, e.g. "
+                              f"flwr.serverapp.strategy.FedAvg(...), got {strategy!r}{_why_not(strategy)}")
         if not isinstance(history, ClientHistory):
             raise ConfigError(f"history must be a ClientHistory, e.g. ClientHistory.from_url(url, job), "
                               f"got {history!r}")
@@ -432,10 +441,14 @@ class LoadBalanced(Strategy):
         for node, result in measured.items():
             weight = result.weight(self.weight_by)
             if result.samples == 0 or result.steps == 0 or weight == 0:
-                log(INFO, "lbbsp: node %d processed no sample (or reported a data size of 0): left out", node)
                 del results[node]
             else:
                 weights[node] = weight
+        idle = sorted(set(measured) - set(weights))
+        if idle:
+            log(WARNING, "lbbsp: nodes %s processed no sample (or reported a data size of 0) and are left out: a "
+                         "ClientApp trains one step per batch size of `for batch_size in rnd.batches():`, and a reply "
+                         "counts only the steps taken in that loop", idle)
         if self.weight_by != "samples":
             self._tell_once("no data size", [n for n in weights if measured[n].data_size is None],
                             WARNING if self.weight_by == "data" else INFO,
@@ -578,6 +591,17 @@ def _check_arrays(model: ArrayRecord, content: RecordDict) -> None:
 def _describe(layout: tuple[tuple[str, ...], tuple[str, ...], frozenset[str]]) -> str:
     arrays, metrics, keys = layout
     return f"(arrays {list(arrays)}, metrics {list(metrics)} with keys {sorted(keys)[:8]})"
+
+
+def _why_not(strategy: object) -> str:
+    """A hint for a strategy that ``LoadBalanced`` cannot wrap but a user may well pass: a class, or one of
+    Flower's legacy strategies (``flwr.server.strategy``), whose ClientApps speak another message layout."""
+    if isinstance(strategy, type) and issubclass(strategy, Strategy):
+        return f": pass an instance, {strategy.__name__}(...), not the class"
+    if type(strategy).__module__.startswith("flwr.server.strategy"):
+        return (": that is a legacy strategy (flwr.server.strategy); use its message-API namesake from "
+                "flwr.serverapp.strategy, with a ClientApp built on @app.train() (Flower's migration guide)")
+    return ""
 
 
 def _whole(name: str, value: object) -> int:
