@@ -26,7 +26,7 @@ import redis
 from .config import _integer, _job_name
 from .errors import ConfigError, ProtocolError, StoreUnavailable
 from .protocol import MAX_ITERATION, MAX_PAYLOAD_BYTES, MAX_REASON_CHARS, MAX_WORKERS, Report
-from .store import REDIS_FAILURES, connect
+from .store import REDIS_FAILURES, connect, not_a_url
 
 T = TypeVar("T")
 
@@ -121,6 +121,7 @@ class ClientHistory:
 
     def __init__(self, client: redis.Redis, job: str, *, ttl_s: int = 7 * 86_400, max_reports: int = 50,
                  owns_client: bool = False) -> None:
+        not_a_url(client, "ClientHistory", job)
         self.client = client
         self.job = _job_name(job)  # checked here: an invalid one would have every reply refused
         self.ttl_s = _integer(ttl_s, "ttl_s", 1, None, job)  # 0 would delete what each write stores

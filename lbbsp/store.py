@@ -62,6 +62,13 @@ def worker_socket_timeout(assignment_timeout_s: float) -> float:
     return min(5.0, max(0.05, assignment_timeout_s / 3))
 
 
+def not_a_url(client: object, owner: str, job: object) -> None:
+    """Raise a ConfigError if a URL was passed where ``owner`` takes a Redis client (``from_url`` takes the URL)."""
+    if isinstance(client, (str, bytes)):
+        raise ConfigError(f"{owner} takes a Redis client; for a URL, use {owner}.from_url(url, job)",
+                          job=job if isinstance(job, str) else None)
+
+
 def _redacted(url: str) -> str:
     """``url`` without the password, for error messages."""
     scheme, sep, rest = url.partition("://")
@@ -115,6 +122,7 @@ class Store:
     """
 
     def __init__(self, client: redis.Redis, job: str, *, ttl_s: int = 3600, owns_client: bool = False) -> None:
+        not_a_url(client, "Store", job)
         self.client = client
         self.job = job
         self.ttl_s = ttl_s

@@ -20,6 +20,7 @@ from lbbsp import (
     StoreUnavailable,
     WorkerClient,
 )
+from lbbsp.client_history import ClientHistory
 
 HUGE = "1" + "0" * 400  # a JSON integer no float can hold
 
@@ -141,3 +142,11 @@ def test_a_report_of_an_iteration_already_reported_is_warned_about(redis_url: st
         worker.flush()
         assert caplog.text.count("iteration 0 was reported already") == 1  # once a minute, not per report
         worker.store.close()
+
+
+@pytest.mark.parametrize("cls", [Store, ClientHistory])
+def test_a_url_where_a_redis_client_belongs_says_to_use_from_url(cls: type) -> None:
+    with pytest.raises(ConfigError, match=rf"{cls.__name__} takes a Redis client; for a URL, use "
+                                          rf"{cls.__name__}\.from_url\(url, job\)") as caught:
+        cls("redis://user:secret@localhost:6379/0", "job")
+    assert "secret" not in str(caught.value)
