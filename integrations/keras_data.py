@@ -20,7 +20,7 @@ import threading
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -37,6 +37,8 @@ _SOURCES: weakref.WeakSet[BalancedSource] = weakref.WeakSet()  # released at exi
 #: How long a ``PyDataset`` batch waits for the batches before it in its epoch to be asked for: in order, they
 #: were asked for a moment earlier (worker threads take indices first come, first served).
 _ORDER_GRACE_S = 5.0
+#: The names of the functions that ``fit(class_weight=...)`` maps over a ``tf.data`` dataset (Keras 3, tf_keras).
+_CLASS_WEIGHT_MAPS = frozenset({"class_weights_map_fn", "_class_weights_map_fn"})
 
 
 @dataclass(frozen=True)
@@ -60,12 +62,17 @@ class BalancedSource:
 
     ``x`` and ``y`` are single arrays (one model input, one target). The source serves ``model.fit``'s training
     batches only: validate and evaluate with arrays.
+
+    ``sample_weight`` (one weight per sample) and ``class_weight`` (class id -> weight, read as ``model.fit``
+    reads it; a class without one weighs 1) multiply into the weight of every sample the source serves. Pass class
+    weights here, not to ``fit``: the batches carry weights of their own (see :meth:`sample_weight`), which Keras's
+    ``class_weight`` would replace or refuse, so ``fit(class_weight=...)`` on a ``tf_dataset()`` raises ConfigError.
     """
 
     def __init__(self, x: np.ndarray, y: np.ndarray, config: JobConfig, worker: int, *,
-                 sample_weight: np.ndarray | None = None, seed: int = 0, shuffle: bool = True,
-                 drop_last: bool = False, steps_per_execution: int = 1, wait_timeout_s: float | None = None,
-                 record_limit: int = 100_000) -> None:
+                 sample_weight: np.ndarray | None = None, class_weight: Mapping[int, float] | None = None,
+                 seed: int = 0, shuffle: bool = True, drop_last: bool = False, steps_per_execution: int = 1,
+                 wait_timeout_s: float | None = None, record_limit: int = 100_000) -> None:
         for name, value in (("x", x), ("y", y)):
             if value is None or isinstance(value, (dict, tuple, list)):
                 raise ConfigError(f"{name} must be a single array (one model input, one target), got "
@@ -76,11 +83,10 @@ class BalancedSource:
                               f"and dtypes {x.dtype}, {y.dtype}", job=config.job)
         if len(x) != len(y):
             raise ConfigError(f"x and y differ in length ({len(x)}, {len(y)})", job=config.job)
-        if sample_weight is not None:
-            sample_weight = np.asarray(sample_weight)
-            if sample_weight.shape != (len(x),):  # Keras would read (n, t) as per-timestep weights
-                raise ConfigError(f"sample_weight must hold one weight per sample, shape ({len(x)},), got shape "
-                                  f"{sample_weight.shape}", job=config.job)
+        weights = _sample_weights(sample_weight, len(x), config.job)
+        if class_weight is not None:
+            by_class = _class_weights(class_weight, y, config.job)
+            weights = by_class if weights is None else weights * by_class
         worker = _integer(worker, "worker", 0, config.num_workers - 1, config.job)  # True is not worker 1
         if config.min_batch < 1:
             raise ConfigError("the Keras integration needs min_batch >= 1, so that every worker trains on every full "
@@ -88,7 +94,10 @@ class BalancedSource:
                               job=config.job)
         steps_per_execution = _integer(steps_per_execution, "steps_per_execution", 1, None, config.job)  # 2.0: float steps
         self.x, self.y = x, y
-        self.sample_weights = sample_weight
+        self.sample_weights = weights  # sample_weight times class_weight, None without either
+        #: Whether batches are (x, y, weights), not (x, y): with one worker and no weights of the user's, every
+        #: weight would be 1, and leaving them out lets Keras apply ``fit(class_weight=...)`` to a py_dataset().
+        self.weighted = config.num_workers > 1 or weights is not None
         self.config = config
         self.worker = worker
         self.sampler = GlobalBatchSampler(len(x), config.global_batch, seed=seed, shuffle=shuffle,
@@ -227,7 +236,7 @@ class BalancedSource:
             return self._vectors.get(iteration) if self._attached else None
 
     def _batch(self, epoch: int, step: int, pipeline: int) -> tuple[np.ndarray, ...]:
-        """``(x, y, sample_weight)`` of this worker at ``step`` of the ``epoch``-th epoch of this ``fit``."""
+        """This worker's ``(x, y)``, or ``(x, y, weights)`` if weighted, at ``step`` of this fit's ``epoch``."""
         iteration = self.iteration_of(epoch, step)
         sizes = self._agreed(iteration)
         if sizes is None:  # a shape probe, training without the callback, or a prefetch past the end of fit
@@ -295,10 +304,12 @@ class BalancedSource:
         sampler = self._sampler_for(epoch)
         split = sampler.split_for(step, sizes)
         indices = sampler.worker_indices(step, sizes, self.worker)
+        if not self.weighted:
+            return self.x[indices], self.y[indices]
         weight = self.sample_weight(split)
         weights = np.full(len(indices), weight, dtype=self.weight_dtype)
         if self.sample_weights is not None:
-            weights = weights * self.sample_weights[indices]
+            weights = (weights * self.sample_weights[indices]).astype(self.weight_dtype)
         return self.x[indices], self.y[indices], weights
 
     def sample_weight(self, split: tuple[int, ...]) -> float:
@@ -368,7 +379,8 @@ class BalancedSource:
             self._check_distributed(strategy)
         _release_at_exit()
         self._end_failed_fit()
-        signature = (spec(self.x), spec(self.y), tf.TensorSpec((None,), tf.as_dtype(self.weight_dtype)))
+        signature = (spec(self.x), spec(self.y)) + ((tf.TensorSpec((None,), tf.as_dtype(self.weight_dtype)),)
+                                                    if self.weighted else ())
         dataset = tf.data.Dataset.from_generator(functools.partial(self._epoch_batches, next(self._pipelines)),
                                                  output_signature=signature)
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(self))).repeat()
@@ -381,9 +393,32 @@ class BalancedSource:
         dataset = dataset.with_options(options)
         self._pipeline_replicas = replicas
         self.latest_pipeline = "tf_dataset"
-        if replicas == 1:
-            return dataset
-        return strategy.distribute_datasets_from_function(lambda context: dataset)
+        if replicas > 1:
+            dataset = strategy.distribute_datasets_from_function(lambda context: dataset)
+        return self._refuse_class_weight(dataset)
+
+    def _refuse_class_weight(self, dataset: Any) -> Any:
+        """``dataset``, made to refuse ``fit(class_weight=...)`` as ``fit`` starts, with a ConfigError that says what
+        to do. Keras applies class weights by mapping a function of its own over the dataset: Keras 3's refuses the
+        weights the batches carry, tf_keras's fails on their unknown batch size, a multi-worker dataset has no
+        ``map`` at all, and Keras 3 adds a prefetch after it, whose thread, waiting in the source after a ``fit``
+        that raised, hung the process (2 exits of 4). Every other ``map`` call goes through."""
+        original = getattr(dataset, "map", None)
+        job = self.config.job
+
+        def refusing_map(function: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(function, "__name__", None) in _CLASS_WEIGHT_MAPS:
+                raise ConfigError("model.fit(class_weight=...) does not work with source.tf_dataset(): Keras would "
+                                  "replace or refuse the weights that the source gives every sample (W * b_i / B, "
+                                  "which keeps uneven batches exact). Pass the class weights to the source instead: "
+                                  "BalancedSource(x, y, ..., class_weight={...}) weights each sample as "
+                                  "fit(class_weight=...) would", job=job)
+            if original is None:
+                raise AttributeError(f"{type(dataset).__name__!r} object has no attribute 'map'")
+            return original(function, *args, **kwargs)
+
+        dataset.map = refusing_map
+        return dataset
 
     def _check_distributed(self, strategy: Any) -> None:
         """A multi-replica strategy must be tf_keras's MultiWorkerMirroredStrategy, one replica per worker."""
@@ -435,6 +470,48 @@ class BalancedSource:
                 return source._indexed_batch(pipeline, index)
 
         return BalancedPyDataset()
+
+
+def _sample_weights(sample_weight: Any, samples: int, job: str) -> np.ndarray | None:
+    """``sample_weight`` as one finite, non-negative float per sample, or None; a ConfigError otherwise."""
+    if sample_weight is None:
+        return None
+    weights = np.asarray(sample_weight)
+    if weights.shape != (samples,):  # Keras would read (n, t) as per-timestep weights
+        raise ConfigError(f"sample_weight must hold one weight per sample, shape ({samples},), got shape "
+                          f"{weights.shape}", job=job)
+    if not (np.issubdtype(weights.dtype, np.number) or weights.dtype == bool):
+        raise ConfigError(f"sample_weight must be numeric, got dtype {weights.dtype}", job=job)
+    weights = weights.astype(np.float64)
+    bad = np.flatnonzero(~np.isfinite(weights) | (weights < 0))
+    if len(bad):  # NaN trains to a NaN loss, silently; a negative weight turns a sample's loss into a gain
+        raise ConfigError(f"sample_weight must be finite and >= 0: {len(bad)} are not, the first at index {bad[0]} "
+                          f"({weights[bad[0]]})", job=job)
+    return weights
+
+
+def _class_weights(class_weight: Mapping[int, float], y: np.ndarray, job: str) -> np.ndarray:
+    """One weight per sample from ``class_weight`` and the classes in ``y``, read as Keras reads them: rounded
+    labels of shape (n,) or (n, 1), or the argmax of one-hot rows (n, k); a class without a weight weighs 1."""
+    if not isinstance(class_weight, Mapping):
+        raise ConfigError(f"class_weight must be a dict of class id -> weight, got {type(class_weight).__name__}",
+                          job=job)
+    table: dict[int, float] = {}
+    for key, value in class_weight.items():
+        if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or key < 0:
+            raise ConfigError(f"class_weight keys must be class ids, integers >= 0, got {key!r}", job=job)
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not 0 <= value < math.inf:
+            raise ConfigError(f"class_weight[{key}] must be a finite number >= 0, got {value!r}", job=job)
+        table[int(key)] = float(value)
+    if y.ndim > 2 or not np.issubdtype(y.dtype, np.number):
+        raise ConfigError(f"class_weight needs one class per sample: y of shape (n,), (n, 1) or one-hot (n, k), "
+                          f"got shape {y.shape} and dtype {y.dtype}", job=job)
+    classes = y.argmax(axis=1) if y.ndim == 2 and y.shape[1] > 1 else np.round(y.reshape(len(y))).astype(np.int64)
+    if len(classes) and classes.min() < 0:
+        raise ConfigError(f"class_weight needs class ids >= 0 in y, found {classes.min()}", job=job)
+    lookup = np.ones(max([*table, int(classes.max(initial=0))]) + 1)
+    lookup[list(table)] = list(table.values())
+    return lookup[classes]
 
 
 def _release_all() -> None:

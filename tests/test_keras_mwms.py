@@ -3,8 +3,9 @@
 Run by pytest, this file starts itself twice as ``python tests/test_keras_mwms.py worker ...``: two TF
 processes on localhost ports, worker 0 running the coordinator in-process, both on the test's embedded Redis.
 The coordinator uses a scripted policy, so the splits are uneven and change every iteration.
-Before training, each worker also checks that a dataset built without the strategy, and a model compiled with
-jit_compile=True (XLA cannot compile the time marks that exclude the all-reduce wait), are refused.
+Before training, each worker also checks that a dataset built without the strategy, a model compiled with
+jit_compile=True (XLA cannot compile the time marks that exclude the all-reduce wait), and fit(class_weight=...)
+are refused. The run with steps_per_execution 3 has sample weights of the user's; both validate on arrays.
 """
 from __future__ import annotations
 
@@ -48,6 +49,16 @@ def make_data() -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
+def make_sample_weight(steps_per_execution: int) -> np.ndarray | None:
+    """The user's sample weights of the run with ``steps_per_execution`` 3 (none for 1, so both cases run)."""
+    return np.random.default_rng(11).uniform(0.2, 2.0, SAMPLES) if steps_per_execution == 3 else None
+
+
+def make_validation_data() -> tuple[np.ndarray, np.ndarray]:
+    x, y = make_data()
+    return x[:23] * 0.5, y[:23]  # one validation batch (Keras's default of 32), shared by the two workers
+
+
 def build_model(keras, steps_per_execution: int = 1):  # type: ignore[no-untyped-def]
     model = keras.Sequential([keras.layers.Input((5,)), keras.layers.Dense(8, activation="tanh"),
                               keras.layers.Dense(2)])
@@ -73,7 +84,8 @@ def run_worker(index: int, ports: list[int], url: str, job: str, steps_per_execu
     config = JobConfig(job, num_workers=2, global_batch=GLOBAL_BATCH, assignment_timeout_s=30.0)
     x, y = make_data()
     with WorkerSession(config, task_index(), url=url, policy=ScriptedPolicy()) as session:
-        source = BalancedSource(x, y, config, session.worker, seed=SEED, steps_per_execution=steps_per_execution)
+        source = BalancedSource(x, y, config, session.worker, seed=SEED, steps_per_execution=steps_per_execution,
+                                sample_weight=make_sample_weight(steps_per_execution))
         with strategy.scope():
             keras.utils.set_random_seed(0)
             model = build_model(keras, steps_per_execution)
@@ -94,18 +106,24 @@ def run_worker(index: int, ports: list[int], url: str, job: str, steps_per_execu
             jit_refused = ""
         except ConfigError as exc:
             jit_refused = str(exc)
+        try:  # tf_keras would call map, which a distributed dataset does not have: AttributeError
+            model.fit(source.tf_dataset(strategy), epochs=1, steps_per_epoch=len(source), class_weight={0: 1, 1: 2},
+                      callbacks=[callback], verbose=0)
+            class_weight_refused = ""
+        except ConfigError as exc:
+            class_weight_refused = str(exc)
         traces: list[int] = []
         count_traces = keras.callbacks.LambdaCallback(
             on_epoch_end=lambda *_: traces.append(model.train_function.experimental_get_tracing_count()))
         history = model.fit(source.tf_dataset(strategy), epochs=EPOCHS, steps_per_epoch=len(source),
-                            callbacks=[callback, count_traces], verbose=0)
+                            callbacks=[callback, count_traces], verbose=0, validation_data=make_validation_data())
         np.savez(out / f"weights{index}.npz", *model.get_weights())
         np.savez(out / f"initial{index}.npz", *initial)
         served = [[b.iteration, b.epoch, b.step, b.size] for b in source.served]
         (out / f"served{index}.json").write_text(json.dumps({
             "served": served, "iterations": callback.iteration, "traces": traces,
             "probed": callback.probe is not None, "history": history.history, "refused": refused,
-            "jit_refused": jit_refused}))
+            "jit_refused": jit_refused, "class_weight_refused": class_weight_refused}))
 
 
 def run_keras3_worker(index: int, ports: list[int], url: str, job: str, out: Path) -> None:
@@ -203,9 +221,11 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-def _reference_run(initial: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, list[float]]]:
-    """A single-process tf_keras run on the same global batches, in the same order: its weights, and the epoch
-    means that ``fit`` would log (the steps' losses and metrics weighted by their global batch sizes)."""
+def _reference_run(initial: list[np.ndarray], sample_weight: np.ndarray | None) -> tuple[list[np.ndarray],
+                                                                                        dict[str, list[float]]]:
+    """A single-process tf_keras run on the same global batches, in the same order, with the same sample weights:
+    its weights, and the epoch means that ``fit`` would log (the steps' losses weighted by their global batch
+    sizes, the weighted metric's by their sums of weights), and its validation loss and metric after each epoch."""
     import tensorflow as tf  # noqa: PLC0415
     import tf_keras as keras  # noqa: PLC0415
 
@@ -217,16 +237,22 @@ def _reference_run(initial: list[np.ndarray]) -> tuple[list[np.ndarray], dict[st
     model.set_weights(initial)
     x, y = make_data()
     sampler = GlobalBatchSampler(SAMPLES, GLOBAL_BATCH, seed=SEED)
-    logs: dict[str, list[float]] = {"loss": [], "mae": []}
+    weights = np.ones(SAMPLES) if sample_weight is None else sample_weight
+    logs: dict[str, list[float]] = {"loss": [], "mae": [], "val_loss": [], "val_mae": []}
     for epoch in range(EPOCHS):
         sampler.set_epoch(epoch)
         steps = []
         for step in range(len(sampler)):
             idx = sampler.global_indices(step)
-            steps.append((len(idx), *model.train_on_batch(x[idx], y[idx])))
-        sizes, losses, maes = np.array(steps).T
+            steps.append((len(idx), weights[idx].sum(), *model.train_on_batch(
+                x[idx], y[idx], sample_weight=None if sample_weight is None else sample_weight[idx])))
+        sizes, weight_sums, losses, maes = np.array(steps).T
         logs["loss"].append(float(np.average(losses, weights=sizes)))
-        logs["mae"].append(float(np.average(maes, weights=sizes)))
+        logs["mae"].append(float(np.average(maes, weights=weight_sums)))
+        val_loss, val_mae = model.evaluate(*make_validation_data(), batch_size=len(make_validation_data()[0]),
+                                           verbose=0)
+        logs["val_loss"].append(val_loss)
+        logs["val_mae"].append(val_mae)
     return model.get_weights(), logs
 
 
@@ -294,6 +320,7 @@ def test_two_workers_resize_and_match_single_process(tmp_path: Path, redis_url: 
     for worker, record in enumerate(records):
         assert "source.tf_dataset(strategy)" in record["refused"], record["refused"]
         assert "jit_compile=False" in record["jit_refused"], record["jit_refused"]
+        assert "BalancedSource(x, y, ..., class_weight=" in record["class_weight_refused"], record
         assert len(record["served"]) == EPOCHS * 7
         for iteration, _epoch, step, size in record["served"]:
             agreed = Assignment.from_json(store.get_assignment(iteration), job=job, num_workers=2,
@@ -309,11 +336,12 @@ def test_two_workers_resize_and_match_single_process(tmp_path: Path, redis_url: 
 
     weights = [list(np.load(tmp_path / f"weights{i}.npz").values()) for i in range(2)]
     initial = list(np.load(tmp_path / "initial0.npz").values())
-    reference, reference_logs = _reference_run(initial)
+    reference, reference_logs = _reference_run(initial, make_sample_weight(steps_per_execution))
     for record in records:
         # tf_keras would weight each worker's loss by its b_i on top of the source's W * b_i / B weights
         # (logging about W * sum(b_i^2) / B^2 times too much); the callback makes it log the global mean.
-        for name in ("loss", "mae"):
+        # Validation reads arrays, which Keras shards across the workers itself.
+        for name in ("loss", "mae", "val_loss", "val_mae"):
             np.testing.assert_allclose(record["history"][name], reference_logs[name], rtol=1e-10)
     for a, b, ref in zip(weights[0], weights[1], reference):
         np.testing.assert_array_equal(a, b)  # MWMS keeps the replicas identical

@@ -1,0 +1,157 @@
+"""``model.fit`` arguments a user passes next to the source: weights, class weights, epochs to resume from.
+
+One worker in one process, with both Keras (Keras 3 and tf_keras, each with its own callback class). Each
+weighted run is compared with plain Keras ``train_on_batch`` on the same global batches, in the same order, with
+the same weights: LB-BSP must not change what a weighted step computes. The two-worker case (tf_keras under
+MultiWorkerMirroredStrategy) is in tests/test_keras_mwms.py.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lbbsp import GlobalBatchSampler, JobConfig
+from lbbsp.errors import ConfigError
+
+pytest.importorskip("tensorflow")
+from lbbsp.integrations.keras import BalancedSource, WorkerSession, callback_class
+
+SAMPLES, GLOBAL_BATCH, SEED, EPOCHS = 100, 32, 5, 2  # 4 steps per epoch, the last one of 4 samples
+CLASS_WEIGHT = {0: 0.5, 1: 3.0, 2: 1.5}  # tf_keras's fit needs a weight for every class
+
+
+def _data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, 4)).astype("float32")
+    return x, np.digitize(x[:, 0], [-0.5, 0.5]).astype("float32")  # classes 0, 1, 2
+
+
+def _model(keras: Any) -> Any:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy")
+    return model
+
+
+def _keras(name: str) -> Any:
+    return pytest.importorskip(name)
+
+
+def _reference(keras: Any, weights: np.ndarray | None, class_weight: dict[int, float] | None) -> list[np.ndarray]:
+    """Plain Keras, one process: ``train_on_batch`` on the source's global batches, with the given weights."""
+    x, y = _data()
+    model = _model(keras)
+    sampler = GlobalBatchSampler(SAMPLES, GLOBAL_BATCH, seed=SEED)
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        for step in range(len(sampler)):
+            idx = sampler.global_indices(step)
+            model.train_on_batch(x[idx], y[idx], sample_weight=None if weights is None else weights[idx],
+                                 class_weight=class_weight)
+    return model.get_weights()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("keras_name", ["keras", "tf_keras"])
+@pytest.mark.parametrize("route, pipeline", [("source class_weight", "tf_dataset"),
+                                             ("source class_weight", "py_dataset"),
+                                             ("source sample_weight", "tf_dataset"),
+                                             ("fit class_weight", "py_dataset")])
+def test_weighted_fit_equals_plain_keras_on_the_same_batches(redis_url: str, job: str, keras_name: str, route: str,
+                                                             pipeline: str) -> None:
+    """``BalancedSource(class_weight=...)`` did not exist, and ``fit(class_weight=...)`` failed with either Keras
+    ("You cannot specify `class_weight` and `sample_weight` at the same time", or tf_keras's "Cannot convert a
+    partially known TensorShape"): the source always sent weights. A py_dataset of a source without weights of the
+    user's now sends none, so Keras applies ``fit(class_weight=...)`` itself."""
+    keras = _keras(keras_name)
+    x, y = _data()
+    sample_weight = np.random.default_rng(1).uniform(0.2, 2.0, SAMPLES)
+    config = JobConfig(job, num_workers=1, global_batch=GLOBAL_BATCH)
+    weights = {"source class_weight": {"class_weight": CLASS_WEIGHT},
+               "source sample_weight": {"sample_weight": sample_weight}}.get(route, {})
+    source = BalancedSource(x, y, config, 0, seed=SEED, **weights)  # type: ignore[arg-type]
+    model = _model(keras)
+    with WorkerSession(config, 0, url=redis_url) as session:
+        data = source.tf_dataset() if pipeline == "tf_dataset" else source.py_dataset(keras)
+        model.fit(data, epochs=EPOCHS, steps_per_epoch=len(source), shuffle=False, verbose=0,
+                  class_weight=CLASS_WEIGHT if route == "fit class_weight" else None,
+                  callbacks=[callback_class(keras)(session.client, source)])
+    assert [b.size for b in source.served] == [32, 32, 32, 4] * EPOCHS
+    reference = _reference(keras, sample_weight if "sample_weight" in route else None,
+                           CLASS_WEIGHT if "class_weight" in route else None)
+    assert not np.allclose(reference[0], _reference(keras, None, None)[0])  # the weights changed the training
+    for ours, theirs in zip(model.get_weights(), reference):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("keras_name", ["keras", "tf_keras"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fit_class_weight_on_a_tf_dataset_is_refused_before_training(redis_url: str, job: str, keras_name: str,
+                                                                     weighted: bool) -> None:
+    """Keras 3 said "You cannot `class_weight` and `sample_weight` at the same time" (the user passed no sample
+    weights) and tf_keras "Cannot convert a partially known TensorShape (None,) to a Tensor"."""
+    keras = _keras(keras_name)
+    config = JobConfig(job, num_workers=1, global_batch=GLOBAL_BATCH)
+    source = BalancedSource(*_data(), config, 0, sample_weight=np.ones(SAMPLES) if weighted else None)
+    with WorkerSession(config, 0, url=redis_url) as session:
+        callback = callback_class(keras)(session.client, source)
+        with pytest.raises(ConfigError, match=re.escape("Pass the class weights to the source instead: "
+                                                        "BalancedSource(x, y, ..., class_weight={...})")):
+            _model(keras).fit(source.tf_dataset(), epochs=1, steps_per_epoch=len(source), verbose=0,
+                              shuffle=False, class_weight=CLASS_WEIGHT, callbacks=[callback])
+    assert callback.iteration == 0 and not source.served  # refused as fit starts, before any step
+    source.tf_dataset().map(lambda *batch: batch)  # other maps go through
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"sample_weight": np.r_[np.nan, np.ones(SAMPLES - 1)]}, r"finite and >= 0: 1 are not, the first at index 0"),
+    ({"sample_weight": -np.ones(SAMPLES)}, r"finite and >= 0: 100 are not"),
+    ({"sample_weight": np.array(["1"] * SAMPLES)}, "sample_weight must be numeric"),
+    ({"class_weight": [0.5, 3.0]}, "class_weight must be a dict"),
+    ({"class_weight": {"0": 1.0}}, "keys must be class ids"),
+    ({"class_weight": {-1: 1.0}}, "keys must be class ids"),
+    ({"class_weight": {0: float("inf")}}, r"class_weight\[0\] must be a finite number >= 0"),
+    ({"class_weight": {0: -2.0}}, r"class_weight\[0\] must be a finite number >= 0"),
+])
+def test_bad_weights_are_refused(kwargs: dict[str, Any], message: str, job: str) -> None:
+    """A NaN weight trained to a NaN loss and a negative one to a negative loss, silently."""
+    with pytest.raises(ConfigError, match=message):
+        BalancedSource(*_data(), JobConfig(job, num_workers=1, global_batch=GLOBAL_BATCH), 0, **kwargs)
+
+
+def test_class_weight_reads_labels_as_keras_does(job: str) -> None:
+    """Class ids from rounded labels of shape (n,) or (n, 1), or from one-hot rows; a class without a weight weighs
+    1 (as in Keras 3); the weights multiply with sample weights."""
+    config = JobConfig(job, num_workers=1, global_batch=2)
+    x = np.zeros((4, 2), "float32")
+    labels = np.array([0, 2, 1, 2])
+    class_weight = {0: 0.5, 1: 3.0}
+    for y in (labels, labels[:, None].astype("float32") + 0.1, np.eye(3, dtype="float32")[labels]):
+        source = BalancedSource(x, y, config, 0, class_weight=class_weight)
+        np.testing.assert_array_equal(source.sample_weights, [0.5, 1.0, 3.0, 1.0])
+    both = BalancedSource(x, labels, config, 0, class_weight=class_weight, sample_weight=np.array([2, 2, 1, 0]))
+    np.testing.assert_array_equal(both.sample_weights, [1.0, 2.0, 3.0, 0.0])
+    with pytest.raises(ConfigError, match=r"y of shape \(n,\), \(n, 1\) or one-hot"):
+        BalancedSource(x, np.zeros((4, 2, 2)), config, 0, class_weight=CLASS_WEIGHT)
+    with pytest.raises(ConfigError, match="class ids >= 0 in y, found -1"):
+        BalancedSource(x, np.array([0, -1, 1, 1]), config, 0, class_weight=CLASS_WEIGHT)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("keras_name", ["keras", "tf_keras"])
+def test_initial_epoch_trains_the_remaining_epochs_in_order(redis_url: str, job: str, keras_name: str) -> None:
+    """fit(initial_epoch=1, epochs=3) runs epochs 1 and 2: two epochs of iterations, each step once, in order."""
+    keras = _keras(keras_name)
+    config = JobConfig(job, num_workers=1, global_batch=GLOBAL_BATCH)
+    source = BalancedSource(*_data(), config, 0, seed=SEED)
+    with WorkerSession(config, 0, url=redis_url) as session:
+        callback = callback_class(keras)(session.client, source)
+        history = _model(keras).fit(source.tf_dataset(), initial_epoch=1, epochs=3, steps_per_epoch=len(source),
+                                    verbose=0, shuffle=False, callbacks=[callback])
+    assert len(history.history["loss"]) == 2 and callback.iteration == 2 * len(source)
+    assert [(b.iteration, b.epoch, b.step) for b in source.served] == [
+        (k, k // 4, k % 4) for k in range(2 * len(source))]
