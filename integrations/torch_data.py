@@ -4,8 +4,10 @@ The size of step k is decided from every rank's compute time of step k-1, so it 
 is computed everywhere. A ``DataLoader`` that prefetches would ask for indices of steps whose size nobody
 knows yet. :class:`BalancedLoader` therefore drives its ``DataLoader`` one step at a time: it fetches the
 agreed vector, plans exactly one batch, and pulls it through the loader (with worker processes, persistent,
-and pinned memory if asked). Sizes are never guessed and never stale; the price is that loading of step k
-cannot overlap the compute of step k-1.
+and pinned memory if asked). Sizes are never guessed and never stale. With ``JobConfig.lag`` = 2 (the default)
+the vector of step k is decided from the reports of step k-2, so it is often stored while step k-1 computes:
+with loader worker processes, a thread then loads step k's slice ahead (:class:`Prefetch`), and the step uses
+it only if the vector agreed at step k is the one it was cut by; otherwise it loads the slice again.
 
 Two ranks, global batch 8, epoch permutation p: with sizes (3, 5) rank 0 gets p[0:3] and rank 1 gets
 p[3:8]; if the next step agrees (6, 2), rank 0 gets p[8:14] and rank 1 gets p[14:16].
@@ -13,7 +15,9 @@ p[3:8]; if the next step agrees (6, 2), rank 0 gets p[8:14] and rank 1 gets p[14
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -56,6 +60,52 @@ class PlannedBatch:
         return 1
 
 
+class Prefetch:
+    """Loads one step's slice in a thread, by the vector stored for its iteration, while the step before computes.
+
+    The thread polls ``peek`` (a read of the stored vector, no waiting in Redis) until it finds the vector or is
+    cancelled; once it has begun loading, it owns the loader until the batch is in. :meth:`take` cancels a
+    thread still polling at once (it never touches the loader after) and waits for one that is loading.
+    """
+
+    def __init__(self, load: Callable[[tuple[int, ...]], Any], peek: Callable[[], Sequence[int] | None]) -> None:
+        self._load, self._peek = load, peek
+        self._lock = threading.Lock()
+        self._cancelled = self._loading = False
+        self._done = threading.Event()
+        self._sizes: tuple[int, ...] | None = None
+        self._batch: Any = None
+        threading.Thread(target=self._run, name="lbbsp-prefetch", daemon=True).start()
+
+    def _run(self) -> None:
+        delay = 0.001
+        while (sizes := self._peek()) is None:
+            time.sleep(delay)
+            delay = min(2 * delay, 0.02)
+            if self._cancelled:
+                return
+        with self._lock:
+            if self._cancelled:
+                return
+            self._loading = True
+        try:
+            self._batch, self._sizes = self._load(tuple(sizes)), tuple(sizes)
+        except Exception:  # noqa: BLE001  (the step loads the slice itself, and meets the error there)
+            self._sizes = None
+        finally:
+            self._done.set()
+
+    def take(self, sizes: Sequence[int] | None) -> Any:
+        """The batch, if it was loaded by ``sizes``; else None, and the loader is free again."""
+        with self._lock:
+            self._cancelled = True
+            loading = self._loading
+        if not loading:
+            return None
+        self._done.wait()
+        return self._batch if sizes is not None and self._sizes == tuple(sizes) else None
+
+
 class BalancedLoader:
     """Iterate over this rank's slices of an epoch's global batches, one agreed size per step.
 
@@ -66,7 +116,7 @@ class BalancedLoader:
     """
 
     def __init__(self, dataset: Dataset, balancer: Balancer, *, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, **dataloader_kwargs: Any) -> None:
+                 drop_last: bool = False, prefetch: bool | None = None, **dataloader_kwargs: Any) -> None:
         reserved = sorted(set(dataloader_kwargs) & set(_RESERVED))
         if reserved:
             raise ConfigError("BalancedLoader sets " + "; ".join(f"{key} itself: {_RESERVED[key]}" for key in reserved))
@@ -91,6 +141,12 @@ class BalancedLoader:
         self._next_epoch: int | None = None
         self._served = (0, 0)  # (epoch, its next global batch): where the latest iteration stands
         self._resume: tuple[int, int] | None = None  # (epoch, first global batch) of a loaded state, until used
+        if prefetch is not None and not isinstance(prefetch, bool):
+            raise ConfigError(f"prefetch must be True, False or None (with loader workers), got {prefetch!r}")
+        # No use before lag 2: the vector of step k is decided from step k-1's reports, sent as step k begins.
+        self.prefetch = (workers > 0 if prefetch is None else prefetch) and balancer.config.lag >= 2
+        self.prefetched = 0  # steps served from a prefetch (the others loaded their slice as they began)
+        self._ahead: Prefetch | None = None
         balancer._loaders.add(self)
 
     def set_epoch(self, epoch: int) -> None:
@@ -140,6 +196,7 @@ class BalancedLoader:
 
     def close(self) -> None:
         """Stop the loader's worker processes (they persist between steps); :meth:`Balancer.close` calls it."""
+        self._cancel_ahead()
         iterator = getattr(self._loader, "_iterator", None)
         shutdown = getattr(iterator, "_shutdown_workers", None)
         if shutdown is not None:
@@ -163,20 +220,45 @@ class BalancedLoader:
             return
         try:
             for step in range(first, len(self.sampler)):
-                indices = self.balancer.begin_step(self.sampler, step)
+                self.balancer.begin_step(self.sampler, step)
                 self._served = (self.sampler.epoch, step + 1)
-                if len(indices):
-                    yield self._load(indices)
+                sizes = self.balancer._current().assignment.sizes
+                batch = self._ahead.take(sizes) if self._ahead is not None else None
+                self._ahead = None
+                if batch is None:
+                    batch = self._batch(step, sizes)
                 else:
-                    one = self.sampler.global_indices(step)[:1]
-                    yield _empty_like(self._load(one))
+                    self.prefetched += 1
+                if self.prefetch and step + 1 < len(self.sampler):
+                    self._ahead = self._prefetch(step + 1, self.balancer._iteration)
+                yield batch
         except GeneratorExit:  # the loop was left early (break, zip, an error): its open step is abandoned
             self.balancer.end_step(abandoned=True)
             raise
         finally:
+            self._cancel_ahead()
             self._iterating = False
         self.balancer.end_step()
         self.balancer.end_epoch()
+
+    def _prefetch(self, step: int, iteration: int) -> Prefetch:
+        """Start loading ``step``'s slice by the vector Redis will hold for ``iteration``."""
+        peek = self.balancer.client.peek
+        return Prefetch(lambda sizes: self._batch(step, sizes),
+                        lambda: None if (found := peek(iteration)) is None else found.sizes)
+
+    def _cancel_ahead(self) -> None:
+        """Drop a prefetch in flight, once it no longer uses the loader."""
+        if self._ahead is not None:
+            self._ahead.take(None)
+            self._ahead = None
+
+    def _batch(self, step: int, sizes: Sequence[int]) -> Any:
+        """This rank's slice of global batch ``step`` under ``sizes``; an empty one keeps the batch's structure."""
+        indices = self.sampler.worker_indices(step, sizes, self.balancer.rank)
+        if len(indices):
+            return self._load(indices)
+        return _empty_like(self._load(self.sampler.global_indices(step)[:1]))
 
     def _first_step(self) -> int:
         """The global batch this iteration starts at: a loaded state's, once, if it is of this epoch."""

@@ -148,6 +148,21 @@ class WorkerClient:
         self._remember(agreed)
         return agreed
 
+    def peek(self, iteration: int) -> Assignment | None:
+        """The vector of ``iteration`` if one is stored now, else None: no wait, no fallback, no agreement. A guess
+        to prepare the step's data with, which the caller checks against :meth:`assignment` (an ``agree`` may
+        replace what Redis holds); safe to call from another thread."""
+        iteration = self._iteration(iteration)
+        known = self._known.get(iteration)
+        if known is not None:
+            return known
+        if iteration < self.config.lag:  # the initial split: what every worker writes there
+            return self.config.initial_assignment(iteration)
+        try:
+            return self._read(iteration)
+        except (*REDIS_FAILURES, LBBSPError):
+            return None
+
     def _unusable_past_bound(self, iteration: int, exc: Exception, deadline: float) -> bool:
         """True if this worker may fall back, Redis being unusable past the bound: with ``agree`` every worker
         then uses one vector (alone, it has no one to split from). Otherwise another worker may have read the

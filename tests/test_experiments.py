@@ -20,6 +20,7 @@ BAD_ARGUMENTS = [
     ("bench_flower.py", ["--rounds", "0"]),
     ("bench_flower.py", ["--dropout", "3"]),
     ("bench_torch.py", ["--global-batch", "2000"]),
+    ("bench_torch_loading.py", ["--read-us", "-1"]),
     ("bench_keras.py", ["--repeats", "0"]),
     ("bench_gpu.py", ["--sizes", "1,2"]),
     ("record_cpu_trace.py", ["--mean-dwell-s", "inf"]),

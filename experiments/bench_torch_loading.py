@@ -1,0 +1,147 @@
+"""Data loading overlapped with compute: plain DDP vs lbbsp with and without its prefetch (prints figures).
+
+    python experiments/bench_torch_loading.py [--steps 60] [--read-us 600] [--hidden 1024] [--repeats 3] [--out F]
+
+Two gloo workers train an MLP on the digits read as from slow storage (``--read-us`` of latency a sample, in a
+loader worker process). Plain DDP's ``DataLoader`` loads ahead as its workers allow. lbbsp serves each step at
+the size agreed for it, so a step's slice can be loaded only once its vector is stored: with the prefetch
+(the default with loader workers) it is loaded while the step before computes, whenever the vector is stored
+by then; without it (``prefetch=False``) the step waits for its own load. The modes run in turn, ``--repeats``
+times, so that the machine's changes of speed fall on all alike; ratios are the median of the repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+
+from lbbsp import EmbeddedRedis, GlobalBatchSampler, equal_split
+from lbbsp.integrations.demo import build
+from lbbsp.integrations.torch import Balancer
+
+WORLD = 2
+MODES = ("ddp", "lbbsp-no-prefetch", "lbbsp")
+
+
+class SlowStorage(Dataset):
+    """A dataset whose every read waits ``read_s`` first, as a read from network storage does."""
+
+    def __init__(self, data: Any, read_s: float) -> None:
+        self.data, self.read_s = data, read_s
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> Any:
+        time.sleep(self.read_s)
+        return self.data[i]
+
+
+def train(mode: str, args: argparse.Namespace, url: str) -> tuple[float, int]:
+    """One run of ``args.steps`` steps; (seconds, steps served from a prefetch)."""
+    rank = dist.get_rank()
+    data, model = build(args.hidden)
+    data = SlowStorage(data, args.read_us * 1e-6)
+    model = DDP(model)
+    lb = None
+    if mode == "ddp":  # the same global batches, equal split, loaded ahead by DataLoader's worker
+        sampler = GlobalBatchSampler(len(data), args.global_batch, seed=0, drop_last=True)
+        split = equal_split(args.global_batch, WORLD)
+        plan = [sampler.worker_indices(k, split, rank).tolist() for k in range(len(sampler))]
+        loader: Any = DataLoader(data, batch_sampler=plan, num_workers=1, persistent_workers=True)
+    else:
+        lb = Balancer.from_env(args.global_batch, redis=url)
+        lb.attach(model)
+        loader = lb.loader(data, seed=0, drop_last=True, num_workers=1, prefetch=mode == "lbbsp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step, started = 0, 0.0
+    while step < args.warmup + args.steps:
+        for x, y in loader:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            if step == args.warmup:  # the loader's worker processes have started: time from here
+                started = time.perf_counter()
+            if step == args.warmup + args.steps:
+                break
+    seconds = time.perf_counter() - started  # the ranks keep in step through DDP's all-reduce
+    prefetched = getattr(loader, "prefetched", 0)
+    if lb is not None:
+        lb.close()
+    return seconds, prefetched
+
+
+def _worker(rank: int, args: argparse.Namespace, init: str, url: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD)
+    seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
+    prefetched: list[int] = []
+    for _ in range(args.repeats):
+        for mode in MODES:
+            took, hits = train(mode, args, url)
+            seconds[mode].append(took)
+            if mode == "lbbsp":
+                prefetched.append(hits)
+        if rank == 0:
+            print("  repeat: " + ", ".join(f"{m} {seconds[m][-1]:.2f}s" for m in MODES), flush=True)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"seconds": seconds, "prefetched": prefetched}))
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60, help="training steps timed per run")
+    parser.add_argument("--warmup", type=int, default=5, help="steps before the timing starts (worker start-up)")
+    parser.add_argument("--read-us", type=float, default=600.0, help="storage latency per sample, microseconds")
+    parser.add_argument("--hidden", type=int, default=1024, help="MLP width (compute per sample)")
+    parser.add_argument("--global-batch", type=int, default=128, help="at most 1797 (the digits data)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each mode, in turn")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" /
+                        "bench_torch_loading.json", help="the JSON file written (default: the one the docs quote)")
+    args = parser.parse_args()
+    if min(args.steps, args.warmup, args.hidden, args.repeats) < 1 or args.read_us < 0:
+        parser.error("--steps, --warmup, --hidden and --repeats must be at least 1, --read-us at least 0")
+    if not WORLD <= args.global_batch <= 1797:
+        parser.error("--global-batch must lie in [2, 1797]")
+    print(f"bench_torch_loading: {WORLD} gloo workers, {args.steps} steps x global batch {args.global_batch}, "
+          f"{args.read_us:g} us a sample read, MLP width {args.hidden}; {args.repeats} runs of each mode in turn",
+          flush=True)
+    with EmbeddedRedis() as server, tempfile.TemporaryDirectory(prefix="lbbsp-bench-") as tmp:
+        out = os.path.join(tmp, "out.json")
+        mp.spawn(_worker, args=(args, os.path.join(tmp, "rdv"), server.url, out), nprocs=WORLD, join=True)
+        raw = json.loads(Path(out).read_text())
+    seconds = raw["seconds"]
+    rate = {m: statistics.median(args.steps * args.global_batch / s for s in seconds[m]) for m in MODES}
+    ratio = {m: [seconds["ddp"][r] / seconds[m][r] for r in range(args.repeats)] for m in MODES[1:]}
+    print(f"\n{'mode':<20}{'samples/s':>10}{'/ DDP':>8}{'(range)':>15}")
+    for m in MODES:
+        spread = f"{min(ratio[m]):.2f}-{max(ratio[m]):.2f}" if m in ratio else ""
+        versus = f"{statistics.median(ratio[m]):.2f}" if m in ratio else "1.00"
+        print(f"{m:<20}{rate[m]:>10.0f}{versus:>8}{spread:>15}")
+    print(f"lbbsp steps served from its prefetch: {raw['prefetched']} of {args.warmup + args.steps} per run (rank 0)")
+    result = {"args": {**vars(args), "out": str(args.out)}, "samples_per_s": rate,
+              "vs_ddp": {m: statistics.median(r) for m, r in ratio.items()}, "vs_ddp_runs": ratio,
+              "prefetched": raw["prefetched"]}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"\nwritten to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
