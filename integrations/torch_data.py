@@ -1,7 +1,7 @@
 """The data side: serve, at each step, this rank's slice of the global batch at the size agreed for that step.
 
-The size of step k is decided from every rank's compute time of step k-1, so it exists only once step k-1
-is computed everywhere. A ``DataLoader`` that prefetches would ask for indices of steps whose size nobody
+The size of step k is decided from every rank's compute time of step k - lag, so it exists only once that
+step is computed everywhere. A ``DataLoader`` that prefetches would ask for indices of steps whose size nobody
 knows yet. :class:`BalancedLoader` therefore drives its ``DataLoader`` one step at a time: it fetches the
 agreed vector, plans exactly one batch, and pulls it through the loader (with worker processes, persistent,
 and pinned memory if asked). Sizes are never guessed and never stale. With ``JobConfig.lag`` = 2 (the default)
