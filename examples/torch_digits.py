@@ -94,7 +94,8 @@ def main() -> None:
             if lb.step is not None and lb.step.total == args.global_batch:  # lbbsp: not the short final batch
                 full_split = lb.step.split
         dist.all_reduce(seen)
-        train_loss = (seen[0] / seen[1]).item()  # the epoch's mean over all ranks' samples
+        if seen[1]:  # none where a checkpoint at an epoch's end resumed it: nothing of it was left
+            train_loss = (seen[0] / seen[1]).item()  # the epoch's mean over all ranks' samples
         with torch.no_grad():
             x, y = test.tensors
             accuracy = (net(x.to(device)).argmax(1) == y.to(device)).float().mean().item()

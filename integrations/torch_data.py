@@ -15,6 +15,7 @@ p[3:8]; if the next step agrees (6, 2), rank 0 gets p[8:14] and rank 1 gets p[14
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -66,16 +67,20 @@ class Prefetch:
     The thread polls ``peek`` (a read of the stored vector, no waiting in Redis) until it finds the vector or is
     cancelled; once it has begun loading, it owns the loader until the batch is in. :meth:`take` cancels a
     thread still polling at once (it never touches the loader after) and waits for one that is loading.
+    ``key`` names what is loaded (epoch, global batch, iteration): a step takes only its own.
     """
 
-    def __init__(self, load: Callable[[tuple[int, ...]], Any], peek: Callable[[], Sequence[int] | None]) -> None:
+    def __init__(self, key: tuple[int, int, int], load: Callable[[tuple[int, ...]], Any],
+                 peek: Callable[[], Sequence[int] | None]) -> None:
+        self.key = key
         self._load, self._peek = load, peek
         self._lock = threading.Lock()
         self._cancelled = self._loading = False
         self._done = threading.Event()
         self._sizes: tuple[int, ...] | None = None
         self._batch: Any = None
-        threading.Thread(target=self._run, name="lbbsp-prefetch", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="lbbsp-prefetch", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         delay = 0.001
@@ -96,13 +101,17 @@ class Prefetch:
             self._done.set()
 
     def take(self, sizes: Sequence[int] | None) -> Any:
-        """The batch, if it was loaded by ``sizes``; else None, and the loader is free again."""
+        """The batch, if it was loaded by ``sizes``; else None, and the loader is free again. Returns at once in
+        the thread itself (a generator closed there by the garbage collector) and at interpreter exit, where a
+        daemon thread is frozen mid-load and would never finish."""
         with self._lock:
             self._cancelled = True
             loading = self._loading
-        if not loading:
+        if not loading or threading.current_thread() is self._thread:
             return None
-        self._done.wait()
+        while not self._done.wait(0.05):
+            if sys.is_finalizing() or not self._thread.is_alive():
+                return None
         return self._batch if sizes is not None and self._sizes == tuple(sizes) else None
 
 
@@ -143,6 +152,10 @@ class BalancedLoader:
         self._resume: tuple[int, int] | None = None  # (epoch, first global batch) of a loaded state, until used
         if prefetch is not None and not isinstance(prefetch, bool):
             raise ConfigError(f"prefetch must be True, False or None (with loader workers), got {prefetch!r}")
+        if prefetch and workers == 0:  # a thread of the training process would read the dataset beside training,
+            # and each load would draw its seed from torch's global RNG at a moment that varies from run to run
+            raise ConfigError("prefetch=True needs DataLoader worker processes: pass num_workers >= 1 (the slice is "
+                              "then loaded in a worker process, as the training thread goes on)")
         # No use before lag 2: the vector of step k is decided from step k-1's reports, sent as step k begins.
         self.prefetch = (workers > 0 if prefetch is None else prefetch) and balancer.config.lag >= 2
         self.prefetched = 0  # steps served from a prefetch (the others loaded their slice as they began)
@@ -163,10 +176,10 @@ class BalancedLoader:
         """Where the loader stands, for a checkpoint: the epoch and its next global batch (a batch counts as
         served once yielded, so save after the step's update), and what a resume must match. The position is
         global, not this rank's, so a run may resume on another number of ranks."""
+        epoch = self._next_epoch if self._next_epoch is not None and not self._iterating else self.sampler.epoch
         if self._resume is not None and not self._iterating:
-            epoch, step = self._resume
+            step = self._resume[1] if self._resume[0] == epoch else 0
         else:
-            epoch = self._next_epoch if self._next_epoch is not None and not self._iterating else self.sampler.epoch
             step = self._served[1] if self._served[0] == epoch else 0
         sampler = self.sampler
         return {"epoch": epoch, "step": step, "dataset_size": sampler.dataset_size,
@@ -211,8 +224,10 @@ class BalancedLoader:
         if self._next_epoch is not None:
             self.sampler.set_epoch(self._next_epoch)
             self._next_epoch = None
+        self._cancel_ahead()  # another loop's, still suspended: never this loop's steps
         first = self._first_step()
         _check_ranks_agree(self.sampler, self.balancer, first)
+        self._resume = None  # used once the ranks agree on it (a refusal leaves it for the next loop)
         self._iterating = True
         self._served = (self.sampler.epoch, first)
         if first == len(self.sampler):  # a state saved at the epoch's end: nothing of it is left to serve
@@ -221,16 +236,17 @@ class BalancedLoader:
         try:
             for step in range(first, len(self.sampler)):
                 self.balancer.begin_step(self.sampler, step)
-                self._served = (self.sampler.epoch, step + 1)
-                sizes = self.balancer._current().assignment.sizes
-                batch = self._ahead.take(sizes) if self._ahead is not None else None
-                self._ahead = None
+                current = self.balancer._current()
+                key = (self.sampler.epoch, step, current.iteration)
+                ahead, self._ahead = self._ahead, None
+                batch = ahead.take(current.assignment.sizes if ahead.key == key else None) if ahead else None
                 if batch is None:
-                    batch = self._batch(step, sizes)
+                    batch = self._batch(step, current.assignment.sizes)
                 else:
                     self.prefetched += 1
                 if self.prefetch and step + 1 < len(self.sampler):
                     self._ahead = self._prefetch(step + 1, self.balancer._iteration)
+                self._served = (self.sampler.epoch, step + 1)  # yielded: a checkpoint from here on counts it
                 yield batch
         except GeneratorExit:  # the loop was left early (break, zip, an error): its open step is abandoned
             self.balancer.end_step(abandoned=True)
@@ -244,7 +260,7 @@ class BalancedLoader:
     def _prefetch(self, step: int, iteration: int) -> Prefetch:
         """Start loading ``step``'s slice by the vector Redis will hold for ``iteration``."""
         peek = self.balancer.client.peek
-        return Prefetch(lambda sizes: self._batch(step, sizes),
+        return Prefetch((self.sampler.epoch, step, iteration), lambda sizes: self._batch(step, sizes),
                         lambda: None if (found := peek(iteration)) is None else found.sizes)
 
     def _cancel_ahead(self) -> None:
@@ -264,7 +280,7 @@ class BalancedLoader:
         """The global batch this iteration starts at: a loaded state's, once, if it is of this epoch."""
         if self._resume is None:
             return 0
-        (epoch, step), self._resume = self._resume, None
+        epoch, step = self._resume
         if epoch == self.sampler.epoch:
             return step
         if 0 < step < len(self.sampler):

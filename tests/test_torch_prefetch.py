@@ -1,13 +1,18 @@
 """Loading a step's slice while the step before computes: on 2 real gloo ranks with a loader worker process and a
 split that changes every step, most steps are served from the prefetch and training still equals single-process
-SGD; a prefetch cut by another vector than the one agreed is dropped, and one cancelled never loads."""
+SGD; a prefetch cut by another vector than the one agreed, or loaded for another loop's step, is dropped; one
+cancelled never loads; a script that ends with a prefetch loading exits; a failed load is not counted served."""
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,9 +22,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
-from lbbsp import EmbeddedRedis  # noqa: E402
+from lbbsp import ConfigError, EmbeddedRedis, JobConfig  # noqa: E402
 from lbbsp.integrations.torch import Balancer  # noqa: E402
-from lbbsp.integrations.torch_data import Prefetch  # noqa: E402
+from lbbsp.integrations.torch_data import BalancedLoader, Prefetch  # noqa: E402
 from test_torch_exact import (  # noqa: E402
     EPOCHS,
     GLOBAL_BATCH,
@@ -91,11 +96,101 @@ def test_prefetched_steps_train_exactly_and_use_every_sample_once(trained: list[
         assert sorted(i for r in trained for i in r["seen"][epoch]) == list(range(len(digits())))
 
 
+class Positions(Dataset):
+    """Sample i is i, read in 20 ms; reading one of ``bad`` fails."""
+
+    def __init__(self, bad: tuple[int, ...] = ()) -> None:
+        self.bad = bad
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(0.02)
+        if i in self.bad:
+            raise ValueError(f"sample {i} cannot be read")
+        return i
+
+
+def _alone(rank: int, url: str, job: str) -> dict:
+    """One rank: a second loop while the first, suspended, has a prefetch loaded; then a load that fails."""
+    lb = Balancer.from_env(8, redis=url, job=job)
+    loader = lb.loader(Positions(), shuffle=False, num_workers=1)
+    suspended = iter(loader)
+    for _ in range(2):
+        next(suspended)
+        lb.gradients_ready()
+    time.sleep(0.5)  # global batch 2's slice is loaded ahead for the suspended loop
+    second = iter(loader)
+    first = next(second).tolist()
+    lb.gradients_ready()
+    del second, suspended
+    failing = lb.loader(Positions(bad=(17,)), shuffle=False, num_workers=1)
+    served = []
+    try:
+        for batch in failing:
+            served.append(batch.tolist())
+            lb.gradients_ready()
+    except ValueError:
+        pass
+    lb.close()
+    return {"first": first, "served": served, "state": failing.state_dict()}
+
+
+def _alone_worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> None:
+    in_gloo_group(rank, world, init, out, lambda: _alone(rank, url, job))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_second_loop_gets_its_own_batches_and_a_failed_load_is_not_served(
+        tmp_path, redis_server: EmbeddedRedis) -> None:
+    url = os.environ.get("LBBSP_TEST_REDIS_URL", redis_server.url)
+    spawn(_alone_worker, (1, str(tmp_path / "rdv"), url, f"test-{uuid.uuid4().hex[:10]}", str(tmp_path)), nprocs=1,
+          timeout_s=100)
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result["first"] == list(range(8)), "the second loop was served another loop's prefetched step"
+    assert result["served"] == [list(range(8)), list(range(8, 16))]
+    assert result["state"]["step"] == 2, "a checkpoint after the failed load would skip global batch 2"
+
+
+EXITS = """
+import sys, tempfile, time
+sys.path.insert(0, {tests!r})
+import torch.distributed as dist
+from lbbsp.integrations.torch import Balancer
+from test_torch_prefetch import Positions
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+lb = Balancer.from_env(8)
+it = iter(lb.loader(Positions(), shuffle=False, num_workers=1))
+for _ in range(2):
+    next(it)
+    lb.gradients_ready()
+time.sleep(0.05)
+print("ends while global batch 2 is loaded ahead", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_script_that_ends_while_a_prefetch_loads_exits() -> None:
+    script = EXITS.format(tests=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100, check=False)
+    assert "ends while" in done.stdout, done.stderr[-2000:]
+
+
+def test_prefetch_true_without_loader_workers_is_refused() -> None:
+    balancer = SimpleNamespace(config=JobConfig("unit", 1, 8), _loaders=set(), world_size=1)
+    with pytest.raises(ConfigError, match="prefetch=True needs DataLoader worker processes: pass num_workers >= 1"):
+        BalancedLoader(Positions(), balancer, prefetch=True)
+    assert not BalancedLoader(Positions(), balancer).prefetch  # and off by default without them
+
+
 def test_a_prefetch_cut_by_another_vector_is_dropped() -> None:
-    ahead = Prefetch(lambda sizes: f"batch cut by {sizes}", lambda: (3, 5))
+    ahead = Prefetch((0, 1, 1), lambda sizes: f"batch cut by {sizes}", lambda: (3, 5))
     time.sleep(0.05)
     assert ahead.take([3, 5]) == "batch cut by (3, 5)"
-    ahead = Prefetch(lambda sizes: f"batch cut by {sizes}", lambda: (3, 5))
+    ahead = Prefetch((0, 1, 1), lambda sizes: f"batch cut by {sizes}", lambda: (3, 5))
     time.sleep(0.05)
     assert ahead.take((4, 4)) is None
 
@@ -103,7 +198,7 @@ def test_a_prefetch_cut_by_another_vector_is_dropped() -> None:
 def test_a_cancelled_prefetch_never_loads() -> None:
     stored: list[tuple[int, ...]] = []
     loads = threading.Event()
-    ahead = Prefetch(lambda sizes: loads.set(), lambda: stored[0] if stored else None)
+    ahead = Prefetch((0, 1, 1), lambda sizes: loads.set(), lambda: stored[0] if stored else None)
     time.sleep(0.01)
     assert ahead.take((3, 5)) is None  # the vector was not there yet: the step loads its slice itself
     stored.append((3, 5))  # and it lands just after

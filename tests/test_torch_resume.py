@@ -169,6 +169,8 @@ def test_state_follows_set_epoch_and_round_trips_before_the_loop() -> None:
     assert (loader.state_dict()["epoch"], loader.state_dict()["step"]) == (3, 0)
     loader.load_state_dict({**loader.state_dict(), "epoch": 1, "step": 5})
     assert (loader.sampler.epoch, loader.state_dict()["step"]) == (1, 5)  # saved again before the loop: unchanged
+    loader.set_epoch(2)  # the next loop serves epoch 2 from its first batch, and a checkpoint says so
+    assert (loader.state_dict()["epoch"], loader.state_dict()["step"]) == (2, 0)
 
 
 @pytest.mark.parametrize(("change", "message"), [
