@@ -7,7 +7,9 @@ loader worker process). Plain DDP's ``DataLoader`` loads ahead as its workers al
 the size agreed for it, so a step's slice can be loaded only once its vector is stored: with the prefetch
 (the default with loader workers) it is loaded while the step before computes, whenever the vector is stored
 by then; without it (``prefetch=False``) the step waits for its own load. The modes run in turn, ``--repeats``
-times, so that the machine's changes of speed fall on all alike; ratios are the median of the repeats.
+times, so that the machine's changes of speed fall on all alike; ratios are the median of the repeats. The
+commands the Redis server processed per timed step (all ranks and the coordinator) show what the prefetch's
+polling adds.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import redis
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -50,8 +53,17 @@ class SlowStorage(Dataset):
         return self.data[i]
 
 
-def train(mode: str, args: argparse.Namespace, url: str) -> tuple[float, int]:
-    """One run of ``args.steps`` steps; (seconds, steps served from a prefetch)."""
+def commands(url: str) -> int:
+    """Commands the Redis server has processed so far, from every client."""
+    client = redis.Redis.from_url(url)
+    try:
+        return int(client.info("stats")["total_commands_processed"])
+    finally:
+        client.close()
+
+
+def train(mode: str, args: argparse.Namespace, url: str) -> tuple[float, int, int]:
+    """One run of ``args.steps`` timed steps: (seconds, steps served from a prefetch, Redis commands)."""
     rank = dist.get_rank()
     data, model = build(args.hidden)
     data = SlowStorage(data, args.read_us * 1e-6)
@@ -67,7 +79,7 @@ def train(mode: str, args: argparse.Namespace, url: str) -> tuple[float, int]:
         lb.attach(model)
         loader = lb.loader(data, seed=0, drop_last=True, num_workers=1, prefetch=mode == "lbbsp")
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    step, started = 0, 0.0
+    step, started, before = 0, 0.0, 0
     while step < args.warmup + args.steps:
         for x, y in loader:
             F.cross_entropy(model(x), y).backward()
@@ -76,30 +88,34 @@ def train(mode: str, args: argparse.Namespace, url: str) -> tuple[float, int]:
             step += 1
             if step == args.warmup:  # the loader's worker processes have started: time from here
                 started = time.perf_counter()
+                before = commands(url) if rank == 0 else 0
             if step == args.warmup + args.steps:
                 break
     seconds = time.perf_counter() - started  # the ranks keep in step through DDP's all-reduce
+    issued = commands(url) - before if rank == 0 else 0
     prefetched = getattr(loader, "prefetched", 0)
     if lb is not None:
         lb.close()
-    return seconds, prefetched
+    return seconds, prefetched, issued
 
 
 def _worker(rank: int, args: argparse.Namespace, init: str, url: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD)
     seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
+    issued: dict[str, list[int]] = {mode: [] for mode in MODES}
     prefetched: list[int] = []
     for _ in range(args.repeats):
         for mode in MODES:
-            took, hits = train(mode, args, url)
+            took, hits, count = train(mode, args, url)
             seconds[mode].append(took)
+            issued[mode].append(count)
             if mode == "lbbsp":
                 prefetched.append(hits)
         if rank == 0:
             print("  repeat: " + ", ".join(f"{m} {seconds[m][-1]:.2f}s" for m in MODES), flush=True)
     if rank == 0:
-        Path(out).write_text(json.dumps({"seconds": seconds, "prefetched": prefetched}))
+        Path(out).write_text(json.dumps({"seconds": seconds, "prefetched": prefetched, "commands": issued}))
     dist.destroy_process_group()
 
 
@@ -128,15 +144,16 @@ def main() -> int:
     seconds = raw["seconds"]
     rate = {m: statistics.median(args.steps * args.global_batch / s for s in seconds[m]) for m in MODES}
     ratio = {m: [seconds["ddp"][r] / seconds[m][r] for r in range(args.repeats)] for m in MODES[1:]}
-    print(f"\n{'mode':<20}{'samples/s':>10}{'/ DDP':>8}{'(range)':>15}")
+    per_step = {m: statistics.median(raw["commands"][m]) / args.steps for m in MODES}
+    print(f"\n{'mode':<20}{'samples/s':>10}{'/ DDP':>8}{'(range)':>15}{'Redis commands/step':>21}")
     for m in MODES:
         spread = f"{min(ratio[m]):.2f}-{max(ratio[m]):.2f}" if m in ratio else ""
         versus = f"{statistics.median(ratio[m]):.2f}" if m in ratio else "1.00"
-        print(f"{m:<20}{rate[m]:>10.0f}{versus:>8}{spread:>15}")
+        print(f"{m:<20}{rate[m]:>10.0f}{versus:>8}{spread:>15}{per_step[m]:>21.1f}")
     print(f"lbbsp steps served from its prefetch: {raw['prefetched']} of {args.warmup + args.steps} per run (rank 0)")
     result = {"args": {**vars(args), "out": str(args.out)}, "samples_per_s": rate,
               "vs_ddp": {m: statistics.median(r) for m, r in ratio.items()}, "vs_ddp_runs": ratio,
-              "prefetched": raw["prefetched"]}
+              "prefetched": raw["prefetched"], "redis_commands_per_step": per_step}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"\nwritten to {args.out}")
