@@ -145,7 +145,10 @@ def _worker(rank: int, config: DemoConfig, init: str, url: str, events: Any) -> 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     """The launcher's stop (after Ctrl-C or a failed peer) as SystemExit: the worker's cleanup runs, so its load
-    processes and rank 0's coordinator process end with it instead of outliving the launcher."""
+    processes and rank 0's coordinator process end with it instead of outliving the launcher. Its stderr goes
+    quiet first: a peer stopped at the same moment can make gloo abort this process mid-collective ("terminate
+    called after throwing an instance of 'gloo::IoException'"), noise under the launcher's own report."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     raise SystemExit(128 + signum)
 
 
