@@ -193,10 +193,10 @@ class BalancedLoader:
         seed, shuffle or drop_last (its positions would then name other samples)."""
         if self._iterating:
             raise ConfigError("load_state_dict while the loader is being iterated: load it before the loop")
-        if not isinstance(state, Mapping) or set(state) != set(self.state_dict()):
+        now = self.state_dict()
+        if not isinstance(state, Mapping) or set(state) != set(now):
             keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise ConfigError(f"not a BalancedLoader state (keys {keys}): pass what loader.state_dict() returned")
-        now = self.state_dict()
         for name in ("dataset_size", "global_batch", "seed", "shuffle", "drop_last"):
             if state[name] != now[name] or isinstance(state[name], bool) != isinstance(now[name], bool):
                 raise ConfigError(f"the loader state was saved with {name}={state[name]!r}, this loader has "
@@ -235,13 +235,13 @@ class BalancedLoader:
             return
         try:
             for step in range(first, len(self.sampler)):
-                self.balancer.begin_step(self.sampler, step)
+                indices = self.balancer.begin_step(self.sampler, step)
                 current = self.balancer._current()
                 key = (self.sampler.epoch, step, current.iteration)
                 ahead, self._ahead = self._ahead, None
                 batch = ahead.take(current.assignment.sizes if ahead.key == key else None) if ahead else None
                 if batch is None:
-                    batch = self._batch(step, current.assignment.sizes)
+                    batch = self._slice(step, indices)
                 else:
                     self.prefetched += 1
                 if self.prefetch and step + 1 < len(self.sampler):
@@ -260,7 +260,9 @@ class BalancedLoader:
     def _prefetch(self, step: int, iteration: int) -> Prefetch:
         """Start loading ``step``'s slice by the vector Redis will hold for ``iteration``."""
         peek = self.balancer.client.peek
-        return Prefetch((self.sampler.epoch, step, iteration), lambda sizes: self._batch(step, sizes),
+        rank = self.balancer.rank
+        return Prefetch((self.sampler.epoch, step, iteration),
+                        lambda sizes: self._slice(step, self.sampler.worker_indices(step, sizes, rank)),
                         lambda: None if (found := peek(iteration)) is None else found.sizes)
 
     def _cancel_ahead(self) -> None:
@@ -269,9 +271,8 @@ class BalancedLoader:
             self._ahead.take(None)
             self._ahead = None
 
-    def _batch(self, step: int, sizes: Sequence[int]) -> Any:
-        """This rank's slice of global batch ``step`` under ``sizes``; an empty one keeps the batch's structure."""
-        indices = self.sampler.worker_indices(step, sizes, self.balancer.rank)
+    def _slice(self, step: int, indices: Sequence[int] | np.ndarray) -> Any:
+        """This rank's slice ``indices`` of global batch ``step``; an empty one keeps the batch's structure."""
         if len(indices):
             return self._load(indices)
         return _empty_like(self._load(self.sampler.global_indices(step)[:1]))
@@ -316,8 +317,8 @@ def _check_ranks_agree(sampler: GlobalBatchSampler, balancer: Balancer, first: i
         if len(set(values)) > 1:
             raise ConfigError(f"the ranks' loaders differ in {name} ({values}, by rank): every rank must load the "
                               "whole dataset (not a shard: the loader splits it) with the same seed, shuffle and "
-                              "drop_last, call set_epoch with the same epoch, and load the same loader state", job=balancer.config.job,
-                              worker=balancer.rank)
+                              "drop_last, call set_epoch with the same epoch, and load the same loader state",
+                              job=balancer.config.job, worker=balancer.rank)
 
 
 def _empty_like(batch: Any) -> Any:

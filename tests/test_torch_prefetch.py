@@ -12,7 +12,6 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,9 +21,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
-from lbbsp import ConfigError, EmbeddedRedis, JobConfig  # noqa: E402
+from lbbsp import ConfigError, EmbeddedRedis  # noqa: E402
 from lbbsp.integrations.torch import Balancer  # noqa: E402
-from lbbsp.integrations.torch_data import BalancedLoader, Prefetch  # noqa: E402
+from lbbsp.integrations.torch_data import Prefetch  # noqa: E402
 from test_torch_exact import (  # noqa: E402
     EPOCHS,
     GLOBAL_BATCH,
@@ -36,6 +35,7 @@ from test_torch_exact import (  # noqa: E402
     single_process_params,
     spawn,
 )
+from test_torch_resume import loader_alone  # noqa: E402
 
 
 class SlowDigits(Dataset):
@@ -180,10 +180,9 @@ def test_a_script_that_ends_while_a_prefetch_loads_exits() -> None:
 
 
 def test_prefetch_true_without_loader_workers_is_refused() -> None:
-    balancer = SimpleNamespace(config=JobConfig("unit", 1, 8), _loaders=set(), world_size=1)
     with pytest.raises(ConfigError, match="prefetch=True needs DataLoader worker processes: pass num_workers >= 1"):
-        BalancedLoader(Positions(), balancer, prefetch=True)
-    assert not BalancedLoader(Positions(), balancer).prefetch  # and off by default without them
+        loader_alone(Positions(), 8, prefetch=True)
+    assert not loader_alone(Positions(), 8).prefetch  # and off by default without them
 
 
 def test_a_prefetch_cut_by_another_vector_is_dropped() -> None:

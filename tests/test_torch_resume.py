@@ -156,14 +156,15 @@ def test_loaded_states_that_leave_nothing_or_differ_by_rank(runs) -> None:
         assert "differ in first global batch" in r["uneven"] and f"[{STOP_AFTER}, 0, 0]" in r["uneven"]
 
 
-def _alone() -> BalancedLoader:
-    """A loader of one rank, for what needs no process group (a stand-in Balancer: only its config is read)."""
-    balancer = SimpleNamespace(config=JobConfig("unit", 1, GLOBAL_BATCH), _loaders=set(), world_size=1)
-    return BalancedLoader(digits(), balancer, seed=SEED)
+def loader_alone(dataset: object = None, global_batch: int = GLOBAL_BATCH, **options: object) -> BalancedLoader:
+    """A loader of one rank (of the digits by default), for what needs no process group: a stand-in Balancer,
+    whose config alone is read."""
+    balancer = SimpleNamespace(config=JobConfig("unit", 1, global_batch), _loaders=set(), world_size=1)
+    return BalancedLoader(digits() if dataset is None else dataset, balancer, seed=SEED, **options)
 
 
 def test_state_follows_set_epoch_and_round_trips_before_the_loop() -> None:
-    loader = _alone()
+    loader = loader_alone()
     assert loader.state_dict()["epoch"] == 0 and loader.state_dict()["step"] == 0
     loader.set_epoch(3)
     assert (loader.state_dict()["epoch"], loader.state_dict()["step"]) == (3, 0)
@@ -183,7 +184,7 @@ def test_state_follows_set_epoch_and_round_trips_before_the_loop() -> None:
     ({"extra": 1}, "not a BalancedLoader state (keys ['dataset_size', 'drop_last', 'epoch', 'extra'"),
 ])
 def test_a_state_from_another_loader_is_refused_and_changes_nothing(change: dict, message: str) -> None:
-    loader = _alone()
+    loader = loader_alone()
     with pytest.raises(ConfigError, match=re.escape(message)):
         loader.load_state_dict({**loader.state_dict(), **change})
     assert (loader.sampler.epoch, loader.state_dict()["step"]) == (0, 0)
