@@ -15,6 +15,10 @@ from lbbsp import EmbeddedRedis
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# A child that a native library aborts (SIGABRT, SIGSEGV: gloo, TensorFlow) prints every thread's Python stack into the
+# output its test shows, so a crash seen once in CI says where it happened.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[EmbeddedRedis]:
