@@ -25,6 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
+# Imported here, before the job's init_process_group: its functions take group=group.WORLD as a default argument,
+# so a first import after init (DDP's constructor imports it through torch._dynamo) would hold the default group
+# for good, destroy_process_group could not stop gloo's threads, and they would run on into interpreter exit,
+# where one that frees a tensor takes the GIL and the process aborts ('terminate called without an active
+# exception'). Seen with torch 2.13.
+import torch.distributed.nn.functional
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
