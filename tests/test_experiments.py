@@ -9,6 +9,10 @@ from types import ModuleType
 
 import pytest
 
+from lbbsp.sim.cli import summarise
+from lbbsp.sim.engine import compare
+from lbbsp.sim.scenarios import SCENARIOS
+
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
 # Each of these crashed late with a traceback, printed rows of NaN or 0.000, or wrote invalid JSON.
@@ -17,6 +21,7 @@ BAD_ARGUMENTS = [
     ("bench_coordinator.py", ["--compute-ms", "-5"]),
     ("bench_coordinator.py", ["--decision-workers", "0"]),
     ("bench_models.py", ["--skip", "-5"]),
+    ("bench_policies.py", ["--seeds", "0"]),
     ("bench_flower.py", ["--rounds", "0"]),
     ("bench_flower.py", ["--dropout", "3"]),
     ("bench_torch.py", ["--global-batch", "2000"]),
@@ -36,8 +41,8 @@ def test_a_benchmark_refuses_a_bad_argument_before_it_runs(script: str, bad: lis
     assert not (tmp_path / "out.json").exists()
 
 
-def _bench_coordinator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_coordinator", EXPERIMENTS / "bench_coordinator.py")
+def _experiment(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -46,7 +51,7 @@ def _bench_coordinator() -> ModuleType:
 
 def test_the_critical_path_benchmark_fails_when_a_worker_dies(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A dead worker had left its slots at 0.0: the row read 0.000 ms and the script exited 0."""
-    bench = _bench_coordinator()
+    bench = _experiment("bench_coordinator")
     real = bench._worker
 
     def dies_at_once(url: str, config_json: str, worker: int, *rest: object) -> None:
@@ -61,3 +66,22 @@ def test_the_critical_path_benchmark_fails_when_a_worker_dies(redis_url: str, mo
     monkeypatch.setattr(bench, "_worker", real)
     added = bench.critical_path(redis_url, 2, 10, 2, 0.001)  # and without the stand-in, a row of real figures
     assert added.size == 10 - bench.WARM_UP and (added > 0).all()
+
+
+def test_the_policy_benchmark_runs_each_seed_as_lbbsp_simulate_does_and_counts_the_seeds_lbbsp_leads() -> None:
+    bench = _experiment("bench_policies")
+    figures = bench.run("gpu-mix", 8, 20, range(3))
+    for seed in range(3):  # seed by seed, the figures of a run of that seed on its own
+        alone = summarise(compare(SCENARIOS["gpu-mix"](8, 20, seed), 20))
+        assert {name: (f["vs_oracle"][seed], f["over_memory"][seed]) for name, f in figures.items()} == {
+            name: (s["vs_oracle"], s["over_memory_iterations"]) for name, s in alone.items()}
+    assert len(set(figures["backup"]["vs_oracle"])) == 3
+    figures["static-proportional"]["over_memory"] = [0, 7, 0]  # a policy faster than lbbsp in a seed it fails
+    figures["static-proportional"]["vs_oracle"] = [0.5, 0.5, 0.5]
+    rows = {line.split()[0]: line for line in bench.table(figures).splitlines()[1:]}
+    assert rows["static-proportional"].split()[-6:] == "1 of 3 1 of 3".split(), rows["static-proportional"]
+    assert not any(figures["lbbsp"]["over_memory"])
+    for name, f in figures.items():  # ahead: faster, or the other went over some GPU's memory
+        ahead = sum(ours < theirs or over > 0
+                    for ours, theirs, over in zip(figures["lbbsp"]["vs_oracle"], f["vs_oracle"], f["over_memory"]))
+        assert rows[name].endswith(f"{ahead} of 3") != (name == "lbbsp" or name.startswith("oracle")), rows[name]

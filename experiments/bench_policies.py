@@ -1,0 +1,84 @@
+"""Balancing benchmark over seeds: every policy's mean iteration time / oracle on each scenario and size, for
+several seeds, and in how many of them LB-BSP was ahead of each other policy in the same run.
+
+``lbbsp simulate`` runs one seed, one draw of a scenario's cluster: whether LB-BSP leads a policy by a percent
+or trails it by one can be that draw's luck. Here each seed is a separate ``lbbsp simulate`` run (the same
+scenarios, policies and engine, in process); the table gives the mean over seeds with the range, and
+"lbbsp ahead" counts the seeds in which ``lbbsp`` (the default policy) had the shorter mean iteration time, or
+in which the other policy gave some GPU more than its memory holds (where a real job fails: "over mem" counts
+those seeds) and ``lbbsp`` did not. References (``oracle*``) know the future and are shown, not counted.
+
+    python experiments/bench_policies.py [--seeds 5] [--workers 16 256 1024] [--scenarios cpu-contention gpu-mix]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from lbbsp.sim.cli import summarise
+from lbbsp.sim.engine import compare
+from lbbsp.sim.scenarios import SCENARIOS
+
+OUT = Path(__file__).resolve().parent / "results" / "bench_policies.json"
+
+
+Figures = dict[str, dict[str, list[float]]]  # policy -> {"vs_oracle": per seed, "over_memory": per seed}
+
+
+def run(scenario: str, workers: int, iterations: int, seeds: range) -> Figures:
+    """Each policy's mean iteration time / oracle and its iterations over some GPU's memory, one entry per seed."""
+    figures: Figures = {}
+    for seed in seeds:
+        started = time.perf_counter()
+        summary = summarise(compare(SCENARIOS[scenario](workers, iterations, seed), iterations))
+        for name, s in summary.items():
+            entry = figures.setdefault(name, {"vs_oracle": [], "over_memory": []})
+            entry["vs_oracle"].append(s["vs_oracle"])
+            entry["over_memory"].append(s["over_memory_iterations"])
+        print(f"  {scenario} {workers} workers seed {seed}: lbbsp {summary['lbbsp']['vs_oracle']:.3f} x oracle "
+              f"({time.perf_counter() - started:.0f}s)", flush=True)
+    return figures
+
+
+def table(figures: Figures) -> str:
+    """Policies by mean / oracle; for each non-reference policy, the seeds in which lbbsp was ahead of it."""
+    ours, ours_over = (np.asarray(figures["lbbsp"][key]) for key in ("vs_oracle", "over_memory"))
+    lines = [f"  {'policy':<26}{'mean / oracle':>14}{'range':>17}{'over mem':>10}{'lbbsp ahead':>13}"]
+    for name, entry in sorted(figures.items(), key=lambda item: float(np.mean(item[1]["vs_oracle"]))):
+        v, over = np.asarray(entry["vs_oracle"]), np.asarray(entry["over_memory"]) > 0
+        wins = ((ours < v) & ~(ours_over > 0)) | (over & ~(ours_over > 0))
+        ahead = "" if name == "lbbsp" or name.startswith("oracle") else f"{int(wins.sum())} of {v.size}"
+        lines.append(f"  {name:<26}{v.mean():>14.3f}{f'{v.min():.3f}-{v.max():.3f}':>17}"
+                     f"{f'{int(over.sum())} of {v.size}':>10}{ahead:>13}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1 of each scenario")
+    parser.add_argument("--workers", type=int, nargs="+", default=[16, 256, 1024])
+    parser.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=sorted(SCENARIOS))
+    parser.add_argument("--iterations", type=int, default=150, help="as the committed lbbsp simulate results")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    if args.seeds < 1 or args.iterations < 1 or min(args.workers) < 2:
+        parser.error("--seeds and --iterations must be at least 1, --workers at least 2")
+    results: dict[str, dict[str, Figures]] = {}
+    for scenario in args.scenarios:
+        for workers in args.workers:
+            print(f"{scenario}, {workers} workers, {args.iterations} iterations, seeds 0-{args.seeds - 1}", flush=True)
+            figures = run(scenario, workers, args.iterations, range(args.seeds))
+            results.setdefault(scenario, {})[str(workers)] = figures
+            print(table(figures), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"iterations": args.iterations, "seeds": args.seeds, "policies": results},
+                                   indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
