@@ -16,7 +16,7 @@ pytest.importorskip("torch")
 
 RANK = """
 import gc, os, sys
-import lbbsp.integrations.torch  # noqa: F401  (what a training script imports before init_process_group)
+import lbbsp.integrations.torch  # what a training script imports before init_process_group
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
