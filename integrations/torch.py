@@ -5,7 +5,7 @@ agreed vector, applies it through :class:`~lbbsp.GlobalBatchSampler`, and weight
 The balancing itself is the coordinator's, which runs in a child process started by rank 0 unless told otherwise.
 
     lb = Balancer.from_env(global_batch=256)          # after dist.init_process_group
-    loader = lb.loader(dataset, num_workers=2)        # instead of DataLoader + DistributedSampler
+    loader = lb.loader(dataset, num_workers=1)        # instead of DataLoader + DistributedSampler
     model = lb.attach(DDP(model))                     # weighted all-reduce + timing hook
     ...                                               # the training loop is unchanged
     lb.close()                                        # on every rank, before destroy_process_group
@@ -116,6 +116,8 @@ class Balancer:
         self._synced = False  # its gradients went through our weighting (a comm hook or all_reduce_gradients)
         self._scaled = False  # scale_loss was called
         self._unsynced_forward = False  # a DDP forward that will build gradients ran under no_sync
+        self._forwarded = False  # the attached model ran a forward
+        self._begun_by: GlobalBatchSampler | None = None  # the sampler (one per loader) that began the step
         self._ever_synced = False
         self._epoch_synced = False  # some gradient of this loader epoch went through the attached model's hook
         self._warned_gradient_free_epoch = False
@@ -198,6 +200,7 @@ class Balancer:
         if self._closed:  # else each step would wait out assignment_timeout_s on a Redis that is gone
             raise LBBSPError("this Balancer is closed: draw batches before lb.close(), or start a new Balancer",
                              job=self.config.job, worker=self.rank)
+        self._refuse_steps_drawn_together(sampler)
         self.end_step()
         self._time_on_model_device()
         assignment = self.client.assignment(self._iteration)
@@ -205,8 +208,8 @@ class Balancer:
         indices = sampler.worker_indices(step, assignment.sizes, self.rank)
         self.step = Step(self._iteration, split, len(indices), assignment)
         self._iteration += 1
-        self._open = True
-        self._reported = self._synced = self._scaled = self._unsynced_forward = False
+        self._open, self._begun_by = True, sampler
+        self._reported = self._synced = self._scaled = self._unsynced_forward = self._forwarded = False
         self._clock.start()
         return indices
 
@@ -279,7 +282,7 @@ class Balancer:
 
     def scale_loss(self, loss: torch.Tensor, samples: int | None = None) -> torch.Tensor:
         """The local mean loss times ``W * b_i / B`` (``samples`` for a micro-batch of the slice)."""
-        step = self._current()
+        step = self._open_step()
         if self.weighting == "hook":
             raise ConfigError("scale_loss with the weighted hook would weight twice; attach(..., weighting='loss')")
         self._scaled = True
@@ -316,7 +319,8 @@ class Balancer:
         return self._closed
 
     def _saw_forward(self, model: DistributedDataParallel, inputs: object) -> None:
-        """Forward pre-hook of an attached model: note a forward whose backward will not be synchronised."""
+        """Forward pre-hook of an attached model: note the forward, and one whose backward will not be synchronised."""
+        self._forwarded = True
         if torch.is_grad_enabled() and not model.require_backward_grad_sync:
             self._unsynced_forward = True
 
@@ -359,11 +363,36 @@ class Balancer:
                              "share: use attach(model, weighting='loss') and scale_loss(loss)", job=job,
                              worker=worker, iteration=iteration)
 
+    def _refuse_steps_drawn_together(self, sampler: GlobalBatchSampler) -> None:
+        """Refuse a step begun by another loader while the open step has seen neither a forward of the attached
+        model nor a backward: two loaders iterated together (``zip``) each take an iteration of the job with its
+        own split, and the backward would be weighted by the later one's (parameters 0.36 off single-process
+        SGD, with no error). Only with an attached model, whose forwards are seen."""
+        if (self._open and self.weighting is not None and sampler is not self._begun_by and not self._forwarded
+                and not self._synced):
+            raise ConfigError("a step of another lb.loader began while the open step had no forward and no backward: "
+                              "two loaders iterated together (zip) each take a step of the job with its own split, "
+                              "and the backward would be weighted by the later one's; draw one lb.loader per "
+                              "training step (a Dataset that returns a sample of each, for paired data)",
+                              job=self.config.job, worker=self.rank, iteration=self._current().iteration)
+
     def _current(self) -> Step:
         if self.step is None:
             raise LBBSPError("no step in progress: draw batches from Balancer.loader(...)", job=self.config.job,
                              worker=self.rank)
         return self.step
+
+    def _open_step(self) -> Step:
+        """The step in progress, for a gradient about to be weighted: refused once the step has ended, since its
+        weight no longer belongs to the batch (``itertools.cycle`` replays batches without beginning a step, and
+        they had been weighted by the last real step's share, 0.08 off single-process SGD after one pass)."""
+        step = self._current()
+        if not self._open:
+            raise LBBSPError("a gradient was weighted after its step ended: every batch must be drawn from a loop over "
+                             "lb.loader as the step trains (itertools.cycle or a list of saved batches replays them "
+                             "outside any step; iterate the loader again each epoch instead)",
+                             job=self.config.job, worker=self.rank, iteration=step.iteration)
+        return step
 
     # -- shutdown -------------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -14,17 +14,19 @@ p[3:8]; if the next step agrees (6, 2), rank 0 gets p[8:14] and rank 1 gets p[14
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, IterableDataset, Subset
 
 from lbbsp.config import _integer
 from lbbsp.errors import ConfigError
@@ -160,6 +162,7 @@ class BalancedLoader:
         self.prefetch = (workers > 0 if prefetch is None else prefetch) and balancer.config.lag >= 2
         self.prefetched = 0  # steps served from a prefetch (the others loaded their slice as they began)
         self._ahead: Prefetch | None = None
+        self._warned_leak = False
         balancer._loaders.add(self)
 
     def set_epoch(self, epoch: int) -> None:
@@ -226,7 +229,7 @@ class BalancedLoader:
             self._next_epoch = None
         self._cancel_ahead()  # another loop's, still suspended: never this loop's steps
         first = self._first_step()
-        _check_ranks_agree(self.sampler, self.balancer, first)
+        _check_ranks_agree(self.sampler, self.balancer, first, self.dataset)
         self._resume = None  # used once the ranks agree on it (a refusal leaves it for the next loop)
         self._iterating = True
         self._served = (self.sampler.epoch, first)
@@ -249,6 +252,8 @@ class BalancedLoader:
                 self._served = (self.sampler.epoch, step + 1)  # yielded: a checkpoint from here on counts it
                 yield batch
         except GeneratorExit:  # the loop was left early (break, zip, an error): its open step is abandoned
+            if not self.balancer._synced:  # left before its backward: a checkpoint from here must not count it
+                self._served = (self.sampler.epoch, step)
             self.balancer.end_step(abandoned=True)
             raise
         finally:
@@ -272,10 +277,20 @@ class BalancedLoader:
             self._ahead = None
 
     def _slice(self, step: int, indices: Sequence[int] | np.ndarray) -> Any:
-        """This rank's slice ``indices`` of global batch ``step``; an empty one keeps the batch's structure."""
+        """This rank's slice ``indices`` of global batch ``step``. An empty one keeps the batch's structure, so
+        that the rank still runs the step's forward and collectives: it is cut from batches of one sample of the
+        step and of that sample twice, which tell what holds one entry per sample whatever the ``collate_fn``."""
         if len(indices):
             return self._load(indices)
-        return _empty_like(self._load(self.sampler.global_indices(step)[:1]))
+        first = int(self.sampler.global_indices(step)[0])
+        leaks: list[str] = []
+        batch = _emptied(self._load([first]), self._load([first, first]), leaks)
+        if leaks and not self._warned_leak:
+            self._warned_leak = True
+            log.warning("an empty slice's batch keeps a value of another rank's sample in a part it cannot cut to "
+                        "no sample (%s): its gradient weight is 0, so training stays exact, but count samples by "
+                        "the tensors' rows, not by that part (said once)", ", ".join(sorted(set(leaks))))
+        return batch
 
     def _first_step(self) -> int:
         """The global batch this iteration starts at: a loaded state's, once, if it is of this epoch."""
@@ -298,17 +313,31 @@ class BalancedLoader:
 #: What every rank's sampler must agree on, or the ranks' slices overlap and miss samples (or their step counts
 #: differ, and one rank waits for the others in a collective until the process group times out).
 _AGREED = ("dataset size", "shuffle", "drop_last", "epoch", "first global batch (a loaded state's)",
-           "seed (the epoch order's fingerprint)")
+           "dataset's subset indices (a Subset per rank is a shard)", "seed (the epoch order's fingerprint)")
 
 
-def _check_ranks_agree(sampler: GlobalBatchSampler, balancer: Balancer, first: int) -> None:
-    """Raise a ConfigError on every rank unless all ranks' samplers agree on ``_AGREED`` (one all-gather of six
-    integers as each epoch starts; the first that differs is named, the order's fingerprint last as it differs
-    whenever another does)."""
+def _subset_fingerprint(dataset: Any) -> int:
+    """A hash of the indices of every ``Subset`` in ``dataset`` (through ``ConcatDataset`` and nested subsets), 0
+    where there is none: equal shards per rank (``Subset(data, range(rank, N, world))``) have one size, and only
+    their indices tell them apart."""
+    if isinstance(dataset, Subset):
+        own = zlib.crc32(np.asarray(dataset.indices, dtype=np.int64).tobytes())
+        return zlib.crc32(np.array([own, _subset_fingerprint(dataset.dataset)], dtype=np.int64).tobytes())
+    if isinstance(dataset, ConcatDataset):
+        parts = [_subset_fingerprint(part) for part in dataset.datasets]
+        return zlib.crc32(np.array(parts, dtype=np.int64).tobytes()) if any(parts) else 0
+    return 0
+
+
+def _check_ranks_agree(sampler: GlobalBatchSampler, balancer: Balancer, first: int, dataset: Any) -> None:
+    """Raise a ConfigError on every rank unless all ranks' samplers and datasets agree on ``_AGREED`` (one
+    all-gather of seven integers as each epoch starts; the first that differs is named, the order's fingerprint
+    last as it differs whenever another does)."""
     if balancer.world_size < 2:
         return
     mine = torch.tensor([sampler.dataset_size, int(sampler.shuffle), int(sampler.drop_last), sampler.epoch, first,
-                         sampler.fingerprint()], dtype=torch.int64, device=_collective_device(balancer.group))
+                         _subset_fingerprint(dataset), sampler.fingerprint()], dtype=torch.int64,
+                        device=_collective_device(balancer.group))
     everyone = [torch.empty_like(mine) for _ in range(balancer.world_size)]
     dist.all_gather(everyone, mine, group=balancer.group)
     rows = torch.stack(everyone).cpu().tolist()
@@ -321,17 +350,41 @@ def _check_ranks_agree(sampler: GlobalBatchSampler, balancer: Balancer, first: i
                               job=balancer.config.job, worker=balancer.rank)
 
 
-def _empty_like(batch: Any) -> Any:
-    """The same structure with every tensor and array cut to zero rows, and every list of per-sample values
-    (file names, labels as a custom ``collate_fn`` leaves them) emptied: nothing of the sample it was cut from."""
-    if isinstance(batch, (torch.Tensor, np.ndarray)):
-        return batch[:0]
-    if isinstance(batch, list) and all(isinstance(v, (str, bytes, int, float)) for v in batch):
-        return []
-    if isinstance(batch, Mapping):
-        return type(batch)({k: _empty_like(v) for k, v in batch.items()})  # type: ignore[call-arg]
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_empty_like(v) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_empty_like(v) for v in batch)
-    return batch
+def _emptied(one: Any, two: Any, leaks: list[str]) -> Any:
+    """The batch ``one`` (of one sample) cut to no sample, by its difference from ``two`` (of that sample twice):
+    what has 1 entry where ``two`` has 2 holds one per sample and is emptied (a tensor's or array's batch axis; a
+    list or tuple of per-sample values, as a custom ``collate_fn`` leaves them), and containers keep their
+    structure (mappings, named tuples, dataclasses, tuples of fields). A value that differs otherwise cannot be
+    cut and keeps the sample's; its type's name is added to ``leaks``."""
+    if isinstance(one, (torch.Tensor, np.ndarray)) and type(two) is type(one) and one.ndim == two.ndim:
+        axes = [a for a in range(one.ndim) if one.shape[a] == 1 and two.shape[a] == 2]
+        if axes:
+            return one[(slice(None),) * axes[0] + (slice(0, 0),)]
+        if _equal(one, two):
+            return one
+    elif isinstance(one, Mapping) and isinstance(two, Mapping) and one.keys() == two.keys():
+        return type(one)({k: _emptied(v, two[k], leaks) for k, v in one.items()})  # type: ignore[call-arg]
+    elif isinstance(one, (list, tuple)) and type(two) is type(one):
+        if len(one) == 1 and len(two) == 2:  # one entry per sample
+            return [] if isinstance(one, list) else ()
+        if len(one) == len(two):
+            parts = [_emptied(a, b, leaks) for a, b in zip(one, two)]
+            return type(one)(*parts) if hasattr(one, "_fields") else type(one)(parts)
+    elif dataclasses.is_dataclass(one) and not isinstance(one, type) and type(two) is type(one):
+        fields = [f.name for f in dataclasses.fields(one) if f.init]
+        return dataclasses.replace(one, **{f: _emptied(getattr(one, f), getattr(two, f), leaks) for f in fields})
+    else:
+        try:
+            if bool(one == two):
+                return one
+        except (TypeError, ValueError, RuntimeError):  # a value that does not compare to one bool
+            pass
+    leaks.append(type(one).__name__)
+    return one
+
+
+def _equal(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> bool:
+    """Whether two tensors, or two arrays, of one shape hold the same values."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(a, b)
+    return bool(np.array_equal(a, b))

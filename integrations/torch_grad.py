@@ -91,12 +91,14 @@ def timing_hook(balancer: "Balancer", bucket: dist.GradBucket) -> torch.futures.
 
 
 def _check_open(balancer: "Balancer") -> None:
-    """A hook outlives its Balancer (DDP cannot remove one): after close it must stop, not weight stale sizes."""
+    """A hook outlives its Balancer (DDP cannot remove one): after close it must stop, not weight stale sizes;
+    and a gradient is weighted only while its step is open (the share of an ended step is not its batch's)."""
     if balancer.closed:
         raise LBBSPError("this DDP model's gradient hook belongs to a closed Balancer, and DDP keeps one hook per "
                          "model: to train on with a new Balancer (a new global batch, a new job), wrap the module "
                          "in a new DistributedDataParallel and attach that", job=balancer.config.job,
                          worker=balancer.rank)
+    balancer._open_step()
 
 
 def _all_reduce(balancer: "Balancer", bucket: dist.GradBucket, weight: float) -> torch.futures.Future[torch.Tensor]:
@@ -116,6 +118,7 @@ def _all_reduce(balancer: "Balancer", bucket: dist.GradBucket, weight: float) ->
 
 def all_reduce_gradients(balancer: "Balancer", parameters: Iterable[nn.Parameter]) -> None:
     """Without DDP: sum ``(b_i / B) * grad`` over ranks in one flat all-reduce; missing grads count as zero."""
+    balancer._open_step()
     balancer.gradients_ready()
     params = [p for p in parameters if p.requires_grad]
     if not params:

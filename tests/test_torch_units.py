@@ -1,17 +1,20 @@
 """Single-process checks of the torch adapter's small parts (no process group needed)."""
 from __future__ import annotations
 
+import dataclasses
 from collections import namedtuple
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+from torch.utils.data import default_collate  # noqa: E402
 
 from lbbsp import ConfigError, Report  # noqa: E402
 from lbbsp.integrations.demo import DemoConfig, load_on, parse_schedule  # noqa: E402
 from lbbsp.integrations.torch import device_label, expandable_segments  # noqa: E402
-from lbbsp.integrations.torch_data import PlannedBatch, _empty_like  # noqa: E402
+from lbbsp.integrations.torch_data import PlannedBatch, _emptied  # noqa: E402
 from lbbsp.integrations.torch_grad import ComputeClock, check_weighting, scaled_loss  # noqa: E402
 from lbbsp.models import EWMAThroughput  # noqa: E402
 
@@ -23,15 +26,36 @@ def test_planned_batch_yields_the_plan_once() -> None:
     assert list(plan) == [[4, 2]] and list(plan) == []
 
 
-def test_empty_like_keeps_structure() -> None:
+def _empty_slice(sample: object, collate: Callable[[list], object] = default_collate) -> tuple[object, list[str]]:
+    leaks: list[str] = []
+    return _emptied(collate([sample]), collate([sample, sample]), leaks), leaks
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    ids: list[int]
+
+
+def test_an_empty_slice_keeps_the_structure_and_nothing_of_the_sample_whatever_the_collate_fn() -> None:
     Pair = namedtuple("Pair", "x y")
-    batch = {"a": torch.ones(3, 2), "b": [torch.zeros(3), Pair(torch.ones(3), 7)]}
-    empty = _empty_like(batch)
-    assert empty["a"].shape == (0, 2) and empty["b"][0].shape == (0,)
-    assert isinstance(empty["b"][1], Pair) and empty["b"][1].x.shape == (0,) and empty["b"][1].y == 7
-    # nothing of the sample it was cut from: numpy arrays (a custom collate_fn) and lists of per-sample values
-    empty = _empty_like([np.ones((1, 4)), ["img30.png"], torch.ones(1, 4)])
-    assert empty[0].shape == (0, 4) and empty[1] == [] and empty[2].shape == (0, 4)
+    empty, leaks = _empty_slice({"a": torch.ones(2), "b": [torch.zeros(()), Pair(torch.ones(3), 7)]})
+    assert empty["a"].shape == (0, 2) and empty["b"][0].shape == (0,) and not leaks
+    assert isinstance(empty["b"][1], Pair) and empty["b"][1].x.shape == (0, 3) and empty["b"][1].y.shape == (0,)
+    # a list of the samples themselves (an identity collate_fn): had been a 1-item list of the other rank's sample
+    empty, leaks = _empty_slice((torch.ones(5), torch.ones(1), 16), collate=list)
+    assert empty == [] and not leaks
+    # torchvision's detection style, tuple(zip(*batch)): per-sample tuples, emptied
+    empty, _ = _empty_slice((torch.ones(3, 4, 4), {"boxes": torch.ones(2, 4)}), collate=lambda b: tuple(zip(*b)))
+    assert empty == ((), ())
+    # a dataclass batch: had been passed on whole, so the empty rank trained on the other rank's sample
+    empty, leaks = _empty_slice((torch.ones(2), 5), collate=lambda b: Batch(torch.stack([s[0] for s in b]),
+                                                                             [s[1] for s in b]))
+    assert isinstance(empty, Batch) and empty.x.shape == (0, 2) and empty.ids == [] and not leaks
+    # numpy arrays and a field that is not per sample (a constant) keep their structure; a count cannot be cut
+    empty, leaks = _empty_slice({"x": np.ones(4), "n": 1, "grid": 3},
+                                collate=lambda b: {"x": np.stack([s["x"] for s in b]), "n": len(b), "grid": 3})
+    assert empty["x"].shape == (0, 4) and empty["grid"] == 3 and leaks == ["int"]
 
 
 def test_scaled_loss_weights_and_survives_an_empty_slice() -> None:

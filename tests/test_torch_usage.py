@@ -5,6 +5,7 @@ for a dataset, set_epoch inside the loop, a forward around DDP, a loader used af
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import multiprocessing
@@ -20,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset  # noqa: E402
+from torch.utils.data import DataLoader, IterableDataset, Subset, TensorDataset  # noqa: E402
 
 from lbbsp import ConfigError, EmbeddedRedis, JobConfig, LBBSPError, Store, StoreUnavailable  # noqa: E402
 from lbbsp.integrations.torch import Balancer  # noqa: E402
@@ -249,9 +250,53 @@ def mistakes(url: str, job: str) -> dict:
     return result
 
 
+def batches_outside_their_steps(url: str, job: str) -> dict:
+    """From a new-user audit: two loaders zipped, itertools.cycle over a loader, a Subset per rank (all silently
+    wrong before), and the loader state after a loop left before its step's backward (it had skipped that step)."""
+    result: dict = {}
+    model = linear()
+    train = trainer(model)
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-1") as lb:
+        lb.attach(model)
+        loader = lb.loader(data())
+        for i, (x, y, _) in enumerate(loader):
+            if i == 3:
+                break  # at the top of the body: step 3 was drawn, not trained
+            train(x, y)
+        result["left_before_backward"] = loader.state_dict()["step"]
+        for i, (x, y, _) in enumerate(loader):
+            train(x, y)
+            if i == 5:
+                break  # after the update: step 5 was trained
+        result["left_after_update"] = loader.state_dict()["step"]
+        try:  # paired data from two loaders: each took an iteration with its own split
+            for (x, y, _), _other in zip(loader, lb.loader(data(), seed=1)):
+                train(x, y)
+        except ConfigError as exc:
+            result["zip"] = str(exc)
+    model = linear()
+    train = trainer(model)
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-2") as lb:
+        lb.attach(model)
+        batches = itertools.cycle(lb.loader(data()))  # replays the first epoch's batches outside any step
+        try:
+            for _ in range(SAMPLES // GLOBAL_BATCH + 1):
+                x, y, _ = next(batches)
+                train(x, y)
+        except LBBSPError as exc:
+            result["cycle"] = str(exc)
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-3") as lb:
+        rank = torch.distributed.get_rank()
+        try:  # one shard per rank, of one size: half the data was never used
+            next(iter(lb.loader(Subset(data(), range(rank, SAMPLES, 2)))))
+        except ConfigError as exc:
+            result["shard"] = str(exc)
+    return result
+
+
 SCENARIOS = {f.__name__: f for f in (abandoned_steps, no_sync_with_the_hook, without_attach,
                                      loss_form_without_scale_loss, second_balancer_on_one_model,
-                                     external_coordinator, settings, mistakes)}
+                                     external_coordinator, settings, mistakes, batches_outside_their_steps)}
 
 
 def _scenarios(url: str, job: str) -> dict:
@@ -369,3 +414,15 @@ def test_likely_mistakes_are_caught(outcomes: list[dict]) -> None:
     assert "closed" in result["after_close"]
     assert "not ddp_model.module(x)" in result["module"]
     assert result["grad_dtypes"] == ["torch.float64"] * 2 + ["torch.float32"] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_batches_drawn_outside_their_steps_are_refused_and_a_step_left_untrained_is_served_again(
+        outcomes: list[dict]) -> None:
+    result = both(outcomes, "batches_outside_their_steps")
+    assert "error" not in result, result
+    assert (result["left_before_backward"], result["left_after_update"]) == (3, 6)
+    assert "two loaders iterated together (zip)" in result["zip"]
+    assert "itertools.cycle" in result["cycle"]
+    assert "subset indices" in result["shard"]
