@@ -16,7 +16,9 @@ class ResourceMonitor:
     """Samples resource use since the previous sample, as the feature names of :data:`FEATURE_RANGES`.
 
     A sample costs about a millisecond of /proc reads, so calls closer together than ``min_interval_s``
-    return the previous sample: short training steps do not pay for it every time.
+    return the previous sample's CPU, memory and GPU use: short training steps do not pay for it every time.
+    GPU memory is read at every call (an NVML call of microseconds): it is the memory of the batch size just
+    run, and a reading kept from an earlier, smaller batch had let a GPU's learned cap pass its card.
     """
 
     def __init__(self, gpu_index: int | None = None, *, min_interval_s: float = 0.2) -> None:
@@ -33,8 +35,15 @@ class ResourceMonitor:
     def sample(self) -> dict[str, float]:
         """Machine CPU use, this process's cores, others' load per core, memory use; GPU when known."""
         now = time.monotonic()
-        if self._last is not None and now - self._last_at < self.min_interval_s:
-            return dict(self._last)
+        if self._last is None or now - self._last_at >= self.min_interval_s:
+            self._last, self._last_at = self._use(), now
+        features = dict(self._last)
+        if self._nvml is not None:
+            features.update(self._gpu("memory", _gpu_memory, *self._nvml))
+        return features
+
+    def _use(self) -> dict[str, float]:
+        """CPU, memory and GPU use since the previous call."""
         cpu_util = min(psutil.cpu_percent(None) / 100.0, 1.0)
         proc_cpu = self._process.cpu_percent(None) / 100.0
         features = {
@@ -45,10 +54,8 @@ class ResourceMonitor:
             "cores": float(self._cores),
         }
         if self._nvml is not None:
-            for what, reading in _GPU_READINGS.items():
-                features.update(self._gpu(what, reading, *self._nvml))
-        self._last, self._last_at = features, now
-        return dict(features)
+            features.update(self._gpu("utilisation", _gpu_utilisation, *self._nvml))
+        return features
 
     def _gpu(self, what: str, reading: Callable[[Any, Any], dict[str, float]], pynvml: Any,
              handle: Any) -> dict[str, float]:
@@ -99,6 +106,3 @@ def _gpu_memory(pynvml: Any, handle: Any) -> dict[str, float]:
 
 def _gpu_utilisation(pynvml: Any, handle: Any) -> dict[str, float]:
     return {"gpu_util": pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0}
-
-
-_GPU_READINGS = {"memory": _gpu_memory, "utilisation": _gpu_utilisation}

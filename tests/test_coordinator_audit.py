@@ -203,6 +203,21 @@ def test_a_failing_nvml_call_omits_its_feature_and_is_logged_once(monkeypatch: p
     assert caplog.text.count("utilisation") == 1
 
 
+def test_gpu_memory_is_read_at_every_sample_while_the_rest_is_cached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU memory belongs to the batch size just run: a reading kept for 0.2 s from an earlier, smaller batch
+    (the default interval, on steps shorter than it) had let a learned cap pass its card."""
+    fake_nvml(monkeypatch)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    used = iter([1e9, 2e9, 3e9])
+    sys.modules["pynvml"].nvmlDeviceGetMemoryInfo = (  # type: ignore[attr-defined]
+        lambda handle: types.SimpleNamespace(used=(u := next(used)), free=4e9 - u))
+    monitor = ResourceMonitor(gpu_index=0, min_interval_s=60.0)
+    samples = [monitor.sample() for _ in range(3)]
+    assert [f["gpu_mem_used"] for f in samples] == [1e9, 2e9, 3e9]
+    assert [f["gpu_mem_free"] for f in samples] == [3e9, 2e9, 1e9]
+    assert len({f["cpu_util"] for f in samples}) == 1  # the /proc readings are the cached sample's
+
+
 @pytest.mark.parametrize(("visible", "index", "expected"),
                          [("3", 0, [3]), ("5, 2", 1, [2]), ("GPU-8f2a", 0, ["GPU-8f2a"]), (None, 1, [1])])
 def test_the_gpu_is_looked_up_through_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch, visible: str | None,

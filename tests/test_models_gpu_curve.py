@@ -311,3 +311,45 @@ def test_readings_that_do_not_rise_keep_the_cap_at_the_sizes_measured() -> None:
     for k, size in enumerate([32, 36, 40, 36]):
         model.partial_fit(_report(k, size, 0.01 + size / 1e4, used=79 * GB, total=80 * GB))
     assert model.max_batch([0])[0] <= 41
+
+
+@pytest.mark.parametrize(("total", "fixed_share", "fits", "warm", "start"),
+                         [(11e9, 0.3, 1000, 600, 50), (11e9, 0.3, 300, 180, 6), (40e9, 0.5, 3000, 1200, 60)])
+def test_readings_held_at_a_peak_set_before_the_first_report_never_cap_past_the_card(
+        total: float, fixed_share: float, fits: int, warm: int, start: int) -> None:
+    """A warm-up or evaluation pass at a larger batch leaves PyTorch's readings flat at its peak, and the sizes
+    only grow, so no reading is seen not to fall: the line through flat, then rising, readings was too shallow,
+    and the cap followed it past the card (1,853 where 1,014 fit, and the next step ran out of memory)."""
+    fixed = fixed_share * total
+    per_sample = (0.99 * total - fixed) / fits
+    peak, model, size = fixed + per_sample * warm, BatchTimeCurve(), start
+    for k in range(25):
+        used = max(peak, fixed + per_sample * size)
+        model.partial_fit(_report(k, size, 0.01 + size / 1e4, used=used, total=total))
+        size = max(1, min(2 * size, int(model.max_batch([0])[0])))
+        assert fixed + per_sample * size <= 0.99 * total, f"step {k}: {size} samples, past the card"
+    assert size >= 0.8 * fits  # and it still grows to near what fits
+
+
+def test_a_reading_merged_from_a_smaller_size_does_not_stand_for_the_merged_size() -> None:
+    """NVML failed once, at a new largest size; when the slots merged it into its neighbour, the reading of the
+    smaller size stood for their larger mean, and the cap passed the card (725 where 700 fit)."""
+    fixed, per_sample, total = 2 * GB, 20e6, 16 * GB
+    model = BatchTimeCurve()
+    for k, size in enumerate([100, 125, 156, 195, 244, 305, 381, 440, 90]):
+        used = None if size == 440 else fixed + per_sample * size
+        model.partial_fit(_report(k, size, 0.01 + size / 1e4, used=used, total=total))
+        assert model.max_batch([0])[0] <= (0.99 * total - fixed) // per_sample
+
+
+def test_a_gpu_that_changes_speed_on_a_report_without_memory_keeps_its_cap() -> None:
+    """A change of speed forgets the slots, readings included; the report that showed it lacked a reading, and the
+    worker, alone on its hardware, was left uncapped."""
+    model = BatchTimeCurve()
+    for k, size in enumerate([100, 200, 150, 300, 250]):
+        model.partial_fit(_report(k, size, 0.01 + size / 1e4, used=2 * GB + 40e6 * size))
+    cap = model.max_batch([0])[0]
+    assert cap <= 346  # what fits 99% of the 16 GB card
+    model.partial_fit(_report(5, 250, 2 * (0.01 + 250 / 1e4), used=2 * GB + 40e6 * 250))  # slower: one miss
+    model.partial_fit(_report(6, 250, 2 * (0.01 + 250 / 1e4)))  # the second, with no reading
+    assert model.max_batch([0])[0] == cap

@@ -128,10 +128,11 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
     """Largest batch whose predicted bytes stay within ``budget``, per row. Pure function.
 
     Bytes are predicted by the least-squares line a + b * batch where the readings identify it: two or more
-    distinct sizes, each reading above the one at the next smaller size by at least half what the line
-    predicts there (less ``_MIN_RISE``, an allocator's rounding), and a rise of at least ``_MIN_RISE`` bytes
-    across them. Readings held at a caching allocator's peak (flat below the largest size run so far) fail the
-    first test where the sizes are far enough apart to tell; readings that do not rise (a framework that
+    distinct sizes, each reading above the one at the next smaller size, and above the smallest size's, by at
+    least half what the line (or the two largest sizes' readings, where steeper) predicts there (less
+    ``_MIN_RISE``, an allocator's rounding), and a rise of at least ``_MIN_RISE`` bytes across them. Readings
+    held at a caching allocator's peak (flat below the largest size run so far, or below a peak set before the
+    first report) fail the first test where the sizes are far enough apart to tell; readings that do not rise (a framework that
     reserved the card up front) or rise by noise alone, the second. (A slope of at least a
     tenth of the bytes per sample in use at the largest size had been asked instead: where the fixed part, the
     model and other processes, dwarfs a sample's, as on a nearly full card, no true line passed, and an H100
@@ -147,9 +148,10 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
     count = weight.sum(1)
     x, y = np.where(valid, sizes, 0.0), np.where(valid, used, 0.0)
     order = np.argsort(np.where(valid, sizes, np.inf), axis=1)
-    rising = np.diff(np.take_along_axis(y, order, axis=1), axis=1)  # readings by size, the invalid ones last
-    step = np.diff(np.take_along_axis(x, order, axis=1), axis=1)
-    pair = np.take_along_axis(valid, order, axis=1)[:, 1:]
+    by_size, read_by_size = np.take_along_axis(x, order, axis=1), np.take_along_axis(y, order, axis=1)
+    rising, step = np.diff(read_by_size, axis=1), np.diff(by_size, axis=1)  # by size, the invalid ones last
+    in_order = np.take_along_axis(valid, order, axis=1)
+    pair = in_order[:, 1:]
     with np.errstate(divide="ignore", invalid="ignore"):
         mean_x, mean_y = x.sum(1) / count, y.sum(1) / count
         dx = (x - mean_x[:, None]) * weight
@@ -159,9 +161,16 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
         largest = np.argmax(np.where(valid, sizes, -1.0), axis=1)
         rows = np.arange(sizes.shape[0])
         through_origin = used[rows, largest] / np.maximum(sizes[rows, largest], 1.0)
-        # a reading may fall short of the line by an allocator's granule (20 MB under expandable segments), so
-        # that sizes one sample apart, read the same, still fit a line
-        consistent = (~pair | (rising >= 0.5 * b[:, None] * step - _MIN_RISE)).all(1)
+        # each reading must rise over the one at the next smaller size, and over the smallest size's, by half what
+        # the line, or the two largest sizes' readings if steeper, predict: readings held flat at a peak set before
+        # the first report (a warm-up at a larger batch), then rising, had fitted a line too shallow that the cap
+        # followed past the card (1,853 where 1,014 fit); a reading may fall short by an allocator's granule (20 MB
+        # under expandable segments), so that sizes one sample apart, read the same, still fit a line
+        last = np.maximum(count.astype(np.int64) - 2, 0)[:, None]
+        top_slope = np.take_along_axis(rising, last, axis=1)[:, 0] / np.take_along_axis(step, last, axis=1)[:, 0]
+        expected = np.fmax(b, np.where(count >= 2, top_slope, np.nan))[:, None]
+        from_smallest = read_by_size - read_by_size[:, :1] >= 0.5 * expected * (by_size - by_size[:, :1]) - _MIN_RISE
+        consistent = (~pair | ((rising >= 0.5 * expected * step - _MIN_RISE) & from_smallest[:, 1:])).all(1)
         top, bottom = sizes[rows, largest], np.where(valid, sizes, np.inf).min(1)
         linear = np.isfinite(b) & (b * (top - bottom) >= _MIN_RISE) & consistent
         if held is not None:
@@ -522,16 +531,18 @@ class BatchTimeCurve(CapacityModel):
         return held
 
     def _fit_memory(self, rows: np.ndarray) -> None:
-        """Cache each row's memory cap and its bytes per sample through the origin at its largest size."""
+        """Cache each row's memory cap and its bytes per sample through the origin at its largest size; a row
+        whose slots hold no reading keeps those it had (a GPU that changed speed forgets its slots, and the
+        report that showed it may lack a reading: the worker, alone on its hardware, had been left uncapped)."""
         sizes, mem = self.slot_size_[rows], self.slot_mem_[rows]
         valid = (self.slot_weight_[rows] > 0) & np.isfinite(mem)
         measured = valid.any(1)
         at = np.arange(rows.size), np.argmax(np.where(valid, sizes, -1.0), axis=1)
         seen = np.where(measured, mem[at], 0.0)  # in use at the largest size
-        self.mem_rate_[rows] = np.where(measured, seen / np.maximum(sizes[at], 1.0), np.nan)
+        self.mem_rate_[rows] = np.where(measured, seen / np.maximum(sizes[at], 1.0), self.mem_rate_[rows])
         budget = self._budget(self.mem_total_[rows], seen)
         caps = fit_memory_cap(sizes, mem, valid, np.nan_to_num(budget), self.mem_held_[rows])
-        self.cap_[rows] = np.where(np.isfinite(budget) & measured, caps, _NO_CAP)
+        self.cap_[rows] = np.where(np.isfinite(budget) & measured, caps, self.cap_[rows])
 
     def _grow(self, size: int) -> None:
         extra = size - self.slot_size_.shape[0]
@@ -577,12 +588,16 @@ def _merge_closest(sizes: np.ndarray, times: np.ndarray, mem: np.ndarray, weight
     keep, drop = (rows, order[r, k]), (rows, order[r, k + 1])
     w_keep, w_drop = weight[keep], weight[drop]
     total = w_keep + w_drop
-    sizes[keep] = np.round((w_keep * sizes[keep] + w_drop * sizes[drop]) / total)  # whole samples, as reported
+    merged = np.round((w_keep * sizes[keep] + w_drop * sizes[drop]) / total)  # whole samples, as reported
     times[keep] = (w_keep * times[keep] + w_drop * times[drop]) / total
     m_keep, m_drop = mem[keep], mem[drop]
+    # one reading alone stands for the merged size only where it was read at that size or above (a reading at
+    # the smaller size, put at the mean of the two, had read as a line too shallow: a cap of 725 where 700 fit)
+    alone = np.where(np.isfinite(m_keep), m_keep, m_drop)
+    read_at = np.where(np.isfinite(m_keep), sizes[keep], sizes[drop])
     mem[keep] = np.where(np.isfinite(m_keep) & np.isfinite(m_drop), (w_keep * m_keep + w_drop * m_drop) / total,
-                         np.where(np.isfinite(m_keep), m_keep, m_drop))
-    weight[keep], weight[drop], sizes[drop] = total, 0.0, 0.0
+                         np.where(read_at >= merged, alone, np.nan))
+    sizes[keep], weight[keep], weight[drop], sizes[drop] = merged, total, 0.0, 0.0
 
 
 def perturb_pairs(sizes: np.ndarray, who: np.ndarray, fraction: float, lower: np.ndarray,
