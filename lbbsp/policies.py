@@ -214,6 +214,11 @@ class LBBSPPolicy(Policy):
             may_idle and (current_arr[self.rounds_out.due(workers)] == 0).any())  # one due back may not stay out
         band = self.band(time_model, current_arr)
         sizes, changed = damp(current_arr, proposed, plan, band) if in_bounds else (proposed, True)
+        if not changed and ((proposed > current_arr) & (proposed >= upper)).any():
+            # a worker held by its memory cap: the cap grows only once it is measured at a larger size, by less
+            # than the dead band a step on a nearly full card, so a damped split had kept it there for good (1.7x
+            # slower than the split its card holds)
+            sizes, changed = proposed, True
         forced = lower.sum() == config.global_batch or upper.sum() == config.global_batch  # one split fits
         sizes = self.model.explore(workers, sizes, lower, upper)
         predicted = time_model.time(sizes)
