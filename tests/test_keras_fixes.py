@@ -111,6 +111,22 @@ def test_detach_forgets_batches_cut_for_an_iteration_never_run(job: str) -> None
     assert (source.samples_in(0), source.samples_in(1)) == (3, 0)
 
 
+@pytest.mark.parametrize(("x_dtype", "weight_dtype"), [("float16", "float32"), ("float32", "float32"),
+                                                     ("float64", "float64"), ("int64", "float32")])
+def test_weights_are_never_narrower_than_float32(job: str, x_dtype: str, weight_dtype: str) -> None:
+    """Inputs kept in float16 to save memory had their weights W * b_i / B rounded to float16 (0.66 served as
+    0.66015625): updates were 2e-4 off plain SGD, with one worker and sample weights too."""
+    config = JobConfig(job, num_workers=2, global_batch=100)
+    source = BalancedSource(np.zeros((200, 2), dtype=x_dtype), np.zeros(200), config, 1,
+                            sample_weight=np.full(200, 1 / 3))
+    data = source.py_dataset(tf_keras)
+    source.attach(0, 0)
+    source.publish(Assignment(job, 0, (33, 67), "scripted"))
+    _, _, weights = data[0]
+    assert weights.dtype == np.dtype(weight_dtype)
+    assert weights[0] == pytest.approx(2 * 0.67 / 3, rel=1e-6)
+
+
 def test_a_batch_still_being_cut_when_the_fit_ends_is_not_recorded(job: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefetch thread that got its vector just before ``detach`` finishes cutting after it."""
     config = JobConfig(job, num_workers=2, global_batch=8)
