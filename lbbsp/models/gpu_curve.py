@@ -132,10 +132,10 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
     least half what the line (or the two largest sizes' readings, where steeper) predicts there (less
     ``_MIN_RISE``, an allocator's rounding), and a rise of at least ``_MIN_RISE`` bytes across them. Readings
     held at a caching allocator's peak (flat below the largest size run so far, or below a peak set before the
-    first report) fail the first test where the sizes are far enough apart to tell; readings that do not rise (a framework that
-    reserved the card up front) or rise by noise alone, the second. (A slope of at least a
-    tenth of the bytes per sample in use at the largest size had been asked instead: where the fixed part, the
-    model and other processes, dwarfs a sample's, as on a nearly full card, no true line passed, and an H100
+    first report) fail the first test where the sizes are far enough apart to tell; readings that do not rise (a
+    framework that reserved the card up front) or rise by noise alone, the second. (A slope of at least a tenth
+    of the bytes per sample in use at the largest size had been asked instead: where the fixed part, the model
+    and other processes, dwarfs a sample's, as on a nearly full card, no true line passed, and an H100
     with 3.8 GiB free grew from 32 samples by one sample a step, where 1,281 fit.) Elsewhere bytes follow the
     line through the origin and the largest measurement, which over-predicts them above it (a >= 0), so the
     cap errs low; and where the fitted a < 0, whichever of the two lines predicts more. The fitted line is
@@ -150,8 +150,7 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
     order = np.argsort(np.where(valid, sizes, np.inf), axis=1)
     by_size, read_by_size = np.take_along_axis(x, order, axis=1), np.take_along_axis(y, order, axis=1)
     rising, step = np.diff(read_by_size, axis=1), np.diff(by_size, axis=1)  # by size, the invalid ones last
-    in_order = np.take_along_axis(valid, order, axis=1)
-    pair = in_order[:, 1:]
+    pair = np.take_along_axis(valid, order, axis=1)[:, 1:]
     with np.errstate(divide="ignore", invalid="ignore"):
         mean_x, mean_y = x.sum(1) / count, y.sum(1) / count
         dx = (x - mean_x[:, None]) * weight
