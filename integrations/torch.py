@@ -38,8 +38,8 @@ from torch.utils.hooks import RemovableHandle
 
 from lbbsp.config import JobConfig
 from lbbsp.coordinator import CoordinatorProcess
-from lbbsp.embedded import EmbeddedRedis
-from lbbsp.errors import ConfigError, LBBSPError
+from lbbsp.embedded import EmbeddedRedis, first_answering
+from lbbsp.errors import ConfigError, LBBSPError, StoreUnavailable
 from lbbsp.policies import Policy
 from lbbsp.protocol import Assignment, Report
 from lbbsp.sampling import GlobalBatchSampler
@@ -130,8 +130,10 @@ class Balancer:
                  device: torch.device | str | None = None) -> Balancer:
         """Join the job from a running process group (torchrun's env:// or any other rendezvous).
 
-        ``redis`` (or ``$LBBSP_REDIS_URL``) names the Redis; without one, rank 0 starts an embedded server,
-        which only ranks on the same machine can reach. ``coordinator=False`` means an external
+        ``redis`` (or ``$LBBSP_REDIS_URL``) names the Redis; without one, rank 0 starts an embedded server. Where
+        ranks run on other machines (torchrun's ``LOCAL_WORLD_SIZE`` below the world size) it also listens on
+        TCP on every interface, behind a random password that reaches the ranks through the process group; each
+        of them connects by the first of rank 0's addresses that answers. ``coordinator=False`` means an external
         ``lbbsp coordinator`` serves the job, and then ``job`` must be its name; the job's ``lag`` and key TTL
         are then the coordinator's (``--lag``, ``--ttl``), and every other setting must match it. Without
         ``job``, rank 0 picks a fresh name so that a rerun never reads the assignments of an earlier one.
@@ -147,22 +149,24 @@ class Balancer:
         url = redis or os.environ.get("LBBSP_REDIS_URL")
         if not coordinator and job is None:
             raise ConfigError("with an external coordinator (coordinator=False), pass the job name it serves")
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        if url is None and local != world:
-            raise ConfigError(f"an embedded Redis on rank 0 is reachable from its own machine only, but "
-                              f"{world - local} ranks run elsewhere; pass redis='redis://host:port'")
+        # ranks on other machines than rank 0's reach its embedded server over TCP (behind a random password)
+        across_machines = url is None and int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world
         owned: list[Any] = []
         running = None
         try:
-            shared: list[str | None] = [url, job]
+            shared: list[Any] = [url, job, []]
             if rank == 0:
                 if url is None:
-                    server = EmbeddedRedis()
+                    server = EmbeddedRedis(listen="0.0.0.0" if across_machines else None)
                     owned.append(server)
                     shared[0] = server.url
+                    if across_machines:
+                        shared[2] = server.peer_urls(toward=os.environ.get("MASTER_ADDR"))
                 shared[1] = job or f"torch-{uuid.uuid4().hex[:12]}"
-            dist.broadcast_object_list(shared, src=0)  # two strings: the Redis URL and the job name
+            dist.broadcast_object_list(shared, src=0)  # the Redis URL, the job name, the embedded server's TCP URLs
             url, job = str(shared[0]), str(shared[1])
+            if shared[2]:
+                url = _reach_embedded(url, shared[2], rank, world)
             caps = tuple(max_batch) if isinstance(max_batch, Sequence) else max_batch
             config = JobConfig(job, world, global_batch, min_batch=min_batch, max_batch=caps,
                                assignment_timeout_s=assignment_timeout_s)
@@ -442,6 +446,25 @@ def _joined(config: JobConfig, stored: JobConfig | None) -> JobConfig:
                           "(num_workers is the world size); pass the coordinator's settings to Balancer.from_env",
                           job=config.job)
     return joined
+
+
+def _reach_embedded(url: str, peer_urls: list[str], rank: int, world: int) -> str:
+    """The URL by which this rank reaches rank 0's embedded server (rank 0: ``url``, its unix socket; the others:
+    the first of ``peer_urls`` that answers). Every rank learns whether all did, so that none is left waiting in a
+    collective for a rank that gave up."""
+    error = None
+    if rank != 0:
+        try:
+            url = first_answering(peer_urls)
+        except StoreUnavailable as exc:
+            error = str(exc)
+    errors: list[str | None] = [None] * world
+    dist.all_gather_object(errors, error)
+    failed = [r for r, e in enumerate(errors) if e]
+    if failed:
+        raise StoreUnavailable(f"rank {failed[0]} ({len(failed)} of {world} ranks) cannot reach rank 0's embedded "
+                               f"Redis: {errors[failed[0]]} (redis='redis://host:port/0')")
+    return url
 
 
 def agree_with_rank0(assignment: Assignment, *, device: torch.device) -> Assignment:

@@ -75,6 +75,11 @@ def _at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def _host(url: str) -> str:
+    """The host of a redis:// URL, for listing the other addresses a server is reached at."""
+    return url.rpartition("@")[2].rpartition(":")[0]
+
+
 def _policy(args: argparse.Namespace) -> Policy:
     """The policy the flags name; ``--model`` only where the policy predicts with one."""
     if args.model is not None and args.policy in ("bsp", "static-proportional"):
@@ -90,10 +95,16 @@ def _coordinator(args: argparse.Namespace) -> int:
     policy = _policy(args)
     server = None
     url = _redis_url(args)
+    if url is not None and args.listen is not None:
+        raise LBBSPError("--listen serves the embedded Redis on TCP: drop it, or drop --redis (and $LBBSP_REDIS_URL)")
     if url is None:
-        server = EmbeddedRedis()
+        server = EmbeddedRedis(listen=args.listen)
         url = server.url
         print(f"started an embedded redis-server: --redis {url}", flush=True)
+        if args.listen is not None:
+            first, *others = server.peer_urls()
+            print(f"workers on other machines: --redis {first}" + (f" (or the same at {', '.join(_host(u) for u in others)})"
+                                                                   if others else ""), flush=True)
     store = Store.from_url(url, args.job)
     try:
         store.ping()
@@ -207,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=_WithDefaults)
     coordinator.add_argument("--redis", help="Redis URL (redis://, rediss://, unix://); default: $LBBSP_REDIS_URL, "
                                              "or else start an embedded one")
+    coordinator.add_argument("--listen", metavar="ADDRESS", default=None,
+                             help="with no --redis: serve the embedded Redis on TCP at ADDRESS too (0.0.0.0: every "
+                                  "interface) for workers on other machines, behind a random password; the URL to "
+                                  "give them is printed")
     coordinator.add_argument("--job", default="default", help="job name shared with the workers")
     coordinator.add_argument("--workers", type=int, required=True, help="number of workers")
     coordinator.add_argument("--global-batch", type=int, required=True, help="global batch size B")

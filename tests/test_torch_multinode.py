@@ -1,0 +1,70 @@
+"""Ranks on two machines with no Redis given: rank 0's embedded server is reached over TCP, behind its password,
+and training is exact. Two torchrun "nodes" on this machine stand in for the machines (LOCAL_WORLD_SIZE 1 of 2)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+from lbbsp import StoreUnavailable
+from lbbsp.embedded import _free_port
+from lbbsp.integrations.torch import _reach_embedded
+from test_torch_exact import digits, in_gloo_group, single_process_params, spawn
+
+SCRIPT = Path(__file__).with_name("torch_two_nodes.py")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_machines_reach_rank0s_embedded_redis_and_train_exactly(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "LBBSP_REDIS_URL"}
+    port = str(_free_port("127.0.0.1"))
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
+                               str(SCRIPT), str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for node in (0, 1)]
+    try:
+        printed = [node.communicate(timeout=200)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(p[-3000:] for p in printed)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["reached"][0].startswith("unix ")  # rank 0 keeps its own socket
+    assert ranks[1]["reached"][0].startswith("tcp ")
+    splits = ranks[0]["splits"]
+    assert ranks[1]["splits"] == splits and len({tuple(s) for s in splits}) > len(splits) // 2
+    for epoch in range(2):
+        assert sorted(i for r in ranks for i in r["seen"][epoch]) == list(range(len(digits())))
+    for rank in ranks:
+        for got, want in zip(rank["params"], single_process_params()):
+            np.testing.assert_allclose(np.array(got), want.numpy(), rtol=1e-6, atol=1e-9)
+
+
+def _reach_nothing(rank: int, init: str, out: str) -> None:
+    def work() -> dict:  # type: ignore[type-arg]
+        try:
+            _reach_embedded("unix:///nowhere.sock", ["redis://127.0.0.1:1/0"], rank, 2)
+        except StoreUnavailable as exc:
+            return {"error": str(exc)}
+        return {"error": None}
+
+    in_gloo_group(rank, 2, init, out, work)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_rank_that_cannot_reach_rank0s_redis_stops_every_rank(tmp_path: Path) -> None:
+    """Rank 0 has its server and would go on into the first collective step, waiting for ever on a rank that gave
+    up: every rank raises instead, naming the one that failed."""
+    spawn(_reach_nothing, (str(tmp_path / "rdv"), str(tmp_path)), nprocs=2, timeout_s=100)
+    for rank in (0, 1):
+        error = json.loads((tmp_path / f"rank{rank}.json").read_text())["error"]
+        assert error.startswith("rank 1 (1 of 2 ranks) cannot reach rank 0's embedded Redis: no address") and \
+            "redis://127.0.0.1:1/0 (ConnectionError)" in error
