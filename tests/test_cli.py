@@ -8,10 +8,19 @@ import sys
 import pytest
 
 from emulated import worker_clients
-from lbbsp import JobConfig
+from lbbsp import Assignment, JobConfig, WorkerClient
 from lbbsp.cli import main
 
 LBBSP = [sys.executable, "-m", "lbbsp.cli"]
+
+
+def two_iterations(clients: list[WorkerClient]) -> Assignment:
+    """Both workers report iterations 0 and 1 at their agreed sizes, worker 0 three times as fast; the vector of 2."""
+    for k in range(2):
+        for i, client in enumerate(clients):
+            size = client.assignment(k).sizes[i]
+            client.report(k, size, size / (100.0 * (1 + 2 * i)))
+    return clients[0].assignment(2)
 
 
 @pytest.mark.timeout(60)
@@ -21,11 +30,7 @@ def test_coordinator_process_and_status_table(redis_url: str, job: str) -> None:
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     config = JobConfig(job, 2, 30)
     with worker_clients(redis_url, config) as clients:
-        for k in range(2):
-            for i, client in enumerate(clients):
-                size = client.assignment(k).sizes[i]
-                client.report(k, size, size / (100.0 * (1 + 2 * i)))
-        assert clients[0].assignment(2).sizes == (7, 23)
+        assert two_iterations(clients).sizes == (7, 23)
         out, _ = coordinator.communicate(timeout=30)
         assert coordinator.returncode == 0, out
         assert f"coordinating job '{job}'" in out
@@ -47,11 +52,7 @@ def test_the_coordinator_runs_the_policy_and_model_its_flags_name(redis_url: str
                                     "--global-batch", "30", "--max-decisions", "2", *flags],
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     with worker_clients(redis_url, JobConfig(job, 2, 30)) as clients:
-        for k in range(2):
-            for i, client in enumerate(clients):
-                size = client.assignment(k).sizes[i]
-                client.report(k, size, size / (100.0 * (1 + 2 * i)))  # worker 0 three times as fast
-        assignment = clients[0].assignment(2)
+        assignment = two_iterations(clients)
         assert (assignment.sizes, assignment.policy) == (third, policy)
         out, _ = coordinator.communicate(timeout=30)
     assert coordinator.returncode == 0 and f"policy {policy}" in out, out
@@ -68,11 +69,7 @@ def test_the_coordinator_serves_workers_on_other_machines_with_listen(job: str) 
     assert printed[1].startswith("workers on other machines: --redis redis://:"), printed
     url = printed[1].split()[-1]
     with worker_clients(url, JobConfig(job, 2, 30)) as clients:  # over TCP, with the printed password
-        for k in range(2):
-            for i, client in enumerate(clients):
-                size = client.assignment(k).sizes[i]
-                client.report(k, size, size / (100.0 * (1 + 2 * i)))
-        assert clients[0].assignment(2).sizes == (7, 23)
+        assert two_iterations(clients).sizes == (7, 23)
         out, _ = coordinator.communicate(timeout=30)
     assert coordinator.returncode == 0, "".join(printed) + out
     assert main(["coordinator", "--workers", "2", "--global-batch", "8", "--listen", "0.0.0.0", "--redis",
