@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import socket
 import sys
 import uuid
 import weakref
@@ -131,8 +132,8 @@ class Balancer:
         """Join the job from a running process group (torchrun's env:// or any other rendezvous).
 
         ``redis`` (or ``$LBBSP_REDIS_URL``) names the Redis; without one, rank 0 starts an embedded server. Where
-        ranks run on other machines (torchrun's ``LOCAL_WORLD_SIZE`` below the world size) it also listens on
-        TCP on every interface, behind a random password that reaches the ranks through the process group; each
+        ranks run on other machines (torchrun's ``LOCAL_WORLD_SIZE`` below the world size, or host names that
+        differ) it also listens on TCP on every interface, behind a random password that reaches the ranks through the process group; each
         of them connects by the first of rank 0's addresses that answers. ``coordinator=False`` means an external
         ``lbbsp coordinator`` serves the job, and then ``job`` must be its name; the job's ``lag`` and key TTL
         are then the coordinator's (``--lag``, ``--ttl``), and every other setting must match it. Without
@@ -149,11 +150,14 @@ class Balancer:
         url = redis or os.environ.get("LBBSP_REDIS_URL")
         if not coordinator and job is None:
             raise ConfigError("with an external coordinator (coordinator=False), pass the job name it serves")
-        # ranks on other machines than rank 0's reach its embedded server over TCP (behind a random password)
-        across_machines = url is None and int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world
         owned: list[Any] = []
         running = None
         try:
+            # ranks on other machines than rank 0's reach its embedded server over TCP (behind a random password);
+            # torchrun says so by LOCAL_WORLD_SIZE, other launchers by the host names alone
+            hosts: list[str | None] = [None] * world
+            dist.all_gather_object(hosts, socket.gethostname())
+            across_machines = int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world or len(set(hosts)) > 1
             shared: list[Any] = [url, job, []]
             if rank == 0:
                 if url is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 pytest.importorskip("torch")
 from lbbsp import StoreUnavailable
 from lbbsp.embedded import _free_port
-from lbbsp.integrations.torch import _reach_embedded
+from lbbsp.integrations.torch import Balancer, _reach_embedded
 from test_torch_exact import digits, in_gloo_group, single_process_params, spawn
 
 SCRIPT = Path(__file__).with_name("torch_two_nodes.py")
@@ -68,3 +69,27 @@ def test_a_rank_that_cannot_reach_rank0s_redis_stops_every_rank(tmp_path: Path) 
         error = json.loads((tmp_path / f"rank{rank}.json").read_text())["error"]
         assert error.startswith("rank 1 (1 of 2 ranks) cannot reach rank 0's embedded Redis: no address") and \
             "redis://127.0.0.1:1/0 (ConnectionError)" in error
+
+
+def _join_from_another_host(rank: int, init: str, out: str) -> None:
+    """Rank 1 says it runs on another machine by its host name alone (a launcher that sets no LOCAL_WORLD_SIZE)."""
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    os.environ.pop("LBBSP_REDIS_URL", None)
+    if rank == 1:
+        socket.gethostname = lambda: "another-machine"  # type: ignore[assignment]
+
+    def work() -> dict:  # type: ignore[type-arg]
+        lb = Balancer.from_env(8)
+        where = lb.client.store.client.connection_pool.connection_kwargs
+        lb.close()
+        return {"reached": "unix" if "path" in where else "tcp"}
+
+    in_gloo_group(rank, 2, init, out, work)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ranks_on_hosts_of_other_names_reach_rank0_over_tcp(tmp_path: Path) -> None:
+    spawn(_join_from_another_host, (str(tmp_path / "rdv"), str(tmp_path)), nprocs=2, timeout_s=100)
+    reached = [json.loads((tmp_path / f"rank{rank}.json").read_text())["reached"] for rank in (0, 1)]
+    assert reached == ["unix", "tcp"]
