@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 2 examples/torch_digits.py                  # embedded Redis, coordinator on rank 0
     torchrun --nproc-per-node 2 examples/torch_digits.py --redis redis://host:6379/0
+    torchrun --nnodes 2 --node-rank R --nproc-per-node 2 --master-addr HOST0 --master-port 29500 \
+        examples/torch_digits.py                                          # two machines: Redis on rank 0, over TCP
     torchrun --nproc-per-node 2 --max-restarts 3 examples/torch_digits.py --checkpoint ckpt.pt   # resumes from it
 
 The lines marked ``# lbbsp`` are all that differ from a plain DDP script.
