@@ -345,4 +345,4 @@ def wait_for_redis(url: str, timeout_s: float, *, socket_timeout_s: float = 5.0)
             last = exc
             client.close()
             time.sleep(0.05)
-    raise StoreUnavailable(f"Redis at {url} did not answer within {timeout_s}s: {last}")
+    raise StoreUnavailable(f"Redis at {_redacted(url)} did not answer within {timeout_s}s: {last}")

@@ -16,6 +16,7 @@ import pytest
 
 from lbbsp import ConfigError, EmbeddedRedis, Store, StoreUnavailable
 from lbbsp.embedded import first_answering, redis_server_binary, temp_parent
+from lbbsp.store import wait_for_redis
 
 
 def test_start_restart_and_clean_stop() -> None:
@@ -89,6 +90,12 @@ def test_a_redis_that_needs_a_password_or_a_url_without_a_socket_says_so(tmp_pat
         server.wait()
     with pytest.raises(ConfigError, match="names no socket"):
         Store.from_url("unix://", "j")
+
+
+def test_a_redis_that_never_answers_is_named_without_its_password() -> None:
+    with pytest.raises(StoreUnavailable, match=r"Redis at redis://:\*\*\*@127.0.0.1:1/0 did not answer") as raised:
+        wait_for_redis("redis://:sekret@127.0.0.1:1/0", 0.2)
+    assert "sekret" not in str(raised.value)
 
 
 def _folder_with_a_dead_socket(*, age_s: float = 0.0) -> Path:
