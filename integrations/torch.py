@@ -148,8 +148,10 @@ class Balancer:
                               "min_batch=0 to let some ranks sit steps out with empty slices")
         device = torch.device(device) if device is not None else _collective_device()
         url = redis or os.environ.get("LBBSP_REDIS_URL")
-        if not coordinator and job is None:
-            raise ConfigError("with an external coordinator (coordinator=False), pass the job name it serves")
+        if not coordinator and (job is None or url is None):
+            raise ConfigError("with an external coordinator (coordinator=False), pass the job name it serves and the "
+                              "URL of its Redis (redis= or $LBBSP_REDIS_URL): an embedded server here would be one "
+                              "it cannot see")
         owned: list[Any] = []
         running = None
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import ipaddress
 import logging
 import os
 import queue
@@ -210,18 +211,34 @@ def remove_stale_folders(parent: str | os.PathLike[str]) -> list[Path]:
 
 def _free_port(host: str) -> int:
     """A TCP port free on ``host`` right now (the server binds it a moment later; a race is retried)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return int(probe.getsockname()[1])
 
 
-def _port_taken(log_file: Path) -> bool:
-    """Whether the server's log says its port was taken (another process bound it after :func:`_free_port`)."""
+def _listen_address(listen: object) -> str:
+    """``listen`` checked: one IPv4 address of this machine, or 0.0.0.0 for every interface."""
+    want = "one IPv4 address of this machine, or '0.0.0.0' for every interface"
     try:
-        return "Address already in use" in log_file.read_text(errors="replace")[-2000:]
+        address = str(ipaddress.IPv4Address(listen.strip() if isinstance(listen, str) else listen))
+    except ValueError:
+        raise ConfigError(f"listen must be {want}; got {listen!r}") from None
+    try:
+        _free_port(address)
+    except OSError as exc:
+        raise ConfigError(f"listen={address!r} is not an address of this machine ({exc.strerror}): it must be {want}") \
+            from None
+    return address
+
+
+def _log_since(log_file: Path, offset: int) -> str:
+    """What the server wrote to its log from byte ``offset`` on ("" if there is no log)."""
+    try:
+        with log_file.open("rb") as log_stream:
+            log_stream.seek(offset)
+            return log_stream.read().decode(errors="replace")
     except OSError:
-        return False
+        return ""
 
 
 def local_addresses(toward: str | None = None) -> list[str]:
@@ -235,6 +252,8 @@ def local_addresses(toward: str | None = None) -> list[str]:
                 found.append(str(route.getsockname()[0]))
         except OSError:  # a host that does not resolve, or no route: the other addresses remain
             pass
+    # loopback only last: a peer that tried its own first would hand the password to whatever listens there
+    found = [address for address in found if not address.startswith("127.")]
     stats = psutil.net_if_stats()
     for name, addresses in psutil.net_if_addrs().items():
         if name in stats and not stats[name].isup:
@@ -262,8 +281,8 @@ def first_answering(urls: Sequence[str], *, timeout_s: float = 2.0) -> str:
 class EmbeddedRedis:
     """Start a private redis-server on a unix socket; ``url`` connects to it; ``close()`` stops it.
 
-    ``listen``: an address (``"0.0.0.0"`` for every interface) on which the server also takes TCP clients, at
-    ``port`` (0: a free one). It then requires a random password, in every URL it gives (``url``,
+    ``listen``: an IPv4 address of this machine (``"0.0.0.0"`` for every interface) on which the server also
+    takes TCP clients, at ``port`` (0: a free one). It then requires a random password, in every URL it gives (``url``,
     :meth:`tcp_url`, :meth:`peer_urls`); the password lives in a config file only this user can read, not on
     the command line, where other users of the machine could see it.
 
@@ -273,10 +292,12 @@ class EmbeddedRedis:
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, listen: str | None = None, port: int = 0,
                  start_timeout_s: float = 10.0) -> None:
-        if listen is not None and (not isinstance(listen, str) or not listen.strip()):
-            raise ConfigError(f"listen must be an address to take TCP clients on, such as '0.0.0.0'; got {listen!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ConfigError(f"port must be a TCP port in [0, 65535] (0: a free one), got {port!r}")
+        if port and listen is None:  # else the server would take TCP clients on every interface, with no password
+            raise ConfigError(f"port={port} is the TCP port of listen=: give listen too (such as '0.0.0.0'), or "
+                              "leave port out for a server on its unix socket only")
+        address = _listen_address(listen) if listen is not None else None
         self._owns_dir = directory is None
         if directory is None:
             parent = temp_parent()
@@ -284,13 +305,17 @@ class EmbeddedRedis:
             directory = claim(Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=parent)))
         self.directory = Path(directory)
         self.socket_path = self.directory / "redis.sock"
-        self.listen = listen.strip() if listen is not None else None
+        self.listen = address
         self.port = port
-        self._password = secrets.token_hex(24) if listen is not None else None
+        self._password = secrets.token_hex(24) if address is not None else None
         self.start_timeout_s = start_timeout_s
         self._process: subprocess.Popen[bytes] | None = None
         atexit.register(self.close)
-        self.start()
+        try:
+            self.start()
+        except BaseException:  # the folder is not left behind until this process exits
+            self.close()
+            raise
 
     @property
     def url(self) -> str:
@@ -302,8 +327,7 @@ class EmbeddedRedis:
         """The URL that reaches the TCP listener through ``host`` (an address of this machine), password included."""
         if self.listen is None:
             raise ConfigError("this embedded Redis listens on a unix socket only: start it with listen='0.0.0.0'")
-        where = f"[{host}]" if ":" in host else host
-        return f"redis://:{quote(str(self._password), safe='')}@{where}:{self.port}/0"
+        return f"redis://:{quote(str(self._password), safe='')}@{host}:{self.port}/0"
 
     def peer_urls(self, toward: str | None = None) -> list[str]:
         """The TCP URLs a process on another machine may reach this server by, best guess first: through the
@@ -311,7 +335,7 @@ class EmbeddedRedis:
         other address of its interfaces that are up, then loopback. See :func:`first_answering`."""
         if self.listen is None:
             raise ConfigError("this embedded Redis listens on a unix socket only: start it with listen='0.0.0.0'")
-        if self.listen not in ("0.0.0.0", "::"):
+        if self.listen != "0.0.0.0":
             return [self.tcp_url(self.listen)]
         return [self.tcp_url(host) for host in local_addresses(toward)]
 
@@ -325,18 +349,21 @@ class EmbeddedRedis:
         if self._process is not None and self._process.poll() is None:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
+        log_file = self.directory / "redis.log"
         tries = 5 if self.listen is not None and self.port == 0 else 1  # a free port may be taken before we bind it
         for attempt in range(tries):
             port = self.port or (_free_port(self.listen) if self.listen is not None else 0)
+            written = log_file.stat().st_size if log_file.exists() else 0
             if self._start(port):
                 self.port = port
                 return
-            if attempt + 1 < tries and _port_taken(self.directory / "redis.log"):
-                continue
-            break
-        log_file = self.directory / "redis.log"
-        detail = log_file.read_text(errors="replace")[-500:] if log_file.exists() else ""
-        raise StoreUnavailable(f"embedded redis-server did not start within {self.start_timeout_s}s: {detail}")
+            detail = _log_since(log_file, written)
+            if "Address already in use" not in detail:
+                break
+            if attempt + 1 == tries:
+                raise StoreUnavailable(f"embedded redis-server cannot listen on {self.listen}:{port}: another process "
+                                       "holds that port")
+        raise StoreUnavailable(f"embedded redis-server did not start within {self.start_timeout_s}s: {detail[-500:]}")
 
     def _start(self, port: int) -> bool:
         """One start on ``port`` (0: no TCP); False, with the process stopped, if it did not answer in time."""
@@ -346,7 +373,7 @@ class EmbeddedRedis:
             conf.touch(mode=0o600)
             conf.chmod(0o600)
             conf.write_text(f"requirepass {self._password}\n")
-            args += [str(conf), "--bind", *str(self.listen).split()]
+            args += [str(conf), "--bind", str(self.listen)]
         args += [
             "--port", str(port), "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
             "--dir", str(self.directory), "--appendonly", "yes", "--appendfsync", "always", "--save", "",

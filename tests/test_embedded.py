@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from lbbsp import ConfigError, EmbeddedRedis, Store, StoreUnavailable
-from lbbsp.embedded import first_answering, redis_server_binary, temp_parent
+from lbbsp.embedded import first_answering, local_addresses, redis_server_binary, temp_parent
 from lbbsp.store import wait_for_redis
 
 
@@ -171,9 +171,31 @@ def test_a_server_on_tcp_needs_its_password_and_keeps_port_and_data_across_a_res
 def test_peers_find_a_server_on_all_interfaces_by_the_first_address_that_answers() -> None:
     with EmbeddedRedis(listen="0.0.0.0") as server:
         urls = server.peer_urls(toward="127.0.0.1")
-        assert urls[0] == server.tcp_url("127.0.0.1")  # the route toward the peer's host comes first
+        assert urls[-1] == server.tcp_url("127.0.0.1")  # loopback last, even where the route to the peer is loopback
         wrong = server.tcp_url("127.0.0.1").replace("redis://:", "redis://:x")
         assert first_answering(["redis://127.0.0.1:1/0", wrong, *urls[::-1]]) == urls[-1]
         with pytest.raises(StoreUnavailable, match=r"tried redis://127.0.0.1:1/0 \(ConnectionError\), "
                                                    r"redis://:\*\*\*@127.0.0.1:\d+/0 \(AuthenticationError\)"):
             first_answering(["redis://127.0.0.1:1/0", wrong])
+
+
+def test_tcp_settings_that_would_open_the_server_or_cannot_work_are_refused_and_leave_no_folder() -> None:
+    before = set(Path(temp_parent()).glob("lbbsp-redis-*"))
+    with pytest.raises(ConfigError, match="give listen too"):  # a TCP port on every interface, with no password
+        EmbeddedRedis(port=6390)
+    for bad in ("::", "not-an-address", "127.0.0.1 ::1"):
+        with pytest.raises(ConfigError, match="one IPv4 address of this machine"):
+            EmbeddedRedis(listen=bad)
+    with pytest.raises(ConfigError, match="not an address of this machine"):
+        EmbeddedRedis(listen="203.0.113.7")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        with pytest.raises(StoreUnavailable, match=r"cannot listen on 127.0.0.1:\d+: another process holds that port"):
+            EmbeddedRedis(listen="127.0.0.1", port=holder.getsockname()[1])
+    assert set(Path(temp_parent()).glob("lbbsp-redis-*")) == before
+
+
+def test_loopback_is_the_last_address_a_peer_tries() -> None:
+    assert local_addresses("localhost")[-1] == "127.0.0.1"
+    assert local_addresses("localhost").count("127.0.0.1") == 1

@@ -156,6 +156,10 @@ def external_coordinator(url: str, job: str) -> dict:
         Balancer.from_env(2 * GLOBAL_BATCH, redis=url, job=job, coordinator=False)
     except ConfigError as exc:
         result["mismatch"] = str(exc)
+    try:  # no Redis named: an embedded one would be a server the coordinator never sees
+        Balancer.from_env(GLOBAL_BATCH, job=job, coordinator=False)
+    except ConfigError as exc:
+        result["no_redis"] = str(exc)
     model = linear()
     train = trainer(model)
     with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, coordinator=False) as lb:
@@ -385,6 +389,7 @@ def test_a_second_balancer_needs_a_new_ddp_wrapper(outcomes: list[dict]) -> None
 def test_an_external_coordinators_lag_and_ttl_are_adopted(outcomes: list[dict]) -> None:
     result = both(outcomes, "external_coordinator")
     assert "global_batch=8" in result["mismatch"] and "global_batch=16" in result["mismatch"]
+    assert "the URL of its Redis (redis= or $LBBSP_REDIS_URL)" in result["no_redis"]
     assert (result["lag"], result["ttl_s"]) == (1, 600)
     assert [policy for policy, _ in result["assignments"][:1]] == ["initial"]
     assert all(policy != "initial" and not fallback for policy, fallback in result["assignments"][1:])
