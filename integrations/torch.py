@@ -262,6 +262,12 @@ class Balancer:
         communication hook per model, so another Balancer (a new global batch) needs a new DDP wrapper.
         """
         if not isinstance(model, DistributedDataParallel):
+            if isinstance(getattr(model, "_orig_mod", None), DistributedDataParallel):  # torch.compile(DDP(m))
+                raise ConfigError("attach the DDP model before compiling it: torch.compile(lb.attach(DDP(m))), or "
+                                  "lb.attach(DDP(torch.compile(m))); all_reduce_gradients would average the "
+                                  "gradients DDP has averaged already, and the split would be lost")
+            if _sharded(model):
+                raise ConfigError(_FSDP_REFUSED)
             raise ConfigError(f"attach expects a DistributedDataParallel model, got {type(model).__name__}; "
                               "without DDP call all_reduce_gradients(model.parameters()) after backward")
         check_weighting(weighting)
@@ -306,6 +312,8 @@ class Balancer:
     def all_reduce_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
         """For code without DDP: after backward, set every grad to ``sum_i (b_i / B) grad_i``."""
         parameters = list(parameters)
+        if any(type(p).__name__ == "DTensor" for p in parameters):  # FSDP2's shards: all-reduce is not theirs
+            raise ConfigError(_FSDP_REFUSED)
         self._model_device = _parameter_device(parameters) or self._model_device
         all_reduce_gradients(self, parameters)
 
@@ -452,6 +460,16 @@ def _joined(config: JobConfig, stored: JobConfig | None) -> JobConfig:
                           "(num_workers is the world size); pass the coordinator's settings to Balancer.from_env",
                           job=config.job)
     return joined
+
+
+#: Why a sharded model (FSDP, FSDP2's fully_shard) is refused.
+_FSDP_REFUSED = ("FSDP is not supported: lbbsp weights each rank's gradients in DDP's all-reduce, and FSDP "
+                 "reduce-scatters sharded gradients instead; wrap the model in DistributedDataParallel")
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is FSDP's (FullyShardedDataParallel, or a module FSDP2's ``fully_shard`` made)."""
+    return any(cls.__name__ in ("FullyShardedDataParallel", "FSDPModule") for cls in type(model).__mro__)
 
 
 def _reach_embedded(url: str, peer_urls: list[str], rank: int, world: int) -> str:

@@ -20,6 +20,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset, Subset, TensorDataset  # noqa: E402
 
@@ -203,8 +205,13 @@ def mistakes(url: str, job: str) -> dict:
     model = linear()
     train = trainer(model)
     with Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-1") as lb:
+        sharded = fully_shard(torch.nn.Linear(5, 1), mesh=init_device_mesh("cpu", (2,)))
         for name, call in (("dataloader", lambda: lb.loader(DataLoader(data(), batch_size=4))),
-                           ("shuffle", lambda: lb.loader(data(), shuffle="no"))):  # "no" used to shuffle
+                           ("shuffle", lambda: lb.loader(data(), shuffle="no")),  # "no" used to shuffle
+                           # attach used to say "without DDP call all_reduce_gradients", which averaged DDP's mean
+                           ("compiled", lambda: lb.attach(torch.compile(linear()))),
+                           ("fsdp", lambda: lb.attach(sharded)),
+                           ("fsdp_reduce", lambda: lb.all_reduce_gradients(sharded.parameters()))):
             try:
                 call()
             except ConfigError as exc:
@@ -413,6 +420,8 @@ def test_likely_mistakes_are_caught(outcomes: list[dict]) -> None:
     result = ranks[0]
     assert "pass loader.dataset" in result["dataloader"]
     assert "shuffle must be True or False" in result["shuffle"]
+    assert "attach the DDP model before compiling it: torch.compile(lb.attach(DDP(m)))" in result["compiled"]
+    assert result["fsdp"].startswith("FSDP is not supported") and result["fsdp_reduce"] == result["fsdp"]
     assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == list(range(SAMPLES))  # once each, set_epoch or not
     assert [(r["epoch_then"], r["epoch_next"], r["epoch_last"]) for r in ranks] == [(0, 1, 2)] * 2
     assert [r["children_after_close"] for r in ranks] == [0, 0]
