@@ -249,11 +249,12 @@ def local_addresses(toward: str | None = None) -> list[str]:
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as route:
                 route.connect((toward, 9))  # no packet is sent: this only picks the route and its source address
-                found.append(str(route.getsockname()[0]))
+                source = str(route.getsockname()[0])
+            # loopback only last: a peer that tried its own first would hand the password to whatever listens there
+            if not source.startswith("127."):
+                found.append(source)
         except OSError:  # a host that does not resolve, or no route: the other addresses remain
             pass
-    # loopback only last: a peer that tried its own first would hand the password to whatever listens there
-    found = [address for address in found if not address.startswith("127.")]
     stats = psutil.net_if_stats()
     for name, addresses in psutil.net_if_addrs().items():
         if name in stats and not stats[name].isup:
@@ -325,19 +326,23 @@ class EmbeddedRedis:
 
     def tcp_url(self, host: str) -> str:
         """The URL that reaches the TCP listener through ``host`` (an address of this machine), password included."""
-        if self.listen is None:
-            raise ConfigError("this embedded Redis listens on a unix socket only: start it with listen='0.0.0.0'")
+        self._listening()
         return f"redis://:{quote(str(self._password), safe='')}@{host}:{self.port}/0"
 
     def peer_urls(self, toward: str | None = None) -> list[str]:
         """The TCP URLs a process on another machine may reach this server by, best guess first: through the
         address this machine uses toward ``toward`` (a peer's host, such as torchrun's MASTER_ADDR), then every
         other address of its interfaces that are up, then loopback. See :func:`first_answering`."""
+        listen = self._listening()
+        if listen != "0.0.0.0":
+            return [self.tcp_url(listen)]
+        return [self.tcp_url(host) for host in local_addresses(toward)]
+
+    def _listening(self) -> str:
+        """The address the server takes TCP clients on; a ConfigError for one on its unix socket only."""
         if self.listen is None:
             raise ConfigError("this embedded Redis listens on a unix socket only: start it with listen='0.0.0.0'")
-        if self.listen != "0.0.0.0":
-            return [self.tcp_url(self.listen)]
-        return [self.tcp_url(host) for host in local_addresses(toward)]
+        return self.listen
 
     @property
     def pid(self) -> int | None:
@@ -354,7 +359,7 @@ class EmbeddedRedis:
         for attempt in range(tries):
             port = self.port or (_free_port(self.listen) if self.listen is not None else 0)
             written = log_file.stat().st_size if log_file.exists() else 0
-            if self._start(port):
+            if self._start(port, log_file):
                 self.port = port
                 return
             detail = _log_since(log_file, written)
@@ -365,7 +370,7 @@ class EmbeddedRedis:
                                        "holds that port")
         raise StoreUnavailable(f"embedded redis-server did not start within {self.start_timeout_s}s: {detail[-500:]}")
 
-    def _start(self, port: int) -> bool:
+    def _start(self, port: int, log_file: Path) -> bool:
         """One start on ``port`` (0: no TCP); False, with the process stopped, if it did not answer in time."""
         args = [redis_server_binary()]
         if self._password is not None:  # a config file of its own: a password on the command line is seen by all
@@ -377,7 +382,7 @@ class EmbeddedRedis:
         args += [
             "--port", str(port), "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
             "--dir", str(self.directory), "--appendonly", "yes", "--appendfsync", "always", "--save", "",
-            "--daemonize", "no", "--loglevel", "warning", "--logfile", str(self.directory / "redis.log"),
+            "--daemonize", "no", "--loglevel", "warning", "--logfile", str(log_file),
         ]
         self._process = _launcher.popen(args)
         deadline = time.monotonic() + self.start_timeout_s
