@@ -5,6 +5,13 @@
 
 With ``--workers N`` this script starts N copies of itself (``--index i``) with TF_CONFIG on free localhost
 ports; worker 0 starts the embedded Redis and the coordinator, the others find it from the job name.
+
+On several machines, set TF_CONFIG on each as for any MultiWorkerMirroredStrategy job, and the same job name:
+
+    TF_USE_LEGACY_KERAS=1 python examples/keras_digits.py --job digits-1   # on every machine
+
+No Redis to set up: worker 0's embedded server also listens on TCP, and its address and password reach the
+other workers through the strategy.
 """
 from __future__ import annotations
 
@@ -54,22 +61,29 @@ def launch(args: argparse.Namespace) -> int:
 
 def train(args: argparse.Namespace) -> None:
     """One worker: load digits, build the model, fit with the lbbsp callback and data source."""
-    index = args.index or 0
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
-    if args.ports:
+    if args.ports:  # started by launch(); otherwise TF_CONFIG, where set, is the user's
         os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in args.ports.split(",")]},
-                                              "task": {"type": "worker", "index": index}})
+                                              "task": {"type": "worker", "index": args.index}})
     import tensorflow as tf  # noqa: PLC0415  (TensorFlow reads TF_CONFIG when it loads, so only after it is set)
     from sklearn.datasets import load_digits  # noqa: PLC0415
 
     from lbbsp import BSPPolicy, JobConfig, LBBSPPolicy  # noqa: PLC0415
-    from lbbsp.integrations.keras import BalancedSource, LBBSPCallback, WorkerSession, keras_module  # noqa: PLC0415
+    from lbbsp.integrations.keras import (  # noqa: PLC0415
+        BalancedSource,
+        LBBSPCallback,
+        WorkerSession,
+        keras_module,
+        task_index,
+        training_tasks,
+    )
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     keras = keras_module()
-    workers = len(args.ports.split(",")) if args.ports else 1
+    workers = training_tasks() or 1
+    index = task_index()
     strategy = tf.distribute.MultiWorkerMirroredStrategy() if workers > 1 else tf.distribute.get_strategy()
 
     digits = load_digits()
@@ -78,7 +92,7 @@ def train(args: argparse.Namespace) -> None:
     config = JobConfig(args.job or f"digits-{uuid.uuid4().hex[:8]}", num_workers=workers,
                        global_batch=args.global_batch, min_batch=8)
     policy = LBBSPPolicy() if args.policy == "lbbsp" else BSPPolicy()
-    with WorkerSession(config, index, url=args.redis, policy=policy) as session:
+    with WorkerSession(config, index, url=args.redis, policy=policy, strategy=strategy) as session:
         source = BalancedSource(x, y, config, index, seed=0)
         with strategy.scope():
             model = keras.Sequential([keras.layers.Input((64,)),

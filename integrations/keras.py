@@ -17,17 +17,21 @@ import logging
 import math
 import os
 import shutil
+import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 from lbbsp.config import JobConfig
 from lbbsp.coordinator import CoordinatorProcess
-from lbbsp.embedded import FOLDER_PREFIX, EmbeddedRedis, claim, temp_parent
-from lbbsp.errors import ConfigError
+from lbbsp.embedded import FOLDER_PREFIX, EmbeddedRedis, claim, reach_embedded, temp_parent
+from lbbsp.errors import ConfigError, LBBSPError, StoreUnavailable
 from lbbsp.policies import Policy
-from lbbsp.store import Store, wait_for_redis, worker_socket_timeout
+from lbbsp.store import Store, _redacted, wait_for_redis, worker_socket_timeout
 from lbbsp.telemetry import ResourceMonitor
 from lbbsp.worker import WorkerClient
 
@@ -37,7 +41,7 @@ log = logging.getLogger("lbbsp.keras")
 
 __all__ = ["BalancedSource",
            "LBBSPCallback",  # noqa: F822  (served by the module __getattr__ below)
-           "ServedBatch", "WorkerSession", "callback_class", "keras_module", "task_index"]
+           "ServedBatch", "WorkerSession", "callback_class", "keras_module", "task_index", "training_tasks"]
 
 
 def keras_module() -> ModuleType:
@@ -78,7 +82,7 @@ def _tf_config() -> dict[str, Any]:
     return parsed
 
 
-def _training_tasks() -> int | None:
+def training_tasks() -> int | None:
     """How many training workers (chief and workers) ``TF_CONFIG`` lists; None when it lists no cluster."""
     cluster = _tf_config().get("cluster")
     return len(cluster.get("chief", [])) + len(cluster.get("worker", [])) if cluster else None
@@ -107,14 +111,16 @@ class WorkerSession:
     """One worker's connection to its job: Redis, the coordinator (on worker 0) and a :class:`WorkerClient`.
 
     Without ``url``, worker 0 starts an embedded redis-server on a unix socket that the other workers on
-    the same machine find from the job name; across machines, pass a ``redis://`` URL on every worker.
+    the same machine find from the job name. Given the ``MultiWorkerMirroredStrategy``, workers on other
+    machines than worker 0's (by host name) reach it over TCP instead, behind a random password that reaches
+    them through the strategy's collectives; without it, pass a ``redis://`` URL on every worker.
     A Redis that stays unusable is waited for up to ``outage_s``, then fit stops with StoreUnavailable (there
     is no agreed fallback under MWMS: see docs/keras.md, Agreement).
     """
 
     def __init__(self, config: JobConfig, worker: int, *, url: str | None = None, policy: Policy | None = None,
-                 connect_timeout_s: float = 60.0, outage_s: float = 60.0) -> None:
-        tasks = _training_tasks()
+                 strategy: Any = None, connect_timeout_s: float = 60.0, outage_s: float = 60.0) -> None:
+        tasks = training_tasks()
         if tasks is not None and tasks != config.num_workers:
             raise ConfigError(f"TF_CONFIG lists {tasks} training workers but JobConfig.num_workers is "
                               f"{config.num_workers}", job=config.job)
@@ -125,23 +131,60 @@ class WorkerSession:
         self.server: EmbeddedRedis | None = None
         self.coordinator: CoordinatorProcess | None = None
         self.client: WorkerClient | None = None
-        if url is None:
-            directory = _embedded_directory(config.job)
-            if worker == 0:
-                shutil.rmtree(directory, ignore_errors=True)  # never reload another run's assignments
-                self.server = EmbeddedRedis(claim(directory))  # labelled: removed by a later start if we are killed
-            url = f"unix://{directory / 'redis.sock'}"
-        self.url = url
         try:
-            client = wait_for_redis(url, connect_timeout_s,
-                                    socket_timeout_s=worker_socket_timeout(config.assignment_timeout_s))
+            self.url = url if url is not None else self._embedded(strategy)
+            try:
+                client = wait_for_redis(self.url, connect_timeout_s,
+                                        socket_timeout_s=worker_socket_timeout(config.assignment_timeout_s))
+            except StoreUnavailable as exc:
+                if url is None and strategy is None and worker != 0:
+                    raise StoreUnavailable(f"{exc}. Worker 0 serves this job's Redis on that socket: on another "
+                                           "machine than worker 0, pass strategy= (the MultiWorkerMirroredStrategy) "
+                                           "or url=", job=config.job) from None
+                raise
             store = Store(client, config.job, ttl_s=config.ttl_s, owns_client=True)
             if worker == 0:
-                self.coordinator = CoordinatorProcess(url, config, policy)
+                self.coordinator = CoordinatorProcess(self.url, config, policy)
             self.client = WorkerClient(store, config, worker, device=device_label(), outage_s=outage_s)
         except BaseException:
             self.close()
             raise
+
+    def _embedded(self, strategy: Any) -> str:
+        """Start worker 0's embedded server; the URL this worker reaches it by."""
+        directory = _embedded_directory(self.config.job)
+        if self.worker == 0:
+            shutil.rmtree(directory, ignore_errors=True)  # never reload another run's assignments
+        gather = _gatherer(strategy, self.config.num_workers, self.worker) if strategy is not None else None
+        hosts = gather(socket.gethostname()) if gather is not None else []
+        if gather is not None and len(set(hosts)) > 1:
+            return self._share_embedded(directory, gather, same_host=hosts[self.worker] == hosts[0])
+        if self.worker == 0:
+            self.server = EmbeddedRedis(claim(directory))  # labelled: removed by a later start if we are killed
+        return f"unix://{directory / 'redis.sock'}"
+
+    def _share_embedded(self, directory: Path, gather: Callable[[str | None], list[str | None]], *,
+                        same_host: bool) -> str:
+        """Worker 0 starts the embedded server on TCP too and sends its addresses and password through the
+        strategy; every worker gets the URL it reaches the server by (its unix socket first on worker 0's
+        machine), and all raise together if one cannot."""
+        offer, failure = None, None
+        if self.worker == 0:
+            try:
+                self.server = EmbeddedRedis(claim(directory), listen="0.0.0.0")
+                offer = json.dumps({"unix": self.server.url, "tcp": self.server.peer_urls(toward=_worker0_host())})
+            except (LBBSPError, OSError) as exc:  # every worker must hear of it, or it would wait in the next collective
+                failure = exc
+                offer = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+        shared = json.loads(gather(offer)[0] or "{}")
+        if failure is not None:
+            raise failure
+        if "error" in shared:
+            raise StoreUnavailable(f"worker 0 could not start the embedded Redis: {shared['error']}",
+                                   job=self.config.job)
+        url = reach_embedded(shared["unix"], [shared["unix"]] * same_host + shared["tcp"], self.worker, gather)
+        log.info("worker %d reaches worker 0's embedded Redis at %s", self.worker, _redacted(url))
+        return url
 
     def close(self) -> None:
         """Stop the client, the coordinator and the embedded server that this session started; idempotent."""
@@ -162,6 +205,51 @@ class WorkerSession:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _gatherer(strategy: Any, workers: int, worker: int) -> Callable[[str | None], list[str | None]] | None:
+    """An all-gather of one string (or None) per worker over ``strategy``'s collectives; None for a job of one
+    worker. A strategy that does not span the job's workers is a ConfigError."""
+    if workers == 1:
+        return None
+    gather = functools.partial(_all_gathered, strategy, workers, worker)
+    try:
+        spans = None not in gather("here")
+    except (AttributeError, NotImplementedError, RuntimeError):  # not a strategy, or the default one (no devices)
+        spans = False
+    if not spans:
+        raise ConfigError(f"the strategy given does not span the job's {workers} workers: pass the "
+                          "MultiWorkerMirroredStrategy that TF_CONFIG describes (or url=)")
+    return gather
+
+
+def _all_gathered(strategy: Any, workers: int, worker: int, value: str | None) -> list[str | None]:
+    """Every worker's ``value``, in worker order: their UTF-8 bytes summed into a table over the strategy."""
+    data = np.frombuffer(value.encode(), np.uint8) if value is not None else np.zeros(0, np.uint8)
+    lengths = np.zeros(workers, np.float32)
+    lengths[worker] = len(data) + 1 if value is not None else 0  # 0: None
+    lengths = _all_summed(strategy, lengths)
+    table = np.zeros((workers, max(1, int(lengths.max()))), np.float32)
+    table[worker, :len(data)] = data
+    table = _all_summed(strategy, table)
+    return [bytes(table[i, :int(n) - 1].astype(np.uint8)).decode() if n else None for i, n in enumerate(lengths)]
+
+
+def _all_summed(strategy: Any, array: np.ndarray) -> np.ndarray:
+    """The sum of ``array`` over the workers of ``strategy`` (counted once per worker, whatever its replicas)."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    local = len(strategy.extended.worker_devices)
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(array if ctx.replica_id_in_sync_group % local == 0 else np.zeros_like(array)))
+    return np.asarray(strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None))
+
+
+def _worker0_host() -> str | None:
+    """The host of worker 0 (the chief, or else worker task 0) in ``TF_CONFIG``: the other workers reach it there."""
+    cluster = _tf_config().get("cluster", {})
+    tasks = cluster.get("chief") or cluster.get("worker") or [""]
+    return str(tasks[0]).rsplit(":", 1)[0].strip("[]") or None
 
 
 def _embedded_directory(job: str) -> Path:

@@ -39,8 +39,8 @@ from torch.utils.hooks import RemovableHandle
 
 from lbbsp.config import JobConfig
 from lbbsp.coordinator import CoordinatorProcess
-from lbbsp.embedded import EmbeddedRedis, first_answering
-from lbbsp.errors import ConfigError, LBBSPError, StoreUnavailable
+from lbbsp.embedded import EmbeddedRedis, reach_embedded
+from lbbsp.errors import ConfigError, LBBSPError
 from lbbsp.policies import Policy
 from lbbsp.protocol import Assignment, Report
 from lbbsp.sampling import GlobalBatchSampler
@@ -173,7 +173,7 @@ class Balancer:
             dist.broadcast_object_list(shared, src=0)  # the Redis URL, the job name, the embedded server's TCP URLs
             url, job = str(shared[0]), str(shared[1])
             if shared[2]:
-                url = _reach_embedded(url, shared[2], rank, world)
+                url = reach_embedded(url, shared[2], rank, functools.partial(_all_gathered, world=world), who="rank")
             caps = tuple(max_batch) if isinstance(max_batch, Sequence) else max_batch
             config = JobConfig(job, world, global_batch, min_batch=min_batch, max_batch=caps,
                                assignment_timeout_s=assignment_timeout_s)
@@ -473,23 +473,11 @@ def _sharded(model: nn.Module) -> bool:
     return any(cls.__name__ in ("FullyShardedDataParallel", "FSDPModule") for cls in type(model).__mro__)
 
 
-def _reach_embedded(url: str, peer_urls: list[str], rank: int, world: int) -> str:
-    """The URL by which this rank reaches rank 0's embedded server (rank 0: ``url``, its unix socket; the others:
-    the first of ``peer_urls`` that answers). Every rank learns whether all did, so that none is left waiting in a
-    collective for a rank that gave up."""
-    error = None
-    if rank != 0:
-        try:
-            url = first_answering(peer_urls)
-        except StoreUnavailable as exc:
-            error = str(exc)
-    errors: list[str | None] = [None] * world
-    dist.all_gather_object(errors, error)
-    failed = [r for r, e in enumerate(errors) if e]
-    if failed:
-        raise StoreUnavailable(f"rank {failed[0]} ({len(failed)} of {world} ranks) cannot reach rank 0's embedded "
-                               f"Redis: {errors[failed[0]]} (redis='redis://host:port/0')")
-    return url
+def _all_gathered(value: str | None, *, world: int) -> list[str | None]:
+    """Every rank's ``value``, in rank order."""
+    values: list[str | None] = [None] * world
+    dist.all_gather_object(values, value)
+    return values
 
 
 def agree_with_rank0(assignment: Assignment, *, device: torch.device) -> Assignment:

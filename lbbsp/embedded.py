@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from urllib.parse import quote
@@ -277,6 +277,26 @@ def first_answering(urls: Sequence[str], *, timeout_s: float = 2.0) -> str:
             tried.append(f"{_redacted(url)} ({type(exc).__name__})")
     raise StoreUnavailable(f"no address of the embedded Redis answered: tried {', '.join(tried) or 'none'}. A firewall "
                            "may close its port: pass the URL of a Redis that every worker reaches")
+
+
+def reach_embedded(url: str, peer_urls: Sequence[str], index: int,
+                   all_gather: Callable[[str | None], Sequence[str | None]], *, who: str = "worker") -> str:
+    """The URL by which worker ``index`` of a job reaches worker 0's embedded server: worker 0 keeps ``url`` (its
+    unix socket), the others take the first of ``peer_urls`` that answers. ``all_gather`` (the framework's
+    collective over every worker, a string or None each) tells all of them whether every one got through, so that
+    all raise together instead of leaving some waiting in a collective for a worker that gave up."""
+    error = None
+    if index != 0:
+        try:
+            url = first_answering(peer_urls)
+        except StoreUnavailable as exc:
+            error = str(exc)
+    errors = list(all_gather(error))
+    failed = [i for i, e in enumerate(errors) if e]
+    if failed:
+        raise StoreUnavailable(f"{who} {failed[0]} ({len(failed)} of {len(errors)} {who}s) cannot reach {who} 0's "
+                               f"embedded Redis: {errors[failed[0]]} (or pass the URL of a Redis: redis://host:port/0)")
+    return url
 
 
 class EmbeddedRedis:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lbbsp import Assignment, EmbeddedRedis, JobConfig, Report, Store, scale_split
+from lbbsp import Assignment, EmbeddedRedis, JobConfig, Report, Store, StoreUnavailable, scale_split
 from lbbsp.errors import ConfigError
 from lbbsp.policies import Decision, Policy
 
@@ -124,6 +124,55 @@ def run_worker(index: int, ports: list[int], url: str, job: str, steps_per_execu
             "served": served, "iterations": callback.iteration, "traces": traces,
             "probed": callback.probe is not None, "history": history.history, "refused": refused,
             "jit_refused": jit_refused, "class_weight_refused": class_weight_refused}))
+
+
+class RotatingPolicy(Policy):
+    """Three workers' uneven split, rotated every iteration."""
+
+    name = "rotating"
+
+    def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
+        return Decision(tuple(int(s) for s in np.roll((2, 5, 9), iteration)), "rotated")
+
+
+def run_across_worker(index: int, ports: list[int], job: str, out: Path, reachable: bool) -> None:
+    """One MWMS worker given no Redis URL but the strategy; the last worker says it runs on another machine (by
+    its host name), so it reaches worker 0's embedded Redis over TCP, and the others by its unix socket. Unless
+    ``reachable``, worker 0 offers TCP addresses that nothing answers at, as behind a firewall."""
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
+                                          "task": {"type": "worker", "index": index}})
+    import tensorflow as tf  # noqa: PLC0415
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    import tf_keras as keras  # noqa: PLC0415
+
+    from lbbsp.integrations.keras import BalancedSource, LBBSPCallback, WorkerSession, task_index  # noqa: PLC0415
+
+    if index == len(ports) - 1:
+        socket.gethostname = lambda: "another-machine"
+    if not reachable:
+        EmbeddedRedis.peer_urls = lambda self, toward=None: ["redis://127.0.0.1:1/0"]  # type: ignore[method-assign]
+    keras.backend.set_floatx("float64")
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    config = JobConfig(job, num_workers=len(ports), global_batch=GLOBAL_BATCH, assignment_timeout_s=30.0)
+    x, y = make_data()
+    policy = ScriptedPolicy() if len(ports) == 2 else RotatingPolicy()
+    try:
+        session = WorkerSession(config, task_index(), policy=policy, strategy=strategy)
+    except StoreUnavailable as exc:
+        (out / f"across{index}.json").write_text(json.dumps({"error": str(exc)}))
+        return
+    with session:
+        source = BalancedSource(x, y, config, session.worker, seed=SEED)
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = build_model(keras)
+        np.savez(out / f"initial{index}.npz", *model.get_weights())
+        model.fit(source.tf_dataset(strategy), epochs=EPOCHS, steps_per_epoch=len(source),
+                  callbacks=[LBBSPCallback(session.client, source)], verbose=0)
+        np.savez(out / f"weights{index}.npz", *model.get_weights())
+        (out / f"across{index}.json").write_text(json.dumps({
+            "scheme": session.url.split(":")[0], "sizes": [b.sizes for b in source.served]}))
 
 
 def run_keras3_worker(index: int, ports: list[int], url: str, job: str, out: Path) -> None:
@@ -256,18 +305,18 @@ def _reference_run(initial: list[np.ndarray], sample_weight: np.ndarray | None) 
     return model.get_weights(), logs
 
 
-def _start_two_workers(mode: str, ports: list[int], args: list[str], legacy: bool) -> list[subprocess.Popen[str]]:
-    """Start this file as two MWMS worker processes; ``mode`` selects the function each runs."""
+def _start_workers(mode: str, ports: list[int], args: list[str], legacy: bool) -> list[subprocess.Popen[str]]:
+    """Start this file as MWMS worker processes, one per port; ``mode`` selects the function each runs."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
     env.pop("TF_USE_LEGACY_KERAS", None)
     env.update({"TF_USE_LEGACY_KERAS": "1"} if legacy else {})
     return [subprocess.Popen([sys.executable, __file__, mode, str(i), ",".join(map(str, ports)), *args], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(len(ports))]
 
 
-def _run_two_workers(mode: str, args: list[str], legacy: bool) -> None:
-    """Run this file as two MWMS worker processes (``mode`` selects the function) and wait for both."""
-    procs = _start_two_workers(mode, _free_ports(2), args, legacy)
+def _run_workers(mode: str, args: list[str], legacy: bool, workers: int = 2) -> None:
+    """Run this file as MWMS worker processes (``mode`` selects the function) and wait for all of them."""
+    procs = _start_workers(mode, _free_ports(workers), args, legacy)
     outputs = []
     for proc in procs:
         try:
@@ -285,7 +334,7 @@ def _run_two_workers(mode: str, args: list[str], legacy: bool) -> None:
 def test_the_fast_worker_reports_its_compute_without_waiting_for_the_slow_one(redis_url: str, job: str) -> None:
     """Worker 1 computes SLOW_S longer per step; worker 0 then waits for it in the all-reduces, and that wait
     must be reported as wait_s, not as compute_s (else LB-BSP would see two equally slow workers)."""
-    _run_two_workers("timed", [redis_url, job], legacy=True)
+    _run_workers("timed", [redis_url, job], legacy=True)
     store = Store.from_url(redis_url, job)
     compute: dict[int, list[float]] = {0: [], 1: []}
     waits = []
@@ -307,7 +356,7 @@ def test_the_fast_worker_reports_its_compute_without_waiting_for_the_slow_one(re
 @pytest.mark.parametrize("steps_per_execution", [1, 3])
 def test_two_workers_resize_and_match_single_process(tmp_path: Path, redis_url: str, job: str,
                                                      steps_per_execution: int) -> None:
-    _run_two_workers("worker", [redis_url, job, str(steps_per_execution), str(tmp_path)], legacy=True)
+    _run_workers("worker", [redis_url, job, str(steps_per_execution), str(tmp_path)], legacy=True)
 
     store = Store.from_url(redis_url, job)
     records = [json.loads((tmp_path / f"served{i}.json").read_text()) for i in range(2)]
@@ -352,8 +401,36 @@ def test_two_workers_resize_and_match_single_process(tmp_path: Path, redis_url: 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_a_worker_on_another_machine_reaches_worker0_over_tcp_through_the_strategy(tmp_path: Path, job: str) -> None:
+    """No Redis URL anywhere: worker 0's embedded server also listens on TCP, its addresses and password reach
+    worker 2 through the strategy's collectives, and the training is still exactly single-process SGD. Worker 1,
+    on worker 0's machine, keeps to its unix socket."""
+    _run_workers("across", [job, str(tmp_path), "reachable"], legacy=True, workers=3)
+    records = [json.loads((tmp_path / f"across{i}.json").read_text()) for i in range(3)]
+    assert [r["scheme"] for r in records] == ["unix", "unix", "redis"]
+    assert records[0]["sizes"] == records[1]["sizes"] == records[2]["sizes"]
+    assert {(2, 5, 9), (5, 9, 2), (9, 2, 5)} <= {tuple(s) for s in records[0]["sizes"]}  # the splits changed
+    reference, _ = _reference_run(list(np.load(tmp_path / "initial0.npz").values()), None)
+    for index in range(3):
+        for got, want in zip(np.load(tmp_path / f"weights{index}.npz").values(), reference):
+            np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_worker_that_cannot_reach_worker0_stops_every_worker(tmp_path: Path, job: str) -> None:
+    """Worker 0 would go on into fit and wait in its first all-reduce for a worker that gave up: both raise."""
+    _run_workers("across", [job, str(tmp_path), "unreachable"], legacy=True)
+    for index in range(2):
+        error = json.loads((tmp_path / f"across{index}.json").read_text())["error"]
+        assert error.startswith("worker 1 (1 of 2 workers) cannot reach worker 0's embedded Redis: no address") \
+            and "redis://127.0.0.1:1/0 (ConnectionError)" in error, error
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_keras3_multi_worker_is_refused(tmp_path: Path, redis_url: str, job: str) -> None:
-    _run_two_workers("keras3", [redis_url, job, str(tmp_path)], legacy=False)
+    _run_workers("keras3", [redis_url, job, str(tmp_path)], legacy=False)
     for index in range(2):
         refused = json.loads((tmp_path / f"refused{index}.json").read_text())
         assert set(refused) == {"session", "dataset"}, refused
@@ -369,7 +446,7 @@ def test_a_redis_stalled_for_good_stops_both_workers_and_neither_hangs(tmp_path:
     with EmbeddedRedis() as server:
         assert server.pid is not None
         ports = _free_ports(2)
-        procs = _start_two_workers("outage", ports, [server.url, job, str(tmp_path)], legacy=True)
+        procs = _start_workers("outage", ports, [server.url, job, str(tmp_path)], legacy=True)
         try:
             with Store.from_url(server.url, job) as store:
                 deadline = time.monotonic() + 150
@@ -406,3 +483,6 @@ elif __name__ == "__main__" and sys.argv[1:2] == ["outage"]:
 elif __name__ == "__main__" and sys.argv[1:2] == ["keras3"]:
     _, _, index, ports, url, job, out = sys.argv
     run_keras3_worker(int(index), [int(p) for p in ports.split(",")], url, job, Path(out))
+elif __name__ == "__main__" and sys.argv[1:2] == ["across"]:
+    _, _, index, ports, job, out, reachable = sys.argv
+    run_across_worker(int(index), [int(p) for p in ports.split(",")], job, Path(out), reachable == "reachable")

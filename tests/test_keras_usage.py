@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from lbbsp import JobConfig
-from lbbsp.errors import ConfigError
+from lbbsp.errors import ConfigError, StoreUnavailable
 
 pytest.importorskip("tensorflow")
 from lbbsp.integrations.keras import BalancedSource, WorkerSession, callback_class, task_index
@@ -35,6 +35,21 @@ def test_session_refuses_num_workers_unlike_tf_config(monkeypatch: pytest.Monkey
     _tf_config(monkeypatch, {"chief": ["a:1"], "worker": ["b:1", "c:1"]}, "worker", 0)
     with pytest.raises(ConfigError, match="TF_CONFIG lists 3 training workers but JobConfig.num_workers is 2"):
         WorkerSession(JobConfig(job, num_workers=2, global_batch=32), 1, url="redis://unused")
+
+
+def test_session_refuses_a_strategy_that_does_not_span_the_workers(job: str) -> None:
+    """The strategy carries worker 0's Redis address to the others: one of a single machine cannot."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    config = JobConfig(job, num_workers=2, global_batch=32)
+    for strategy in (tf.distribute.get_strategy(), "mwms"):  # the default strategy: one process
+        with pytest.raises(ConfigError, match="the strategy given does not span the job's 2 workers"):
+            WorkerSession(config, 0, strategy=strategy)
+
+
+def test_a_worker_that_finds_no_socket_is_told_to_pass_the_strategy(job: str) -> None:
+    with pytest.raises(StoreUnavailable, match=r"on another machine than worker 0, pass strategy= \(the Multi"):
+        WorkerSession(JobConfig(job, num_workers=2, global_batch=32), 1, connect_timeout_s=0.2)
 
 
 @pytest.mark.parametrize("x, y", [({"a": np.zeros((8, 2))}, np.zeros(8)), ((np.zeros((8, 2)), np.zeros((8, 3))),

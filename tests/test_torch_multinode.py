@@ -2,6 +2,7 @@
 and training is exact. Two torchrun "nodes" on this machine stand in for the machines (LOCAL_WORLD_SIZE 1 of 2)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -14,8 +15,8 @@ import pytest
 
 pytest.importorskip("torch")
 from lbbsp import StoreUnavailable
-from lbbsp.embedded import _free_port
-from lbbsp.integrations.torch import Balancer, _reach_embedded
+from lbbsp.embedded import _free_port, reach_embedded
+from lbbsp.integrations.torch import Balancer, _all_gathered
 from test_torch_exact import digits, in_gloo_group, single_process_params, spawn
 
 SCRIPT = Path(__file__).with_name("torch_two_nodes.py")
@@ -51,7 +52,8 @@ def test_two_machines_reach_rank0s_embedded_redis_and_train_exactly(tmp_path: Pa
 def _reach_nothing(rank: int, init: str, out: str) -> None:
     def work() -> dict:  # type: ignore[type-arg]
         try:
-            _reach_embedded("unix:///nowhere.sock", ["redis://127.0.0.1:1/0"], rank, 2)
+            reach_embedded("unix:///nowhere.sock", ["redis://127.0.0.1:1/0"], rank,
+                           functools.partial(_all_gathered, world=2), who="rank")
         except StoreUnavailable as exc:
             return {"error": str(exc)}
         return {"error": None}
