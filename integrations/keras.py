@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from lbbsp.config import JobConfig
-from lbbsp.coordinator import CoordinatorProcess
+from lbbsp.coordinator import EXTERNAL_POLICY, CoordinatorProcess
 from lbbsp.embedded import FOLDER_PREFIX, EmbeddedRedis, claim, reach_embedded, temp_parent
 from lbbsp.errors import ConfigError, LBBSPError, StoreUnavailable
 from lbbsp.policies import Policy
@@ -114,12 +114,20 @@ class WorkerSession:
     the same machine find from the job name. Given the ``MultiWorkerMirroredStrategy``, workers on other
     machines than worker 0's (by host name) reach it over TCP instead, behind a random password that reaches
     them through the strategy's collectives; without it, pass a ``redis://`` URL on every worker.
+    ``coordinator=False``: an external ``lbbsp coordinator`` serves the job on ``url`` instead of worker 0's; the
+    session takes its lag and key TTL (``self.config``) and refuses a ``config`` whose other settings differ.
     A Redis that stays unusable is waited for up to ``outage_s``, then fit stops with StoreUnavailable (there
     is no agreed fallback under MWMS: see docs/keras.md, Agreement).
     """
 
     def __init__(self, config: JobConfig, worker: int, *, url: str | None = None, policy: Policy | None = None,
-                 strategy: Any = None, connect_timeout_s: float = 60.0, outage_s: float = 60.0) -> None:
+                 strategy: Any = None, coordinator: bool = True, connect_timeout_s: float = 60.0,
+                 outage_s: float = 60.0) -> None:
+        if not coordinator and url is None:
+            raise ConfigError("with an external coordinator (coordinator=False), pass url=, the URL of the Redis it "
+                              "serves the job on: an embedded server here would be one it cannot see", job=config.job)
+        if not coordinator and policy is not None:
+            raise ConfigError(EXTERNAL_POLICY, job=config.job)
         tasks = training_tasks()
         if tasks is not None and tasks != config.num_workers:
             raise ConfigError(f"TF_CONFIG lists {tasks} training workers but JobConfig.num_workers is "
@@ -143,7 +151,11 @@ class WorkerSession:
                                            "or url=", job=config.job) from None
                 raise
             store = Store(client, config.job, ttl_s=config.ttl_s, owns_client=True)
-            if worker == 0:
+            if not coordinator:
+                stored = store.load_config()
+                if stored is not None or worker == 0:  # worker 0 alone warns of a job not served yet
+                    config = self.config = config.joined(stored, caller="WorkerSession's JobConfig")
+            elif worker == 0:
                 self.coordinator = CoordinatorProcess(self.url, config, policy)
             self.client = WorkerClient(store, config, worker, device=device_label(), outage_s=outage_s)
         except BaseException:

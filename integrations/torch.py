@@ -20,7 +20,7 @@ import sys
 import uuid
 import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from lbbsp.config import JobConfig
-from lbbsp.coordinator import CoordinatorProcess
+from lbbsp.coordinator import EXTERNAL_POLICY, CoordinatorProcess
 from lbbsp.embedded import EmbeddedRedis, reach_embedded
 from lbbsp.errors import ConfigError, LBBSPError
 from lbbsp.policies import Policy
@@ -153,6 +153,8 @@ class Balancer:
             raise ConfigError("with an external coordinator (coordinator=False), pass the job name it serves and the "
                               "URL of its Redis (redis= or $LBBSP_REDIS_URL): an embedded server here would be one "
                               "it cannot see")
+        if not coordinator and policy is not None:
+            raise ConfigError(EXTERNAL_POLICY, job=job)
         owned: list[Any] = []
         running = None
         try:
@@ -183,11 +185,8 @@ class Balancer:
             store.ping(hint="check redis= or $LBBSP_REDIS_URL")
             if not coordinator:
                 stored = store.load_config()
-                if stored is None and rank == 0:
-                    log.warning("job %r is not on this Redis yet: until `lbbsp coordinator --job %s` serves it, every "
-                                "step waits assignment_timeout_s (%gs) for it; check the job name", job, job,
-                                config.assignment_timeout_s)
-                config = _joined(config, stored)
+                if stored is not None or rank == 0:  # rank 0 alone warns of a job not served yet
+                    config = config.joined(stored, caller="Balancer.from_env (num_workers is the world size)")
             if rank == 0 and coordinator:  # a child process: no GIL or pinned core shared with this rank
                 running = CoordinatorProcess(url, config, policy)
             client = WorkerClient(store, config, rank, agree=functools.partial(agree_with_rank0, device=device),
@@ -445,22 +444,6 @@ class Balancer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _joined(config: JobConfig, stored: JobConfig | None) -> JobConfig:
-    """``config`` as an external coordinator serves it: its lag and key TTL (the ``lbbsp coordinator`` flags
-    ``--lag`` and ``--ttl``), once everything else this rank was given agrees with the stored settings."""
-    if stored is None:  # the coordinator has not started yet: it will have to match these settings
-        return config
-    joined = replace(config, lag=stored.lag, ttl_s=stored.ttl_s)
-    differ = [f.name for f in fields(JobConfig) if getattr(joined, f.name) != getattr(stored, f.name)]
-    if differ:
-        served = ", ".join(f"{name}={getattr(stored, name)!r}" for name in differ)
-        asked = ", ".join(f"{name}={getattr(joined, name)!r}" for name in differ)
-        raise ConfigError(f"the coordinator serves job {config.job!r} with {served}, but this run asks for {asked} "
-                          "(num_workers is the world size); pass the coordinator's settings to Balancer.from_env",
-                          job=config.job)
-    return joined
 
 
 #: Why a sharded model (FSDP, FSDP2's fully_shard) is refused.

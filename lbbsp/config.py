@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Sequence
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from numbers import Integral, Real
 from typing import Any, TypeGuard
 
@@ -13,6 +14,8 @@ import numpy as np
 from .allocation import LinearTime, allocate
 from .errors import ConfigError
 from .protocol import MAX_BATCH, MAX_WORKERS, Assignment, equal_split
+
+log = logging.getLogger(__name__)
 
 _JOB_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 #: A worker that waits longer than this for a vector is stuck, and ``threading`` rejects infinite waits.
@@ -161,6 +164,25 @@ class JobConfig:
     def initial_assignment(self, iteration: int) -> Assignment:
         """The assignment of ``iteration`` when no decision covers it: the initial split."""
         return Assignment(self.job, iteration, self.initial_sizes(), "initial", "initial split")
+
+    def joined(self, stored: JobConfig | None, *, caller: str) -> JobConfig:
+        """This config as an external coordinator serves it (``stored``, read from Redis): its lag and key TTL
+        (the ``lbbsp coordinator`` flags ``--lag`` and ``--ttl``), once every other setting agrees; a ConfigError
+        names those that differ and says to pass the coordinator's settings to ``caller``. With nothing stored
+        yet (the coordinator has not started), this config, with a warning: every step waits for it until then."""
+        if stored is None:
+            log.warning("job %r is not on this Redis yet: until `lbbsp coordinator --job %s` serves it, every step "
+                        "waits assignment_timeout_s (%gs) for it; check the job name", self.job, self.job,
+                        self.assignment_timeout_s)
+            return self
+        joined = replace(self, lag=stored.lag, ttl_s=stored.ttl_s)
+        differ = [f.name for f in fields(JobConfig) if getattr(joined, f.name) != getattr(stored, f.name)]
+        if differ:
+            served = ", ".join(f"{name}={getattr(stored, name)!r}" for name in differ)
+            asked = ", ".join(f"{name}={getattr(joined, name)!r}" for name in differ)
+            raise ConfigError(f"the coordinator serves job {self.job!r} with {served}, but this run asks for {asked}: "
+                              f"pass the coordinator's settings to {caller}", job=self.job)
+        return joined
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

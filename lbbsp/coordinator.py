@@ -422,6 +422,11 @@ class Coordinator:
                 self._thread = None
 
 
+#: Why a worker that joins an external coordinator (``coordinator=False``) refuses a policy of its own.
+EXTERNAL_POLICY = ("policy= is the coordinator's: with an external one (coordinator=False), name the policy by its "
+                   "--policy and --model flags")
+
+
 class CoordinatorProcess:
     """A coordinator in a child process of its own: no GIL or CPU core shared with a training worker.
 

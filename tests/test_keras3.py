@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lbbsp import JobConfig, Report, Store
+from lbbsp import BSPPolicy, JobConfig, Report, Store
 from lbbsp.embedded import FOLDER_PREFIX
 from lbbsp.errors import ConfigError
 
@@ -79,6 +79,49 @@ def test_single_worker_fit_trains_and_reports(redis_url: str, job: str, pipeline
     assert decided >= 11  # the coordinator got every report but the last few in flight
     with Store.from_url(redis_url, job) as store:
         assert store.get_assignment(11) is not None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_external_coordinator_serves_the_job(redis_url: str, job: str) -> None:
+    """`lbbsp coordinator` started first serves the job: the session takes its lag and TTL, starts no coordinator of
+    its own, refuses settings that differ, and fit trains on the external coordinator's decisions."""
+    with pytest.raises(ConfigError, match="coordinator=False.*pass url="):
+        WorkerSession(JobConfig(job, num_workers=1, global_batch=32), 0, coordinator=False)
+    with pytest.raises(ConfigError, match="policy= is the coordinator's"):
+        WorkerSession(JobConfig(job, num_workers=1, global_batch=32), 0, url=redis_url, coordinator=False,
+                      policy=BSPPolicy())
+    served = subprocess.Popen([sys.executable, "-m", "lbbsp.cli", "coordinator", "--redis", redis_url, "--job", job,
+                               "--workers", "1", "--global-batch", "32", "--lag", "1", "--ttl", "600", "--policy",
+                               "bsp"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with Store.from_url(redis_url, job) as store:
+            deadline = time.monotonic() + 30
+            while store.load_config() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        with pytest.raises(ConfigError, match="with global_batch=32, but this run asks for global_batch=64"):
+            WorkerSession(JobConfig(job, num_workers=1, global_batch=64), 0, url=redis_url, coordinator=False)
+        config = JobConfig(job, num_workers=1, global_batch=32)
+        x, y = _data()
+        with WorkerSession(config, 0, url=redis_url, coordinator=False) as session:
+            assert session.coordinator is None
+            assert (session.config.lag, session.config.ttl_s) == (1, 600.0)
+            source = BalancedSource(x, y, config, 0, seed=1)
+            callback = LBBSPCallback(session.client, source)
+            _model().fit(source.tf_dataset(), epochs=2, steps_per_epoch=len(source), callbacks=[callback], verbose=0,
+                         shuffle=False)
+            session.client.flush()
+            with Store.from_url(redis_url, job) as store:
+                deadline = time.monotonic() + 30
+                while len(store.decisions(100)) < 7 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                policies = {json.loads(d)["policy"] for d in store.decisions(100)}
+    finally:
+        served.terminate()
+        out = served.communicate(timeout=30)[0]
+    assert f"coordinating job '{job}'" in out, out
+    assert callback.iteration == 8 and [b.size for b in source.served] == [32, 32, 32, 24] * 2
+    assert policies == {"bsp"}  # decided by the external coordinator (the embedded one runs lbbsp)
 
 
 @pytest.mark.slow

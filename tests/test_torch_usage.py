@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset, Subset, TensorDataset  # noqa: E402
 
-from lbbsp import ConfigError, EmbeddedRedis, JobConfig, LBBSPError, Store, StoreUnavailable  # noqa: E402
+from lbbsp import BSPPolicy, ConfigError, EmbeddedRedis, JobConfig, LBBSPError, Store, StoreUnavailable  # noqa: E402
 from lbbsp.integrations.torch import Balancer  # noqa: E402
 from test_torch_exact import in_gloo_group, spawn  # noqa: E402
 
@@ -162,6 +162,10 @@ def external_coordinator(url: str, job: str) -> dict:
         Balancer.from_env(GLOBAL_BATCH, job=job, coordinator=False)
     except ConfigError as exc:
         result["no_redis"] = str(exc)
+    try:  # a policy here would never run: the external coordinator's flags name its policy
+        Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, coordinator=False, policy=BSPPolicy())
+    except ConfigError as exc:
+        result["policy"] = str(exc)
     model = linear()
     train = trainer(model)
     with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, coordinator=False) as lb:
@@ -397,6 +401,7 @@ def test_an_external_coordinators_lag_and_ttl_are_adopted(outcomes: list[dict]) 
     result = both(outcomes, "external_coordinator")
     assert "global_batch=8" in result["mismatch"] and "global_batch=16" in result["mismatch"]
     assert "the URL of its Redis (redis= or $LBBSP_REDIS_URL)" in result["no_redis"]
+    assert result["policy"].startswith("policy= is the coordinator's")
     assert (result["lag"], result["ttl_s"]) == (1, 600)
     assert [policy for policy, _ in result["assignments"][:1]] == ["initial"]
     assert all(policy != "initial" and not fallback for policy, fallback in result["assignments"][1:])
