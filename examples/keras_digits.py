@@ -120,6 +120,8 @@ def train(args: argparse.Namespace) -> None:
 
 def main() -> int:
     args = parse_args()
+    if args.job is None and args.index is None and os.environ.get("TF_CONFIG"):
+        sys.exit("with a TF_CONFIG of your own, pass --job NAME, the same on every worker")
     if args.index is None and args.workers > 1:
         return launch(args)
     train(args)

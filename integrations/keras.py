@@ -17,7 +17,6 @@ import logging
 import math
 import os
 import shutil
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,8 +27,8 @@ import numpy as np
 
 from lbbsp.config import JobConfig
 from lbbsp.coordinator import EXTERNAL_POLICY, CoordinatorProcess
-from lbbsp.embedded import FOLDER_PREFIX, EmbeddedRedis, claim, reach_embedded, temp_parent
-from lbbsp.errors import ConfigError, LBBSPError, StoreUnavailable
+from lbbsp.embedded import FOLDER_PREFIX, EmbeddedRedis, claim, machine_identity, reach_embedded, temp_parent
+from lbbsp.errors import ConfigError, StoreUnavailable
 from lbbsp.policies import Policy
 from lbbsp.store import Store, _redacted, wait_for_redis, worker_socket_timeout
 from lbbsp.telemetry import ResourceMonitor
@@ -128,6 +127,9 @@ class WorkerSession:
                               "serves the job on: an embedded server here would be one it cannot see", job=config.job)
         if not coordinator and policy is not None:
             raise ConfigError(EXTERNAL_POLICY, job=config.job)
+        if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < config.num_workers:
+            raise ConfigError(f"worker must be this worker's index in [0, {config.num_workers}), got {worker!r}: pass "
+                              "task_index()", job=config.job)
         tasks = training_tasks()
         if tasks is not None and tasks != config.num_workers:
             raise ConfigError(f"TF_CONFIG lists {tasks} training workers but JobConfig.num_workers is "
@@ -140,7 +142,8 @@ class WorkerSession:
         self.coordinator: CoordinatorProcess | None = None
         self.client: WorkerClient | None = None
         try:
-            self.url = url if url is not None else self._embedded(strategy)
+            gather = _gatherer(strategy, config, worker) if strategy is not None else None
+            self.url = url if url is not None else self._embedded(gather)
             try:
                 client = wait_for_redis(self.url, connect_timeout_s,
                                         socket_timeout_s=worker_socket_timeout(config.assignment_timeout_s))
@@ -162,30 +165,31 @@ class WorkerSession:
             self.close()
             raise
 
-    def _embedded(self, strategy: Any) -> str:
-        """Start worker 0's embedded server; the URL this worker reaches it by."""
+    def _embedded(self, gather: Callable[[str | None], list[str | None]] | None) -> str:
+        """Start worker 0's embedded server; the URL this worker reaches it by. With ``gather`` (the strategy's),
+        workers on other machines than worker 0's reach it over TCP."""
         directory = _embedded_directory(self.config.job)
         if self.worker == 0:
             shutil.rmtree(directory, ignore_errors=True)  # never reload another run's assignments
-        gather = _gatherer(strategy, self.config.num_workers, self.worker) if strategy is not None else None
-        hosts = gather(socket.gethostname()) if gather is not None else []
-        if gather is not None and len(set(hosts)) > 1:
-            return self._share_embedded(directory, gather, same_host=hosts[self.worker] == hosts[0])
+        machines = gather(machine_identity()) if gather is not None else []
+        if gather is not None and len(set(machines)) > 1:
+            return self._share_embedded(directory, gather, same_machine=machines[self.worker] == machines[0])
         if self.worker == 0:
-            self.server = EmbeddedRedis(claim(directory))  # labelled: removed by a later start if we are killed
+            self.server = _start_embedded(directory)
         return f"unix://{directory / 'redis.sock'}"
 
     def _share_embedded(self, directory: Path, gather: Callable[[str | None], list[str | None]], *,
-                        same_host: bool) -> str:
+                        same_machine: bool) -> str:
         """Worker 0 starts the embedded server on TCP too and sends its addresses and password through the
         strategy; every worker gets the URL it reaches the server by (its unix socket first on worker 0's
         machine), and all raise together if one cannot."""
         offer, failure = None, None
         if self.worker == 0:
             try:
-                self.server = EmbeddedRedis(claim(directory), listen="0.0.0.0")
+                self.server = _start_embedded(directory, listen="0.0.0.0")
                 offer = json.dumps({"unix": self.server.url, "tcp": self.server.peer_urls(toward=_worker0_host())})
-            except (LBBSPError, OSError) as exc:  # every worker must hear of it, or it would wait in the next collective
+            except Exception as exc:  # noqa: BLE001  (raised below, once every worker has heard of it: else they
+                failure = exc         # would wait for ever in the next collective)
                 failure = exc
                 offer = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
         shared = json.loads(gather(offer)[0] or "{}")
@@ -194,7 +198,7 @@ class WorkerSession:
         if "error" in shared:
             raise StoreUnavailable(f"worker 0 could not start the embedded Redis: {shared['error']}",
                                    job=self.config.job)
-        url = reach_embedded(shared["unix"], [shared["unix"]] * same_host + shared["tcp"], self.worker, gather)
+        url = reach_embedded(shared["unix"], [shared["unix"]] * same_machine + shared["tcp"], self.worker, gather)
         log.info("worker %d reaches worker 0's embedded Redis at %s", self.worker, _redacted(url))
         return url
 
@@ -219,19 +223,43 @@ class WorkerSession:
         self.close()
 
 
-def _gatherer(strategy: Any, workers: int, worker: int) -> Callable[[str | None], list[str | None]] | None:
+def _start_embedded(directory: Path, listen: str | None = None) -> EmbeddedRedis:
+    """Worker 0's embedded server in ``directory``, labelled so that a later start removes it if we are killed; a
+    start that fails leaves no folder (it would hold the password's config file until then)."""
+    try:
+        return EmbeddedRedis(claim(directory), listen=listen)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+
+
+def _gatherer(strategy: Any, config: JobConfig, worker: int) -> Callable[[str | None], list[str | None]] | None:
     """An all-gather of one string (or None) per worker over ``strategy``'s collectives; None for a job of one
-    worker. A strategy that does not span the job's workers is a ConfigError."""
+    worker. Every worker raises a ConfigError together where the strategy does not span the job's workers, two
+    of them share an index, or their JobConfigs differ (a job name that is not the same everywhere, say)."""
+    workers = config.num_workers
     if workers == 1:
         return None
-    gather = functools.partial(_all_gathered, strategy, workers, worker)
+    taken = np.zeros(workers, np.float32)
+    taken[worker] = 1
     try:
-        spans = None not in gather("here")
+        taken = _all_summed(strategy, taken)
     except (AttributeError, NotImplementedError, RuntimeError):  # not a strategy, or the default one (no devices)
-        spans = False
-    if not spans:
+        pass
+    if taken.max() > 1:
+        index = int(taken.argmax())
+        raise ConfigError(f"{int(taken[index])} workers call themselves worker {index}: pass task_index(), which "
+                          "counts a chief first", job=config.job)
+    if taken.sum() != workers:
         raise ConfigError(f"the strategy given does not span the job's {workers} workers: pass the "
-                          "MultiWorkerMirroredStrategy that TF_CONFIG describes (or url=)")
+                          "MultiWorkerMirroredStrategy that TF_CONFIG describes (or url=)", job=config.job)
+    gather = functools.partial(_all_gathered, strategy, workers, worker)
+    ours = json.loads(config.to_json())
+    for index, theirs in enumerate(json.loads(str(c)) for c in gather(config.to_json())):
+        differ = [f"{name}={theirs[name]!r} against {value!r}" for name, value in ours.items() if theirs[name] != value]
+        if differ:
+            raise ConfigError(f"worker {index}'s JobConfig differs from worker {worker}'s: {', '.join(differ)}; "
+                              "every worker must pass the same settings, job name included", job=config.job)
     return gather
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import socket
 import sys
 import uuid
 import weakref
@@ -39,7 +38,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lbbsp.config import JobConfig
 from lbbsp.coordinator import EXTERNAL_POLICY, CoordinatorProcess
-from lbbsp.embedded import EmbeddedRedis, reach_embedded
+from lbbsp.embedded import EmbeddedRedis, machine_identity, reach_embedded
 from lbbsp.errors import ConfigError, LBBSPError
 from lbbsp.policies import Policy
 from lbbsp.protocol import Assignment, Report
@@ -132,9 +131,9 @@ class Balancer:
         """Join the job from a running process group (torchrun's env:// or any other rendezvous).
 
         ``redis`` (or ``$LBBSP_REDIS_URL``) names the Redis; without one, rank 0 starts an embedded server. Where
-        ranks run on other machines (torchrun's ``LOCAL_WORLD_SIZE`` below the world size, or host names that
-        differ) it also listens on TCP on every interface, behind a random password that reaches the ranks through
-        the process group; each of them connects by the first of rank 0's addresses that answers.
+        ranks run on other machines (torchrun's ``LOCAL_WORLD_SIZE`` below the world size, or host names, boot ids
+        or /dev/shm that differ) it also listens on TCP on every interface, behind a random password that reaches
+        the ranks through the process group; each of them connects by the first of rank 0's addresses that answers.
         ``coordinator=False`` means an external ``lbbsp coordinator`` serves the job on the Redis named, and then
         ``job`` must be its name; the job's ``lag`` and key TTL are then the coordinator's (``--lag``, ``--ttl``),
         and every other setting must match it. Without ``job``, rank 0 picks a fresh name so that a rerun never
@@ -159,9 +158,9 @@ class Balancer:
         running = None
         try:
             # ranks on other machines than rank 0's reach its embedded server over TCP (behind a random password);
-            # torchrun says so by LOCAL_WORLD_SIZE, other launchers by the host names alone
+            # torchrun says so by LOCAL_WORLD_SIZE, other launchers by the machines' identities alone
             hosts: list[str | None] = [None] * world
-            dist.all_gather_object(hosts, socket.gethostname())
+            dist.all_gather_object(hosts, machine_identity())
             across_machines = int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world or len(set(hosts)) > 1
             shared: list[Any] = [url, job, []]
             if rank == 0:

@@ -241,6 +241,18 @@ def _log_since(log_file: Path, offset: int) -> str:
         return ""
 
 
+def machine_identity() -> str:
+    """What tells the processes that can reach a unix socket of this one from those that cannot: the host name,
+    the kernel's boot id (cloned machines share a host name) and the device of the folder servers live in
+    (containers on one kernel may have /dev/shm of their own)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            boot_id = boot.read().strip()
+    except OSError:  # not Linux: the host name and the folder remain
+        boot_id = ""
+    return f"{socket.gethostname()}/{boot_id}/{os.stat(temp_parent()).st_dev}"
+
+
 def local_addresses(toward: str | None = None) -> list[str]:
     """This machine's IPv4 addresses, for peers to try in turn: the one its route to ``toward`` leaves from
     first, then those of the other interfaces that are up, then 127.0.0.1 (a peer on this machine)."""

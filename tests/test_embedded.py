@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from lbbsp import ConfigError, EmbeddedRedis, Store, StoreUnavailable
-from lbbsp.embedded import first_answering, local_addresses, redis_server_binary, temp_parent
+from lbbsp.embedded import first_answering, local_addresses, machine_identity, redis_server_binary, temp_parent
 from lbbsp.store import wait_for_redis
 
 
@@ -199,3 +199,15 @@ def test_tcp_settings_that_would_open_the_server_or_cannot_work_are_refused_and_
 def test_loopback_is_the_last_address_a_peer_tries() -> None:
     assert local_addresses("localhost")[-1] == "127.0.0.1"
     assert local_addresses("localhost").count("127.0.0.1") == 1
+
+
+def test_the_machine_identity_tells_apart_what_shares_a_host_name_but_not_the_servers_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Containers with /dev/shm of their own (or cloned machines) may share a host name: such a peer cannot reach a
+    unix socket in our folder, so it must count as another machine."""
+    here = machine_identity()
+    assert here == machine_identity() and here.startswith(socket.gethostname() + "/")
+    if os.stat(tmp_path).st_dev == os.stat(temp_parent()).st_dev:
+        pytest.skip("the temp dir and the servers' folder share a device here")
+    monkeypatch.setattr("lbbsp.embedded.temp_parent", lambda: str(tmp_path))
+    assert machine_identity() != here

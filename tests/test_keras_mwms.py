@@ -175,6 +175,25 @@ def run_across_worker(index: int, ports: list[int], job: str, out: Path, reachab
             "scheme": session.url.split(":")[0], "sizes": [b.sizes for b in source.served]}))
 
 
+def run_misconfigured_worker(index: int, ports: list[int], job: str, out: Path) -> None:
+    """Two MWMS workers that both say they are worker 0, then that name different jobs: each time both refuse."""
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
+                                          "task": {"type": "worker", "index": index}})
+    import tensorflow as tf  # noqa: PLC0415
+
+    from lbbsp.integrations.keras import WorkerSession  # noqa: PLC0415
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    refused = {}
+    for name, config, worker in [("index", JobConfig(job, 2, GLOBAL_BATCH), 0),
+                                 ("job", JobConfig(f"{job}-{index}", 2, GLOBAL_BATCH), index)]:
+        try:
+            WorkerSession(config, worker, strategy=strategy).close()
+        except ConfigError as exc:
+            refused[name] = str(exc)
+    (out / f"refused{index}.json").write_text(json.dumps(refused))
+
+
 def run_keras3_worker(index: int, ports: list[int], url: str, job: str, out: Path) -> None:
     """One Keras 3 worker under MWMS (its model.fit fails there): the session and the dataset refuse it."""
     os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
@@ -429,6 +448,20 @@ def test_a_worker_that_cannot_reach_worker0_stops_every_worker(tmp_path: Path, j
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_workers_that_share_an_index_or_name_different_jobs_all_refuse(tmp_path: Path, job: str) -> None:
+    """Found through the strategy, before any Redis: else the rows of a shared index would be summed into garbage,
+    and workers of different job names would each wait assignment_timeout_s at every step."""
+    _run_workers("misconfigured", [job, str(tmp_path)], legacy=True)
+    for index in range(2):
+        refused = json.loads((tmp_path / f"refused{index}.json").read_text())
+        assert refused["index"].startswith("2 workers call themselves worker 0: pass task_index()"), refused
+        other = 1 - index
+        assert f"worker {other}'s JobConfig differs from worker {index}'s: job='{job}-{other}' against " \
+               f"'{job}-{index}'" in refused["job"], refused
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_keras3_multi_worker_is_refused(tmp_path: Path, redis_url: str, job: str) -> None:
     _run_workers("keras3", [redis_url, job, str(tmp_path)], legacy=False)
     for index in range(2):
@@ -486,3 +519,6 @@ elif __name__ == "__main__" and sys.argv[1:2] == ["keras3"]:
 elif __name__ == "__main__" and sys.argv[1:2] == ["across"]:
     _, _, index, ports, job, out, reachable = sys.argv
     run_across_worker(int(index), [int(p) for p in ports.split(",")], job, Path(out), reachable == "reachable")
+elif __name__ == "__main__" and sys.argv[1:2] == ["misconfigured"]:
+    _, _, index, ports, job, out = sys.argv
+    run_misconfigured_worker(int(index), [int(p) for p in ports.split(",")], job, Path(out))

@@ -11,7 +11,7 @@ from lbbsp import JobConfig
 from lbbsp.errors import ConfigError, StoreUnavailable
 
 pytest.importorskip("tensorflow")
-from lbbsp.integrations.keras import BalancedSource, WorkerSession, callback_class, task_index
+from lbbsp.integrations.keras import BalancedSource, WorkerSession, _embedded_directory, callback_class, task_index
 
 
 def _tf_config(monkeypatch: pytest.MonkeyPatch, cluster: dict[str, list[str]], task: str, index: int) -> None:
@@ -45,6 +45,20 @@ def test_session_refuses_a_strategy_that_does_not_span_the_workers(job: str) -> 
     for strategy in (tf.distribute.get_strategy(), "mwms"):  # the default strategy: one process
         with pytest.raises(ConfigError, match="the strategy given does not span the job's 2 workers"):
             WorkerSession(config, 0, strategy=strategy)
+
+
+@pytest.mark.parametrize("worker", [-1, 2, True, 1.0])
+def test_session_refuses_a_worker_index_outside_the_job(worker: object, job: str) -> None:
+    with pytest.raises(ConfigError, match=r"worker must be this worker's index in \[0, 2\).*pass task_index\(\)"):
+        WorkerSession(JobConfig(job, num_workers=2, global_batch=32), worker, url="redis://unused")  # type: ignore[arg-type]
+
+
+def test_a_failed_start_of_worker_0s_server_leaves_no_folder(job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The folder would keep the server's config (with its password, on TCP) until a later start removed it."""
+    monkeypatch.setattr("lbbsp.embedded.redis_server_binary", lambda: "/bin/false")
+    with pytest.raises(StoreUnavailable):
+        WorkerSession(JobConfig(job, num_workers=1, global_batch=32), 0)
+    assert not _embedded_directory(job).exists()
 
 
 def test_a_worker_that_finds_no_socket_is_told_to_pass_the_strategy(job: str) -> None:
