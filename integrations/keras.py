@@ -27,10 +27,10 @@ import numpy as np
 
 from lbbsp.config import JobConfig
 from lbbsp.coordinator import EXTERNAL_POLICY, CoordinatorProcess
-from lbbsp.embedded import FOLDER_PREFIX, EmbeddedRedis, claim, machine_identity, reach_embedded, temp_parent
+from lbbsp.embedded import FOLDER_PREFIX, EmbeddedRedis, claim, serve_embedded, temp_parent
 from lbbsp.errors import ConfigError, StoreUnavailable
 from lbbsp.policies import Policy
-from lbbsp.store import Store, _redacted, wait_for_redis, worker_socket_timeout
+from lbbsp.store import Store, agreed_config, redacted, wait_for_redis, worker_socket_timeout
 from lbbsp.telemetry import ResourceMonitor
 from lbbsp.worker import WorkerClient
 
@@ -111,7 +111,7 @@ class WorkerSession:
 
     Without ``url``, worker 0 starts an embedded redis-server on a unix socket that the other workers on
     the same machine find from the job name. Given the ``MultiWorkerMirroredStrategy``, workers on other
-    machines than worker 0's (by host name) reach it over TCP instead, behind a random password that reaches
+    machines than worker 0's (:func:`lbbsp.embedded.machine_identity`) reach it over TCP instead, behind a random password that reaches
     them through the strategy's collectives; without it, pass a ``redis://`` URL on every worker.
     ``coordinator=False``: an external ``lbbsp coordinator`` serves the job on ``url`` instead of worker 0's; the
     session takes its lag and key TTL (``self.config``) and refuses a ``config`` whose other settings differ.
@@ -122,28 +122,24 @@ class WorkerSession:
     def __init__(self, config: JobConfig, worker: int, *, url: str | None = None, policy: Policy | None = None,
                  strategy: Any = None, coordinator: bool = True, connect_timeout_s: float = 60.0,
                  outage_s: float = 60.0) -> None:
-        if not coordinator and url is None:
-            raise ConfigError("with an external coordinator (coordinator=False), pass url=, the URL of the Redis it "
-                              "serves the job on: an embedded server here would be one it cannot see", job=config.job)
-        if not coordinator and policy is not None:
-            raise ConfigError(EXTERNAL_POLICY, job=config.job)
-        if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < config.num_workers:
-            raise ConfigError(f"worker must be this worker's index in [0, {config.num_workers}), got {worker!r}: pass "
-                              "task_index()", job=config.job)
-        tasks = training_tasks()
-        if tasks is not None and tasks != config.num_workers:
-            raise ConfigError(f"TF_CONFIG lists {tasks} training workers but JobConfig.num_workers is "
-                              f"{config.num_workers}", job=config.job)
-        if tasks is not None and tasks > 1:
-            require_tf_keras(config.job)
+        refused = _refusal(config, worker, url=url, policy=policy, coordinator=coordinator)
+        gather = _gatherer(strategy, config, worker, refused) if strategy is not None else None
+        if refused is not None:  # (with a strategy, _gatherer has raised it, on every worker)
+            raise refused
         self.config = config
         self.worker = worker
         self.server: EmbeddedRedis | None = None
         self.coordinator: CoordinatorProcess | None = None
         self.client: WorkerClient | None = None
         try:
-            gather = _gatherer(strategy, config, worker) if strategy is not None else None
-            self.url = url if url is not None else self._embedded(gather)
+            if url is not None:
+                self.url = url
+            elif gather is not None:
+                start = functools.partial(_start_embedded, _embedded_directory(config.job))
+                self.server, self.url = serve_embedded(worker, gather, start, toward=_worker0_host())
+                log.info("worker %d reaches worker 0's embedded Redis at %s", worker, redacted(self.url))
+            else:
+                self.url = self._local_embedded()
             try:
                 client = wait_for_redis(self.url, connect_timeout_s,
                                         socket_timeout_s=worker_socket_timeout(config.assignment_timeout_s))
@@ -154,10 +150,9 @@ class WorkerSession:
                                            "or url=", job=config.job) from None
                 raise
             store = Store(client, config.job, ttl_s=config.ttl_s, owns_client=True)
-            if not coordinator:
-                stored = store.load_config()
-                if stored is not None or worker == 0:  # worker 0 alone warns of a job not served yet
-                    config = self.config = config.joined(stored, caller="WorkerSession's JobConfig")
+            if not coordinator:  # worker 0's reading, where the strategy can share it
+                stored = agreed_config(store, worker, gather) if gather is not None else store.load_config()
+                config = self.config = config.joined(stored, caller="WorkerSession's JobConfig", warn=worker == 0)
             elif worker == 0:
                 self.coordinator = CoordinatorProcess(self.url, config, policy)
             self.client = WorkerClient(store, config, worker, device=device_label(), outage_s=outage_s)
@@ -165,42 +160,13 @@ class WorkerSession:
             self.close()
             raise
 
-    def _embedded(self, gather: Callable[[str | None], list[str | None]] | None) -> str:
-        """Start worker 0's embedded server; the URL this worker reaches it by. With ``gather`` (the strategy's),
-        workers on other machines than worker 0's reach it over TCP."""
+    def _local_embedded(self) -> str:
+        """Worker 0 starts the embedded server on a unix socket in a folder named after the job, where the other
+        workers on its machine find it; the socket's URL."""
         directory = _embedded_directory(self.config.job)
-        if self.worker == 0:
-            shutil.rmtree(directory, ignore_errors=True)  # never reload another run's assignments
-        machines = gather(machine_identity()) if gather is not None else []
-        if gather is not None and len(set(machines)) > 1:
-            return self._share_embedded(directory, gather, same_machine=machines[self.worker] == machines[0])
         if self.worker == 0:
             self.server = _start_embedded(directory)
         return f"unix://{directory / 'redis.sock'}"
-
-    def _share_embedded(self, directory: Path, gather: Callable[[str | None], list[str | None]], *,
-                        same_machine: bool) -> str:
-        """Worker 0 starts the embedded server on TCP too and sends its addresses and password through the
-        strategy; every worker gets the URL it reaches the server by (its unix socket first on worker 0's
-        machine), and all raise together if one cannot."""
-        offer, failure = None, None
-        if self.worker == 0:
-            try:
-                self.server = _start_embedded(directory, listen="0.0.0.0")
-                offer = json.dumps({"unix": self.server.url, "tcp": self.server.peer_urls(toward=_worker0_host())})
-            except Exception as exc:  # noqa: BLE001  (raised below, once every worker has heard of it: else they
-                failure = exc         # would wait for ever in the next collective)
-                failure = exc
-                offer = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
-        shared = json.loads(gather(offer)[0] or "{}")
-        if failure is not None:
-            raise failure
-        if "error" in shared:
-            raise StoreUnavailable(f"worker 0 could not start the embedded Redis: {shared['error']}",
-                                   job=self.config.job)
-        url = reach_embedded(shared["unix"], [shared["unix"]] * same_machine + shared["tcp"], self.worker, gather)
-        log.info("worker %d reaches worker 0's embedded Redis at %s", self.worker, _redacted(url))
-        return url
 
     def close(self) -> None:
         """Stop the client, the coordinator and the embedded server that this session started; idempotent."""
@@ -224,8 +190,10 @@ class WorkerSession:
 
 
 def _start_embedded(directory: Path, listen: str | None = None) -> EmbeddedRedis:
-    """Worker 0's embedded server in ``directory``, labelled so that a later start removes it if we are killed; a
-    start that fails leaves no folder (it would hold the password's config file until then)."""
+    """Worker 0's embedded server in ``directory``: a fresh one (never another run's assignments), labelled so
+    that a later start removes it if we are killed. A start that fails leaves no folder (it would hold the
+    password's config file until then)."""
+    shutil.rmtree(directory, ignore_errors=True)
     try:
         return EmbeddedRedis(claim(directory), listen=listen)
     except BaseException:
@@ -233,19 +201,45 @@ def _start_embedded(directory: Path, listen: str | None = None) -> EmbeddedRedis
         raise
 
 
-def _gatherer(strategy: Any, config: JobConfig, worker: int) -> Callable[[str | None], list[str | None]] | None:
+def _refusal(config: JobConfig, worker: int, *, url: str | None, policy: Policy | None,
+             coordinator: bool) -> ConfigError | None:
+    """What is wrong with this worker's own arguments (and TF_CONFIG), if anything."""
+    if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < config.num_workers:
+        return ConfigError(f"worker must be this worker's index in [0, {config.num_workers}), got {worker!r}: "
+                           "pass task_index()", job=config.job)
+    if not coordinator and url is None:
+        return ConfigError("with an external coordinator (coordinator=False), pass url=, the URL of the Redis it "
+                           "serves the job on: an embedded server here would be one it cannot see", job=config.job)
+    if not coordinator and policy is not None:
+        return ConfigError(EXTERNAL_POLICY, job=config.job)
+    tasks = training_tasks()
+    if tasks is not None and tasks != config.num_workers:
+        return ConfigError(f"TF_CONFIG lists {tasks} training workers but JobConfig.num_workers is "
+                           f"{config.num_workers}", job=config.job)
+    if tasks is not None and tasks > 1:
+        try:
+            require_tf_keras(config.job)
+        except ConfigError as exc:
+            return exc
+    return None
+
+
+def _gatherer(strategy: Any, config: JobConfig, worker: int,
+              refused: ConfigError | None) -> Callable[[str | None], list[str | None]] | None:
     """An all-gather of one string (or None) per worker over ``strategy``'s collectives; None for a job of one
-    worker. Every worker raises a ConfigError together where the strategy does not span the job's workers, two
-    of them share an index, or their JobConfigs differ (a job name that is not the same everywhere, say)."""
-    workers = config.num_workers
-    if workers == 1:
+    worker. First, through it, every worker raises a ConfigError together where one of them ``refused`` its own
+    arguments, the strategy does not span the job's workers, two of them share an index, or their JobConfigs
+    differ (a job name that is not the same everywhere, say)."""
+    if config.num_workers == 1:
         return None
-    taken = np.zeros(workers, np.float32)
-    taken[worker] = 1
-    try:
-        taken = _all_summed(strategy, taken)
-    except (AttributeError, NotImplementedError, RuntimeError):  # not a strategy, or the default one (no devices)
-        pass
+    replicas = _replicas_per_worker(strategy)
+    if replicas is None:
+        raise ConfigError(f"the strategy given does not span the job's {config.num_workers} workers: pass the "
+                          "MultiWorkerMirroredStrategy that TF_CONFIG describes (or url=)", job=config.job)
+    if _all_summed(strategy, replicas, np.array([float(refused is not None)], np.float32))[0]:
+        raise refused or ConfigError("another worker refused its settings: see its error", job=config.job)
+    workers = config.num_workers
+    taken = _all_summed(strategy, replicas, np.eye(workers, dtype=np.float32)[worker])
     if taken.max() > 1:
         index = int(taken.argmax())
         raise ConfigError(f"{int(taken[index])} workers call themselves worker {index}: pass task_index(), which "
@@ -253,7 +247,7 @@ def _gatherer(strategy: Any, config: JobConfig, worker: int) -> Callable[[str | 
     if taken.sum() != workers:
         raise ConfigError(f"the strategy given does not span the job's {workers} workers: pass the "
                           "MultiWorkerMirroredStrategy that TF_CONFIG describes (or url=)", job=config.job)
-    gather = functools.partial(_all_gathered, strategy, workers, worker)
+    gather = functools.partial(_all_gathered, strategy, replicas, workers, worker)
     ours = json.loads(config.to_json())
     for index, theirs in enumerate(json.loads(str(c)) for c in gather(config.to_json())):
         differ = [f"{name}={theirs[name]!r} against {value!r}" for name, value in ours.items() if theirs[name] != value]
@@ -263,25 +257,33 @@ def _gatherer(strategy: Any, config: JobConfig, worker: int) -> Callable[[str | 
     return gather
 
 
-def _all_gathered(strategy: Any, workers: int, worker: int, value: str | None) -> list[str | None]:
+def _replicas_per_worker(strategy: Any) -> int | None:
+    """How many replicas each worker of ``strategy`` runs; None for what cannot reduce across workers (the default
+    strategy has no devices of its own, and an object that is no strategy has no ``extended``)."""
+    try:
+        return len(strategy.extended.worker_devices)
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return None
+
+
+def _all_gathered(strategy: Any, replicas: int, workers: int, worker: int, value: str | None) -> list[str | None]:
     """Every worker's ``value``, in worker order: their UTF-8 bytes summed into a table over the strategy."""
     data = np.frombuffer(value.encode(), np.uint8) if value is not None else np.zeros(0, np.uint8)
     lengths = np.zeros(workers, np.float32)
     lengths[worker] = len(data) + 1 if value is not None else 0  # 0: None
-    lengths = _all_summed(strategy, lengths)
+    lengths = _all_summed(strategy, replicas, lengths)
     table = np.zeros((workers, max(1, int(lengths.max()))), np.float32)
     table[worker, :len(data)] = data
-    table = _all_summed(strategy, table)
+    table = _all_summed(strategy, replicas, table)
     return [bytes(table[i, :int(n) - 1].astype(np.uint8)).decode() if n else None for i, n in enumerate(lengths)]
 
 
-def _all_summed(strategy: Any, array: np.ndarray) -> np.ndarray:
-    """The sum of ``array`` over the workers of ``strategy`` (counted once per worker, whatever its replicas)."""
+def _all_summed(strategy: Any, replicas: int, array: np.ndarray) -> np.ndarray:
+    """The sum of ``array`` over the workers of ``strategy``, each counted once whatever its ``replicas``."""
     import tensorflow as tf  # noqa: PLC0415
 
-    local = len(strategy.extended.worker_devices)
     values = strategy.experimental_distribute_values_from_function(
-        lambda ctx: tf.constant(array if ctx.replica_id_in_sync_group % local == 0 else np.zeros_like(array)))
+        lambda ctx: tf.constant(array if ctx.replica_id_in_sync_group % replicas == 0 else np.zeros_like(array)))
     return np.asarray(strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None))
 
 

@@ -38,12 +38,12 @@ from torch.utils.hooks import RemovableHandle
 
 from lbbsp.config import JobConfig
 from lbbsp.coordinator import EXTERNAL_POLICY, CoordinatorProcess
-from lbbsp.embedded import EmbeddedRedis, machine_identity, reach_embedded
+from lbbsp.embedded import EmbeddedRedis, serve_embedded
 from lbbsp.errors import ConfigError, LBBSPError
 from lbbsp.policies import Policy
 from lbbsp.protocol import Assignment, Report
 from lbbsp.sampling import GlobalBatchSampler
-from lbbsp.store import Store, worker_socket_timeout
+from lbbsp.store import Store, agreed_config, worker_socket_timeout
 from lbbsp.telemetry import ResourceMonitor
 from lbbsp.worker import WorkerClient
 
@@ -157,24 +157,15 @@ class Balancer:
         owned: list[Any] = []
         running = None
         try:
-            # ranks on other machines than rank 0's reach its embedded server over TCP (behind a random password);
-            # torchrun says so by LOCAL_WORLD_SIZE, other launchers by the machines' identities alone
-            hosts: list[str | None] = [None] * world
-            dist.all_gather_object(hosts, machine_identity())
-            across_machines = int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world or len(set(hosts)) > 1
-            shared: list[Any] = [url, job, []]
-            if rank == 0:
-                if url is None:
-                    server = EmbeddedRedis(listen="0.0.0.0" if across_machines else None)
-                    owned.append(server)
-                    shared[0] = server.url
-                    if across_machines:
-                        shared[2] = server.peer_urls(toward=os.environ.get("MASTER_ADDR"))
-                shared[1] = job or f"torch-{uuid.uuid4().hex[:12]}"
-            dist.broadcast_object_list(shared, src=0)  # the Redis URL, the job name, the embedded server's TCP URLs
-            url, job = str(shared[0]), str(shared[1])
-            if shared[2]:
-                url = reach_embedded(url, shared[2], rank, functools.partial(_all_gathered, world=world), who="rank")
+            gather = functools.partial(_all_gathered, world=world)
+            shared: list[Any] = [url, job or f"torch-{uuid.uuid4().hex[:12]}"]
+            dist.broadcast_object_list(shared, src=0)  # rank 0's Redis URL and job name
+            url, job = shared
+            if url is None:  # rank 0 serves; torchrun's LOCAL_WORLD_SIZE says where ranks run on other machines too
+                server, url = serve_embedded(rank, gather, lambda listen: EmbeddedRedis(listen=listen),
+                                             toward=os.environ.get("MASTER_ADDR"), who="rank",
+                                             across=int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world)
+                owned += [server] if server is not None else []
             caps = tuple(max_batch) if isinstance(max_batch, Sequence) else max_batch
             config = JobConfig(job, world, global_batch, min_batch=min_batch, max_batch=caps,
                                assignment_timeout_s=assignment_timeout_s)
@@ -182,10 +173,9 @@ class Balancer:
                                    socket_timeout_s=worker_socket_timeout(config.assignment_timeout_s))
             owned.append(store)
             store.ping(hint="check redis= or $LBBSP_REDIS_URL")
-            if not coordinator:
-                stored = store.load_config()
-                if stored is not None or rank == 0:  # rank 0 alone warns of a job not served yet
-                    config = config.joined(stored, caller="Balancer.from_env (num_workers is the world size)")
+            if not coordinator:  # rank 0's reading, so that every rank joins the same settings
+                config = config.joined(agreed_config(store, rank, gather), warn=rank == 0,
+                                       caller="Balancer.from_env (num_workers is the world size)")
             if rank == 0 and coordinator:  # a child process: no GIL or pinned core shared with this rank
                 running = CoordinatorProcess(url, config, policy)
             client = WorkerClient(store, config, rank, agree=functools.partial(agree_with_rank0, device=device),

@@ -165,15 +165,17 @@ class JobConfig:
         """The assignment of ``iteration`` when no decision covers it: the initial split."""
         return Assignment(self.job, iteration, self.initial_sizes(), "initial", "initial split")
 
-    def joined(self, stored: JobConfig | None, *, caller: str) -> JobConfig:
+    def joined(self, stored: JobConfig | None, *, caller: str, warn: bool = True) -> JobConfig:
         """This config as an external coordinator serves it (``stored``, read from Redis): its lag and key TTL
         (the ``lbbsp coordinator`` flags ``--lag`` and ``--ttl``), once every other setting agrees; a ConfigError
         names those that differ and says to pass the coordinator's settings to ``caller``. With nothing stored
-        yet (the coordinator has not started), this config, with a warning: every step waits for it until then."""
+        yet (the coordinator has not started), this config, with a warning unless ``warn`` is False (one worker of
+        many says it): every step waits for the coordinator until then."""
         if stored is None:
-            log.warning("job %r is not on this Redis yet: until `lbbsp coordinator --job %s` serves it, every step "
-                        "waits assignment_timeout_s (%gs) for it; check the job name", self.job, self.job,
-                        self.assignment_timeout_s)
+            if warn:
+                log.warning("job %r is not on this Redis yet: until `lbbsp coordinator --job %s` serves it, every step "
+                            "waits assignment_timeout_s (%gs) for it; check the job name", self.job, self.job,
+                            self.assignment_timeout_s)
             return self
         joined = replace(self, lag=stored.lag, ttl_s=stored.ttl_s)
         differ = [f.name for f in fields(JobConfig) if getattr(joined, f.name) != getattr(stored, f.name)]

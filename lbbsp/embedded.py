@@ -11,6 +11,7 @@ import atexit
 import ctypes
 import functools
 import ipaddress
+import json
 import logging
 import os
 import queue
@@ -31,7 +32,7 @@ import psutil
 import redis
 
 from .errors import ConfigError, StoreUnavailable
-from .store import _redacted
+from .store import redacted
 
 log = logging.getLogger(__name__)
 
@@ -286,29 +287,54 @@ def first_answering(urls: Sequence[str], *, timeout_s: float = 2.0) -> str:
                 if client.ping():
                     return url
         except (redis.RedisError, OSError, ValueError) as exc:
-            tried.append(f"{_redacted(url)} ({type(exc).__name__})")
+            tried.append(f"{redacted(url)} ({type(exc).__name__})")
     raise StoreUnavailable(f"no address of the embedded Redis answered: tried {', '.join(tried) or 'none'}. A firewall "
                            "may close its port: pass the URL of a Redis that every worker reaches")
 
 
-def reach_embedded(url: str, peer_urls: Sequence[str], index: int,
-                   all_gather: Callable[[str | None], Sequence[str | None]], *, who: str = "worker") -> str:
-    """The URL by which worker ``index`` of a job reaches worker 0's embedded server: worker 0 keeps ``url`` (its
-    unix socket), the others take the first of ``peer_urls`` that answers. ``all_gather`` (the framework's
-    collective over every worker, a string or None each) tells all of them whether every one got through, so that
-    all raise together instead of leaving some waiting in a collective for a worker that gave up."""
-    error = None
+def serve_embedded(index: int, all_gather: Callable[[str | None], Sequence[str | None]],
+                   start: Callable[[str | None], EmbeddedRedis], *, toward: str | None = None, across: bool = False,
+                   who: str = "worker") -> tuple[EmbeddedRedis | None, str]:
+    """Worker 0 starts the job's embedded server (``start(listen)``); every worker gets the URL it reaches it by.
+
+    ``all_gather`` is the framework's collective over the job's workers (a string or None from each, in worker
+    order); every worker must call this together. Workers tell their machines apart by :func:`machine_identity`.
+    Where a machine differs from worker 0's (or worker 0 is told ``across``), worker 0 also listens on TCP behind
+    a random password and offers its addresses (``toward``: a host of worker 0's that the others know, tried
+    first); a worker on its machine keeps the unix socket. Returns worker 0's server (None elsewhere) and the URL.
+    Any failure, worker 0's start included, reaches every worker, so that all raise together and none waits in
+    a collective for one that gave up."""
+    machines = list(all_gather(machine_identity()))
+    server, offer, failure = None, None, None
+    if index == 0:
+        try:
+            listen = "0.0.0.0" if across or len(set(machines)) > 1 else None
+            server = start(listen)
+            offer = json.dumps({"unix": server.url, "tcp": server.peer_urls(toward) if listen else []})
+        except Exception as exc:  # noqa: BLE001  (raised below, once every worker has heard of it)
+            failure = exc
+            offer = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+    shared = json.loads(str(all_gather(offer)[0]))
+    if failure is not None:
+        raise failure
+    if "error" in shared:
+        raise StoreUnavailable(f"{who} 0 could not start the embedded Redis: {shared['error']}")
+    unix = [shared["unix"]] if machines[index] == machines[0] else []
+    error, url = None, shared["unix"]
     if index != 0:
         try:
-            url = first_answering(peer_urls)
+            url = first_answering(unix + shared["tcp"])
         except StoreUnavailable as exc:
             error = str(exc)
     errors = list(all_gather(error))
     failed = [i for i, e in enumerate(errors) if e]
     if failed:
+        if server is not None:  # the caller never gets it
+            server.close()
+            shutil.rmtree(server.directory, ignore_errors=True)
         raise StoreUnavailable(f"{who} {failed[0]} ({len(failed)} of {len(errors)} {who}s) cannot reach {who} 0's "
-                               f"embedded Redis: {errors[failed[0]]} (or pass the URL of a Redis: redis://host:port/0)")
-    return url
+                               f"embedded Redis: {errors[failed[0]]}")
+    return server, url
 
 
 class EmbeddedRedis:

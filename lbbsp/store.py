@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import redis
@@ -48,11 +48,11 @@ def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
             retry_on_error=[redis.ConnectionError, redis.TimeoutError], health_check_interval=0,
         )
     except ValueError as exc:
-        raise ConfigError(f"not a usable Redis URL: {_redacted(url)} ({exc}); {expected}") from exc
+        raise ConfigError(f"not a usable Redis URL: {redacted(url)} ({exc}); {expected}") from exc
     pool = client.connection_pool
     if issubclass(pool.connection_class, redis.UnixDomainSocketConnection) and not pool.connection_kwargs.get("path"):
         client.close()
-        raise ConfigError(f"not a usable Redis URL: {_redacted(url)} names no socket; {expected}")
+        raise ConfigError(f"not a usable Redis URL: {redacted(url)} names no socket; {expected}")
     return client
 
 
@@ -69,11 +69,20 @@ def not_a_url(client: object, owner: str, job: object) -> None:
                           job=job if isinstance(job, str) else None)
 
 
-def _redacted(url: str) -> str:
+def redacted(url: str) -> str:
     """``url`` without the password, for error messages."""
     scheme, sep, rest = url.partition("://")
     credentials, at, host = rest.rpartition("@")
     return f"{scheme}{sep}{credentials.partition(':')[0]}:***@{host}" if at and ":" in credentials else url
+
+
+def agreed_config(store: Store, index: int,
+                  all_gather: Callable[[str | None], Sequence[str | None]]) -> JobConfig | None:
+    """The job's settings as worker 0 read them from ``store`` (None before a coordinator stored them), the same on
+    every worker: ``all_gather`` is the framework's collective (a string or None from each worker, in order)."""
+    stored = store.load_config() if index == 0 else None
+    shared = all_gather(stored.to_json() if stored is not None else None)[0]
+    return JobConfig.from_json(shared) if shared is not None else None
 
 
 class Store:
@@ -345,4 +354,4 @@ def wait_for_redis(url: str, timeout_s: float, *, socket_timeout_s: float = 5.0)
             last = exc
             client.close()
             time.sleep(0.05)
-    raise StoreUnavailable(f"Redis at {_redacted(url)} did not answer within {timeout_s}s: {last}")
+    raise StoreUnavailable(f"Redis at {redacted(url)} did not answer within {timeout_s}s: {last}")

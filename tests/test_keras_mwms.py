@@ -176,7 +176,8 @@ def run_across_worker(index: int, ports: list[int], job: str, out: Path, reachab
 
 
 def run_misconfigured_worker(index: int, ports: list[int], job: str, out: Path) -> None:
-    """Two MWMS workers that both say they are worker 0, then that name different jobs: each time both refuse."""
+    """Two MWMS workers that both say they are worker 0, then that name different jobs, then of which one passes an
+    index outside the job: each time both refuse (else the other would wait in the strategy's next collective)."""
     os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
                                           "task": {"type": "worker", "index": index}})
     import tensorflow as tf  # noqa: PLC0415
@@ -186,7 +187,8 @@ def run_misconfigured_worker(index: int, ports: list[int], job: str, out: Path) 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     refused = {}
     for name, config, worker in [("index", JobConfig(job, 2, GLOBAL_BATCH), 0),
-                                 ("job", JobConfig(f"{job}-{index}", 2, GLOBAL_BATCH), index)]:
+                                 ("job", JobConfig(f"{job}-{index}", 2, GLOBAL_BATCH), index),
+                                 ("own", JobConfig(job, 2, GLOBAL_BATCH), 5 if index else 0)]:
         try:
             WorkerSession(config, worker, strategy=strategy).close()
         except ConfigError as exc:
@@ -452,12 +454,14 @@ def test_workers_that_share_an_index_or_name_different_jobs_all_refuse(tmp_path:
     """Found through the strategy, before any Redis: else the rows of a shared index would be summed into garbage,
     and workers of different job names would each wait assignment_timeout_s at every step."""
     _run_workers("misconfigured", [job, str(tmp_path)], legacy=True)
-    for index in range(2):
-        refused = json.loads((tmp_path / f"refused{index}.json").read_text())
+    refusals = [json.loads((tmp_path / f"refused{index}.json").read_text()) for index in range(2)]
+    for index, refused in enumerate(refusals):
         assert refused["index"].startswith("2 workers call themselves worker 0: pass task_index()"), refused
         other = 1 - index
         assert f"worker {other}'s JobConfig differs from worker {index}'s: job='{job}-{other}' against " \
                f"'{job}-{index}'" in refused["job"], refused
+    assert refusals[0]["own"].startswith("another worker refused its settings")
+    assert refusals[1]["own"].startswith("worker must be this worker's index in [0, 2), got 5")
 
 
 @pytest.mark.slow

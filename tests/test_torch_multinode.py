@@ -2,7 +2,6 @@
 and training is exact. Two torchrun "nodes" on this machine stand in for the machines (LOCAL_WORLD_SIZE 1 of 2)."""
 from __future__ import annotations
 
-import functools
 import json
 import os
 import socket
@@ -14,9 +13,9 @@ import numpy as np
 import pytest
 
 pytest.importorskip("torch")
-from lbbsp import StoreUnavailable
-from lbbsp.embedded import _free_port, reach_embedded
-from lbbsp.integrations.torch import Balancer, _all_gathered
+from lbbsp import EmbeddedRedis, StoreUnavailable, embedded
+from lbbsp.embedded import _free_port
+from lbbsp.integrations.torch import Balancer
 from test_torch_exact import digits, in_gloo_group, single_process_params, spawn
 
 SCRIPT = Path(__file__).with_name("torch_two_nodes.py")
@@ -49,11 +48,20 @@ def test_two_machines_reach_rank0s_embedded_redis_and_train_exactly(tmp_path: Pa
             np.testing.assert_allclose(np.array(got), want.numpy(), rtol=1e-6, atol=1e-9)
 
 
-def _reach_nothing(rank: int, init: str, out: str) -> None:
+def _fail_to_serve(rank: int, init: str, out: str, failure: str) -> None:
+    """Rank 1 says it runs on another machine. ``failure`` "reach": rank 0 offers an address nothing answers at,
+    as behind a firewall; "start": rank 0's redis-server cannot start."""
+    os.environ.pop("LBBSP_REDIS_URL", None)
+    if rank == 1:
+        socket.gethostname = lambda: "another-machine"
+    elif failure == "reach":
+        EmbeddedRedis.peer_urls = lambda self, toward=None: ["redis://127.0.0.1:1/0"]  # type: ignore[method-assign]
+    else:
+        embedded.redis_server_binary = lambda: "/bin/false"
+
     def work() -> dict:  # type: ignore[type-arg]
         try:
-            reach_embedded("unix:///nowhere.sock", ["redis://127.0.0.1:1/0"], rank,
-                           functools.partial(_all_gathered, world=2), who="rank")
+            Balancer.from_env(8).close()
         except StoreUnavailable as exc:
             return {"error": str(exc)}
         return {"error": None}
@@ -66,11 +74,21 @@ def _reach_nothing(rank: int, init: str, out: str) -> None:
 def test_a_rank_that_cannot_reach_rank0s_redis_stops_every_rank(tmp_path: Path) -> None:
     """Rank 0 has its server and would go on into the first collective step, waiting for ever on a rank that gave
     up: every rank raises instead, naming the one that failed."""
-    spawn(_reach_nothing, (str(tmp_path / "rdv"), str(tmp_path)), nprocs=2, timeout_s=100)
+    spawn(_fail_to_serve, (str(tmp_path / "rdv"), str(tmp_path), "reach"), nprocs=2, timeout_s=100)
     for rank in (0, 1):
         error = json.loads((tmp_path / f"rank{rank}.json").read_text())["error"]
         assert error.startswith("rank 1 (1 of 2 ranks) cannot reach rank 0's embedded Redis: no address") and \
-            "redis://127.0.0.1:1/0 (ConnectionError)" in error
+            "redis://127.0.0.1:1/0 (ConnectionError)" in error, error
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_server_that_cannot_start_on_rank0_stops_every_rank(tmp_path: Path) -> None:
+    """The other ranks would wait in the next collective for a rank 0 that raised: they hear of it instead."""
+    spawn(_fail_to_serve, (str(tmp_path / "rdv"), str(tmp_path), "start"), nprocs=2, timeout_s=100)
+    errors = [json.loads((tmp_path / f"rank{rank}.json").read_text())["error"] for rank in (0, 1)]
+    assert "redis-server" in errors[0], errors
+    assert errors[1].startswith("rank 0 could not start the embedded Redis: StoreUnavailable: "), errors
 
 
 def _join_from_another_host(rank: int, init: str, out: str) -> None:

@@ -1,5 +1,6 @@
 """One rank of a job on two torchrun "nodes" of one process each (both on this machine, so LOCAL_WORLD_SIZE is 1
-and WORLD_SIZE 2): no Redis URL is given, so rank 0 serves its embedded Redis over TCP as well. Trains as
+and WORLD_SIZE 2; rank 1 takes another host name): no Redis URL is given, so rank 0 serves its embedded Redis
+over TCP as well. Trains as
 test_torch_exact's hook mode does and writes what it saw to OUT/rank<r>.json, with how the rank reached Redis.
 
     python -m torch.distributed.run --nnodes 2 --node-rank R --nproc-per-node 1 --master-addr 127.0.0.1 \\
@@ -8,6 +9,7 @@ test_torch_exact's hook mode does and writes what it saw to OUT/rank<r>.json, wi
 from __future__ import annotations
 
 import json
+import socket
 import sys
 from pathlib import Path
 
@@ -21,6 +23,8 @@ from test_torch_exact import _train
 def main(out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    if dist.get_rank() == 1:  # a machine of its own (else it would take rank 0's unix socket)
+        socket.gethostname = lambda: "node-1"
     reached: list[str] = []
     joined = Balancer.from_env
 

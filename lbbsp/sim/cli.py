@@ -15,7 +15,7 @@ import numpy as np
 
 from ..embedded import EmbeddedRedis
 from ..errors import ConfigError
-from ..store import Store, _redacted
+from ..store import Store, redacted
 from .engine import PolicyRun, compare
 from .scenarios import SCENARIOS, Scenario
 from .traces import load_traces
@@ -112,7 +112,7 @@ def _through_redis(scenario: Scenario, iterations: int, url: str,
                    in_process: dict[str, PolicyRun]) -> tuple[dict[str, PolicyRun], dict[str, Any]]:
     """Every policy again, through Redis (embedded when ``url`` is empty); the runs, and whether each one
     decided exactly the sizes of its in-process run."""
-    label = _redacted(url) if url else "embedded redis-server"  # printed and saved: no password
+    label = redacted(url) if url else "embedded redis-server"  # printed and saved: no password
     print(f"again through Redis ({label}): reports posted, a Coordinator deciding", flush=True)
     with contextlib.ExitStack() as stack:
         if not url:
