@@ -111,8 +111,9 @@ class WorkerSession:
 
     Without ``url``, worker 0 starts an embedded redis-server on a unix socket that the other workers on
     the same machine find from the job name. Given the ``MultiWorkerMirroredStrategy``, workers on other
-    machines than worker 0's (:func:`lbbsp.embedded.machine_identity`) reach it over TCP instead, behind a random password that reaches
-    them through the strategy's collectives; without it, pass a ``redis://`` URL on every worker.
+    machines than worker 0's (:func:`lbbsp.embedded.machine_identity`) reach it over TCP instead, behind a random
+    password that reaches them through the strategy's collectives; without it, pass a ``redis://`` URL on every
+    worker.
     ``coordinator=False``: an external ``lbbsp coordinator`` serves the job on ``url`` instead of worker 0's; the
     session takes its lag and key TTL (``self.config``) and refuses a ``config`` whose other settings differ.
     A Redis that stays unusable is waited for up to ``outage_s``, then fit stops with StoreUnavailable (there

@@ -133,7 +133,8 @@ class Balancer:
         ``redis`` (or ``$LBBSP_REDIS_URL``) names the Redis; without one, rank 0 starts an embedded server. Where
         ranks run on other machines (torchrun's ``LOCAL_WORLD_SIZE`` below the world size, or host names, boot ids
         or /dev/shm that differ) it also listens on TCP on every interface, behind a random password that reaches
-        the ranks through the process group; each of them connects by the first of rank 0's addresses that answers.
+        the ranks through the process group; a rank on rank 0's machine connects by its unix socket, any other by
+        the first of rank 0's addresses that answers.
         ``coordinator=False`` means an external ``lbbsp coordinator`` serves the job on the Redis named, and then
         ``job`` must be its name; the job's ``lag`` and key TTL are then the coordinator's (``--lag``, ``--ttl``),
         and every other setting must match it. Without ``job``, rank 0 picks a fresh name so that a rerun never

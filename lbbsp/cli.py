@@ -103,8 +103,8 @@ def _coordinator(args: argparse.Namespace) -> int:
         print(f"started an embedded redis-server: --redis {url}", flush=True)
         if args.listen is not None:
             first, *others = server.peer_urls()
-            print(f"workers on other machines: --redis {first}" + (f" (or the same at {', '.join(_host(u) for u in others)})"
-                                                                   if others else ""), flush=True)
+            also = f" (or the same at {', '.join(_host(u) for u in others)})" if others else ""
+            print(f"workers on other machines: --redis {first}{also}", flush=True)
     store = Store.from_url(url, args.job)
     try:
         store.ping()
