@@ -219,9 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--redis", help="Redis URL (redis://, rediss://, unix://); default: $LBBSP_REDIS_URL, "
                                              "or else start an embedded one")
     coordinator.add_argument("--listen", metavar="ADDRESS", default=None,
-                             help="with no --redis: serve the embedded Redis on TCP at ADDRESS too (0.0.0.0: every "
-                                  "interface) for workers on other machines, behind a random password; the URL to "
-                                  "give them is printed")
+                             help="with no --redis: serve the embedded Redis on TCP at ADDRESS too (an IPv4 or "
+                                  "IPv6 address; 0.0.0.0: every IPv4 interface; '::': every interface) for workers "
+                                  "on other machines, behind a random password; the URL to give them is printed")
     coordinator.add_argument("--job", default="default", help="job name shared with the workers")
     coordinator.add_argument("--workers", type=int, required=True, help="number of workers")
     coordinator.add_argument("--global-batch", type=int, required=True, help="global batch size B")

@@ -210,26 +210,55 @@ def remove_stale_folders(parent: str | os.PathLike[str]) -> list[Path]:
     return removed
 
 
+#: ``listen`` for every interface: of IPv4 only, and of IPv4 and IPv6.
+EVERY_IPV4, EVERY_INTERFACE = "0.0.0.0", "::"
+
+
 def _free_port(host: str) -> int:
-    """A TCP port free on ``host`` right now (the server binds it a moment later; a race is retried)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+    """A TCP port free on ``host`` right now (the server binds it a moment later; a race is retried); for ``::``,
+    free on IPv4 and IPv6 alike (a dual-stack probe holds it on both)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        if host == EVERY_INTERFACE:
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         probe.bind((host, 0))
         return int(probe.getsockname()[1])
 
 
-def _listen_address(listen: object) -> str:
-    """``listen`` checked: one IPv4 address of this machine, or 0.0.0.0 for every interface."""
-    want = "one IPv4 address of this machine, or '0.0.0.0' for every interface"
+def ipv6_available() -> bool:
+    """Whether this machine can listen on IPv6 (a kernel or container may have it off)."""
     try:
-        address = str(ipaddress.IPv4Address(listen.strip() if isinstance(listen, str) else listen))
+        _free_port(EVERY_INTERFACE)
+    except OSError:
+        return False
+    return True
+
+
+def _listen_address(listen: object) -> str:
+    """``listen`` checked: one IP address of this machine, 0.0.0.0 for every IPv4 interface or :: for every one."""
+    want = (f"one IPv4 or IPv6 address of this machine, '{EVERY_IPV4}' for every IPv4 interface or "
+            f"'{EVERY_INTERFACE}' for every interface")
+    try:
+        address = ipaddress.ip_address(listen.strip() if isinstance(listen, str) else listen)  # type: ignore[arg-type]
     except ValueError:
         raise ConfigError(f"listen must be {want}; got {listen!r}") from None
+    if address.is_link_local and address.version == 6:  # its URL would need the interface, which peers lack
+        raise ConfigError(f"listen={str(address)!r} is link-local, reached only with an interface named: it must be "
+                          f"{want} (not link-local)")
     try:
-        _free_port(address)
+        _free_port(str(address))
     except OSError as exc:
-        raise ConfigError(f"listen={address!r} is not an address of this machine ({exc.strerror}): it must be {want}") \
-            from None
-    return address
+        if str(address) == EVERY_INTERFACE:
+            raise ConfigError(f"listen='{EVERY_INTERFACE}' needs IPv6, which is off here ({exc.strerror}): use "
+                              f"'{EVERY_IPV4}'") from None
+        raise ConfigError(f"listen={str(address)!r} is not an address of this machine ({exc.strerror}): it must be "
+                          f"{want}") from None
+    return str(address)
+
+
+def _url_host(address: str) -> str:
+    """``address`` as the host of a URL: an IPv6 address in brackets."""
+    return f"[{address}]" if ":" in address else address
 
 
 def _log_since(log_file: Path, offset: int) -> str:
@@ -254,26 +283,33 @@ def machine_identity() -> str:
     return f"{socket.gethostname()}/{boot_id}/{os.stat(temp_parent()).st_dev}"
 
 
-def local_addresses(toward: str | None = None) -> list[str]:
-    """This machine's IPv4 addresses, for peers to try in turn: the one its route to ``toward`` leaves from
-    first, then those of the other interfaces that are up, then 127.0.0.1 (a peer on this machine)."""
+def local_addresses(toward: str | None = None, *, ipv6: bool = False) -> list[str]:
+    """This machine's addresses, for peers to try in turn: the one its route to ``toward`` leaves from first, then
+    the IPv4 addresses of the other interfaces that are up, then (with ``ipv6``) their global IPv6 addresses,
+    then loopback, 127.0.0.1 (and ::1), for a peer on this machine."""
     found: list[str] = []
     if toward:
         try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as route:
-                route.connect((toward, 9))  # no packet is sent: this only picks the route and its source address
-                source = str(route.getsockname()[0])
+            family, _, _, _, target = socket.getaddrinfo(toward.strip("[]"), 9, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as route:
+                route.connect(target)  # no packet is sent: this only picks the route and its source address
+                source = ipaddress.ip_address(str(route.getsockname()[0]).partition("%")[0])
             # loopback only last: a peer that tried its own first would hand the password to whatever listens there
-            if not source.startswith("127."):
-                found.append(source)
+            if not source.is_loopback and not source.is_link_local and (ipv6 or source.version == 4):
+                found.append(str(source))
         except OSError:  # a host that does not resolve, or no route: the other addresses remain
             pass
     stats = psutil.net_if_stats()
-    for name, addresses in psutil.net_if_addrs().items():
-        if name in stats and not stats[name].isup:
-            continue
-        found += [a.address for a in addresses if a.family == socket.AF_INET and not a.address.startswith("127.")]
-    found.append("127.0.0.1")
+    up = [addresses for name, addresses in psutil.net_if_addrs().items() if name not in stats or stats[name].isup]
+    for family in (socket.AF_INET, socket.AF_INET6) if ipv6 else (socket.AF_INET,):
+        for addresses in up:
+            for entry in addresses:
+                if entry.family != family:
+                    continue
+                address = ipaddress.ip_address(entry.address.partition("%")[0])
+                if not address.is_loopback and not address.is_link_local:
+                    found.append(str(address))
+    found += ["127.0.0.1", "::1"] if ipv6 else ["127.0.0.1"]
     return list(dict.fromkeys(found))
 
 
@@ -308,7 +344,8 @@ def serve_embedded(index: int, all_gather: Callable[[str | None], Sequence[str |
     server, offer, failure = None, None, None
     if index == 0:
         try:
-            listen = "0.0.0.0" if across or len(set(machines)) > 1 else None
+            listen = (EVERY_INTERFACE if ipv6_available() else EVERY_IPV4) if across or len(set(machines)) > 1 \
+                else None
             server = start(listen)
             offer = json.dumps({"unix": server.url, "tcp": server.peer_urls(toward) if listen else []})
         except Exception as exc:  # noqa: BLE001  (raised below, once every worker has heard of it)
@@ -340,10 +377,11 @@ def serve_embedded(index: int, all_gather: Callable[[str | None], Sequence[str |
 class EmbeddedRedis:
     """Start a private redis-server on a unix socket; ``url`` connects to it; ``close()`` stops it.
 
-    ``listen``: an IPv4 address of this machine (``"0.0.0.0"`` for every interface) on which the server also
-    takes TCP clients, at ``port`` (0: a free one). It then requires a random password, in every URL it gives (``url``,
-    :meth:`tcp_url`, :meth:`peer_urls`); the password lives in a config file only this user can read, not on
-    the command line, where other users of the machine could see it.
+    ``listen``: an IPv4 or IPv6 address of this machine (``"0.0.0.0"`` for every IPv4 interface, ``"::"`` for
+    every interface, IPv4 and IPv6) on which the server also takes TCP clients, at ``port`` (0: a free one). It
+    then requires a random password, in every URL it gives (``url``, :meth:`tcp_url`, :meth:`peer_urls`); the
+    password lives in a config file only this user can read, not on the command line, where other users of the
+    machine could see it.
 
     >>> with EmbeddedRedis() as server:
     ...     store = Store.from_url(server.url, job="demo")
@@ -354,7 +392,7 @@ class EmbeddedRedis:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ConfigError(f"port must be a TCP port in [0, 65535] (0: a free one), got {port!r}")
         if port and listen is None:  # else the server would take TCP clients on every interface, with no password
-            raise ConfigError(f"port={port} is the TCP port of listen=: give listen too (such as '0.0.0.0'), or "
+            raise ConfigError(f"port={port} is the TCP port of listen=: give listen too (such as '::'), or "
                               "leave port out for a server on its unix socket only")
         address = _listen_address(listen) if listen is not None else None
         self._owns_dir = directory is None
@@ -385,21 +423,21 @@ class EmbeddedRedis:
     def tcp_url(self, host: str) -> str:
         """The URL that reaches the TCP listener through ``host`` (an address of this machine), password included."""
         self._listening()
-        return f"redis://:{quote(str(self._password), safe='')}@{host}:{self.port}/0"
+        return f"redis://:{quote(str(self._password), safe='')}@{_url_host(host)}:{self.port}/0"
 
     def peer_urls(self, toward: str | None = None) -> list[str]:
         """The TCP URLs a process on another machine may reach this server by, best guess first: through the
         address this machine uses toward ``toward`` (a peer's host, such as torchrun's MASTER_ADDR), then every
         other address of its interfaces that are up, then loopback. See :func:`first_answering`."""
         listen = self._listening()
-        if listen != "0.0.0.0":
+        if listen not in (EVERY_IPV4, EVERY_INTERFACE):
             return [self.tcp_url(listen)]
-        return [self.tcp_url(host) for host in local_addresses(toward)]
+        return [self.tcp_url(host) for host in local_addresses(toward, ipv6=listen == EVERY_INTERFACE)]
 
     def _listening(self) -> str:
         """The address the server takes TCP clients on; a ConfigError for one on its unix socket only."""
         if self.listen is None:
-            raise ConfigError("this embedded Redis listens on a unix socket only: start it with listen='0.0.0.0'")
+            raise ConfigError("this embedded Redis listens on a unix socket only: start it with listen='::'")
         return self.listen
 
     @property
@@ -436,7 +474,8 @@ class EmbeddedRedis:
             conf.touch(mode=0o600)
             conf.chmod(0o600)
             conf.write_text(f"requirepass {self._password}\n")
-            args += [str(conf), "--bind", str(self.listen)]
+            args += [str(conf), "--bind", *([EVERY_IPV4, EVERY_INTERFACE] if self.listen == EVERY_INTERFACE
+                                            else [str(self.listen)])]
         args += [
             "--port", str(port), "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
             "--dir", str(self.directory), "--appendonly", "yes", "--appendfsync", "always", "--save", "",

@@ -10,6 +10,7 @@ import pytest
 from emulated import worker_clients
 from lbbsp import Assignment, JobConfig, WorkerClient
 from lbbsp.cli import main
+from lbbsp.embedded import ipv6_available
 
 LBBSP = [sys.executable, "-m", "lbbsp.cli"]
 
@@ -59,15 +60,19 @@ def test_the_coordinator_runs_the_policy_and_model_its_flags_name(redis_url: str
 
 
 @pytest.mark.timeout(60)
-def test_the_coordinator_serves_workers_on_other_machines_with_listen(job: str) -> None:
+@pytest.mark.parametrize("listen", ["127.0.0.1", "::1"])
+def test_the_coordinator_serves_workers_on_other_machines_with_listen(job: str, listen: str) -> None:
+    if ":" in listen and not ipv6_available():
+        pytest.skip("this machine cannot listen on IPv6")
     env = {k: v for k, v in os.environ.items() if k != "LBBSP_REDIS_URL"}
-    coordinator = subprocess.Popen([*LBBSP, "coordinator", "--listen", "127.0.0.1", "--job", job, "--workers", "2",
+    coordinator = subprocess.Popen([*LBBSP, "coordinator", "--listen", listen, "--job", job, "--workers", "2",
                                     "--global-batch", "30", "--max-decisions", "2"],
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert coordinator.stdout is not None
     printed = [coordinator.stdout.readline(), coordinator.stdout.readline()]
     assert printed[1].startswith("workers on other machines: --redis redis://:"), printed
     url = printed[1].split()[-1]
+    assert f"@{listen}:" in url or f"@[{listen}]:" in url
     with worker_clients(url, JobConfig(job, 2, 30)) as clients:  # over TCP, with the printed password
         assert two_iterations(clients).sizes == (7, 23)
         out, _ = coordinator.communicate(timeout=30)

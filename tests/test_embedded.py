@@ -14,8 +14,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lbbsp import ConfigError, EmbeddedRedis, Store, StoreUnavailable
-from lbbsp.embedded import first_answering, local_addresses, machine_identity, redis_server_binary, temp_parent
+from lbbsp import ConfigError, EmbeddedRedis, Store, StoreUnavailable, embedded
+from lbbsp.embedded import (
+    first_answering,
+    ipv6_available,
+    local_addresses,
+    machine_identity,
+    redis_server_binary,
+    serve_embedded,
+    temp_parent,
+)
 from lbbsp.store import wait_for_redis
 
 
@@ -183,9 +191,11 @@ def test_tcp_settings_that_would_open_the_server_or_cannot_work_are_refused_and_
     before = set(Path(temp_parent()).glob("lbbsp-redis-*"))
     with pytest.raises(ConfigError, match="give listen too"):  # a TCP port on every interface, with no password
         EmbeddedRedis(port=6390)
-    for bad in ("::", "not-an-address", "127.0.0.1 ::1"):
-        with pytest.raises(ConfigError, match="one IPv4 address of this machine"):
+    for bad in ("not-an-address", "127.0.0.1 ::1", "0.0.0.0:6379"):
+        with pytest.raises(ConfigError, match="one IPv4 or IPv6 address of this machine"):
             EmbeddedRedis(listen=bad)
+    with pytest.raises(ConfigError, match="link-local, reached only with an interface named"):
+        EmbeddedRedis(listen="fe80::1")
     with pytest.raises(ConfigError, match="not an address of this machine"):
         EmbeddedRedis(listen="203.0.113.7")
     with socket.socket() as holder:
@@ -199,6 +209,36 @@ def test_tcp_settings_that_would_open_the_server_or_cannot_work_are_refused_and_
 def test_loopback_is_the_last_address_a_peer_tries() -> None:
     assert local_addresses("localhost")[-1] == "127.0.0.1"
     assert local_addresses("localhost").count("127.0.0.1") == 1
+    assert local_addresses("::1", ipv6=True)[-2:] == ["127.0.0.1", "::1"]
+    assert all(":" not in address for address in local_addresses("::1"))  # an IPv4 server is not offered by IPv6
+
+
+def _global_ipv6() -> str:
+    """A global IPv6 address of this machine (the test is skipped where there is none)."""
+    if not ipv6_available():
+        pytest.skip("this machine cannot listen on IPv6")
+    found = [address for address in local_addresses(ipv6=True) if ":" in address and address != "::1"]
+    if not found:
+        pytest.skip("this machine has no global IPv6 address")
+    return found[0]
+
+
+def test_a_server_on_every_interface_is_reached_over_ipv6_and_ipv4_the_route_to_the_peer_first() -> None:
+    """On an IPv6 network (MASTER_ADDR an IPv6 address), the address toward the peer comes first, in brackets."""
+    address = _global_ipv6()
+    with EmbeddedRedis(listen="::") as server:
+        urls = server.peer_urls(toward=f"[{address}]")  # MASTER_ADDR may carry brackets
+        assert urls[0] == server.tcp_url(address) and f"@[{address}]:{server.port}/" in urls[0]
+        assert urls[-2:] == [server.tcp_url("127.0.0.1"), server.tcp_url("::1")]
+        for url in urls:
+            with Store.from_url(url, "j") as store:
+                store.client.set("k", url)
+        wrong = urls[0].replace("redis://:", "redis://:x")
+        assert first_answering([wrong, urls[0]]) == urls[0]
+    with EmbeddedRedis(listen=address) as server:
+        assert server.peer_urls(toward="127.0.0.1") == [server.tcp_url(address)]
+        with Store.from_url(server.peer_urls()[0], "j") as store:
+            assert store.client.ping()
 
 
 def test_the_machine_identity_tells_apart_what_shares_a_host_name_but_not_the_servers_folder(
@@ -211,3 +251,24 @@ def test_the_machine_identity_tells_apart_what_shares_a_host_name_but_not_the_se
         pytest.skip("the temp dir and the servers' folder share a device here")
     monkeypatch.setattr("lbbsp.embedded.temp_parent", lambda: str(tmp_path))
     assert machine_identity() != here
+
+
+def test_worker0_listens_on_every_interface_and_on_ipv4_alone_where_ipv6_is_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[str | None] = []
+
+    class Started:  # what worker 0's start gives back; the server itself is tested above
+        url = "unix:///nowhere/redis.sock"
+
+        def peer_urls(self, toward: str | None = None) -> list[str]:
+            return []
+
+    def start(listen: str | None) -> Started:
+        asked.append(listen)
+        return Started()
+
+    for available in (True, False):
+        monkeypatch.setattr(embedded, "ipv6_available", lambda available=available: available)
+        assert serve_embedded(0, lambda value: [value], start, across=True)[1] == Started.url  # type: ignore[arg-type]
+    assert serve_embedded(0, lambda value: [value], start)[1] == Started.url  # type: ignore[arg-type]
+    assert asked == ["::", "0.0.0.0", None]  # one machine: the unix socket alone

@@ -16,6 +16,7 @@ pytest.importorskip("torch")
 from lbbsp import EmbeddedRedis, StoreUnavailable, embedded
 from lbbsp.embedded import _free_port
 from lbbsp.integrations.torch import Balancer
+from test_embedded import _global_ipv6
 from test_torch_exact import digits, in_gloo_group, single_process_params, spawn
 
 SCRIPT = Path(__file__).with_name("torch_two_nodes.py")
@@ -91,10 +92,12 @@ def test_a_server_that_cannot_start_on_rank0_stops_every_rank(tmp_path: Path) ->
     assert errors[1].startswith("rank 0 could not start the embedded Redis: StoreUnavailable: "), errors
 
 
-def _join_from_another_host(rank: int, init: str, out: str) -> None:
+def _join_from_another_host(rank: int, init: str, out: str, master_addr: str | None = None) -> None:
     """Rank 1 says it runs on another machine by its host name alone (a launcher that sets no LOCAL_WORLD_SIZE)."""
     os.environ.pop("LOCAL_WORLD_SIZE", None)
     os.environ.pop("LBBSP_REDIS_URL", None)
+    if master_addr is not None:
+        os.environ["MASTER_ADDR"] = master_addr
     if rank == 1:
         socket.gethostname = lambda: "another-machine"  # type: ignore[assignment]
 
@@ -102,7 +105,7 @@ def _join_from_another_host(rank: int, init: str, out: str) -> None:
         lb = Balancer.from_env(8)
         where = lb.client.store.client.connection_pool.connection_kwargs
         lb.close()
-        return {"reached": "unix" if "path" in where else "tcp"}
+        return {"reached": "unix" if "path" in where else "tcp", "host": where.get("host")}
 
     in_gloo_group(rank, 2, init, out, work)
 
@@ -113,3 +116,14 @@ def test_ranks_on_hosts_of_other_names_reach_rank0_over_tcp(tmp_path: Path) -> N
     spawn(_join_from_another_host, (str(tmp_path / "rdv"), str(tmp_path)), nprocs=2, timeout_s=100)
     reached = [json.loads((tmp_path / f"rank{rank}.json").read_text())["reached"] for rank in (0, 1)]
     assert reached == ["unix", "tcp"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_on_an_ipv6_network_a_rank_reaches_rank0_by_its_ipv6_address(tmp_path: Path) -> None:
+    """MASTER_ADDR is an IPv6 address (an IPv6-only cluster): rank 0's server listens there too, and rank 1 reaches
+    it by the address its route to MASTER_ADDR leaves from."""
+    address = _global_ipv6()
+    spawn(_join_from_another_host, (str(tmp_path / "rdv"), str(tmp_path), address), nprocs=2, timeout_s=100)
+    reached = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["reached"] for r in reached] == ["unix", "tcp"] and reached[1]["host"] == address
