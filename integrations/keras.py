@@ -27,7 +27,7 @@ import numpy as np
 
 from lbbsp.config import JobConfig
 from lbbsp.coordinator import EXTERNAL_POLICY, CoordinatorProcess
-from lbbsp.embedded import FOLDER_PREFIX, EmbeddedRedis, claim, serve_embedded, temp_parent
+from lbbsp.embedded import FOLDER_PREFIX, EmbeddedRedis, serve_embedded, temp_parent
 from lbbsp.errors import ConfigError, StoreUnavailable
 from lbbsp.policies import Policy
 from lbbsp.store import Store, agreed_config, redacted, wait_for_redis, worker_socket_timeout
@@ -180,7 +180,6 @@ class WorkerSession:
             self.coordinator = None
         if self.server is not None:
             self.server.close()
-            shutil.rmtree(self.server.directory, ignore_errors=True)
             self.server = None
 
     def __enter__(self) -> WorkerSession:
@@ -192,14 +191,10 @@ class WorkerSession:
 
 def _start_embedded(directory: Path, listen: str | None = None) -> EmbeddedRedis:
     """Worker 0's embedded server in ``directory``: a fresh one (never another run's assignments), labelled so
-    that a later start removes it if we are killed. A start that fails leaves no folder (it would hold the
-    password's config file until then)."""
+    that a later start removes it if we are killed, and removed when it stops or fails to start (it holds the
+    password's config file)."""
     shutil.rmtree(directory, ignore_errors=True)
-    try:
-        return EmbeddedRedis(claim(directory), listen=listen)
-    except BaseException:
-        shutil.rmtree(directory, ignore_errors=True)
-        raise
+    return EmbeddedRedis(directory, listen=listen, own_directory=True)
 
 
 def _refusal(config: JobConfig, worker: int, *, url: str | None, policy: Policy | None,

@@ -134,7 +134,7 @@ def _pid_namespace() -> str:
         return "-"
 
 
-def claim(folder: Path) -> Path:
+def _claim(folder: Path) -> Path:
     """Create ``folder`` (named with :data:`FOLDER_PREFIX`) labelled as this process's, so that once this
     process is gone and no server listens there, the next embedded server's start removes it."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -368,7 +368,6 @@ def serve_embedded(index: int, all_gather: Callable[[str | None], Sequence[str |
     if failed:
         if server is not None:  # the caller never gets it
             server.close()
-            shutil.rmtree(server.directory, ignore_errors=True)
         raise StoreUnavailable(f"{who} {failed[0]} ({len(failed)} of {len(errors)} {who}s) cannot reach {who} 0's "
                                f"embedded Redis: {errors[failed[0]]}")
     return server, url
@@ -381,26 +380,27 @@ class EmbeddedRedis:
     every interface, IPv4 and IPv6) on which the server also takes TCP clients, at ``port`` (0: a free one). It
     then requires a random password, in every URL it gives (``url``, :meth:`tcp_url`, :meth:`peer_urls`); the
     password lives in a config file only this user can read, not on the command line, where other users of the
-    machine could see it.
+    machine could see it. A ``directory`` given is kept by :meth:`close`, unless ``own_directory``: then it is
+    labelled as this process's, as a folder the server creates is, and removed like one.
 
     >>> with EmbeddedRedis() as server:
     ...     store = Store.from_url(server.url, job="demo")
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, listen: str | None = None, port: int = 0,
-                 start_timeout_s: float = 10.0) -> None:
+                 own_directory: bool = False, start_timeout_s: float = 10.0) -> None:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ConfigError(f"port must be a TCP port in [0, 65535] (0: a free one), got {port!r}")
         if port and listen is None:  # else the server would take TCP clients on every interface, with no password
             raise ConfigError(f"port={port} is the TCP port of listen=: give listen too (such as '::'), or "
                               "leave port out for a server on its unix socket only")
         address = _listen_address(listen) if listen is not None else None
-        self._owns_dir = directory is None
+        self._owns_dir = directory is None or own_directory
         if directory is None:
             parent = temp_parent()
             remove_stale_folders(parent)
-            directory = claim(Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=parent)))
-        self.directory = Path(directory)
+            directory = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=parent))
+        self.directory = _claim(Path(directory)) if self._owns_dir else Path(directory)
         self.socket_path = self.directory / "redis.sock"
         self.listen = address
         self.port = port
@@ -514,7 +514,8 @@ class EmbeddedRedis:
         self.start()
 
     def close(self) -> None:
-        """Stop the server and remove the data directory it created; safe to call twice."""
+        """Stop the server and remove its data directory (one it created, or was given with ``own_directory``);
+        safe to call twice."""
         self.stop()
         if self._owns_dir:
             shutil.rmtree(self.directory, ignore_errors=True)

@@ -272,3 +272,16 @@ def test_worker0_listens_on_every_interface_and_on_ipv4_alone_where_ipv6_is_off(
         assert serve_embedded(0, lambda value: [value], start, across=True)[1] == Started.url  # type: ignore[arg-type]
     assert serve_embedded(0, lambda value: [value], start)[1] == Started.url  # type: ignore[arg-type]
     assert asked == ["::", "0.0.0.0", None]  # one machine: the unix socket alone
+
+
+def test_a_given_folder_is_kept_unless_the_server_owns_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with EmbeddedRedis(tmp_path / "kept"):
+        pass
+    assert any("appendonly" in path.name for path in (tmp_path / "kept").iterdir())  # the caller's data stays
+    with EmbeddedRedis(tmp_path / "owned", own_directory=True) as server:
+        assert (server.directory / "owner").read_text().split()[0] == str(os.getpid())  # a killed owner's is removed
+    assert not (tmp_path / "owned").exists()
+    monkeypatch.setattr(embedded, "redis_server_binary", lambda: "/bin/false")
+    with pytest.raises(StoreUnavailable):
+        EmbeddedRedis(tmp_path / "failed", listen="127.0.0.1", own_directory=True)
+    assert not (tmp_path / "failed").exists()  # with the password's config file
