@@ -159,7 +159,7 @@ class Balancer:
         running = None
         try:
             gather = functools.partial(_all_gathered, world=world)
-            shared: list[Any] = [url, job or f"torch-{uuid.uuid4().hex[:12]}"]
+            shared: list[Any] = [url, job or (f"torch-{uuid.uuid4().hex[:12]}" if rank == 0 else None)]
             dist.broadcast_object_list(shared, src=0)  # rank 0's Redis URL and job name
             url, job = shared
             if url is None:  # rank 0 serves; torchrun's LOCAL_WORLD_SIZE says where ranks run on other machines too
