@@ -242,6 +242,11 @@ def _listen_address(listen: object) -> str:
         address = ipaddress.ip_address(listen.strip() if isinstance(listen, str) else listen)  # type: ignore[arg-type]
     except ValueError:
         raise ConfigError(f"listen must be {want}; got {listen!r}") from None
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.scope_id:
+            raise ConfigError(f"listen={listen!r} names an interface (%{address.scope_id}), which peers lack: give "
+                              "the address alone")
+        address = address.ipv4_mapped or address  # redis-server binds the IPv4 address, not its mapped form
     if address.is_link_local and address.version == 6:  # its URL would need the interface, which peers lack
         raise ConfigError(f"listen={str(address)!r} is link-local, reached only with an interface named: it must be "
                           f"{want} (not link-local)")
@@ -283,6 +288,21 @@ def machine_identity() -> str:
     return f"{socket.gethostname()}/{boot_id}/{os.stat(temp_parent()).st_dev}"
 
 
+def _plain(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """``text`` as an address, without a scope id, and an IPv4-mapped IPv6 address as the IPv4 one it is."""
+    address = ipaddress.ip_address(text.partition("%")[0])
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return mapped or address
+
+
+def _offered(address: ipaddress.IPv4Address | ipaddress.IPv6Address, ipv6: bool) -> bool:
+    """Whether peers are offered ``address`` before loopback: not loopback itself, and an IPv6 one only with
+    ``ipv6`` and where it needs no interface named (not link-local)."""
+    if address.is_loopback:
+        return False
+    return address.version == 4 or (ipv6 and not address.is_link_local)
+
+
 def local_addresses(toward: str | None = None, *, ipv6: bool = False) -> list[str]:
     """This machine's addresses, for peers to try in turn: the one its route to ``toward`` leaves from first, then
     the IPv4 addresses of the other interfaces that are up, then (with ``ipv6``) their global IPv6 addresses,
@@ -290,25 +310,26 @@ def local_addresses(toward: str | None = None, *, ipv6: bool = False) -> list[st
     found: list[str] = []
     if toward:
         try:
-            family, _, _, _, target = socket.getaddrinfo(toward.strip("[]"), 9, type=socket.SOCK_DGRAM)[0]
-            with socket.socket(family, socket.SOCK_DGRAM) as route:
-                route.connect(target)  # no packet is sent: this only picks the route and its source address
-                source = ipaddress.ip_address(str(route.getsockname()[0]).partition("%")[0])
+            routes = socket.getaddrinfo(toward.strip("[]"), 9, socket.AF_UNSPEC if ipv6 else socket.AF_INET,
+                                        socket.SOCK_DGRAM)
+        except OSError:  # a host that does not resolve: the other addresses remain
+            routes = []
+        for family, _, _, _, target in routes:
+            try:
+                with socket.socket(family, socket.SOCK_DGRAM) as route:
+                    route.connect(target)  # no packet is sent: this only picks the route and its source address
+                    source = _plain(str(route.getsockname()[0]))
+            except OSError:  # no route to this address of toward's: its next one
+                continue
             # loopback only last: a peer that tried its own first would hand the password to whatever listens there
-            if not source.is_loopback and not source.is_link_local and (ipv6 or source.version == 4):
+            if _offered(source, ipv6):
                 found.append(str(source))
-        except OSError:  # a host that does not resolve, or no route: the other addresses remain
-            pass
+            break
     stats = psutil.net_if_stats()
     up = [addresses for name, addresses in psutil.net_if_addrs().items() if name not in stats or stats[name].isup]
     for family in (socket.AF_INET, socket.AF_INET6) if ipv6 else (socket.AF_INET,):
-        for addresses in up:
-            for entry in addresses:
-                if entry.family != family:
-                    continue
-                address = ipaddress.ip_address(entry.address.partition("%")[0])
-                if not address.is_loopback and not address.is_link_local:
-                    found.append(str(address))
+        found += [str(_plain(entry.address)) for addresses in up for entry in addresses
+                  if entry.family == family and _offered(_plain(entry.address), ipv6)]
     found += ["127.0.0.1", "::1"] if ipv6 else ["127.0.0.1"]
     return list(dict.fromkeys(found))
 
@@ -462,8 +483,8 @@ class EmbeddedRedis:
             if "Address already in use" not in detail:
                 break
             if attempt + 1 == tries:
-                raise StoreUnavailable(f"embedded redis-server cannot listen on {self.listen}:{port}: another process "
-                                       "holds that port")
+                raise StoreUnavailable(f"embedded redis-server cannot listen on {_url_host(str(self.listen))}:{port}: "
+                                       "another process holds that port")
         raise StoreUnavailable(f"embedded redis-server did not start within {self.start_timeout_s}s: {detail[-500:]}")
 
     def _start(self, port: int, log_file: Path) -> bool:

@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -285,3 +286,28 @@ def test_a_given_folder_is_kept_unless_the_server_owns_it(tmp_path: Path, monkey
     with pytest.raises(StoreUnavailable):
         EmbeddedRedis(tmp_path / "failed", listen="127.0.0.1", own_directory=True)
     assert not (tmp_path / "failed").exists()  # with the password's config file
+
+
+def test_peers_are_offered_what_they_can_connect_to_and_loopback_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """IPv4 link-local (a direct cable) is offered; IPv6 link-local (it needs an interface named) is not; an
+    IPv4-mapped address is the IPv4 one, so a mapped loopback still comes last."""
+    def entry(family: int, address: str) -> SimpleNamespace:  # the fields psutil's entries have that are read
+        return SimpleNamespace(family=family, address=address)
+
+    interfaces = {"lo": [entry(socket.AF_INET, "127.0.0.1"), entry(socket.AF_INET6, "::1")],
+                  "cable": [entry(socket.AF_INET, "169.254.10.1"), entry(socket.AF_INET6, "fe80::1%cable"),
+                            entry(socket.AF_INET6, "fd00::5"), entry(socket.AF_INET6, "::ffff:10.0.0.3")]}
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: interfaces)
+    monkeypatch.setattr(psutil, "net_if_stats", lambda: {})
+    assert local_addresses() == ["169.254.10.1", "127.0.0.1"]
+    assert local_addresses("::ffff:127.0.0.1", ipv6=True) == ["169.254.10.1", "fd00::5", "10.0.0.3", "127.0.0.1",
+                                                                "::1"]
+
+
+def test_a_mapped_listen_address_is_served_as_ipv4_and_a_scope_id_is_refused() -> None:
+    with EmbeddedRedis(listen="::ffff:127.0.0.1") as server:
+        assert server.peer_urls() == [server.tcp_url("127.0.0.1")]
+        with Store.from_url(server.peer_urls()[0], "j") as store:
+            assert store.client.ping()
+    with pytest.raises(ConfigError, match="names an interface"):
+        EmbeddedRedis(listen="fd00::2%eth0")
