@@ -56,15 +56,19 @@ def mlp() -> torch.nn.Module:
 
 ACCUMULATE = 2
 #: mode -> (weighting, DataLoader workers); "accumulate" steps the optimizer every 2 global batches (no_sync),
-#: "amp" runs the hook form under a GradScaler.
-MODES = {"hook": ("hook", 0), "loss": ("loss", 2), "accumulate": ("loss", 0), "amp": ("hook", 0)}
+#: "amp" runs the hook form under a GradScaler; "compiled" runs torch.compile(lb.attach(DDP(m))) with the default
+#: backend (inductor), "compiled-module" lb.attach(DDP(torch.compile(m))) with aot_eager (no C++ build).
+MODES = {"hook": ("hook", 0), "loss": ("loss", 2), "accumulate": ("loss", 0), "amp": ("hook", 0),
+         "compiled": ("hook", 0), "compiled-module": ("loss", 0)}
 
 
 def _train(mode: str, rank: int, url: str, job: str, device: str = "cpu") -> dict:
     weighting, workers = MODES[mode]
-    model = DDP(mlp().to(device))
+    module = mlp().to(device)
+    model = DDP(torch.compile(module, backend="aot_eager") if mode == "compiled-module" else module)
     lb = Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-{mode}", policy=ChangingSplit(), min_batch=0)
     lb.attach(model, weighting)
+    forward = torch.compile(model) if mode == "compiled" else model  # a new batch size: one recompile, to dynamic
     loader = lb.loader(digits(), seed=SEED, num_workers=workers)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if mode == "amp" else None
@@ -77,7 +81,7 @@ def _train(mode: str, rank: int, url: str, job: str, device: str = "cpu") -> dic
             x, y = features.to(device), labels.to(device)
             last = mode != "accumulate" or step % ACCUMULATE == ACCUMULATE - 1 or step == len(loader) - 1
             with model.no_sync() if not last else contextlib.nullcontext():
-                loss = F.cross_entropy(model(x), y)
+                loss = F.cross_entropy(forward(x), y)
                 if weighting == "loss":
                     loss = lb.scale_loss(loss) / (ACCUMULATE if mode == "accumulate" else 1)
                 (scaler.scale(loss) if scaler else loss).backward()
@@ -91,7 +95,7 @@ def _train(mode: str, rank: int, url: str, job: str, device: str = "cpu") -> dic
             seen[-1].extend(index.tolist())
             splits.append(list(lb.step.split))
     lb.close()
-    return {"seen": seen, "splits": splits, "params": [p.detach().cpu().tolist() for p in model.module.parameters()],
+    return {"seen": seen, "splits": splits, "params": [p.detach().cpu().tolist() for p in module.parameters()],
             "device": lb.last_report.device if lb.last_report else None}
 
 
