@@ -228,10 +228,11 @@ def _gatherer(strategy: Any, config: JobConfig, worker: int,
     differ (a job name that is not the same everywhere, say)."""
     if config.num_workers == 1:
         return None
+    does_not_span = ConfigError(f"the strategy given does not span the job's {config.num_workers} workers: pass the "
+                                "MultiWorkerMirroredStrategy that TF_CONFIG describes (or url=)", job=config.job)
     replicas = _replicas_per_worker(strategy)
     if replicas is None:
-        raise ConfigError(f"the strategy given does not span the job's {config.num_workers} workers: pass the "
-                          "MultiWorkerMirroredStrategy that TF_CONFIG describes (or url=)", job=config.job)
+        raise does_not_span
     if _all_summed(strategy, replicas, np.array([float(refused is not None)], np.float32))[0]:
         raise refused or ConfigError("another worker refused its settings: see its error", job=config.job)
     workers = config.num_workers
@@ -241,8 +242,7 @@ def _gatherer(strategy: Any, config: JobConfig, worker: int,
         raise ConfigError(f"{int(taken[index])} workers call themselves worker {index}: pass task_index(), which "
                           "counts a chief first", job=config.job)
     if taken.sum() != workers:
-        raise ConfigError(f"the strategy given does not span the job's {workers} workers: pass the "
-                          "MultiWorkerMirroredStrategy that TF_CONFIG describes (or url=)", job=config.job)
+        raise does_not_span
     gather = functools.partial(_all_gathered, strategy, replicas, workers, worker)
     ours = json.loads(config.to_json())
     for index, theirs in enumerate(json.loads(str(c)) for c in gather(config.to_json())):

@@ -246,10 +246,10 @@ def _listen_address(listen: object) -> str:
         if address.scope_id:
             raise ConfigError(f"listen={listen!r} names an interface (%{address.scope_id}), which peers lack: give "
                               "the address alone")
+        if address.is_link_local:  # its URL would need the interface, which peers lack
+            raise ConfigError(f"listen={str(address)!r} is link-local, reached only with an interface named: it must "
+                              f"be {want} (not link-local)")
         address = address.ipv4_mapped or address  # redis-server binds the IPv4 address, not its mapped form
-    if address.is_link_local and address.version == 6:  # its URL would need the interface, which peers lack
-        raise ConfigError(f"listen={str(address)!r} is link-local, reached only with an interface named: it must be "
-                          f"{want} (not link-local)")
     try:
         _free_port(str(address))
     except OSError as exc:
@@ -328,8 +328,8 @@ def local_addresses(toward: str | None = None, *, ipv6: bool = False) -> list[st
     stats = psutil.net_if_stats()
     up = [addresses for name, addresses in psutil.net_if_addrs().items() if name not in stats or stats[name].isup]
     for family in (socket.AF_INET, socket.AF_INET6) if ipv6 else (socket.AF_INET,):
-        found += [str(_plain(entry.address)) for addresses in up for entry in addresses
-                  if entry.family == family and _offered(_plain(entry.address), ipv6)]
+        plain = [_plain(entry.address) for addresses in up for entry in addresses if entry.family == family]
+        found += [str(address) for address in plain if _offered(address, ipv6)]
     found += ["127.0.0.1", "::1"] if ipv6 else ["127.0.0.1"]
     return list(dict.fromkeys(found))
 
