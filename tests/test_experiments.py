@@ -28,6 +28,8 @@ BAD_ARGUMENTS = [
     ("bench_torch_loading.py", ["--read-us", "-1"]),
     ("bench_keras.py", ["--repeats", "0"]),
     ("bench_gpu.py", ["--sizes", "1,2"]),
+    ("bench_torch_gpu.py", ["--lags", "9"]),
+    ("bench_torch_gpu.py", ["--sizes", "64,x"]),
     ("record_cpu_trace.py", ["--mean-dwell-s", "inf"]),
 ]
 

@@ -37,7 +37,8 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 
 STALL_S = 0.2  # the straggler's extra work per step
 STEPS = 8
-CUDA_MODES = ["hook", "loss", "accumulate"]  # "amp" of the CPU test uses a CPU GradScaler
+CUDA_MODES = {"eager": ["hook", "loss", "accumulate"],  # "amp" of the CPU test uses a CPU GradScaler
+              "compiled": ["compiled", "compiled-module"]}  # inductor's Triton kernels; aot_eager under DDP
 
 
 def gpu_of(rank: int) -> torch.device:
@@ -85,20 +86,22 @@ class GPUStall:
         return statistics.median(a.elapsed_time(b) / 1e3 for a, b in self.events)
 
 
-def _exact_worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> None:
+def _exact_worker(rank: int, world: int, init: str, url: str, job: str, out: str, modes: str) -> None:
     torch.cuda.set_device(gpu_of(rank))
     in_gloo_group(rank, world, init, out, lambda: {mode: _train(mode, rank, url, job, f"cuda:{gpu_of(rank).index}")
-                                                   for mode in CUDA_MODES})
+                                                   for mode in CUDA_MODES[modes]})
 
 
 @pytest.mark.timeout(300)
-def test_cuda_models_under_gloo_match_single_process_and_report_their_gpu(tmp_path: Path, redis_server) -> None:
+@pytest.mark.parametrize("modes", list(CUDA_MODES))
+def test_cuda_models_under_gloo_match_single_process_and_report_their_gpu(tmp_path: Path, redis_server,
+                                                                          modes: str) -> None:
     url = os.environ.get("LBBSP_TEST_REDIS_URL", redis_server.url)
-    spawn(_exact_worker, (3, str(tmp_path / "rdv"), url, f"test-{uuid.uuid4().hex[:10]}", str(tmp_path)), nprocs=3,
-          timeout_s=270)
+    spawn(_exact_worker, (3, str(tmp_path / "rdv"), url, f"test-{uuid.uuid4().hex[:10]}", str(tmp_path), modes),
+          nprocs=3, timeout_s=270)
     trained = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     n = len(digits())
-    for mode in CUDA_MODES:
+    for mode in CUDA_MODES[modes]:
         results = [r[mode] for r in trained]
         assert all(r["splits"] == results[0]["splits"] for r in results), f"{mode}: ranks used different vectors"
         expected = single_process_params(ACCUMULATE if mode == "accumulate" else 1)  # on the CPU, in one process

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import namedtuple
 from collections.abc import Callable
 
@@ -13,7 +14,7 @@ from torch.utils.data import default_collate  # noqa: E402
 
 from lbbsp import ConfigError, Report  # noqa: E402
 from lbbsp.integrations.demo import DemoConfig, load_on, parse_schedule  # noqa: E402
-from lbbsp.integrations.torch import device_label, expandable_segments  # noqa: E402
+from lbbsp.integrations.torch import _GPUReports, device_label, expandable_segments  # noqa: E402
 from lbbsp.integrations.torch_data import PlannedBatch, _emptied  # noqa: E402
 from lbbsp.integrations.torch_grad import ComputeClock, check_weighting, scaled_loss  # noqa: E402
 from lbbsp.models import EWMAThroughput  # noqa: E402
@@ -114,3 +115,49 @@ def test_expandable_segments_is_read_from_either_name_of_the_allocator_setting(
     for name, value in settings.items():
         monkeypatch.setenv(name, value)
     assert expandable_segments() is expected
+
+
+class _GatedClock:
+    """Stands in for a stopped CUDA clock whose events are not done until ``done`` is set."""
+
+    def __init__(self, seconds: float) -> None:
+        self.done = threading.Event()
+        self._seconds = seconds
+
+    def seconds(self) -> float:
+        assert self.done.wait(10), "the clock was never released"
+        return self._seconds
+
+
+def test_gpu_reports_go_in_order_once_their_events_are_done_without_holding_the_host() -> None:
+    sent: list[float] = []
+    reports = _GPUReports(sent.append)
+    first, second = _GatedClock(0.25), _GatedClock(0.5)
+    reports.put(lambda seconds: seconds, first)  # returns at once: the host queues the next step meanwhile
+    reports.put(lambda seconds: seconds, second)
+    assert not reports.idle and sent == []
+    second.done.set()  # the later step is done first: its report still waits for the earlier one
+    waiter = threading.Thread(target=reports.wait)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and sent == []
+    first.done.set()
+    waiter.join(10)
+    assert sent == [0.25, 0.5] and reports.idle
+    reports.close()
+
+
+def test_a_gpu_report_that_fails_to_send_raises_in_the_training_thread() -> None:
+    reports = _GPUReports(lambda report: None)
+    clock = _GatedClock(0.1)
+    clock.done.set()
+
+    def refused(seconds: float) -> None:
+        raise ConfigError(f"compute_s={seconds} refused")
+
+    reports.put(refused, clock)
+    with pytest.raises(ConfigError, match="refused"):
+        reports.wait()
+    reports.put(lambda seconds: seconds, clock)  # the thread outlives a failed report
+    reports.close()
+    reports.wait()

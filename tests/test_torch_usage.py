@@ -166,6 +166,10 @@ def external_coordinator(url: str, job: str) -> dict:
         Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, coordinator=False, policy=BSPPolicy())
     except ConfigError as exc:
         result["policy"] = str(exc)
+    try:  # as the policy: the coordinator's --lag
+        Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, coordinator=False, lag=4)
+    except ConfigError as exc:
+        result["lag_refused"] = str(exc)
     model = linear()
     train = trainer(model)
     with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, coordinator=False) as lb:
@@ -193,7 +197,9 @@ def settings(url: str, job: str) -> dict:
         Balancer.from_env(GLOBAL_BATCH, redis="redis://127.0.0.1:1/0", job=job)  # nothing listens there
     except StoreUnavailable as exc:
         result["unreachable"] = str(exc)
-    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job) as lb:
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, lag=3) as lb:  # for steps shorter than a decision
+        result["lag"] = lb.config.lag
+        result["first"] = [lb.client.assignment(k).policy for k in range(3)]
         for name, call in (("iterable", lambda: lb.loader(Stream())),
                            ("persistent_workers", lambda: lb.loader(data(), persistent_workers=False))):
             try:
@@ -402,6 +408,7 @@ def test_an_external_coordinators_lag_and_ttl_are_adopted(outcomes: list[dict]) 
     assert "global_batch=8" in result["mismatch"] and "global_batch=16" in result["mismatch"]
     assert "the URL of its Redis (redis= or $LBBSP_REDIS_URL)" in result["no_redis"]
     assert result["policy"].startswith("policy= is the coordinator's")
+    assert "set its --lag" in result["lag_refused"]
     assert (result["lag"], result["ttl_s"]) == (1, 600)
     assert [policy for policy, _ in result["assignments"][:1]] == ["initial"]
     assert all(policy != "initial" and not fallback for policy, fallback in result["assignments"][1:])
@@ -415,6 +422,7 @@ def test_settings_errors_say_what_to_do(outcomes: list[dict]) -> None:
     assert "map-style dataset" in result["iterable"]
     assert "persistent_workers itself" in result["persistent_workers"]
     assert "127.0.0.1:1" in result["unreachable"] and "LBBSP_REDIS_URL" in result["unreachable"]
+    assert result["lag"] == 3 and result["first"] == ["initial"] * 3, result["first"]
 
 
 @pytest.mark.slow

@@ -1,0 +1,150 @@
+"""What lbbsp's per-step work costs on a GPU with nothing to balance: plain DDP vs lbbsp (prints figures).
+
+    python experiments/bench_torch_gpu.py [--sizes 64,256,1024] [--lags 2,4] [--steps 60] [--repeats 3] [--out F]
+
+One rank under NCCL trains bench_gpu's small CNN on synthetic 3x32x32 images held on the host, loaded with
+pinned memory and copied without blocking, as a GPU training loop does; nothing on the host waits for the GPU
+inside the loop. Three loops of the same steps run in turn, ``--repeats`` times per batch size, so that a change
+in the machine's speed falls on all of them alike:
+  ddp        plain DDP over a DataLoader;
+  ddp-synced the same, with the host waiting for the GPU before it loads each batch (what a per-step
+             synchronisation costs: the GPU idles while the host loads the batch and queues the step);
+  lbbsp      lb.attach(DDP(m)) over lb.loader, with the default policy and an embedded Redis, at each lag of
+             ``--lags`` (``Balancer.from_env(lag=...)``; "lbbsp lag=2" is the default).
+The ratios (samples/s over DDP's) are the medians of the runs' ratios. With one rank there is nothing to
+balance, so lbbsp/DDP is its overhead alone. Without CUDA it runs on the CPU under gloo: a dry run, whose
+figures say nothing of a GPU. Figures go to stdout and to --out (default experiments/results/bench_torch_gpu.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from bench_gpu import cnn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+
+from lbbsp.integrations.torch import Balancer
+
+BASELINES = ("ddp", "ddp-synced")
+WARMUP = 10  # steps before the clock starts: cuDNN's autotuning, the allocator's first segments, lbbsp's first lag
+
+
+def run(loop: str, batch: int, steps: int, data: TensorDataset, device: torch.device) -> float:
+    """One run of ``loop`` ("ddp", "ddp-synced" or "lbbsp lag=L"): samples per second over ``steps`` steps after
+    the warm-up."""
+    torch.manual_seed(0)
+    model = DDP(cnn().to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    lb = None
+    if loop.startswith("lbbsp"):
+        lb = Balancer.from_env(batch, lag=int(loop.split("=")[1]))
+        lb.attach(model)
+        batches: Iterable[Any] = lb.loader(data, seed=0, drop_last=True, pin_memory=device.type == "cuda")
+    else:
+        batches = DataLoader(data, batch_size=batch, shuffle=True, drop_last=True, pin_memory=device.type == "cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    started = 0.0
+    epoch = iter(batches)
+    for done in range(WARMUP + steps):
+        if done == WARMUP:
+            synchronize(device)
+            started = time.perf_counter()
+        if loop == "ddp-synced":
+            synchronize(device)  # before the next batch is loaded: the host's work for it no longer overlaps the GPU's
+        pair = next(epoch, None)
+        if pair is None:
+            epoch = iter(batches)
+            pair = next(epoch)
+        x, y = (t.to(device, non_blocking=True) for t in pair)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    synchronize(device)
+    seconds = time.perf_counter() - started
+    if lb is not None:
+        lb.close()
+    return steps * batch / seconds
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="64,256,1024", help="global batch sizes, comma-separated")
+    parser.add_argument("--lags", default="2,4", help="lbbsp's lags, comma-separated (2 is the default)")
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per run (after 10 warm-up steps)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each loop per size, in turn")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bench_torch_gpu.json")
+    args = parser.parse_args(argv)
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+        lags = [int(s) for s in args.lags.split(",")]
+    except ValueError:
+        parser.error(f"--sizes and --lags must be comma-separated integers, got {args.sizes!r}, {args.lags!r}")
+    if not sizes or min(sizes) < 1 or args.steps < 1 or args.repeats < 1:
+        parser.error("--sizes, --steps and --repeats must be at least 1")
+    if not lags or not all(1 <= lag <= 8 for lag in lags):
+        parser.error("--lags must be in [1, 8]")
+    loops = [*BASELINES, *(f"lbbsp lag={lag}" for lag in lags)]
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_WORLD_SIZE="1")
+    dist.init_process_group("nccl" if cuda else "gloo")
+    name = torch.cuda.get_device_name(device) if cuda else f"CPU (dry run, {torch.get_num_threads()} threads)"
+    print(f"{name}, torch {torch.__version__}, backend {dist.get_backend()}", flush=True)
+    generator = torch.Generator().manual_seed(0)
+    pool = max(sizes) * (WARMUP + args.steps) // 4 + max(sizes)  # a few epochs of the largest size
+    data = TensorDataset(torch.randn(pool, 3, 32, 32, generator=generator),
+                         torch.randint(0, 10, (pool,), generator=generator))
+    rows = []
+    for batch in sizes:
+        speed: dict[str, list[float]] = {loop: [] for loop in loops}
+        for _ in range(args.repeats):
+            for loop in loops:
+                speed[loop].append(run(loop, batch, args.steps, data, device))
+        ddp = np.array(speed["ddp"])
+        row: dict[str, Any] = {"batch": batch, "samples_per_s": {k: float(np.median(v)) for k, v in speed.items()},
+                               "step_ms_ddp": 1e3 * batch / float(np.median(ddp))}
+        for loop in loops[1:]:
+            ratio = np.array(speed[loop]) / ddp
+            row[f"{loop}/ddp"] = float(np.median(ratio))
+            row[f"{loop}/ddp_range"] = [float(ratio.min()), float(ratio.max())]
+        rows.append(row)
+        print(f"  b={batch:5d}  DDP {row['step_ms_ddp']:7.2f} ms/step  "
+              + "  ".join(f"{loop}/DDP {row[f'{loop}/ddp']:.3f} ({row[f'{loop}/ddp_range'][0]:.3f}-"
+                          f"{row[f'{loop}/ddp_range'][1]:.3f})" for loop in loops[1:]), flush=True)
+    dist.destroy_process_group()
+    result = {"device": name, "torch": torch.__version__, "python": platform.python_version(),
+              "steps": args.steps, "repeats": args.repeats, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
