@@ -21,6 +21,7 @@ import sys
 import threading
 import uuid
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -365,6 +366,7 @@ class Balancer:
         events are not done yet is reported by a thread once they are: the host goes on to queue the next step."""
         if self._reported or self.step is None:
             return
+        self._gpu_reports.check()
         self._reported = True
         self._clock.stop()
         features = self._monitor.sample()
@@ -434,16 +436,19 @@ class Balancer:
         if self._closed:
             return
         failing = sys.exc_info()[0] is not None
+        failure: BaseException | None = None
         try:
             if not failing:
-                self.end_step(abandoned=True)
+                try:
+                    self.end_step(abandoned=True)
+                except Exception as exc:  # noqa: BLE001  (raised below, once this rank has met the others)
+                    failure = exc
             for loader in list(self._loaders):
                 loader.close()
             for handle in self._hooks:
                 handle.remove()
-            self._gpu_reports.close()
-            if not failing:
-                self._gpu_reports.wait()  # raises what sending a report raised
+            self._gpu_reports.close(self.config.assignment_timeout_s if failing else None)
+            failure = failure or self._gpu_reports.failure()
             self.client.close()
             if not failing and dist.is_initialized():
                 dist.barrier()  # nobody still talks to the Redis or coordinator that rank 0 is about to stop
@@ -453,6 +458,8 @@ class Balancer:
                 self.coordinator.stop()
             for resource in reversed(self._owned):
                 resource.close()
+        if failure is not None and not failing:
+            raise failure
 
     def __enter__(self) -> Balancer:
         return self
@@ -464,13 +471,13 @@ class Balancer:
 class _GPUReports:
     """A thread that sends the reports of GPU steps, each once its CUDA events are done, in order. Reading them at
     once would make the host wait for the GPU at every step, and the GPU then idles while the host prepares the
-    next step."""
+    next step. What sending one raised is kept for the training thread (:meth:`check`)."""
 
     def __init__(self, sent: Callable[[Report], None]) -> None:
         self._sent = sent
         self._queue: queue.Queue[tuple[Callable[..., Report], ComputeClock] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._failure: BaseException | None = None
+        self._failures: deque[BaseException] = deque()  # appended by the thread, taken by the training thread
 
     @property
     def idle(self) -> bool:
@@ -479,40 +486,44 @@ class _GPUReports:
 
     def put(self, report: Callable[..., Report], clock: ComputeClock) -> None:
         """Send ``report(compute_s)`` once ``clock`` (stopped, not reused) can be read."""
-        self._raise_failure()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="lbbsp-gpu-reports", daemon=True)
             self._thread.start()
         self._queue.put((report, clock))
 
-    def wait(self) -> None:
-        """Until every report put is sent; raises what sending one raised."""
-        self._queue.join()
-        self._raise_failure()
+    def check(self) -> None:
+        """Raise what sending a report raised, once."""
+        failure = self.failure()
+        if failure is not None:
+            raise failure
 
-    def close(self) -> None:
-        """Send what is queued, then stop the thread (:meth:`wait` then raises what sending one raised)."""
+    def failure(self) -> BaseException | None:
+        """What sending a report raised, taken (None if nothing did)."""
+        return self._failures.popleft() if self._failures else None
+
+    def wait(self) -> None:
+        """Until every report put is sent; then :meth:`check`."""
+        self._queue.join()
+        self.check()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Send what is queued, then stop the thread, waiting at most ``timeout_s`` (a daemon left waiting for a
+        GPU that will not finish, where an error is propagating)."""
         if self._thread is not None:
             self._queue.put(None)
-            self._thread.join()
+            self._thread.join(timeout_s)
             self._thread = None
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             report, clock = item
             try:
-                if self._failure is None:
-                    self._sent(report(clock.seconds()))  # seconds() waits for the events, without the GIL
+                self._sent(report(clock.seconds()))  # seconds() waits for the events, without the GIL
             except BaseException as exc:  # noqa: BLE001  (raised in the training thread, at the next step)
-                self._failure = exc
+                self._failures.append(exc)
             finally:
                 self._queue.task_done()
         self._queue.task_done()
-
-    def _raise_failure(self) -> None:
-        failure, self._failure = self._failure, None
-        if failure is not None:
-            raise failure
 
 
 #: Why a sharded model (FSDP, FSDP2's fully_shard) is refused.

@@ -201,7 +201,8 @@ class ComputeClock:
         if self._end is None:
             raise ConfigError("the compute clock was read before it was stopped")
         if self.cuda:
-            self._end.synchronize()  # type: ignore[union-attr]
+            with torch.cuda.device(self.device):  # from another thread too: no context made on the current GPU
+                self._end.synchronize()  # type: ignore[union-attr]
             paused = sum(a.elapsed_time(b) for a, b in self._pauses) / 1e3  # type: ignore[union-attr, arg-type]
             return self._start.elapsed_time(self._end) / 1e3 - paused  # type: ignore[union-attr, arg-type]
         return float(self._end - self._start) - sum(b - a for a, b in self._pauses)  # type: ignore[operator, misc]

@@ -147,17 +147,21 @@ def test_gpu_reports_go_in_order_once_their_events_are_done_without_holding_the_
     reports.close()
 
 
-def test_a_gpu_report_that_fails_to_send_raises_in_the_training_thread() -> None:
-    reports = _GPUReports(lambda report: None)
+def test_a_gpu_report_that_fails_to_send_raises_in_the_training_thread_once() -> None:
+    sent: list[float] = []
+    reports = _GPUReports(sent.append)
     clock = _GatedClock(0.1)
     clock.done.set()
 
-    def refused(seconds: float) -> None:
+    def refused(seconds: float) -> float:
         raise ConfigError(f"compute_s={seconds} refused")
 
     reports.put(refused, clock)
-    with pytest.raises(ConfigError, match="refused"):
-        reports.wait()
     reports.put(lambda seconds: seconds, clock)  # the thread outlives a failed report
+    reports._queue.join()
+    assert reports.idle and sent == [0.1]
+    with pytest.raises(ConfigError, match="refused"):  # kept while idle: the next step's report raises it
+        reports.check()
+    reports.check()  # once
     reports.close()
     reports.wait()
