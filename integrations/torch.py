@@ -143,7 +143,8 @@ class Balancer:
         ``coordinator=False`` means an external ``lbbsp coordinator`` serves the job on the Redis named, and then
         ``job`` must be its name; the job's ``lag`` and key TTL are then the coordinator's (``--lag``, ``--ttl``),
         and every other setting must match it. Without ``job``, rank 0 picks a fresh name so that a rerun never
-        reads the assignments of an earlier one.
+        reads the assignments of an earlier one. ``lag`` (``JobConfig.lag``, 2 by default): step k's vector is
+        decided from the reports of step k - lag.
         """
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialised: call dist.init_process_group first")
