@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -105,3 +106,74 @@ def test_ranks_whose_loaders_disagree_stop_with_an_error_before_the_epoch(tmp_pa
     field = {"a seed per rank": "seed", "seeds 2**63 apart": "seed", "set_epoch on rank 0 only": "epoch",
              "a shard per rank": "dataset size"}
     assert all(f"the ranks' loaders differ in {field[misuse]}" in text for text in said), said
+
+
+class _UnfinishedGPUClock:
+    """Stands in for a GPU step's clock (the only stand-in here): stopped, but its events are done only once
+    ``done`` is set, and reading them waits for that."""
+
+    cuda = True
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+
+    @property
+    def ready(self) -> bool:
+        return self.done.is_set()
+
+    def seconds(self) -> float:
+        assert self.done.wait(30)
+        return 0.25
+
+
+def _late_report_worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    ddp = DDP(mlp())
+    lb = Balancer.from_env(40, redis=url, job=job, policy=BSPPolicy())
+    lb.attach(ddp)
+    clock = lb._clock = _UnfinishedGPUClock()  # type: ignore[assignment]
+    batches = iter(lb.loader(digits(), seed=0))
+    result: dict = {}
+    x, y, _ = next(batches)
+    F.cross_entropy(ddp(x), y).backward()
+    started = time.perf_counter()
+    next(batches)  # step 0 ends while its "GPU" is still busy: the next step must not wait for it
+    result["next_step_s"] = time.perf_counter() - started
+    result["queued"] = not lb._gpu_reports.idle
+    clock.done.set()
+    result["first"] = [lb.last_report.iteration, lb.last_report.compute_s]  # type: ignore[union-attr]
+    clock.done.clear()
+
+    def refused(*_: object, **__: object) -> None:
+        raise ValueError("Redis refused the report")
+
+    lb.client.report = refused  # type: ignore[method-assign]
+    F.cross_entropy(ddp(x), y).backward()
+    next(batches)  # step 1's report goes to the thread, which fails once the events are done
+    clock.done.set()
+    lb._gpu_reports._queue.join()
+    try:
+        next(batches)  # the failure is raised in the training thread, at the next step's report
+    except ValueError as exc:
+        result["raised"] = str(exc)
+    lb.close()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_gpu_steps_report_waits_for_its_events_in_a_thread_not_in_the_next_step(tmp_path: Path, redis_url: str) -> None:
+    """The path CUDA steps take (tests/test_torch_cuda.py runs it on a GPU), with a stand-in clock on the CPU: the
+    next step begins at once, the report follows once the events are done, and a report that fails to send
+    raises at a later step of the training thread."""
+    spawn(_late_report_worker, (1, str(tmp_path / "rdv"), redis_url, f"test-{uuid.uuid4().hex[:10]}", str(tmp_path)),
+          nprocs=1, timeout_s=100)
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result["queued"] and result["next_step_s"] < 5, result
+    assert result["first"] == [0, 0.25]
+    assert result["raised"] == "Redis refused the report"
