@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import socket
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -83,12 +82,6 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="64,256,1024", help="global batch sizes, comma-separated")
@@ -111,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_WORLD_SIZE="1")
-    dist.init_process_group("nccl" if cuda else "gloo")
+    rendezvous = tempfile.NamedTemporaryFile(prefix="bench-torch-gpu-", delete=False)
+    rendezvous.close()
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous.name}", rank=0, world_size=1)
     name = torch.cuda.get_device_name(device) if cuda else f"CPU (dry run, {torch.get_num_threads()} threads)"
     print(f"{name}, torch {torch.__version__}, backend {dist.get_backend()}", flush=True)
     generator = torch.Generator().manual_seed(0)
@@ -138,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
               + "  ".join(f"{loop}/DDP {row[f'{loop}/ddp']:.3f} ({row[f'{loop}/ddp_range'][0]:.3f}-"
                           f"{row[f'{loop}/ddp_range'][1]:.3f})" for loop in loops[1:]), flush=True)
     dist.destroy_process_group()
+    Path(rendezvous.name).unlink(missing_ok=True)  # the FileStore may have removed it
     result = {"device": name, "torch": torch.__version__, "python": platform.python_version(),
               "steps": args.steps, "repeats": args.repeats, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

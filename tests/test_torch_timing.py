@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -19,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from lbbsp.integrations.torch import Balancer  # noqa: E402
 from lbbsp.policies import BSPPolicy  # noqa: E402
 from test_torch_exact import digits, mlp, spawn  # noqa: E402
+from test_torch_units import GatedGPUClock  # noqa: E402
 
 STALL_S = 0.25  # rank 1's extra compute per step, inside its forward pass
 STEPS = 6
@@ -108,35 +108,12 @@ def test_ranks_whose_loaders_disagree_stop_with_an_error_before_the_epoch(tmp_pa
     assert all(f"the ranks' loaders differ in {field[misuse]}" in text for text in said), said
 
 
-class _UnfinishedGPUClock:
-    """Stands in for a GPU step's clock (the only stand-in here): stopped, but its events are done only once
-    ``done`` is set, and reading them waits for that."""
-
-    cuda = True
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-
-    def start(self) -> None: ...
-    def stop(self) -> None: ...
-    def pause(self) -> None: ...
-    def resume(self) -> None: ...
-
-    @property
-    def ready(self) -> bool:
-        return self.done.is_set()
-
-    def seconds(self) -> float:
-        assert self.done.wait(30)
-        return 0.25
-
-
 def _late_report_worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     ddp = DDP(mlp())
     lb = Balancer.from_env(40, redis=url, job=job, policy=BSPPolicy())
     lb.attach(ddp)
-    clock = lb._clock = _UnfinishedGPUClock()  # type: ignore[assignment]
+    clock = lb._clock = GatedGPUClock()  # type: ignore[assignment]  # the only stand-in here
     batches = iter(lb.loader(digits(), seed=0))
     result: dict = {}
     x, y, _ = next(batches)

@@ -117,22 +117,34 @@ def test_expandable_segments_is_read_from_either_name_of_the_allocator_setting(
     assert expandable_segments() is expected
 
 
-class _GatedClock:
-    """Stands in for a stopped CUDA clock whose events are not done until ``done`` is set."""
+class GatedGPUClock:
+    """Stands in for a stopped GPU step's clock: its events are done only once ``done`` is set, and reading them
+    waits for that (tests/test_torch_timing.py puts one in a Balancer too)."""
 
-    def __init__(self, seconds: float) -> None:
+    cuda = True
+
+    def __init__(self, seconds: float = 0.25) -> None:
         self.done = threading.Event()
         self._seconds = seconds
 
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+
+    @property
+    def ready(self) -> bool:
+        return self.done.is_set()
+
     def seconds(self) -> float:
-        assert self.done.wait(10), "the clock was never released"
+        assert self.done.wait(30), "the clock was never released"
         return self._seconds
 
 
 def test_gpu_reports_go_in_order_once_their_events_are_done_without_holding_the_host() -> None:
     sent: list[float] = []
     reports = _GPUReports(sent.append)
-    first, second = _GatedClock(0.25), _GatedClock(0.5)
+    first, second = GatedGPUClock(0.25), GatedGPUClock(0.5)
     reports.put(lambda seconds: seconds, first)  # returns at once: the host queues the next step meanwhile
     reports.put(lambda seconds: seconds, second)
     assert not reports.idle and sent == []
@@ -150,7 +162,7 @@ def test_gpu_reports_go_in_order_once_their_events_are_done_without_holding_the_
 def test_a_gpu_report_that_fails_to_send_raises_in_the_training_thread_once() -> None:
     sent: list[float] = []
     reports = _GPUReports(sent.append)
-    clock = _GatedClock(0.1)
+    clock = GatedGPUClock(0.1)
     clock.done.set()
 
     def refused(seconds: float) -> float:
