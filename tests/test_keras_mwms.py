@@ -478,8 +478,10 @@ def test_keras3_multi_worker_is_refused(tmp_path: Path, redis_url: str, job: str
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_redis_stalled_for_good_stops_both_workers_and_neither_hangs(tmp_path: Path, job: str) -> None:
-    """Under MWMS there is no agreed fallback: when Redis stalls past outage_s, each worker's fit must end with
-    StoreUnavailable (not a hang in the all-reduce, not a split of its own), within a bounded time."""
+    """Under MWMS there is no agreed fallback: when Redis stalls past outage_s, fit must stop within a bounded time
+    (not hang in the all-reduce, not train on a split of its own). A worker that reaches the Redis read stops with
+    StoreUnavailable. One that had read the step's vector just before the stall is already in the all-reduce, waiting
+    for its peer; it can only end when that peer leaves, with TensorFlow's UnavailableError, and after it."""
     with EmbeddedRedis() as server:
         assert server.pid is not None
         ports = _free_ports(2)
@@ -498,15 +500,23 @@ def test_a_redis_stalled_for_good_stops_both_workers_and_neither_hangs(tmp_path:
             os.kill(server.pid, signal.SIGCONT)
             for p in procs:
                 p.kill()
+    ended = []
     for index, output in enumerate(outputs):
         assert procs[index].returncode == 0, output[-4000:]
-        ended = json.loads((tmp_path / f"outage{index}.json").read_text())
-        assert ended["error"] == "StoreUnavailable", (ended, output[-3000:])
-        assert "Redis unusable for" in ended["message"] and "cannot fall back safely" in ended["message"], ended
-        assert ended["iterations"] >= 6, ended
+        ended.append(json.loads((tmp_path / f"outage{index}.json").read_text()))
+        assert ended[-1]["error"] in ("StoreUnavailable", "UnavailableError"), (ended[-1], output[-3000:])
+        assert ended[-1]["iterations"] >= 6, ended[-1]
         # outage_s, plus the assignment timeout, socket timeouts and TensorFlow's end of the step in progress: not
         # a hang (2 of 5 runs on 2 cores on 2026-11-25 took over 34 s, one 40.6 s; cause not found)
-        assert OUTAGE_S <= ended["at"] - stalled < OUTAGE_S + 60, ended
+        assert OUTAGE_S <= ended[-1]["at"] - stalled < OUTAGE_S + 60, ended[-1]
+    stopped = [e for e in ended if e["error"] == "StoreUnavailable"]
+    assert stopped, ended  # the stall itself stopped training, not something else
+    for e in stopped:
+        assert "Redis unusable for" in e["message"] and "cannot fall back safely" in e["message"], e
+    for e in ended:
+        if e["error"] == "UnavailableError":  # left in the all-reduce by a peer that stopped first
+            # (a second of slack: the peer takes its time stamp after its fit has unwound)
+            assert e["at"] >= min(s["at"] for s in stopped) - 1.0, ended
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     _, _, index, ports, url, job, spe, out = sys.argv
