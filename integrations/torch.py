@@ -24,6 +24,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -569,9 +570,19 @@ def cpu_group() -> dist.ProcessGroup | None:
     if _collective_device().type == "cpu":
         return None
     default = dist.distributed_c10d._get_default_group()
-    if default not in _CPU_GROUPS:
-        _CPU_GROUPS[default] = dist.new_group(backend="gloo")
+    if default not in _CPU_GROUPS:  # with the default group's timeout: new_group's own default is gloo's 30 minutes
+        _CPU_GROUPS[default] = dist.new_group(backend="gloo", timeout=_group_timeout(default))
     return _CPU_GROUPS[default]
+
+
+def _group_timeout(group: dist.ProcessGroup) -> timedelta | None:
+    """The timeout ``group``'s collectives run under (``init_process_group(timeout=...)`` for the default group), or
+    None where this torch does not tell (read from the backend's options, which torch keeps private)."""
+    try:
+        timeout = group._get_backend(_collective_device(group)).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout if isinstance(timeout, timedelta) else None
 
 
 def expandable_segments() -> bool:

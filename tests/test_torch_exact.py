@@ -7,6 +7,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -99,10 +100,13 @@ def _train(mode: str, rank: int, url: str, job: str, device: str = "cpu") -> dic
             "device": lb.last_report.device if lb.last_report else None}
 
 
-def in_gloo_group(rank: int, world: int, init: str, out: str, work: Callable[[], dict]) -> None:
-    """Run ``work`` as ``rank`` of a gloo group of ``world`` and write what it returns to out/rank{rank}.json."""
+def in_gloo_group(rank: int, world: int, init: str, out: str, work: Callable[[], dict],
+                  timeout: timedelta | None = None) -> None:
+    """Run ``work`` as ``rank`` of a gloo group of ``world`` (under ``timeout``, torch's default for None) and write
+    what it returns to out/rank{rank}.json."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            **({} if timeout is None else {"timeout": timeout}))
     Path(out, f"rank{rank}.json").write_text(json.dumps(work()))
     dist.destroy_process_group()
 

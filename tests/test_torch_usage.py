@@ -15,6 +15,8 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import timedelta
+from unittest import mock
 
 import pytest
 
@@ -25,11 +27,13 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset, Subset, TensorDataset  # noqa: E402
 
+import lbbsp.integrations.torch as lbbsp_torch  # noqa: E402
 from lbbsp import BSPPolicy, ConfigError, EmbeddedRedis, JobConfig, LBBSPError, Store, StoreUnavailable  # noqa: E402
 from lbbsp.integrations.torch import Balancer  # noqa: E402
 from test_torch_exact import in_gloo_group, spawn  # noqa: E402
 
 SAMPLES, GLOBAL_BATCH = 64, 8  # 8 steps per epoch
+GROUP_TIMEOUT = timedelta(seconds=1234)  # the ranks' process group's: gloo's default is 30 minutes
 
 
 def data() -> TensorDataset:
@@ -315,9 +319,24 @@ def batches_outside_their_steps(url: str, job: str) -> dict:
     return result
 
 
+def agreement_group(url: str, job: str) -> dict:
+    """The gloo group the vector is agreed over when the default group is NCCL's, made as it is there (the one thing
+    stubbed: where the default group's collectives run): it must wait as long as the process group does, not gloo's
+    default of 30 minutes, when a rank is gone."""
+    with mock.patch.object(lbbsp_torch, "_collective_device", return_value=torch.device("cuda", 0)):
+        group = lbbsp_torch.cpu_group()
+    try:
+        assert group is not None
+        return {"timeout_s": group._get_backend(torch.device("cpu")).options._timeout.total_seconds(),
+                "backend": torch.distributed.get_backend(group), "size": torch.distributed.get_world_size(group)}
+    finally:
+        lbbsp_torch._CPU_GROUPS.clear()
+
+
 SCENARIOS = {f.__name__: f for f in (abandoned_steps, no_sync_with_the_hook, without_attach,
                                      loss_form_without_scale_loss, second_balancer_on_one_model,
-                                     external_coordinator, settings, mistakes, batches_outside_their_steps)}
+                                     external_coordinator, settings, mistakes, batches_outside_their_steps,
+                                     agreement_group)}
 
 
 def _scenarios(url: str, job: str) -> dict:
@@ -332,7 +351,7 @@ def _scenarios(url: str, job: str) -> dict:
 
 
 def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> None:
-    in_gloo_group(rank, world, init, out, lambda: _scenarios(url, job))
+    in_gloo_group(rank, world, init, out, lambda: _scenarios(url, job), timeout=GROUP_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -423,6 +442,13 @@ def test_settings_errors_say_what_to_do(outcomes: list[dict]) -> None:
     assert "persistent_workers itself" in result["persistent_workers"]
     assert "127.0.0.1:1" in result["unreachable"] and "LBBSP_REDIS_URL" in result["unreachable"]
     assert result["lag"] == 3 and result["first"] == ["initial"] * 3, result["first"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_agreement_group_made_under_nccl_keeps_the_process_groups_timeout(outcomes: list[dict]) -> None:
+    assert both(outcomes, "agreement_group") == {"timeout_s": GROUP_TIMEOUT.total_seconds(), "backend": "gloo",
+                                                 "size": 2}
 
 
 @pytest.mark.slow
