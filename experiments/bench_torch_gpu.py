@@ -12,20 +12,23 @@ in the machine's speed falls on all of them alike:
   lbbsp      lb.attach(DDP(m)) over lb.loader, with the default policy and an embedded Redis, at each lag of
              ``--lags`` (``Balancer.from_env(lag=...)``; "lbbsp lag=2" is the default).
 The ratios (samples/s over DDP's) are the medians of the runs' ratios. With one rank there is nothing to
-balance, so lbbsp/DDP is its overhead alone. Without CUDA it runs on the CPU under gloo: a dry run, whose
+balance, so lbbsp/DDP is its overhead alone. One more lbbsp run per size (at the first lag) times lbbsp's parts
+of each step on the host, each wrapped in a timer: where that overhead goes. Without CUDA it runs on the CPU under gloo: a dry run, whose
 figures say nothing of a GPU. Figures go to stdout and to --out (default experiments/results/bench_torch_gpu.json).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
@@ -35,15 +38,31 @@ from bench_gpu import cnn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
+import lbbsp.integrations.torch as lbbsp_torch
 from lbbsp.integrations.torch import Balancer
+from lbbsp.integrations.torch_data import BalancedLoader
+from lbbsp.store import Store
+from lbbsp.telemetry import ResourceMonitor
 
 BASELINES = ("ddp", "ddp-synced")
 WARMUP = 10  # steps before the clock starts: cuDNN's autotuning, the allocator's first segments, lbbsp's first lag
+#: lbbsp's work on the host in each step, by part (indented: within the part above), for the timed run. begin_step
+#: includes the wait for the vector; the report of a GPU step is made in the next begin_step (on the CPU, from the
+#: gradient hook), so the parts do not add up.
+PARTS: dict[str, tuple[Any, str]] = {
+    "begin_step": (Balancer, "begin_step"),
+    "  Redis read of the vector": (Store, "get_assignment"),
+    "  agreement broadcast": (lbbsp_torch, "agree_with_rank0"),
+    "report": (Balancer, "_finish_step"),
+    "  telemetry": (ResourceMonitor, "sample"),
+    "loading the slice": (BalancedLoader, "_load"),
+}
 
 
-def run(loop: str, batch: int, steps: int, data: TensorDataset, device: torch.device) -> float:
+def run(loop: str, batch: int, steps: int, data: TensorDataset, device: torch.device,
+        on_start: Callable[[], None] | None = None) -> float:
     """One run of ``loop`` ("ddp", "ddp-synced" or "lbbsp lag=L"): samples per second over ``steps`` steps after
-    the warm-up."""
+    the warm-up (``on_start`` is called as the clock starts)."""
     torch.manual_seed(0)
     model = DDP(cnn().to(device), device_ids=[device.index] if device.type == "cuda" else None)
     lb = None
@@ -59,6 +78,8 @@ def run(loop: str, batch: int, steps: int, data: TensorDataset, device: torch.de
     for done in range(WARMUP + steps):
         if done == WARMUP:
             synchronize(device)
+            if on_start is not None:
+                on_start()
             started = time.perf_counter()
         if loop == "ddp-synced":
             synchronize(device)  # before the next batch is loaded: the host's work for it no longer overlaps the GPU's
@@ -75,6 +96,27 @@ def run(loop: str, batch: int, steps: int, data: TensorDataset, device: torch.de
     if lb is not None:
         lb.close()
     return steps * batch / seconds
+
+
+def host_parts(lag: int, batch: int, steps: int, data: TensorDataset, device: torch.device) -> dict[str, float]:
+    """One lbbsp run with each of :data:`PARTS` wrapped in a timer: ms per step of each, and of the whole step."""
+    spent = dict.fromkeys(PARTS, 0.0)
+
+    def timed(call: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - started
+        return wrapper
+
+    with contextlib.ExitStack() as stack:
+        for label, (owner, name) in PARTS.items():
+            stack.enter_context(mock.patch.object(owner, name, timed(getattr(owner, name), label)))
+        samples_per_s = run(f"lbbsp lag={lag}", batch, steps, data, device,
+                            on_start=lambda: spent.update(dict.fromkeys(spent, 0.0)))
+    return {"step": 1e3 * batch / samples_per_s, **{label.strip(): 1e3 * t / steps for label, t in spent.items()}}
 
 
 def synchronize(device: torch.device) -> None:
@@ -126,10 +168,13 @@ def main(argv: list[str] | None = None) -> int:
             ratio = np.array(speed[loop]) / ddp
             row[f"{loop}/ddp"] = float(np.median(ratio))
             row[f"{loop}/ddp_range"] = [float(ratio.min()), float(ratio.max())]
+        row["host_ms_per_step"] = parts = host_parts(lags[0], batch, args.steps, data, device)
         rows.append(row)
         print(f"  b={batch:5d}  DDP {row['step_ms_ddp']:7.2f} ms/step  "
               + "  ".join(f"{loop}/DDP {row[f'{loop}/ddp']:.3f} ({row[f'{loop}/ddp_range'][0]:.3f}-"
                           f"{row[f'{loop}/ddp_range'][1]:.3f})" for loop in loops[1:]), flush=True)
+        print(f"           lbbsp lag={lags[0]} with timers: {parts['step']:.2f} ms/step; its host work per step (ms): "
+              + ", ".join(f"{label.strip()} {parts[label.strip()]:.3f}" for label in PARTS), flush=True)
     dist.destroy_process_group()
     Path(rendezvous.name).unlink(missing_ok=True)  # the FileStore may have removed it
     result = {"device": name, "torch": torch.__version__, "python": platform.python_version(),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +88,21 @@ def test_the_policy_benchmark_runs_each_seed_as_lbbsp_simulate_does_and_counts_t
         ahead = sum(ours < theirs or over > 0
                     for ours, theirs, over in zip(figures["lbbsp"]["vs_oracle"], f["vs_oracle"], f["over_memory"]))
         assert rows[name].endswith(f"{ahead} of 3") != (name == "lbbsp" or name.startswith("oracle")), rows[name]
+
+
+def test_the_gpu_overhead_benchmark_times_lbbsps_parts_of_a_step_within_the_step(tmp_path: Path) -> None:
+    """Its dry run on the CPU: each part of lbbsp's host work is timed over the timed steps alone, a part within
+    another takes no longer than it, and none takes longer than the step (they overlap: no sum is checked)."""
+    out = tmp_path / "gpu.json"
+    result = subprocess.run([sys.executable, str(EXPERIMENTS / "bench_torch_gpu.py"), "--sizes", "4", "--lags", "2",
+                             "--steps", "3", "--repeats", "1", "--out", str(out)], capture_output=True, text=True,
+                            timeout=300, check=False)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    parts = json.loads(out.read_text())["rows"][0]["host_ms_per_step"]
+    assert set(parts) == {"step", "begin_step", "Redis read of the vector", "agreement broadcast", "report",
+                          "telemetry", "loading the slice"}, parts
+    assert all(v > 0 for v in parts.values()), parts
+    assert parts["Redis read of the vector"] + parts["agreement broadcast"] <= parts["begin_step"], parts
+    assert parts["telemetry"] <= parts["report"], parts
+    assert max(v for k, v in parts.items() if k != "step") < parts["step"], parts
+    assert "its host work per step (ms): begin_step" in result.stdout, result.stdout
