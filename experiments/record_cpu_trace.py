@@ -11,9 +11,9 @@ features, exactly as a worker would report them, plus the true contention level 
 
 Record into a folder of your own: experiments/traces holds the shipped traces, which bench_models.py and
 ``lbbsp simulate`` read by default (every *.json there). They were recorded with ``--backend numpy --batch
-2048 --seed 1 --core 0`` (cpu_numpy_mlp) and ``--backend torch --batch 256 --seed 2 --core 1`` (cpu_torch_cnn),
-the numpy one before its step updated the weights in place (docs/models.md: its speed alternates between even and
-odd iterations). experiments/traces_heldout holds two recorded as those were, with seeds 3 and 4, by the fixed step.
+2048 --seed 1 --core 0`` (cpu_numpy_mlp, 2026-11-28) and ``--backend torch --batch 256 --seed 2 --core 1``
+(cpu_torch_cnn, 2026-11-22). experiments/traces_heldout holds two recorded as those were, with seeds 3 and 4,
+that no model was tuned on (docs/models.md).
 """
 from __future__ import annotations
 
