@@ -120,23 +120,6 @@ def test_narx_holds_back_a_lone_spike_and_follows_a_confirmed_jump() -> None:
     assert guarded.predict([0])[0] > 3000  # confirmed: followed
 
 
-def test_narx_level_jumps_to_a_contention_switch_and_smooths_the_noise() -> None:
-    """The EWMA level (what NARX answers before its network is trusted, and one of its inputs) moves to a
-    measurement 2x off at once, as a co-located job coming or going makes it, while a 20% dip is blended in;
-    with ``level_jump=None`` the switch is blended too, and the forecast lags it."""
-    jumping, blending = NARXThroughput(warmup=10**6), NARXThroughput(warmup=10**6, level_jump=None)
-    for model in (jumping, blending):
-        for t in range(20):
-            model.partial_fit([Report("l", 0, t, 100, 0.1)])  # 1,000 samples/s
-        model.partial_fit([Report("l", 0, 20, 100, 0.125)])  # one slow iteration: 800/s
-    assert jumping.predict([0])[0] == pytest.approx(1000 * 0.8 ** 0.3, rel=1e-6)  # blended, as without jumps
-    assert blending.predict([0])[0] == pytest.approx(jumping.predict([0])[0], rel=1e-9)
-    for model in (jumping, blending):
-        model.partial_fit([Report("l", 0, 21, 100, 0.25)])  # a co-located job arrives: 400/s from now on
-    assert jumping.predict([0])[0] == pytest.approx(400, rel=1e-6)
-    assert blending.predict([0])[0] > 600
-
-
 def test_narx_handles_late_joiners_skipped_iterations_and_missing_features() -> None:
     model = NARXThroughput(warmup=0)
     for t in range(40):
@@ -175,8 +158,7 @@ def test_deferred_training_changes_when_the_network_learns_not_what() -> None:
                                     {"huber_delta": 0.0}, {"alpha_ewma": 1.5}, {"hidden": (0,)}, {"hidden": (-4,)},
                                     {"hidden": 16}, {"learning_rate": 0.0}, {"buffer_size": 0},
                                     {"rows_per_update": 0}, {"features": "cpu_util"}, {"features": ("cpu_load",)},
-                                    {"spike": 1.0}, {"spike": float("inf")}, {"spike": "4"},
-                                    {"level_jump": 1.0}, {"level_jump": float("inf")}, {"level_jump": "2"}])
+                                    {"spike": 1.0}, {"spike": float("inf")}, {"spike": "4"}])
 def test_narx_rejects_bad_parameters_at_first_fit(params: dict) -> None:
     with pytest.raises(ConfigError):
         NARXThroughput(**params).partial_fit([Report("b", 0, 0, 10, 0.1)])

@@ -16,12 +16,6 @@ until ``warmup`` updates have run and for as long as the network's recent error,
 before it is trained on, is not below the EWMA level's: a small job with little data never gets a worse
 forecast than the smoothed speed.
 
-The EWMA level (weight ``alpha_ewma``) jumps to a measurement more than ``level_jump`` times above or below it
-instead of blending it in: a co-located job that comes or goes changes the speed 1.5 to 3.3 times at once on
-the recorded traces, where the per-iteration noise is 13 to 17%, and a smoothed level took several reports to
-follow each such switch (in the simulator's cpu-contention scenario LB-BSP was 0.3 to 3.2% slower, on the
-shipped and the held-out traces alike). ``level_jump=None``: always blend.
-
 A measurement more than ``spike`` times what the worker was expected to do (the larger of its EWMA level and its
 latest measurement) is held back until its next one confirms it: a timing glitch that claims a hundredfold
 speed would otherwise hand that worker most of the batch for several iterations, while a real speed-up is
@@ -64,7 +58,6 @@ class NARXThroughput(CapacityModel):
                  horizon: int = 2, hidden: tuple[int, ...] = (16, 16), alpha_ewma: float = 0.3,
                  learning_rate: float = 3e-3, huber_delta: float = 0.02, buffer_size: int = 4096,
                  rows_per_update: int = 256, warmup: int = 30, spike: float | None = 4.0,
-                 level_jump: float | None = 1.5,
                  random_state: int = 0) -> None:
         self.lags = lags
         self.exog_lags = exog_lags
@@ -78,7 +71,6 @@ class NARXThroughput(CapacityModel):
         self.rows_per_update = rows_per_update
         self.warmup = warmup
         self.spike = spike
-        self.level_jump = level_jump
         self.random_state = random_state
 
     # -- learning ----------------------------------------------------------------------------------------
@@ -119,11 +111,8 @@ class NARXThroughput(CapacityModel):
         self.log_thr_[workers, -1] = log_thr
         self.exog_[workers, :-1] = self.exog_[workers, 1:]
         self.exog_[workers, -1] = exog
-        level = self.log_level_[workers]
-        jumped = count == 0
-        if self.level_jump is not None:
-            jumped |= np.abs(log_thr - level) > np.log(self.level_jump)
-        self.log_level_[workers] = np.where(jumped, log_thr, self.alpha_ewma * log_thr + (1 - self.alpha_ewma) * level)
+        self.log_level_[workers] = np.where(
+            count == 0, log_thr, self.alpha_ewma * log_thr + (1 - self.alpha_ewma) * self.log_level_[workers])
         self.count_[workers] = count + 1
         full = count + 1 >= self.lags
         if full.any():
@@ -177,8 +166,6 @@ class NARXThroughput(CapacityModel):
             _integer(getattr(self, name), name, 1 if name != "warmup" else 0, None)
         if self.spike is not None:
             _real(self.spike, "spike", 1.0, np.inf, "None or a factor above 1", lo_open=True, hi_open=True)
-        if self.level_jump is not None:
-            _real(self.level_jump, "level_jump", 1.0, np.inf, "None or a factor above 1", lo_open=True, hi_open=True)
         if self.random_state is not None:
             _integer(self.random_state, "random_state", 0, None)
         # a string would be read as its letters, and a name reports never carry as a column of zeros
