@@ -28,7 +28,7 @@ from .errors import LBBSPError, PolicyError, ProtocolError
 from .models import AutoCapacityModel, worker_kind
 from .policies import Decision, LBBSPPolicy, Policy
 from .protocol import MAX_POLICY_NAME_CHARS, MAX_REASON_CHARS, Assignment, Report
-from .store import REDIS_ERRORS, REDIS_FAILURES, REPORTS_KEPT, Store
+from .store import ITERATIONS_KEPT, REDIS_ERRORS, REDIS_FAILURES, Store
 
 log = logging.getLogger("lbbsp.coordinator")
 
@@ -210,8 +210,8 @@ class Coordinator:
             assignment = self._assignment(target)
         self._recent.append(assignment.sizes)
         self._record(iteration, assignment, written, decision, reports, rejected, decision_s, learn_s)
-        if iteration >= REPORTS_KEPT:  # else a long job's reports fill Redis for ttl_s
-            self.store.forget_reports(iteration - REPORTS_KEPT)
+        if iteration >= ITERATIONS_KEPT:  # every worker is past that one; kept for ttl_s, they filled Redis
+            self.store.forget_iteration(iteration - ITERATIONS_KEPT)
         self.decisions_made += 1
         return Outcome(iteration, assignment, written, decision_s, rejected, learn_s)
 

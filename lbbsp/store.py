@@ -4,8 +4,7 @@ Keys (all under ``lbbsp:{job}:``, all with a TTL so that finished jobs do not le
 
 =====================  =======  ==========================================================================
 ``config``             string   the :class:`JobConfig` as JSON, written once by whoever comes first
-``reports:{k}``        hash     worker id -> report JSON for iteration k (first report per worker wins); deleted
-                               when the coordinator decides from iteration k + ``REPORTS_KEPT``
+``reports:{k}``        hash     worker id -> report JSON for iteration k (first report per worker wins)
 ``ready``              list     iterations whose reports are all in, for the coordinator to pop
 ``assign:{k}``         string   the assignment JSON for iteration k, written once (SET NX)
 ``assigned``           channel  iteration numbers, published when ``assign:{k}`` is written
@@ -13,6 +12,9 @@ Keys (all under ``lbbsp:{job}:``, all with a TTL so that finished jobs do not le
 ``workers``            hash     worker id -> status JSON for ``lbbsp status``
 ``coordinator``        string   the serving coordinator's host:pid:id, renewed every second (expires in 5 s)
 =====================  =======  ==========================================================================
+
+``reports:{k}`` and ``assign:{k}`` go sooner: when the coordinator decides from iteration k + ``ITERATIONS_KEPT``,
+which every worker has finished, so none reads them again.
 """
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ from .errors import ConfigError, StoreUnavailable
 from .protocol import MAX_PAYLOAD_BYTES, Assignment, Report
 
 DECISION_LOG_LENGTH = 1000
-#: Iterations whose reports stay in Redis, the latest ones (to look at): deciding from iteration k, the coordinator
-#: deletes those of k - REPORTS_KEPT, which would otherwise pile up for ``ttl_s`` (260 bytes a report: 2.7 MB a
-#: second at 1,024 workers and 10 iterations a second, 9.6 GB in the default hour, where the latest 100 hold 27 MB)
-REPORTS_KEPT = 100
+#: Iterations whose reports and assignment stay in Redis, the latest ones (to look at): deciding from iteration k, when
+#: every worker has finished k, the coordinator deletes those of k - ITERATIONS_KEPT, which would otherwise pile up for
+#: ``ttl_s`` (at 1,024 workers, 266 KB of reports and 6 KB of assignment an iteration: 9.8 GB in the default hour at 10
+#: iterations a second, where the latest 100 hold 27 MB)
+ITERATIONS_KEPT = 100
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 #: Those, and Redis answering with an error (a key of the wrong type, out of memory, a read-only replica during a
 #: failover), which may clear as well: what a worker rides out within its bound, and a shutdown ignores.
@@ -263,9 +266,10 @@ class Store:
         """The raw payloads posted for ``iteration``, keyed by the worker field as posted."""
         return cast("dict[bytes, bytes]", self.client.hgetall(self.key("reports", iteration)))
 
-    def forget_reports(self, iteration: int) -> None:
-        """Delete the reports of ``iteration``; the coordinator does, :data:`REPORTS_KEPT` iterations later."""
-        self.client.unlink(self.key("reports", iteration))
+    def forget_iteration(self, iteration: int) -> None:
+        """Delete the reports and the assignment of ``iteration``; the coordinator does, :data:`ITERATIONS_KEPT`
+        iterations later."""
+        self.client.unlink(self.key("reports", iteration), self.key("assign", iteration))
 
     def report_count(self, iteration: int) -> int:
         return int(self.client.hlen(self.key("reports", iteration)))

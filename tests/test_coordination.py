@@ -26,7 +26,7 @@ from lbbsp import (
     Report,
     Store,
 )
-from lbbsp.store import REPORTS_KEPT
+from lbbsp.store import ITERATIONS_KEPT
 
 SPAWN = mp.get_context("spawn")
 
@@ -267,18 +267,23 @@ def test_the_policy_learns_after_the_split_is_written(redis_url: str, job: str) 
     store.close()
 
 
-def test_a_long_job_keeps_only_its_latest_iterations_reports_in_redis(redis_url: str, job: str) -> None:
-    """Deciding from iteration k deletes the reports of k - REPORTS_KEPT: kept for ttl_s, a long job's reports
-    filled Redis (9.6 GB an hour at 1,024 workers and 10 iterations a second)."""
+def test_a_long_job_keeps_only_its_latest_iterations_in_redis(redis_url: str, job: str) -> None:
+    """Deciding from iteration k deletes the reports and the assignment of k - ITERATIONS_KEPT: kept for ttl_s, a
+    long job's filled Redis (9.8 GB an hour at 1,024 workers and 10 iterations a second)."""
     config = JobConfig(job, 2, 64)
-    with Store.from_url(redis_url, job) as store:
+    iterations = ITERATIONS_KEPT + 3
+    with Store.from_url(redis_url, job) as store, worker_clients(redis_url, config) as clients:
         coordinator = Coordinator(store, config)
-        for k in range(REPORTS_KEPT + 3):
+        for k in range(iterations):
+            for i, client in enumerate(clients):  # the workers read each split, as in a job
+                assert client.assignment(k).sizes[i] >= 1
             assert store.post_reports([Report(job, i, k, 1, 0.01 * (i + 1)) for i in range(2)], 2) == 2
             assert store.next_ready(1.0) == k
             assert coordinator.decide(k).written
-        assert [store.report_count(k) for k in range(REPORTS_KEPT + 3)] == [0] * 3 + [2] * REPORTS_KEPT
-        assert all(json.loads(d)["rejected"] == [] for d in store.decisions(REPORTS_KEPT + 3))
+        assert [store.report_count(k) for k in range(iterations)] == [0] * 3 + [2] * ITERATIONS_KEPT
+        assert [store.get_assignment(k) is not None for k in range(iterations + config.lag)] == (
+            [False] * 3 + [True] * (ITERATIONS_KEPT + config.lag))
+        assert all(json.loads(d)["rejected"] == [] for d in store.decisions(iterations))
 
 
 @pytest.mark.timeout(90)
