@@ -146,7 +146,7 @@ def _plain(job: Any, worker: Any, iteration: Any, samples: Any, compute_s: Any, 
             and _in_range(compute_s, 0.0, MAX_SECONDS) and not 0 < compute_s < MIN_COMPUTE_S
             and (comm_s is None or _in_range(comm_s, 0.0, MAX_SECONDS))
             and (wait_s is None or _in_range(wait_s, 0.0, MAX_SECONDS))
-            and type(features) is dict):
+            and type(features) is dict and ("gpu_mem_used" in features) == ("gpu_mem_free" in features)):
         return False
     for name, value in features.items():
         bounds = FEATURE_RANGES.get(name)
@@ -213,6 +213,11 @@ class Report:
                 raise _fail(f"unknown feature {name!r}", f"features.{name}", **where)
             if not _in_range(value, *bounds):
                 _float(value, f"features.{name}", *bounds, **where)
+        if ("gpu_mem_used" in self.features) != ("gpu_mem_free" in self.features):  # a cap needs the card's size
+            given, missing = sorted(("gpu_mem_used", "gpu_mem_free"), key=lambda f: f not in self.features)
+            raise _fail(f"{given} without {missing}: report both (NVML's memory info, or torch.cuda.mem_get_info's "
+                        "free and total - free), or neither; from one alone no memory cap can be set",
+                        f"features.{missing}", **where)
         _str(self.device, "device", 64, **where)
         return self
 

@@ -54,6 +54,8 @@ def test_a_parsed_report_is_the_report_its_fields_make_and_stays_frozen() -> Non
     ({"features": {"gpu_temp": 80.0}}, "features.gpu_temp"),
     ({"features": {"cpu_util": 3.0}}, "features.cpu_util"),
     ({"features": [1, 2]}, "features"),
+    ({"features": {"gpu_mem_used": 4e9}}, "features.gpu_mem_free"),  # no memory cap can come of one alone
+    ({"features": {"gpu_mem_free": 4e9, "cpu_util": 0.5}}, "features.gpu_mem_used"),
     ({"v": 2}, "v"),
 ])
 def test_hostile_reports_are_rejected_naming_the_field(overrides: dict, field: str) -> None:
@@ -82,6 +84,8 @@ def test_missing_field_oversized_and_non_json_payloads() -> None:
 def test_reports_are_validated_when_built_too() -> None:
     with pytest.raises(ProtocolError, match="compute_s"):
         Report("j", 0, 0, 8, float("nan"))
+    with pytest.raises(ProtocolError, match="gpu_mem_used without gpu_mem_free: report both"):
+        Report("j", 0, 0, 8, 0.1, features={"gpu_mem_used": 4e9}, device="cuda:0")
 
 
 def test_assignment_round_trip_and_checks() -> None:
