@@ -214,7 +214,8 @@ class Report:
             if not _in_range(value, *bounds):
                 _float(value, f"features.{name}", *bounds, **where)
         if ("gpu_mem_used" in self.features) != ("gpu_mem_free" in self.features):  # a cap needs the card's size
-            given, missing = sorted(("gpu_mem_used", "gpu_mem_free"), key=lambda f: f not in self.features)
+            given, missing = (("gpu_mem_used", "gpu_mem_free") if "gpu_mem_used" in self.features
+                              else ("gpu_mem_free", "gpu_mem_used"))
             raise _fail(f"{given} without {missing}: report both (NVML's memory info, or torch.cuda.mem_get_info's "
                         "free and total - free), or neither; from one alone no memory cap can be set",
                         f"features.{missing}", **where)
