@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 
 import pytest
 
@@ -35,6 +36,9 @@ def test_a_parsed_report_is_the_report_its_fields_make_and_stays_frozen() -> Non
         Report("j", 1, 7, 32, 0.25)  # the optional fields take their defaults
     with pytest.raises(dataclasses.FrozenInstanceError):
         parsed.samples = 64  # type: ignore[misc]
+    assert dataclasses.replace(parsed, samples=64) == Report("j", 1, 7, 64, 0.25, comm_s=0.01, features={
+        "cpu_util": 0.5, "colocated_load": 0.1})  # every slot is set: replace and copies work
+    assert pickle.loads(pickle.dumps(parsed)) == parsed
     spaced = b"  \n" + json.dumps(good(), indent=2).encode() + b"\n "
     assert Report.from_json(spaced) == Report.from_json(json.dumps(good()))  # whitespace around: still one report
 
