@@ -117,11 +117,18 @@ class ForecastRisk:
             self.finish_learning()
 
     def finish_learning(self) -> None:
-        """Pool the slowdowns of the reports that :meth:`observe` deferred."""
+        """Pool the slowdowns of the reports that :meth:`observe` deferred, and take the pools' quantiles and
+        typical miss for the next decision now (after the split is written), not during it."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        reports, ids = pending
+        self._pool_pending(*pending)
+        if self.forecasts_:
+            self._bucket_factors(self._eps(self.forecasts_[max(self.forecasts_)][0].size))
+        self.typical_miss()
+
+    def _pool_pending(self, reports: Sequence[Report], ids: np.ndarray) -> None:
+        """Pool the slowdowns of ``reports`` (of workers ``ids``) against their iterations' recorded forecasts."""
         count = len(reports)
         iterations = np.fromiter([r.iteration for r in reports], np.int64, count)
         samples = np.fromiter([r.samples for r in reports], float, count)
@@ -141,7 +148,14 @@ class ForecastRisk:
         """Time factor of each worker recorded for ``iteration``, in the order given to :meth:`record`: the
         (1 - eps) quantile of its bucket's slowdowns, eps = hedge / number of workers."""
         ids, _, bucket = self.forecasts_[iteration]
-        eps = float(np.clip(self.hedge / max(ids.size, 1), 1.0 / self.pool_size, 0.5))
+        return self._bucket_factors(self._eps(ids.size))[bucket]
+
+    def _eps(self, workers: int) -> float:
+        """The share of ``workers`` expected to overrun the planned deadline: hedge / workers, within bounds."""
+        return float(np.clip(self.hedge / max(workers, 1), 1.0 / self.pool_size, 0.5))
+
+    def _bucket_factors(self, eps: float) -> np.ndarray:
+        """Each bucket's (1 - eps) quantile of its slowdowns (1 below ``min_samples``), cached until the pools change."""
         if self._quantiles is None or self._quantiles[0] != eps:
             per_bucket = np.ones(self.pooled_.size)
             for b in np.flatnonzero(self.pooled_ >= self.min_samples):
@@ -150,7 +164,7 @@ class ForecastRisk:
                 k = int(np.ceil((1.0 - eps) * (pooled.size - 1) - 1e-9))
                 per_bucket[b] = float(np.exp(np.partition(pooled, k)[k]))
             self._quantiles = (eps, per_bucket)
-        return self._quantiles[1][bucket]
+        return self._quantiles[1]
 
     def typical_miss(self) -> float | None:
         """The median size of the forecasts' misses, |log(forecast / measured)|, over every bucket with at least
