@@ -11,6 +11,10 @@ after the write (NARX's training, the margins' pooling), which no worker waits f
 take turns in --rounds rounds, and the models take turns each iteration, so a drift in this machine's speed
 hits all alike.
 
+Steps shorter than a decision (--short-compute-ms, --short-workers): the same runs with lag 2, the workers
+reporting the compute they measured, the coordinator running ahead (several iterations a decision, the default)
+against one decision per iteration, side by side.
+
     python experiments/bench_coordinator.py [--iterations 100] [--rounds 3] [--workers 4 16 64]
 """
 from __future__ import annotations
@@ -25,6 +29,7 @@ from multiprocessing.synchronize import Barrier
 import numpy as np
 
 from lbbsp import Coordinator, EmbeddedRedis, JobConfig, LBBSPPolicy, Report, Store, WorkerClient
+from lbbsp.coordinator import MAX_AHEAD
 from lbbsp.models import AutoCapacityModel, BatchTimeCurve, CapacityModel, EWMAThroughput, FLClientModel, NARXThroughput
 from lbbsp.policies import Decision, Policy
 
@@ -33,7 +38,7 @@ WARM_UP = 5  # iterations of each critical-path run left out: process start, fir
 BARRIER_TIMEOUT_S = 60.0  # a worker that died leaves the others here; they fail instead of waiting for ever
 
 
-def _worker(url: str, config_json: str, worker: int, iterations: int, compute_s: float, floor: bool,
+def _worker(url: str, config_json: str, worker: int, iterations: int, compute_s: float, floor: bool, measured: bool,
             barrier: Barrier, times: MutableSequence[float]) -> None:
     config = JobConfig.from_json(config_json)
     client = WorkerClient(Store.from_url(url, config.job), config, worker)
@@ -41,10 +46,12 @@ def _worker(url: str, config_json: str, worker: int, iterations: int, compute_s:
     speed = 1000.0 * (1 + worker % 4)
     sizes = client.assignment(0).sizes
     for k in range(iterations):
+        computing = time.perf_counter()
         time.sleep(compute_s)  # the forward and backward pass of iteration k
         started = time.perf_counter()
-        if not floor:
-            client.report(k, sizes[worker], sizes[worker] / speed * rng.uniform(0.9, 1.1))
+        if not floor:  # the compute measured, or one of a worker that many samples at its speed would take
+            seconds = started - computing if measured else sizes[worker] / speed * rng.uniform(0.9, 1.1)
+            client.report(k, sizes[worker], seconds)
         reported = time.perf_counter()
         barrier.wait(BARRIER_TIMEOUT_S)  # the gradient all-reduce: BSP would go on from here
         released = time.perf_counter()
@@ -56,20 +63,26 @@ def _worker(url: str, config_json: str, worker: int, iterations: int, compute_s:
     client.close()
 
 
-def critical_path(url: str, workers: int, iterations: int, lag: int, compute_s: float, floor: bool = False) -> np.ndarray:
+def critical_path(url: str, workers: int, iterations: int, lag: int, compute_s: float, floor: bool = False,
+                  max_ahead: int = MAX_AHEAD, pace: list[float] | None = None, measured: bool = False) -> np.ndarray:
+    """The slowest worker's added time per iteration; the run's wall seconds per iteration appended to ``pace``.
+    ``measured``: the workers report the compute they slept, else that of workers of 1-4x speeds, 64 ms at 1x."""
     config = JobConfig(f"bench-{workers}-{time.time_ns()}", workers, 64 * workers, assignment_timeout_s=10.0,
                        lag=lag)
     barrier = FORK.Barrier(workers)
     times = FORK.Array("d", [np.nan] * (iterations * workers), lock=False)
     with Store.from_url(url, config.job) as store:
-        coordinator = Coordinator(store, config).start()
+        coordinator = Coordinator(store, config, max_ahead=max_ahead).start()
         try:
             procs = [FORK.Process(target=_worker, args=(url, config.to_json(), i, iterations, compute_s, floor,
-                                                        barrier, times)) for i in range(workers)]
+                                                        measured, barrier, times)) for i in range(workers)]
+            started = time.perf_counter()
             for p in procs:
                 p.start()
             for p in procs:
                 p.join()
+            if pace is not None:
+                pace.append((time.perf_counter() - started) / iterations)
         finally:
             coordinator.stop()
     failed = [i for i, p in enumerate(procs) if p.exitcode != 0]
@@ -191,6 +204,32 @@ def _ms(values: np.ndarray, q: float) -> str:
     return f"{np.percentile(values, q) * 1e3:8.3f}"
 
 
+def short_steps(url: str, args: argparse.Namespace) -> None:
+    """Steps shorter than a decision, lag 2: the coordinator running ahead (the default) against one decision per
+    iteration (``max_ahead=1``), the two taking turns round by round; wall time per iteration and added time.
+    The workers report the compute they measured, as an integration does, which is what the coordinator
+    compares its own time with."""
+    print(f"\nsteps of {args.short_compute_ms:g} ms, shorter than a decision: the coordinator running ahead (default, "
+          f"up to {MAX_AHEAD} iterations a decision) against one decision per iteration (max_ahead=1)")
+    modes = (("ahead", MAX_AHEAD), ("one", 1))
+    pace: dict[tuple[str, int], list[float]] = {(mode, n): [] for mode, _ in modes for n in args.short_workers}
+    added: dict[tuple[str, int], list[np.ndarray]] = {key: [] for key in pace}
+    for r in range(args.rounds):
+        for n in args.short_workers:
+            for mode, max_ahead in modes:
+                added[mode, n].append(critical_path(url, n, args.iterations, 2, args.short_compute_ms / 1e3,
+                                                    max_ahead=max_ahead, pace=pace[mode, n], measured=True))
+        print(f"  round {r + 1}/{args.rounds} done", flush=True)
+    print(f"{'mode':>6} {'workers':>8} {'ms/iteration':>13} {'added p50':>10} {'added p99':>10} "
+          f"{'ahead/one':>10}   (ms/iteration: median over the rounds; ahead/one: that ratio, per round: median (range))")
+    for (mode, n), seconds in pace.items():
+        pooled = np.concatenate(added[mode, n])
+        ratios = np.array(pace["ahead", n]) / np.array(pace["one", n])
+        ratio = f"{np.median(ratios):.2f} ({ratios.min():.2f}-{ratios.max():.2f})" if mode == "ahead" else ""
+        print(f"{mode:>6} {n:>8} {1e3 * float(np.median(seconds)):>13.2f} {_ms(pooled, 50):>10} {_ms(pooled, 99):>10} "
+              f"{ratio:>10}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=100,
@@ -199,6 +238,11 @@ def main() -> None:
                         help="critical-path runs per row; the rows take turns, round by round")
     parser.add_argument("--workers", type=int, nargs="+", default=[4, 16, 64])
     parser.add_argument("--compute-ms", type=float, default=20.0, help="emulated compute per iteration")
+    parser.add_argument("--short-compute-ms", type=float, default=1.0,
+                        help="emulated compute per iteration of the runs with steps shorter than a decision")
+    parser.add_argument("--short-workers", type=int, nargs="+", default=[1, 2, 4],
+                        help="workers of those runs (few: on 2 cores more processes keep the cores busy, whatever "
+                             "the coordinator does)")
     parser.add_argument("--decision-workers", type=int, nargs="+", default=[1024, 10_000])
     parser.add_argument("--warmup", type=int, default=30, help="iterations that fill each model's history first")
     parser.add_argument("--repeats", type=int, default=100,
@@ -208,12 +252,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.iterations <= WARM_UP or args.rounds < 1:
         parser.error(f"--iterations must be more than {WARM_UP} (the warm-up left out) and --rounds at least 1")
-    if min(args.workers + args.decision_workers) < 1:
-        parser.error("--workers and --decision-workers must be at least 1")
+    if min(args.workers + args.decision_workers + args.short_workers) < 1:
+        parser.error("--workers, --decision-workers and --short-workers must be at least 1")
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be at least 1 and --warmup at least 0")
-    if not 0 <= args.compute_ms < 1e6:  # NaN too
-        parser.error("--compute-ms must be a number of milliseconds, at least 0")
+    if not (0 <= args.compute_ms < 1e6 and 0 <= args.short_compute_ms < 1e6):  # NaN too
+        parser.error("--compute-ms and --short-compute-ms must be numbers of milliseconds, at least 0")
     server = None if args.redis else EmbeddedRedis()
     url = server.url if server is not None else args.redis
     try:
@@ -233,6 +277,7 @@ def main() -> None:
             for (label, n), runs in added.items():
                 pooled = np.concatenate(runs)
                 print(f"{label:>5} {n:>8} {_ms(pooled, 50)} {_ms(pooled, 99)} {_ms(pooled, 100)}", flush=True)
+            short_steps(url, args)
         print(f"\ndecision time in steady state (after {args.warmup} iterations), LB-BSP with each real model; "
               "the models take turns each iteration")
         print(f"{'model':<26} {'workers':>8} {'policy p50':>11} {'policy p99':>11} {'cpu p50':>8} {'step p50':>9} "

@@ -161,7 +161,7 @@ def _status(args: argparse.Namespace) -> int:
             for column in ("iteration", "sizes", "policy", "by", "reason", "rejected"):
                 log.add_column(column)
             for d in decisions:
-                log.add_row(str(d["iteration"]), " ".join(map(str, d["sizes"][:16])) + (" ..." if len(d["sizes"]) > 16 else ""),
+                log.add_row(_iterations(d), " ".join(map(str, d["sizes"][:16])) + (" ..." if len(d["sizes"]) > 16 else ""),
                             d["policy"], "coordinator" if d["written_by_coordinator"] else "fallback", d["reason"],
                             "; ".join(f"worker {r.get('worker')}: {r.get('error')}" for r in d["rejected"]
                                       if isinstance(r, dict)))
@@ -189,6 +189,14 @@ def _readable(raw: bytes, fields: _Fields) -> dict[str, Any] | None:
         return obj
     logging.getLogger("lbbsp.cli").warning("skipped an entry that is not a coordinator's record: %.80r", raw)
     return None
+
+
+def _iterations(decision: dict[str, Any]) -> str:
+    """The iteration a decision is for, or the first and last where it covers several (a coordinator behind)."""
+    through = decision.get("through")
+    if isinstance(through, int) and through > decision["iteration"]:
+        return f"{decision['iteration']}-{through}"
+    return str(decision["iteration"])
 
 
 def _fmt(value: float | None) -> str:

@@ -22,7 +22,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from .config import JobConfig
+from .config import JobConfig, _integer
 from .embedded import release_cpu_pinning
 from .errors import LBBSPError, PolicyError, ProtocolError
 from .models import AutoCapacityModel, worker_kind
@@ -33,6 +33,10 @@ from .store import ITERATIONS_KEPT, REDIS_ERRORS, REDIS_FAILURES, Store
 log = logging.getLogger("lbbsp.coordinator")
 
 _LOOK_BACK = 16  # how many iterations back the coordinator looks for the split in force (see _in_force)
+#: The most iterations one decision covers when the coordinator is slower than the workers' steps (see
+#: Coordinator.ahead): a decision then runs further ahead of the reports it was made from.
+MAX_AHEAD = 16
+_PACE_WINDOW = 5  # decisions over which the coordinator's own time and the workers' step are taken (medians)
 _OUTAGE_GRACE_S = 3.0  # a coordinator whose training process ended is stopped by then (_stop_when_orphaned)
 
 #: One worker's status in the ``workers`` hash, as JSON (``lbbsp status`` reads it).
@@ -63,6 +67,10 @@ class Outcome:
     decision_s: float
     rejected: list[Rejection] = field(default_factory=list)
     learn_s: float = 0.0  # the policy's learning after the write, off the decision's path
+    through: int = -1  # the last iteration the decision covers (its assignment's, unless the coordinator ran behind)
+
+    def __post_init__(self) -> None:
+        self.through = max(self.through, self.assignment.iteration)
 
 
 def _clipped(text: str, limit: int) -> str:
@@ -161,9 +169,15 @@ class Coordinator:
 
     Run it in its own process (``lbbsp coordinator``) or in-process with :meth:`start`, for example on
     rank 0. Each decision is recorded with its reason in the job's decision log.
+
+    When a decision takes longer than the workers' steps, the workers would wait for each vector and the job
+    would run at the coordinator's pace. The coordinator then runs ahead (:attr:`ahead`): it decides from the
+    newest iteration whose reports are all in and writes that split for the next ``ahead`` iterations, each
+    still exactly once; ``max_ahead=1`` turns this off.
     """
 
-    def __init__(self, store: Store, config: JobConfig, policy: Policy | None = None) -> None:
+    def __init__(self, store: Store, config: JobConfig, policy: Policy | None = None, *,
+                 max_ahead: int = MAX_AHEAD) -> None:
         self.store = store
         self.config = store.register(config)
         self.policy = policy if policy is not None else LBBSPPolicy(AutoCapacityModel(horizon=self.config.lag))
@@ -175,7 +189,17 @@ class Coordinator:
         self._outage_since: float | None = None
         self._next_outage_log = 0.0
         self._failure, self._failures, self._next_failure_log = "", 0, 0.0  # the last failed step's, see _failed
-        self._written: deque[Assignment] = deque(maxlen=self.config.lag + 1)  # the ones workers may not have read
+        self.max_ahead = _integer(max_ahead, "max_ahead", 1, 1024)
+        #: How many iterations the next decision covers: 1 while the coordinator keeps up with the workers' steps.
+        self.ahead = 1
+        self._written_through = self.config.lag - 1  # the latest iteration whose split this coordinator wrote
+        self._forgotten_through: int | None = None  # the latest iteration whose keys it deleted
+        self._busy_s: deque[float] = deque(maxlen=_PACE_WINDOW)  # its time per decision, learning included
+        self._compute_s: deque[float] = deque(maxlen=_PACE_WINDOW)  # the slowest worker's compute per iteration
+        self._interval_s: deque[float] = deque(maxlen=_PACE_WINDOW)  # wall time per iteration between decisions
+        self._previous: tuple[int, float] | None = None  # the iteration of the previous decision, and its start
+        self._next_pace_log = 0.0
+        self._written: deque[Assignment] = deque(maxlen=2 * (self.config.lag + self.max_ahead))  # maybe not read yet
         # the splits of the latest iterations: a worker that fell back (agreed, Redis unusable) used one of them
         self._recent: deque[tuple[int, ...]] = deque([self.config.initial_sizes()], maxlen=_LOOK_BACK)
         self._claim_seen: str | None = None  # the other coordinator's claim found at the last heartbeat
@@ -192,28 +216,80 @@ class Coordinator:
         iteration = self.store.next_ready(timeout_s)
         if iteration is None:
             return None
+        if self.ahead > 1:  # behind the workers: the iterations queued meanwhile are covered by the newest
+            iteration = max([iteration, *self.store.drain_ready()])
         return self.decide(iteration)
 
     def decide(self, iteration: int) -> Outcome:
-        """Decide the assignment of ``iteration + lag`` from the stored reports of ``iteration``."""
+        """Decide the assignment of ``iteration + lag`` from the stored reports of ``iteration``; running
+        :attr:`ahead`, also those of the iterations after it, and of any before it that no decision covers."""
         started = time.perf_counter()
-        target = iteration + self.config.lag
+        targets = self._targets(iteration)
         reports, rejected = self._parse_reports(iteration)
-        decision, assignment = self._guarded.decide(target, self._in_force(target - 1).sizes, reports)
-        written = self.store.publish(assignment)
+        decision, assignment = self._guarded.decide(targets[0], self._in_force(targets[0] - 1).sizes, reports)
+        covered = [assignment, *(dataclasses.replace(assignment, iteration=t) for t in targets[1:])]
+        written = self.store.publish_all(covered)
         decision_s = time.perf_counter() - started
         self._guarded.learn(iteration)  # the split is out: the workers need not wait for this
         learn_s = time.perf_counter() - started - decision_s
-        if written:
-            self._written.append(assignment)
-        else:
-            assignment = self._assignment(target)
+        self._written.extend(a for a, w in zip(covered, written) if w)
+        self._written_through = max(self._written_through, targets[-1])
+        if not written[0]:
+            assignment = self._assignment(targets[0])
         self._recent.append(assignment.sizes)
-        self._record(iteration, assignment, written, decision, reports, rejected, decision_s, learn_s)
-        if iteration >= ITERATIONS_KEPT:  # every worker is past that one; kept for ttl_s, they filled Redis
-            self.store.forget_iteration(iteration - ITERATIONS_KEPT)
+        self._record(iteration, assignment, written[0], decision, reports, rejected, decision_s, learn_s, targets[-1])
+        self._forget(iteration)
         self.decisions_made += 1
-        return Outcome(iteration, assignment, written, decision_s, rejected, learn_s)
+        self._pace(iteration, started, reports)
+        return Outcome(iteration, assignment, written[0], decision_s, rejected, learn_s, targets[-1])
+
+    def _targets(self, iteration: int) -> list[int]:
+        """The iterations the decision from ``iteration`` writes: ``iteration + lag`` and the next ``ahead - 1``,
+        from the first this coordinator has not written (those of reports it skipped while behind included:
+        the workers, past ``iteration``, need them next); only ``iteration + lag`` where all are written (the
+        stored split then stands, as a worker's fallback does)."""
+        own = iteration + self.config.lag
+        first, last = max(iteration + 1, self._written_through + 1), own + self.ahead - 1
+        return list(range(first, last + 1)) if first <= last else [own]
+
+    def _forget(self, iteration: int) -> None:
+        """Delete the keys of the iterations up to ``iteration - ITERATIONS_KEPT``: every worker is past them,
+        and kept for ttl_s they filled Redis. A coordinator that joins a running job starts from there."""
+        last = iteration - ITERATIONS_KEPT
+        first = last if self._forgotten_through is None else self._forgotten_through + 1
+        if last >= max(first, 0):
+            self.store.forget_iterations(max(first, 0), last)
+            self._forgotten_through = last
+
+    def _pace(self, iteration: int, started: float, reports: list[Report]) -> None:
+        """Set :attr:`ahead` from the medians of this coordinator's time per decision and of the step: the longer
+        of the iterations' slowest compute and the wall time per iteration the workers advanced by between two
+        decisions (which holds what compute leaves out, loading say, and is the coordinator's own pace where
+        the workers wait for it). 1 while a decision fits in the slack ``lag`` gives (``lag - 1`` steps, at lag 1
+        one, with a fifth to spare); otherwise enough iterations that the next decision is written before the
+        workers reach the end of this one's, with a step to spare."""
+        self._busy_s.append(time.perf_counter() - started)
+        if reports:
+            self._compute_s.append(max(r.compute_s for r in reports))
+        if self._previous is not None and iteration > self._previous[0]:
+            self._interval_s.append((started - self._previous[1]) / (iteration - self._previous[0]))
+        self._previous = (iteration, started)
+        if self.max_ahead == 1 or len(self._busy_s) < 3 or not (self._compute_s or self._interval_s):
+            return
+        step = max(float(np.median(s)) for s in (self._compute_s, self._interval_s) if s)
+        busy, lag = float(np.median(self._busy_s)), self.config.lag
+        keeps_up = busy <= 0.8 * max(lag - 1, 1) * step  # at lag 1 every step waits for its decision anyway
+        ahead = 1 if keeps_up else min(self.max_ahead, max(2, math.ceil(2 * busy / max(step, 1e-6)) - lag + 2))
+        if ahead != self.ahead and time.monotonic() >= self._next_pace_log:
+            self._next_pace_log = time.monotonic() + 60.0
+            if ahead > 1:
+                log.info("job %s: a decision takes %.1f ms and the workers' steps %.1f ms, so each decision now "
+                         "covers %d iterations (the workers would otherwise wait for each split)", self.config.job,
+                         busy * 1e3, step * 1e3, ahead)
+            else:
+                log.info("job %s: the coordinator keeps up with the workers again (a decision %.1f ms, a step %.1f "
+                         "ms): one iteration a decision", self.config.job, busy * 1e3, step * 1e3)
+        self.ahead = ahead
 
     def _parse_reports(self, iteration: int) -> tuple[list[Report], list[Rejection]]:
         reports: list[Report] = []
@@ -292,7 +368,8 @@ class Coordinator:
         return None
 
     def _record(self, iteration: int, assignment: Assignment, written: bool, decision: Decision,
-                reports: list[Report], rejected: list[Rejection], decision_s: float, learn_s: float) -> None:
+                reports: list[Report], rejected: list[Rejection], decision_s: float, learn_s: float,
+                through: int) -> None:
         by_worker = {r.worker: r for r in reports}
         predicted = decision.predicted_throughput
         statuses = {}
@@ -303,7 +380,8 @@ class Coordinator:
                 _number(report.throughput if report else None), _number(report.compute_s if report else None),
                 _number(report.wait_s if report else None))
         record = {
-            "iteration": assignment.iteration, "from_reports_of": iteration, "sizes": list(assignment.sizes),
+            "iteration": assignment.iteration, "through": through, "from_reports_of": iteration,
+            "sizes": list(assignment.sizes),
             "policy": assignment.policy, "reason": assignment.reason, "fallback": assignment.fallback,
             "written_by_coordinator": written, "decision_ms": round(decision_s * 1e3, 3),
             "learn_ms": round(learn_s * 1e3, 3),

@@ -326,13 +326,21 @@ class PerEpochPolicy(LBBSPPolicy):
     def __init__(self, iterations_per_epoch: int = 50, model: CapacityModel | None = None) -> None:
         super().__init__(_model(model) or EWMAThroughput(alpha=0.05), deadband=0.0, hedge=None)
         self.iterations_per_epoch = _integer(iterations_per_epoch, "iterations_per_epoch", 1, None)
+        self._decided: int | None = None  # the iteration of the previous decision
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         current_arr = np.asarray(current, dtype=np.int64)
         # a memory cap that shrank below a worker's size is acted on at once (bounds() lifts caps it cannot keep)
         over_caps = self._seen and bool((current_arr > self.bounds(np.arange(config.num_workers), current_arr,
                                                                       config)[1]).any())
-        if iteration % self.iterations_per_epoch != 0 and not over_caps:
+        # an epoch starts at this iteration or, where a coordinator running behind skipped some, since the last one
+        epoch, previous = iteration // self.iterations_per_epoch, self._decided
+        self._decided = iteration
+        if previous is None:
+            starts = iteration % self.iterations_per_epoch == 0
+        else:
+            starts = epoch > previous // self.iterations_per_epoch
+        if not starts and not over_caps:
             return Decision(tuple(int(s) for s in current), "within the epoch: keep the split")
         return super().decide(iteration, current, config)
 

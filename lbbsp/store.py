@@ -262,14 +262,25 @@ class Store:
         except ValueError:
             return None
 
+    def drain_ready(self) -> list[int]:
+        """Pop every iteration queued as complete, without waiting: a coordinator that runs behind the workers
+        decides from the newest of them."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.lrange(self.key("ready"), 0, -1)
+        pipe.delete(self.key("ready"))
+        items, _ = pipe.execute()
+        return [int(item) for item in items if item.isdigit()]
+
     def reports(self, iteration: int) -> dict[bytes, bytes]:
         """The raw payloads posted for ``iteration``, keyed by the worker field as posted."""
         return cast("dict[bytes, bytes]", self.client.hgetall(self.key("reports", iteration)))
 
-    def forget_iteration(self, iteration: int) -> None:
-        """Delete the reports and the assignment of ``iteration``; the coordinator does, :data:`ITERATIONS_KEPT`
-        iterations later."""
-        self.client.unlink(self.key("reports", iteration), self.key("assign", iteration))
+    def forget_iterations(self, first: int, last: int) -> None:
+        """Delete the reports and the assignments of iterations ``first`` to ``last``; the coordinator does,
+        :data:`ITERATIONS_KEPT` iterations later."""
+        keys = [self.key(kind, k) for k in range(first, last + 1) for kind in ("reports", "assign")]
+        if keys:
+            self.client.unlink(*keys)
 
     def report_count(self, iteration: int) -> int:
         return int(self.client.hlen(self.key("reports", iteration)))
@@ -282,9 +293,21 @@ class Store:
     def publish_or_read(self, assignment: Assignment) -> tuple[bool, bytes]:
         """Write the assignment for its iteration if none exists yet, and return whether this call wrote it and
         the stored one, in one step: a worker that read after writing could find the key flushed in between."""
-        written, raw = self._publish(keys=[self.key("assign", assignment.iteration), self.key("assigned")],
-                                     args=[assignment.to_json(), self.ttl_s, assignment.iteration])
+        written, raw = self._publish_on(assignment)
         return written == 1, cast("bytes", raw)
+
+    def publish_all(self, assignments: Sequence[Assignment]) -> list[bool]:
+        """:meth:`publish` each of ``assignments`` (a decision that covers several iterations), in one round
+        trip; whether each was written."""
+        pipe = self.client.pipeline(transaction=False)
+        for assignment in assignments:
+            self._publish_on(assignment, pipe)
+        return [int(written) == 1 for written, _ in pipe.execute()]
+
+    def _publish_on(self, assignment: Assignment, client: redis.client.Pipeline | None = None) -> Any:
+        """Run the PUBLISH_ASSIGNMENT script (on ``client``, a pipeline, when given: its result comes with execute)."""
+        return self._publish(keys=[self.key("assign", assignment.iteration), self.key("assigned")],
+                             args=[assignment.to_json(), self.ttl_s, assignment.iteration], client=client)
 
     def get_assignment(self, iteration: int) -> bytes | None:
         """The stored assignment of ``iteration``, its TTL renewed in the same transaction: the key is written

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from emulated import run_coordinator, run_worker, worker_clients
+from emulated import DelayedPolicy, run_coordinator, run_worker, worker_clients
 from lbbsp import (
     AllocationError,
+    BSPPolicy,
     ConfigError,
     Coordinator,
     CoordinatorProcess,
@@ -26,6 +28,7 @@ from lbbsp import (
     Report,
     Store,
 )
+from lbbsp.coordinator import MAX_AHEAD
 from lbbsp.store import ITERATIONS_KEPT
 
 SPAWN = mp.get_context("spawn")
@@ -121,6 +124,62 @@ def test_every_worker_uses_one_vector_through_delays_crashes_and_a_redis_restart
     assert max(waits) < timeout + 2.0, max(waits)  # every wait is bounded
     policies = {entry["policy"] for log in logs for entry in log}
     assert {"fallback", "lbbsp"} <= policies  # both paths really ran
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("max_ahead", [MAX_AHEAD, 1])
+def test_a_coordinator_slower_than_the_steps_runs_ahead_and_every_iteration_keeps_one_split(
+        redis_url: str, job: str, tmp_path: Path, max_ahead: int) -> None:
+    """Decisions of 40 ms against steps of 5-10 ms. Running ahead, one decision covers several iterations, so the
+    workers do not wait for each: every iteration still has one split, written by the coordinator (no fallback),
+    and the split still follows the workers' speeds. With ``max_ahead=1`` it decides every iteration, as before."""
+    iterations = 150
+    config = JobConfig(job, 2, 60)
+    store = Store.from_url(redis_url, job)
+    coordinator = Coordinator(store, config, DelayedPolicy(0.04, 1.0, seed=0), max_ahead=max_ahead).start()
+    try:
+        procs, paths = start_workers(redis_url, config, [[6000.0], [3000.0]], iterations, tmp_path)
+        join_all(procs, 120)
+    finally:
+        coordinator.stop()
+    logs = read_logs(paths)
+    for k in range(iterations):
+        vectors = {tuple(log[k]["sizes"]) for log in logs}
+        assert len(vectors) == 1 and sum(vectors.pop()) == 60, k
+        assert not logs[0][k]["fallback"], k
+    assert logs[0][-1]["sizes"][0] > logs[0][-1]["sizes"][1]  # the faster worker does more
+    spans = {record["through"] - record["iteration"] + 1 for record in map(json.loads, store.decisions(1000))}
+    if max_ahead == 1:
+        assert coordinator.ahead == 1 and spans == {1}
+        assert coordinator.decisions_made >= iterations - config.lag
+    else:
+        assert coordinator.ahead > 1 and max(spans) > 1
+        assert coordinator.decisions_made < iterations / 2
+        status = subprocess.run([sys.executable, "-m", "lbbsp.cli", "status", "--redis", redis_url, "--job", job,
+                                 "--decisions", "3"], check=False, capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        assert re.search(r"\b\d+-\d+\b", status.stdout), status.stdout  # the iterations a decision covers
+    store.close()
+
+
+def test_a_decision_also_writes_the_iterations_whose_reports_it_skipped(redis_url: str, job: str) -> None:
+    """Deciding from iteration 3 after 0, the coordinator writes the split of 4 (whose reports, of 2, it skipped,
+    as one that runs behind does) with that of 5, instead of leaving the workers to wait for 4 and fall back."""
+    config = JobConfig(job, 2, 20)
+    store = Store.from_url(redis_url, job)
+    coordinator = Coordinator(store, config, BSPPolicy())
+    with worker_clients(redis_url, config) as clients:
+        for k in range(4):
+            for client in clients:
+                client.report(k, 10, 0.1)
+                client.flush()
+        first = coordinator.decide(0)
+        later = coordinator.decide(3)
+    assert (first.assignment.iteration, first.through) == (2, 2)
+    assert (later.assignment.iteration, later.through) == (4, 5) and later.written
+    assert store.get_assignment(3) is None  # no decision's: the workers ran 3 on what they agreed
+    assert all(store.get_assignment(k) is not None for k in (2, 4, 5))
+    store.close()
 
 
 @pytest.mark.timeout(60)

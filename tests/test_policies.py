@@ -114,6 +114,17 @@ def test_per_epoch_changes_only_at_epoch_boundaries() -> None:
     assert changes and all(k % 4 == 0 for k in changes)
 
 
+def test_per_epoch_rebalances_for_an_epoch_that_began_between_two_decisions() -> None:
+    """A coordinator running behind decides for iterations further apart than one: the epoch that began at 8,
+    between the decisions of 6 and 10, is rebalanced at 10, and the one after waits for the next epoch."""
+    policy, sizes = PerEpochPolicy(iterations_per_epoch=4), tuple(CONFIG.initial_sizes())
+    policy.observe(_reports(0, np.asarray(sizes)))
+    assert policy.decide(6, sizes, CONFIG).sizes == sizes  # the epoch of 4 to 7 had begun before
+    balanced = policy.decide(10, sizes, CONFIG).sizes
+    assert balanced != sizes
+    assert policy.decide(11, balanced, CONFIG).sizes == balanced
+
+
 def test_leader_straggler_search_converges_and_halves_its_step() -> None:
     policy = LeaderStragglerPolicy(window=1, initial_step_fraction=0.5)
     final = _drive(policy, 120)[-1]

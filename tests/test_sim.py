@@ -418,7 +418,7 @@ def test_a_failed_start_through_redis_closes_its_connection(redis_url: str, monk
 
     monkeypatch.setattr(Store, "close", close)
 
-    def refuse(*args: object) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
         raise RuntimeError("the coordinator could not start")
 
     monkeypatch.setattr(engine, "Coordinator", refuse)  # a mock, inside this one unit test

@@ -205,7 +205,9 @@ class _ThroughRedis:
         self.config = dataclasses.replace(config, job=f"{config.job}-{uuid.uuid4().hex[:8]}")
         self.store = Store.from_url(url, self.config.job)
         try:
-            self.coordinator = Coordinator(self.store, self.config, policy)
+            # decided in lockstep with the simulated steps, whatever a decision's wall time against their
+            # simulated seconds: one iteration a decision, as a coordinator that keeps up (Coordinator.ahead)
+            self.coordinator = Coordinator(self.store, self.config, policy, max_ahead=1)
             for k in range(self.config.lag):  # the workers' initial split, agreed through the same write-once key
                 self.store.publish(self.config.initial_assignment(k))
         except BaseException:  # the caller gets no object to close: close the connection here
