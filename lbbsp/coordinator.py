@@ -471,8 +471,8 @@ class Coordinator:
         """Write the assignments that workers may still read again (write-once), in case Redis lost them: a
         worker that finds none would write its fallback, and split from one that had read the decision."""
         try:
-            for assignment in self._written:
-                self.store.publish(assignment)
+            if self._written:
+                self.store.publish_all(list(self._written))
         except REDIS_ERRORS:
             pass
 
