@@ -11,6 +11,7 @@ import os
 import pickle
 import signal
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -67,10 +68,7 @@ class Outcome:
     decision_s: float
     rejected: list[Rejection] = field(default_factory=list)
     learn_s: float = 0.0  # the policy's learning after the write, off the decision's path
-    through: int = -1  # the last iteration the decision covers (its assignment's, unless the coordinator ran behind)
-
-    def __post_init__(self) -> None:
-        self.through = max(self.through, self.assignment.iteration)
+    through: int = field(kw_only=True)  # the last iteration it covers (its assignment's, unless it ran ahead)
 
 
 def _clipped(text: str, limit: int) -> str:
@@ -241,7 +239,7 @@ class Coordinator:
         self._forget(iteration)
         self.decisions_made += 1
         self._pace(iteration, started, reports)
-        return Outcome(iteration, assignment, written[0], decision_s, rejected, learn_s, targets[-1])
+        return Outcome(iteration, assignment, written[0], decision_s, rejected, learn_s, through=targets[-1])
 
     def _targets(self, iteration: int) -> list[int]:
         """The iterations the decision from ``iteration`` writes: ``iteration + lag`` and the next ``ahead - 1``,
@@ -276,8 +274,8 @@ class Coordinator:
         self._previous = (iteration, started)
         if self.max_ahead == 1 or len(self._busy_s) < 3 or not (self._compute_s or self._interval_s):
             return
-        step = max(float(np.median(s)) for s in (self._compute_s, self._interval_s) if s)
-        busy, lag = float(np.median(self._busy_s)), self.config.lag
+        step = max(statistics.median(s) for s in (self._compute_s, self._interval_s) if s)
+        busy, lag = statistics.median(self._busy_s), self.config.lag
         keeps_up = busy <= 0.8 * max(lag - 1, 1) * step  # at lag 1 every step waits for its decision anyway
         ahead = 1 if keeps_up else min(self.max_ahead, max(2, math.ceil(2 * busy / max(step, 1e-6)) - lag + 2))
         if ahead != self.ahead and time.monotonic() >= self._next_pace_log:

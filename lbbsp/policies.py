@@ -333,13 +333,9 @@ class PerEpochPolicy(LBBSPPolicy):
         # a memory cap that shrank below a worker's size is acted on at once (bounds() lifts caps it cannot keep)
         over_caps = self._seen and bool((current_arr > self.bounds(np.arange(config.num_workers), current_arr,
                                                                       config)[1]).any())
-        # an epoch starts at this iteration or, where a coordinator running behind skipped some, since the last one
-        epoch, previous = iteration // self.iterations_per_epoch, self._decided
-        self._decided = iteration
-        if previous is None:
-            starts = iteration % self.iterations_per_epoch == 0
-        else:
-            starts = epoch > previous // self.iterations_per_epoch
+        # an epoch starts at this iteration or, where a coordinator running ahead skipped some, since the last one
+        n, previous, self._decided = self.iterations_per_epoch, self._decided, iteration
+        starts = iteration % n == 0 if previous is None else iteration // n > previous // n
         if not starts and not over_caps:
             return Decision(tuple(int(s) for s in current), "within the epoch: keep the split")
         return super().decide(iteration, current, config)
