@@ -15,12 +15,17 @@ Steps shorter than a decision (--short-compute-ms, --short-workers): the same ru
 reporting the compute they measured, the coordinator running ahead (several iterations a decision, the default)
 against one decision per iteration, side by side.
 
+Full garbage collections (--skip-heap leaves them out): the decision-time runs at the first --decision-workers,
+this process's heap as its imports left it against frozen as the coordinator's own process freezes it, in turns;
+the decision-time table after them runs frozen.
+
     python experiments/bench_coordinator.py [--iterations 100] [--rounds 3] [--workers 4 16 64]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import multiprocessing as mp
 import time
 from collections.abc import Callable, MutableSequence, Sequence
@@ -29,7 +34,7 @@ from multiprocessing.synchronize import Barrier
 import numpy as np
 
 from lbbsp import Coordinator, EmbeddedRedis, JobConfig, LBBSPPolicy, Report, Store, WorkerClient
-from lbbsp.coordinator import MAX_AHEAD
+from lbbsp.coordinator import MAX_AHEAD, freeze_heap
 from lbbsp.models import AutoCapacityModel, BatchTimeCurve, CapacityModel, EWMAThroughput, FLClientModel, NARXThroughput
 from lbbsp.policies import Decision, Policy
 
@@ -185,6 +190,55 @@ def decision_times(url: str, workers: int, warmup: int, repeats: int) -> dict[st
     return {name: {key: np.array(v) for key, v in times.items()} for name, _, _, _, _, _, times, _ in runs}
 
 
+class _FullCollections:
+    """The pauses of the garbage collector's full (generation 2) collections while it is entered."""
+
+    def __init__(self) -> None:
+        self.pauses_s: list[float] = []
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                self._started = time.perf_counter()
+            else:
+                self.pauses_s.append(time.perf_counter() - self._started)
+
+    def __enter__(self) -> _FullCollections:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+def heap_pauses(url: str, workers: int, warmup: int, repeats: int, rounds: int) -> None:
+    """The decision-time runs with this process's heap as its imports left it, and frozen as the coordinator's
+    own process freezes it (``freeze_heap``), taking turns round by round: the full collections' pauses, which
+    land inside decisions, and the whole step's p99 over every model."""
+    print(f"\nfull garbage collections in the coordinator's process at {workers} workers, the heap as imported "
+          f"against frozen (freeze_heap, as CoordinatorProcess and `lbbsp coordinator` do); {rounds} rounds in turn")
+    modes = ("imported", "frozen")
+    pauses: dict[str, list[float]] = {mode: [] for mode in modes}
+    steps: dict[str, list[np.ndarray]] = {mode: [] for mode in modes}
+    for r in range(rounds):
+        for mode in modes:
+            if mode == "frozen":
+                freeze_heap()
+            with _FullCollections() as collections:
+                times = decision_times(url, workers, warmup, repeats)
+            gc.unfreeze()
+            pauses[mode] += collections.pauses_s
+            steps[mode] += [t["step"] for t in times.values()]
+        print(f"  round {r + 1}/{rounds} done", flush=True)
+    print(f"{'heap':>9} {'full collections':>17} {'pause p50 ms':>13} {'pause max ms':>13} {'step p50':>9} "
+          f"{'step p99':>9} {'step max':>9}   (step: every model's decisions pooled, ms)")
+    for mode in modes:
+        p, pooled = np.array(pauses[mode] or [np.nan]), np.concatenate(steps[mode])
+        print(f"{mode:>9} {len(pauses[mode]):>17} {1e3 * np.median(p):>13.2f} {1e3 * np.max(p):>13.2f} "
+              f"{_ms(pooled, 50):>9} {_ms(pooled, 99):>9} {_ms(pooled, 100):>9}", flush=True)
+
+
 def machine_speed_ms(repeats: int = 5) -> float:
     """Median ms of a fixed pure-Python and numpy workload; on a shared VM it drifts by 2x within minutes, so
     decision times are only comparable between runs at similar figures."""
@@ -248,6 +302,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=100,
                         help="timed decisions per model and size (100: a p99 that is not just the maximum)")
     parser.add_argument("--skip-critical-path", action="store_true", help="only time the decisions")
+    parser.add_argument("--skip-heap", action="store_true",
+                        help="skip the runs with the heap as imported against frozen (the garbage collector's pauses)")
     parser.add_argument("--redis", help="Redis URL (default: an embedded redis-server)")
     args = parser.parse_args()
     if args.iterations <= WARM_UP or args.rounds < 1:
@@ -278,8 +334,11 @@ def main() -> None:
                 pooled = np.concatenate(runs)
                 print(f"{label:>5} {n:>8} {_ms(pooled, 50)} {_ms(pooled, 99)} {_ms(pooled, 100)}", flush=True)
             short_steps(url, args)
+        if not args.skip_heap:
+            heap_pauses(url, args.decision_workers[0], args.warmup, args.repeats, args.rounds)
+        freeze_heap()  # as the coordinator's own process does once it is set up
         print(f"\ndecision time in steady state (after {args.warmup} iterations), LB-BSP with each real model; "
-              "the models take turns each iteration")
+              "the models take turns each iteration; this process's heap frozen, as the coordinator's")
         print(f"{'model':<26} {'workers':>8} {'policy p50':>11} {'policy p99':>11} {'cpu p50':>8} {'step p50':>9} "
               f"{'step p99':>9} {'learn p50':>10}   (ms; policy = prediction + allocation, wall clock; cpu = its "
               "CPU time; step = + validation + Redis I/O + write; learn = after the write, off the decision's path)")

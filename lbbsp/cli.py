@@ -14,7 +14,7 @@ from typing import Any
 import redis
 
 from .config import JobConfig
-from .coordinator import Coordinator
+from .coordinator import AHEAD_LIMIT, MAX_AHEAD, Coordinator, freeze_heap
 from .embedded import EmbeddedRedis
 from .errors import LBBSPError
 from .models import (
@@ -62,15 +62,17 @@ _POLICIES: dict[str, Callable[[CapacityModel | None], Policy]] = {
 }
 
 
-def _at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: a whole number of at least ``minimum`` (a negative count was taken, and meant nothing)."""
+def _whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``minimum`` (a negative count was taken, and meant nothing)
+    and at most ``maximum``."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"in [{minimum}, {maximum}]" if maximum is not None else f"at least {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value
     return parse
 
@@ -108,10 +110,11 @@ def _coordinator(args: argparse.Namespace) -> int:
     store = Store.from_url(url, args.job)
     try:
         store.ping()
-        coordinator = Coordinator(store, config, policy)
+        coordinator = Coordinator(store, config, policy, max_ahead=args.max_ahead)
         signal.signal(signal.SIGTERM, lambda *_: coordinator.stop(timeout_s=0))
         print(f"coordinating job {args.job!r}: {args.workers} workers, global batch {args.global_batch}, policy "
               f"{policy.name}" + (f" with the {args.model} model" if args.model else ""), flush=True)
+        freeze_heap()
         try:
             coordinator.run(max_decisions=args.max_decisions)
         except KeyboardInterrupt:
@@ -245,7 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--model", choices=sorted(_MODELS), default=None,
                              help="the capacity model of lbbsp, per-epoch or leader-straggler (default: auto, which "
                                   "picks NARX, the GPU curve or the client model from each worker's reports)")
-    coordinator.add_argument("--max-decisions", type=_at_least(1), default=None, help="exit after this many decisions")
+    coordinator.add_argument("--max-ahead", type=_whole_number(1, AHEAD_LIMIT), default=MAX_AHEAD, metavar="N",
+                             help="most iterations one decision covers while decisions take longer than the workers' "
+                                  "steps (1: one decision per iteration, which the workers then wait for)")
+    coordinator.add_argument("--max-decisions", type=_whole_number(1), default=None,
+                             help="exit after this many decisions")
     coordinator.set_defaults(handler=_coordinator)
 
     status = sub.add_parser("status", help="show each worker's size, speed and wait, and the last decision",
@@ -253,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "throughput, compute and wait, and the last decision with its reason.")
     status.add_argument("--redis", help="Redis URL (default: $LBBSP_REDIS_URL)")
     status.add_argument("--job", help="job name (default: every job on this Redis)")
-    status.add_argument("--decisions", type=_at_least(0), default=0, metavar="N",
+    status.add_argument("--decisions", type=_whole_number(0), default=0, metavar="N",
                         help="also list the last N decisions with their reasons and rejected reports")
     status.set_defaults(handler=_status)
 

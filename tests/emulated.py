@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import gc
 import json
 import random
 import time
 from collections.abc import Iterator, Sequence
 
-from lbbsp import Coordinator, JobConfig, LBBSPPolicy, Store, WorkerClient
+from lbbsp import BSPPolicy, Coordinator, JobConfig, LBBSPPolicy, Store, WorkerClient
 from lbbsp.policies import Decision
 
 
@@ -56,6 +58,13 @@ class DelayedPolicy(LBBSPPolicy):
         if self.rng.random() < self.probability:
             time.sleep(self.delay_s)
         return super().decide(iteration, current, config)
+
+
+class HeapProbePolicy(BSPPolicy):
+    """BSP whose every reason says how many objects the garbage collector of its process has frozen."""
+
+    def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
+        return dataclasses.replace(super().decide(iteration, current, config), reason=f"frozen {gc.get_freeze_count()}")
 
 
 def run_coordinator(url: str, config_json: str, delay_s: float, probability: float, seed: int) -> None:

@@ -46,7 +46,8 @@ def test_coordinator_process_and_status_table(redis_url: str, job: str) -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("flags", "policy", "third"), [(["--policy", "bsp"], "bsp", (15, 15)),
-                                                        (["--model", "ewma"], "lbbsp", (7, 23))])
+                                                        (["--model", "ewma"], "lbbsp", (7, 23)),
+                                                        (["--max-ahead", "1"], "lbbsp", (7, 23))])
 def test_the_coordinator_runs_the_policy_and_model_its_flags_name(redis_url: str, job: str, flags: list[str],
                                                                    policy: str, third: tuple[int, int]) -> None:
     coordinator = subprocess.Popen([*LBBSP, "coordinator", "--redis", redis_url, "--job", job, "--workers", "2",
@@ -84,6 +85,15 @@ def test_the_coordinator_serves_workers_on_other_machines_with_listen(job: str, 
 def test_a_model_for_a_policy_without_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["coordinator", "--workers", "2", "--global-batch", "8", "--policy", "bsp", "--model", "narx"]) == 2
     assert "--policy bsp uses no capacity model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("max_ahead", ["0", "1025", "x"])
+def test_a_max_ahead_out_of_range_is_refused_before_a_server_starts(max_ahead: str,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["coordinator", "--workers", "2", "--global-batch", "8", "--max-ahead", max_ahead])
+    err = capsys.readouterr().err
+    assert "--max-ahead" in err and ("must be in [1, 1024]" in err or "expected a whole number" in err), err
 
 
 def test_unreachable_redis_is_reported_plainly(tmp_path) -> None:
