@@ -20,6 +20,10 @@ from .models.auto import GroupedTime, grouped
 from .models.base import Hardware, hardware_of
 from .protocol import Report
 
+#: How many iterations after its own a forecast's split may still be in force, and is scored against their reports:
+#: a coordinator running ahead writes one split for up to lag + max_ahead - 1 of them (see Coordinator.ahead).
+_REACH = 32
+
 
 @dataclass(frozen=True)
 class HedgedTime:
@@ -65,9 +69,9 @@ class ForecastRisk:
     only turn slower. Workers that report the ``colocated_load`` feature are also told apart by it: under
     ``loaded_at`` (runnable foreign tasks per core) a machine is free and its job can only slow down; at or
     above, it can also speed up; so ranks and load give 2 x ``buckets`` buckets. When the target's reports
-    arrive, :meth:`observe` pools each worker's slowdown, forecast / measured throughput (= measured seconds /
-    the seconds the forecast implied for the samples done), into the ring buffer of its bucket (``pool_size``
-    log-slowdowns). Throughput, not the time model's seconds, is compared because it is what every capacity
+    arrive (or those of a later iteration that used its split), :meth:`observe` pools each worker's slowdown,
+    forecast / measured throughput (= measured seconds / the seconds the forecast implied for the samples
+    done), into the ring buffer of its bucket (``pool_size`` log-slowdowns). Throughput, not the time model's seconds, is compared because it is what every capacity
     model predicts in the units reports carry (a federated client's ``compute_s`` excludes the transfers its
     time model includes). Buckets are only a grouping: each learns its own slowdowns, so a grouping that says
     nothing costs little. A bucket with fewer than ``min_samples`` slowdowns gives factor 1, so a cold start is
@@ -136,13 +140,22 @@ class ForecastRisk:
         measured = (samples > 0) & (seconds > 0)
         ids, iterations, speed = ids[measured], iterations[measured], samples[measured] / seconds[measured]
         if iterations.size and iterations[0] == iterations[-1] and (iterations == iterations[0]).all():
-            if int(iterations[0]) in self.forecasts_:  # the usual case: one iteration's reports
-                self._pool(self.forecasts_[int(iterations[0])], ids, speed)
+            if (forecast := self._in_force(int(iterations[0]))) is not None:  # the usual case: one iteration's
+                self._pool(forecast, ids, speed)
             return
         for iteration in np.unique(iterations).tolist():
-            if iteration in self.forecasts_:
+            if (forecast := self._in_force(iteration)) is not None:
                 at = iterations == iteration
-                self._pool(self.forecasts_[iteration], ids[at], speed[at])
+                self._pool(forecast, ids[at], speed[at])
+
+    def _in_force(self, iteration: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The forecast the split of ``iteration`` was planned with: its own, or the newest recorded before it (a
+        coordinator running ahead writes one decision's split for several iterations, and a fallback keeps the
+        previous split, up to ``_REACH`` iterations after its own); None if there is none."""
+        if iteration in self.forecasts_:
+            return self.forecasts_[iteration]
+        earlier = [k for k in self.forecasts_ if iteration - _REACH <= k < iteration]
+        return self.forecasts_[max(earlier)] if earlier else None
 
     def factors(self, iteration: int) -> np.ndarray:
         """Time factor of each worker recorded for ``iteration``, in the order given to :meth:`record`: the

@@ -9,7 +9,7 @@ import pytest
 from lbbsp.allocation import HingeTime, LinearTime, allocate
 from lbbsp.config import JobConfig
 from lbbsp.errors import ConfigError
-from lbbsp.hedging import ForecastRisk, HedgedTime, hedged
+from lbbsp.hedging import _REACH, ForecastRisk, HedgedTime, hedged
 from lbbsp.models import EWMAThroughput
 from lbbsp.models.auto import MixedTime
 from lbbsp.policies import LBBSPPolicy
@@ -151,6 +151,23 @@ def test_forecasts_are_kept_for_the_last_few_iterations_only() -> None:
     assert sorted(risk.forecasts_) == [7, 8, 9]
     risk.record(2, np.arange(4), SPEEDS[:4])  # a decision re-made late keeps its own forecast (a KeyError before)
     assert sorted(risk.forecasts_) == [2, 8, 9] and risk.factors(2).shape == (4,)
+
+
+def test_reports_of_an_iteration_without_a_forecast_of_its_own_score_the_split_in_force() -> None:
+    """A coordinator running ahead writes one decision's split for several iterations and decides from the newest
+    complete one, which then seldom has a forecast of its own: its reports are scored against the newest forecast
+    before it (here the fast half's speeds were forecast 2x too high by the forecast of 12, not by that of 10)."""
+    risk = ForecastRisk(min_samples=1)
+    workers = np.arange(SPEEDS.size)
+    risk.record(10, workers, SPEEDS)
+    risk.record(12, workers, SPEEDS * np.where(workers >= 6, 2.0, 1.0))
+    for k in (9, 12 + _REACH + 1):  # before every forecast, and past the reach of the newest
+        risk.observe(_reports(k, np.full(SPEEDS.size, 64), SPEEDS))
+    assert risk.pooled_.sum() == 0
+    risk.observe(_reports(15, np.full(SPEEDS.size, 64), SPEEDS))  # ran on the split planned for 12
+    assert risk.pooled_.sum() == SPEEDS.size
+    slowdowns = np.exp(np.concatenate([risk.pool_[b, :n] for b, n in enumerate(risk.pooled_)]))
+    np.testing.assert_allclose(np.sort(slowdowns), [1.0] * 6 + [2.0] * 6)
 
 
 def test_deferred_pooling_sees_the_load_at_once_and_pools_the_same_slowdowns_later() -> None:
