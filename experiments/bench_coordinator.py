@@ -215,7 +215,7 @@ class _FullCollections:
 def heap_pauses(url: str, workers: int, warmup: int, repeats: int, rounds: int) -> None:
     """The decision-time runs with this process's heap as its imports left it, and frozen as the coordinator's
     own process freezes it (``freeze_heap``), taking turns round by round: the full collections' pauses, which
-    land inside decisions, and the whole step's p99 over every model."""
+    land inside decisions, and the whole step's p50, p99 and maximum over every model's decisions."""
     print(f"\nfull garbage collections in the coordinator's process at {workers} workers, the heap as imported "
           f"against frozen (freeze_heap, as CoordinatorProcess and `lbbsp coordinator` do); {rounds} rounds in turn")
     modes = ("imported", "frozen")
