@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from lbbsp.config import JobConfig
-from lbbsp.coordinator import EXTERNAL_POLICY, CoordinatorProcess
+from lbbsp.coordinator import EXTERNAL_MAX_AHEAD, EXTERNAL_POLICY, CoordinatorProcess, checked_max_ahead
 from lbbsp.embedded import FOLDER_PREFIX, EmbeddedRedis, serve_embedded, temp_parent
 from lbbsp.errors import ConfigError, StoreUnavailable
 from lbbsp.policies import Policy
@@ -117,13 +117,14 @@ class WorkerSession:
     ``coordinator=False``: an external ``lbbsp coordinator`` serves the job on ``url`` instead of worker 0's; the
     session takes its lag and key TTL (``self.config``) and refuses a ``config`` whose other settings differ.
     A Redis that stays unusable is waited for up to ``outage_s``, then fit stops with StoreUnavailable (there
-    is no agreed fallback under MWMS: see docs/keras.md, Agreement).
+    is no agreed fallback under MWMS: see docs/keras.md, Agreement). ``max_ahead`` (16 by default) is worker 0's
+    coordinator's: how many steps one decision may cover when deciding takes longer than a step; 1 decides every step.
     """
 
     def __init__(self, config: JobConfig, worker: int, *, url: str | None = None, policy: Policy | None = None,
                  strategy: Any = None, coordinator: bool = True, connect_timeout_s: float = 60.0,
-                 outage_s: float = 60.0) -> None:
-        refused = _refusal(config, worker, url=url, policy=policy, coordinator=coordinator)
+                 outage_s: float = 60.0, max_ahead: int | None = None) -> None:
+        refused = _refusal(config, worker, url=url, policy=policy, coordinator=coordinator, max_ahead=max_ahead)
         gather = _gatherer(strategy, config, worker, refused) if strategy is not None else None
         if refused is not None:  # (with a strategy, _gatherer has raised it, on every worker)
             raise refused
@@ -155,7 +156,7 @@ class WorkerSession:
                 stored = agreed_config(store, worker, gather) if gather is not None else store.load_config()
                 config = self.config = config.joined(stored, caller="WorkerSession's JobConfig", warn=worker == 0)
             elif worker == 0:
-                self.coordinator = CoordinatorProcess(self.url, config, policy)
+                self.coordinator = CoordinatorProcess(self.url, config, policy, max_ahead=checked_max_ahead(max_ahead))
             self.client = WorkerClient(store, config, worker, device=device_label(), outage_s=outage_s)
         except BaseException:
             self.close()
@@ -197,8 +198,8 @@ def _start_embedded(directory: Path, listen: str | None = None) -> EmbeddedRedis
     return EmbeddedRedis(directory, listen=listen, own_directory=True)
 
 
-def _refusal(config: JobConfig, worker: int, *, url: str | None, policy: Policy | None,
-             coordinator: bool) -> ConfigError | None:
+def _refusal(config: JobConfig, worker: int, *, url: str | None, policy: Policy | None, coordinator: bool,
+             max_ahead: int | None) -> ConfigError | None:
     """What is wrong with this worker's own arguments (and TF_CONFIG), if anything."""
     if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < config.num_workers:
         return ConfigError(f"worker must be this worker's index in [0, {config.num_workers}), got {worker!r}: "
@@ -208,6 +209,12 @@ def _refusal(config: JobConfig, worker: int, *, url: str | None, policy: Policy 
                            "serves the job on: an embedded server here would be one it cannot see", job=config.job)
     if not coordinator and policy is not None:
         return ConfigError(EXTERNAL_POLICY, job=config.job)
+    if not coordinator and max_ahead is not None:
+        return ConfigError(EXTERNAL_MAX_AHEAD, job=config.job)
+    try:
+        checked_max_ahead(max_ahead, config.job)
+    except ConfigError as exc:
+        return exc
     tasks = training_tasks()
     if tasks is not None and tasks != config.num_workers:
         return ConfigError(f"TF_CONFIG lists {tasks} training workers but JobConfig.num_workers is "

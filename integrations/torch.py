@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from lbbsp.config import JobConfig
-from lbbsp.coordinator import EXTERNAL_POLICY, CoordinatorProcess
+from lbbsp.coordinator import EXTERNAL_MAX_AHEAD, EXTERNAL_POLICY, CoordinatorProcess, checked_max_ahead
 from lbbsp.embedded import EmbeddedRedis, serve_embedded
 from lbbsp.errors import ConfigError, LBBSPError
 from lbbsp.policies import Policy
@@ -133,7 +133,8 @@ class Balancer:
     def from_env(cls, global_batch: int, *, redis: str | None = None, job: str | None = None,
                  coordinator: bool = True, policy: Policy | None = None, min_batch: int = 1,
                  max_batch: int | Sequence[int] | None = None, assignment_timeout_s: float = 10.0,
-                 device: torch.device | str | None = None, lag: int | None = None) -> Balancer:
+                 device: torch.device | str | None = None, lag: int | None = None,
+                 max_ahead: int | None = None) -> Balancer:
         """Join the job from a running process group (torchrun's env:// or any other rendezvous).
 
         ``redis`` (or ``$LBBSP_REDIS_URL``) names the Redis; without one, rank 0 starts an embedded server. Where
@@ -145,7 +146,9 @@ class Balancer:
         ``job`` must be its name; the job's ``lag`` and key TTL are then the coordinator's (``--lag``, ``--ttl``),
         and every other setting must match it. Without ``job``, rank 0 picks a fresh name so that a rerun never
         reads the assignments of an earlier one. ``lag`` (``JobConfig.lag``, 2 by default): step k's vector is
-        decided from the reports of step k - lag.
+        decided from the reports of step k - lag. ``max_ahead`` (16 by default) is rank 0's coordinator's
+        (:class:`lbbsp.Coordinator`): how many steps one decision may cover when deciding takes longer than a step;
+        1 decides every step.
         """
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialised: call dist.init_process_group first")
@@ -165,6 +168,9 @@ class Balancer:
         if not coordinator and lag is not None:
             raise ConfigError("lag= is the coordinator's: with an external one (coordinator=False), set its --lag",
                               job=job)
+        if not coordinator and max_ahead is not None:
+            raise ConfigError(EXTERNAL_MAX_AHEAD, job=job)
+        ahead = checked_max_ahead(max_ahead, job)
         owned: list[Any] = []
         running = None
         try:
@@ -188,7 +194,7 @@ class Balancer:
                 config = config.joined(agreed_config(store, rank, gather), warn=rank == 0,
                                        caller="Balancer.from_env (num_workers is the world size)")
             if rank == 0 and coordinator:  # a child process: no GIL or pinned core shared with this rank
-                running = CoordinatorProcess(url, config, policy)
+                running = CoordinatorProcess(url, config, policy, max_ahead=ahead)
             client = WorkerClient(store, config, rank, agree=functools.partial(agree_with_rank0, group=cpu_group()),
                                   device=device_label(device))
         except BaseException:  # leave nothing running behind a failed start

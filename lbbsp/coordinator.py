@@ -39,6 +39,13 @@ _LOOK_BACK = 16  # how many iterations back the coordinator looks for the split 
 #: Coordinator.ahead): a decision then runs further ahead of the reports it was made from.
 MAX_AHEAD = 16
 AHEAD_LIMIT = 1024  # the largest max_ahead accepted
+
+
+def checked_max_ahead(value: object, job: str | None = None) -> int:
+    """``value`` as a ``max_ahead``: a whole number in [1, AHEAD_LIMIT], or a ConfigError that says so; None is
+    the default, MAX_AHEAD. The integrations check it on every worker, not only where the coordinator starts."""
+    return MAX_AHEAD if value is None else _integer(value, "max_ahead", 1, AHEAD_LIMIT, job)
+
 _PACE_WINDOW = 5  # decisions over which the coordinator's own time and the workers' step are taken (medians)
 _OUTAGE_GRACE_S = 3.0  # a coordinator whose training process ended is stopped by then (_stop_when_orphaned)
 
@@ -178,6 +185,7 @@ class Coordinator:
 
     def __init__(self, store: Store, config: JobConfig, policy: Policy | None = None, *,
                  max_ahead: int = MAX_AHEAD) -> None:
+        self.max_ahead = checked_max_ahead(max_ahead, config.job)
         self.store = store
         self.config = store.register(config)
         self.policy = policy if policy is not None else LBBSPPolicy(AutoCapacityModel(horizon=self.config.lag))
@@ -189,7 +197,6 @@ class Coordinator:
         self._outage_since: float | None = None
         self._next_outage_log = 0.0
         self._failure, self._failures, self._next_failure_log = "", 0, 0.0  # the last failed step's, see _failed
-        self.max_ahead = _integer(max_ahead, "max_ahead", 1, AHEAD_LIMIT)
         #: How many iterations the next decision covers: 1 while the coordinator keeps up with the workers' steps.
         self.ahead = 1
         self._written_through = self.config.lag - 1  # the latest iteration whose split this coordinator wrote
@@ -505,6 +512,9 @@ class Coordinator:
 #: Why a worker that joins an external coordinator (``coordinator=False``) refuses a policy of its own.
 EXTERNAL_POLICY = ("policy= is the coordinator's: with an external one (coordinator=False), name the policy by its "
                    "--policy and --model flags")
+#: Why such a worker refuses a max_ahead of its own.
+EXTERNAL_MAX_AHEAD = ("max_ahead= is the coordinator's: with an external one (coordinator=False), set its "
+                      "--max-ahead")
 
 
 class CoordinatorProcess:
@@ -517,7 +527,7 @@ class CoordinatorProcess:
 
     def __init__(self, url: str, config: JobConfig, policy: Policy | None = None, *,
                  max_ahead: int = MAX_AHEAD, start_timeout_s: float = 60.0) -> None:
-        max_ahead = _integer(max_ahead, "max_ahead", 1, AHEAD_LIMIT)
+        max_ahead = checked_max_ahead(max_ahead, config.job)
         if multiprocessing.current_process().daemon:
             raise LBBSPError("a daemonic process cannot start the coordinator process: start this worker with "
                              "daemon=False, or run Coordinator(store, config).start() in a thread", job=config.job)

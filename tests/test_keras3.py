@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from emulated import DelayedPolicy
 from lbbsp import BSPPolicy, JobConfig, Report, Store
 from lbbsp.embedded import FOLDER_PREFIX
 from lbbsp.errors import ConfigError
@@ -128,6 +129,31 @@ def test_an_external_coordinator_serves_the_job(redis_url: str, job: str) -> Non
     assert f"coordinating job '{job}'" in out, out
     assert callback.iteration == 8 and [b.size for b in source.served] == [32, 32, 32, 24] * 2
     assert policies == {"bsp"}  # decided by the external coordinator (the embedded one runs lbbsp)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("max_ahead", [None, 1])
+def test_max_ahead_reaches_worker_0s_coordinator(redis_url: str, job: str, max_ahead: int | None) -> None:
+    """Worker 0's coordinator, slower than the steps (decisions of 60 ms), runs ahead by default, one decision
+    covering several steps, and decides every step with max_ahead=1."""
+    config = JobConfig(job, num_workers=1, global_batch=32)
+    x, y = _data()
+    with WorkerSession(config, 0, url=redis_url, policy=DelayedPolicy(0.06, 1.0, seed=0),
+                       max_ahead=max_ahead) as session:
+        source = BalancedSource(x, y, config, 0, seed=1)
+        callback = LBBSPCallback(session.client, source)
+        _model().fit(source.tf_dataset(), epochs=10, steps_per_epoch=len(source), callbacks=[callback], verbose=0,
+                     shuffle=False)
+        session.client.flush()
+    with Store.from_url(redis_url, job) as store:  # the session's close stopped the coordinator: the log is whole
+        decisions = [json.loads(d) for d in store.decisions(1000)]
+    spans = {d["through"] - d["iteration"] + 1 for d in decisions}
+    assert callback.iteration == 40
+    if max_ahead == 1:
+        assert spans == {1} and len(decisions) >= 40 - config.lag, (spans, len(decisions))
+    else:
+        assert max(spans) > 1, spans
 
 
 @pytest.mark.slow

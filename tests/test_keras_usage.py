@@ -53,6 +53,18 @@ def test_session_refuses_a_worker_index_outside_the_job(worker: object, job: str
         WorkerSession(JobConfig(job, num_workers=2, global_batch=32), worker, url="redis://unused")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(("max_ahead", "coordinator", "words"), [
+    (0, True, r"max_ahead must be an integer in \[1, 1024\], got 0"),
+    (2.0, True, "max_ahead must be an integer, got"),
+    (1, False, "max_ahead= is the coordinator's.*set its --max-ahead"),
+])
+def test_session_refuses_a_max_ahead_out_of_range_or_beside_an_external_coordinator(
+        max_ahead: object, coordinator: bool, words: str, job: str) -> None:
+    with pytest.raises(ConfigError, match=words):  # before any connection: nothing listens there
+        WorkerSession(JobConfig(job, num_workers=1, global_batch=32), 0, url="redis://127.0.0.1:1/0",
+                      coordinator=coordinator, max_ahead=max_ahead)  # type: ignore[arg-type]
+
+
 def test_a_failed_start_of_worker_0s_server_leaves_no_folder(job: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The folder would keep the server's config (with its password, on TCP) until a later start removed it."""
     monkeypatch.setattr("lbbsp.embedded.redis_server_binary", lambda: "/bin/false")

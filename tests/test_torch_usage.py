@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset, Subset, TensorDataset  # noqa: E402
 
 import lbbsp.integrations.torch as lbbsp_torch  # noqa: E402
+from emulated import DelayedPolicy  # noqa: E402
 from lbbsp import BSPPolicy, ConfigError, EmbeddedRedis, JobConfig, LBBSPError, Store, StoreUnavailable  # noqa: E402
 from lbbsp.integrations.torch import Balancer  # noqa: E402
 from test_torch_exact import in_gloo_group, spawn  # noqa: E402
@@ -174,6 +175,10 @@ def external_coordinator(url: str, job: str) -> dict:
         Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, coordinator=False, lag=4)
     except ConfigError as exc:
         result["lag_refused"] = str(exc)
+    try:  # and its --max-ahead
+        Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, coordinator=False, max_ahead=1)
+    except ConfigError as exc:
+        result["max_ahead_refused"] = str(exc)
     model = linear()
     train = trainer(model)
     with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, coordinator=False) as lb:
@@ -319,6 +324,37 @@ def batches_outside_their_steps(url: str, job: str) -> dict:
     return result
 
 
+def running_ahead(url: str, job: str) -> dict:
+    """Rank 0's coordinator, slower than the steps (decisions of 60 ms), runs ahead by default, one decision
+    covering several steps, and decides every step with max_ahead=1; a max_ahead out of range is refused on every
+    rank before anything starts. The iterations each decision covers, by max_ahead."""
+    result: dict = {}
+    for wrong in (0, 1025, 2.0):
+        try:
+            Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-wrong", max_ahead=wrong)  # type: ignore[arg-type]
+        except ConfigError as exc:
+            result.setdefault("refused", []).append(str(exc))
+    for max_ahead in (None, 1):
+        name = f"{job}-{max_ahead}"
+        model = linear()
+        train = trainer(model)
+        with Balancer.from_env(GLOBAL_BATCH, redis=url, job=name, policy=DelayedPolicy(0.06, 1.0, seed=0),
+                               max_ahead=max_ahead) as lb:
+            lb.attach(model)
+            fallbacks = 0
+            for _ in range(5):
+                for x, y, _ in lb.loader(data()):
+                    train(x, y)
+                    fallbacks += lb.step.assignment.fallback
+            result[f"fallbacks {max_ahead}"] = fallbacks
+        torch.distributed.barrier()  # rank 0's coordinator has stopped: the log is whole
+        with Store.from_url(url, name) as store:
+            decisions = [json.loads(d) for d in store.decisions(1000)]
+        result[f"spans {max_ahead}"] = sorted({d["through"] - d["iteration"] + 1 for d in decisions})
+        result[f"decisions {max_ahead}"] = len(decisions)
+    return result
+
+
 def agreement_group(url: str, job: str) -> dict:
     """The gloo group the vector is agreed over when the default group is NCCL's, made as it is there (the one thing
     stubbed: where the default group's collectives run): it must wait as long as the process group does, not gloo's
@@ -336,7 +372,7 @@ def agreement_group(url: str, job: str) -> dict:
 SCENARIOS = {f.__name__: f for f in (abandoned_steps, no_sync_with_the_hook, without_attach,
                                      loss_form_without_scale_loss, second_balancer_on_one_model,
                                      external_coordinator, settings, mistakes, batches_outside_their_steps,
-                                     agreement_group)}
+                                     running_ahead, agreement_group)}
 
 
 def _scenarios(url: str, job: str) -> dict:
@@ -428,6 +464,7 @@ def test_an_external_coordinators_lag_and_ttl_are_adopted(outcomes: list[dict]) 
     assert "the URL of its Redis (redis= or $LBBSP_REDIS_URL)" in result["no_redis"]
     assert result["policy"].startswith("policy= is the coordinator's")
     assert "set its --lag" in result["lag_refused"]
+    assert "set its --max-ahead" in result["max_ahead_refused"]
     assert (result["lag"], result["ttl_s"]) == (1, 600)
     assert [policy for policy, _ in result["assignments"][:1]] == ["initial"]
     assert all(policy != "initial" and not fallback for policy, fallback in result["assignments"][1:])
@@ -442,6 +479,16 @@ def test_settings_errors_say_what_to_do(outcomes: list[dict]) -> None:
     assert "persistent_workers itself" in result["persistent_workers"]
     assert "127.0.0.1:1" in result["unreachable"] and "LBBSP_REDIS_URL" in result["unreachable"]
     assert result["lag"] == 3 and result["first"] == ["initial"] * 3, result["first"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_max_ahead_reaches_rank_0s_coordinator(outcomes: list[dict]) -> None:
+    result = both(outcomes, "running_ahead")
+    assert len(result["refused"]) == 3 and all("max_ahead must be an integer" in r for r in result["refused"]), result
+    assert max(result["spans None"]) > 1, result  # one decision for several steps: the steps did not wait for each
+    assert result["spans 1"] == [1] and result["decisions 1"] >= 5 * 8 - 2, result  # lag 2: steps 0 and 1 start
+    assert result["fallbacks None"] == result["fallbacks 1"] == 0, result
 
 
 @pytest.mark.slow
