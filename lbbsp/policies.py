@@ -27,7 +27,7 @@ from .errors import ConfigError
 from .hedging import ForecastRisk, hedged
 from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
 from .models.auto import GroupedTime
-from .models.base import WorkerIds
+from .models.base import WorkerIds, as_reports
 from .protocol import Report
 
 log = logging.getLogger("lbbsp.policies")
@@ -253,6 +253,15 @@ class LBBSPPolicy(Policy):
         return Decision(tuple(sizes.tolist()), reason, tuple(predicted.tolist()), tuple(throughput.tolist()))
 
 
+def _split_of(current: Sequence[int], config: JobConfig) -> np.ndarray:
+    """``current`` as an int64 array of one size per worker of ``config``, or a ConfigError that says so."""
+    sizes = np.asarray(current, dtype=np.int64)
+    if sizes.shape != (config.num_workers,):
+        raise ConfigError(f"current must hold one size per worker ({config.num_workers}), got shape {sizes.shape}",
+                          job=config.job)
+    return sizes
+
+
 def _whole_caps(caps: np.ndarray | None, upper: np.ndarray) -> np.ndarray | None:
     """A model's memory caps as whole samples (a cap of 10.5 holds 10), the job's upper bound where a cap is NaN."""
     if caps is None:
@@ -311,7 +320,7 @@ class StaticProportionalPolicy(LBBSPPolicy):
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         if self._observed < self.profile_iterations:
             return Decision(tuple(int(s) for s in current), "profiling")
-        if self._fixed is None:
+        if self._fixed is None or len(self._fixed.sizes) != config.num_workers:  # profiled for another job's size
             decision = super().decide(iteration, current, config)
             self._fixed = Decision(decision.sizes, "proportional to the speeds profiled at the start")
         return self._fixed
@@ -329,7 +338,7 @@ class PerEpochPolicy(LBBSPPolicy):
         self._decided: int | None = None  # the iteration of the previous decision
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
-        current_arr = np.asarray(current, dtype=np.int64)
+        current_arr = _split_of(current, config)
         # a memory cap that shrank below a worker's size is acted on at once (bounds() lifts caps it cannot keep)
         over_caps = self._seen and bool((current_arr > self.bounds(np.arange(config.num_workers), current_arr,
                                                                       config)[1]).any())
@@ -363,6 +372,7 @@ class LeaderStragglerPolicy(Policy):
         self._fed = False  # whether the model has had a report
 
     def observe(self, reports: Sequence[Report]) -> None:
+        reports = as_reports(reports, "observe")
         if self.model is not None and reports:
             self.model.partial_fit(reports)
             self._fed = True
@@ -379,7 +389,7 @@ class LeaderStragglerPolicy(Policy):
         return decision
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
-        sizes = np.asarray(current, dtype=np.int64).copy()
+        sizes = _split_of(current, config).copy()
         lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
         if self.model is not None and self._fed:  # a model that has seen no report knows no cap (it raises)
             caps = _whole_caps(self.model.max_batch(range(config.num_workers)), upper)

@@ -335,8 +335,8 @@ def test_set_params_reshapes_what_is_learned() -> None:
     assert narx.log_thr_.shape == (1, 7) and curve.slot_size_.shape == (1, 3)
 
 
-@pytest.mark.parametrize("reports", [[], [Report("a", 0, 0, 0, 0.0, device="cuda:0")], [Report("a", 0, 0, 10, 0.0)]],
-                         ids=["empty", "announcement", "no-time"])
+@pytest.mark.parametrize("reports", [[Report("a", 0, 0, 0, 0.0, device="cuda:0")], [Report("a", 0, 0, 10, 0.0)]],
+                         ids=["announcement", "no-time"])
 def test_gpu_curve_answers_after_reports_that_measured_nothing(reports: list[Report]) -> None:
     """A GPU job's first iteration may bring only announcements: the curve then knows nothing, like any model,
     instead of failing on tables it has not made yet; before any report it says it is not fitted."""
@@ -458,10 +458,10 @@ def test_numpy_integers_are_integer_parameters() -> None:
         assert np.isfinite(model.partial_fit([Report("c", 0, 0, 10, 0.1)]).predict([0])).all()
 
 
-def test_auto_model_after_no_report_answers_like_the_other_models() -> None:
-    """partial_fit([]) then predict raised 'NARXThroughput has seen no report yet', naming a model the user never
-    chose; the others answer NaN (no worker known), and the split is the equal one."""
-    model = AutoCapacityModel().partial_fit([])
+def test_auto_model_after_reports_that_measured_nothing_answers_like_the_other_models() -> None:
+    """Predicting after such reports had raised 'NARXThroughput has seen no report yet', naming a model the user
+    never chose; the others answer NaN (no worker known), and the split is the equal one."""
+    model = AutoCapacityModel().partial_fit([Report("a", 0, 0, 0, 0.0)])
     assert np.isnan(model.predict([0, 1])).all() and model.max_batch([0, 1]) is None
     assert allocate(model.time_model([0, 1]), 10, [1, 1], [10, 10]).tolist() == [5, 5]
     np.testing.assert_array_equal(model.explore([0, 1], np.array([5, 5]), np.ones(2), np.full(2, 9)), [5, 5])

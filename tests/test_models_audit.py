@@ -1,6 +1,8 @@
 """Capacity models, from a read-and-probe audit: a copied NARX keeps learning, memory caps stay on the card
 when readings are noisy or the card is partly taken, parameters apply as documented, a knee between measured
-sizes is found, one glitched bandwidth does not poison a client, and a mixed job takes a model of one's own."""
+sizes is found, one glitched bandwidth does not poison a client, and a mixed job takes a model of one's own.
+A second, new-user audit (2026-11-29): bad round outcomes, an equal list for a tuple parameter, nested
+parameters of a dict, a table of worker ids, an empty iteration, and fit_hinge's inputs."""
 from __future__ import annotations
 
 import copy
@@ -14,9 +16,11 @@ from lbbsp.errors import ConfigError
 from lbbsp.models import (
     AutoCapacityModel,
     BatchTimeCurve,
+    EWMAThroughput,
     FLClientModel,
     LastValue,
     NARXThroughput,
+    NotFittedError,
     fit_hinge,
     fit_memory_cap,
 )
@@ -155,3 +159,75 @@ def test_worker_ids_that_are_not_integers_are_refused(ids: list[object]) -> None
     with pytest.raises(ConfigError, match="worker ids must be integers"):
         model.predict(ids)  # type: ignore[arg-type]  (0.9 had been read as worker 0)
     assert model.predict([]).size == 0 and model.predict(np.arange(2)).size == 2
+
+
+def _fl_model() -> FLClientModel:
+    return FLClientModel().partial_fit([Report("f", w, 0, 20, 1.0 + w, features={"download_s": 1.0, "upload_s": 2.0})
+                                        for w in range(3)])
+
+
+@pytest.mark.parametrize(("outcomes", "error", "words"), [
+    ({0: 5}, ConfigError, "True or False .* got 5"),
+    ({1: float("nan")}, ConfigError, "got nan"),
+    ({0: "no"}, ConfigError, "got 'no'"),
+    ({1.5: False}, ConfigError, "worker ids must be integers"),
+    ([1, 2], TypeError, "mapping {client id: completed}, got list"),
+])
+def test_a_bad_round_outcome_is_refused_and_changes_nothing(outcomes: object, error: type, words: str) -> None:
+    """{0: 5} had made a chance of completing of 1.64 (and given new clients a prior above 1), NaN had wiped a
+    client's history, and 1.5 was taken as client 1."""
+    model = _fl_model().record_outcomes({0: True, 1: False, 2: np.bool_(True)})
+    before = model.availability([0, 1, 2, 3])
+    with pytest.raises(error, match=words):
+        model.record_outcomes(outcomes)  # type: ignore[arg-type]
+    np.testing.assert_array_equal(model.availability([0, 1, 2, 3]), before)
+    assert ((before > 0) & (before <= 1)).all() and before[1] < before[0]
+
+
+def test_an_equal_list_for_a_tuple_parameter_forgets_nothing() -> None:
+    """hidden=[16, 16] equals the default (16, 16): a fitted NARX had taken it as new and forgotten everything."""
+    model = NARXThroughput().fit(_cpu_history(20))
+    before = model.predict([0, 1])
+    model.set_params(hidden=[16, 16], features=list(model.features))
+    np.testing.assert_array_equal(model.predict([0, 1]), before)
+    with pytest.raises(NotFittedError):  # a new value still makes it relearn
+        model.set_params(hidden=[8]).predict([0])
+
+
+def test_nested_parameters_of_a_dict_are_refused_with_what_to_do() -> None:
+    model = AutoCapacityModel(models={"cpu": EWMAThroughput()})
+    with pytest.raises(ValueError, match="'models' is not an estimator .* pass a whole new models="):
+        model.set_params(models__cpu__alpha=0.9)
+    assert model.models["cpu"].alpha == EWMAThroughput().alpha
+
+
+@pytest.mark.parametrize("model", [LastValue(), EWMAThroughput(), NARXThroughput(), BatchTimeCurve(),
+                                   FLClientModel(), AutoCapacityModel()], ids=lambda m: type(m).__name__)
+def test_an_iteration_nobody_reported_in_leaves_a_model_unfitted_and_a_table_of_ids_is_refused(model) -> None:  # type: ignore[no-untyped-def]
+    """predict had answered NaN after partial_fit([]) (docs: NotFittedError before any report), and flattened a
+    2-D array of ids into four predictions."""
+    model.partial_fit([])
+    with pytest.raises(NotFittedError):
+        model.predict([0])
+    model.partial_fit([Report("j", w, 0, 100, 0.5, device="cpu") for w in range(2)]).partial_fit([])
+    assert model.predict([0, 1]).shape == (2,) and model.predict(1).shape == (1,)
+    with pytest.raises(ConfigError, match=r"1-D sequence .* shape \(2, 2\)"):
+        model.predict([[0, 1], [1, 0]])
+
+
+@pytest.mark.parametrize(("arrays", "words"), [
+    ((np.array([16.0, 48]), np.array([0.1, 0.2]), np.ones(2)), r"\(workers, points\) arrays of one shape"),
+    ((np.ones((2, 3)), np.ones((2, 2)), np.ones((2, 3))), "of one shape"),
+    ((np.array([[16.0, 48]]), np.array([[0.1, np.nan]]), np.ones((1, 2))), "finite"),
+])
+def test_fit_hinge_refuses_arrays_it_cannot_fit(arrays: tuple[np.ndarray, ...], words: str) -> None:
+    """A 1-D row had raised numpy's AxisError, and a NaN time had given a NaN base and slope."""
+    with pytest.raises(ConfigError, match=words):
+        fit_hinge(*arrays)
+
+
+def test_fit_hinge_ignores_what_an_absent_point_holds() -> None:
+    sizes, weight = np.array([[16.0, 48, 64]]), np.array([[1.0, 0.0, 1.0]])
+    fits = [fit_hinge(sizes, np.array([[0.1, absent, 0.3]]), weight) for absent in (0.2, np.nan, np.inf)]
+    for fit in fits[1:]:
+        np.testing.assert_array_equal(np.concatenate(fit), np.concatenate(fits[0]))

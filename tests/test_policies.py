@@ -414,3 +414,24 @@ def test_leader_straggler_and_per_epoch_move_samples_off_a_cap_that_shrank() -> 
     assert epoch.decide(3, (100, 100, 100), config).sizes[1] <= 90
     assert PerEpochPolicy(50, Capped((200, 200, 200))).decide(3, (100, 100, 100), config).sizes == (100, 100, 100)
     assert PerEpochPolicy(50, BatchTimeCurve()).decide(3, (100, 100, 100), config).sizes == (100, 100, 100)
+
+
+@pytest.mark.parametrize("policy", [PerEpochPolicy(5), LeaderStragglerPolicy()], ids=lambda p: p.name)
+def test_a_split_of_another_length_than_the_job_is_refused(policy: PerEpochPolicy | LeaderStragglerPolicy) -> None:
+    """Called directly with 3 sizes for a job of 4 workers, these had raised numpy's broadcast ValueError."""
+    with pytest.raises(ConfigError, match=r"one size per worker \(4\), got shape \(3,\)"):
+        policy.decide(10, [32] * 3, JobConfig("j", 4, 128))
+
+
+def test_leader_straggler_names_what_is_not_a_report() -> None:
+    with pytest.raises(TypeError, match="observe takes a list of lbbsp.Report, got a dict in it"):
+        LeaderStragglerPolicy().observe([{"worker": 0}])  # type: ignore[list-item]
+
+
+def test_static_proportional_profiles_again_for_a_job_of_another_size() -> None:
+    """Its fixed split had stayed at 4 sizes when asked for a job of 6 workers."""
+    policy = StaticProportionalPolicy(profile_iterations=1)
+    policy.observe([Report("j", w, 0, 32, 0.1 * (1 + w)) for w in range(6)])
+    assert len(policy.decide(1, [32] * 4, JobConfig("j", 4, 128)).sizes) == 4
+    six = policy.decide(2, [32] * 6, JobConfig("j", 6, 192)).sizes
+    assert len(six) == 6 and sum(six) == 192 and six[0] > six[5]

@@ -467,3 +467,32 @@ def test_the_python_example_in_the_docs_runs(capsys: pytest.CaptureFixture[str])
     ratios = {line.split()[0]: float(line.split()[1]) for line in lines if " x oracle" in line}
     assert ratios["oracle"] == 1.0 and set(ratios) >= {"lbbsp", "bsp", "undamped"}
     assert ratios["lbbsp"] < 1.05 < ratios["bsp"]
+
+
+@pytest.mark.parametrize(("build", "words"), [
+    (lambda: FLClients(8, 20, 0, local_steps=0), r"local_steps must be an integer in \[1, inf\], got 0"),
+    (lambda: FLClients(8, 20, 0, model_mb=-4), "model_mb must be a finite number >= 0, got -4"),
+    (lambda: FLClients(8, 20, 0, dropout=1.5), r"dropout must be a chance per client and round in \[0, 1\]"),
+    (lambda: FLClients(8, 20, 0, compute_spread=-1), "compute_spread must be a finite number >= 0"),
+    (lambda: FLClients(8, 20, 0, median_kbps_up=0), "median_kbps_up must be a finite number > 0"),
+    (lambda: GPUMix(4, -1, 0), r"iterations must be an integer in \[1, inf\], got -1"),
+    (lambda: GPUMix(4, 10, 0, jitter=-1), "jitter must be a finite number >= 0"),
+    (lambda: GPUMix(4, 10, 0, gb_per_sample=0), "gb_per_sample must be a finite number > 0"),
+    (lambda: GPUMix(4, 10, 0, batch_per_worker=2.5), "batch_per_worker must be an integer"),
+    (lambda: CPUContention(4, 10, 0, machine_spread=-1), "machine_spread must be a finite number >= 0"),
+    (lambda: CPUContention(4, 10, -1), r"seed must be an integer in \[0, inf\]"),
+    (lambda: CPUContention(4, 10, 0, mean_dwell=0.5), "mean_dwell must be >= 1 iteration"),
+])
+def test_a_scenario_option_out_of_range_is_refused_where_it_is_built(build, words: str) -> None:  # type: ignore[no-untyped-def]
+    """local_steps=0 and model_mb<0 had failed in the middle of compare with a report's ProtocolError, dropout=1.5
+    had run to the end as if valid, negative spreads had raised numpy's bare 'sigma < 0'."""
+    with pytest.raises(ConfigError, match=words):
+        build()
+
+
+def test_the_plots_ratio_axis_has_round_ticks_across_the_range() -> None:
+    """Its log axis had labelled only 0.9 and 1.0, with lines at 1.2-1.5 x the oracle."""
+    assert cli._ratio_ticks(0.95, 1.5) == [0.95, 1.0, 1.1, 1.2, 1.3, 1.5]
+    assert cli._ratio_ticks(0.99, 1.02) == [0.99, 1.0, 1.01, 1.02]
+    wide = cli._ratio_ticks(0.5, 40)
+    assert 1.0 in wide and len(wide) <= 10 and wide == sorted(wide) and 0.5 <= wide[0] and wide[-1] <= 40

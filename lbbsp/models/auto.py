@@ -94,6 +94,9 @@ class AutoCapacityModel(CapacityModel):
 
     def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> AutoCapacityModel:
         reports = as_reports(reports)
+        if not reports:  # an iteration nobody reported in: nothing to learn, and an unfitted model stays so
+            self._check_params()
+            return self
         if not hasattr(self, "models_"):
             self._check_params()
             given = dict(self.models or {})

@@ -37,9 +37,12 @@ _DEVICE_INDEX = re.compile(r"[:/]\d+$")
 
 
 def worker_ids(workers: WorkerIds) -> np.ndarray:
-    """``workers`` as a flat int64 array; a clear error for a negative id (numpy would wrap it to the last) and
-    for ids that are not integers (0.9 and "1" had been read as workers 0 and 1)."""
+    """``workers`` (one id, or a 1-D sequence of them) as a flat int64 array; a clear error for a negative id
+    (numpy would wrap it to the last), for ids that are not integers (0.9 and "1" had been read as workers 0 and
+    1), and for a table of ids (a 2-D one had been flattened, its predictions no longer matching its shape)."""
     given = np.asarray(workers)
+    if given.ndim > 1:
+        raise ConfigError(f"worker ids must be one id or a 1-D sequence of them, got an array of shape {given.shape}")
     if given.size and given.dtype.kind not in "iu":
         raise ConfigError(f"worker ids must be integers, got {given.dtype} values such as {given.flat[0]!r}")
     ids = given.astype(np.int64).reshape(-1)
@@ -48,18 +51,19 @@ def worker_ids(workers: WorkerIds) -> np.ndarray:
     return ids
 
 
-def as_reports(reports: Sequence[Report] | Iterable[Report] | Report) -> Sequence[Report]:
+def as_reports(reports: Sequence[Report] | Iterable[Report] | Report, caller: str = "partial_fit") -> Sequence[Report]:
     """One iteration's reports as a sequence: one report alone is a list of one, any other iterable a list.
-    A TypeError names the first item that is not a :class:`Report` (a decoded dict, a report's JSON)."""
+    A TypeError, in ``caller``'s name, names the first item that is not a :class:`Report` (a decoded dict, a
+    report's JSON)."""
     if isinstance(reports, Report):
         return [reports]
     if not isinstance(reports, (list, tuple)):
         if isinstance(reports, (str, bytes, Mapping)) or not isinstance(reports, Iterable):
-            raise TypeError(f"partial_fit takes a list of lbbsp.Report, got {type(reports).__name__}")
+            raise TypeError(f"{caller} takes a list of lbbsp.Report, got {type(reports).__name__}")
         reports = list(reports)
     if not all(map(isinstance, reports, repeat(Report))):
         bad = next(item for item in reports if not isinstance(item, Report))
-        raise TypeError(f"partial_fit takes a list of lbbsp.Report, got a {type(bad).__name__} in it "
+        raise TypeError(f"{caller} takes a list of lbbsp.Report, got a {type(bad).__name__} in it "
                         "(Report.from_json reads one from its JSON)")
     return reports
 
@@ -113,6 +117,11 @@ class CapacityModel(BaseEstimator):
         value of a parameter that shapes what was learned (``window``, ``lags``, ...) makes a fitted model forget
         it, as :meth:`fit` does, so that the model relearns with the value instead of ignoring it."""
         before = self.get_params(deep=False)
+        for name in params:
+            outer = name.partition("__")[0]
+            if outer != name and outer in before and not hasattr(before[outer], "set_params"):  # sklearn would call it
+                raise ValueError(f"Invalid parameter {name!r} for {type(self).__name__}: {outer!r} is not an "
+                                 f"estimator with parameters of its own; pass a whole new {outer}= instead")
         try:
             super().set_params(**params)
             self._check_params()
@@ -219,13 +228,19 @@ class CapacityModel(BaseEstimator):
 
 
 def _changed(old: Any, new: Any) -> bool:
-    """Whether a parameter's new value differs from its old one (``==`` of values such as tuples and numbers)."""
+    """Whether a parameter's new value differs from its old one (``==`` of values such as tuples and numbers; a
+    list equals the tuple of the same items, as the parameters take either)."""
     if old is new:
         return False
     try:
-        return bool(old != new)
+        return bool(_as_tuple(old) != _as_tuple(new))
     except (TypeError, ValueError):  # values that do not compare to one bool: take them as changed
         return True
+
+
+def _as_tuple(value: Any) -> Any:
+    """A list or tuple as a tuple, nested ones too; any other value as it is."""
+    return tuple(map(_as_tuple, value)) if isinstance(value, (list, tuple)) else value
 
 
 def smoothed(table: np.ndarray | None, workers: np.ndarray, values: np.ndarray, alpha: float,

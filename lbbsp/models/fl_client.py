@@ -13,8 +13,9 @@ import numpy as np
 
 from ..allocation import LinearTime
 from ..config import _integer, _real
+from ..errors import ConfigError
 from ..protocol import MAX_SECONDS, Report
-from .base import CapacityModel, WorkerIds, as_reports, measured_throughput, smoothed
+from .base import CapacityModel, WorkerIds, as_reports, measured_throughput, smoothed, worker_ids
 
 #: Report features that tell a model transfer: a report with any of them comes from a federated client.
 TRANSFER_FEATURES = frozenset({"download_s", "upload_s", "bandwidth_down", "bandwidth_up"})
@@ -40,6 +41,9 @@ class FLClientModel(CapacityModel):
 
     def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> FLClientModel:
         reports = as_reports(reports)
+        if not reports:  # an iteration nobody reported in: nothing to learn, and an unfitted model stays so
+            self._check_params()
+            return self
         self._check_params()
         self._remember_hardware(reports)
         workers, measured = measured_throughput(reports)
@@ -54,8 +58,15 @@ class FLClientModel(CapacityModel):
         """Learn availability from one round: for each client asked, whether it completed (False: it sent no
         reply in time, or an error)."""
         self._check_params()
-        ids = np.fromiter(completed.keys(), dtype=np.int64, count=len(completed))
-        done = np.fromiter(completed.values(), dtype=float, count=len(completed))
+        if not isinstance(completed, Mapping):
+            raise TypeError(f"record_outcomes takes a mapping {{client id: completed}}, got {type(completed).__name__}")
+        ids = worker_ids(list(completed.keys()))
+        outcomes = list(completed.values())
+        wrong = next((v for v in outcomes if not isinstance(v, (bool, np.bool_)) and v not in (0, 1)), None)
+        if wrong is not None:  # NaN too: it is not in (0, 1)
+            raise ConfigError(f"record_outcomes takes True or False (or 1 or 0) per client, whether it completed "
+                              f"the round, got {wrong!r}")
+        done = np.array(outcomes, dtype=float)
         # a client's first outcome is blended into what similar clients do (available, where nothing is known):
         # blended into 1 instead, a new client on hardware that completes 70% of rounds would rise on its first miss
         self.availability_ = smoothed(getattr(self, "availability_", None), ids, done, self.availability_alpha,

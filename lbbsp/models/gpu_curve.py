@@ -23,6 +23,7 @@ import numpy as np
 
 from ..allocation import HingeTime
 from ..config import _integer, _real
+from ..errors import ConfigError
 from ..protocol import Report
 from .base import CapacityModel, Hardware, WorkerIds, as_reports, feature_column, worker_ids
 
@@ -51,14 +52,20 @@ def fit_hinge(sizes: np.ndarray, times: np.ndarray, weight: np.ndarray) -> tuple
     row's sizes or the best knee between two neighbouring sizes (:func:`_knees_between`), above its smallest
     size (so some points lie on the flat part), taken only when it fits clearly better than the straight line.
     A row with a single distinct size says nothing about the shape: it gets the proportional line through the
-    origin (the CPU assumption). Pure function.
+    origin (the CPU assumption). Pure function; a ConfigError for arrays that are not (workers, points) of one
+    shape, or a present point that is not finite.
     """
-    w = np.asarray(weight, dtype=float)
+    sizes, times, w = (np.asarray(a, dtype=float) for a in (sizes, times, weight))
+    if sizes.ndim != 2 or times.shape != sizes.shape or w.shape != sizes.shape:
+        raise ConfigError(f"fit_hinge takes sizes, times and weight as (workers, points) arrays of one shape, got "
+                          f"{sizes.shape}, {times.shape} and {w.shape}")
     present = w > 0
+    if not (np.isfinite(w).all() and np.isfinite(np.where(present, sizes + times, 0.0)).all()):
+        raise ConfigError("fit_hinge takes finite sizes, times and weights (an absent point, of weight 0, may hold "
+                          "anything)")
+    sizes, t = np.where(present, sizes, 0.0), np.where(present, times, 0.0)  # an absent NaN adds nothing
     n = sizes.shape[0]
-    knees = np.concatenate([np.zeros((n, 1)), np.where(present, sizes, 0.0), _knees_between(sizes, times, w)],
-                           axis=1)  # (n, J)
-    t = np.where(present, times, 0.0)
+    knees = np.concatenate([np.zeros((n, 1)), sizes, _knees_between(sizes, t, w)], axis=1)  # (n, J)
     base, slope, proportional = line_from_sums(hinge_sums(sizes[:, None, :], t[:, None, :], w[:, None, :],
                                                           knees[:, :, None]))
     z = np.maximum(sizes[:, None, :] - knees[:, :, None], 0.0)
@@ -227,6 +234,9 @@ class BatchTimeCurve(CapacityModel):
 
     def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> BatchTimeCurve:
         reports = as_reports(reports)
+        if not reports:  # an iteration nobody reported in: nothing to learn, and an unfitted model stays so
+            self._check_params()
+            return self
         if not hasattr(self, "slot_size_"):
             self._check_params()
             self.slot_size_ = np.zeros((0, self.window))

@@ -17,6 +17,9 @@ class LastValue(CapacityModel):
 
     def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> LastValue:
         reports = as_reports(reports)
+        if not reports:  # an iteration nobody reported in: nothing to learn, and an unfitted model stays so
+            self._check_params()
+            return self
         self._remember_hardware(reports)
         workers, measured = measured_throughput(reports)
         self.throughput_ = smoothed(getattr(self, "throughput_", None), workers, measured, alpha=1.0)

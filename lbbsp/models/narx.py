@@ -79,6 +79,9 @@ class NARXThroughput(CapacityModel):
         ``defer``: score and train in :meth:`finish_learning` instead (the forecast then uses the network of
         one update before, the histories of now)."""
         reports = as_reports(reports)
+        if not reports:  # an iteration nobody reported in: nothing to learn, and an unfitted model stays so
+            self._check_params()
+            return self
         if not hasattr(self, "weights_"):
             self._initialise()
         self.finish_learning()

@@ -179,7 +179,7 @@ def plot(scenario: Scenario, runs: dict[str, PolicyRun], summary: dict[str, dict
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
     from matplotlib.patches import Patch  # noqa: PLC0415
-    from matplotlib.ticker import ScalarFormatter  # noqa: PLC0415
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter  # noqa: PLC0415
 
     def colour(name: str) -> str:
         return "tab:gray" if name.startswith("oracle") else "tab:blue" if name.startswith("lbbsp") else "tab:orange"
@@ -214,9 +214,10 @@ def plot(scenario: Scenario, runs: dict[str, PolicyRun], summary: dict[str, dict
                    linewidth=1.8 if n == "lbbsp" else 1, linestyle=":" if n.startswith("oracle") else "-")
     lines.axhline(1.0, color="black", linewidth=0.8)
     lines.set_yscale("log")
+    low, high = lines.get_ylim()
+    lines.yaxis.set_major_locator(FixedLocator(_ratio_ticks(low, high)))  # the log axis' own ticks had left 1-2
+    lines.yaxis.set_minor_locator(NullLocator())  # (where these ratios mostly are) with no label
     lines.yaxis.set_major_formatter(ScalarFormatter())
-    lines.yaxis.set_minor_formatter(ScalarFormatter())
-    lines.tick_params(axis="y", which="minor", labelsize=7)
     lines.set_xlabel("iteration")
     lines.set_ylabel(f"iteration time / oracle (rolling mean of {window})")
     lines.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
@@ -224,6 +225,27 @@ def plot(scenario: Scenario, runs: dict[str, PolicyRun], summary: dict[str, dict
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _ratio_ticks(low: float, high: float) -> list[float]:
+    """Round values of time / oracle from ``low`` to ``high``, about evenly spaced on a log axis (at most 9
+    gaps), always 1 where it is in range: 0.9, 1, 1.02, 1.05, 1.1, 1.2, 1.5, 2, 3, 5, ..."""
+    candidates = ([0.1 * n for n in range(1, 10)] + [0.95, 0.98, 0.99, 1.0, 1.01, 1.02, 1.05, 1.1, 1.2, 1.3, 1.5]
+                  + [step * 10.0 ** power for power in range(4) for step in (2.0, 3.0, 5.0, 7.0, 10.0)])
+    inside = sorted({round(value, 6) for value in candidates if low <= value <= high})
+    if not inside:
+        return [low, high]
+    gap = (high / low) ** (1 / 9)  # the least ratio between neighbouring ticks
+    start = 1.0 if 1.0 in inside else inside[0]
+    up = [start]
+    for value in inside:
+        if value >= up[-1] * gap:
+            up.append(value)
+    down = [start]
+    for value in reversed(inside):
+        if value <= down[-1] / gap:
+            down.append(value)
+    return down[:0:-1] + up
 
 
 def _finite(value: object) -> object:

@@ -7,13 +7,14 @@ run of the same seed begins with the same iterations as a shorter one.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..allocation import HingeTime, LinearTime
-from ..config import JobConfig
+from ..config import JobConfig, _integer, _real
 from ..errors import ConfigError
 from ..models import AutoCapacityModel, CapacityModel, FLClientModel
 from .traces import TRACE_FEATURES, CPUTrace, load_traces
@@ -21,6 +22,22 @@ from .traces import TRACE_FEATURES, CPUTrace, load_traces
 #: Iterations past the last simulated one that a scenario generates: decisions run up to ``lag`` (at most 8)
 #: iterations ahead, and the oracle is shown the truth of the iteration it decides.
 LOOKAHEAD = 8
+
+
+def _run(num_workers: object, iterations: object, seed: object, batch: object, batch_name: str) -> None:
+    """Check what every scenario takes, before anything is drawn: a ConfigError naming the argument."""
+    _integer(num_workers, "num_workers", 1, None)
+    _integer(iterations, "iterations", 1, None)
+    _integer(seed, "seed", 0, None)
+    _integer(batch, batch_name, 1, None)
+
+
+def _at_least_zero(name: str, value: object) -> float:
+    return _real(value, name, 0.0, math.inf, "a finite number >= 0", hi_open=True)
+
+
+def _above_zero(name: str, value: object) -> float:
+    return _real(value, name, 0.0, math.inf, "a finite number > 0", lo_open=True, hi_open=True)
 
 
 @dataclass(frozen=True)
@@ -79,8 +96,9 @@ class CPUContention(Scenario):
     def __init__(self, num_workers: int, iterations: int, seed: int, *, traces: Sequence[CPUTrace] | None = None,
                  batch_per_worker: int = 64, mean_dwell: float = 200.0, machine_spread: float = 0.25,
                  noise: bool = True) -> None:
-        if not mean_dwell >= 1:
-            raise ConfigError(f"mean_dwell must be >= 1 iteration, got {mean_dwell}")
+        _run(num_workers, iterations, seed, batch_per_worker, "batch_per_worker")
+        _at_least_zero("machine_spread", machine_spread)
+        _real(mean_dwell, "mean_dwell", 1.0, math.inf, ">= 1 iteration (inf: the levels never switch)")
         traces = list(traces) if traces is not None else load_traces()
         rng, *replay_rngs = _streams(seed, 1 + len(traces))
         super().__init__("cpu-contention", JobConfig("sim-cpu", num_workers, batch_per_worker * num_workers),
@@ -180,6 +198,10 @@ class GPUMix(Scenario):
     def __init__(self, num_workers: int, iterations: int, seed: int, *, batch_per_worker: int = 112,
                  overhead_s: float = 0.015, fixed_gb: float = 1.5, gb_per_sample: float = 0.085,
                  jitter: float = 0.005) -> None:
+        _run(num_workers, iterations, seed, batch_per_worker, "batch_per_worker")
+        for name, value in (("overhead_s", overhead_s), ("fixed_gb", fixed_gb), ("jitter", jitter)):
+            _at_least_zero(name, value)
+        _above_zero("gb_per_sample", gb_per_sample)
         rng = np.random.default_rng(seed)
         names = list(GPU_GENERATIONS)
         shares = np.array([GPU_GENERATIONS[n]["share"] for n in names])
@@ -227,6 +249,15 @@ class FLClients(Scenario):
                  local_steps: int = 5, model_mb: float = 4.0, median_ms_per_sample: float = 40.0,
                  compute_spread: float = 1.0, median_kbps_down: float = 5000.0, median_kbps_up: float = 2000.0,
                  link_spread: float = 1.0, round_noise: float = 0.05, dropout: float = 0.05) -> None:
+        _run(num_workers, iterations, seed, batch_per_client, "batch_per_client")
+        _integer(local_steps, "local_steps", 1, None)
+        for name, value in (("model_mb", model_mb), ("compute_spread", compute_spread), ("link_spread", link_spread),
+                            ("round_noise", round_noise)):
+            _at_least_zero(name, value)
+        for name, value in (("median_ms_per_sample", median_ms_per_sample), ("median_kbps_down", median_kbps_down),
+                            ("median_kbps_up", median_kbps_up)):
+            _above_zero(name, value)
+        _real(dropout, "dropout", 0.0, 1.0, "a chance per client and round in [0, 1]")
         rng, presence = _streams(seed, 2)
         super().__init__("fl-clients", JobConfig("sim-fl", num_workers, batch_per_client * num_workers),
                          ["phone"] * num_workers,
