@@ -24,6 +24,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import argparse
+import ctypes
 import json
 import multiprocessing as mp
 import platform
@@ -37,13 +38,19 @@ import numpy as np
 
 from lbbsp import ResourceMonitor
 
+_PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its parent ends
 FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util", "cores")
 COLUMNS = ("iteration", "t_s", "samples", "compute_s", "throughput", *FEATURES, "hog_level")
 
 
-def _busy_loop(core: int) -> None:
-    """A co-located CPU-bound job on ``core``; Ctrl-C is the recorder's to handle (it stops these itself)."""
+def _busy_loop(core: int, recorder: int) -> None:
+    """A co-located CPU-bound job on ``core``; Ctrl-C is the recorder's to handle (it stops these itself), and
+    it ends with the recorder however that ends: a plain `kill` of the recorder had left it spinning."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the recorder's handler, which a fork copies
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # Linux, as sched_setaffinity
+    if os.getppid() != recorder:  # it ended before the line above
+        return
     os.sched_setaffinity(0, {core})
     x = 0
     while True:
@@ -97,7 +104,7 @@ class ContentionSchedule:
         self.level = 0
         self._rng = np.random.default_rng(seed)
         self._mean_dwell_s = mean_dwell_s
-        self._procs = [mp.Process(target=_busy_loop, args=(core,), daemon=True) for _ in range(max_level)]
+        self._procs = [mp.Process(target=_busy_loop, args=(core, os.getpid()), daemon=True) for _ in range(max_level)]
         self._pids: list[int] = []
         for proc in self._procs:
             proc.start()
@@ -156,6 +163,11 @@ def record(step: Callable[[], None], batch: int, seconds: float, schedule: Conte
     return rows
 
 
+def _stop_recording(signum: int, frame: object) -> None:
+    """SIGTERM ends the recording as Ctrl-C does: the rows so far are written, the co-located jobs stopped."""
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("numpy", "torch"), default="numpy")
@@ -190,6 +202,7 @@ def main() -> int:
     rng = np.random.default_rng(args.seed)
     step = (numpy_step if args.backend == "numpy" else torch_step)(args.batch, rng)
     step()  # warm up caches and allocators outside the trace
+    signal.signal(signal.SIGTERM, _stop_recording)  # a plain `kill` keeps the rows recorded, as Ctrl-C does
     schedule = ContentionSchedule(args.core, args.max_level, args.mean_dwell_s, args.seed).start()
     print(f"recording {args.backend} on core {args.core} for {args.seconds:.0f}s", flush=True)
     try:

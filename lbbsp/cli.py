@@ -16,7 +16,7 @@ import redis
 from .config import JobConfig
 from .coordinator import AHEAD_LIMIT, MAX_AHEAD, Coordinator, freeze_heap
 from .embedded import EmbeddedRedis
-from .errors import LBBSPError
+from .errors import ConfigError, LBBSPError
 from .models import (
     AutoCapacityModel,
     BatchTimeCurve,
@@ -142,7 +142,13 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     for job in jobs:
         with Store.from_url(url, job) as store:
-            config = store.load_config()
+            try:
+                config = store.load_config()
+            except ConfigError as exc:
+                if args.job:
+                    raise
+                logging.getLogger("lbbsp.cli").warning("skipped job %r: %s", job, exc)  # not hiding the others
+                continue
             if config is None and args.job:
                 raise LBBSPError(f"no job {job!r} on this Redis (it never started, or its keys expired); "
                                  "`lbbsp status` without --job lists the jobs there")
@@ -165,11 +171,19 @@ def _status(args: argparse.Namespace) -> int:
                 log.add_column(column)
             for d in decisions:
                 log.add_row(_iterations(d), " ".join(map(str, d["sizes"][:16])) + (" ..." if len(d["sizes"]) > 16 else ""),
-                            d["policy"], "coordinator" if d["written_by_coordinator"] else "fallback", d["reason"],
+                            d["policy"], _written_by(d), d["reason"],
                             "; ".join(f"worker {r.get('worker')}: {r.get('error')}" for r in d["rejected"]
                                       if isinstance(r, dict)))
             console.print(log)
     return 0
+
+
+def _written_by(decision: dict) -> str:
+    """Who wrote the split a decision record shows: this decision, a worker's fallback that came first, or an
+    earlier decision of a coordinator running ahead, which had covered the iteration already."""
+    if decision["written_by_coordinator"]:
+        return "coordinator"
+    return "fallback" if decision.get("fallback") is True else "earlier decision"
 
 
 #: What ``lbbsp status`` needs of a decision record and of a worker's status; entries without it (written by

@@ -10,6 +10,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from numbers import Integral, Real
 from typing import Any
 
 from .errors import ProtocolError
@@ -189,6 +190,7 @@ class Report:
         if _plain(self.job, self.worker, self.iteration, self.samples, self.compute_s, self.comm_s, self.wait_s,
                   self.features, self.device):
             return self
+        self._as_plain_numbers()
         where: dict[str, Any] = {"job": self.job if isinstance(self.job, str) else None}
         _str(self.job, "job", 128, **where)
         if not self.job:
@@ -221,6 +223,22 @@ class Report:
                         f"features.{missing}", **where)
         _str(self.device, "device", 64, **where)
         return self
+
+    def _as_plain_numbers(self) -> None:
+        """numpy's numbers (np.int64 from a count, np.float32 from a timer) as Python's, which the checks and the
+        JSON take; bools stay as they are, refused below. Only reports the quick pass did not accept get here."""
+        for name in ("worker", "iteration", "samples"):
+            value = getattr(self, name)
+            if type(value) is not int and isinstance(value, Integral) and not isinstance(value, bool):
+                object.__setattr__(self, name, int(value))
+        for name in ("compute_s", "comm_s", "wait_s"):
+            value = getattr(self, name)
+            if type(value) not in (int, float) and isinstance(value, Real) and not isinstance(value, bool):
+                object.__setattr__(self, name, float(value))
+        if isinstance(self.features, dict) and any(type(v) not in (int, float) for v in self.features.values()):
+            object.__setattr__(self, "features", {
+                name: float(v) if type(v) not in (int, float) and isinstance(v, Real) and not isinstance(v, bool) else v
+                for name, v in self.features.items()})
 
     def check_belongs(self, *, job: str | None = None, num_workers: int | None = None) -> Report:
         """Raise unless the report is for ``job`` and its worker id is below ``num_workers``."""

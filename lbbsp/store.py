@@ -196,7 +196,7 @@ class Store:
         try:
             with self._typed("config"):
                 self.client.set(key, config.to_json(), nx=True, ex=self.ttl_s)
-                stored = JobConfig.from_json(self.client.get(key) or b"{}")
+                stored = self._config_from(self.client.get(key) or b"{}")
         except REDIS_ERRORS:
             self.ping()  # a StoreUnavailable that names the URL, where Redis does not answer
             raise
@@ -221,8 +221,22 @@ class Store:
         return bool(self.client.exists(self.key("config")))
 
     def load_config(self) -> JobConfig | None:
+        """The job's stored configuration, None if there is none, a ConfigError naming the key if it is not one."""
         data = self.client.get(self.key("config"))
-        return JobConfig.from_json(data) if data is not None else None
+        return self._config_from(data) if data is not None else None
+
+    def _config_from(self, data: bytes | str) -> JobConfig:
+        """The stored configuration ``data`` of this job, or a ConfigError that names its key and what to do."""
+        try:
+            config = JobConfig.from_json(data)
+        except ConfigError as exc:
+            raise ConfigError(f"Redis key {self.key('config')}: {exc}; delete the key (it is the job's settings, "
+                              "written by its first coordinator or worker), or use another job name",
+                              job=self.job) from None
+        if config.job != self.job:
+            raise ConfigError(f"Redis key {self.key('config')} holds the settings of job {config.job!r}, not of "
+                              f"{self.job!r}: delete the key, or use another job name", job=self.job)
+        return config
 
     # -- reports ------------------------------------------------------------------------------------------
     def post_report(self, report: Report, num_workers: int) -> bool:

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -106,3 +108,29 @@ def test_the_gpu_overhead_benchmark_times_lbbsps_parts_of_a_step_within_the_step
     assert parts["telemetry"] <= parts["report"], parts
     assert max(v for k, v in parts.items() if k != "step") < parts["step"], parts
     assert "its host work per step (ms): begin_step" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("how", ["term", "kill"])
+def test_the_trace_recorders_co_located_jobs_end_with_it(how: str, tmp_path: Path) -> None:
+    """A plain `kill` of the recorder had left its busy loops spinning, pinned to the core, and written nothing.
+    SIGTERM now ends it as Ctrl-C does (the rows so far are written); even SIGKILL takes its busy loops along."""
+    psutil = pytest.importorskip("psutil")
+    out = tmp_path / "trace.json"
+    recorder = subprocess.Popen([sys.executable, str(EXPERIMENTS / "record_cpu_trace.py"), "--seconds", "60", "--batch",
+                                 "64", "--max-level", "2", "--mean-dwell-s", "0.2", "--core",
+                                 str(min(psutil.Process().cpu_affinity())), "--out", str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert recorder.stdout is not None and "recording" in recorder.stdout.readline()
+        busy = psutil.Process(recorder.pid).children()
+        assert len(busy) == 2
+        time.sleep(1.0)
+        recorder.send_signal(signal.SIGTERM if how == "term" else signal.SIGKILL)
+        said = recorder.communicate(timeout=30)[0]
+    finally:
+        recorder.kill()
+    gone, alive = psutil.wait_procs(busy, timeout=10)
+    assert not alive, alive
+    if how == "term":
+        assert recorder.returncode == 0, said
+        assert "keeping the" in said and json.loads(out.read_text())["rows"], said

@@ -114,3 +114,18 @@ def test_job_config_validates_itself() -> None:
     config = JobConfig("j", 3, 10, max_batch=(4, 4, 4))
     assert JobConfig.from_json(config.to_json()) == config
     assert config.initial_sizes() == (4, 3, 3)
+
+
+def test_numpys_numbers_are_taken_as_pythons() -> None:
+    """np.int64 samples (a count) and np.float32 times (a timer) had been refused: 'must be an integer, got int64'.
+    They are stored as Python's numbers, so the JSON and every check see plain ones; bools stay refused."""
+    np = pytest.importorskip("numpy")
+    report = Report("j", np.int64(1), np.int32(3), np.int64(4), np.float32(0.25), wait_s=np.float64(0.01),
+                    features={"cpu_util": np.float32(0.5)})
+    assert (type(report.worker), type(report.samples), type(report.compute_s)) == (int, int, float)
+    assert type(report.features["cpu_util"]) is float
+    assert Report.from_json(report.to_json()) == report
+    with pytest.raises(ProtocolError, match="samples: must be an integer, got float64"):
+        Report("j", 0, 0, np.float64(4.0), 0.1)
+    with pytest.raises(ProtocolError, match="compute_s: must be a number, got bool"):
+        Report("j", 0, 0, 4, np.bool_(True))

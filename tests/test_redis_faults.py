@@ -11,6 +11,7 @@ import time
 import pytest
 import redis
 
+from emulated import worker_clients
 from lbbsp import Assignment, Coordinator, EmbeddedRedis, JobConfig, Report, Store, WorkerClient
 from lbbsp.cli import main
 from lbbsp.client_history import ClientHistory
@@ -176,6 +177,51 @@ def test_status_skips_entries_no_coordinator_wrote(redis_url: str, job: str,
         store.client.hset(store.key("workers"), mapping={"x": "{}", "1": '{"size": "big"}'})
         assert main(["status", "--redis", redis_url, "--job", job, "--decisions", "3"]) == 0
     assert f"job {job}" in capsys.readouterr().out
+
+
+def test_status_skips_a_job_whose_stored_settings_are_broken_and_names_the_key(
+        redis_url: str, job: str, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    """One job's corrupt config key had stopped `lbbsp status` for every job, with an error that named no job."""
+    with Store.from_url(redis_url, job) as store:
+        store.register(JobConfig(job, 2, 10))
+        with Store.from_url(redis_url, f"{job}-bad") as bad, Store.from_url(redis_url, f"{job}-other") as other:
+            bad.client.set(bad.key("config"), b"garbage{")
+            other.client.set(other.key("config"), JobConfig(job, 2, 10).to_json())  # another job's settings
+            assert main(["status", "--redis", redis_url]) == 0
+            assert f"job {job}:" in capsys.readouterr().out
+            skipped = [r.getMessage() for r in caplog.records if "skipped job" in r.getMessage()]
+            assert any(bad.key("config") in m and "not valid JSON" in m for m in skipped), skipped
+            assert any(other.key("config") in m and f"settings of job {job!r}" in m for m in skipped), skipped
+            with pytest.raises(ConfigError, match=f"Redis key {bad.key('config')}: .*delete the key"):
+                Coordinator(bad, JobConfig(f"{job}-bad", 2, 10))
+            assert main(["status", "--redis", redis_url, "--job", f"{job}-bad"]) == 2
+
+
+def test_status_tells_a_split_an_earlier_decision_wrote_from_a_fallback(
+        redis_url: str, job: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A coordinator whose earlier decision, running ahead, had covered an iteration records the next decision
+    for it as not written by itself: `lbbsp status` had shown that as a worker's fallback."""
+    config = JobConfig(job, 2, 20)
+    with Store.from_url(redis_url, job) as store, worker_clients(redis_url, config) as clients:
+        coordinator = Coordinator(store, config)
+        for k in range(3):
+            for client in clients:
+                client.report(k, 10, 0.1)
+                client.flush()
+        coordinator.ahead = 4
+        coordinator.decide(0)  # writes 2-5
+        coordinator.ahead = 1
+        again = coordinator.decide(1)  # its own iteration, 3, is written already
+        assert again.assignment.iteration == 3 and not again.written and not again.assignment.fallback
+        store.publish(Assignment(job, 6, (10, 10), "fallback", "coordinator late", fallback=True))
+        for client in clients:
+            client.report(4, 10, 0.1)
+            client.flush()
+        lost = coordinator.decide(4)  # a worker's fallback stands at 6
+        assert not lost.written and lost.assignment.fallback
+        assert main(["status", "--redis", redis_url, "--job", job, "--decisions", "5"]) == 0
+    rows = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.count("│") > 4}
+    assert "coordinator" in rows["2-5"] and "earlier decision" in rows["3"] and "fallback" in rows["6"], rows
 
 
 def test_without_agree_a_worker_waits_out_a_stalled_redis_and_uses_the_decision(job: str) -> None:
