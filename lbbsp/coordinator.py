@@ -47,6 +47,7 @@ def checked_max_ahead(value: object, job: str | None = None) -> int:
     return MAX_AHEAD if value is None else _integer(value, "max_ahead", 1, AHEAD_LIMIT, job)
 
 _PACE_WINDOW = 5  # decisions over which the coordinator's own time and the workers' step are taken (medians)
+_DROP = 100  # a report under 1/_DROP of its worker's previous throughput is worth a warning (_warn_dropped)
 _OUTAGE_GRACE_S = 3.0  # a coordinator whose training process ended is stopped by then (_stop_when_orphaned)
 
 #: One worker's status in the ``workers`` hash, as JSON (``lbbsp status`` reads it).
@@ -210,6 +211,8 @@ class Coordinator:
         # the splits of the latest iterations: a worker that fell back (agreed, Redis unusable) used one of them
         self._recent: deque[tuple[int, ...]] = deque([self.config.initial_sizes()], maxlen=_LOOK_BACK)
         self._claim_seen: str | None = None  # the other coordinator's claim found at the last heartbeat
+        self._measured: dict[int, float] = {}  # each worker's latest measured throughput (_record)
+        self._drops, self._next_drop_log = 0, 0.0  # reports far below their worker's previous one (_warn_dropped)
         stored = store.decision_count()
         if stored:
             log.warning("job %s already has %d decisions in this Redis: resuming it, and reusing its stored "
@@ -380,8 +383,13 @@ class Coordinator:
         by_worker = {r.worker: r for r in reports}
         predicted = decision.predicted_throughput
         statuses = {}
+        measured, dropped = self._measured, []
         for worker, size in enumerate(assignment.sizes):  # a template: json.dumps per worker costs 6 ms at 1,024
             report = by_worker.get(worker)
+            if report is not None and (now := report.throughput) > 0:
+                if now * _DROP < measured.get(worker, 0.0):
+                    dropped.append((worker, now, measured[worker]))
+                measured[worker] = now
             statuses[worker] = _STATUS % (
                 assignment.iteration, size, _number(predicted[worker] if predicted is not None else None),
                 _number(report.throughput if report else None), _number(report.compute_s if report else None),
@@ -395,6 +403,22 @@ class Coordinator:
             "rejected": [{"worker": r.worker, "error": r.error} for r in rejected], "time": time.time(),
         }
         self.store.record_decision(json.dumps(record), statuses if self.config.num_workers <= 4096 else None)
+        if dropped:
+            self._warn_dropped(iteration, dropped)
+
+    def _warn_dropped(self, iteration: int, dropped: list[tuple[int, float, float]]) -> None:
+        """Say, at most once a minute, which workers measured under 1/_DROP of their previous throughput: valid
+        reports, and the models act on them, but one such report (a stall, or a timer that jumped) takes
+        samples off its worker for several iterations, which the split alone does not explain."""
+        self._drops += len(dropped)
+        if time.monotonic() < self._next_drop_log:
+            return
+        self._next_drop_log = time.monotonic() + 60.0
+        shown = "; ".join(f"worker {w}: {now:.3g} samples/s, after {before:.3g}" for w, now, before in dropped[:3])
+        log.warning("job %s, iteration %d: %s%s (%d such report(s) so far): under 1/%d of the previous measurement, "
+                    "a stall (preempted, swapped out, paused) or a timer that jumped? The model gives such a worker "
+                    "few samples until it measures again", self.config.job, iteration, shown,
+                    f" and {len(dropped) - 3} more" if len(dropped) > 3 else "", self._drops, _DROP)
 
     # -- running ----------------------------------------------------------------------------------------
     def run(self, *, max_decisions: int | None = None, poll_s: float = 0.5) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import threading
 import types
@@ -249,3 +250,22 @@ def test_the_protocol_version_must_be_the_integer_1(version: str) -> None:
     with pytest.raises(ProtocolError, match="v: unsupported protocol version"):
         Report.from_json(payload)
     assert Report.from_json(payload.replace(version, "1", 1)).worker == 0
+
+
+def test_a_report_far_below_its_workers_previous_throughput_is_named_in_a_warning(
+        store: Store, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A valid report of 86,400 s (a stall, or a timer that jumped) had taken its worker from 39 samples to 1 for
+    several iterations with nothing in the log to say why; a slowdown of 2x, ordinary contention, says nothing."""
+    coordinator = Coordinator(store, JobConfig(job, 4, 400, lag=1), LBBSPPolicy(EWMAThroughput()))
+    with caplog.at_level(logging.WARNING, logger="lbbsp.coordinator"):
+        for k in range(8):
+            sizes = coordinator._in_force(k).sizes
+            for worker, size in enumerate(sizes):
+                seconds = size / SPEEDS[worker]
+                if worker == 0:
+                    seconds = {3: 2 * seconds, 5: 86400.0, 7: 86400.0}.get(k, seconds)
+                store.post_report(Report(job, worker, k, size, seconds), len(sizes))
+            coordinator.decide(k)
+    warned = [r.getMessage() for r in caplog.records if "under 1/100 of the previous" in r.getMessage()]
+    assert len(warned) == 1, warned  # at most once a minute: iteration 7's stall is counted, not logged
+    assert re.search(r"iteration 5: worker 0: [\d.e-]+ samples/s, after 100 \(1 such report", warned[0]), warned
