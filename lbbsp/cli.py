@@ -27,6 +27,7 @@ from .models import (
     NARXThroughput,
 )
 from .policies import (
+    PER_EPOCH_ITERATIONS,
     BSPPolicy,
     LBBSPPolicy,
     LeaderStragglerPolicy,
@@ -55,10 +56,11 @@ _MODELS: dict[str, Callable[[int], CapacityModel]] = {
 }
 #: ``lbbsp coordinator --policy``: the policy each name builds around a model. Not the simulator's oracle, which
 #: needs the future, nor backup workers, whose dropped gradients no integration implements.
-_POLICIES: dict[str, Callable[[CapacityModel | None], Policy]] = {
-    "lbbsp": LBBSPPolicy, "bsp": lambda model: BSPPolicy(), "static-proportional": lambda model: StaticProportionalPolicy(),
-    "per-epoch": lambda model: PerEpochPolicy(model=model),
-    "leader-straggler": lambda model: LeaderStragglerPolicy(model=model),
+_POLICIES: dict[str, Callable[[CapacityModel | None, argparse.Namespace], Policy]] = {
+    "lbbsp": lambda model, args: LBBSPPolicy(model), "bsp": lambda model, args: BSPPolicy(),
+    "static-proportional": lambda model, args: StaticProportionalPolicy(),
+    "per-epoch": lambda model, args: PerEpochPolicy(args.epoch_iterations or PER_EPOCH_ITERATIONS, model=model),
+    "leader-straggler": lambda model, args: LeaderStragglerPolicy(model=model),
 }
 
 
@@ -86,9 +88,10 @@ def _policy(args: argparse.Namespace) -> Policy:
     """The policy the flags name; ``--model`` only where the policy predicts with one."""
     if args.model is not None and args.policy in ("bsp", "static-proportional"):
         raise LBBSPError(f"--policy {args.policy} uses no capacity model; drop --model {args.model}")
-    if args.model is None and args.policy == "per-epoch":
-        return PerEpochPolicy()  # its own slow average of the epoch's speed
-    return _POLICIES[args.policy](_MODELS[args.model or "auto"](args.lag))
+    if args.epoch_iterations is not None and args.policy != "per-epoch":
+        raise LBBSPError(f"--epoch-iterations is per-epoch's; --policy {args.policy} decides every iteration")
+    own_average = args.model is None and args.policy == "per-epoch"  # its slow average of the epoch's speed
+    return _POLICIES[args.policy](None if own_average else _MODELS[args.model or "auto"](args.lag), args)
 
 
 def _coordinator(args: argparse.Namespace) -> int:
@@ -262,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--model", choices=sorted(_MODELS), default=None,
                              help="the capacity model of lbbsp, per-epoch or leader-straggler (default: auto, which "
                                   "picks NARX, the GPU curve or the client model from each worker's reports)")
+    coordinator.add_argument("--epoch-iterations", type=_whole_number(1), default=None, metavar="N",
+                             help=f"--policy per-epoch: iterations between rebalancings, as an epoch's (default "
+                                  f"{PER_EPOCH_ITERATIONS})")
     coordinator.add_argument("--max-ahead", type=_whole_number(1, AHEAD_LIMIT), default=MAX_AHEAD, metavar="N",
                              help="most iterations one decision covers while decisions take longer than the workers' "
                                   "steps (1: one decision per iteration, which the workers then wait for)")

@@ -326,13 +326,17 @@ class StaticProportionalPolicy(LBBSPPolicy):
         return self._fixed
 
 
+#: PerEpochPolicy's iterations between rebalancings where none is given (``lbbsp coordinator --epoch-iterations``).
+PER_EPOCH_ITERATIONS = 50
+
+
 class PerEpochPolicy(LBBSPPolicy):
     """Re-balances once every ``iterations_per_epoch`` iterations, as DBS and OmniLearn do once per epoch, from a
     slow EWMA of each worker's speed (alpha 0.05: about the last 20 iterations, across epoch boundaries)."""
 
     name = "per-epoch"
 
-    def __init__(self, iterations_per_epoch: int = 50, model: CapacityModel | None = None) -> None:
+    def __init__(self, iterations_per_epoch: int = PER_EPOCH_ITERATIONS, model: CapacityModel | None = None) -> None:
         super().__init__(_model(model) or EWMAThroughput(alpha=0.05), deadband=0.0, hedge=None)
         self.iterations_per_epoch = _integer(iterations_per_epoch, "iterations_per_epoch", 1, None)
         self._decided: int | None = None  # the iteration of the previous decision

@@ -47,7 +47,10 @@ def test_coordinator_process_and_status_table(redis_url: str, job: str) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("flags", "policy", "third"), [(["--policy", "bsp"], "bsp", (15, 15)),
                                                         (["--model", "ewma"], "lbbsp", (7, 23)),
-                                                        (["--max-ahead", "1"], "lbbsp", (7, 23))])
+                                                        (["--max-ahead", "1"], "lbbsp", (7, 23)),
+                                                        (["--policy", "per-epoch"], "per-epoch", (15, 15)),
+                                                        (["--policy", "per-epoch", "--epoch-iterations", "1"],
+                                                         "per-epoch", (7, 23))])
 def test_the_coordinator_runs_the_policy_and_model_its_flags_name(redis_url: str, job: str, flags: list[str],
                                                                    policy: str, third: tuple[int, int]) -> None:
     coordinator = subprocess.Popen([*LBBSP, "coordinator", "--redis", redis_url, "--job", job, "--workers", "2",
@@ -85,6 +88,8 @@ def test_the_coordinator_serves_workers_on_other_machines_with_listen(job: str, 
 def test_a_model_for_a_policy_without_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["coordinator", "--workers", "2", "--global-batch", "8", "--policy", "bsp", "--model", "narx"]) == 2
     assert "--policy bsp uses no capacity model" in capsys.readouterr().err
+    assert main(["coordinator", "--workers", "2", "--global-batch", "8", "--epoch-iterations", "5"]) == 2
+    assert "--epoch-iterations is per-epoch's; --policy lbbsp decides every iteration" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("max_ahead", ["0", "1025", "x"])
