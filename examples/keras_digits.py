@@ -108,8 +108,10 @@ def train(args: argparse.Namespace) -> None:
         elapsed = time.perf_counter() - started
         trained = sum(b.size for b in source.served)
         trained_globally = sum(source.sampler.batch_size(b.step) for b in source.served)  # every worker's samples
-        last = [b.sizes for b in source.served][-1]
-        print(f"worker {index}: {trained} samples in {elapsed:.1f}s, last split {last}, "
+        last = source.served[-1]  # an epoch's short final batch uses its vector scaled down
+        used = source.sampler.split_for(last.step, last.sizes)
+        short = f" (the epoch's short final batch: {used})" if used != tuple(last.sizes) else ""
+        print(f"worker {index}: {trained} samples in {elapsed:.1f}s, last agreed split {last.sizes}{short}, "
               f"final loss {history.history['loss'][-1]:.4f}", flush=True)
         if args.result:
             with open(args.result, "w") as out:

@@ -491,6 +491,7 @@ class _CallbackLogic:
         self._started = 0.0
         self._warned_unread = False
         self._epoch = 0
+        self._in_step = False  # between on_train_batch_begin and its end: a second begin means listed twice
 
     def set_model(self, model: Any) -> None:
         """Refuse a model of the other Keras (tf_keras vs Keras 3), which fails later with obscure errors."""
@@ -503,6 +504,7 @@ class _CallbackLogic:
         super().set_model(model)  # type: ignore[misc]
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        self._in_step = False  # a fit that failed inside a step left it set
         self._check_schedule()
         replicas = self.model.distribute_strategy.num_replicas_in_sync
         job = self.client.config.job
@@ -545,12 +547,17 @@ class _CallbackLogic:
                               "source.py_dataset()", job=job)
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self._in_step:  # Keras calls each listed callback in turn: this one twice before either end
+            raise ConfigError("this LBBSPCallback is listed more than once in model.fit(callbacks=...): list it once "
+                              "(each listing would count and report every step again)", job=self.client.config.job)
+        self._in_step = True
         if self.probe is not None:
             self.probe.clear()
         self._started = time.perf_counter()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Report this execution's compute time, then fetch and publish the vector of the next one."""
+        self._in_step = False
         wall_s = time.perf_counter() - self._started
         probed = self.probe.compute_s(self._started) if self.probe is not None else None
         compute_s = max(probed if probed is not None else wall_s, 1e-9)

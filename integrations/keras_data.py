@@ -37,6 +37,9 @@ _SOURCES: weakref.WeakSet[BalancedSource] = weakref.WeakSet()  # released at exi
 #: How long a ``PyDataset`` batch waits for the batches before it in its epoch to be asked for: in order, they
 #: were asked for a moment earlier (worker threads take indices first come, first served).
 _ORDER_GRACE_S = 5.0
+#: Batches beyond two epochs that a pipeline may serve, before a callback made for its source attaches, and still
+#: be Keras probing it (see BalancedSource._count_unattached).
+_PROBE_BATCHES = 16
 #: The names of the functions that ``fit(class_weight=...)`` maps over a ``tf.data`` dataset (Keras 3, tf_keras).
 _CLASS_WEIGHT_MAPS = frozenset({"class_weights_map_fn", "_class_weights_map_fn"})
 
@@ -192,9 +195,10 @@ class BalancedSource:
         self._batches = {k: n for k, n in self._batches.items() if k < iteration}
 
     def expect_callback(self) -> None:
-        """Note that a callback for this source exists. Until it first attaches, unattached batches are
+        """Note that a callback for this source exists. Until it first attaches, unattached batches may be
         Keras probing the pipeline (Keras 3 under a strategy reads a few through a throwaway iterator before
-        ``on_train_begin``), not training without the callback, so they do not count toward the warning."""
+        ``on_train_begin``), not training without the callback, so the warning waits for more of them: a
+        callback made and then left out of ``fit(callbacks=...)`` had silenced it for good."""
         with self._changed:
             self._callback_waiting = self._fit == 0
 
@@ -257,10 +261,12 @@ class BalancedSource:
         """Warn once when a pipeline that no fit with the callback read serves a whole epoch: it trains without
         the callback, or evaluates on the source (the batches a fit's pipeline serves after it are prefetches)."""
         with self._changed:
-            if pipeline in self._trained or self._warned_unattached or self._callback_waiting:
+            if pipeline in self._trained or self._warned_unattached:
                 return
             self._unattached[pipeline] = self._unattached.get(pipeline, 0) + 1
-            if self._unattached[pipeline] < len(self):
+            # while a callback made for the source has not attached, a few batches are Keras probing the
+            # pipeline; more than two epochs' worth are a fit the callback was left out of
+            if self._unattached[pipeline] < (2 * len(self) + _PROBE_BATCHES if self._callback_waiting else len(self)):
                 return
             self._warned_unattached = True
         warnings.warn("BalancedSource served a whole epoch with no LBBSPCallback attached: every batch had the equal "

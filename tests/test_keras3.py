@@ -257,6 +257,35 @@ def test_an_epoch_without_the_callback_warns_once(redis_url: str, job: str) -> N
 
 
 @pytest.mark.timeout(120)
+def test_a_callback_made_but_left_out_of_fit_still_gets_the_warning(redis_url: str, job: str) -> None:
+    """Making the callback had silenced the warning for good: a fit it was left out of trained unbalanced, with
+    nothing said. The warning now waits for two epochs and a few batches (what Keras may probe before attaching)."""
+    config = JobConfig(job, num_workers=1, global_batch=32)
+    source = BalancedSource(*_data(), config, 0)
+    with WorkerSession(config, 0, url=redis_url) as session:
+        LBBSPCallback(session.client, source)  # made, then forgotten
+        with pytest.warns(UserWarning, match="no LBBSPCallback attached") as caught:
+            _model().fit(source.tf_dataset(), epochs=8, steps_per_epoch=len(source), verbose=0, shuffle=False)
+    assert len([w for w in caught if "LBBSPCallback" in str(w.message)]) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_callback_listed_twice_is_refused(redis_url: str, job: str) -> None:
+    """callbacks=[cb, cb] had counted every step twice: each second report said 0 samples, and the log blamed the
+    pipeline ("fit did not read the source's batches"), which was the right one."""
+    config = JobConfig(job, num_workers=1, global_batch=32)
+    source = BalancedSource(*_data(), config, 0)
+    with WorkerSession(config, 0, url=redis_url) as session:
+        callback = LBBSPCallback(session.client, source)
+        with pytest.raises(ConfigError, match="listed more than once in model.fit"):
+            _model().fit(source.tf_dataset(), epochs=1, steps_per_epoch=len(source), verbose=0, shuffle=False,
+                         callbacks=[callback, callback])
+        _model().fit(source.tf_dataset(), epochs=1, steps_per_epoch=len(source), verbose=0, shuffle=False,
+                     callbacks=[callback])  # listed once, the same callback trains on
+    assert callback.iteration == len(source)
+
+
+@pytest.mark.timeout(120)
 def test_batches_keras_probes_before_the_callback_attaches_raise_no_warning(redis_url: str, job: str) -> None:
     """Under a strategy, Keras 3 reads a few batches through a throwaway iterator before ``on_train_begin``:
     with an epoch of 2 steps, that once looked like a whole epoch trained without the callback."""

@@ -110,6 +110,8 @@ def main() -> None:
     parser.add_argument("--mode", choices=["lbbsp", "fedavg"], default="lbbsp")
     parser.add_argument("--weight-by", choices=["data", "auto", "samples"], default="data")
     args = parser.parse_args()
+    if args.clients < 1 or args.rounds < 1:  # 0 clients had "trained" every round at the initial accuracy
+        parser.error(f"--clients and --rounds must be at least 1, got {args.clients} and {args.rounds}")
     result = run_deployment(args.clients, {"num-server-rounds": args.rounds, "mode": args.mode,
                                            "weight-by": args.weight_by})
     rounds = result["rounds"]
