@@ -147,17 +147,17 @@ def _status(args: argparse.Namespace) -> int:
         with Store.from_url(url, job) as store:
             try:
                 config = store.load_config()
-            except ConfigError as exc:
+                if config is None and args.job:
+                    raise LBBSPError(f"no job {job!r} on this Redis (it never started, or its keys expired); "
+                                     "`lbbsp status` without --job lists the jobs there")
+                decisions = [d for raw in store.decisions(max(args.decisions, 1)) if (d := _readable(raw, _DECISION))]
+                statuses = {int(k): s for k, raw in store.worker_statuses().items()
+                            if k.isdigit() and (s := _readable(raw, _WORKER_STATUS))}
+            except (ConfigError, redis.ResponseError) as exc:  # a broken key of the job's: settings, or a WRONGTYPE
                 if args.job:
                     raise
                 logging.getLogger("lbbsp.cli").warning("skipped job %r: %s", job, exc)  # not hiding the others
                 continue
-            if config is None and args.job:
-                raise LBBSPError(f"no job {job!r} on this Redis (it never started, or its keys expired); "
-                                 "`lbbsp status` without --job lists the jobs there")
-            decisions = [d for raw in store.decisions(max(args.decisions, 1)) if (d := _readable(raw, _DECISION))]
-            statuses = {int(k): s for k, raw in store.worker_statuses().items()
-                        if k.isdigit() and (s := _readable(raw, _WORKER_STATUS))}
         last = decisions[0] if decisions else {}
         title = f"job {job}" + (f": {config.num_workers} workers, global batch {config.global_batch}" if config else "")
         table = Table(title=title, caption=f"iteration {last.get('iteration', '-')}: {last.get('reason', 'no decision yet')}")

@@ -181,20 +181,30 @@ def test_status_skips_entries_no_coordinator_wrote(redis_url: str, job: str,
 
 def test_status_skips_a_job_whose_stored_settings_are_broken_and_names_the_key(
         redis_url: str, job: str, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
-    """One job's corrupt config key had stopped `lbbsp status` for every job, with an error that named no job."""
-    with Store.from_url(redis_url, job) as store:
+    """One job's corrupt config key (or a key of another type than lbbsp writes) had stopped `lbbsp status` for every
+    job on the Redis, with an error that named no job."""
+    names = [job, f"{job}-bad", f"{job}-other", f"{job}-typed"]
+    stores = [Store.from_url(redis_url, name) for name in names]
+    store, bad, other, typed = stores
+    try:
         store.register(JobConfig(job, 2, 10))
-        with Store.from_url(redis_url, f"{job}-bad") as bad, Store.from_url(redis_url, f"{job}-other") as other:
-            bad.client.set(bad.key("config"), b"garbage{")
-            other.client.set(other.key("config"), JobConfig(job, 2, 10).to_json())  # another job's settings
-            assert main(["status", "--redis", redis_url]) == 0
-            assert f"job {job}:" in capsys.readouterr().out
-            skipped = [r.getMessage() for r in caplog.records if "skipped job" in r.getMessage()]
-            assert any(bad.key("config") in m and "not valid JSON" in m for m in skipped), skipped
-            assert any(other.key("config") in m and f"settings of job {job!r}" in m for m in skipped), skipped
-            with pytest.raises(ConfigError, match=f"Redis key {bad.key('config')}: .*delete the key"):
-                Coordinator(bad, JobConfig(f"{job}-bad", 2, 10))
-            assert main(["status", "--redis", redis_url, "--job", f"{job}-bad"]) == 2
+        bad.client.set(bad.key("config"), b"garbage{")
+        other.client.set(other.key("config"), JobConfig(job, 2, 10).to_json())  # another job's settings
+        typed.register(JobConfig(typed.job, 2, 10))
+        typed.client.set(typed.key("workers"), b"x")
+        assert main(["status", "--redis", redis_url]) == 0
+        assert f"job {job}:" in capsys.readouterr().out
+        skipped = [r.getMessage() for r in caplog.records if "skipped job" in r.getMessage()]
+        assert any(bad.key("config") in m and "not valid JSON" in m for m in skipped), skipped
+        assert any(other.key("config") in m and f"settings of job {job!r}" in m for m in skipped), skipped
+        assert any(typed.job in m and "WRONGTYPE" in m for m in skipped), skipped
+        with pytest.raises(ConfigError, match=f"Redis key {bad.key('config')}: .*delete the key"):
+            Coordinator(bad, JobConfig(bad.job, 2, 10))
+        assert main(["status", "--redis", redis_url, "--job", bad.job]) == 2
+    finally:  # the other tests share this Redis
+        for each in stores:
+            each.forget()
+            each.close()
 
 
 def test_status_tells_a_split_an_earlier_decision_wrote_from_a_fallback(
