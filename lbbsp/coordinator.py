@@ -386,13 +386,14 @@ class Coordinator:
         measured, dropped = self._measured, []
         for worker, size in enumerate(assignment.sizes):  # a template: json.dumps per worker costs 6 ms at 1,024
             report = by_worker.get(worker)
-            if report is not None and (now := report.throughput) > 0:
+            now = report.throughput if report is not None else None
+            if now:  # a measurement (0.0: nothing measured)
                 if now * _DROP < measured.get(worker, 0.0):
                     dropped.append((worker, now, measured[worker]))
                 measured[worker] = now
             statuses[worker] = _STATUS % (
                 assignment.iteration, size, _number(predicted[worker] if predicted is not None else None),
-                _number(report.throughput if report else None), _number(report.compute_s if report else None),
+                _number(now), _number(report.compute_s if report else None),
                 _number(report.wait_s if report else None))
         record = {
             "iteration": assignment.iteration, "through": through, "from_reports_of": iteration,

@@ -73,6 +73,13 @@ def _float(value: Any, name: str, lo: float, hi: float, **where: Any) -> float:
     return value
 
 
+def _python_real(value: Any) -> Any:
+    """A real number of numpy's (np.float32, np.int64) as Python's float; any other value (bools among them) as it is."""
+    if type(value) in (int, float) or isinstance(value, bool) or not isinstance(value, Real):
+        return value
+    return float(value)
+
+
 def _in_range(value: Any, lo: float, hi: float) -> bool:
     """The fast check: a plain int or float in [lo, hi] (NaN fails the range); anything else gets _float's."""
     return type(value) in (int, float) and lo <= value <= hi
@@ -232,13 +239,9 @@ class Report:
             if type(value) is not int and isinstance(value, Integral) and not isinstance(value, bool):
                 object.__setattr__(self, name, int(value))
         for name in ("compute_s", "comm_s", "wait_s"):
-            value = getattr(self, name)
-            if type(value) not in (int, float) and isinstance(value, Real) and not isinstance(value, bool):
-                object.__setattr__(self, name, float(value))
-        if isinstance(self.features, dict) and any(type(v) not in (int, float) for v in self.features.values()):
-            object.__setattr__(self, "features", {
-                name: float(v) if type(v) not in (int, float) and isinstance(v, Real) and not isinstance(v, bool) else v
-                for name, v in self.features.items()})
+            object.__setattr__(self, name, _python_real(getattr(self, name)))
+        if isinstance(self.features, dict):
+            object.__setattr__(self, "features", {name: _python_real(v) for name, v in self.features.items()})
 
     def check_belongs(self, *, job: str | None = None, num_workers: int | None = None) -> Report:
         """Raise unless the report is for ``job`` and its worker id is below ``num_workers``."""

@@ -18,10 +18,9 @@ class EWMAThroughput(CapacityModel):
 
     def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> EWMAThroughput:
         reports = as_reports(reports)
-        if not reports:  # an iteration nobody reported in: nothing to learn, and an unfitted model stays so
-            self._check_params()
-            return self
         self._check_params()
+        if not reports:  # an iteration nobody reported in: nothing to learn, and an unfitted model stays so
+            return self
         self._remember_hardware(reports)
         # a report that computed nothing (an empty final slice) says nothing about speed
         workers, measured = measured_throughput(reports)

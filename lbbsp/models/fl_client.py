@@ -41,10 +41,9 @@ class FLClientModel(CapacityModel):
 
     def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> FLClientModel:
         reports = as_reports(reports)
-        if not reports:  # an iteration nobody reported in: nothing to learn, and an unfitted model stays so
-            self._check_params()
-            return self
         self._check_params()
+        if not reports:  # an iteration nobody reported in: nothing to learn, and an unfitted model stays so
+            return self
         self._remember_hardware(reports)
         workers, measured = measured_throughput(reports)
         self.speed_ = smoothed(getattr(self, "speed_", None), workers, measured, self.alpha)
