@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from lbbsp.cli import whole_number
 from lbbsp.errors import ConfigError, LBBSPError
 
 _PR_SET_PDEATHSIG = 1
@@ -116,8 +117,12 @@ class DemoConfig:
         if self.global_batch < self.workers or self.global_batch > 1797:
             raise ConfigError(f"global batch must be in [{self.workers}, 1797] (the digits data), "
                               f"got {self.global_batch}")
-        if self.steps < 10 or self.hidden < 1 or self.load_procs < 0 or not self.lr > 0:
-            raise ConfigError("steps must be at least 10, hidden positive, load processes non-negative, lr positive")
+        for name, value, least in (("steps", self.steps, 10), ("hidden", self.hidden, 1),
+                                   ("load_procs", self.load_procs, 0)):
+            if value < least:  # each named as its flag: the launcher's options are these fields
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+        if not self.lr > 0:
+            raise ConfigError(f"lr must be positive, got {self.lr}")
 
 
 def build(hidden: int) -> tuple[Any, Any]:
@@ -212,12 +217,13 @@ def _train_both(rank: int, config: DemoConfig, init: str, url: str, events: Any)
 
 # -- the launcher and its live table ----------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=2, help="worker processes, each pinned to a core")
-    parser.add_argument("--global-batch", type=int, default=512, help="global batch B (kept in both runs)")
-    parser.add_argument("--hidden", type=int, default=512, help="MLP width: the compute per sample")
-    parser.add_argument("--steps", type=int, default=120, help="training steps per run")
-    parser.add_argument("--slow-worker", type=int, default=1, help="the worker whose core gets the load")
-    parser.add_argument("--load-procs", type=int, default=2,
+    parser.add_argument("--workers", type=whole_number(2), default=2, help="worker processes, each pinned to a core")
+    parser.add_argument("--global-batch", type=whole_number(2, 1797), default=512,
+                        help="global batch B (kept in both runs; at most the digits data's 1,797 samples)")
+    parser.add_argument("--hidden", type=whole_number(1), default=512, help="MLP width: the compute per sample")
+    parser.add_argument("--steps", type=whole_number(10), default=120, help="training steps per run (at least 10)")
+    parser.add_argument("--slow-worker", type=whole_number(0), default=1, help="the worker whose core gets the load")
+    parser.add_argument("--load-procs", type=whole_number(0), default=2,
                         help="busy processes on the slow worker's core (1: about 2x slower, 2: about 3x)")
     parser.add_argument("--load-schedule", default="0-0.5,0.75-1",
                         help="fractions of the run with the load on, e.g. 0-0.5,0.75-1")

@@ -45,13 +45,27 @@ class LinearTime:
     overhead: np.ndarray | float = 0.0
     idle_is_free: bool = False
 
+    def __post_init__(self) -> None:
+        speed = np.asarray(self.speed, dtype=float)  # a list is fine too; numbers are checked once, here
+        overhead = np.asarray(self.overhead, dtype=float)
+        if speed.ndim != 1 or not (speed >= 0).all():
+            raise ConfigError(f"LinearTime speed must be one number >= 0 (samples per second) per worker, got "
+                              f"{np.array2string(speed, threshold=8)}")
+        if overhead.ndim > 1 or overhead.size not in (1, speed.size) or not (overhead >= 0).all():
+            raise ConfigError(f"LinearTime overhead must be one number >= 0 (seconds), or one per worker "
+                              f"({speed.size}), got {np.array2string(overhead, threshold=8)}")
+        object.__setattr__(self, "speed", speed)
+        object.__setattr__(self, "overhead", overhead if overhead.ndim else float(overhead))
+
     def time(self, sizes: np.ndarray) -> np.ndarray:
+        """Each worker's predicted seconds for its size in ``sizes``."""
         x = np.asarray(sizes, dtype=float)
         with np.errstate(divide="ignore", over="ignore", invalid="ignore"):  # a speed of (nearly) 0: forever,
             seconds = self.overhead + np.where(x > 0, x / self.speed, 0.0)  # but no samples take no compute
         return np.where(x > 0, seconds, 0.0) if self.idle_is_free else seconds
 
     def capacity(self, deadline: float) -> np.ndarray:
+        """How many samples each worker finishes by ``deadline`` seconds (not bounded: the allocator clips)."""
         # The small slack keeps x whose time equals the deadline up to rounding; 0 x inf is NaN (allocate's
         # capacity reads it as nothing more).
         with np.errstate(invalid="ignore"):
@@ -96,8 +110,18 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
         return lower.copy()
     if upper.sum() == global_batch:  # the only split there is, whatever the times (one worker, all at their caps)
         return upper.copy()
-    t_lower = np.asarray(model.time(lower), dtype=float)
-    t_upper = np.asarray(model.time(upper), dtype=float)
+    if not callable(getattr(model, "time", None)):
+        raise AllocationError(f"the time model must have a method time(sizes) (LinearTime, a model's "
+                              f"time_model(...)), got {type(model).__name__}")
+    try:
+        t_lower = np.asarray(model.time(lower), dtype=float)
+        t_upper = np.asarray(model.time(upper), dtype=float)
+    except ValueError as exc:  # numpy's broadcast error: a model of another number of workers than the bounds
+        raise AllocationError(f"the time model failed on the sizes of {lower.size} workers ({exc}): is it "
+                              "the model of these workers?") from exc
+    if t_lower.shape != lower.shape or t_upper.shape != lower.shape:
+        raise AllocationError(f"the time model gave {t_lower.shape[0] if t_lower.ndim == 1 else t_lower.shape} "
+                              f"times for {lower.size} workers: it must give one per worker of the bounds")
     if np.isnan(t_lower).any() or np.isnan(t_upper).any() or np.isneginf(t_lower).any():
         raise AllocationError("the time model predicted a non-finite time")
     free = upper > lower

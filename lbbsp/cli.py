@@ -6,6 +6,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -64,9 +65,9 @@ _POLICIES: dict[str, Callable[[CapacityModel | None, argparse.Namespace], Policy
 }
 
 
-def _whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+def whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     """An argparse type: a whole number of at least ``minimum`` (a negative count was taken, and meant nothing)
-    and at most ``maximum``."""
+    and at most ``maximum``; argparse's error then names the flag."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -77,6 +78,34 @@ def _whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], i
             raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value
     return parse
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text}")
+    return value
+
+
+#: The flag of each JobConfig field that ``lbbsp coordinator`` sets, for the errors that JobConfig raises.
+_FLAGS = {"num_workers": "--workers", "global_batch": "--global-batch", "min_batch": "--min-batch",
+          "max_batch": "--max-batch", "assignment_timeout_s": "--timeout", "ttl_s": "--ttl", "job name": "--job"}
+
+
+def _job_config(args: argparse.Namespace) -> JobConfig:
+    """The job's settings from the flags; a ConfigError that names the flags, not JobConfig's fields."""
+    try:
+        return JobConfig(args.job, args.workers, args.global_batch, min_batch=args.min_batch,
+                         max_batch=args.max_batch, assignment_timeout_s=args.timeout, lag=args.lag, ttl_s=args.ttl)
+    except ConfigError as exc:
+        message = str(exc)
+        for name, flag in _FLAGS.items():
+            message = re.sub(rf"\b{name}\b", flag, message)
+        raise ConfigError(message) from None
 
 
 def _host(url: str) -> str:
@@ -95,8 +124,7 @@ def _policy(args: argparse.Namespace) -> Policy:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    config = JobConfig(args.job, args.workers, args.global_batch, min_batch=args.min_batch,  # bad flags: no server
-                       max_batch=args.max_batch, assignment_timeout_s=args.timeout, lag=args.lag, ttl_s=args.ttl)
+    config = _job_config(args)  # bad flags: no server
     policy = _policy(args)
     server = None
     url = _redis_url(args)
@@ -233,9 +261,14 @@ class _WithDefaults(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+def _verbose_flag(parser: argparse.ArgumentParser) -> None:
+    """-v, taken before a subcommand and after it alike."""
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lbbsp", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    _verbose_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
     coordinator = sub.add_parser("coordinator", help="run the BatchSize Manager for one job",
@@ -251,28 +284,29 @@ def build_parser() -> argparse.ArgumentParser:
                                   "IPv6 address; 0.0.0.0: every IPv4 interface; '::': every interface) for workers "
                                   "on other machines, behind a random password; the URL to give them is printed")
     coordinator.add_argument("--job", default="default", help="job name shared with the workers")
-    coordinator.add_argument("--workers", type=int, required=True, help="number of workers")
-    coordinator.add_argument("--global-batch", type=int, required=True, help="global batch size B")
-    coordinator.add_argument("--min-batch", type=int, default=1, help="smallest per-worker batch")
-    coordinator.add_argument("--max-batch", type=int, default=None, help="largest per-worker batch")
-    coordinator.add_argument("--timeout", type=float, default=10.0, help="assignment timeout of the workers, s")
-    coordinator.add_argument("--lag", type=int, default=2,
+    coordinator.add_argument("--workers", type=whole_number(1), required=True, help="number of workers")
+    coordinator.add_argument("--global-batch", type=whole_number(1), required=True, help="global batch size B")
+    coordinator.add_argument("--min-batch", type=whole_number(0), default=1, help="smallest per-worker batch")
+    coordinator.add_argument("--max-batch", type=whole_number(1), default=None, help="largest per-worker batch")
+    coordinator.add_argument("--timeout", type=seconds, default=10.0, help="assignment timeout of the workers, s")
+    coordinator.add_argument("--lag", type=whole_number(1, 8), default=2,
                              help="decide iteration k + LAG from the reports of k (2: off the critical path)")
-    coordinator.add_argument("--ttl", type=int, default=3600,
+    coordinator.add_argument("--ttl", type=whole_number(10), default=3600,
                              help="seconds the job's keys live after its last decision (JobConfig.ttl_s)")
     coordinator.add_argument("--policy", choices=sorted(_POLICIES), default="lbbsp",
                              help="how sizes are chosen (docs/simulator.md compares them)")
     coordinator.add_argument("--model", choices=sorted(_MODELS), default=None,
                              help="the capacity model of lbbsp, per-epoch or leader-straggler (default: auto, which "
                                   "picks NARX, the GPU curve or the client model from each worker's reports)")
-    coordinator.add_argument("--epoch-iterations", type=_whole_number(1), default=None, metavar="N",
+    coordinator.add_argument("--epoch-iterations", type=whole_number(1), default=None, metavar="N",
                              help=f"--policy per-epoch: iterations between rebalancings, as an epoch's (default "
                                   f"{PER_EPOCH_ITERATIONS})")
-    coordinator.add_argument("--max-ahead", type=_whole_number(1, AHEAD_LIMIT), default=MAX_AHEAD, metavar="N",
+    coordinator.add_argument("--max-ahead", type=whole_number(1, AHEAD_LIMIT), default=MAX_AHEAD, metavar="N",
                              help="most iterations one decision covers while decisions take longer than the workers' "
                                   "steps (1: one decision per iteration, which the workers then wait for)")
-    coordinator.add_argument("--max-decisions", type=_whole_number(1), default=None,
+    coordinator.add_argument("--max-decisions", type=whole_number(1), default=None,
                              help="exit after this many decisions")
+    _verbose_flag(coordinator)
     coordinator.set_defaults(handler=_coordinator)
 
     status = sub.add_parser("status", help="show each worker's size, speed and wait, and the last decision",
@@ -280,8 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "throughput, compute and wait, and the last decision with its reason.")
     status.add_argument("--redis", help="Redis URL (default: $LBBSP_REDIS_URL)")
     status.add_argument("--job", help="job name (default: every job on this Redis)")
-    status.add_argument("--decisions", type=_whole_number(0), default=0, metavar="N",
+    status.add_argument("--decisions", type=whole_number(0), default=0, metavar="N",
                         help="also list the last N decisions with their reasons and rejected reports")
+    _verbose_flag(status)
     status.set_defaults(handler=_status)
 
     for name, (module, help_text) in _EXTERNAL.items():
@@ -302,6 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         external = argparse.ArgumentParser(prog=f"lbbsp {argv[0]}", description=_EXTERNAL[argv[0]][1],
                                            formatter_class=_WithDefaults)
         module.add_arguments(external)
+        _verbose_flag(external)
         args = external.parse_args(argv[1:])
         runner = module.run
     else:

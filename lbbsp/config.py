@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 _JOB_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 #: A worker that waits longer than this for a vector is stuck, and ``threading`` rejects infinite waits.
 MAX_ASSIGNMENT_TIMEOUT_S = 86_400.0
+MIN_ASSIGNMENT_TIMEOUT_S = 0.001  # below a millisecond no decision can come in time: every step would fall back
 #: Keys that outlive their job by more than a year are a mistake (and Redis rejects huge expiry times).
 MAX_TTL_S = 365 * 86_400
 
@@ -80,13 +81,13 @@ def _max_batch(value: object, num_workers: int, job: str) -> int | tuple[int, ..
     return tuple(_integer(cap, f"max_batch[{i}]", 0, MAX_BATCH, job) for i, cap in enumerate(value))
 
 
-def _seconds(value: object, name: str, hi: float, job: str) -> float:
-    """``value`` as a float in (0, hi]: a real, finite number of seconds (NaN and infinity fail the range)."""
+def _seconds(value: object, name: str, lo: float, hi: float, job: str) -> float:
+    """``value`` as a float in [lo, hi]: a real, finite number of seconds (NaN and infinity fail the range)."""
     if isinstance(value, bool) or not isinstance(value, Real):
         raise ConfigError(f"{name} must be a number of seconds, got {_given(value)}", job=job)
     seconds = float(value)
-    if not 0 < seconds <= hi:
-        raise ConfigError(f"{name} must be a number of seconds in (0, {hi:g}], got {value!r}", job=job)
+    if not lo <= seconds <= hi:
+        raise ConfigError(f"{name} must be a number of seconds in [{lo:g}, {hi:g}], got {value!r}", job=job)
     return seconds
 
 
@@ -134,8 +135,11 @@ class JobConfig:
             raise ConfigError(f"the max_batch caps add up to {sum(upper)}, less than the global batch "
                               f"{self.global_batch}", job=job)
         self._set("assignment_timeout_s", _seconds(self.assignment_timeout_s, "assignment_timeout_s",
-                                                   MAX_ASSIGNMENT_TIMEOUT_S, job))
+                                                   MIN_ASSIGNMENT_TIMEOUT_S, MAX_ASSIGNMENT_TIMEOUT_S, job))
         self._set("ttl_s", _integer(self.ttl_s, "ttl_s", 10, MAX_TTL_S, job))
+        if self.ttl_s < self.assignment_timeout_s:  # a split could expire while a worker still waits for it
+            raise ConfigError(f"ttl_s ({self.ttl_s}) must be at least assignment_timeout_s "
+                              f"({self.assignment_timeout_s:g}), and well above the longest iteration", job=job)
         self._set("lag", _integer(self.lag, "lag", 1, 8, job))
 
     def _set(self, name: str, value: Any) -> None:

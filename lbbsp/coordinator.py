@@ -24,11 +24,11 @@ from operator import attrgetter
 
 import numpy as np
 
-from .config import JobConfig, _integer
+from .config import JobConfig, _integer, _real
 from .embedded import release_cpu_pinning
 from .errors import LBBSPError, PolicyError, ProtocolError
 from .models import AutoCapacityModel, worker_kind
-from .policies import Decision, LBBSPPolicy, Policy
+from .policies import Decision, LBBSPPolicy, Policy, checked_policy
 from .protocol import MAX_POLICY_NAME_CHARS, MAX_REASON_CHARS, Assignment, Report
 from .store import ITERATIONS_KEPT, REDIS_ERRORS, REDIS_FAILURES, Store
 
@@ -92,6 +92,7 @@ class GuardedPolicy:
     its policies through this too, so that a split it measures is one a job would have written."""
 
     def __init__(self, policy: Policy, config: JobConfig) -> None:
+        checked_policy(policy, config.job)
         self.policy, self.config = policy, config
         self._bounds = tuple(np.asarray(b, dtype=np.int64) for b in config.bounds())
         # an assignment holds a name and a reason of bounded length: longer ones are cut, not refused (a policy
@@ -187,6 +188,7 @@ class Coordinator:
     def __init__(self, store: Store, config: JobConfig, policy: Policy | None = None, *,
                  max_ahead: int = MAX_AHEAD) -> None:
         self.max_ahead = checked_max_ahead(max_ahead, config.job)
+        checked_policy(policy, config.job)
         self.store = store
         self.config = store.register(config)
         self.policy = policy if policy is not None else LBBSPPolicy(AutoCapacityModel(horizon=self.config.lag))
@@ -223,7 +225,7 @@ class Coordinator:
     # -- one step ---------------------------------------------------------------------------------------
     def step(self, timeout_s: float = 1.0) -> Outcome | None:
         """Wait up to ``timeout_s`` for an iteration whose reports are all in, and decide the next one."""
-        iteration = self.store.next_ready(timeout_s)
+        iteration = self.store.next_ready(_real(timeout_s, "timeout_s", 0.0, 1e6, "seconds > 0", lo_open=True))
         if iteration is None:
             return None
         if self.ahead > 1:  # behind the workers: the iterations queued meanwhile are covered by the newest
@@ -424,6 +426,9 @@ class Coordinator:
     # -- running ----------------------------------------------------------------------------------------
     def run(self, *, max_decisions: int | None = None, poll_s: float = 0.5) -> None:
         """Serve until :meth:`stop` (or ``max_decisions``); survives Redis outages by retrying."""
+        if max_decisions is not None:
+            _integer(max_decisions, "max_decisions", 0, None, self.config.job)
+        poll_s = _real(poll_s, "poll_s", 0.0, 1e6, "seconds > 0", lo_open=True)
         try:
             self._serve(max_decisions, poll_s)
         finally:
@@ -553,6 +558,7 @@ class CoordinatorProcess:
     def __init__(self, url: str, config: JobConfig, policy: Policy | None = None, *,
                  max_ahead: int = MAX_AHEAD, start_timeout_s: float = 60.0) -> None:
         max_ahead = checked_max_ahead(max_ahead, config.job)
+        checked_policy(policy, config.job)
         if multiprocessing.current_process().daemon:
             raise LBBSPError("a daemonic process cannot start the coordinator process: start this worker with "
                              "daemon=False, or run Coordinator(store, config).start() in a thread", job=config.job)
@@ -582,6 +588,7 @@ class CoordinatorProcess:
 
     @property
     def alive(self) -> bool:
+        """Whether the coordinator's process is still running."""
         return self._process.is_alive()
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -629,7 +636,7 @@ def _refers_to_main(policy: Policy | None) -> bool:
     return b"__main__" in data or b"__mp_main__" in data
 
 
-def _stop_when_orphaned(coordinator: Coordinator, parent: int, poll_s: float = 1.0) -> None:
+def _stop_when_orphaned(coordinator: Coordinator, parent: int, poll_s: float = 0.5) -> None:
     """Stop serving once the process that started this one is gone (killed with SIGKILL, say, by the OOM
     killer: no stop() comes then, and the child served on, logging that Redis was unavailable, for good)."""
     while not coordinator._stop.wait(poll_s):

@@ -463,6 +463,7 @@ class EmbeddedRedis:
 
     @property
     def pid(self) -> int | None:
+        """The redis-server's process id; None before it started."""
         return self._process.pid if self._process is not None else None
 
     def start(self) -> None:

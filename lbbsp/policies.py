@@ -41,10 +41,25 @@ MIN_BAND = 0.005
 def _model(model: object) -> CapacityModel | None:
     """``model`` (None stays None); a :class:`ConfigError` for anything that is not a capacity model (a name
     such as "ewma" is what the command line takes, not a policy)."""
-    if model is None or isinstance(model, CapacityModel):
+    if model is None:
+        return model
+    if isinstance(model, CapacityModel):
+        model._check_params()  # EWMAThroughput(alpha=5) fails here, not at every decision of a running job
         return model
     raise ConfigError(f"model must be a CapacityModel instance (lbbsp.models: EWMAThroughput(), NARXThroughput(), "
                       f"FLClientModel(), ...), got {model!r}")
+
+
+def checked_policy(policy: object, job: str | None = None) -> Policy | None:
+    """``policy`` (None, the default, stays None) if it is a :class:`Policy` instance; a ConfigError otherwise,
+    before a coordinator starts: a name or a class would fail at every decision, each kept as the split before."""
+    if policy is None or isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, type) and issubclass(policy, Policy):
+        raise ConfigError(f"policy must be a Policy instance, got the class {policy.__name__}: pass "
+                          f"{policy.__name__}()", job=job)
+    raise ConfigError(f"policy must be a Policy instance (LBBSPPolicy(), BSPPolicy(), ...; a name such as 'lbbsp' "
+                      f"is what `lbbsp coordinator --policy` takes), got {policy!r}", job=job)
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,8 @@ class Policy:
         """Learn from one iteration's validated reports (some workers may be missing)."""
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
+        """The split for ``iteration``, the iteration the decision is for (that of the newest reports observed
+        plus the job's lag); ``current`` is the split before it, kept where the policy fails."""
         return Decision(tuple(int(s) for s in current), "static split")
 
     def learn(self) -> None:

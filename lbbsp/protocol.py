@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 from typing import Any
 
-from .errors import ProtocolError
+from .errors import ConfigError, ProtocolError
 
 PROTOCOL_VERSION = 1
 MAX_PAYLOAD_BYTES = 4096  # one report
@@ -24,6 +24,7 @@ MAX_SECONDS = 86_400.0
 MIN_COMPUTE_S = 1e-9  # a measured compute time below a nanosecond is a broken timer: its throughput overflows
 MAX_REASON_CHARS = 512
 MAX_POLICY_NAME_CHARS = 64
+MAX_DEVICE_CHARS = 64
 MAX_WORKERS = 100_000
 
 #: Resource features a report may carry, with their allowed closed ranges.
@@ -94,6 +95,8 @@ def _str(value: Any, name: str, max_chars: int, **where: Any) -> str:
 
 
 def _decode(data: bytes | str, kind: str, allowed: set[str], max_bytes: int) -> dict[str, Any]:
+    if not isinstance(data, (bytes, bytearray, memoryview, str)):  # bytes(5) would be five zero bytes
+        raise _fail(f"{kind} must be JSON as bytes or str, got {type(data).__name__}", "payload")
     raw = data.encode() if isinstance(data, str) else bytes(data)
     if len(raw) > max_bytes:
         raise _fail(f"{kind} payload is {len(raw)} bytes, more than {max_bytes}", "payload")
@@ -147,7 +150,7 @@ def _plain(job: Any, worker: Any, iteration: Any, samples: Any, compute_s: Any, 
            features: Any, device: Any) -> bool:
     """True for a report's fields of plain types within every range (what well-behaved workers send): the quick
     pass; a report it does not accept gets the checks that name the bad field."""
-    if not (type(job) is str and 0 < len(job) <= 128 and type(device) is str and len(device) <= 64
+    if not (type(job) is str and 0 < len(job) <= 128 and type(device) is str and len(device) <= MAX_DEVICE_CHARS
             and type(worker) is int and 0 <= worker < MAX_WORKERS
             and type(iteration) is int and 0 <= iteration <= MAX_ITERATION
             and type(samples) is int and 0 <= samples <= MAX_BATCH
@@ -228,7 +231,7 @@ class Report:
             raise _fail(f"{given} without {missing}: report both (NVML's memory info, or torch.cuda.mem_get_info's "
                         "free and total - free), or neither; from one alone no memory cap can be set",
                         f"features.{missing}", **where)
-        _str(self.device, "device", 64, **where)
+        _str(self.device, "device", MAX_DEVICE_CHARS, **where)
         return self
 
     def _as_plain_numbers(self) -> None:
@@ -314,12 +317,18 @@ class Assignment:
     created: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
+        if isinstance(self.sizes, (str, bytes)) or not isinstance(self.sizes, Iterable):
+            raise _fail(f"must be a sequence of integers, got {type(self.sizes).__name__}", "sizes",
+                        job=self.job if isinstance(self.job, str) else None)
         object.__setattr__(self, "sizes", tuple(self.sizes))
         self.validate()
 
     def offset(self, worker: int) -> int:
-        """Position in the global batch where ``worker``'s slice starts."""
-        return sum(self.sizes[:worker])
+        """Position in the global batch where ``worker``'s slice starts (a ProtocolError for no worker of it)."""
+        if not isinstance(worker, Integral) or isinstance(worker, bool) or not 0 <= worker < len(self.sizes):
+            raise _fail(f"must be a worker of this assignment, an integer in [0, {len(self.sizes) - 1}], "
+                        f"got {worker!r}", "worker", job=self.job, iteration=self.iteration)
+        return sum(self.sizes[:int(worker)])
 
     def validate(self, *, job: str | None = None, iteration: int | None = None, num_workers: int | None = None,
                  global_batch: int | None = None) -> Assignment:
@@ -375,5 +384,10 @@ class Assignment:
 
 def equal_split(global_batch: int, num_workers: int) -> tuple[int, ...]:
     """The BSP split: sizes differ by at most one, larger ones first."""
+    for name, value, lo, hi in (("global_batch", global_batch, 0, MAX_BATCH * MAX_WORKERS),
+                                ("num_workers", num_workers, 1, MAX_WORKERS)):
+        if not isinstance(value, Integral) or isinstance(value, bool) or not lo <= value <= hi:
+            raise ConfigError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+    global_batch, num_workers = int(global_batch), int(num_workers)
     base, extra = divmod(global_batch, num_workers)
     return tuple(base + (1 if i < extra else 0) for i in range(num_workers))

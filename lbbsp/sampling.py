@@ -13,7 +13,7 @@ the agreed vector by :func:`scale_split`, so that it too is covered exactly once
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -23,6 +23,9 @@ from .errors import ConfigError
 
 def _checked_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
     """``sizes`` as a tuple (a generator would be used up by the check), if all are integers >= 0."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+        hint = ": pass the assignment's .sizes" if hasattr(sizes, "sizes") else ""
+        raise ConfigError(f"sizes must be a sequence of integers, one per worker, got {type(sizes).__name__}{hint}")
     sizes = tuple(sizes)
     if not all(_is_integer(s) and s >= 0 for s in sizes):
         raise ConfigError(f"sizes must be integers >= 0, got {sizes[:8]}")

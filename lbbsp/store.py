@@ -27,9 +27,9 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from .config import JobConfig
-from .errors import ConfigError, StoreUnavailable
-from .protocol import MAX_PAYLOAD_BYTES, Assignment, Report
+from .config import JobConfig, _integer, _job_name
+from .errors import ConfigError, ProtocolError, StoreUnavailable
+from .protocol import MAX_PAYLOAD_BYTES, MAX_WORKERS, Assignment, Report
 
 DECISION_LOG_LENGTH = 1000
 #: Iterations whose reports and assignment stay in Redis, the latest ones (to look at): deciding from iteration k, when
@@ -140,6 +140,13 @@ class Store:
 
     def __init__(self, client: redis.Redis, job: str, *, ttl_s: int = 3600, owns_client: bool = False) -> None:
         not_a_url(client, "Store", job)
+        if job != "":  # "": a probe of the server, touching no job's keys
+            try:
+                _job_name(job)
+            except ConfigError:
+                if owns_client:
+                    client.close()
+                raise
         self.client = client
         self.job = job
         self.ttl_s = ttl_s
@@ -151,9 +158,12 @@ class Store:
 
     @classmethod
     def from_url(cls, url: str, job: str, *, ttl_s: int = 3600, socket_timeout_s: float = 5.0) -> Store:
+        """A store of ``job``'s keys on a connection of its own to ``url`` (see :func:`connect`), closed by
+        :meth:`close` or at the end of a ``with`` block."""
         return cls(connect(url, socket_timeout_s=socket_timeout_s), job, ttl_s=ttl_s, owns_client=True)
 
     def key(self, *parts: object) -> str:
+        """The Redis key of this job's ``parts``: ``key("assign", 7)`` is ``lbbsp:JOB:assign:7``."""
         return self.prefix + ":".join(str(p) for p in parts)
 
     def close(self) -> None:
@@ -222,7 +232,8 @@ class Store:
 
     def load_config(self) -> JobConfig | None:
         """The job's stored configuration, None if there is none, a ConfigError naming the key if it is not one."""
-        data = self.client.get(self.key("config"))
+        with self._typed("config"):
+            data = self.client.get(self.key("config"))
         return self._config_from(data) if data is not None else None
 
     def _config_from(self, data: bytes | str) -> JobConfig:
@@ -240,8 +251,16 @@ class Store:
 
     # -- reports ------------------------------------------------------------------------------------------
     def post_report(self, report: Report, num_workers: int) -> bool:
-        """Store a report; when it completes iteration k, queue k for the coordinator. False if duplicate."""
-        return self.post_raw_report(report.iteration, str(report.worker), report.to_json(), num_workers) == 1
+        """Store a report; when it completes iteration k, queue k for the coordinator. False if duplicate; a
+        ProtocolError for a report of another job, or of a worker the job of ``num_workers`` does not have."""
+        if report.job != self.job:
+            raise ProtocolError(f"report of job {report.job!r} posted to the store of {self.job!r}", field="job",
+                                job=self.job, worker=report.worker, iteration=report.iteration)
+        stored = self.post_raw_report(report.iteration, str(report.worker), report.to_json(), num_workers)
+        if stored == -2:
+            raise ProtocolError(f"worker {report.worker} is not one of the job's {num_workers} workers", field="worker",
+                                job=self.job, worker=report.worker, iteration=report.iteration)
+        return stored == 1
 
     def post_reports(self, reports: Sequence[Report], num_workers: int) -> int:
         """Store many reports in one round trip, each exactly as :meth:`post_report` would (a simulator's
@@ -252,7 +271,9 @@ class Store:
         return sum(int(result) == 1 for result in pipe.execute())
 
     def post_raw_report(self, iteration: int, worker: str, payload: bytes, num_workers: int) -> int:
-        """Store a payload as-is (the coordinator validates it later); used by tests of hostile input."""
+        """Store a payload as-is (the coordinator validates it later); used by tests of hostile input. 1 if
+        stored, 0 for a duplicate, -1 for a payload too big, -2 for a worker id not among ``num_workers``."""
+        _integer(num_workers, "num_workers", 1, MAX_WORKERS, self.job or None)
         return int(self._post_raw(iteration, worker, payload, num_workers))
 
     def _post_raw(self, iteration: int, worker: str, payload: bytes, num_workers: int,
@@ -297,6 +318,7 @@ class Store:
             self.client.unlink(*keys)
 
     def report_count(self, iteration: int) -> int:
+        """How many workers' reports of ``iteration`` are stored."""
         return int(self.client.hlen(self.key("reports", iteration)))
 
     # -- assignments --------------------------------------------------------------------------------------
@@ -320,6 +342,9 @@ class Store:
 
     def _publish_on(self, assignment: Assignment, client: redis.client.Pipeline | None = None) -> Any:
         """Run the PUBLISH_ASSIGNMENT script (on ``client``, a pipeline, when given: its result comes with execute)."""
+        if assignment.job != self.job:  # it would be this job's split for good: the key is written once
+            raise ProtocolError(f"assignment of job {assignment.job!r} published to the store of {self.job!r}",
+                                field="job", job=self.job, iteration=assignment.iteration)
         return self._publish(keys=[self.key("assign", assignment.iteration), self.key("assigned")],
                              args=[assignment.to_json(), self.ttl_s, assignment.iteration], client=client)
 
@@ -342,6 +367,8 @@ class Store:
 
     # -- decision log and status --------------------------------------------------------------------------
     def record_decision(self, payload: str, statuses: dict[int, str] | None = None) -> None:
+        """Log a decision (``payload``, JSON, kept among the newest ``DECISION_LOG_LENGTH``) and each worker's
+        status line, renewing the job's TTL; what ``lbbsp status`` reads."""
         pipe = self.client.pipeline(transaction=True)
         pipe.lpush(self.key("decisions"), payload)
         pipe.ltrim(self.key("decisions"), 0, DECISION_LOG_LENGTH - 1)
@@ -373,10 +400,13 @@ class Store:
 
     def decisions(self, count: int = 20) -> list[bytes]:
         """The newest ``count`` decision records, newest first."""
-        return cast("list[bytes]", self.client.lrange(self.key("decisions"), 0, count - 1))
+        with self._typed("decisions"):
+            return cast("list[bytes]", self.client.lrange(self.key("decisions"), 0, count - 1))
 
     def worker_statuses(self) -> dict[bytes, bytes]:
-        return cast("dict[bytes, bytes]", self.client.hgetall(self.key("workers")))
+        """Each worker's latest status line as the coordinator wrote it, by worker id (bytes, as stored)."""
+        with self._typed("workers"):
+            return cast("dict[bytes, bytes]", self.client.hgetall(self.key("workers")))
 
     def forget(self) -> int:
         """Delete every key of this job now, rather than at its TTL (a simulated job on a shared Redis); the

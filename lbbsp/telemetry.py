@@ -5,9 +5,13 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from numbers import Integral
 from typing import Any
 
 import psutil
+
+from .config import _real
+from .errors import ConfigError
 
 log = logging.getLogger("lbbsp.telemetry")
 
@@ -22,14 +26,18 @@ class ResourceMonitor:
     """
 
     def __init__(self, gpu_index: int | None = None, *, min_interval_s: float = 0.2) -> None:
-        self.min_interval_s = min_interval_s
+        if gpu_index is not None and (not isinstance(gpu_index, Integral) or isinstance(gpu_index, bool)
+                                      or gpu_index < 0):
+            raise ConfigError(f"gpu_index must be None or torch's index of a CUDA device (an integer >= 0), got "
+                              f"{gpu_index!r}")
+        self.min_interval_s = _real(min_interval_s, "min_interval_s", 0.0, 3600.0, "seconds in [0, 3600]")
         self._last: dict[str, float] | None = None
         self._last_at = 0.0
         self._process = psutil.Process()
         self._cores = psutil.cpu_count() or 1
         self._process.cpu_percent(None)
         psutil.cpu_percent(None)
-        self._nvml = _nvml_handle(gpu_index) if gpu_index is not None else None
+        self._nvml = _nvml_handle(int(gpu_index)) if gpu_index is not None else None
         self._nvml_failed: set[str] = set()  # the GPU readings that failed once (logged then, not every time)
 
     def sample(self) -> dict[str, float]:
@@ -78,9 +86,15 @@ def _nvml_handle(index: int) -> tuple[Any, Any] | None:
     GPUs). A listed UUID is looked up by UUID."""
     try:
         import pynvml  # noqa: PLC0415  (optional: only on machines with NVIDIA GPUs)
-
+    except ImportError:
+        log.warning("GPU %d: pynvml is not installed (pip install 'lbbsp[gpu]', or nvidia-ml-py): reports go "
+                    "without GPU memory, so no model learns the GPU's memory cap", index)
+        return None
+    try:
         pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001  (no driver, no library: GPU features are simply absent)
+    except Exception as exc:  # noqa: BLE001  (no driver: GPU features are absent)
+        log.warning("GPU %d: NVML does not start (%s: %s): reports go without GPU features", index,
+                    type(exc).__name__, exc)
         return None
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     listed = [entry.strip() for entry in visible.split(",")] if visible is not None else None

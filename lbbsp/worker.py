@@ -20,8 +20,8 @@ from collections.abc import Callable, Mapping
 import redis
 
 from .config import JobConfig, _integer, _is_integer, _real
-from .errors import LBBSPError, ProtocolError, StoreUnavailable
-from .protocol import MAX_ITERATION, Assignment, Report
+from .errors import ConfigError, LBBSPError, ProtocolError, StoreUnavailable
+from .protocol import MAX_DEVICE_CHARS, MAX_ITERATION, Assignment, Report
 from .store import REDIS_ERRORS, REDIS_FAILURES, Store
 
 log = logging.getLogger("lbbsp.worker")
@@ -52,6 +52,17 @@ class WorkerClient:
 
     def __init__(self, store: Store, config: JobConfig, worker: int, *, agree: Agree | None = None,
                  device: str = "cpu", outage_s: float = 60.0) -> None:
+        if not isinstance(config, JobConfig):
+            raise ConfigError(f"config must be a JobConfig, got {type(config).__name__}")
+        if not isinstance(store, Store):
+            raise ConfigError(f"store must be a Store (for a URL: Store.from_url(url, job)), got {store!r:.80}",
+                              job=config.job)
+        if agree is not None and not callable(agree):
+            raise ConfigError(f"agree must be None or a function from Assignment to Assignment, got {agree!r}",
+                              job=config.job)
+        if not isinstance(device, str) or len(device) > MAX_DEVICE_CHARS:
+            raise ConfigError(f"device must be a string of at most {MAX_DEVICE_CHARS} characters ('cpu', "
+                              f"'cuda:A100', ...), got {device!r:.80}", job=config.job)
         worker = _integer(worker, "worker", 0, config.num_workers - 1, config.job)  # True is not worker 1
         self.outage_s = _real(outage_s, "outage_s", config.assignment_timeout_s, 86_400.0,
                               f"seconds in [assignment_timeout_s ({config.assignment_timeout_s:g}), 86400]")
