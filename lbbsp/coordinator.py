@@ -1,6 +1,7 @@
 """The BatchSize Manager: turns the reports of iteration k into the one assignment of iteration k + lag."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import gc
@@ -48,6 +49,7 @@ def checked_max_ahead(value: object, job: str | None = None) -> int:
 
 _PACE_WINDOW = 5  # decisions over which the coordinator's own time and the workers' step are taken (medians)
 _DROP = 100  # a report under 1/_DROP of its worker's previous throughput is worth a warning (_warn_dropped)
+_RESTART_WINDOW_S = 300  # CoordinatorProcess.RESTARTS counts the restarts of this many seconds
 _OUTAGE_GRACE_S = 3.0  # a coordinator whose training process ended is stopped by then (_stop_when_orphaned)
 
 #: One worker's status in the ``workers`` hash, as JSON (``lbbsp status`` reads it).
@@ -552,8 +554,14 @@ class CoordinatorProcess:
 
     ``CoordinatorProcess(url, config, policy)`` starts serving at once; :meth:`stop` ends it; ``max_ahead`` is
     :class:`Coordinator`'s. The child drops any CPU pinning it inherited, so the kernel can run it beside
-    whichever worker is idle, and freezes its heap once it is set up (:func:`freeze_heap`).
+    whichever worker is idle, and freezes its heap once it is set up (:func:`freeze_heap`). A child that dies
+    before :meth:`stop` (the OOM killer, a stray ``kill -9``) is started again, with the policy as given (its
+    model learns afresh) and resuming from the job's state in Redis, at most ``RESTARTS`` times in 5 minutes:
+    without a coordinator every step would wait ``assignment_timeout_s`` and fall back, to the end of training.
     """
+
+    #: Restarts of a dead child allowed within ``_RESTART_WINDOW_S``; then it is left dead, with an error logged.
+    RESTARTS = 3
 
     def __init__(self, url: str, config: JobConfig, policy: Policy | None = None, *,
                  max_ahead: int = MAX_AHEAD, start_timeout_s: float = 60.0) -> None:
@@ -564,18 +572,30 @@ class CoordinatorProcess:
                              "daemon=False, or run Coordinator(store, config).start() in a thread", job=config.job)
         with Store.from_url(url, config.job, ttl_s=config.ttl_s) as store:
             store.register(config)  # a mismatch with the job's stored settings is raised here, not in the child
+        self._args = (url, config.to_json(), policy, max_ahead)
+        self._job, self._start_timeout_s = config.job, start_timeout_s
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()  # a restart and stop() take turns: stop() never leaves a new child running
+        self.restarts = 0
+        self._process = self._spawn()
+        atexit.register(self._stopping.set)  # runs before multiprocessing ends its children: no restart then
+        threading.Thread(target=self._supervise, name=f"lbbsp-coordinator-watch-{config.job}", daemon=True).start()
+
+    def _spawn(self) -> multiprocessing.process.BaseProcess:
+        """Start a child serving the job and wait until it serves; a clear LBBSPError if it does not."""
+        policy = self._args[2]
         context = multiprocessing.get_context("spawn")
         ready = context.Event()
-        self._process = context.Process(target=_serve, args=(url, config.to_json(), policy, max_ahead, ready),
-                                        name=f"lbbsp-coordinator-{config.job}", daemon=True)
+        process = context.Process(target=_serve, args=(*self._args, ready), name=f"lbbsp-coordinator-{self._job}",
+                                  daemon=True)
         reruns_main = _refers_to_main(policy)
         with _main_not_rerun(rerun=reruns_main):
-            self._process.start()
-        deadline = time.monotonic() + start_timeout_s
+            process.start()
+        deadline = time.monotonic() + self._start_timeout_s
         while not ready.wait(0.1):  # serving before training starts, or a clear error
-            if not self._process.is_alive() or time.monotonic() > deadline:
-                exited = not self._process.is_alive()
-                self.stop()
+            if not process.is_alive() or time.monotonic() > deadline:
+                exited = not process.is_alive()
+                _end(process, 5.0)
                 guard = ("the policy's class is defined in the script itself, so the child runs the script to "
                          "load it: guard the script's training with `if __name__ == \"__main__\":`, or move the "
                          "class into a module")
@@ -583,22 +603,59 @@ class CoordinatorProcess:
                     hint = f"; its traceback is above ({guard})" if reruns_main else "; its traceback is above"
                 else:
                     hint = f"; {guard} (unguarded, the child trains instead of serving)" if reruns_main else ""
-                raise LBBSPError(f"the coordinator process exited or did not start within {start_timeout_s}s "
-                                 f"(exit code {self._process.exitcode}){hint}", job=config.job)
+                raise LBBSPError(f"the coordinator process exited or did not start within {self._start_timeout_s}s "
+                                 f"(exit code {process.exitcode}){hint}", job=self._job)
+        return process
+
+    def _supervise(self, poll_s: float = 0.5) -> None:
+        """Start the child again when it died before :meth:`stop`, within the limit of ``RESTARTS``."""
+        recent: deque[float] = deque()
+        while not self._stopping.wait(poll_s):
+            if self._process.is_alive():
+                continue
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                now = time.monotonic()
+                while recent and now - recent[0] > _RESTART_WINDOW_S:
+                    recent.popleft()
+                if len(recent) >= self.RESTARTS:
+                    log.error("the coordinator process of job %s died %d times in %d minutes: not starting it "
+                              "again. Every step now waits assignment_timeout_s and keeps the split before; start "
+                              "`lbbsp coordinator` for the job, with the same settings and its Redis URL",
+                              self._job, len(recent) + 1, _RESTART_WINDOW_S // 60)
+                    return
+                recent.append(now)
+                log.warning("the coordinator process of job %s died (exit code %s: the OOM killer, or a kill?): "
+                            "starting it again; it resumes from the job's state in Redis", self._job,
+                            self._process.exitcode)
+                try:
+                    self._process = self._spawn()
+                    self.restarts += 1
+                except LBBSPError as exc:
+                    log.error("could not start the coordinator process of job %s again: %s", self._job, exc)
 
     @property
     def alive(self) -> bool:
-        """Whether the coordinator's process is still running."""
+        """Whether the coordinator's process is running (it may be between a death and its restart)."""
         return self._process.is_alive()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop serving; safe to call twice."""
-        if self._process.is_alive():
-            self._process.terminate()
-            self._process.join(timeout_s)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join()
+        self._stopping.set()
+        with self._lock:  # waits for a restart under way: its child is stopped too
+            _end(self._process, timeout_s)
+        atexit.unregister(self._stopping.set)
+
+
+def _end(process: multiprocessing.process.BaseProcess, timeout_s: float) -> None:
+    """Stop ``process`` (SIGTERM, then SIGKILL after ``timeout_s``) and reap it."""
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout_s)
+        if process.is_alive():
+            process.kill()
+    process.join()
 
 
 @contextlib.contextmanager

@@ -404,6 +404,11 @@ class EmbeddedRedis:
     machine could see it. A ``directory`` given is kept by :meth:`close`, unless ``own_directory``: then it is
     labelled as this process's, as a folder the server creates is, and removed like one.
 
+    A server that dies by itself (the OOM killer, a crash) is started again on the same socket, port and password
+    within about a second, its append-only file carrying the data over, at most ``RESTARTS`` times in 5
+    minutes: every worker's step would otherwise wait and fall back to the end of training. :meth:`stop` and
+    :meth:`close` stop it for good.
+
     >>> with EmbeddedRedis() as server:
     ...     store = Store.from_url(server.url, job="demo")
     """
@@ -428,12 +433,41 @@ class EmbeddedRedis:
         self._password = secrets.token_hex(24) if address is not None else None
         self.start_timeout_s = start_timeout_s
         self._process: subprocess.Popen[bytes] | None = None
+        self._lock = threading.RLock()  # start, stop and the watch's restart take turns
+        self._closed = threading.Event()
         atexit.register(self.close)
         try:
             self.start()
         except BaseException:  # the folder is not left behind until this process exits
             self.close()
             raise
+        threading.Thread(target=self._watch, name="lbbsp-redis-watch", daemon=True).start()
+
+    #: Restarts of a server that died by itself allowed within 5 minutes; then it is left stopped, with an error.
+    RESTARTS = 5
+
+    def _watch(self, poll_s: float = 0.5) -> None:
+        """Start the server again where it died without :meth:`stop` (which sets ``_process`` to None first)."""
+        recent: list[float] = []
+        while not self._closed.wait(poll_s):
+            with self._lock:
+                process = self._process
+                if process is None or process.poll() is None:  # stopped on purpose, or running (reaped if not)
+                    continue
+                now = time.monotonic()
+                recent = [t for t in recent if now - t < 300.0]
+                if len(recent) >= self.RESTARTS:
+                    log.error("embedded redis-server at %s died %d times in 5 minutes: not starting it again",
+                              self.socket_path, len(recent) + 1)
+                    self._process = None
+                    continue
+                recent.append(now)
+                log.warning("embedded redis-server at %s died (exit code %s): starting it again; its append-only "
+                            "file keeps the jobs' state", self.socket_path, process.returncode)
+                try:
+                    self._start_once()
+                except (StoreUnavailable, OSError) as exc:
+                    log.error("could not start the embedded redis-server again: %s", exc)
 
     @property
     def url(self) -> str:
@@ -469,6 +503,11 @@ class EmbeddedRedis:
     def start(self) -> None:
         """Start (or restart) the server; the append-only file in ``directory`` carries the data over, and a
         restart listens on the port and takes the password it had."""
+        with self._lock:
+            self._start_once()
+
+    def _start_once(self) -> None:
+        """:meth:`start`, with the lock held."""
         if self._process is not None and self._process.poll() is None:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -519,8 +558,15 @@ class EmbeddedRedis:
         return False
 
     def stop(self, *, kill: bool = False) -> None:
-        """Stop the server process (SIGKILL with ``kill=True``, to test crashes); the data directory stays."""
-        process, self._process = self._process, None
+        """Stop the server process (SIGKILL with ``kill=True``, to test crashes); the data directory stays, and
+        the server stays stopped until :meth:`start`."""
+        with self._lock:
+            process, self._process = self._process, None
+        self._end(process, kill)
+
+    @staticmethod
+    def _end(process: subprocess.Popen[bytes] | None, kill: bool) -> None:
+        """Signal ``process`` and reap it."""
         if process is None or process.poll() is not None:
             return
         process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
@@ -538,6 +584,7 @@ class EmbeddedRedis:
     def close(self) -> None:
         """Stop the server and remove its data directory (one it created, or was given with ``own_directory``);
         safe to call twice."""
+        self._closed.set()
         self.stop()
         if self._owns_dir:
             shutil.rmtree(self.directory, ignore_errors=True)

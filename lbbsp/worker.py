@@ -79,6 +79,7 @@ class WorkerClient:
         self._late = _EveryMinute()  # fallbacks this worker wrote because no decision came in time
         self._unusable = _EveryMinute()  # iterations this worker found Redis unusable past the bound
         self._duplicates = _EveryMinute()  # reports Redis ignored: this worker had reported their iteration already
+        self._dropped = _EveryMinute()  # reports Redis did not take within the bound
         self._closed = False
 
     # -- reporting --------------------------------------------------------------------------------------
@@ -103,16 +104,21 @@ class WorkerClient:
                 self._outbox.task_done()
                 return
             deadline = time.monotonic() + self.config.assignment_timeout_s
+            retried = False
             while True:
                 try:
-                    if not self.store.post_report(report, self.config.num_workers):
+                    # a retry that finds the report stored found this report's own first try, whose answer was lost
+                    if not self.store.post_report(report, self.config.num_workers) and not retried:
                         self._warn_duplicate(report.iteration)
                     break
                 except REDIS_FAILURES as exc:  # the thread must outlive any one report, or every later one is lost
                     if time.monotonic() > deadline:
-                        log.warning("dropped report of iteration %d: Redis did not take it (%s: %s)",
-                                    report.iteration, type(exc).__name__, exc)
+                        if self._dropped.due():
+                            log.warning("dropped the report of iteration %d: Redis did not take it within "
+                                        "assignment_timeout_s (%s: %s); %d report(s) of this worker dropped so far",
+                                        report.iteration, type(exc).__name__, exc, self._dropped.count)
                         break
+                    retried = True
                     time.sleep(0.05)
             self._outbox.task_done()
 
