@@ -41,11 +41,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from lbbsp.config import JobConfig
+from lbbsp.config import JobConfig, _is_integer
 from lbbsp.coordinator import EXTERNAL_MAX_AHEAD, EXTERNAL_POLICY, CoordinatorProcess, checked_max_ahead
 from lbbsp.embedded import EmbeddedRedis, serve_embedded
 from lbbsp.errors import ConfigError, LBBSPError
-from lbbsp.policies import Policy
+from lbbsp.policies import Policy, checked_policy
 from lbbsp.protocol import Assignment, Report
 from lbbsp.sampling import GlobalBatchSampler
 from lbbsp.store import Store, agreed_config, worker_socket_timeout
@@ -153,7 +153,7 @@ class Balancer:
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialised: call dist.init_process_group first")
         rank, world = dist.get_rank(), dist.get_world_size()
-        if isinstance(min_batch, int) and isinstance(global_batch, int) and min_batch * world > global_batch:
+        if _is_integer(min_batch) and _is_integer(global_batch) and min_batch * world > global_batch:
             raise ConfigError(f"global_batch={global_batch} cannot give each of the {world} ranks min_batch="
                               f"{min_batch} samples: use a global batch of at least {min_batch * world}, or "
                               "min_batch=0 to let some ranks sit steps out with empty slices")
@@ -171,6 +171,7 @@ class Balancer:
         if not coordinator and max_ahead is not None:
             raise ConfigError(EXTERNAL_MAX_AHEAD, job=job)
         ahead = checked_max_ahead(max_ahead, job)
+        checked_policy(policy, job)  # on every rank, before any collective: rank 0 alone would leave the others hung
         owned: list[Any] = []
         running = None
         try:
@@ -183,8 +184,7 @@ class Balancer:
                                              toward=os.environ.get("MASTER_ADDR"), who="rank",
                                              across=int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world)
                 owned += [server] if server is not None else []
-            caps = tuple(max_batch) if isinstance(max_batch, Sequence) else max_batch
-            config = JobConfig(job, world, global_batch, min_batch=min_batch, max_batch=caps,
+            config = JobConfig(job, world, global_batch, min_batch=min_batch, max_batch=max_batch,
                                assignment_timeout_s=assignment_timeout_s, **({} if lag is None else {"lag": lag}))
             store = Store.from_url(url, job, ttl_s=config.ttl_s,
                                    socket_timeout_s=worker_socket_timeout(config.assignment_timeout_s))
@@ -251,7 +251,8 @@ class Balancer:
         if not self._ever_synced:
             raise ConfigError("an epoch ended and no gradient went through the hook of the attached DDP model, so the "
                               "ranks' gradients were never averaged: call the DDP model for the forward "
-                              "(ddp_model(x), not ddp_model.module(x)) and backpropagate at each step",
+                              "(ddp_model(x), not ddp_model.module(x)) and backpropagate at each step; to "
+                              "evaluate (no backward), use a plain DataLoader, not lb.loader",
                               job=self.config.job, worker=self.rank)
         if not self._warned_gradient_free_epoch:  # an evaluation pass, most likely, after epochs that trained
             self._warned_gradient_free_epoch = True

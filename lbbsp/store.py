@@ -192,6 +192,9 @@ class Store:
         except REDIS_ERRORS as exc:
             detail = str(exc).rstrip(".") + (f"; {hint}" if hint else "")
             raise StoreUnavailable(f"cannot reach Redis at {url}: {detail}", job=self.job or None) from exc
+        except redis.InvalidResponse as exc:  # something answers there, but not in Redis's protocol
+            raise StoreUnavailable(f"the server at {url} does not answer as Redis does ({exc}): another service on "
+                                   f"that port?" + (f" {hint}" if hint else ""), job=self.job or None) from exc
         except redis.ResponseError as exc:  # e.g. a database number the server does not have
             raise ConfigError(f"Redis refused the connection's settings: {exc}", job=self.job or None) from exc
 

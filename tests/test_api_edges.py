@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,7 @@ from lbbsp import (
     Report,
     ResourceMonitor,
     Store,
+    StoreUnavailable,
     WorkerClient,
     allocate,
     equal_split,
@@ -218,3 +221,20 @@ def test_the_framework_free_example_splits_unevenly_and_matches_single_process_s
     assert "matches single-process SGD" in done.stdout
     splits = [tuple(map(int, m)) for m in re.findall(r"split \((\d+), (\d+)\)", done.stdout)]
     assert splits[0] == (64, 64) and splits[-1][0] > splits[-1][1]  # the slower worker 1 ends with fewer samples
+
+
+def test_a_url_that_reaches_another_service_is_store_unavailable_naming_it() -> None:
+    """An HTTP server on the port had given 30 lines of redis-py traceback ending in InvalidResponse, on every rank."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def answer_as_http() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"<html>not redis</html>\r\n")
+
+        threading.Thread(target=answer_as_http, daemon=True).start()
+        with Store.from_url(f"redis://127.0.0.1:{port}/0", "j") as store, \
+                pytest.raises(StoreUnavailable, match=f"127.0.0.1:{port} does not answer as Redis does.*check redis="):
+            store.ping(hint="check redis= or $LBBSP_REDIS_URL")

@@ -206,6 +206,14 @@ def settings(url: str, job: str) -> dict:
         Balancer.from_env(GLOBAL_BATCH, redis="redis://127.0.0.1:1/0", job=job)  # nothing listens there
     except StoreUnavailable as exc:
         result["unreachable"] = str(exc)
+    # each refused on every rank (a policy had been checked on rank 0 only: rank 1 died in a collective), with
+    # JobConfig's own words (True had been read as a global batch of 1, "8" as a sequence of one cap)
+    for name, kwargs in (("policy_name", {"policy": "bsp"}), ("bool_batch", {"global_batch": True}),
+                         ("str_caps", {"max_batch": "8"})):
+        try:
+            Balancer.from_env(**{"global_batch": GLOBAL_BATCH, "redis": url, "job": job, **kwargs})
+        except ConfigError as exc:
+            result[name] = str(exc)
     with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, lag=3) as lb:  # for steps shorter than a decision
         result["lag"] = lb.config.lag
         result["first"] = [lb.client.assignment(k).policy for k in range(3)]
@@ -478,6 +486,9 @@ def test_settings_errors_say_what_to_do(outcomes: list[dict]) -> None:
     assert "map-style dataset" in result["iterable"]
     assert "persistent_workers itself" in result["persistent_workers"]
     assert "127.0.0.1:1" in result["unreachable"] and "LBBSP_REDIS_URL" in result["unreachable"]
+    assert "policy must be a Policy instance" in result["policy_name"]
+    assert "global_batch must be an integer, got True (bool)" in result["bool_batch"]
+    assert "max_batch must be None, an integer or a sequence" in result["str_caps"]
     assert result["lag"] == 3 and result["first"] == ["initial"] * 3, result["first"]
 
 
