@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -184,7 +184,8 @@ class Balancer:
                                              toward=os.environ.get("MASTER_ADDR"), who="rank",
                                              across=int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world)
                 owned += [server] if server is not None else []
-            config = JobConfig(job, world, global_batch, min_batch=min_batch, max_batch=max_batch,
+            caps = cast("int | tuple[int, ...] | None", max_batch)  # JobConfig takes any sequence, and names a str
+            config = JobConfig(job, world, global_batch, min_batch=min_batch, max_batch=caps,
                                assignment_timeout_s=assignment_timeout_s, **({} if lag is None else {"lag": lag}))
             store = Store.from_url(url, job, ttl_s=config.ttl_s,
                                    socket_timeout_s=worker_socket_timeout(config.assignment_timeout_s))
