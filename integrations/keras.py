@@ -29,7 +29,7 @@ from lbbsp.config import JobConfig
 from lbbsp.coordinator import EXTERNAL_MAX_AHEAD, EXTERNAL_POLICY, CoordinatorProcess, checked_max_ahead
 from lbbsp.embedded import FOLDER_PREFIX, EmbeddedRedis, serve_embedded, temp_parent
 from lbbsp.errors import ConfigError, StoreUnavailable
-from lbbsp.policies import Policy
+from lbbsp.policies import Policy, checked_policy
 from lbbsp.store import Store, agreed_config, redacted, wait_for_redis, worker_socket_timeout
 from lbbsp.telemetry import ResourceMonitor
 from lbbsp.worker import WorkerClient
@@ -213,6 +213,7 @@ def _refusal(config: JobConfig, worker: int, *, url: str | None, policy: Policy 
         return ConfigError(EXTERNAL_MAX_AHEAD, job=config.job)
     try:
         checked_max_ahead(max_ahead, config.job)
+        checked_policy(policy, config.job)  # on every worker: worker 0 alone would leave the others waiting
     except ConfigError as exc:
         return exc
     tasks = training_tasks()

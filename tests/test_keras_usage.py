@@ -65,6 +65,13 @@ def test_session_refuses_a_max_ahead_out_of_range_or_beside_an_external_coordina
                       coordinator=coordinator, max_ahead=max_ahead)  # type: ignore[arg-type]
 
 
+def test_session_refuses_a_policy_that_is_not_a_policy_instance_on_any_worker(job: str) -> None:
+    """Worker 0 alone had refused it, in its coordinator: the other workers went on to wait for it."""
+    with pytest.raises(ConfigError, match="policy must be a Policy instance"):  # worker 1: before any connection
+        WorkerSession(JobConfig(job, num_workers=2, global_batch=32), 1, url="redis://127.0.0.1:1/0",
+                      policy="bsp")  # type: ignore[arg-type]
+
+
 def test_a_failed_start_of_worker_0s_server_leaves_no_folder(job: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The folder would keep the server's config (with its password, on TCP) until a later start removed it."""
     monkeypatch.setattr("lbbsp.embedded.redis_server_binary", lambda: "/bin/false")
