@@ -181,6 +181,7 @@ def _status(args: argparse.Namespace) -> int:
                 decisions = [d for raw in store.decisions(max(args.decisions, 1)) if (d := _readable(raw, _DECISION))]
                 statuses = {int(k): s for k, raw in store.worker_statuses().items()
                             if k.isdigit() and (s := _readable(raw, _WORKER_STATUS))}
+                serving = store.coordinator()
             except (ConfigError, redis.ResponseError) as exc:  # a broken key of the job's: settings, or a WRONGTYPE
                 if args.job:
                     raise
@@ -188,6 +189,10 @@ def _status(args: argparse.Namespace) -> int:
                 continue
         last = decisions[0] if decisions else {}
         title = f"job {job}" + (f": {config.num_workers} workers, global batch {config.global_batch}" if config else "")
+        console.print(f"job {job}: " + (f"served by the coordinator {serving}" if serving else
+                      "no coordinator serves it (none renewed its claim in the last 5 s), so each step waits "
+                      "assignment_timeout_s and keeps the split before: start one (lbbsp coordinator)"),
+                      soft_wrap=True, markup=False, highlight=False)
         table = Table(title=title, caption=f"iteration {last.get('iteration', '-')}: {last.get('reason', 'no decision yet')}")
         for column in ("worker", "size", "predicted /s", "measured /s", "compute s", "wait s"):
             table.add_column(column, justify="right")

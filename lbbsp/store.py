@@ -396,6 +396,13 @@ class Store:
         previous = pipe.execute()[0]
         return previous.decode(errors="replace") if previous is not None and previous != identity.encode() else None
 
+    def coordinator(self) -> str | None:
+        """The identity (host:pid:tag) of the coordinator that claimed the job in the last few seconds, if any:
+        a serving coordinator renews its claim every second, for 5 s."""
+        with self._typed("coordinator"):
+            claim = cast("bytes | None", self.client.get(self.key("coordinator")))
+        return claim.decode(errors="replace") if claim is not None else None
+
     def release_coordinator(self, identity: str) -> None:
         """Drop ``identity``'s claim on the job, if it still holds it: the next coordinator of the job (a
         rerun under the same name) is then not warned about one that has stopped."""

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -238,3 +239,22 @@ def test_a_url_that_reaches_another_service_is_store_unavailable_naming_it() -> 
         with Store.from_url(f"redis://127.0.0.1:{port}/0", "j") as store, \
                 pytest.raises(StoreUnavailable, match=f"127.0.0.1:{port} does not answer as Redis does.*check redis="):
             store.ping(hint="check redis= or $LBBSP_REDIS_URL")
+
+
+def test_status_says_whether_a_coordinator_serves_the_job(redis_url: str, job: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A coordinator killed for good had left `lbbsp status` showing the last decision and nothing else."""
+    with Store.from_url(redis_url, job) as store:
+        coordinator = Coordinator(store, JobConfig(job, 2, 8), BSPPolicy()).start()
+        try:
+            deadline = time.monotonic() + 10
+            while store.coordinator() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert main(["status", "--redis", redis_url, "--job", job]) == 0
+            assert f"job {job}: served by the coordinator {store.coordinator()}" in capsys.readouterr().out
+        finally:
+            coordinator.stop()
+        assert store.coordinator() is None  # a coordinator that stops releases its claim
+        assert main(["status", "--redis", redis_url, "--job", job]) == 0
+        assert f"job {job}: no coordinator serves it" in capsys.readouterr().out
+        store.forget()
