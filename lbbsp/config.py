@@ -7,13 +7,13 @@ import re
 from collections.abc import Sequence
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from numbers import Integral, Real
-from typing import Any, TypeGuard
+from typing import Any
 
 import numpy as np
 
 from .allocation import LinearTime, allocate
 from .errors import ConfigError
-from .protocol import MAX_BATCH, MAX_WORKERS, Assignment, equal_split
+from .protocol import MAX_BATCH, MAX_WORKERS, Assignment, _is_integer, equal_split
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +34,6 @@ def _job_name(job: object) -> str:
     if not isinstance(job, str) or not _JOB_NAME.fullmatch(job):
         raise ConfigError(f"job name must match {_JOB_NAME.pattern}, got {job!r}")
     return job
-
-
-def _is_integer(value: object) -> TypeGuard[int | np.integer[Any]]:
-    """Whether ``value`` is a whole number as callers hold one: a plain or numpy integer, not a bool (True would
-    pass for 1) and not a float (2.0 fails later, inside numpy or as an index)."""
-    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def _integer(value: object, name: str, lo: int, hi: int | None, job: str | None = None) -> int:

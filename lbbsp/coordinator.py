@@ -26,7 +26,7 @@ from operator import attrgetter
 import numpy as np
 
 from .config import JobConfig, _integer, _real
-from .embedded import release_cpu_pinning
+from .embedded import RestartBudget, release_cpu_pinning
 from .errors import LBBSPError, PolicyError, ProtocolError
 from .models import AutoCapacityModel, worker_kind
 from .policies import Decision, LBBSPPolicy, Policy, checked_policy
@@ -49,7 +49,6 @@ def checked_max_ahead(value: object, job: str | None = None) -> int:
 
 _PACE_WINDOW = 5  # decisions over which the coordinator's own time and the workers' step are taken (medians)
 _DROP = 100  # a report under 1/_DROP of its worker's previous throughput is worth a warning (_warn_dropped)
-_RESTART_WINDOW_S = 300  # CoordinatorProcess.RESTARTS counts the restarts of this many seconds
 _OUTAGE_GRACE_S = 3.0  # a coordinator whose training process ended is stopped by then (_stop_when_orphaned)
 
 #: One worker's status in the ``workers`` hash, as JSON (``lbbsp status`` reads it).
@@ -190,12 +189,11 @@ class Coordinator:
     def __init__(self, store: Store, config: JobConfig, policy: Policy | None = None, *,
                  max_ahead: int = MAX_AHEAD) -> None:
         self.max_ahead = checked_max_ahead(max_ahead, config.job)
-        checked_policy(policy, config.job)
+        self.policy = policy if policy is not None else LBBSPPolicy(AutoCapacityModel(horizon=config.lag))
+        self._guarded = GuardedPolicy(self.policy, config)  # checks the policy, before the job is registered
         self.store = store
         self.config = store.register(config)
-        self.policy = policy if policy is not None else LBBSPPolicy(AutoCapacityModel(horizon=self.config.lag))
         self.decisions_made = 0
-        self._guarded = GuardedPolicy(self.policy, self.config)
         self._identity = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._next_heartbeat = 0.0
         self._warned_about: str | None = None
@@ -560,7 +558,7 @@ class CoordinatorProcess:
     without a coordinator every step would wait ``assignment_timeout_s`` and fall back, to the end of training.
     """
 
-    #: Restarts of a dead child allowed within ``_RESTART_WINDOW_S``; then it is left dead, with an error logged.
+    #: Restarts of a dead child allowed within 5 minutes (:class:`RestartBudget`); then it is left dead, with an error.
     RESTARTS = 3
 
     def __init__(self, url: str, config: JobConfig, policy: Policy | None = None, *,
@@ -609,23 +607,19 @@ class CoordinatorProcess:
 
     def _supervise(self, poll_s: float = 0.5) -> None:
         """Start the child again when it died before :meth:`stop`, within the limit of ``RESTARTS``."""
-        recent: deque[float] = deque()
+        budget = RestartBudget()
         while not self._stopping.wait(poll_s):
             if self._process.is_alive():
                 continue
             with self._lock:
                 if self._stopping.is_set():
                     return
-                now = time.monotonic()
-                while recent and now - recent[0] > _RESTART_WINDOW_S:
-                    recent.popleft()
-                if len(recent) >= self.RESTARTS:
-                    log.error("the coordinator process of job %s died %d times in %d minutes: not starting it "
+                if not budget.allow(self.RESTARTS):
+                    log.error("the coordinator process of job %s died %d times in 5 minutes: not starting it "
                               "again. Every step now waits assignment_timeout_s and keeps the split before; start "
                               "`lbbsp coordinator` for the job, with the same settings and its Redis URL",
-                              self._job, len(recent) + 1, _RESTART_WINDOW_S // 60)
+                              self._job, self.RESTARTS + 1)
                     return
-                recent.append(now)
                 log.warning("the coordinator process of job %s died (exit code %s: the OOM killer, or a kill?): "
                             "starting it again; it resumes from the job's state in Redis", self._job,
                             self._process.exitcode)

@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -394,6 +395,25 @@ def serve_embedded(index: int, all_gather: Callable[[str | None], Sequence[str |
     return server, url
 
 
+class RestartBudget:
+    """Restarts of a part that died by itself, at most ``limit`` within any ``window_s`` seconds: one that keeps
+    dying is then left dead, with an error, rather than started again in a loop."""
+
+    def __init__(self, window_s: float = 300.0) -> None:
+        self.window_s = window_s
+        self._times: deque[float] = deque()
+
+    def allow(self, limit: int) -> bool:
+        """Whether one more restart fits (it is then counted)."""
+        now = time.monotonic()
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        if len(self._times) >= limit:
+            return False
+        self._times.append(now)
+        return True
+
+
 class EmbeddedRedis:
     """Start a private redis-server on a unix socket; ``url`` connects to it; ``close()`` stops it.
 
@@ -448,20 +468,17 @@ class EmbeddedRedis:
 
     def _watch(self, poll_s: float = 0.5) -> None:
         """Start the server again where it died without :meth:`stop` (which sets ``_process`` to None first)."""
-        recent: list[float] = []
+        budget = RestartBudget()
         while not self._closed.wait(poll_s):
             with self._lock:
                 process = self._process
                 if process is None or process.poll() is None:  # stopped on purpose, or running (reaped if not)
                     continue
-                now = time.monotonic()
-                recent = [t for t in recent if now - t < 300.0]
-                if len(recent) >= self.RESTARTS:
+                if not budget.allow(self.RESTARTS):
                     log.error("embedded redis-server at %s died %d times in 5 minutes: not starting it again",
-                              self.socket_path, len(recent) + 1)
+                              self.socket_path, self.RESTARTS + 1)
                     self._process = None
-                    continue
-                recent.append(now)
+                    return
                 log.warning("embedded redis-server at %s died (exit code %s): starting it again; its append-only "
                             "file keeps the jobs' state", self.socket_path, process.returncode)
                 try:

@@ -11,9 +11,12 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from .errors import ConfigError, ProtocolError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 PROTOCOL_VERSION = 1
 MAX_PAYLOAD_BYTES = 4096  # one report
@@ -50,6 +53,12 @@ _ASSIGNMENT_FIELDS = {"v", "job", "iteration", "sizes", "policy", "reason", "fal
 
 def _fail(message: str, field_name: str, **where: Any) -> ProtocolError:
     return ProtocolError(message, field=field_name, **where)
+
+
+def _is_integer(value: object) -> TypeGuard[int | np.integer[Any]]:
+    """Whether ``value`` is a whole number as callers hold one: a plain or numpy integer, not a bool (True would
+    pass for 1) and not a float (2.0 fails later, inside numpy or as an index)."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def _int(value: Any, name: str, lo: int, hi: int, **where: Any) -> int:
@@ -325,7 +334,7 @@ class Assignment:
 
     def offset(self, worker: int) -> int:
         """Position in the global batch where ``worker``'s slice starts (a ProtocolError for no worker of it)."""
-        if not isinstance(worker, Integral) or isinstance(worker, bool) or not 0 <= worker < len(self.sizes):
+        if not _is_integer(worker) or not 0 <= worker < len(self.sizes):
             raise _fail(f"must be a worker of this assignment, an integer in [0, {len(self.sizes) - 1}], "
                         f"got {worker!r}", "worker", job=self.job, iteration=self.iteration)
         return sum(self.sizes[:int(worker)])
@@ -386,7 +395,7 @@ def equal_split(global_batch: int, num_workers: int) -> tuple[int, ...]:
     """The BSP split: sizes differ by at most one, larger ones first."""
     for name, value, lo, hi in (("global_batch", global_batch, 0, MAX_BATCH * MAX_WORKERS),
                                 ("num_workers", num_workers, 1, MAX_WORKERS)):
-        if not isinstance(value, Integral) or isinstance(value, bool) or not lo <= value <= hi:
+        if not _is_integer(value) or not lo <= value <= hi:
             raise ConfigError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
     global_batch, num_workers = int(global_batch), int(num_workers)
     base, extra = divmod(global_batch, num_workers)

@@ -5,13 +5,13 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from numbers import Integral
 from typing import Any
 
 import psutil
 
 from .config import _real
 from .errors import ConfigError
+from .protocol import _is_integer
 
 log = logging.getLogger("lbbsp.telemetry")
 
@@ -26,8 +26,7 @@ class ResourceMonitor:
     """
 
     def __init__(self, gpu_index: int | None = None, *, min_interval_s: float = 0.2) -> None:
-        if gpu_index is not None and (not isinstance(gpu_index, Integral) or isinstance(gpu_index, bool)
-                                      or gpu_index < 0):
+        if gpu_index is not None and (not _is_integer(gpu_index) or gpu_index < 0):
             raise ConfigError(f"gpu_index must be None or torch's index of a CUDA device (an integer >= 0), got "
                               f"{gpu_index!r}")
         self.min_interval_s = _real(min_interval_s, "min_interval_s", 0.0, 3600.0, "seconds in [0, 3600]")
