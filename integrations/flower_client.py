@@ -134,6 +134,8 @@ class EmulatedLink:
         for name in ("down_bps", "up_bps"):
             _real(getattr(self, name), name, 0.0, math.inf, "a positive number of bytes per second", lo_open=True,
                   hi_open=True)
+        if not isinstance(self.count_delivery, bool):
+            raise ConfigError(f"count_delivery must be True or False, got {self.count_delivery!r}")
 
     def download(self, msg: Message) -> float:
         seconds = self._transfer(array_bytes(msg.content), self.down_bps)
@@ -173,6 +175,15 @@ class LocalRound:
             raise ConfigError(f"default must be a Workload(batch_size, local_steps), got {default!r}")
         if data_size is not None:
             _integer(data_size, "data_size", 0, None)  # a share of the average: whole and not negative
+        if link is not None and not (callable(getattr(link, "download", None))
+                                     and callable(getattr(link, "upload", None))):
+            raise ConfigError(f"link must be a Link, with download(msg) and upload(nbytes) methods, such as "
+                              f"MessageClock() or EmulatedLink(down_bps, up_bps), got {link!r:.60}")
+        if not isinstance(weighted_by_key, str) or not weighted_by_key:
+            raise ConfigError(f"weighted_by_key must be the strategy's weight key, a string such as 'num-examples', "
+                              f"got {weighted_by_key!r}")
+        if config_key is not None and not isinstance(config_key, str):
+            raise ConfigError(f"config_key must be None or the name of a ConfigRecord, got {config_key!r}")
         self.msg = msg
         self.data_size = data_size
         self.link = link if link is not None else MessageClock()
@@ -186,9 +197,21 @@ class LocalRound:
         self.steps = 0
         self.samples = 0
         self.compute_s = 0.0
+        self._looped = False
 
     def batches(self) -> Iterator[int]:
-        """Yield the batch size once per local step, until the steps are done or the deadline would pass."""
+        """Yield the batch size once per local step, until the steps are done or the deadline would pass.
+
+        A round is one loop: a second call raises a ConfigError (an epoch loop around it would take more steps
+        than the server assigned, and the server would refuse the reply)."""
+        if self._looped:
+            raise ConfigError("batches() was called twice in one round: the round's workload is one loop of "
+                              f"{self.workload.local_steps} local steps, `for batch_size in rnd.batches():`; "
+                              "an epoch loop around it takes more steps than the server assigned")
+        self._looped = True
+        return self._steps()
+
+    def _steps(self) -> Iterator[int]:
         work = self.workload
         for _ in range(work.local_steps):
             if work.deadline_s is not None and self.steps and (
@@ -209,6 +232,9 @@ class LocalRound:
         if not isinstance(arrays, ArrayRecord):
             raise ConfigError(f"arrays must be an ArrayRecord, e.g. ArrayRecord(list_of_ndarrays) or "
                               f"ArrayRecord(model.state_dict()), got {type(arrays).__name__}")
+        if metrics is not None and not (isinstance(metrics, Mapping) and all(isinstance(k, str) for k in metrics)):
+            raise ConfigError(f"metrics must be None or a mapping of names to numbers, such as "
+                              f"{{'train-loss': 0.5}}, got {metrics!r:.60}")
         own = sorted(k for k in (metrics or {}) if k == self.weighted_by_key or k.startswith(LBBSP_PREFIX))
         if own:
             raise ConfigError(f"metrics must not set {own}: LocalRound sets {self.weighted_by_key!r} to the samples "

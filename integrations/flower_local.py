@@ -20,6 +20,8 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from lbbsp.errors import ConfigError
+
 _SERVER_NODE_ID = 0
 _CLIENT_APP_RAISED = 0  # Flower's ErrorCode.CLIENT_APP_RAISED_EXCEPTION
 
@@ -91,6 +93,18 @@ class LocalGrid(Grid):
         message.metadata.delivered_at = str(time.time())
         try:
             reply = self.client_app(message, self._contexts[message.metadata.dst_node_id])
+            if not isinstance(reply, Message):
+                raise TypeError(f"the ClientApp returned {type(reply).__name__}, not a Message (a train function "
+                                f"ends with `return rnd.reply(...)`)")
         except Exception as exc:  # noqa: BLE001  (a SuperNode reports any ClientApp exception as an error)
             reply = Message(Error(code=_CLIENT_APP_RAISED, reason=f"{type(exc).__name__}: {exc}"), reply_to=message)
         future.set_result(reply)
+
+    def check_enough_nodes(self, strategy: object, purpose: str) -> None:
+        """Raise a ConfigError if ``strategy`` (a FedAvg or alike) would wait for more nodes than this grid has,
+        for its ``purpose`` ("train" or "evaluate"): a LocalGrid never gains one, so Flower would wait forever."""
+        need = max(getattr(strategy, "min_available_nodes", 0), getattr(strategy, f"min_{purpose}_nodes", 0))
+        if isinstance(need, int) and need > len(self._contexts):
+            raise ConfigError(f"the strategy waits for {need} nodes (min_available_nodes, min_{purpose}_nodes) and "
+                              f"this LocalGrid has {len(self._contexts)}, which it never outgrows: give the strategy "
+                              f"min_available_nodes and min_{purpose}_nodes of at most {len(self._contexts)}")

@@ -56,6 +56,7 @@ from .flower_client import (
     UPLOAD_S,
     Workload,
 )
+from .flower_local import LocalGrid
 
 #: The reply metrics a LocalRound always sends; a reply with none of them is a plain Flower reply.
 TIMINGS = (SAMPLES, STEPS, COMPUTE_S, DOWNLOAD_S, UPLOAD_S)
@@ -82,8 +83,9 @@ class ClientResult:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) or value < 0:
                 raise ProtocolError(f"must be a finite non-negative number, got {value!r:.40}", field=key)
             values[key] = value
-        if any(values[k] != int(values[k]) for k in (SAMPLES, STEPS, DATA_SIZE) if k in values):
-            raise ProtocolError("samples, steps and data size must be whole numbers", field=SAMPLES)
+        for key in (SAMPLES, STEPS, DATA_SIZE):
+            if key in values and values[key] != int(values[key]):
+                raise ProtocolError(f"must be a whole number, got {values[key]!r}", field=key)
         if values[STEPS] > MAX_LOCAL_STEPS:
             raise ProtocolError(f"must be at most {MAX_LOCAL_STEPS}", field=STEPS)
         data_size = int(values[DATA_SIZE]) if DATA_SIZE in values else None
@@ -241,6 +243,8 @@ class LoadBalanced(Strategy):
                         grid: Grid) -> Iterable[Message]:
         if server_round == 1:  # a run starts (again): its rounds follow every round recorded before
             self._round_base = self._last_iteration
+        if isinstance(grid, LocalGrid):
+            grid.check_enough_nodes(self.strategy, "train")
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         plan = self.plan(server_round, [m.metadata.dst_node_id for m in messages])
         messages = [m for m in messages if m.metadata.dst_node_id in plan]  # the others sit this round out
@@ -265,7 +269,7 @@ class LoadBalanced(Strategy):
         stay = self.rounds_out.due(workers)
         self._check_sit_out(len(nodes))
         sizes, reason = self._split(time_model, total, stay)
-        if self.compensate_dropouts and available @ sizes < total:
+        if self.compensate_dropouts and total < MAX_BATCH and available @ sizes < total:
             sizes, reason = self._compensated(time_model, total, available, stay)
         reason += f"; {available @ sizes / total:.0%} of {total} expected back"
         self.rounds_out.record(workers, sizes)
@@ -287,7 +291,8 @@ class LoadBalanced(Strategy):
         """The split of the smallest total (at most ``MAX_COMPENSATION`` x ``total``, and what ``max_size``
         holds) whose samples expected back reach ``total``: a bisection, since more in total never brings less
         back."""
-        low, high = total, min(MAX_COMPENSATION * total, self._largest(MAX_COMPENSATION * total) * stay.size)
+        low, high = total, min(MAX_COMPENSATION * total, self._largest(MAX_COMPENSATION * total) * stay.size,
+                               MAX_BATCH)
         while low < high:
             middle = (low + high) // 2
             if available @ self._split(time_model, middle, stay)[0] >= total:
@@ -302,20 +307,28 @@ class LoadBalanced(Strategy):
         count = stay.size
         if time_model is None:
             return np.array(equal_split(total, count)), "equal split (no measurements yet)"
+        if total > MAX_BATCH:
+            if ("too large", 0) not in self._told:
+                self._told.add(("too large", 0))
+                log(WARNING, "lbbsp: a round total over %s (here %s) is split equally, not balanced: fewer clients a "
+                             "round or a smaller %s keeps rounds balanced", f"{MAX_BATCH:,}", f"{total:,}",
+                    "batch_size" if self.adapt == "batch" else "local_steps")
+            return np.array(equal_split(total, count)), f"equal split (round total over {MAX_BATCH:,})"
         upper = self._largest(total)
         sizes = allocate_sitting_out(time_model, total, [self.min_size] * count, [upper] * count, self.sit_out,
                                      MIN_GAIN, stay=stay)
-        predicted = predicted_makespan(time_model, sizes)
         chosen, balanced = damp(equal_split(total, count), sizes, time_model, MIN_GAIN)
+        predicted = predicted_makespan(time_model, chosen)
         if not balanced:
             return chosen, f"equal split (balancing gains under {MIN_GAIN:.0%}; predicted round {predicted:.3g}s)"
         return sizes, f"predicted round {predicted:.3g}s"
 
     def _largest(self, total: int) -> int:
         """The most one client may be given of a round ``total``: ``max_size``, and no more samples in a round
-        than a Report can carry (``MAX_BATCH``)."""
-        other = self.local_steps if self.adapt == "batch" else self.batch_size
-        return min(self.max_size or total, total, MAX_BATCH // other)
+        than a Report can carry (``MAX_BATCH``), nor, adapting local steps, more than ``MAX_LOCAL_STEPS``."""
+        if self.adapt == "batch":
+            return min(self.max_size or total, total, MAX_BATCH // self.local_steps)
+        return min(self.max_size or total, total, MAX_BATCH // self.batch_size, MAX_LOCAL_STEPS)
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -393,9 +406,9 @@ class LoadBalanced(Strategy):
         metrics = next(iter(records.values()))
         if not has_timings(metrics):
             weight = metrics.get(self.weighted_by_key)
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-                raise ProtocolError(f"a reply without lbbsp's metrics must give its weight as a number, got "
-                                    f"{weight!r}", field=self.weighted_by_key)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not _finite(weight) or weight <= 0:
+                raise ProtocolError(f"a reply without lbbsp's metrics must give its weight as a finite number above 0 "
+                                    f"(the examples it trained on), got {weight!r:.40}", field=self.weighted_by_key)
             return None, None
         result = ClientResult.from_metrics(metrics)
         if sent is not None:
@@ -403,6 +416,13 @@ class LoadBalanced(Strategy):
             if workload is None:
                 raise ProtocolError("this node was sent no workload this round", field="node")
             result.check(workload)
+        if result.samples == 0 or result.steps == 0:
+            raise ProtocolError("processed no sample: a ClientApp trains one step per batch size of `for batch_size "
+                                "in rnd.batches():`, and a reply counts only the steps taken in that loop",
+                                field=SAMPLES)
+        if result.weight(self.weight_by) == 0:
+            raise ProtocolError(f"is 0, and with weight_by={self.weight_by!r} the reply would weigh nothing",
+                                field=DATA_SIZE)
         if worker is None:
             return result, None
         return result, Report(self.history.job, worker, iteration, result.samples, result.compute_s,
@@ -433,22 +453,11 @@ class LoadBalanced(Strategy):
     def normalise(self, sent: _Round, replies: list[Message], results: dict[int, ClientResult | None]) -> None:
         """Set each lbbsp reply's weight (``weight_by``); rescale updates FedNova-style if steps differ.
 
-        Replies without a single processed sample, or of weight 0, are dropped from ``results`` (logged).
-        Plain Flower replies (None in ``results``) keep their own weight and update.
+        Plain Flower replies (None in ``results``) keep their own weight and update. (A reply of no sample or
+        of weight 0 failed :meth:`check_reply`.)
         """
         measured = {node: result for node, result in results.items() if result is not None}
-        weights = {}
-        for node, result in measured.items():
-            weight = result.weight(self.weight_by)
-            if result.samples == 0 or result.steps == 0 or weight == 0:
-                del results[node]
-            else:
-                weights[node] = weight
-        idle = sorted(set(measured) - set(weights))
-        if idle:
-            log(WARNING, "lbbsp: nodes %s processed no sample (or reported a data size of 0) and are left out: a "
-                         "ClientApp trains one step per batch size of `for batch_size in rnd.batches():`, and a reply "
-                         "counts only the steps taken in that loop", idle)
+        weights = {node: result.weight(self.weight_by) for node, result in measured.items()}
         if self.weight_by != "samples":
             self._tell_once("no data size", [n for n in weights if measured[n].data_size is None],
                             WARNING if self.weight_by == "data" else INFO,
@@ -475,6 +484,8 @@ class LoadBalanced(Strategy):
     # -- evaluation: the wrapped strategy's own ----------------------------------------------------------
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
+        if isinstance(grid, LocalGrid) and getattr(self.strategy, "fraction_evaluate", None) != 0:
+            grid.check_enough_nodes(self.strategy, "evaluate")
         return self.strategy.configure_evaluate(server_round, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:

@@ -49,6 +49,8 @@ def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
     Retries a failed command briefly with backoff, and never blocks longer than ``socket_timeout_s``.
     """
     expected = "expected redis://host:port/db, rediss://... (TLS) or unix:///path/to/socket"
+    if not isinstance(url, str):
+        raise ConfigError(f"a Redis URL must be a string, got {url!r:.60}; {expected}")
     try:
         client = redis.Redis.from_url(
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=min(socket_timeout_s, 2.0),

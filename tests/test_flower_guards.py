@@ -1,0 +1,159 @@
+"""What a client can get wrong, caught where it happens (a new user's audit): a plain reply's weight that is not a
+finite positive number, a ClientApp that returns no Message, a LocalGrid smaller than the strategy waits for, a
+second loop over a round's batches, and rounds too large to balance. Real Strategy.start loop on LocalGrid, real
+ClientApps, real Redis."""
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAvg
+
+from lbbsp import ConfigError, ProtocolError, Report
+from lbbsp.integrations.flower import ClientHistory, EmulatedLink, LoadBalanced, LocalRound
+from lbbsp.integrations.flower_client import MAX_LOCAL_STEPS
+from lbbsp.integrations.flower_local import LocalGrid
+from lbbsp.integrations.flower_server import ClientResult
+from lbbsp.protocol import MAX_BATCH
+from test_flower_port import a_train_message, warnings_like
+
+
+def three_nodes(plain_weight: float | None) -> ClientApp:
+    """Nodes 1 and 2 train with LocalRound (w + 1 a step); node 3 replies as a plain Flower ClientApp with weight
+    ``plain_weight`` and w + 100, or returns None when ``plain_weight`` is None (a train function without
+    ``return``)."""
+    client = ClientApp()
+
+    @client.train()
+    def _train(msg: Message, context: Context) -> Message | None:
+        w = msg.content.array_records["arrays"].to_numpy_ndarrays()[0]
+        if context.node_id == 3:
+            if plain_weight is None:
+                return None
+            return Message(RecordDict({"arrays": ArrayRecord([w + 100.0]),
+                                       "metrics": MetricRecord({"train-loss": 1.0, "num-examples": plain_weight})}),
+                           reply_to=msg)
+        rnd = LocalRound(msg)
+        for _ in rnd.batches():
+            w = w + 1.0
+        return rnd.reply(ArrayRecord([w]), {"train-loss": 1.0})
+
+    return client
+
+
+def run(client: ClientApp, history: ClientHistory, nodes: int = 3) -> np.ndarray:
+    strategy = LoadBalanced(FedAvg(fraction_evaluate=0.0, min_available_nodes=nodes, min_train_nodes=nodes), history,
+                            batch_size=4, local_steps=2)
+    grid = LocalGrid(client, [{}] * nodes)
+    try:
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord([np.zeros(1)]), num_rounds=2, timeout=30)
+    finally:
+        grid.close()
+    return result.arrays.to_numpy_ndarrays()[0]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("weight", [math.nan, math.inf, -202.0, -5, 0])
+def test_a_plain_reply_whose_weight_is_not_a_finite_positive_number_is_left_out(
+        redis_url: str, job: str, weight: float, caplog: pytest.LogCaptureFixture) -> None:
+    with ClientHistory.from_url(redis_url, job) as history:
+        final = run(three_nodes(weight), history)
+        assert history.statuses()[history.worker_index(3)].status == "failed"
+    np.testing.assert_allclose(final, [4.0])  # two rounds of 2 steps by nodes 1 and 2 only: no NaN, no 100
+    assert len(warnings_like(caplog, r"node 3 failed and is left out: bad reply: num-examples: a reply without "
+                                     r"lbbsp's metrics must give its weight as a finite number above 0")) == 2
+
+
+@pytest.mark.timeout(90)
+def test_a_client_app_that_returns_no_message_is_an_error_reply_not_a_crash(
+        redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    with ClientHistory.from_url(redis_url, job) as history:
+        np.testing.assert_allclose(run(three_nodes(None), history), [4.0])
+        assert history.statuses()[history.worker_index(3)].status == "failed"
+    assert len(warnings_like(caplog, r"node 3 failed and is left out: TypeError: the ClientApp returned NoneType, "
+                                     r"not a Message \(a train function ends with `return rnd\.reply")) == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_local_grid_with_fewer_nodes_than_the_strategy_waits_for_is_an_error_not_a_wait(redis_url: str,
+                                                                                          job: str) -> None:
+    with ClientHistory.from_url(redis_url, job) as history:
+        grid = LocalGrid(three_nodes(1.0), [{}])
+        with pytest.raises(ConfigError, match=r"waits for 2 nodes.*this LocalGrid has 1.*min_train_nodes of at most 1"):
+            LoadBalanced(FedAvg(fraction_evaluate=0.0), history, batch_size=4, local_steps=2).start(
+                grid=grid, initial_arrays=ArrayRecord([np.zeros(1)]), num_rounds=1, timeout=5)
+        grid.close()
+
+
+def test_a_second_loop_over_the_batches_is_refused_on_the_client() -> None:
+    rnd = LocalRound(a_train_message())
+    for epoch in range(2):
+        if epoch == 1:
+            with pytest.raises(ConfigError, match=r"batches\(\) was called twice.*2 local steps"):
+                rnd.batches()
+        else:
+            assert list(rnd.batches()) == [4, 4]
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda msg: LocalRound(msg, link="x"), r"link must be a Link.*got 'x'"),
+    (lambda msg: LocalRound(msg, weighted_by_key=""), r"weighted_by_key must be"),
+    (lambda msg: LocalRound(msg, config_key=3), r"config_key must be None or the name"),
+    (lambda msg: LocalRound(msg).reply(ArrayRecord([np.zeros(1)]), [("loss", 1.0)]), r"metrics must be None or a "
+                                                                                      r"mapping"),
+    (lambda msg: LocalRound(msg).reply(ArrayRecord([np.zeros(1)]), "loss"), r"metrics must be None or a mapping"),
+    (lambda msg: EmulatedLink(1e3, 1e3, count_delivery="no"), r"count_delivery must be True or False, got 'no'"),
+    (lambda msg: ClientHistory.from_url(None, job="j"), r"a Redis URL must be a string, got None"),
+])
+def test_client_side_arguments_are_checked_by_name(call, match: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match=match):
+        call(a_train_message())
+
+
+def test_a_fractional_step_count_is_named_as_the_steps() -> None:
+    with pytest.raises(ProtocolError, match=r"lbbsp-steps: must be a whole number, got 2\.5"):
+        ClientResult.from_metrics(MetricRecord({"lbbsp-samples": 8, "lbbsp-steps": 2.5, "lbbsp-compute-s": 1.0,
+                                                "lbbsp-download-s": 0.0, "lbbsp-upload-s": 0.0}))
+
+
+@pytest.mark.parametrize(("adapt", "batch_size", "local_steps", "clients"), [
+    ("batch", 4_000_000, 2, 3),    # 12M samples a round in total: more than one allocation balances
+    ("steps", 1, 400_000, 3),      # a fast client would be given more than MAX_LOCAL_STEPS
+])
+def test_large_rounds_plan_within_the_limits_instead_of_failing_at_round_two(
+        redis_url: str, job: str, adapt: str, batch_size: int, local_steps: int, clients: int,
+        caplog: pytest.LogCaptureFixture) -> None:
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = LoadBalanced(FedAvg(), history, batch_size=batch_size, local_steps=local_steps, adapt=adapt)
+        workers = history.worker_indices([1, 2, 3])
+        samples = batch_size * local_steps
+        strategy.model.partial_fit([Report(job, w, 1, samples, samples / speed) for w, speed in
+                                    zip(workers, (1e6, 1e4, 1e4))])
+        plan = strategy.plan(2, [1, 2, 3])
+    unit = [w.batch_size if adapt == "batch" else w.local_steps for w in plan.values()]
+    assert sum(unit) == (batch_size if adapt == "batch" else local_steps) * clients
+    assert all(w.samples <= MAX_BATCH and w.local_steps <= MAX_LOCAL_STEPS for w in plan.values())
+    if adapt == "batch":
+        assert unit == [batch_size] * clients
+        assert len(warnings_like(caplog, r"round total over 10,000,000 \(here 12,000,000\) is split equally")) == 1
+    else:
+        assert max(unit) == MAX_LOCAL_STEPS  # the fast client gets the most it may take, not an error
+
+
+def test_an_equal_split_plan_logs_its_own_predicted_round(redis_url: str, job: str,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = LoadBalanced(FedAvg(), history, batch_size=100, local_steps=1)
+        workers = history.worker_indices([1, 2])
+        strategy.model.partial_fit([Report(job, w, 1, 100, seconds) for w, seconds in zip(workers, (1.0, 1.01))])
+        strategy.plan(2, [1, 2])
+    logged = [r.getMessage() for r in caplog.records if "lbbsp round 2: equal split (balancing gains" in r.getMessage()]
+    assert len(logged) == 1 and "predicted round 1.01s" in logged[0]
