@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,10 +65,17 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[16, 256, 1024])
     parser.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=sorted(SCENARIOS))
     parser.add_argument("--iterations", type=int, default=150, help="as the committed lbbsp simulate results")
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--out", type=Path, default=OUT,
+                        help=f"the JSON file to write, or a folder to write {OUT.name} in (default: {OUT})")
     args = parser.parse_args()
     if args.seeds < 1 or args.iterations < 1 or min(args.workers) < 2:
         parser.error("--seeds and --iterations must be at least 1, --workers at least 2")
+    out = args.out / OUT.name if args.out.is_dir() else args.out
+    try:  # before the runs (minutes each), not after them
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out.parent).close()
+    except OSError as exc:
+        parser.error(f"--out {args.out}: cannot write results there ({exc})")
     results: dict[str, dict[str, Figures]] = {}
     for scenario in args.scenarios:
         for workers in args.workers:
@@ -75,10 +83,8 @@ def main() -> None:
             figures = run(scenario, workers, args.iterations, range(args.seeds))
             results.setdefault(scenario, {})[str(workers)] = figures
             print(table(figures), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"iterations": args.iterations, "seeds": args.seeds, "policies": results},
-                                   indent=1))
-    print(f"wrote {args.out}")
+    out.write_text(json.dumps({"iterations": args.iterations, "seeds": args.seeds, "policies": results}, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -180,9 +180,14 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="trace file to write (JSON)")
     args = parser.parse_args()
     # checked before recording: each of these failed only after it (or stopped the load switches unseen)
-    if args.batch < 1 or args.max_level < 0 or not 0 < args.mean_dwell_s < 1e6:  # inf stopped the switches
-        parser.error("--batch must be at least 1, --max-level at least 0 and --mean-dwell-s positive, "
-                     "below a million seconds")
+    for wrong, message in ((args.batch < 1, f"--batch must be at least 1, got {args.batch}"),
+                           (args.max_level < 0, f"--max-level must be at least 0, got {args.max_level}"),
+                           (not 0 < args.mean_dwell_s < 1e6,  # inf stopped the switches
+                            f"--mean-dwell-s must be positive and below a million seconds, got {args.mean_dwell_s:g}"),
+                           (not 0 < args.seconds < 1e6, f"--seconds must be positive and below a million, got "
+                                                        f"{args.seconds:g}")):
+        if wrong:
+            parser.error(message)
     if args.core not in os.sched_getaffinity(0):
         parser.error(f"--core {args.core} is not one this process may run on: {sorted(os.sched_getaffinity(0))}")
     out = Path(args.out)

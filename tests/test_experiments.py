@@ -34,6 +34,8 @@ BAD_ARGUMENTS = [
     ("bench_torch_gpu.py", ["--lags", "9"]),
     ("bench_torch_gpu.py", ["--sizes", "64,x"]),
     ("record_cpu_trace.py", ["--mean-dwell-s", "inf"]),
+    ("record_cpu_trace.py", ["--seconds", "0"]),
+    ("record_cpu_trace.py", ["--seconds", "nan"]),
 ]
 
 
@@ -44,6 +46,25 @@ def test_a_benchmark_refuses_a_bad_argument_before_it_runs(script: str, bad: lis
                             timeout=120, check=False)
     assert result.returncode == 2 and "error:" in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert not (tmp_path / "out.json").exists()
+
+
+def test_a_benchmark_names_the_flag_that_is_wrong(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, str(EXPERIMENTS / "record_cpu_trace.py"), "--out", str(tmp_path / "t.json"),
+                             "--max-level", "-1"], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2 and "--max-level must be at least 0, got -1" in result.stderr
+    assert "--batch" not in result.stderr.splitlines()[-1]
+
+
+def test_the_policy_benchmark_checks_its_out_first_and_takes_a_folder(tmp_path: Path) -> None:
+    (tmp_path / "a-file").touch()
+    taken = subprocess.run([sys.executable, str(EXPERIMENTS / "bench_policies.py"), "--out",
+                            str(tmp_path / "a-file" / "x.json")], capture_output=True, text=True, timeout=120, check=False)
+    assert taken.returncode == 2 and "--out" in taken.stderr and "seeds 0-" not in taken.stdout  # before any run
+    small = ["--seeds", "1", "--workers", "4", "--scenarios", "gpu-mix", "--iterations", "3"]
+    folder = subprocess.run([sys.executable, str(EXPERIMENTS / "bench_policies.py"), "--out", str(tmp_path), *small],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert folder.returncode == 0, folder.stderr
+    assert json.loads((tmp_path / "bench_policies.json").read_text())["iterations"] == 3
 
 
 def _experiment(name: str) -> ModuleType:

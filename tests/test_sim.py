@@ -170,7 +170,7 @@ def test_cli_json_is_strict_json_with_no_level_switches(tmp_path: Path) -> None:
     def refuse(constant: str) -> None:
         raise ValueError(f"not JSON: {constant}")
 
-    result = json.loads((tmp_path / "simulate_cpu-contention_4w_seed0_dwellinf.json").read_text(), parse_constant=refuse)
+    result = json.loads((tmp_path / "simulate_cpu-contention_4w_5it_seed0_dwellinf.json").read_text(), parse_constant=refuse)
     assert result["notes"]["mean_dwell_iterations"] == "inf"
 
 
@@ -180,8 +180,8 @@ def test_cli_names_a_non_default_lag_in_its_files(tmp_path: Path) -> None:
     for lag in ("1", "2"):
         cli.run(parser.parse_args(["--scenario", "gpu-mix", "--workers", "4", "--iterations", "6", "--lag", lag,
                                    "--out", str(tmp_path)]))
-    default = json.loads((tmp_path / "simulate_gpu-mix_4w_seed0.json").read_text())
-    lag1 = json.loads((tmp_path / "simulate_gpu-mix_4w_seed0_lag1.json").read_text())
+    default = json.loads((tmp_path / "simulate_gpu-mix_4w_6it_seed0.json").read_text())
+    lag1 = json.loads((tmp_path / "simulate_gpu-mix_4w_6it_seed0_lag1.json").read_text())
     assert (default["lag"], lag1["lag"]) == (2, 1)
     assert lag1["policies"]["lbbsp"] != default["policies"]["lbbsp"]  # it decides from one iteration fresher reports
 
@@ -195,7 +195,7 @@ def test_cli_replays_the_traces_it_is_given(tmp_path: Path) -> None:
     args = parser.parse_args(["--scenario", "cpu-contention", "--workers", "4", "--iterations", "8",
                               "--traces", str(mine), "--out", str(tmp_path)])
     assert cli.run(args) == 0
-    result = json.loads((tmp_path / "simulate_cpu-contention_4w_seed0_my_traces.json").read_text())
+    result = json.loads((tmp_path / "simulate_cpu-contention_4w_8it_seed0_my_traces.json").read_text())
     assert result["notes"]["traces"] == ["mine"]
     with pytest.raises(ConfigError, match="cpu-contention only"):
         cli.run(parser.parse_args(["--scenario", "gpu-mix", "--traces", str(mine), "--out", str(tmp_path)]))
@@ -300,8 +300,10 @@ def test_cli_refuses_bad_input_before_simulating(tmp_path: Path) -> None:
         cli.run(_parse("--scenario", "gpu-mix", "--workers", "4", "--out", str(tmp_path / "a-file")))
     with pytest.raises(ConfigError, match="cpu-contention only"):
         cli.run(_parse("--scenario", "gpu-mix", "--traces", str(tmp_path / "none"), *small))
-    with pytest.raises(StoreUnavailable, match="cannot reach Redis"):  # before the in-process pass, not after
+    with pytest.raises(StoreUnavailable, match="--redis: cannot reach Redis"):  # before the scenario is built
         cli.run(_parse("--scenario", "gpu-mix", "--redis", f"unix://{tmp_path}/no.sock", *small))
+    with pytest.raises(ConfigError, match="--redis: not a usable Redis URL"):
+        cli.run(_parse("--scenario", "gpu-mix", "--redis", "notaurl", *small))
     with pytest.raises(ConfigError, match="at most 50,000,000"):  # not a numpy MemoryError after a long wait
         cli.run(_parse("--scenario", "gpu-mix", "--workers", "16", "--iterations", "2000000000"))
     # named by their flags ('lag must be an integer in [1, 8] [job=sim-cpu]', after the scenario was built)
@@ -315,7 +317,7 @@ def test_cli_refuses_bad_input_before_simulating(tmp_path: Path) -> None:
 
 def test_results_that_cannot_be_written_are_an_out_error_not_a_redis_one(tmp_path: Path,
                                                                           capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "simulate_gpu-mix_4w_seed0.json").mkdir()  # the result file's path is taken by a folder
+    (tmp_path / "simulate_gpu-mix_4w_3it_seed0.json").mkdir()  # the result file's path is taken by a folder
     assert main(["simulate", "--scenario", "gpu-mix", "--workers", "4", "--iterations", "3", "--out",
                  str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -342,7 +344,7 @@ def test_splits_over_gpu_memory_are_listed_last_whatever_their_time() -> None:
     '{"columns": 5, "rows": [[1]]}',
     '{"columns": ["throughput"], "rows": {"a": 1}}',
     '{"columns": ["throughput"], "rows": []}',
-    "zero throughput", "NaN feature", "half a level", "cpu_util over 1", "no cores",
+    "zero throughput", "NaN feature", "half a level", "cpu_util over 1", "no cores", "negative level", "ragged",
 ])
 def test_a_malformed_trace_is_refused_by_name(tmp_path: Path, text: str) -> None:
     """Whatever is wrong with a trace file, loading it raises a ConfigError that names it; values a replay
@@ -351,9 +353,10 @@ def test_a_malformed_trace_is_refused_by_name(tmp_path: Path, text: str) -> None
     columns = ["throughput", "cpu_util", "proc_cpu", "colocated_load", "mem_util", "cores", "hog_level"]
     row = {"zero throughput": [0.0, 0.5, 0.5, 0.0, 0.1, 1, 0], "NaN feature": [9.0, None, 0.5, 0.0, 0.1, 1, 0],
            "half a level": [9.0, 0.5, 0.5, 0.0, 0.1, 1, 0.5], "cpu_util over 1": [9.0, 1.5, 0.5, 0.0, 0.1, 1, 0],
-           "no cores": [9.0, 0.5, 0.5, 0.0, 0.1, 0, 0]}.get(text)
-    path = tmp_path / "bad.json"
-    path.write_text(text if row is None else json.dumps({"columns": columns, "rows": [row] * 3}))
+           "no cores": [9.0, 0.5, 0.5, 0.0, 0.1, 0, 0], "negative level": [9.0, 0.5, 0.5, 0.0, 0.1, 1, -1]}.get(text)
+    rows = [row] * 3 if row is not None else [[9.0, 0.5, 0.5, 0.0, 0.1, 1, 0], [9.0, 0.5]]  # ragged: numpy's
+    path = tmp_path / "bad.json"                                                            # message named no row
+    path.write_text(json.dumps({"columns": columns, "rows": rows}) if row is not None or text == "ragged" else text)
     with pytest.raises(ConfigError, match="bad.json") as raised:
         CPUTrace.load(path)
     if text in ("cpu_util over 1", "no cores"):
@@ -482,6 +485,10 @@ def test_the_python_example_in_the_docs_runs(capsys: pytest.CaptureFixture[str])
     (lambda: CPUContention(4, 10, 0, machine_spread=-1), "machine_spread must be a finite number >= 0"),
     (lambda: CPUContention(4, 10, -1), r"seed must be an integer in \[0, inf\]"),
     (lambda: CPUContention(4, 10, 0, mean_dwell=0.5), "mean_dwell must be >= 1 iteration"),
+    (lambda: GPUMix(1, 10, 0), r"num_workers must be at least 2 \(backup workers"),  # had named 'backups'
+    (lambda: FLClients(1, 10, 0), r"num_workers must be at least 2"),  # had named 'sit_out'
+    (lambda: CPUContention(4, 10, 0, traces=[]), r"traces must be None .* non-empty list of CPUTrace"),
+    (lambda: CPUContention(4, 10, 0, noise="no"), "noise must be True or False, got 'no'"),
 ])
 def test_a_scenario_option_out_of_range_is_refused_where_it_is_built(build, words: str) -> None:  # type: ignore[no-untyped-def]
     """local_steps=0 and model_mb<0 had failed in the middle of compare with a report's ProtocolError, dropout=1.5
@@ -496,3 +503,21 @@ def test_the_plots_ratio_axis_has_round_ticks_across_the_range() -> None:
     assert cli._ratio_ticks(0.99, 1.02) == [0.99, 1.0, 1.01, 1.02]
     wide = cli._ratio_ticks(0.5, 40)
     assert 1.0 in wide and len(wide) <= 10 and wide == sorted(wide) and 0.5 <= wide[0] and wide[-1] <= 40
+
+
+def test_nothing_is_built_before_the_arguments_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """'building ...' had been printed before --out, --traces and --redis were refused: the run looked started."""
+    (tmp_path / "a-file").touch()
+    for bad in (["--out", str(tmp_path / "a-file")], ["--redis", f"unix://{tmp_path}/no.sock"],
+                ["--scenario", "cpu-contention", "--traces", str(tmp_path / "none")]):
+        assert main(["simulate", "--scenario", "gpu-mix", "--workers", "4", "--iterations", "3",
+                     "--out", str(tmp_path), *bad]) == 2
+        assert "building" not in capsys.readouterr().out, bad
+
+
+def test_a_long_policy_run_says_how_far_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine, "PROGRESS_EVERY_S", 0.0)
+    lines: list[str] = []
+    compare(GPUMix(4, 5, 0), 5, {"bsp": BSPPolicy()}, progress=lines.append)
+    assert [line.split()[1:] for line in lines[:-1]] == [["at", "iteration", str(k), "of", "5"] for k in range(5)]
+    assert "s/iteration" in lines[-1]

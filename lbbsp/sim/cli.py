@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..embedded import EmbeddedRedis
-from ..errors import ConfigError
+from ..errors import ConfigError, StoreUnavailable
 from ..store import Store, redacted
 from .engine import PolicyRun, compare
 from .scenarios import SCENARIOS, Scenario
@@ -64,20 +64,19 @@ def run(args: argparse.Namespace) -> int:
     if args.workers * args.iterations > MAX_CELLS:  # each scenario holds a few arrays of this many floats
         raise ConfigError(f"--workers x --iterations is at most {MAX_CELLS:,} (a few GiB of trace), got "
                           f"{args.workers:,} x {args.iterations:,}")
+    options, suffix = _scenario_options(args)
+    with _writing(args.out):  # before simulating, so that a bad --out costs no run
+        args.out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=args.out).close()  # an existing folder may still refuse files
+    if args.redis:  # a given Redis is reached before the scenario is built and the in-process pass runs
+        _reach(args.redis)
     print(f"building {args.scenario} with {args.workers} workers, {args.iterations} iterations, seed {args.seed}",
           flush=True)
-    options, suffix = _scenario_options(args)
     scenario = SCENARIOS[args.scenario](args.workers, args.iterations, args.seed, **options)
     if args.lag != scenario.config.lag:  # not the production default: name it, keep the default's results
         scenario.config = dataclasses.replace(scenario.config, lag=args.lag)
         suffix += f"_lag{args.lag}"
-    stem = args.out / f"simulate_{args.scenario}_{args.workers}w_seed{args.seed}{suffix}"
-    with _writing(args.out):  # before simulating, so that a bad --out costs no run
-        args.out.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=args.out).close()  # an existing folder may still refuse files
-    if args.redis:  # a given Redis is reached before the in-process pass, which takes minutes at scale
-        with Store.from_url(args.redis, "lbbsp-simulate") as store:
-            store.ping()
+    stem = args.out / f"simulate_{args.scenario}_{args.workers}w_{args.iterations}it_seed{args.seed}{suffix}"
     runs = compare(scenario, args.iterations, progress=lambda line: print(line, flush=True))
     check = None
     if args.redis is not None:
@@ -106,6 +105,17 @@ def _writing(out: Path) -> Iterator[None]:
         yield
     except OSError as exc:
         raise ConfigError(f"--out {out} is not a folder results can be written to: {exc}") from None
+
+
+def _reach(url: str) -> None:
+    """A ConfigError or StoreUnavailable naming ``--redis`` unless the Redis at ``url`` answers."""
+    try:
+        with Store.from_url(url, "lbbsp-simulate") as store:
+            store.ping()
+    except ConfigError as exc:
+        raise ConfigError(f"--redis: {exc.message}") from None
+    except StoreUnavailable as exc:
+        raise StoreUnavailable(f"--redis: {exc.message}") from None
 
 
 def _through_redis(scenario: Scenario, iterations: int, url: str,

@@ -101,6 +101,10 @@ def standard_policies(scenario: Scenario) -> dict[str, Policy]:
 _DRIVEN: weakref.WeakSet[Policy] = weakref.WeakSet()
 
 
+#: Seconds between progress lines within one policy's run (a large run takes minutes a policy).
+PROGRESS_EVERY_S = 30.0
+
+
 def _fresh(name: str, policy: Policy) -> None:
     """A :class:`ConfigError` if ``policy`` has been driven by a run already; else remember it."""
     try:
@@ -113,13 +117,13 @@ def _fresh(name: str, policy: Policy) -> None:
 
 
 def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
-               redis_url: str | None = None) -> PolicyRun:
+               redis_url: str | None = None, progress: Progress | None = None) -> PolicyRun:
     """Drive ``policy`` for ``iterations`` barriers: true times -> reports -> observe -> decide.
 
     As in production, the reports of iteration k decide iteration k + lag (``JobConfig.lag``); the first
     ``lag`` iterations use the initial split. With ``redis_url`` the reports are posted to that Redis and a
     real :class:`Coordinator` decides, as in a job: the sizes each iteration runs with are read back from
-    its write-once assignment key.
+    its write-once assignment key. ``progress`` is told how far the run is every ``PROGRESS_EVERY_S`` seconds.
     """
     n = scenario.config.num_workers
     aggregated = policy.aggregated(n)
@@ -135,8 +139,12 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
             coming = _shown(scenario, policy, target)
             policy.reveal(coming.time_model, coming.max_batch)
 
+    told = time.perf_counter()
     try:
         for k in range(iterations):
+            if progress is not None and time.perf_counter() - told >= PROGRESS_EVERY_S:
+                told = time.perf_counter()
+                progress(f"  {name:<24} at iteration {k:,} of {iterations:,}")
             sizes = decider.sizes(k)
             truth = scenario.truth(k)
             seconds = truth.time_model.time(sizes)
@@ -256,7 +264,7 @@ def compare(scenario: Scenario, iterations: int, policies: Mapping[str, Policy] 
     runs = {}
     for name, policy in policies.items():
         started = time.perf_counter()
-        runs[name] = run_policy(scenario, name, policy, iterations, redis_url)
+        runs[name] = run_policy(scenario, name, policy, iterations, redis_url, progress)
         if progress is not None:
             progress(f"  {name:<24} {np.mean(runs[name].iteration_s):.4g} s/iteration "
                      f"({time.perf_counter() - started:.1f}s to simulate)")

@@ -26,7 +26,9 @@ LOOKAHEAD = 8
 
 def _run(num_workers: object, iterations: object, seed: object, batch: object, batch_name: str) -> None:
     """Check what every scenario takes, before anything is drawn: a ConfigError naming the argument."""
-    _integer(num_workers, "num_workers", 1, None)
+    if _integer(num_workers, "num_workers", 1, None) < 2:
+        raise ConfigError(f"num_workers must be at least 2 (backup workers, one of the policies compared, drop one), "
+                          f"got {num_workers!r}")
     _integer(iterations, "iterations", 1, None)
     _integer(seed, "seed", 0, None)
     _integer(batch, batch_name, 1, None)
@@ -100,6 +102,11 @@ class CPUContention(Scenario):
         _at_least_zero("machine_spread", machine_spread)
         _real(mean_dwell, "mean_dwell", 1.0, math.inf, ">= 1 iteration (inf: the levels never switch)")
         traces = list(traces) if traces is not None else load_traces()
+        if not traces or not all(isinstance(trace, CPUTrace) for trace in traces):
+            raise ConfigError(f"traces must be None (the shipped ones) or a non-empty list of CPUTrace, as "
+                              f"load_traces(directory) gives, got {traces!r:.80}")
+        if not isinstance(noise, bool):
+            raise ConfigError(f"noise must be True or False, got {noise!r}")
         rng, *replay_rngs = _streams(seed, 1 + len(traces))
         super().__init__("cpu-contention", JobConfig("sim-cpu", num_workers, batch_per_worker * num_workers),
                          ["cpu"] * num_workers,

@@ -34,9 +34,12 @@ class CPUTrace:
         try:
             data = json.loads(path.read_text())
             columns = {name: i for i, name in enumerate(data["columns"])}
-            rows = np.asarray(data["rows"], dtype=float)
-            if rows.ndim != 2:
-                raise ValueError("rows must be a non-empty list of rows of numbers")
+            try:
+                rows = np.asarray(data["rows"], dtype=float)
+            except ValueError:  # numpy's "inhomogeneous shape" says nothing of rows
+                rows = np.zeros(0)
+            if rows.ndim != 2 or rows.shape[1] != len(columns):
+                raise ValueError(f"rows must be a non-empty list of rows of {len(columns)} numbers, one per column")
             missing = [name for name in ("throughput", "hog_level", *TRACE_FEATURES) if name not in columns]
             if missing:
                 raise ValueError(f"no column {', '.join(missing)} (columns: {', '.join(columns)})")
@@ -50,9 +53,9 @@ class CPUTrace:
         except RecursionError:
             raise ConfigError(f"cannot read CPU trace {path}: nested too deeply") from None
         if not (np.isfinite(np.column_stack([throughput, level, features])).all() and (throughput > 0).all()
-                and (level == np.round(level)).all()):
+                and (level == np.round(level)).all() and (level >= 0).all()):
             raise ConfigError(f"cannot read CPU trace {path}: every throughput must be positive and finite, every "
-                              "feature finite and every hog_level a whole number")
+                              "feature finite and every hog_level a whole number of at least 0")
         for j, name in enumerate(TRACE_FEATURES):  # replayed into reports, which refuse values out of range
             low, high = FEATURE_RANGES[name]
             if (bad := np.flatnonzero((features[:, j] < low) | (features[:, j] > high))).size:
