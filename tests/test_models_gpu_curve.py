@@ -7,6 +7,7 @@ import pytest
 
 from lbbsp.allocation import HingeTime
 from lbbsp.config import JobConfig
+from lbbsp.errors import ConfigError
 from lbbsp.models import BatchTimeCurve, fit_memory_cap, gpu_curve
 from lbbsp.policies import LBBSPPolicy
 from lbbsp.protocol import Report
@@ -376,3 +377,22 @@ def test_a_worker_held_by_its_memory_cap_grows_to_what_its_nearly_full_card_hold
         policy.learn()
         sizes = planned.get(k + 1, sizes)
     assert sizes[0] >= 880  # the best split, ~914 / 229 / 229 / 228, within the card's 1,024
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda: gpu_curve.fit_hinge(np.zeros((1, 0)), np.zeros((1, 0)), np.zeros((1, 0))), "at least one of each"),
+    (lambda: fit_memory_cap([[1.0, 2.0]], [[GB, 2 * GB]], [[True, True]], [8 * GB]), None),  # lists are arrays
+    (lambda: fit_memory_cap(np.ones(2), np.ones(2), np.ones(2, bool), np.ones(1)), r"\(workers, points\)"),
+    (lambda: fit_memory_cap(np.ones((1, 2)), np.ones((1, 3)), np.ones((1, 2), bool), np.ones(1)), "one shape"),
+    (lambda: fit_memory_cap(np.ones((1, 2)), np.ones((1, 2)), np.ones((1, 2), bool), np.ones(2)), r"budget"),
+    (lambda: fit_memory_cap(np.ones((1, 2)), np.array([[GB, np.nan]]), np.ones((1, 2), bool), np.ones(1)),
+     "finite sizes and readings where valid"),
+])
+def test_the_pure_fits_check_their_arrays(call, match: str | None) -> None:  # type: ignore[no-untyped-def]
+    """fit_memory_cap had checked nothing (a list: AttributeError; 1-D: AxisError; a valid NaN: ignored), and
+    fit_hinge on no points had raised numpy's 'zero-size array to reduction operation'."""
+    if match is None:
+        assert call().shape == (1,)
+    else:
+        with pytest.raises(ConfigError, match=match):
+            call()

@@ -56,9 +56,9 @@ def fit_hinge(sizes: np.ndarray, times: np.ndarray, weight: np.ndarray) -> tuple
     shape, or a present point that is not finite.
     """
     sizes, times, w = (np.asarray(a, dtype=float) for a in (sizes, times, weight))
-    if sizes.ndim != 2 or times.shape != sizes.shape or w.shape != sizes.shape:
-        raise ConfigError(f"fit_hinge takes sizes, times and weight as (workers, points) arrays of one shape, got "
-                          f"{sizes.shape}, {times.shape} and {w.shape}")
+    if sizes.ndim != 2 or times.shape != sizes.shape or w.shape != sizes.shape or 0 in sizes.shape:
+        raise ConfigError(f"fit_hinge takes sizes, times and weight as (workers, points) arrays of one shape, at "
+                          f"least one of each, got {sizes.shape}, {times.shape} and {w.shape}")
     present = w > 0
     if not (np.isfinite(w).all() and np.isfinite(np.where(present, sizes + times, 0.0)).all()):
         raise ConfigError("fit_hinge takes finite sizes, times and weights (an absent point, of weight 0, may hold "
@@ -150,7 +150,20 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
     good as the readings are over that span); beyond, the origin line's cap, where that reaches further.
     ``held``: rows whose readings were seen not to fall when the size did (a caching allocator's peak, which
     slots merged from several sizes can hide from the first test); they get the line through the origin.
+    A ConfigError for arrays not of those shapes ((workers, points), budget and held (workers,)), or a valid
+    reading that is not finite.
     """
+    sizes, used, budget = (np.asarray(a, dtype=float) for a in (sizes, used, budget))
+    valid = np.asarray(valid, dtype=bool)
+    held = None if held is None else np.asarray(held, dtype=bool)
+    if (sizes.ndim != 2 or used.shape != sizes.shape or valid.shape != sizes.shape or 0 in sizes.shape
+            or budget.shape != sizes.shape[:1] or (held is not None and held.shape != sizes.shape[:1])):
+        raise ConfigError(f"fit_memory_cap takes sizes, used and valid as (workers, points) arrays of one shape, at "
+                          f"least one of each, and budget (and held) as (workers,), got {sizes.shape}, {used.shape}, "
+                          f"{valid.shape}, {budget.shape}" + ("" if held is None else f" and {held.shape}"))
+    if not np.isfinite(np.where(valid, sizes + used, 0.0)).all():
+        raise ConfigError("fit_memory_cap takes finite sizes and readings where valid (an invalid one may hold "
+                          "anything)")
     weight = valid.astype(float)
     count = weight.sum(1)
     x, y = np.where(valid, sizes, 0.0), np.where(valid, used, 0.0)
