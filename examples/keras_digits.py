@@ -24,6 +24,8 @@ import sys
 import time
 import uuid
 
+MIN_BATCH = 8  # no worker's batch below this: the global batch must hold it for every worker
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,7 +40,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--redis", default=None, help="Redis URL (default: embedded on worker 0)")
     parser.add_argument("--cpu", type=int, default=None, help="pin this worker to one CPU core")
     parser.add_argument("--result", default=None, help="write this worker's figures as JSON here")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.workers < 1 or args.epochs < 1:
+        parser.error(f"--workers and --epochs must be at least 1, got {args.workers} and {args.epochs}")
+    if args.global_batch < MIN_BATCH * args.workers:
+        parser.error(f"--global-batch must be at least {MIN_BATCH} per worker ({MIN_BATCH * args.workers} for "
+                     f"{args.workers}): each worker's batch is kept at {MIN_BATCH} or more")
+    return args
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -90,7 +98,7 @@ def train(args: argparse.Namespace) -> None:
     x = (digits.data / 16.0).astype("float32")
     y = digits.target.astype("int64")
     config = JobConfig(args.job or f"digits-{uuid.uuid4().hex[:8]}", num_workers=workers,
-                       global_batch=args.global_batch, min_batch=8)
+                       global_batch=args.global_batch, min_batch=MIN_BATCH)
     policy = LBBSPPolicy() if args.policy == "lbbsp" else BSPPolicy()
     with WorkerSession(config, index, url=args.redis, policy=policy, strategy=strategy) as session:
         source = BalancedSource(x, y, config, index, seed=0)

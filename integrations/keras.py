@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -25,14 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from lbbsp.config import JobConfig
+from lbbsp.config import JobConfig, _is_integer, _real
 from lbbsp.coordinator import EXTERNAL_MAX_AHEAD, EXTERNAL_POLICY, CoordinatorProcess, checked_max_ahead
 from lbbsp.embedded import FOLDER_PREFIX, EmbeddedRedis, serve_embedded, temp_parent
 from lbbsp.errors import ConfigError, StoreUnavailable
 from lbbsp.policies import Policy, checked_policy
 from lbbsp.store import Store, agreed_config, redacted, wait_for_redis, worker_socket_timeout
 from lbbsp.telemetry import ResourceMonitor
-from lbbsp.worker import WorkerClient
+from lbbsp.worker import WorkerClient, checked_outage
 
 from .keras_data import BalancedSource, ServedBatch
 
@@ -63,8 +64,17 @@ def task_index() -> int:
     task = tf_config.get("task", {})
     if task.get("type", "worker") not in ("worker", "chief"):
         raise ConfigError(f"TF_CONFIG task type {task.get('type')!r} is not a training worker")
-    chiefs = len(tf_config.get("cluster", {}).get("chief", [])) if task.get("type", "worker") == "worker" else 0
+    chiefs = len(_cluster(tf_config).get("chief", [])) if task.get("type", "worker") == "worker" else 0
     return chiefs + int(task.get("index", 0))
+
+
+def _cluster(tf_config: dict[str, Any]) -> dict[str, Any]:
+    """TF_CONFIG's "cluster": task type -> addresses ({} when there is none)."""
+    cluster = tf_config.get("cluster", {})
+    if not isinstance(cluster, dict) or not all(isinstance(tasks, list) for tasks in cluster.values()):
+        raise ConfigError(f'TF_CONFIG\'s "cluster" must map each task type to a list of addresses, as '
+                          f'{{"worker": ["host:port", ...]}}, got {cluster!r:.80}')
+    return cluster
 
 
 def _tf_config() -> dict[str, Any]:
@@ -83,7 +93,7 @@ def _tf_config() -> dict[str, Any]:
 
 def training_tasks() -> int | None:
     """How many training workers (chief and workers) ``TF_CONFIG`` lists; None when it lists no cluster."""
-    cluster = _tf_config().get("cluster")
+    cluster = _cluster(_tf_config())
     return len(cluster.get("chief", [])) + len(cluster.get("worker", [])) if cluster else None
 
 
@@ -123,13 +133,17 @@ class WorkerSession:
 
     def __init__(self, config: JobConfig, worker: int, *, url: str | None = None, policy: Policy | None = None,
                  strategy: Any = None, coordinator: bool = True, connect_timeout_s: float = 60.0,
-                 outage_s: float = 60.0, max_ahead: int | None = None) -> None:
-        refused = _refusal(config, worker, url=url, policy=policy, coordinator=coordinator, max_ahead=max_ahead)
+                 outage_s: float | None = None, max_ahead: int | None = None) -> None:
+        if not isinstance(config, JobConfig):
+            raise ConfigError(f"config must be a JobConfig, e.g. JobConfig('run-1', num_workers=2, global_batch=256), "
+                              f"got {type(config).__name__}")
+        refused = _refusal(config, worker, url=url, policy=policy, coordinator=coordinator, max_ahead=max_ahead,
+                           connect_timeout_s=connect_timeout_s, outage_s=outage_s)
         gather = _gatherer(strategy, config, worker, refused) if strategy is not None else None
         if refused is not None:  # (with a strategy, _gatherer has raised it, on every worker)
             raise refused
         self.config = config
-        self.worker = worker
+        self.worker = worker = int(worker)
         self.server: EmbeddedRedis | None = None
         self.coordinator: CoordinatorProcess | None = None
         self.client: WorkerClient | None = None
@@ -199,11 +213,14 @@ def _start_embedded(directory: Path, listen: str | None = None) -> EmbeddedRedis
 
 
 def _refusal(config: JobConfig, worker: int, *, url: str | None, policy: Policy | None, coordinator: bool,
-             max_ahead: int | None) -> ConfigError | None:
+             max_ahead: int | None, connect_timeout_s: float, outage_s: float | None) -> ConfigError | None:
     """What is wrong with this worker's own arguments (and TF_CONFIG), if anything."""
-    if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < config.num_workers:
-        return ConfigError(f"worker must be this worker's index in [0, {config.num_workers}), got {worker!r}: "
-                           "pass task_index()", job=config.job)
+    if not _is_integer(worker) or not 0 <= int(worker) < config.num_workers:
+        return ConfigError(f"worker must be this worker's index, an integer in [0, {config.num_workers}), got "
+                           f"{worker!r}: pass task_index()", job=config.job)
+    if url is not None and not isinstance(url, str):
+        return ConfigError(f"url must be None (an embedded Redis) or a Redis URL string, got {url!r:.60}",
+                           job=config.job)
     if not coordinator and url is None:
         return ConfigError("with an external coordinator (coordinator=False), pass url=, the URL of the Redis it "
                            "serves the job on: an embedded server here would be one it cannot see", job=config.job)
@@ -214,6 +231,8 @@ def _refusal(config: JobConfig, worker: int, *, url: str | None, policy: Policy 
     try:
         checked_max_ahead(max_ahead, config.job)
         checked_policy(policy, config.job)  # on every worker: worker 0 alone would leave the others waiting
+        _real(connect_timeout_s, "connect_timeout_s", 0.0, 86_400.0, "seconds in (0, 86400]", lo_open=True)
+        checked_outage(outage_s, config)  # before Redis and the coordinator start, not after
     except ConfigError as exc:
         return exc
     tasks = training_tasks()
@@ -468,6 +487,12 @@ class ExactLogs:
         return self._scales
 
 
+#: Per WorkerClient, the iteration its next step runs: a new callback on the same client (a second ``fit`` that
+#: builds its callback inline) carries on from there, where starting at 0 replayed decided vectors and every
+#: report of the second fit was refused as a duplicate.
+_NEXT_ITERATION: weakref.WeakKeyDictionary[WorkerClient, int] = weakref.WeakKeyDictionary()
+
+
 class _CallbackLogic:
     """The LB-BSP callback, independent of which Keras provides the ``Callback`` base class."""
 
@@ -477,6 +502,9 @@ class _CallbackLogic:
 
     def __init__(self, client: WorkerClient, source: BalancedSource, *, monitor: ResourceMonitor | None = None) -> None:
         super().__init__()
+        if client is None:
+            raise ConfigError("LBBSPCallback got no client: the session is closed (session.client is None after "
+                              "close() or the end of its `with` block); build the callback while it is open")
         if not isinstance(client, WorkerClient) or not isinstance(source, BalancedSource):
             raise ConfigError(f"LBBSPCallback takes (client, source): a WorkerClient and a BalancedSource, got "
                               f"({type(client).__name__}, {type(source).__name__})")
@@ -485,9 +513,11 @@ class _CallbackLogic:
         self.client = client
         self.source = source
         source.expect_callback()
+        if monitor is not None and not callable(getattr(monitor, "sample", None)):
+            raise ConfigError(f"monitor must be None or a ResourceMonitor, got {monitor!r:.60}", job=client.config.job)
         self.monitor = monitor if monitor is not None else ResourceMonitor()
-        self.iteration = 0
-        self.epochs_done = 0
+        self.iteration = _NEXT_ITERATION.get(client, 0)  # the job's count goes on across callbacks
+        self.epochs_done = source.epochs_trained  # and the source's shuffle order
         self.probe: StepProbe | None = None
         self._started = 0.0
         self._warned_unread = False
@@ -540,7 +570,8 @@ class _CallbackLogic:
                               "pass steps_per_epoch=len(source)", job=job)
         if steps != len(self.source):
             raise ConfigError(f"model.fit runs {steps} steps per epoch but the source has {len(self.source)}: "
-                              "pass steps_per_epoch=len(source)", job=job)
+                              "pass the source's pipeline, source.tf_dataset(strategy) or source.py_dataset(), to "
+                              "fit, with steps_per_epoch=len(source)", job=job)
         if steps % per_execution and _keras_of(type(self)) == "keras" and self.source.latest_pipeline == "tf_dataset":
             raise ConfigError(f"Keras 3 runs all {per_execution} steps of an execution from a tf.data dataset, so the "
                               f"last execution of an epoch of {steps} steps would read into the next epoch: use a "
@@ -577,6 +608,7 @@ class _CallbackLogic:
         self.client.report(self.iteration, per_batch, max(compute_s * scale, 1e-9),
                            wait_s=max(wall_s - compute_s, 0.0) * scale, features=self.monitor.sample())
         self.iteration += 1
+        _NEXT_ITERATION[self.client] = self.iteration
         if not (self._epoch == self.params.get("epochs", 0) - 1 and batch >= len(self.source) - 1):
             self.source.publish(self.client.assignment(self.iteration))  # the next fit fetches it otherwise
 
@@ -585,6 +617,7 @@ class _CallbackLogic:
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self.epochs_done += 1
+        self.source.epochs_trained = self.epochs_done
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self.source.detach(self.iteration)

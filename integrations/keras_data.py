@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from lbbsp.config import JobConfig, _integer
+from lbbsp.config import JobConfig, _integer, _real
 from lbbsp.errors import ConfigError, LBBSPError
 from lbbsp.protocol import Assignment
 from lbbsp.sampling import GlobalBatchSampler
@@ -76,16 +76,20 @@ class BalancedSource:
                  sample_weight: np.ndarray | None = None, class_weight: Mapping[int, float] | None = None,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False, steps_per_execution: int = 1,
                  wait_timeout_s: float | None = None, record_limit: int = 100_000) -> None:
+        if not isinstance(config, JobConfig):
+            raise ConfigError(f"config must be the session's JobConfig (session.config), got {type(config).__name__}")
         for name, value in (("x", x), ("y", y)):
             if value is None or isinstance(value, (dict, tuple, list)):
                 raise ConfigError(f"{name} must be a single array (one model input, one target), got "
                                   f"{type(value).__name__}", job=config.job)
         x, y = np.asarray(x), np.asarray(y)
-        if x.ndim == 0 or y.ndim == 0 or x.dtype == object or y.dtype == object:
+        if x.ndim == 0 or y.ndim == 0 or x.dtype.kind not in "biuf" or y.dtype.kind not in "biuf":
             raise ConfigError(f"x and y must be numeric arrays with a sample axis, got shapes {x.shape}, {y.shape} "
                               f"and dtypes {x.dtype}, {y.dtype}", job=config.job)
         if len(x) != len(y):
             raise ConfigError(f"x and y differ in length ({len(x)}, {len(y)})", job=config.job)
+        if len(x) == 0:
+            raise ConfigError("x and y hold no sample: a source needs at least one", job=config.job)
         weights = _sample_weights(sample_weight, len(x), config.job)
         if class_weight is not None:
             by_class = _class_weights(class_weight, y, config.job)
@@ -96,6 +100,10 @@ class BalancedSource:
                               "global batch (only a short final batch can leave a worker empty: see drop_last)",
                               job=config.job)
         steps_per_execution = _integer(steps_per_execution, "steps_per_execution", 1, None, config.job)  # 2.0: float steps
+        record_limit = _integer(record_limit, "record_limit", 0, None, config.job)
+        if wait_timeout_s is not None:
+            wait_timeout_s = _real(wait_timeout_s, "wait_timeout_s", 0.0, 86_400.0, "None or seconds in (0, 86400]",
+                                   lo_open=True)
         self.x, self.y = x, y
         self.sample_weights = weights  # sample_weight times class_weight, None without either
         #: Whether batches are (x, y, weights), not (x, y): with one worker and no weights of the user's, every
@@ -119,6 +127,8 @@ class BalancedSource:
         self._attached = False
         self._first_iteration = 0
         self._first_epoch = 0
+        #: Epochs trained from this source, over every fit: a new callback for it starts the sampler there.
+        self.epochs_trained = 0
         self._generator_epochs = 0
         self._index_calls: dict[int, int] = {}
         self._samplers: dict[int, GlobalBatchSampler] = {}
@@ -383,6 +393,9 @@ class BalancedSource:
         def spec(array: np.ndarray) -> Any:
             return tf.TensorSpec((None,) + array.shape[1:], tf.as_dtype(array.dtype))
 
+        if strategy is not None and not isinstance(getattr(strategy, "num_replicas_in_sync", None), int):
+            raise ConfigError(f"strategy must be None or the tf.distribute strategy the model is built under, got "
+                              f"{strategy!r:.60}", job=self.config.job)
         replicas = 1 if strategy is None else strategy.num_replicas_in_sync
         if replicas > 1:
             self._check_distributed(strategy)
@@ -453,6 +466,9 @@ class BalancedSource:
         from .keras import keras_module  # noqa: PLC0415
 
         keras = keras or keras_module()
+        if not hasattr(getattr(keras, "utils", None), "Sequence"):
+            raise ConfigError(f"keras must be None or a Keras module (keras or tf_keras), got {keras!r:.60}",
+                              job=self.config.job)
         _release_at_exit()
         self._end_failed_fit()
         has_py_dataset = hasattr(keras.utils, "PyDataset")  # Keras 3; tf_keras has only Sequence
@@ -518,9 +534,8 @@ def _class_weights(class_weight: Mapping[int, float], y: np.ndarray, job: str) -
     classes = y.argmax(axis=1) if y.ndim == 2 and y.shape[1] > 1 else np.round(y.reshape(len(y))).astype(np.int64)
     if len(classes) and classes.min() < 0:
         raise ConfigError(f"class_weight needs class ids >= 0 in y, found {classes.min()}", job=job)
-    lookup = np.ones(max([*table, int(classes.max(initial=0))]) + 1)
-    lookup[list(table)] = list(table.values())
-    return lookup[classes]
+    present, where = np.unique(classes, return_inverse=True)  # by the classes in y: class ids may be huge
+    return np.array([table.get(int(c), 1.0) for c in present])[where.reshape(len(classes))]
 
 
 def _release_all() -> None:

@@ -28,6 +28,9 @@ log = logging.getLogger("lbbsp.worker")
 
 Agree = Callable[[Assignment], Assignment]
 _KEEP_ASSIGNMENTS = 8
+#: Seconds a worker waits out an unusable Redis before it raises, unless told otherwise (or the job's
+#: assignment_timeout_s is longer).
+DEFAULT_OUTAGE_S = 60.0
 
 
 class _EveryMinute:
@@ -47,11 +50,19 @@ class _EveryMinute:
         return True
 
 
+def checked_outage(outage_s: float | None, config: JobConfig) -> float:
+    """``outage_s`` as seconds in [``assignment_timeout_s``, a day]; None: 60, or the timeout if that is longer."""
+    if outage_s is None:
+        return max(DEFAULT_OUTAGE_S, config.assignment_timeout_s)
+    return _real(outage_s, "outage_s", config.assignment_timeout_s, 86_400.0,
+                 f"seconds in [assignment_timeout_s ({config.assignment_timeout_s:g}), 86400]")
+
+
 class WorkerClient:
     """One worker's connection to the job: ``report`` after computing, ``assignment`` before the next step."""
 
     def __init__(self, store: Store, config: JobConfig, worker: int, *, agree: Agree | None = None,
-                 device: str = "cpu", outage_s: float = 60.0) -> None:
+                 device: str = "cpu", outage_s: float | None = None) -> None:
         if not isinstance(config, JobConfig):
             raise ConfigError(f"config must be a JobConfig, got {type(config).__name__}")
         if not isinstance(store, Store):
@@ -64,8 +75,7 @@ class WorkerClient:
             raise ConfigError(f"device must be a string of at most {MAX_DEVICE_CHARS} characters ('cpu', "
                               f"'cuda:A100', ...), got {device!r:.80}", job=config.job)
         worker = _integer(worker, "worker", 0, config.num_workers - 1, config.job)  # True is not worker 1
-        self.outage_s = _real(outage_s, "outage_s", config.assignment_timeout_s, 86_400.0,
-                              f"seconds in [assignment_timeout_s ({config.assignment_timeout_s:g}), 86400]")
+        self.outage_s = checked_outage(outage_s, config)
         self.store = store
         self.config = store.register(config)
         self.worker = worker

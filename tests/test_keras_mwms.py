@@ -461,7 +461,7 @@ def test_workers_that_share_an_index_or_name_different_jobs_all_refuse(tmp_path:
         assert f"worker {other}'s JobConfig differs from worker {index}'s: job='{job}-{other}' against " \
                f"'{job}-{index}'" in refused["job"], refused
     assert refusals[0]["own"].startswith("another worker refused its settings")
-    assert refusals[1]["own"].startswith("worker must be this worker's index in [0, 2), got 5")
+    assert refusals[1]["own"].startswith("worker must be this worker's index, an integer in [0, 2), got 5")
 
 
 @pytest.mark.slow

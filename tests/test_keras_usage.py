@@ -49,7 +49,7 @@ def test_session_refuses_a_strategy_that_does_not_span_the_workers(job: str) -> 
 
 @pytest.mark.parametrize("worker", [-1, 2, True, 1.0])
 def test_session_refuses_a_worker_index_outside_the_job(worker: object, job: str) -> None:
-    with pytest.raises(ConfigError, match=r"worker must be this worker's index in \[0, 2\).*pass task_index\(\)"):
+    with pytest.raises(ConfigError, match=r"worker must be this worker's index, an integer in \[0, 2\).*pass task_index\(\)"):
         WorkerSession(JobConfig(job, num_workers=2, global_batch=32), worker, url="redis://unused")  # type: ignore[arg-type]
 
 
