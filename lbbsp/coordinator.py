@@ -99,6 +99,8 @@ class GuardedPolicy:
         # an assignment holds a name and a reason of bounded length: longer ones are cut, not refused (a policy
         # error's long message made even the split kept in force invalid, and nothing was written)
         self._name = _clipped(str(policy.name), MAX_POLICY_NAME_CHARS)
+        #: Decisions that failed or broke the job's rules, each kept the split in force (and was logged).
+        self.failures = 0
 
     def decide(self, target: int, current: tuple[int, ...], reports: list[Report]) -> tuple[Decision, Assignment]:
         """Observe ``reports`` and decide the assignment of ``target``; ``current`` (the split of ``target - 1``)
@@ -111,6 +113,7 @@ class GuardedPolicy:
         except REDIS_ERRORS:
             raise
         except Exception as exc:  # a policy's bug must not stop the job: keep the split in force, say why
+            self.failures += 1
             log.exception("policy %s failed to decide iteration %d; keeping the current split", self.policy.name,
                           target)
             decision = Decision(current, f"policy failed ({type(exc).__name__}: {exc}); kept the split")
@@ -221,6 +224,11 @@ class Coordinator:
                         "assignments; for a new run, use a new job name", self.config.job, stored)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def failed_decisions(self) -> int:
+        """Decisions whose policy failed or broke the job's rules: each kept the split in force (logged)."""
+        return self._guarded.failures
 
     # -- one step ---------------------------------------------------------------------------------------
     def step(self, timeout_s: float = 1.0) -> Outcome | None:

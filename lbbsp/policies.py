@@ -80,7 +80,9 @@ class Policy:
     sit_out: float = 0.0
 
     def observe(self, reports: Sequence[Report]) -> None:
-        """Learn from one iteration's validated reports (some workers may be missing)."""
+        """Learn from one iteration's validated reports (some workers may be missing); this one learns nothing,
+        but refuses what is not a list of reports, as every policy does (a TypeError)."""
+        as_reports(reports, "observe")
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         """The split for ``iteration``, the iteration the decision is for (that of the newest reports observed
@@ -152,6 +154,7 @@ class LBBSPPolicy(Policy):
     def observe(self, reports: Sequence[Report]) -> None:
         """Update what the next forecast reads; training and the margins' bookkeeping wait for ``learn`` (or,
         when nobody calls it, for the next ``observe``: the model and the margins finish pending work first)."""
+        reports = as_reports(reports, "observe")
         if reports:
             self.model.partial_fit(reports, defer=True)
             if self.risk is not None:
@@ -330,6 +333,7 @@ class StaticProportionalPolicy(LBBSPPolicy):
         self._fixed: Decision | None = None
 
     def observe(self, reports: Sequence[Report]) -> None:
+        reports = as_reports(reports, "observe")
         if self._observed < self.profile_iterations and reports:
             self._observed += 1
             super().observe(reports)

@@ -17,6 +17,7 @@ from lbbsp.policies import (
     LeaderStragglerPolicy,
     OraclePolicy,
     PerEpochPolicy,
+    Policy,
     StaticProportionalPolicy,
 )
 from lbbsp.protocol import Report
@@ -435,3 +436,18 @@ def test_static_proportional_profiles_again_for_a_job_of_another_size() -> None:
     assert len(policy.decide(1, [32] * 4, JobConfig("j", 4, 128)).sizes) == 4
     six = policy.decide(2, [32] * 6, JobConfig("j", 6, 192)).sizes
     assert len(six) == 6 and sum(six) == 192 and six[0] > six[5]
+
+
+@pytest.mark.parametrize("policy", [BSPPolicy(), BackupWorkersPolicy(), StaticProportionalPolicy(), LBBSPPolicy(),
+                                    LeaderStragglerPolicy()], ids=lambda p: p.name)
+def test_every_policy_refuses_what_is_not_a_list_of_reports_alike(policy: Policy) -> None:
+    """observe(None) had passed in LB-BSP and raised a bare TypeError in the leader/straggler search; BSP, backup
+    and static-proportional had taken a list of dicts."""
+    for bad in (None, [{"worker": 0}], "reports"):
+        with pytest.raises(TypeError, match="observe takes a list of lbbsp.Report"):
+            policy.observe(bad)  # type: ignore[arg-type]
+
+
+def test_fit_names_a_history_that_is_not_one() -> None:
+    with pytest.raises(TypeError, match="fit takes a history: .* got NoneType"):
+        EWMAThroughput().fit(None)  # type: ignore[arg-type]

@@ -459,6 +459,9 @@ def test_the_simulator_holds_a_policy_to_the_jobs_rules_as_the_coordinator_does(
     assert all(sum(s) == scenario.config.global_batch for s in in_process.sizes)
     assert sum("returned an invalid split" in r.getMessage() or "failed to decide" in r.getMessage()
                for r in caplog.records) >= 4
+    assert in_process.failed_decisions == through_redis.failed_decisions == 2  # counted, not only logged
+    summary = cli.summarise({"oracle": in_process, "unruly": in_process})
+    assert "kept the split in force (logged): oracle 2, unruly 2" in cli.table(scenario, summary)
 
 
 def test_the_python_example_in_the_docs_runs(capsys: pytest.CaptureFixture[str]) -> None:

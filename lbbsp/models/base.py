@@ -142,6 +142,9 @@ class CapacityModel(BaseEstimator):
     def fit(self, history: Iterable[Sequence[Report]] | Iterable[Report]) -> CapacityModel:
         """Forget what was learned, then learn from each iteration's reports in order: ``history`` holds one
         list of reports per iteration, or is one flat list of reports, taken iteration by iteration."""
+        if isinstance(history, (str, bytes, Mapping, Report)) or not isinstance(history, Iterable):
+            raise TypeError(f"fit takes a history: one list of reports per iteration, or one flat list of reports, "
+                            f"got {type(history).__name__}")
         iterations: list[Any] = list(history)
         flat = [isinstance(item, Report) for item in iterations]
         if any(flat):

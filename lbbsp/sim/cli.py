@@ -165,6 +165,9 @@ def table(scenario: Scenario, summary: dict[str, dict[str, float]]) -> str:
     if over := [name for name, s in summary.items() if s["over_memory_iterations"]]:
         lines.append(f"listed last, whatever their time: {', '.join(sorted(over))} gave some GPU more than its memory "
                      f"holds ('over mem' iterations),\n  where a real job fails (out of memory)")
+    if failed := {name: s.get("failed_decisions", 0) for name, s in summary.items() if s.get("failed_decisions")}:
+        lines.append("decisions that failed or broke the job's rules and kept the split in force (logged): " +
+                     ", ".join(f"{name} {count}" for name, count in sorted(failed.items())))
     if "oracle-level" in summary:
         lines.append(f"references, not policies: oracle-level knows each worker's speed without its per-iteration "
                      f"noise for the coming iteration;\n  oracle-level-late knows the same, but only as of the "

@@ -41,6 +41,7 @@ class PolicyRun:
     decision_s: list[float] = field(default_factory=list)
     sizes: list[list[int]] = field(default_factory=list)
     over_memory: int = 0  # iterations in which some worker was given more than its GPU memory holds
+    failed_decisions: int = 0  # decisions that failed or broke the job's rules: the split in force was kept
 
     def summary(self, oracle_mean_s: float) -> dict[str, float]:
         mean = float(np.mean(self.iteration_s))
@@ -48,7 +49,7 @@ class PolicyRun:
                 "idle_fraction": float(np.mean(self.idle_fraction)),
                 "decision_ms_mean": 1e3 * float(np.mean(self.decision_s)),
                 "decision_ms_p99": 1e3 * float(np.percentile(self.decision_s, 99)),
-                "over_memory_iterations": self.over_memory}
+                "over_memory_iterations": self.over_memory, "failed_decisions": self.failed_decisions}
 
 
 class LevelOracle(OraclePolicy):
@@ -172,6 +173,7 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
             reports = [Report(config.job, int(i), k, int(samples[i]), float(compute_s[i]), features=features[i],
                               device=scenario.devices[int(i)]) for i in np.flatnonzero(present)]
             run.decision_s.append(decider.decide(k, sizes, reports, reveal))
+        run.failed_decisions = decider.failures()
     finally:
         decider.close()
     return run
@@ -199,6 +201,9 @@ class _InProcess:
         self.guarded.learn(k)  # as the coordinator does once the split is written
         self.planned[target] = np.asarray(assignment.sizes, dtype=np.int64)
         return decision_s
+
+    def failures(self) -> int:
+        return self.guarded.failures
 
     def close(self) -> None:
         pass
@@ -232,6 +237,9 @@ class _ThroughRedis:
         self.store.post_reports(reports, self.config.num_workers)
         reveal(k + self.config.lag)
         return self.coordinator.decide(k).decision_s
+
+    def failures(self) -> int:
+        return self.coordinator.failed_decisions
 
     def close(self) -> None:
         """Delete the run's keys (nothing is left on a shared Redis) and close the connection."""
