@@ -43,9 +43,10 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.workers < 1 or args.epochs < 1:
         parser.error(f"--workers and --epochs must be at least 1, got {args.workers} and {args.epochs}")
-    if args.global_batch < MIN_BATCH * args.workers:
-        parser.error(f"--global-batch must be at least {MIN_BATCH} per worker ({MIN_BATCH * args.workers} for "
-                     f"{args.workers}): each worker's batch is kept at {MIN_BATCH} or more")
+    workers = len(args.ports.split(",")) if args.ports else args.workers  # a worker launch() started: all of them
+    if args.global_batch < MIN_BATCH * workers:
+        parser.error(f"--global-batch must be at least {MIN_BATCH} per worker ({MIN_BATCH * workers} for "
+                     f"{workers}): each worker's batch is kept at {MIN_BATCH} or more")
     return args
 
 

@@ -20,6 +20,9 @@ this process's heap as its imports left it against frozen as the coordinator's o
 the decision-time table after them runs frozen.
 
     python experiments/bench_coordinator.py [--iterations 100] [--rounds 3] [--workers 4 16 64]
+
+The defaults take many minutes on 2 cores (each table prints as it ends); the quickest figure, decision time
+at 1,024 workers, is `--skip-critical-path --skip-heap --decision-workers 1024` (about a minute).
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ import argparse
 import contextlib
 import gc
 import multiprocessing as mp
+import signal
+import sys
 import time
 from collections.abc import Callable, MutableSequence, Sequence
 from multiprocessing.synchronize import Barrier
@@ -35,6 +40,7 @@ import numpy as np
 
 from lbbsp import Coordinator, EmbeddedRedis, JobConfig, LBBSPPolicy, Report, Store, WorkerClient
 from lbbsp.coordinator import MAX_AHEAD, freeze_heap
+from lbbsp.errors import ConfigError, StoreUnavailable
 from lbbsp.models import AutoCapacityModel, BatchTimeCurve, CapacityModel, EWMAThroughput, FLClientModel, NARXThroughput
 from lbbsp.policies import Decision, Policy
 
@@ -45,6 +51,7 @@ BARRIER_TIMEOUT_S = 60.0  # a worker that died leaves the others here; they fail
 
 def _worker(url: str, config_json: str, worker: int, iterations: int, compute_s: float, floor: bool, measured: bool,
             barrier: Barrier, times: MutableSequence[float]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it ends these (one traceback each, else)
     config = JobConfig.from_json(config_json)
     client = WorkerClient(Store.from_url(url, config.job), config, worker)
     rng = np.random.default_rng(worker)
@@ -77,10 +84,10 @@ def critical_path(url: str, workers: int, iterations: int, lag: int, compute_s: 
     barrier = FORK.Barrier(workers)
     times = FORK.Array("d", [np.nan] * (iterations * workers), lock=False)
     with Store.from_url(url, config.job) as store:
+        procs = [FORK.Process(target=_worker, args=(url, config.to_json(), i, iterations, compute_s, floor,
+                                                    measured, barrier, times)) for i in range(workers)]
         coordinator = Coordinator(store, config, max_ahead=max_ahead).start()
         try:
-            procs = [FORK.Process(target=_worker, args=(url, config.to_json(), i, iterations, compute_s, floor,
-                                                        measured, barrier, times)) for i in range(workers)]
             started = time.perf_counter()
             for p in procs:
                 p.start()
@@ -88,6 +95,11 @@ def critical_path(url: str, workers: int, iterations: int, lag: int, compute_s: 
                 p.join()
             if pace is not None:
                 pace.append((time.perf_counter() - started) / iterations)
+        except BaseException:  # Ctrl-C: the workers ignore it, and would wait at the barrier
+            for p in procs:
+                if p.pid is not None:
+                    p.terminate()
+            raise
         finally:
             coordinator.stop()
     failed = [i for i, p in enumerate(procs) if p.exitcode != 0]
@@ -290,14 +302,16 @@ def main() -> None:
                         help=f"iterations of each critical-path run (the first {WARM_UP} left out)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="critical-path runs per row; the rows take turns, round by round")
-    parser.add_argument("--workers", type=int, nargs="+", default=[4, 16, 64])
+    parser.add_argument("--workers", type=int, nargs="+", default=[4, 16, 64],
+                        help="worker processes of the critical-path runs, one row each")
     parser.add_argument("--compute-ms", type=float, default=20.0, help="emulated compute per iteration")
     parser.add_argument("--short-compute-ms", type=float, default=1.0,
                         help="emulated compute per iteration of the runs with steps shorter than a decision")
     parser.add_argument("--short-workers", type=int, nargs="+", default=[1, 2, 4],
                         help="workers of those runs (few: on 2 cores more processes keep the cores busy, whatever "
                              "the coordinator does)")
-    parser.add_argument("--decision-workers", type=int, nargs="+", default=[1024, 10_000])
+    parser.add_argument("--decision-workers", type=int, nargs="+", default=[1024, 10_000],
+                        help="simulated workers whose decisions are timed (the goal: under 5 ms at 1,024)")
     parser.add_argument("--warmup", type=int, default=30, help="iterations that fill each model's history first")
     parser.add_argument("--repeats", type=int, default=100,
                         help="timed decisions per model and size (100: a p99 that is not just the maximum)")
@@ -314,6 +328,20 @@ def main() -> None:
         parser.error("--repeats must be at least 1 and --warmup at least 0")
     if not (0 <= args.compute_ms < 1e6 and 0 <= args.short_compute_ms < 1e6):  # NaN too
         parser.error("--compute-ms and --short-compute-ms must be numbers of milliseconds, at least 0")
+    if args.redis:
+        try:
+            with Store.from_url(args.redis, "bench-coordinator") as store:
+                store.ping()
+        except (ConfigError, StoreUnavailable) as exc:
+            parser.error(f"--redis: {exc}")
+    try:
+        run(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+def run(args: argparse.Namespace) -> None:
     server = None if args.redis else EmbeddedRedis()
     url = server.url if server is not None else args.redis
     try:

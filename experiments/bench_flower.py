@@ -1,4 +1,5 @@
 """FedAvg with a fixed batch against the lbbsp plugin, on the same emulated heterogeneous Flower clients.
+(Nine runs of emulated rounds in real time: the defaults take many minutes; progress prints per round.)
 
     python experiments/bench_flower.py [--clients 12] [--rounds 15] [--target 0.88]
 
@@ -35,6 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "flower_digits"))
 
+from _args import results_file  # noqa: E402
 from flower_digits import client_app, server_app  # noqa: E402
 
 from lbbsp import EmbeddedRedis  # noqa: E402
@@ -103,9 +105,10 @@ def summarise(rows: list[dict[str, float]], target: float, samples_back: float |
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--target", type=float, default=0.88)
+    parser.add_argument("--clients", type=int, default=12, help="emulated clients, each a node of the LocalGrid")
+    parser.add_argument("--rounds", type=int, default=15, help="federated rounds of each of the nine runs")
+    parser.add_argument("--target", type=float, default=0.88,
+                        help="the test accuracy whose time to reach is reported, in [0, 1]")
     parser.add_argument("--dropout", type=float, default=0.4, help="the most-dropping clients' chance per round")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_flower.json",
                         help="the JSON file written (default: the one the docs quote)")
@@ -114,6 +117,7 @@ def main() -> None:
         parser.error("--clients and --rounds must be at least 1")
     if not (0 <= args.dropout <= 1 and 0 <= args.target <= 1):  # NaN too
         parser.error("--dropout (a chance) and --target (an accuracy) must lie in [0, 1]")
+    args.out = results_file(parser, args.out)
     logging.getLogger("flwr").setLevel(logging.ERROR)  # the emulated dropouts would log a warning each
     summaries: dict[str, Summary] = {}
     results: dict[str, dict[str, object]] = {}  # the summaries with their rounds, for the JSON file
@@ -137,7 +141,6 @@ def main() -> None:
         print(f"{name:32s} {res['mean_round_s']:12.2f} {ttt if ttt is None else round(ttt, 2)!s:>12s} "
               f"{res['rounds_to_target']!s:>7s} {res['final_accuracy']:9.3f} "
               f"{res['mean_round_s'] / base['mean_round_s']:11.3f} {ratio_t:>12s} {share_back:>12s}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"clients": args.clients, "rounds": args.rounds, "target": args.target,
                                     "dropout": args.dropout, "emulated": True, "runs": results}, indent=1,
                                    allow_nan=False))

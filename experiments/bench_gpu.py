@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from _args import results_file
 from torch import nn
 
 from lbbsp import Report
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grow-steps", type=int, default=24, help="steps of the growing worker")
     parser.add_argument("--expandable-segments", action="store_true",
                         help="run PyTorch's CUDA allocator with expandable segments (what docs/torch.md advises)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bench_gpu.json")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bench_gpu.json",
+                        help="the JSON file written (default: the one the docs quote)")
     args = parser.parse_args(argv)
     try:
         sizes = sorted({int(s) for s in args.sizes.split(",")})
@@ -175,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--sizes needs at least 4 sizes, each >= 1")
     if args.repeats < 1 or args.grow_steps < 1 or not 0.5 <= args.free_gib <= 1e4:
         parser.error("--repeats and --grow-steps must be >= 1, --free-gib in [0.5, 1e4]")
+    args.out = results_file(parser, args.out)
     if args.expandable_segments:  # read when CUDA starts, which is below
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if not torch.cuda.is_available():
@@ -213,7 +216,6 @@ def main(argv: list[str] | None = None) -> int:
     del ballast
     result = {"gpu": torch.cuda.get_device_name(gpu), "torch": torch.__version__, "python": platform.python_version(),
               "total_gib": total / GIB, "expandable_segments": expandable_segments(), "repeats": args.repeats, "curve": curve, "memory": memory}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0

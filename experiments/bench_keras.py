@@ -1,4 +1,5 @@
 """Plain BSP versus LB-BSP under MultiWorkerMirroredStrategy, with one worker slowed by real co-located load.
+(The defaults take many minutes on 2 cores: each run starts TensorFlow twice; progress prints per run.)
 
     python experiments/bench_keras.py [--epochs 60] [--hidden 1024] [--global-batch 1024] [--load-procs 2]
                                       [--repeats 3] [--out F]
@@ -26,9 +27,12 @@ import time
 import uuid
 from pathlib import Path
 
+from _args import results_file
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "keras_digits.py"
 DIGITS = 1797  # samples in scikit-learn's digits, the example's data
+MIN_BATCH = 8  # the example's least batch of a worker (its MIN_BATCH)
 
 
 def busy_loop(cpu: int) -> None:
@@ -79,21 +83,25 @@ def run_mode(policy: str, args: argparse.Namespace, out: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=60, help="2 steps each; the first ones include tracing")
-    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--epochs", type=int, default=60,
+                        help="epochs of the digits data (1,797 samples / --global-batch steps each: 2 at the default); "
+                             "the first ones include tracing")
+    parser.add_argument("--hidden", type=int, default=1024, help="width of the MLP's two hidden layers")
     parser.add_argument("--load-procs", type=int, default=2,
                         help="busy loops on worker 1's core (one alone is often outrun: worker 1 sleeps at each "
                              "all-reduce, and the scheduler favours a task that slept)")
-    parser.add_argument("--global-batch", type=int, default=1024)
+    parser.add_argument("--global-batch", type=int, default=1024,
+                        help="samples a step over both workers, in [16, 1797]")
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each mode")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_keras.json",
                         help="the JSON file written (default: the one the docs quote)")
     args = parser.parse_args()
     if min(args.epochs, args.hidden, args.repeats) < 1 or args.load_procs < 0:
         parser.error("--epochs, --hidden and --repeats must be at least 1, --load-procs at least 0")
-    if not 2 <= args.global_batch <= DIGITS:
-        parser.error(f"--global-batch must lie in [2, {DIGITS}]: a sample per worker, and a whole batch of the "
-                     "digits data")
+    if not 2 * MIN_BATCH <= args.global_batch <= DIGITS:
+        parser.error(f"--global-batch must lie in [{2 * MIN_BATCH}, {DIGITS}]: the example's {MIN_BATCH} samples "
+                     "or more per worker, and a whole batch of the digits data")
+    args.out = results_file(parser, args.out)
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("needs two CPU cores: one per worker")
     runs = []
@@ -101,8 +109,8 @@ def main() -> None:
         for r in range(args.repeats):
             figures = {}
             for policy in ("bsp", "lbbsp"):
-                print(f"[{time.strftime('%H:%M:%S')}] repeat {r + 1}/{args.repeats}, {policy}: 2 workers, busy "
-                      "loop on worker 1's core ...", flush=True)
+                print(f"[{time.strftime('%H:%M:%S')}] repeat {r + 1}/{args.repeats}, {policy}: 2 workers, "
+                      f"{args.load_procs} busy loop(s) on worker 1's core ...", flush=True)
                 figures[policy] = run_mode(policy, args, Path(tmp))
                 f = figures[policy]
                 print(f"  {policy:5s}: {f['samples_per_s']:8.1f} samples/s over {f['steps']} steps "
@@ -111,7 +119,6 @@ def main() -> None:
     ratios = [run["ratio"] for run in runs]
     print(f"lbbsp / plain BSP throughput: {statistics.median(ratios):.2f}x (median of {len(ratios)} repeats; "
           f"each {', '.join(f'{x:.2f}' for x in ratios)})")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {**vars(args), "out": str(args.out)}, "runs": runs,
                                     "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
                                     "time": time.time()}, indent=2))

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from _args import results_file
 
 from lbbsp.sim.cli import summarise
 from lbbsp.sim.engine import compare
@@ -70,12 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.seeds < 1 or args.iterations < 1 or min(args.workers) < 2:
         parser.error("--seeds and --iterations must be at least 1, --workers at least 2")
-    out = args.out / OUT.name if args.out.is_dir() else args.out
-    try:  # before the runs (minutes each), not after them
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out.parent).close()
-    except OSError as exc:
-        parser.error(f"--out {args.out}: cannot write results there ({exc})")
+    out = results_file(parser, args.out)
     results: dict[str, dict[str, Figures]] = {}
     for scenario in args.scenarios:
         for workers in args.workers:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _args import results_file
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
@@ -200,6 +201,7 @@ def main() -> int:
     if not WORLD <= args.global_batch <= DIGITS:
         parser.error(f"--global-batch must lie in [{WORLD}, {DIGITS}]: a sample per worker, and a whole batch of "
                      "the digits data")
+    args.out = results_file(parser, args.out)
     print(f"bench_torch: {WORLD} gloo workers on cores {cores_for(WORLD)}, load on worker {SLOW}'s core; "
           f"{args.steps} steps x global batch {args.global_batch}, MLP width {args.hidden} (float64); "
           f"{args.repeats} alternating runs of each mode per case", flush=True)
@@ -207,7 +209,6 @@ def main() -> int:
         cases = os.path.join(tmp, "cases.json")
         mp.spawn(_worker, args=(args, os.path.join(tmp, "rdv"), server.url, cases), nprocs=WORLD, join=True)
         results = json.loads(Path(cases).read_text())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {**vars(args), "out": str(args.out)}, "cases": results}))
     print(f"\n{'case':<6}{'DDP /s':>10}{'lbbsp /s':>10}{'lbbsp/DDP':>11}{'(range)':>13}{'oracle /s':>11}"
           f"{'lbbsp/oracle':>14}{'(range)':>13}{'oracle split':>14}{'param diff':>12}")

@@ -13,8 +13,10 @@ in the machine's speed falls on all of them alike:
              ``--lags`` (``Balancer.from_env(lag=...)``; "lbbsp lag=2" is the default).
 The ratios (samples/s over DDP's) are the medians of the runs' ratios. With one rank there is nothing to
 balance, so lbbsp/DDP is its overhead alone. One more lbbsp run per size (at the first lag) times lbbsp's parts
-of each step on the host, each wrapped in a timer: where that overhead goes. Without CUDA it runs on the CPU under gloo: a dry run, whose
-figures say nothing of a GPU. Figures go to stdout and to --out (default experiments/results/bench_torch_gpu.json).
+of each step on the host, each wrapped in a timer: where that overhead goes. Without CUDA it stops, unless
+--dry-run asks for a run on the CPU under gloo, to check the script: its figures say nothing of a GPU, and it
+writes them only to an --out given. Figures go to stdout and to --out (default
+experiments/results/bench_torch_gpu.json). The default run takes a few minutes on a GPU.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _args import results_file
 from bench_gpu import cnn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
@@ -45,6 +48,7 @@ from lbbsp.store import Store
 from lbbsp.telemetry import ResourceMonitor
 
 BASELINES = ("ddp", "ddp-synced")
+OUT = Path(__file__).resolve().parent / "results" / "bench_torch_gpu.json"
 WARMUP = 10  # steps before the clock starts: cuDNN's autotuning, the allocator's first segments, lbbsp's first lag
 #: lbbsp's work on the host in each step, by part (indented: within the part above), for the timed run. begin_step
 #: includes the wait for the vector; the report of a GPU step is made in the next begin_step (on the CPU, from the
@@ -130,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lags", default="2,4", help="lbbsp's lags, comma-separated (2 is the default)")
     parser.add_argument("--steps", type=int, default=60, help="timed steps per run (after 10 warm-up steps)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each loop per size, in turn")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bench_torch_gpu.json")
+    parser.add_argument("--out", type=Path, default=OUT, help=f"the JSON file written (default: {OUT})")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="without CUDA: run on the CPU under gloo to check the script (figures say nothing of a "
+                             "GPU; written only to an --out given)")
     args = parser.parse_args(argv)
     try:
         sizes = [int(s) for s in args.sizes.split(",")]
@@ -143,24 +150,47 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--lags must be in [1, 8]")
     loops = [*BASELINES, *(f"lbbsp lag={lag}" for lag in lags)]
     cuda = torch.cuda.is_available()
+    if not cuda and not args.dry_run:
+        print("bench_torch_gpu needs a CUDA GPU; none is visible here (--dry-run checks the script on the CPU)",
+              file=sys.stderr)
+        return 1
+    out = results_file(parser, args.out) if cuda or args.out != OUT else None  # a dry run's figures are no GPU's
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     rendezvous = tempfile.NamedTemporaryFile(prefix="bench-torch-gpu-", delete=False)
     rendezvous.close()
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous.name}", rank=0, world_size=1)
+    try:
+        rows, name = measure(sizes, lags, loops, args.steps, args.repeats, rendezvous.name, device)
+    finally:
+        Path(rendezvous.name).unlink(missing_ok=True)  # the FileStore may have removed it; Ctrl-C had left it
+    result = {"device": name, "torch": torch.__version__, "python": platform.python_version(),
+              "steps": args.steps, "repeats": args.repeats, "rows": rows}
+    if out is None:
+        print("dry run: not written (pass --out to keep its figures)")
+        return 0
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def measure(sizes: list[int], lags: list[int], loops: list[str], steps: int, repeats: int, rendezvous: str,
+            device: torch.device) -> tuple[list[dict[str, Any]], str]:
+    """Every loop at every size, ``repeats`` times in turn, and lbbsp's host parts; the rows and the device's name."""
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
     name = torch.cuda.get_device_name(device) if cuda else f"CPU (dry run, {torch.get_num_threads()} threads)"
     print(f"{name}, torch {torch.__version__}, backend {dist.get_backend()}", flush=True)
     generator = torch.Generator().manual_seed(0)
-    pool = max(sizes) * (WARMUP + args.steps) // 4 + max(sizes)  # a few epochs of the largest size
+    pool = max(sizes) * (WARMUP + steps) // 4 + max(sizes)  # a few epochs of the largest size
     data = TensorDataset(torch.randn(pool, 3, 32, 32, generator=generator),
                          torch.randint(0, 10, (pool,), generator=generator))
     rows = []
     for batch in sizes:
         speed: dict[str, list[float]] = {loop: [] for loop in loops}
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             for loop in loops:
-                speed[loop].append(run(loop, batch, args.steps, data, device))
+                speed[loop].append(run(loop, batch, steps, data, device))
         ddp = np.array(speed["ddp"])
         row: dict[str, Any] = {"batch": batch, "samples_per_s": {k: float(np.median(v)) for k, v in speed.items()},
                                "step_ms_ddp": 1e3 * batch / float(np.median(ddp))}
@@ -168,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio = np.array(speed[loop]) / ddp
             row[f"{loop}/ddp"] = float(np.median(ratio))
             row[f"{loop}/ddp_range"] = [float(ratio.min()), float(ratio.max())]
-        row["host_ms_per_step"] = parts = host_parts(lags[0], batch, args.steps, data, device)
+        row["host_ms_per_step"] = parts = host_parts(lags[0], batch, steps, data, device)
         rows.append(row)
         print(f"  b={batch:5d}  DDP {row['step_ms_ddp']:7.2f} ms/step  "
               + "  ".join(f"{loop}/DDP {row[f'{loop}/ddp']:.3f} ({row[f'{loop}/ddp_range'][0]:.3f}-"
@@ -176,13 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"           lbbsp lag={lags[0]} with timers: {parts['step']:.2f} ms/step; its host work per step (ms): "
               + ", ".join(f"{label.strip()} {parts[label.strip()]:.3f}" for label in PARTS), flush=True)
     dist.destroy_process_group()
-    Path(rendezvous.name).unlink(missing_ok=True)  # the FileStore may have removed it
-    result = {"device": name, "torch": torch.__version__, "python": platform.python_version(),
-              "steps": args.steps, "repeats": args.repeats, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
-    return 0
+    return rows, name
 
 
 if __name__ == "__main__":

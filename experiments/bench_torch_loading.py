@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _args import results_file
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
@@ -53,13 +54,24 @@ class SlowStorage(Dataset):
         return self.data[i]
 
 
-def commands(url: str) -> int:
-    """Commands the Redis server has processed so far, from every client."""
-    client = redis.Redis.from_url(url)
-    try:
-        return int(client.info("stats")["total_commands_processed"])
-    finally:
-        client.close()
+class CommandCount:
+    """Commands the Redis server processed between two readings, from every client, less the readings' own (a
+    connection's handshake and the INFO: plain DDP, which sends none, had read 4 a step over 1 step)."""
+
+    def __init__(self, url: str) -> None:
+        self.client = redis.Redis.from_url(url)
+        self.client.ping()  # the connection's own commands, before the first reading
+        self.start = self._processed()
+
+    def _processed(self) -> int:
+        return int(self.client.info("stats")["total_commands_processed"])
+
+    def since_start(self) -> int:
+        """The count since construction: the first INFO is the one command of ours counted."""
+        try:
+            return self._processed() - self.start - 1
+        finally:
+            self.client.close()
 
 
 def train(mode: str, args: argparse.Namespace, url: str) -> tuple[float, int, int]:
@@ -79,7 +91,7 @@ def train(mode: str, args: argparse.Namespace, url: str) -> tuple[float, int, in
         lb.attach(model)
         loader = lb.loader(data, seed=0, drop_last=True, num_workers=1, prefetch=mode == "lbbsp")
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    step, started, before = 0, 0.0, 0
+    step, started, count = 0, 0.0, None
     while step < args.warmup + args.steps:
         for x, y in loader:
             F.cross_entropy(model(x), y).backward()
@@ -88,11 +100,11 @@ def train(mode: str, args: argparse.Namespace, url: str) -> tuple[float, int, in
             step += 1
             if step == args.warmup:  # the loader's worker processes have started: time from here
                 started = time.perf_counter()
-                before = commands(url) if rank == 0 else 0
+                count = CommandCount(url) if rank == 0 else None
             if step == args.warmup + args.steps:
                 break
     seconds = time.perf_counter() - started  # the ranks keep in step through DDP's all-reduce
-    issued = commands(url) - before if rank == 0 else 0
+    issued = count.since_start() if count is not None else 0
     prefetched = getattr(loader, "prefetched", 0)
     if lb is not None:
         lb.close()
@@ -130,10 +142,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" /
                         "bench_torch_loading.json", help="the JSON file written (default: the one the docs quote)")
     args = parser.parse_args()
-    if min(args.steps, args.warmup, args.hidden, args.repeats) < 1 or args.read_us < 0:
-        parser.error("--steps, --warmup, --hidden and --repeats must be at least 1, --read-us at least 0")
+    if min(args.steps, args.warmup, args.hidden, args.repeats) < 1:
+        parser.error("--steps, --warmup, --hidden and --repeats must be at least 1")
+    if not 0 <= args.read_us < 1e6:  # NaN and inf too: they had failed in the workers, as a sleep of NaN
+        parser.error(f"--read-us must be at least 0 and below a million microseconds, got {args.read_us:g}")
     if not WORLD <= args.global_batch <= 1797:
         parser.error("--global-batch must lie in [2, 1797]")
+    args.out = results_file(parser, args.out)
     print(f"bench_torch_loading: {WORLD} gloo workers, {args.steps} steps x global batch {args.global_batch}, "
           f"{args.read_us:g} us a sample read, MLP width {args.hidden}; {args.repeats} runs of each mode in turn",
           flush=True)
@@ -154,7 +169,6 @@ def main() -> int:
     result = {"args": {**vars(args), "out": str(args.out)}, "samples_per_s": rate,
               "vs_ddp": {m: statistics.median(r) for m, r in ratio.items()}, "vs_ddp_runs": ratio,
               "prefetched": raw["prefetched"], "redis_commands_per_step": per_step}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"\nwritten to {args.out}")
     return 0

@@ -35,6 +35,9 @@ BAD_ARGUMENTS = [
     ("bench_torch_gpu.py", ["--sizes", "64,x"]),
     ("record_cpu_trace.py", ["--mean-dwell-s", "inf"]),
     ("record_cpu_trace.py", ["--seconds", "0"]),
+    ("bench_torch_loading.py", ["--read-us", "nan"]),  # had failed in the workers, as a sleep of NaN
+    ("bench_keras.py", ["--global-batch", "8"]),  # the example's 8 a worker: had failed in the workers
+    ("bench_coordinator.py", ["--redis", "redis://127.0.0.1:1"]),  # had ended in a 115-line traceback
     ("record_cpu_trace.py", ["--seconds", "nan"]),
 ]
 
@@ -46,6 +49,26 @@ def test_a_benchmark_refuses_a_bad_argument_before_it_runs(script: str, bad: lis
                             timeout=120, check=False)
     assert result.returncode == 2 and "error:" in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("script", ["bench_torch.py", "bench_torch_loading.py", "bench_keras.py", "bench_flower.py",
+                                    "bench_policies.py", "bench_gpu.py", "bench_torch_gpu.py"])
+def test_a_benchmark_refuses_an_out_it_cannot_write_before_it_runs(script: str, tmp_path: Path) -> None:
+    """A bad --out had been found only when the figures were written, minutes later, as a traceback."""
+    (tmp_path / "a-file").touch()
+    dry = ["--dry-run"] if script == "bench_torch_gpu.py" else []
+    result = subprocess.run([sys.executable, str(EXPERIMENTS / script), *dry, "--out", str(tmp_path / "a-file" / "x.json")],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2 and f"--out {tmp_path / 'a-file' / 'x.json'}: cannot write results there" in \
+        result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+def test_the_gpu_benchmark_stops_without_cuda_unless_asked_for_a_dry_run(tmp_path: Path) -> None:
+    """It had run a long CPU dry run by default and written its figures as the GPU results."""
+    result = subprocess.run([sys.executable, str(EXPERIMENTS / "bench_torch_gpu.py"), "--out", str(tmp_path / "x.json")],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 1 and "needs a CUDA GPU" in result.stderr and "--dry-run" in result.stderr
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_a_benchmark_names_the_flag_that_is_wrong(tmp_path: Path) -> None:
@@ -68,6 +91,9 @@ def test_the_policy_benchmark_checks_its_out_first_and_takes_a_folder(tmp_path: 
 
 
 def _experiment(name: str) -> ModuleType:
+    """The script ``name`` as a module, imported as running it would: its folder on the path (for _args)."""
+    if str(EXPERIMENTS) not in sys.path:
+        sys.path.append(str(EXPERIMENTS))
     spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -118,7 +144,8 @@ def test_the_gpu_overhead_benchmark_times_lbbsps_parts_of_a_step_within_the_step
     another takes no longer than it, and none takes longer than the step (they overlap: no sum is checked)."""
     out = tmp_path / "gpu.json"
     result = subprocess.run([sys.executable, str(EXPERIMENTS / "bench_torch_gpu.py"), "--sizes", "4", "--lags", "2",
-                             "--steps", "3", "--repeats", "1", "--out", str(out)], capture_output=True, text=True,
+                             "--steps", "3", "--repeats", "1", "--dry-run", "--out", str(out)], capture_output=True,
+                            text=True,
                             timeout=300, check=False)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     parts = json.loads(out.read_text())["rows"][0]["host_ms_per_step"]
