@@ -510,11 +510,11 @@ class _CallbackLogic:
                               f"({type(client).__name__}, {type(source).__name__})")
         if client.worker != source.worker or client.config.job != source.config.job:
             raise ConfigError("the client and the source belong to different workers or jobs", job=client.config.job)
+        if monitor is not None and not callable(getattr(monitor, "sample", None)):
+            raise ConfigError(f"monitor must be None or a ResourceMonitor, got {monitor!r:.60}", job=client.config.job)
         self.client = client
         self.source = source
         source.expect_callback()
-        if monitor is not None and not callable(getattr(monitor, "sample", None)):
-            raise ConfigError(f"monitor must be None or a ResourceMonitor, got {monitor!r:.60}", job=client.config.job)
         self.monitor = monitor if monitor is not None else ResourceMonitor()
         self.iteration = _NEXT_ITERATION.get(client, 0)  # the job's count goes on across callbacks
         self.epochs_done = source.epochs_trained  # and the source's shuffle order
