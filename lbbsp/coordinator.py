@@ -87,6 +87,25 @@ def _clipped(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "\u2026"
 
 
+class _Repeats:
+    """Whether a failure is worth a log line now: a new one at once, the same one again (a bug that fails every
+    step, 20 times a second) only every 10 s, saying how many times in a row it came."""
+
+    def __init__(self) -> None:
+        self._what, self._count, self._next = "", 0, 0.0
+
+    def note(self, exc: BaseException) -> str | None:
+        """Count ``exc``; None if it is not to be logged now, else what to add to the line ("" or a count)."""
+        now, what = time.monotonic(), f"{type(exc).__name__}: {exc}"
+        again = what == self._what
+        told = None
+        if not again or now >= self._next:
+            told = f" ({self._count} times in a row)" if again and self._count > 1 else ""
+            self._next = now + 10.0
+        self._what, self._count = what, self._count + 1 if again else 1
+        return told
+
+
 class GuardedPolicy:
     """A policy held to the job's rules, as the coordinator runs it: a split that breaks them, or a policy that
     fails, keeps the split in force (logged with the reason) instead of stopping the job. The simulator runs
@@ -101,6 +120,7 @@ class GuardedPolicy:
         self._name = _clipped(str(policy.name), MAX_POLICY_NAME_CHARS)
         #: Decisions that failed or broke the job's rules, each kept the split in force (and was logged).
         self.failures = 0
+        self._repeats = _Repeats()
 
     def decide(self, target: int, current: tuple[int, ...], reports: list[Report]) -> tuple[Decision, Assignment]:
         """Observe ``reports`` and decide the assignment of ``target``; ``current`` (the split of ``target - 1``)
@@ -114,8 +134,9 @@ class GuardedPolicy:
             raise
         except Exception as exc:  # a policy's bug must not stop the job: keep the split in force, say why
             self.failures += 1
-            log.exception("policy %s failed to decide iteration %d; keeping the current split", self.policy.name,
-                          target)
+            if (repeats := self._repeats.note(exc)) is not None:
+                log.exception("policy %s failed to decide iteration %d%s; keeping the current split",
+                              self.policy.name, target, repeats)
             decision = Decision(current, f"policy failed ({type(exc).__name__}: {exc}); kept the split")
             return decision, Assignment(self.config.job, target, current, self._name, _clipped(decision.reason,
                                                                                                MAX_REASON_CHARS))
@@ -202,7 +223,7 @@ class Coordinator:
         self._warned_about: str | None = None
         self._outage_since: float | None = None
         self._next_outage_log = 0.0
-        self._failure, self._failures, self._next_failure_log = "", 0, 0.0  # the last failed step's, see _failed
+        self._repeats = _Repeats()  # failed steps, see _failed
         #: How many iterations the next decision covers: 1 while the coordinator keeps up with the workers' steps.
         self.ahead = 1
         self._written_through = self.config.lag - 1  # the latest iteration whose split this coordinator wrote
@@ -477,15 +498,9 @@ class Coordinator:
 
     def _failed(self, exc: Exception) -> None:
         """Log a failed step with its traceback; the same failure again (a key of the wrong type that someone
-        left in the job's keys fails every step) only every 10 s, with a count, not 20 times a second."""
-        now = time.monotonic()
-        what = f"{type(exc).__name__}: {exc}"
-        if what != self._failure or now >= self._next_failure_log:
-            repeats = f" ({self._failures} times in a row)" if what == self._failure and self._failures > 1 else ""
+        left in the job's keys fails every step) only every 10 s, with a count (:class:`_Repeats`)."""
+        if (repeats := self._repeats.note(exc)) is not None:
             log.exception("coordinator step failed%s; still serving job %s", repeats, self.config.job)
-            self._next_failure_log = now + 10.0
-        self._failures = self._failures + 1 if what == self._failure else 1
-        self._failure = what
 
     def _heartbeat(self) -> None:
         """About once a second: put the job back if Redis lost it, renew this coordinator's claim on the job,

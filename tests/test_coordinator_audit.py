@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from lbbsp import Coordinator, JobConfig, LBBSPError, ProtocolError, Report, ResourceMonitor, Store
+from lbbsp.coordinator import GuardedPolicy
 from lbbsp.errors import ConfigError
 from lbbsp.models import EWMAThroughput
 from lbbsp.policies import Decision, LBBSPPolicy, Policy
@@ -269,3 +270,27 @@ def test_a_report_far_below_its_workers_previous_throughput_is_named_in_a_warnin
     warned = [r.getMessage() for r in caplog.records if "under 1/100 of the previous" in r.getMessage()]
     assert len(warned) == 1, warned  # at most once a minute: iteration 7's stall is counted, not logged
     assert re.search(r"iteration 5: worker 0: [\d.e-]+ samples/s, after 100 \(1 such report", warned[0]), warned
+
+
+class _Broken(Policy):
+    """A custom policy with a bug that fails every decision the same way."""
+
+    name = "broken"
+
+    def decide(self, iteration: int, current, config):  # type: ignore[no-untyped-def]
+        raise RuntimeError("a bug in a custom policy")
+
+
+def test_a_policy_that_fails_every_decision_is_logged_once_with_a_count_not_at_every_one(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A buggy policy had logged its full traceback at every decision (20 a second from a fast job); each decision
+    still keeps the split in force and is counted."""
+    config = JobConfig("j", 2, 10)
+    guarded = GuardedPolicy(_Broken(), config)
+    with caplog.at_level(logging.ERROR, logger="lbbsp.coordinator"):
+        for k in range(50):
+            _, assignment = guarded.decide(k + 2, (5, 5), [])
+            assert assignment.sizes == (5, 5)
+    assert guarded.failures == 50
+    assert [r.getMessage() for r in caplog.records] == [
+        "policy broken failed to decide iteration 2; keeping the current split"]
