@@ -133,7 +133,10 @@ class ContentionSchedule:
         self._thread.join()
         for proc, pid in zip(self._procs, self._pids):
             os.kill(pid, signal.SIGCONT)
-            proc.terminate()
+            # SIGKILL, not SIGTERM: a loop stopped before it set SIGTERM's default (SIGSTOPped at once above) caught
+            # the SIGTERM with the handler a fork copies, then set the default before Python ran that handler: the
+            # signal was lost and join() waited for good (2 of 8 Ctrl-Cs on a loaded machine)
+            proc.kill()
             proc.join()
 
 
