@@ -224,6 +224,7 @@ class Coordinator:
         self._outage_since: float | None = None
         self._next_outage_log = 0.0
         self._repeats = _Repeats()  # failed steps, see _failed
+        self._ready_repeats = _Repeats()  # iterations queued that no worker ran, see _out_of_line
         #: How many iterations the next decision covers: 1 while the coordinator keeps up with the workers' steps.
         self.ahead = 1
         self._written_through = self.config.lag - 1  # the latest iteration whose split this coordinator wrote
@@ -257,9 +258,27 @@ class Coordinator:
         iteration = self.store.next_ready(_real(timeout_s, "timeout_s", 0.0, 1e6, "seconds > 0", lo_open=True))
         if iteration is None:
             return None
-        if self.ahead > 1:  # behind the workers: the iterations queued meanwhile are covered by the newest
-            iteration = max([iteration, *self.store.drain_ready()])
-        return self.decide(iteration)
+        queued = [iteration, *self.store.drain_ready()] if self.ahead > 1 else [iteration]
+        # behind the workers, the iterations queued meanwhile are covered by the newest that the workers ran; the
+        # first lag run the initial split, which a worker may know without reading its key
+        later = [k for k in queued if k >= self.config.lag]
+        assigned = dict(zip(later, self.store.assigned(later))) if later else {}
+        ran = [k for k in queued if 0 <= k < self.config.lag or assigned.get(k, False)]
+        if len(ran) < len(queued):
+            self._out_of_line(sorted(set(queued) - set(ran)))
+        return self.decide(max(ran)) if ran else None
+
+    def _out_of_line(self, iterations: list[int]) -> None:
+        """Warn (at most every 10 s for the same entries) of iterations queued as complete that no worker can
+        have run: negative, or with no assignment, which each worker reads before it runs an iteration. Deciding from
+        one far ahead (a report posted out of line, a number pushed on the ready list) had deleted the
+        assignments of the 100 iterations before it, some still to be read, and the workers' fallbacks then
+        disagreed with the splits some had read."""
+        shown = ", ".join(str(k) for k in iterations[:5]) + (" ..." if len(iterations) > 5 else "")
+        if self._ready_repeats.note(LBBSPError(shown)) is not None:
+            log.warning("job %s: iterations %s are queued as complete (the %s list) but have no assignment, so no "
+                        "worker ran them (reports posted out of line?): not deciding from them", self.config.job,
+                        shown, self.store.key("ready"))
 
     def decide(self, iteration: int) -> Outcome:
         """Decide the assignment of ``iteration + lag`` from the stored reports of ``iteration``; running

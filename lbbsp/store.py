@@ -353,6 +353,14 @@ class Store:
         return self._publish(keys=[self.key("assign", assignment.iteration), self.key("assigned")],
                              args=[assignment.to_json(), self.ttl_s, assignment.iteration], client=client)
 
+    def assigned(self, iterations: list[int]) -> list[bool]:
+        """Whether each iteration has an assignment key (one round trip): every worker read it before it ran
+        the iteration, so a report of an iteration without one came from out of line."""
+        pipe = self.client.pipeline(transaction=False)
+        for k in iterations:
+            pipe.exists(self.key("assign", k))
+        return [bool(n) for n in pipe.execute()]
+
     def get_assignment(self, iteration: int) -> bytes | None:
         """The stored assignment of ``iteration``, its TTL renewed in the same transaction: the key is written
         an iteration before it is read (lag 2), so with a short TTL it could expire between two workers' reads,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import multiprocessing as mp
 import os
 import re
@@ -17,6 +18,7 @@ import pytest
 from emulated import DelayedPolicy, HeapProbePolicy, run_coordinator, run_worker, worker_clients
 from lbbsp import (
     AllocationError,
+    Assignment,
     BSPPolicy,
     ConfigError,
     Coordinator,
@@ -649,3 +651,35 @@ def test_ctrl_c_leaves_the_coordinator_process_to_its_parent(redis_url: str, job
     out, err = parent.communicate(timeout=30)
     assert "stopped" in out and _gone(child)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+@pytest.mark.timeout(60)
+def test_an_iteration_no_worker_ran_is_not_decided_from_and_deletes_no_split_still_to_be_read(
+        redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Reports of iteration 1000 posted out of line (the job at 3), or a number pushed on the ready list, had been
+    decided from: the coordinator then deleted the assignments of iterations up to 900, some not yet read, and
+    the workers that had not read them fell back to splits other than those the others had read."""
+    config = JobConfig(job, 2, 30, lag=1)
+    store = Store.from_url(redis_url, job)
+    coordinator = Coordinator(store, config)
+    with worker_clients(redis_url, config) as clients:
+        for k in range(3):
+            sizes = clients[0].assignment(k).sizes
+            for i, client in enumerate(clients):
+                client.report(k, sizes[i], 0.01 * (i + 1))
+                client.flush()
+            assert coordinator.step(timeout_s=5) is not None
+        decided = store.get_assignment(3)  # decided from iteration 2, not yet read by any worker
+        assert decided is not None
+        for worker in (0, 1):
+            store.post_report(Report(job, worker, 1000, 10, 0.1), 2)
+        store.client.rpush(store.key("ready"), -5, 10**30)
+        with caplog.at_level(logging.WARNING, logger="lbbsp.coordinator"):
+            assert [coordinator.step(timeout_s=1) for _ in range(3)] == [None, None, None]
+        assert store.get_assignment(3) == decided  # kept: the workers read the split decided for them
+        assert all(clients[i].assignment(3).sizes == Assignment.from_json(decided).sizes for i in (0, 1))
+        assert coordinator.failed_decisions == 0
+    store.close()
+    warned = [r.getMessage() for r in caplog.records if "no worker ran them" in r.getMessage()]
+    assert len(warned) == 3 and "iterations 1000 are queued as complete" in warned[0], warned
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # -5 had failed the step with a traceback
