@@ -588,7 +588,17 @@ class _CallbackLogic:
         self._started = time.perf_counter()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        """Report this execution's compute time, then fetch and publish the vector of the next one."""
+        """Report this execution's compute time, then fetch and publish the vector of the next one. If that fails
+        (Redis unusable past ``outage_s``), the source stops serving this fit before the error leaves ``fit``."""
+        try:
+            self._end_step(batch)
+        except BaseException:
+            # a prefetch waiting for the next vector returns now, while the interpreter is whole: under MWMS it had
+            # waited past fit's StoreUnavailable, and destroying the iterator at exit hung the process
+            self.source.abandon(self.iteration)
+            raise
+
+    def _end_step(self, batch: int) -> None:
         self._in_step = False
         wall_s = time.perf_counter() - self._started
         probed = self.probe.compute_s(self._started) if self.probe is not None else None

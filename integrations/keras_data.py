@@ -114,7 +114,9 @@ class BalancedSource:
         self.sampler = GlobalBatchSampler(len(x), config.global_batch, seed=seed, shuffle=shuffle,
                                           drop_last=drop_last)
         self.steps_per_execution = steps_per_execution
-        self.wait_timeout_s = wait_timeout_s if wait_timeout_s is not None else 3 * config.assignment_timeout_s + 30
+        # by default longer than WorkerSession's default outage_s (60 s, or the timeout if longer), so that a Redis
+        # outage ends fit with the client's StoreUnavailable, not with this wait's error
+        self.wait_timeout_s = wait_timeout_s if wait_timeout_s is not None else 3 * config.assignment_timeout_s + 90
         # float64 inputs get float64 weights (exact to 1e-10 under MWMS), and nothing narrower than float32: a
         # float16 x had rounded W * b_i / B (0.66 served as 0.66015625), and updates were 2e-4 off plain SGD
         self.weight_dtype = np.promote_types(x.dtype, np.float32) if np.issubdtype(x.dtype, np.floating) else (
@@ -139,6 +141,7 @@ class BalancedSource:
         self._reader: int | None = None  # the pipeline that model.fit reads while a callback is attached
         self._reading = 0  # passes of that pipeline being read at once (tf_dataset): one, unless misused
         self._fit = 0  # counts attach calls, so that passes left over from an earlier fit are not counted
+        self._abandoned: int | None = None  # the fit whose callback failed: its passes end (abandon)
         self._prefix: dict[int, int] = {}  # per epoch: how many leading PyDataset indices were asked for
         self._trained: set[int] = set()  # pipelines read while a callback was attached
         self._unattached: dict[int, int] = {}  # per other pipeline: batches served
@@ -195,6 +198,14 @@ class BalancedSource:
             self._forget_from(next_iteration)
             self._changed.notify_all()
 
+    def abandon(self, next_iteration: int) -> None:
+        """End the current fit's pipeline, after the callback failed (Redis unusable past ``outage_s``): as
+        :meth:`detach`, and the tf_dataset passes of this fit end instead of serving more batches, so that no
+        prefetch calls into Python while the interpreter exits (under MWMS that had hung the process)."""
+        with self._changed:
+            self._abandoned = self._fit
+        self.detach(next_iteration)
+
     def _forget_from(self, iteration: int) -> None:
         """Drop what was recorded for ``iteration`` and later: Keras prefetched those batches but never trained them."""
         kept = [batch for batch in self.served if batch.iteration < iteration]
@@ -248,8 +259,9 @@ class BalancedSource:
                                           self.wait_timeout_s):
                 raise LBBSPError(f"no agreed vector after {self.wait_timeout_s:g}s: is LBBSPCallback in "
                                  "model.fit's callbacks, and fit(shuffle=False) for a PyDataset (batch k must be "
-                                 "step k; the source shuffles by itself)?", job=self.config.job, worker=self.worker,
-                                 iteration=iteration)
+                                 "step k; the source shuffles by itself)? Or the callback is still waiting for "
+                                 "Redis (its warnings say so): then WorkerSession(outage_s=...) ends the wait",
+                                 job=self.config.job, worker=self.worker, iteration=iteration)
             return self._vectors.get(iteration) if self._attached else None
 
     def _batch(self, epoch: int, step: int, pipeline: int) -> tuple[np.ndarray, ...]:
@@ -354,6 +366,8 @@ class BalancedSource:
             self._generator_epochs += 1
         try:
             for step in range(len(self)):
+                if self._abandoned == fit:
+                    return
                 yield self._batch(epoch, step, pipeline)
         finally:
             with self._changed:
