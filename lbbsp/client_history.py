@@ -23,7 +23,7 @@ from typing import Literal, TypeVar
 
 import redis
 
-from .config import _integer, _job_name
+from .config import _integer, _job_name, _real
 from .errors import ConfigError, ProtocolError, StoreUnavailable
 from .protocol import MAX_ITERATION, MAX_PAYLOAD_BYTES, MAX_REASON_CHARS, MAX_WORKERS, Report
 from .store import REDIS_FAILURES, connect, not_a_url
@@ -133,8 +133,14 @@ class ClientHistory:
         self._lowest_new = 0  # above every index handed out here, so that none is given twice after a data loss
 
     @classmethod
-    def from_url(cls, url: str, job: str, *, ttl_s: int = 7 * 86_400, max_reports: int = 50) -> ClientHistory:
-        return cls(connect(url), job, ttl_s=ttl_s, max_reports=max_reports, owns_client=True)
+    def from_url(cls, url: str, job: str, *, ttl_s: int = 7 * 86_400, max_reports: int = 50,
+                 socket_timeout_s: float = 2.0) -> ClientHistory:
+        """A history on its own connection to ``url``. A call to a Redis that stalls gives up after about three
+        ``socket_timeout_s`` (a call and its two retries), so a stall holds a round a few of those: with the
+        store's 5 s default, three calls of a round had held it 45 s before the warning."""
+        timeout = _real(socket_timeout_s, "socket_timeout_s", 0.0, 60.0, "seconds in (0, 60]", lo_open=True)
+        return cls(connect(url, socket_timeout_s=timeout), job, ttl_s=ttl_s, max_reports=max_reports,
+                   owns_client=True)
 
     def close(self) -> None:
         """Close the connection this object opened; safe to call twice."""

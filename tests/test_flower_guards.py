@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +20,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
-from lbbsp import ConfigError, ProtocolError, Report
+from lbbsp import ConfigError, EmbeddedRedis, ProtocolError, Report, StoreUnavailable
 from lbbsp.integrations.flower import ClientHistory, EmulatedLink, LoadBalanced, LocalRound
 from lbbsp.integrations.flower_client import MAX_LOCAL_STEPS
 from lbbsp.integrations.flower_local import LocalGrid
@@ -157,3 +161,22 @@ def test_an_equal_split_plan_logs_its_own_predicted_round(redis_url: str, job: s
         strategy.plan(2, [1, 2])
     logged = [r.getMessage() for r in caplog.records if "lbbsp round 2: equal split (balancing gains" in r.getMessage()]
     assert len(logged) == 1 and "predicted round 1.01s" in logged[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_redis_holds_a_history_call_seconds_not_a_quarter_minute(tmp_path: Path) -> None:
+    """With the store's 5 s socket timeout and two retries, one call to a stopped Redis took 15 s, and a round's
+    three calls held it 45 s (past its own 30 s timeout) before the warning."""
+    with pytest.raises(ConfigError, match=r"socket_timeout_s must be seconds in \(0, 60\]"):
+        ClientHistory.from_url("redis://unused", "j", socket_timeout_s=0)
+    with EmbeddedRedis(tmp_path / "r") as server, ClientHistory.from_url(server.url, "stall") as history:
+        history.worker_indices([1, 2])
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                history.worker_indices([3])
+            assert time.monotonic() - started < 9  # 3 x 2 s and the backoff
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
