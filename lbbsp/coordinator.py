@@ -94,9 +94,10 @@ class _Repeats:
     def __init__(self) -> None:
         self._what, self._count, self._next = "", 0, 0.0
 
-    def note(self, exc: BaseException) -> str | None:
-        """Count ``exc``; None if it is not to be logged now, else what to add to the line ("" or a count)."""
-        now, what = time.monotonic(), f"{type(exc).__name__}: {exc}"
+    def note(self, failure: object) -> str | None:
+        """Count ``failure`` (an exception, or what names one); None if it is not to be logged now, else what to
+        add to the line ("" or a count)."""
+        now, what = time.monotonic(), f"{type(failure).__name__}: {failure}"
         again = what == self._what
         told = None
         if not again or now >= self._next:
@@ -275,7 +276,7 @@ class Coordinator:
         assignments of the 100 iterations before it, some still to be read, and the workers' fallbacks then
         disagreed with the splits some had read."""
         shown = ", ".join(str(k) for k in iterations[:5]) + (" ..." if len(iterations) > 5 else "")
-        if self._ready_repeats.note(LBBSPError(shown)) is not None:
+        if self._ready_repeats.note(shown) is not None:
             log.warning("job %s: iterations %s are queued as complete (the %s list) but have no assignment, so no "
                         "worker ran them (reports posted out of line?): not deciding from them", self.config.job,
                         shown, self.store.key("ready"))
