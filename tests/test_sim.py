@@ -174,6 +174,15 @@ def test_cli_json_is_strict_json_with_no_level_switches(tmp_path: Path) -> None:
     assert result["notes"]["mean_dwell_iterations"] == "inf"
 
 
+def test_cli_names_only_options_that_change_the_scenario(tmp_path: Path) -> None:
+    # the shipped traces and the default dwell, given explicitly, are the default scenario: its file names
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    cli.run(parser.parse_args(["--scenario", "cpu-contention", "--workers", "4", "--iterations", "5", "--mean-dwell",
+                               "200", "--traces", str(DEFAULT_TRACE_DIR), "--out", str(tmp_path)]))
+    assert [p.name for p in tmp_path.glob("*.json")] == ["simulate_cpu-contention_4w_5it_seed0.json"]
+
+
 def test_cli_names_a_non_default_lag_in_its_files(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
@@ -195,8 +204,16 @@ def test_cli_replays_the_traces_it_is_given(tmp_path: Path) -> None:
     args = parser.parse_args(["--scenario", "cpu-contention", "--workers", "4", "--iterations", "8",
                               "--traces", str(mine), "--out", str(tmp_path)])
     assert cli.run(args) == 0
-    result = json.loads((tmp_path / "simulate_cpu-contention_4w_8it_seed0_my_traces.json").read_text())
+    [written] = tmp_path.glob("simulate_cpu-contention_4w_8it_seed0_my_traces-*.json")
+    result = json.loads(written.read_text())
     assert result["notes"]["traces"] == ["mine"]
+    # another folder of the same name, with other traces, writes files of its own (it had overwritten these)
+    other = tmp_path / "elsewhere" / "my_traces"
+    other.mkdir(parents=True)
+    (other / "mine.json").write_bytes((DEFAULT_TRACE_DIR / "cpu_torch_cnn.json").read_bytes())
+    assert cli.run(parser.parse_args(["--scenario", "cpu-contention", "--workers", "4", "--iterations", "8",
+                                      "--traces", str(other), "--out", str(tmp_path)])) == 0
+    assert len(list(tmp_path.glob("simulate_cpu-contention_4w_8it_seed0_my_traces-*.json"))) == 2
     with pytest.raises(ConfigError, match="cpu-contention only"):
         cli.run(parser.parse_args(["--scenario", "gpu-mix", "--traces", str(mine), "--out", str(tmp_path)]))
     (tmp_path / "empty").mkdir()

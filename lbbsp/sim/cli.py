@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
+import inspect
 import json
 import tempfile
 import time
@@ -17,8 +19,8 @@ from ..embedded import EmbeddedRedis
 from ..errors import ConfigError, StoreUnavailable
 from ..store import Store, redacted
 from .engine import PolicyRun, compare
-from .scenarios import SCENARIOS, Scenario
-from .traces import load_traces
+from .scenarios import SCENARIOS, CPUContention, Scenario
+from .traces import DEFAULT_TRACE_DIR, load_traces
 
 DEFAULT_OUT = Path("experiments") / "results"
 #: Largest workers x iterations a run may ask for: 10,000 workers for 5,000 iterations.
@@ -142,12 +144,27 @@ def _scenario_options(args: argparse.Namespace) -> tuple[dict[str, object], str]
         options["noise"] = False
     if (options or args.traces is not None) and args.scenario != "cpu-contention":
         raise ConfigError("--mean-dwell, --traces and --no-noise apply to --scenario cpu-contention only")
+    suffix = ""
     if args.traces is not None:
         options["traces"] = load_traces(args.traces)
-    suffix = f"_{args.traces.resolve().name}" if args.traces is not None else ""
-    suffix += f"_dwell{args.mean_dwell:g}" if args.mean_dwell is not None else ""
+        if args.traces.resolve() != DEFAULT_TRACE_DIR:
+            suffix += f"_{args.traces.resolve().name}-{_digest(args.traces)}"
+    if args.mean_dwell is not None and args.mean_dwell != _DEFAULT_DWELL:
+        suffix += f"_dwell{args.mean_dwell:g}"
     suffix += "_nonoise" if args.no_noise else ""
     return options, suffix
+
+
+_DEFAULT_DWELL = inspect.signature(CPUContention).parameters["mean_dwell"].default
+
+
+def _digest(directory: Path) -> str:
+    """Six hex digits of the SHA-256 of the traces in ``directory`` (names and bytes): two folders of one name
+    get files of their own, and the same traces keep theirs."""
+    sha = hashlib.sha256()
+    for path in sorted(directory.glob("*.json")):
+        sha.update(path.name.encode() + b"\0" + path.read_bytes())
+    return sha.hexdigest()[:6]
 
 
 def summarise(runs: dict[str, PolicyRun]) -> dict[str, dict[str, float]]:
