@@ -231,3 +231,16 @@ def test_fit_hinge_ignores_what_an_absent_point_holds() -> None:
     fits = [fit_hinge(sizes, np.array([[0.1, absent, 0.3]]), weight) for absent in (0.2, np.nan, np.inf)]
     for fit in fits[1:]:
         np.testing.assert_array_equal(np.concatenate(fit), np.concatenate(fits[0]))
+
+
+@pytest.mark.parametrize("model", [LastValue, EWMAThroughput, NARXThroughput, BatchTimeCurve, FLClientModel,
+                                   AutoCapacityModel])
+def test_reports_of_several_iterations_are_learned_in_iteration_order(model: type) -> None:
+    # a worker's last report is its latest: given out of order, iteration 4 had overwritten iteration 5
+    history = _cpu_history(12)
+    flat = [report for reports in history for report in reports]
+    rng = np.random.default_rng(0)
+    in_order, shuffled = model().partial_fit(flat), model().partial_fit([flat[i] for i in rng.permutation(len(flat))])
+    np.testing.assert_allclose(shuffled.predict([0, 1, 2]), in_order.predict([0, 1, 2]))
+    latest = LastValue().partial_fit(list(reversed(flat)))
+    np.testing.assert_allclose(latest.predict([0, 1, 2]), [r.samples / r.compute_s for r in history[-1]])

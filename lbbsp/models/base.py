@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import repeat
-from operator import itemgetter
+from operator import attrgetter, gt, itemgetter
 from typing import Any
 
 import numpy as np
@@ -52,9 +52,10 @@ def worker_ids(workers: WorkerIds) -> np.ndarray:
 
 
 def as_reports(reports: Sequence[Report] | Iterable[Report] | Report, caller: str = "partial_fit") -> Sequence[Report]:
-    """One iteration's reports as a sequence: one report alone is a list of one, any other iterable a list.
-    A TypeError, in ``caller``'s name, names the first item that is not a :class:`Report` (a decoded dict, a
-    report's JSON)."""
+    """One iteration's reports as a sequence: one report alone is a list of one, any other iterable a list;
+    reports of several iterations in iteration order (a stable sort where they were not: a model takes a
+    worker's last report as its latest). A TypeError, in ``caller``'s name, names the first item that is not a
+    :class:`Report` (a decoded dict, a report's JSON)."""
     if isinstance(reports, Report):
         return [reports]
     if not isinstance(reports, (list, tuple)):
@@ -65,6 +66,9 @@ def as_reports(reports: Sequence[Report] | Iterable[Report] | Report, caller: st
         bad = next(item for item in reports if not isinstance(item, Report))
         raise TypeError(f"{caller} takes a list of lbbsp.Report, got a {type(bad).__name__} in it "
                         "(Report.from_json reads one from its JSON)")
+    iterations = [report.iteration for report in reports]
+    if any(map(gt, iterations, iterations[1:])):
+        reports = sorted(reports, key=attrgetter("iteration"))
     return reports
 
 
