@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 MIN_BATCH = 8  # no worker's batch below this: the global batch must hold it for every worker
 
@@ -39,7 +40,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--policy", choices=["lbbsp", "bsp"], default="lbbsp")
     parser.add_argument("--redis", default=None, help="Redis URL (default: embedded on worker 0)")
     parser.add_argument("--cpu", type=int, default=None, help="pin this worker to one CPU core")
-    parser.add_argument("--result", default=None, help="write this worker's figures as JSON here")
+    parser.add_argument("--result", default=None,
+                        help="write this worker's figures as JSON here (with --workers N, worker i writes to F with "
+                             ".i before its suffix: results.json gives results.0.json, results.1.json, ...)")
     args = parser.parse_args()
     if args.workers < 1 or args.epochs < 1:
         parser.error(f"--workers and --epochs must be at least 1, got {args.workers} and {args.epochs}")
@@ -63,8 +66,14 @@ def launch(args: argparse.Namespace) -> int:
     if "--workers" in sys.argv:
         at = sys.argv.index("--workers")
         passthrough = sys.argv[1:at] + sys.argv[at + 2:]
-    procs = [subprocess.Popen([sys.executable, __file__, *passthrough, "--index", str(i), "--ports", ",".join(ports),
-                               "--job", job], env=env) for i in range(args.workers)]
+    def own_result(i: int) -> list[str]:  # the last --result given is the one argparse keeps
+        if not args.result:
+            return []
+        path = Path(args.result)
+        return ["--result", str(path.with_name(f"{path.stem}.{i}{path.suffix}"))]
+
+    procs = [subprocess.Popen([sys.executable, __file__, *passthrough, *own_result(i), "--index", str(i), "--ports",
+                               ",".join(ports), "--job", job], env=env) for i in range(args.workers)]
     return max(p.wait() for p in procs)
 
 
@@ -72,6 +81,8 @@ def train(args: argparse.Namespace) -> None:
     """One worker: load digits, build the model, fit with the lbbsp callback and data source."""
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
+    if args.result:  # its folder before training, not a FileNotFoundError after it
+        Path(args.result).parent.mkdir(parents=True, exist_ok=True)
     if args.ports:  # started by launch(); otherwise TF_CONFIG, where set, is the user's
         os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in args.ports.split(",")]},
                                               "task": {"type": "worker", "index": args.index}})

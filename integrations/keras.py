@@ -44,9 +44,14 @@ __all__ = ["BalancedSource",
            "ServedBatch", "WorkerSession", "callback_class", "keras_module", "task_index", "training_tasks"]
 
 
+#: The values of TF_USE_LEGACY_KERAS that make TensorFlow's ``tf.keras`` tf_keras (tensorflow/__init__.py).
+LEGACY_KERAS_VALUES = ("1", "true", "True")
+
+
 def keras_module() -> ModuleType:
-    """The Keras that ``tf.keras`` means here: tf_keras when ``TF_USE_LEGACY_KERAS`` is set, else Keras 3."""
-    if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes"):
+    """The Keras that ``tf.keras`` means here: tf_keras when ``TF_USE_LEGACY_KERAS`` holds a value TensorFlow
+    takes for yes (1, true, True: ``yes`` or ``TRUE`` leave TensorFlow on Keras 3), else Keras 3."""
+    if os.environ.get("TF_USE_LEGACY_KERAS") in LEGACY_KERAS_VALUES:
         import tf_keras  # noqa: PLC0415
 
         return tf_keras

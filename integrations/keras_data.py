@@ -250,7 +250,7 @@ class BalancedSource:
     def _agreed(self, iteration: int) -> tuple[int, ...] | None:
         """The vector of ``iteration`` once the callback publishes it; None when no callback is attached."""
         if os.getpid() != self._owner_pid:
-            raise LBBSPError("BalancedSource cannot run in a separate process (use_multiprocessing=True): the "
+            raise ConfigError("BalancedSource cannot run in a separate process (use_multiprocessing=True): the "
                              "size of each batch is agreed after the previous step, in the training process; "
                              "use worker threads instead", job=self.config.job, worker=self.worker,
                              iteration=iteration)

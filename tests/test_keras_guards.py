@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import subprocess
 import sys
 from collections import deque
@@ -146,6 +147,17 @@ def test_the_example_refuses_what_it_cannot_run(argv: list[str], words: str) -> 
     assert result.returncode == 2 and words in result.stderr, result.stderr
 
 
+def test_the_examples_workers_write_their_results_to_files_of_their_own(tmp_path: Path) -> None:
+    # both had written to the one --result, which kept the last worker's figures; its folder is made up front
+    wanted = tmp_path / "new folder" / "result.json"
+    subprocess.run([sys.executable, str(EXAMPLE), "--workers", "2", "--epochs", "1", "--result", str(wanted)],
+                   check=True, timeout=300, capture_output=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    results = [json.loads((wanted.parent / f"result.{i}.json").read_text()) for i in range(2)]
+    assert [r["worker"] for r in results] == [0, 1]
+    assert results[0]["sizes"] == results[1]["sizes"]  # one agreed vector per step
+    assert sum(r["samples"] for r in results) == 1797  # digits, one epoch: each sample once
+
+
 def test_a_fit_whose_callback_failed_ends_its_pipeline_instead_of_serving_more(job: str) -> None:
     """When the callback stops fit (Redis unusable past outage_s), the source abandons that fit's tf_dataset: its
     passes end at once, so no prefetch calls back into Python while the process exits. Under MWMS, a prefetch
@@ -164,3 +176,16 @@ def test_a_fit_whose_callback_failed_ends_its_pipeline_instead_of_serving_more(j
     with pytest.raises(tf.errors.OpError, match="expected to contain 4 elements but contained only 1"):
         next(batches)
     assert source.served == deque() or all(b.iteration < 1 for b in source.served)
+
+
+@pytest.mark.parametrize("value", ["yes", "True"])
+def test_the_keras_lbbsp_takes_is_the_one_tf_keras_means(value: str) -> None:
+    # 'yes' (and 'TRUE') had made lbbsp take tf_keras while TensorFlow, which takes only 1/true/True, kept Keras 3
+    probe = ("import tensorflow as tf; from lbbsp.integrations.keras import keras_module; "
+             "print(tf.keras.Model.__module__.split('.')[0], keras_module().__name__)")
+    env = {**os.environ, "TF_USE_LEGACY_KERAS": value, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120,
+                         check=True)
+    tf_means, lbbsp_takes = out.stdout.split()
+    assert lbbsp_takes == tf_means, out.stdout
+    assert tf_means == ("tf_keras" if value == "True" else "keras")
