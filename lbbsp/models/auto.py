@@ -19,7 +19,7 @@ from ..allocation import InvertibleTimeModel, LinearTime, TimeModel
 from ..config import _integer
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel, WorkerIds, as_reports, worker_ids
+from .base import CapacityModel, CheckedReports, WorkerIds, as_reports, worker_ids
 from .fl_client import TRANSFER_FEATURES, FLClientModel
 from .gpu_curve import BatchTimeCurve
 from .narx import NARXThroughput
@@ -106,7 +106,7 @@ class AutoCapacityModel(CapacityModel):
             self.kind_: dict[int, str] = {}
             self.fed_: set[str] = set()  # kinds whose model has had reports: the others cannot answer yet
             self._groups_cache = None  # from before a refit, perhaps
-        by_kind: dict[str, list[Report]] = {kind: [] for kind in KINDS}
+        by_kind: dict[str, list[Report]] = {kind: CheckedReports() for kind in KINDS}  # in order: not checked again
         for report in reports:
             kind = self.kind_.get(report.worker)
             if kind is None:  # a worker's kind is set by its first report that shows it

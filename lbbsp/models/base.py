@@ -51,11 +51,18 @@ def worker_ids(workers: WorkerIds) -> np.ndarray:
     return ids
 
 
+class CheckedReports(list[Report]):
+    """Reports :func:`as_reports` has checked and put in iteration order, or a sub-list of them kept in order: they
+    pass through it again unchecked (a policy checks them, then its model, then each model of a mixed job)."""
+
+
 def as_reports(reports: Sequence[Report] | Iterable[Report] | Report, caller: str = "partial_fit") -> Sequence[Report]:
     """One iteration's reports as a sequence: one report alone is a list of one, any other iterable a list;
     reports of several iterations in iteration order (a stable sort where they were not: a model takes a
     worker's last report as its latest). A TypeError, in ``caller``'s name, names the first item that is not a
     :class:`Report` (a decoded dict, a report's JSON)."""
+    if type(reports) is CheckedReports:
+        return reports
     if isinstance(reports, Report):
         return [reports]
     if not isinstance(reports, (list, tuple)):
@@ -68,8 +75,8 @@ def as_reports(reports: Sequence[Report] | Iterable[Report] | Report, caller: st
                         "(Report.from_json reads one from its JSON)")
     iterations = [report.iteration for report in reports]
     if any(map(gt, iterations, iterations[1:])):
-        reports = sorted(reports, key=attrgetter("iteration"))
-    return reports
+        return CheckedReports(sorted(reports, key=attrgetter("iteration")))
+    return CheckedReports(reports)
 
 
 class NotFittedError(LBBSPError, exceptions.NotFittedError):
