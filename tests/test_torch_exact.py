@@ -58,9 +58,12 @@ def mlp() -> torch.nn.Module:
 ACCUMULATE = 2
 #: mode -> (weighting, DataLoader workers); "accumulate" steps the optimizer every 2 global batches (no_sync),
 #: "amp" runs the hook form under a GradScaler; "compiled" runs torch.compile(lb.attach(DDP(m))) with the default
-#: backend (inductor), "compiled-module" lb.attach(DDP(torch.compile(m))) with aot_eager (no C++ build).
+#: backend (inductor), "compiled-module" lb.attach(DDP(torch.compile(m))) with aot_eager (no C++ build); "chunks" cuts
+#: each slice into micro-batches of CHUNK weighted by scale_loss(..., samples=), "sum" is docs/torch.md's recipe for a
+#: global sum (reduction="sum" / len(y) * lb.step.total, against single-process SGD on the sum at lr / B).
 MODES = {"hook": ("hook", 0), "loss": ("loss", 2), "accumulate": ("loss", 0), "amp": ("hook", 0),
-         "compiled": ("hook", 0), "compiled-module": ("loss", 0)}
+         "compiled": ("hook", 0), "compiled-module": ("loss", 0), "chunks": ("loss", 0), "sum": ("hook", 0)}
+CHUNK, LR = 7, 0.5
 
 
 def _train(mode: str, rank: int, url: str, job: str, device: str = "cpu") -> dict:
@@ -71,7 +74,7 @@ def _train(mode: str, rank: int, url: str, job: str, device: str = "cpu") -> dic
     lb.attach(model, weighting)
     forward = torch.compile(model) if mode == "compiled" else model  # a new batch size: one recompile, to dynamic
     loader = lb.loader(digits(), seed=SEED, num_workers=workers)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=LR / GLOBAL_BATCH if mode == "sum" else LR)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if mode == "amp" else None
     seen: list[list[int]] = []
     splits = []
@@ -80,9 +83,21 @@ def _train(mode: str, rank: int, url: str, job: str, device: str = "cpu") -> dic
         seen.append([])
         for step, (features, labels, index) in enumerate(loader):
             x, y = features.to(device), labels.to(device)
+            if mode == "chunks":  # uneven micro-batches of one slice (it changes size every step), one sync
+                chunks = list(zip(x.split(CHUNK), y.split(CHUNK)))
+                for j, (xc, yc) in enumerate(chunks):
+                    with model.no_sync() if j < len(chunks) - 1 else contextlib.nullcontext():
+                        lb.scale_loss(F.cross_entropy(forward(xc), yc), samples=len(yc)).backward()
+                opt.step()
+                opt.zero_grad()
+                seen[-1].extend(index.tolist())
+                splits.append(list(lb.step.split))
+                continue
             last = mode != "accumulate" or step % ACCUMULATE == ACCUMULATE - 1 or step == len(loader) - 1
             with model.no_sync() if not last else contextlib.nullcontext():
                 loss = F.cross_entropy(forward(x), y)
+                if mode == "sum":
+                    loss = F.cross_entropy(forward(x), y, reduction="sum") / len(y) * lb.step.total
                 if weighting == "loss":
                     loss = lb.scale_loss(loss) / (ACCUMULATE if mode == "accumulate" else 1)
                 (scaler.scale(loss) if scaler else loss).backward()
@@ -140,17 +155,17 @@ def trained(tmp_path_factory: pytest.TempPathFactory, redis_server: EmbeddedRedi
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(3)]
 
 
-def single_process_params(accumulate: int = 1) -> list[torch.Tensor]:
-    """The same global batches, in one process: the mean loss over each whole global batch."""
+def single_process_params(accumulate: int = 1, reduction: str = "mean") -> list[torch.Tensor]:
+    """The same global batches, in one process: the mean loss over each whole global batch (or the sum, at lr / B)."""
     data = digits()
     model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=LR / GLOBAL_BATCH if reduction == "sum" else LR)
     sampler = GlobalBatchSampler(len(data), GLOBAL_BATCH, seed=SEED)
     for epoch in range(EPOCHS):
         sampler.set_epoch(epoch)
         for step in range(len(sampler)):
             x, y, _ = data[torch.as_tensor(sampler.global_indices(step))]
-            (F.cross_entropy(model(x), y) / accumulate).backward()
+            (F.cross_entropy(model(x), y, reduction=reduction) / accumulate).backward()
             if step % accumulate == accumulate - 1 or step == len(sampler) - 1:
                 opt.step()
                 opt.zero_grad()
@@ -166,7 +181,7 @@ def test_uneven_changing_splits_match_single_process(trained: list[dict], mode: 
     assert all(r["splits"] == splits for r in results), "ranks used different vectors"
     assert len({tuple(s) for s in splits}) > len(splits) // 2, "the splits did not change"
     assert any(0 in s for s in splits) and any(len(set(s)) == 3 for s in splits)
-    expected = single_process_params(ACCUMULATE if mode == "accumulate" else 1)
+    expected = single_process_params(ACCUMULATE if mode == "accumulate" else 1, "sum" if mode == "sum" else "mean")
     for result in results:
         for got, want in zip(result["params"], expected):
             np.testing.assert_allclose(np.array(got), want.numpy(), rtol=1e-6, atol=1e-9)
