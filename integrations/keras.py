@@ -358,7 +358,9 @@ class StepProbe:
 
 
 def install_probe(optimizer: Any) -> StepProbe | None:
-    """Wrap a tf_keras optimizer's ``aggregate_gradients`` with time marks (once); None if it has none."""
+    """Wrap a tf_keras optimizer's ``aggregate_gradients`` with time marks (once); None if it has none. A
+    LossScaleOptimizer (``mixed_float16``) aggregates in the optimizer it wraps: the probe goes there."""
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     probe = getattr(optimizer, "_lbbsp_probe", None)
     if probe is not None:
         return probe
@@ -386,6 +388,20 @@ def install_probe(optimizer: Any) -> StepProbe | None:
     optimizer.aggregate_gradients = aggregate_gradients
     optimizer._lbbsp_probe = probe
     return probe
+
+
+def _refuse_summed_losses(loss: Any, job: str) -> None:
+    """A ConfigError for a compiled loss that sums its samples: each worker's samples are weighted W * b_i / B,
+    which makes the workers' means the global batch's mean, but a sum times those weights is neither the global
+    sum nor its mean (8.3 off single-process SGD in an audit, silently)."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    summed = [item for item in tf.nest.flatten(loss) if str(getattr(item, "reduction", "")).lower() == "sum"]
+    if summed:
+        raise ConfigError(f"{type(summed[0]).__name__}(reduction='sum') is not exact with several workers: lbbsp "
+                          "weights each worker's samples by its share of the global batch, which turns the workers' "
+                          "means into the global batch's mean. Compile with the default reduction (the mean over the "
+                          "batch); a sum over the global batch is the mean times its size", job=job)
 
 
 _KERAS_NAMES = {"tf_keras": "tf_keras", "keras": "Keras 3"}
@@ -559,6 +575,7 @@ class _CallbackLogic:
             if self.probe is not None:
                 self.probe.enabled = not jit  # with one worker, the wall time has no barrier in it
             if replicas > 1:
+                _refuse_summed_losses(self.model.loss, job)
                 ExactLogs.install(self.model)
         self.source.publish(self.client.assignment(self.iteration))
 

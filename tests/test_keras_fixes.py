@@ -243,3 +243,19 @@ def test_swapped_or_mistyped_arguments_are_named(redis_url: str, job: str) -> No
         source = BalancedSource(x, x, config, 1)
         with pytest.raises(ConfigError, match=r"\(client, source\).*got \(BalancedSource, WorkerClient\)"):
             callback_class(tf_keras)(source, session.client)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_compute_probe_times_a_mixed_float16_step(redis_url: str, job: str) -> None:
+    """Under mixed_float16 compile wraps the optimizer in a LossScaleOptimizer, whose own aggregate_gradients the
+    step never calls: the probe had marked nothing, and the reports fell back to wall time, barrier wait included."""
+    tf_keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with _one_worker(redis_url, job) as (source, callback):
+            model = _model()
+            assert type(model.optimizer).__name__.startswith("LossScaleOptimizer")
+            model.fit(source.tf_dataset(), epochs=1, steps_per_epoch=len(source), callbacks=[callback], verbose=0)
+            assert callback.probe is not None and callback.probe.computed and callback.probe.reduced
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")

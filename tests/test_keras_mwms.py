@@ -4,8 +4,8 @@ Run by pytest, this file starts itself twice as ``python tests/test_keras_mwms.p
 processes on localhost ports, worker 0 running the coordinator in-process, both on the test's embedded Redis.
 The coordinator uses a scripted policy, so the splits are uneven and change every iteration.
 Before training, each worker also checks that a dataset built without the strategy, a model compiled with
-jit_compile=True (XLA cannot compile the time marks that exclude the all-reduce wait), and fit(class_weight=...)
-are refused. The run with steps_per_execution 3 has sample weights of the user's; both validate on arrays.
+jit_compile=True (XLA cannot compile the time marks that exclude the all-reduce wait), a loss with
+reduction="sum" and fit(class_weight=...) are refused. The run with steps_per_execution 3 has sample weights of the user's; both validate on arrays.
 """
 from __future__ import annotations
 
@@ -106,6 +106,16 @@ def run_worker(index: int, ports: list[int], url: str, job: str, steps_per_execu
             jit_refused = ""
         except ConfigError as exc:
             jit_refused = str(exc)
+        with strategy.scope():  # a summed loss times the served weights W * b_i / B is no global sum or mean
+            summed = build_model(keras, steps_per_execution)
+            summed.compile(optimizer=keras.optimizers.SGD(0.1), loss=[keras.losses.MeanSquaredError(reduction="sum")],
+                           steps_per_execution=steps_per_execution)
+        try:
+            summed.fit(source.tf_dataset(strategy), epochs=1, steps_per_epoch=len(source),
+                       callbacks=[LBBSPCallback(session.client, source)], verbose=0)
+            sum_refused = ""
+        except ConfigError as exc:
+            sum_refused = str(exc)
         try:  # tf_keras would call map, which a distributed dataset does not have: AttributeError
             model.fit(source.tf_dataset(strategy), epochs=1, steps_per_epoch=len(source), class_weight={0: 1, 1: 2},
                       callbacks=[callback], verbose=0)
@@ -123,7 +133,7 @@ def run_worker(index: int, ports: list[int], url: str, job: str, steps_per_execu
         (out / f"served{index}.json").write_text(json.dumps({
             "served": served, "iterations": callback.iteration, "traces": traces,
             "probed": callback.probe is not None, "history": history.history, "refused": refused,
-            "jit_refused": jit_refused, "class_weight_refused": class_weight_refused}))
+            "jit_refused": jit_refused, "class_weight_refused": class_weight_refused, "sum_refused": sum_refused}))
 
 
 class RotatingPolicy(Policy):
@@ -390,6 +400,7 @@ def test_two_workers_resize_and_match_single_process(tmp_path: Path, redis_url: 
     for worker, record in enumerate(records):
         assert "source.tf_dataset(strategy)" in record["refused"], record["refused"]
         assert "jit_compile=False" in record["jit_refused"], record["jit_refused"]
+        assert "reduction='sum') is not exact with several workers" in record["sum_refused"], record["sum_refused"]
         assert "BalancedSource(x, y, ..., class_weight=" in record["class_weight_refused"], record
         assert len(record["served"]) == EPOCHS * 7
         for iteration, _epoch, step, size in record["served"]:
