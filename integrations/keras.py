@@ -404,6 +404,20 @@ def _refuse_summed_losses(loss: Any, job: str) -> None:
                           "batch); a sum over the global batch is the mean times its size", job=job)
 
 
+def _warn_of_an_own_train_step(model_class: Any) -> None:
+    """Say once per class that a ``train_step`` of the user's must pass the served sample weights on: the weighting
+    rides on them, and a step that drops them trains on the unweighted gradient without an error."""
+    import tf_keras  # noqa: PLC0415
+
+    if model_class.train_step is not tf_keras.Model.train_step and model_class not in _WARNED_TRAIN_STEPS:
+        _WARNED_TRAIN_STEPS.add(model_class)
+        log.warning("%s has a train_step of its own: it must unpack the sample weights the source serves (keras.utils"
+                    ".unpack_x_y_sample_weight) and pass them to compiled_loss, or its gradients are not the global "
+                    "batch's; lbbsp corrects the logged loss only for the built-in train_step (docs/keras.md)",
+                    model_class.__name__)
+
+
+_WARNED_TRAIN_STEPS: weakref.WeakSet[Any] = weakref.WeakSet()
 _KERAS_NAMES = {"tf_keras": "tf_keras", "keras": "Keras 3"}
 
 
@@ -576,6 +590,7 @@ class _CallbackLogic:
                 self.probe.enabled = not jit  # with one worker, the wall time has no barrier in it
             if replicas > 1:
                 _refuse_summed_losses(self.model.loss, job)
+                _warn_of_an_own_train_step(type(self.model))
                 ExactLogs.install(self.model)
         self.source.publish(self.client.assignment(self.iteration))
 

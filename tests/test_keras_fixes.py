@@ -9,6 +9,7 @@ A fit that raises must not leave anything behind that hangs the process later (t
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 import sys
@@ -259,3 +260,18 @@ def test_the_compute_probe_times_a_mixed_float16_step(redis_url: str, job: str) 
             assert callback.probe is not None and callback.probe.computed and callback.probe.reduced
     finally:
         tf_keras.mixed_precision.set_global_policy("float32")
+
+
+def test_a_train_step_of_the_users_own_is_warned_about_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Under MWMS a train_step that drops the served sample weights trained on the unweighted gradient, silently."""
+    from lbbsp.integrations.keras import _warn_of_an_own_train_step  # noqa: PLC0415
+
+    class OwnStep(tf_keras.Model):
+        def train_step(self, data: Any) -> Any:
+            return super().train_step(data)
+
+    with caplog.at_level(logging.WARNING, logger="lbbsp.keras"):
+        for model_class in (tf_keras.Sequential, OwnStep, OwnStep):
+            _warn_of_an_own_train_step(model_class)
+    warned = [r.getMessage() for r in caplog.records if "train_step of its own" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("OwnStep") and "unpack_x_y_sample_weight" in warned[0]
