@@ -20,10 +20,10 @@ import threading
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from lbbsp.config import JobConfig, _integer, _real
 from lbbsp.errors import ConfigError, LBBSPError
 from lbbsp.protocol import Assignment
 from lbbsp.sampling import GlobalBatchSampler
+
+#: What a source takes as x or y: an array, or one level of a dict, tuple or list of arrays (kept as a tuple).
+Arrays = np.ndarray | dict[str, np.ndarray] | tuple[np.ndarray, ...] | list[np.ndarray]
 
 _KEEP_ITERATIONS = 64
 _SOURCES: weakref.WeakSet[BalancedSource] = weakref.WeakSet()  # released at exit: see _release_all
@@ -63,8 +66,9 @@ class BalancedSource:
     first batches for their shapes), the source serves the equal split and records nothing. ``served``
     keeps the latest ``record_limit`` batches served: what this worker actually trained on.
 
-    ``x`` and ``y`` are single arrays (one model input, one target). The source serves ``model.fit``'s training
-    batches only: validate and evaluate with arrays.
+    ``x`` and ``y`` are arrays, or a dict, tuple or list of arrays (a model's named or ordered inputs and
+    outputs), each with the same number of samples. The source serves ``model.fit``'s training batches only:
+    validate and evaluate with arrays.
 
     ``sample_weight`` (one weight per sample) and ``class_weight`` (class id -> weight, read as ``model.fit``
     reads it; a class without one weighs 1) multiply into the weight of every sample the source serves. Pass class
@@ -72,26 +76,26 @@ class BalancedSource:
     ``class_weight`` would replace or refuse, so ``fit(class_weight=...)`` on a ``tf_dataset()`` raises ConfigError.
     """
 
-    def __init__(self, x: np.ndarray, y: np.ndarray, config: JobConfig, worker: int, *,
+    def __init__(self, x: Arrays, y: Arrays, config: JobConfig, worker: int, *,
                  sample_weight: np.ndarray | None = None, class_weight: Mapping[int, float] | None = None,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False, steps_per_execution: int = 1,
                  wait_timeout_s: float | None = None, record_limit: int = 100_000) -> None:
         if not isinstance(config, JobConfig):
             raise ConfigError(f"config must be the session's JobConfig (session.config), got {type(config).__name__}")
-        for name, value in (("x", x), ("y", y)):
-            if value is None or isinstance(value, (dict, tuple, list)):
-                raise ConfigError(f"{name} must be a single array (one model input, one target), got "
-                                  f"{type(value).__name__}", job=config.job)
-        x, y = np.asarray(x), np.asarray(y)
-        if x.ndim == 0 or y.ndim == 0 or x.dtype.kind not in "biuf" or y.dtype.kind not in "biuf":
-            raise ConfigError(f"x and y must be numeric arrays with a sample axis, got shapes {x.shape}, {y.shape} "
-                              f"and dtypes {x.dtype}, {y.dtype}", job=config.job)
-        if len(x) != len(y):
-            raise ConfigError(f"x and y differ in length ({len(x)}, {len(y)})", job=config.job)
-        if len(x) == 0:
+        x, y = _arrays(x, "x", config.job), _arrays(y, "y", config.job)
+        lengths = {f"{name}{part}": len(array) for name, value in (("x", x), ("y", y))
+                   for part, array in _named_leaves(value)}
+        if len(set(lengths.values())) > 1:
+            raise ConfigError(f"x and y differ in length ({', '.join(f'{k}: {n}' for k, n in lengths.items())})",
+                              job=config.job)
+        size = next(iter(lengths.values()))
+        if size == 0:
             raise ConfigError("x and y hold no sample: a source needs at least one", job=config.job)
-        weights = _sample_weights(sample_weight, len(x), config.job)
+        weights = _sample_weights(sample_weight, size, config.job)
         if class_weight is not None:
+            if not isinstance(y, np.ndarray):
+                raise ConfigError("class_weight needs one target array to read classes from; with several outputs, "
+                                  "pass sample_weight (one weight per sample) instead", job=config.job)
             by_class = _class_weights(class_weight, y, config.job)
             weights = by_class if weights is None else weights * by_class
         worker = _integer(worker, "worker", 0, config.num_workers - 1, config.job)  # True is not worker 1
@@ -111,7 +115,7 @@ class BalancedSource:
         self.weighted = config.num_workers > 1 or weights is not None
         self.config = config
         self.worker = worker
-        self.sampler = GlobalBatchSampler(len(x), config.global_batch, seed=seed, shuffle=shuffle,
+        self.sampler = GlobalBatchSampler(size, config.global_batch, seed=seed, shuffle=shuffle,
                                           drop_last=drop_last)
         self.steps_per_execution = steps_per_execution
         # by default longer than WorkerSession's default outage_s (60 s, or the timeout if longer), so that a Redis
@@ -119,8 +123,8 @@ class BalancedSource:
         self.wait_timeout_s = wait_timeout_s if wait_timeout_s is not None else 3 * config.assignment_timeout_s + 90
         # float64 inputs get float64 weights (exact to 1e-10 under MWMS), and nothing narrower than float32: a
         # float16 x had rounded W * b_i / B (0.66 served as 0.66015625), and updates were 2e-4 off plain SGD
-        self.weight_dtype = np.promote_types(x.dtype, np.float32) if np.issubdtype(x.dtype, np.floating) else (
-            np.dtype(np.float32))
+        floats = [array.dtype for _, array in _named_leaves(x) if np.issubdtype(array.dtype, np.floating)]
+        self.weight_dtype = np.result_type(np.float32, *floats)
         self.served: deque[ServedBatch] = deque(maxlen=record_limit)
         self._samples: dict[int, int] = {}
         self._batches: dict[int, int] = {}  # per iteration: batches served (an execution's N, fewer at an epoch's end)
@@ -264,7 +268,7 @@ class BalancedSource:
                                  job=self.config.job, worker=self.worker, iteration=iteration)
             return self._vectors.get(iteration) if self._attached else None
 
-    def _batch(self, epoch: int, step: int, pipeline: int) -> tuple[np.ndarray, ...]:
+    def _batch(self, epoch: int, step: int, pipeline: int) -> tuple[Arrays, ...]:
         """This worker's ``(x, y)``, or ``(x, y, weights)`` if weighted, at ``step`` of this fit's ``epoch``."""
         iteration = self.iteration_of(epoch, step)
         sizes = self._agreed(iteration)
@@ -272,10 +276,11 @@ class BalancedSource:
             self._count_unattached(pipeline)
             return self._cut(self._first_epoch + epoch, step, self.config.initial_sizes())
         batch = self._cut(self._first_epoch + epoch, step, sizes)
+        samples = len(_named_leaves(batch[0])[0][1])
         with self._changed:
             if self._attached:  # else fit ended while this prefetch was being cut: it is never trained
-                self.served.append(ServedBatch(iteration, self._first_epoch + epoch, step, len(batch[0]), sizes))
-                self._samples[iteration] = self._samples.get(iteration, 0) + len(batch[0])
+                self.served.append(ServedBatch(iteration, self._first_epoch + epoch, step, samples, sizes))
+                self._samples[iteration] = self._samples.get(iteration, 0) + samples
                 self._batches[iteration] = self._batches.get(iteration, 0) + 1
         return batch
 
@@ -325,23 +330,24 @@ class BalancedSource:
         with self._changed:
             sampler = self._samplers.get(epoch)
             if sampler is None:
-                sampler = GlobalBatchSampler(len(self.x), self.config.global_batch, seed=self.sampler.seed,
+                sampler = GlobalBatchSampler(self.sampler.dataset_size, self.config.global_batch, seed=self.sampler.seed,
                                              shuffle=self.sampler.shuffle, drop_last=self.sampler.drop_last)
                 sampler.set_epoch(epoch)
                 self._samplers = {e: s for e, s in self._samplers.items() if e >= epoch - 1} | {epoch: sampler}
             return sampler
 
-    def _cut(self, epoch: int, step: int, sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    def _cut(self, epoch: int, step: int, sizes: tuple[int, ...]) -> tuple[Arrays, ...]:
         sampler = self._sampler_for(epoch)
         split = sampler.split_for(step, sizes)
         indices = sampler.worker_indices(step, sizes, self.worker)
+        x, y = _take(self.x, indices), _take(self.y, indices)
         if not self.weighted:
-            return self.x[indices], self.y[indices]
+            return x, y
         weight = self.sample_weight(split)
         weights = np.full(len(indices), weight, dtype=self.weight_dtype)
         if self.sample_weights is not None:
             weights = (weights * self.sample_weights[indices]).astype(self.weight_dtype)
-        return self.x[indices], self.y[indices], weights
+        return x, y, weights
 
     def sample_weight(self, split: tuple[int, ...]) -> float:
         """The weight W * b_i / B that makes the summed per-worker mean losses the global mean.
@@ -352,7 +358,7 @@ class BalancedSource:
         """
         return self.config.num_workers * split[self.worker] / sum(split)
 
-    def _epoch_batches(self, pipeline: int) -> Iterator[tuple[np.ndarray, ...]]:
+    def _epoch_batches(self, pipeline: int) -> Iterator[tuple[Arrays, ...]]:
         """One epoch of ``pipeline``'s batches; ``repeat`` starts the next pass once this one has ended."""
         with self._changed:
             self._claim(pipeline)
@@ -374,7 +380,7 @@ class BalancedSource:
                 if counted and fit == self._fit:
                     self._reading -= 1
 
-    def _indexed_batch(self, pipeline: int, index: int) -> tuple[np.ndarray, ...]:
+    def _indexed_batch(self, pipeline: int, index: int) -> tuple[Arrays, ...]:
         with self._changed:
             self._claim(pipeline)
             epoch = self._index_calls.get(index, 0)
@@ -415,7 +421,7 @@ class BalancedSource:
             self._check_distributed(strategy)
         _release_at_exit()
         self._end_failed_fit()
-        signature = (spec(self.x), spec(self.y)) + ((tf.TensorSpec((None,), tf.as_dtype(self.weight_dtype)),)
+        signature = (_map(spec, self.x), _map(spec, self.y)) + ((tf.TensorSpec((None,), tf.as_dtype(self.weight_dtype)),)
                                                     if self.weighted else ())
         dataset = tf.data.Dataset.from_generator(functools.partial(self._epoch_batches, next(self._pipelines)),
                                                  output_signature=signature)
@@ -505,7 +511,7 @@ class BalancedSource:
             def __len__(self) -> int:
                 return len(source)
 
-            def __getitem__(self, index: int) -> tuple[np.ndarray, ...]:
+            def __getitem__(self, index: int) -> tuple[Arrays, ...]:
                 return source._indexed_batch(pipeline, index)
 
         return BalancedPyDataset()
@@ -527,6 +533,56 @@ def _sample_weights(sample_weight: Any, samples: int, job: str) -> np.ndarray | 
         raise ConfigError(f"sample_weight must be finite and >= 0: {len(bad)} are not, the first at index {bad[0]} "
                           f"({weights[bad[0]]})", job=job)
     return weights
+
+
+def _arrays(value: Any, name: str, job: str) -> Arrays:
+    """``value`` as numeric arrays with a sample axis, in its structure (a list becomes a tuple), or a ConfigError
+    naming the part that is not one."""
+    if value is None:
+        raise ConfigError(f"{name} must be an array, or a dict, tuple or list of arrays, got None", job=job)
+    if isinstance(value, Mapping):
+        if not value or not all(isinstance(key, str) for key in value):
+            raise ConfigError(f"{name} as a dict must map input or output names (strings) to arrays, got keys "
+                              f"{list(value)!r:.80}", job=job)
+        return {key: _array(part, f"{name}[{key!r}]", job) for key, part in value.items()}
+    if isinstance(value, (tuple, list)):
+        if not value:
+            raise ConfigError(f"{name} is an empty {type(value).__name__}: it needs at least one array", job=job)
+        return tuple(_array(part, f"{name}[{i}]", job) for i, part in enumerate(value))
+    return _array(value, name, job)
+
+
+def _array(value: Any, name: str, job: str) -> np.ndarray:
+    if isinstance(value, (Mapping, tuple, list)):
+        raise ConfigError(f"{name} must be an array (np.asarray it), got a {type(value).__name__}: a source takes "
+                          "one level of dict, tuple or list of arrays", job=job)
+    array = np.asarray(value)
+    if array.ndim == 0 or array.dtype.kind not in "biuf":
+        raise ConfigError(f"{name} must be a numeric array with a sample axis, got shape {array.shape} and dtype "
+                          f"{array.dtype}", job=job)
+    return array
+
+
+def _named_leaves(value: Arrays) -> list[tuple[str, np.ndarray]]:
+    """Each array of ``value`` with its place ('' for a single array, "['a']" or '[0]' for a part)."""
+    if isinstance(value, dict):
+        return [(f"[{key!r}]", array) for key, array in value.items()]
+    if isinstance(value, tuple):
+        return [(f"[{i}]", array) for i, array in enumerate(value)]
+    return [("", cast(np.ndarray, value))]
+
+
+def _map(function: Callable[[np.ndarray], Any], value: Arrays) -> Any:
+    """``function`` of every array of ``value``, in its structure."""
+    if isinstance(value, dict):
+        return {key: function(array) for key, array in value.items()}
+    if isinstance(value, tuple):
+        return tuple(function(array) for array in value)
+    return function(cast(np.ndarray, value))
+
+
+def _take(value: Arrays, indices: np.ndarray) -> Arrays:
+    return cast(Arrays, _map(lambda array: array[indices], value))
 
 
 def _class_weights(class_weight: Mapping[int, float], y: np.ndarray, job: str) -> np.ndarray:

@@ -155,3 +155,66 @@ def test_initial_epoch_trains_the_remaining_epochs_in_order(redis_url: str, job:
     assert len(history.history["loss"]) == 2 and callback.iteration == 2 * len(source)
     assert [(b.iteration, b.epoch, b.step) for b in source.served] == [
         (k, k // 4, k % 4) for k in range(2 * len(source))]
+
+
+def _two_in_two_out(keras: Any) -> Any:
+    """Named inputs "a" and "b", outputs "cls" and "reg", with loss weights."""
+    keras.utils.set_random_seed(0)
+    a, b = keras.layers.Input((4,), name="a"), keras.layers.Input((2,), name="b")
+    hidden = keras.layers.Dense(5, activation="tanh")(keras.layers.Concatenate()([a, b]))
+    model = keras.Model({"a": a, "b": b}, [keras.layers.Dense(3, activation="softmax", name="cls")(hidden),
+                                           keras.layers.Dense(1, name="reg")(hidden)])
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=["sparse_categorical_crossentropy", "mse"],
+                  loss_weights=[1.0, 0.5])
+    return model
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("keras_name", ["keras", "tf_keras"])
+@pytest.mark.parametrize("pipeline", ["tf_dataset", "py_dataset"])
+def test_a_model_of_named_inputs_and_two_outputs_trains_as_plain_keras(redis_url: str, job: str, keras_name: str,
+                                                                       pipeline: str) -> None:
+    """x and y had to be single arrays: a dict of inputs or a tuple of targets was refused."""
+    keras = _keras(keras_name)
+    x, classes = _data()
+    rng = np.random.default_rng(2)
+    inputs = {"a": x, "b": rng.normal(size=(SAMPLES, 2)).astype("float32")}
+    targets = [classes, x[:, 1:2] * 2.0]
+    sample_weight = rng.uniform(0.2, 2.0, SAMPLES)
+    config = JobConfig(job, num_workers=1, global_batch=GLOBAL_BATCH)
+    source = BalancedSource(inputs, targets, config, 0, seed=SEED, sample_weight=sample_weight)
+    model = _two_in_two_out(keras)
+    with WorkerSession(config, 0, url=redis_url) as session:
+        data = source.tf_dataset() if pipeline == "tf_dataset" else source.py_dataset(keras)
+        model.fit(data, epochs=EPOCHS, steps_per_epoch=len(source), shuffle=False, verbose=0,
+                  callbacks=[callback_class(keras)(session.client, source)])
+    assert [b.size for b in source.served] == [32, 32, 32, 4] * EPOCHS
+    reference = _two_in_two_out(keras)
+    sampler = GlobalBatchSampler(SAMPLES, GLOBAL_BATCH, seed=SEED)
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        for step in range(len(sampler)):
+            idx = sampler.global_indices(step)
+            reference.train_on_batch({k: v[idx] for k, v in inputs.items()}, [t[idx] for t in targets],
+                                     sample_weight=sample_weight[idx])
+    for ours, theirs in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("x, y, words", [
+    ({"a": np.zeros((8, 2))}, None, "y must be an array, or a dict, tuple or list of arrays, got None"),
+    ({"a": [np.zeros((8, 2))]}, np.zeros(8), "x['a'] must be an array (np.asarray it), got a list"),
+    ({1: np.zeros((8, 2))}, np.zeros(8), "names (strings)"),
+    ((), np.zeros(8), "x is an empty tuple"),
+    ({"a": np.zeros((8, 2)), "b": np.zeros((7, 2))}, np.zeros(8), "x['a']: 8, x['b']: 7, y: 8"),
+    ((np.zeros((8, 2)), np.array(["s"] * 8)), np.zeros(8), "x[1] must be a numeric array"),
+])
+def test_a_source_names_the_part_of_its_arrays_it_cannot_take(x: Any, y: Any, words: str, job: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        BalancedSource(x, y, JobConfig(job, num_workers=1, global_batch=4), 0)
+
+
+def test_class_weight_needs_one_target_array(job: str) -> None:
+    with pytest.raises(ConfigError, match="class_weight needs one target array"):
+        BalancedSource(np.zeros((8, 2)), (np.zeros(8), np.zeros(8)), JobConfig(job, num_workers=1, global_batch=4), 0,
+                       class_weight={0: 1.0})

@@ -259,7 +259,7 @@ def test_the_compute_probe_times_a_mixed_float16_step(redis_url: str, job: str) 
             model.fit(source.tf_dataset(), epochs=1, steps_per_epoch=len(source), callbacks=[callback], verbose=0)
             assert callback.probe is not None and callback.probe.computed and callback.probe.reduced
     finally:
-        tf_keras.mixed_precision.set_global_policy("float32")
+        tf_keras.mixed_precision.set_global_policy(None)  # the default again (a "float32" policy would pin float32)
 
 
 def test_a_train_step_of_the_users_own_is_warned_about_once(caplog: pytest.LogCaptureFixture) -> None:

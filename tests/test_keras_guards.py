@@ -75,7 +75,7 @@ def test_source_refuses_what_it_cannot_serve_by_name(job: str) -> None:
         BalancedSource(x, y, {"job": job}, 0)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="x and y hold no sample"):  # had named dataset_size
         BalancedSource(x[:0], y[:0], config, 0)
-    with pytest.raises(ConfigError, match="x and y must be numeric arrays"):  # had failed in fit, in a Cast
+    with pytest.raises(ConfigError, match="x must be a numeric array"):  # had failed in fit, in a Cast
         BalancedSource(np.array([["a"]] * 8), y[:8], config, 0)
     source = BalancedSource(x, y, config, 0)
     with pytest.raises(ConfigError, match="strategy must be None or the tf.distribute strategy"):

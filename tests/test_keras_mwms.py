@@ -5,7 +5,8 @@ processes on localhost ports, worker 0 running the coordinator in-process, both 
 The coordinator uses a scripted policy, so the splits are uneven and change every iteration.
 Before training, each worker also checks that a dataset built without the strategy, a model compiled with
 jit_compile=True (XLA cannot compile the time marks that exclude the all-reduce wait), a loss with
-reduction="sum" and fit(class_weight=...) are refused. The run with steps_per_execution 3 has sample weights of the user's; both validate on arrays.
+reduction="sum" and fit(class_weight=...) are refused. The run with steps_per_execution 3 has sample weights
+of the user's; both validate on arrays.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -134,6 +136,49 @@ def run_worker(index: int, ports: list[int], url: str, job: str, steps_per_execu
             "served": served, "iterations": callback.iteration, "traces": traces,
             "probed": callback.probe is not None, "history": history.history, "refused": refused,
             "jit_refused": jit_refused, "class_weight_refused": class_weight_refused, "sum_refused": sum_refused}))
+
+
+def build_two_in_two_out(keras):  # type: ignore[no-untyped-def]
+    """Named inputs "a" (x's first 3 columns) and "b" (the other 2), two outputs with their own losses and weights."""
+    a, b = keras.layers.Input((3,), name="a"), keras.layers.Input((2,), name="b")
+    hidden = keras.layers.Dense(6, activation="tanh")(keras.layers.Concatenate()([a, b]))
+    model = keras.Model({"a": a, "b": b}, [keras.layers.Dense(2, name="first")(hidden),
+                                           keras.layers.Dense(1, name="second")(hidden)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=["mse", "mae"], loss_weights=[1.0, 0.3])
+    return model
+
+
+def two_in_two_out_data() -> tuple[dict[str, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    x, y = make_data()
+    return {"a": x[:, :3], "b": x[:, 3:]}, (y, y[:, :1] * y[:, 1:])
+
+
+def run_multi_worker(index: int, ports: list[int], url: str, job: str, out: Path) -> None:
+    """One MWMS worker training the two-input, two-output model on a dict of inputs and a tuple of targets."""
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
+                                          "task": {"type": "worker", "index": index}})
+    import tensorflow as tf  # noqa: PLC0415
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    import tf_keras as keras  # noqa: PLC0415
+
+    from lbbsp.integrations.keras import BalancedSource, LBBSPCallback, WorkerSession  # noqa: PLC0415
+
+    keras.backend.set_floatx("float64")
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    config = JobConfig(job, num_workers=2, global_batch=GLOBAL_BATCH, assignment_timeout_s=30.0)
+    x, y = two_in_two_out_data()
+    with WorkerSession(config, index, url=url, policy=ScriptedPolicy()) as session:
+        source = BalancedSource(x, y, config, session.worker, seed=SEED)
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = build_two_in_two_out(keras)
+        np.savez(out / f"initial{index}.npz", *model.get_weights())
+        history = model.fit(source.tf_dataset(strategy), epochs=EPOCHS, steps_per_epoch=len(source),
+                            callbacks=[LBBSPCallback(session.client, source)], verbose=0)
+        np.savez(out / f"weights{index}.npz", *model.get_weights())
+        (out / f"served{index}.json").write_text(json.dumps({
+            "sizes": [b.size for b in source.served], "loss": history.history["loss"]}))
 
 
 class RotatingPolicy(Policy):
@@ -301,6 +346,15 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
+def _one_thread(tf: Any) -> None:
+    """One intra-op thread for a reference run in the test process, where TensorFlow is not running yet (an earlier
+    test in this process may have started it: its setting then stays, and only the speed differs)."""
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+    except RuntimeError:
+        pass
+
+
 def _reference_run(initial: list[np.ndarray], sample_weight: np.ndarray | None) -> tuple[list[np.ndarray],
                                                                                         dict[str, list[float]]]:
     """A single-process tf_keras run on the same global batches, in the same order, with the same sample weights:
@@ -311,7 +365,7 @@ def _reference_run(initial: list[np.ndarray], sample_weight: np.ndarray | None) 
 
     from lbbsp import GlobalBatchSampler  # noqa: PLC0415
 
-    tf.config.threading.set_intra_op_parallelism_threads(1)
+    _one_thread(tf)
     keras.backend.set_floatx("float64")
     model = build_model(keras)
     model.set_weights(initial)
@@ -433,6 +487,43 @@ def test_two_workers_resize_and_match_single_process(tmp_path: Path, redis_url: 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_two_workers_train_a_model_of_named_inputs_and_two_outputs_as_one_process(tmp_path: Path, redis_url: str,
+                                                                                  job: str) -> None:
+    """A dict of inputs and a tuple of targets, one sample weight W * b_i / B for both outputs' losses."""
+    _run_workers("multi", [redis_url, job, str(tmp_path)], legacy=True)
+    import tensorflow as tf  # noqa: PLC0415
+    import tf_keras as keras  # noqa: PLC0415
+
+    from lbbsp import GlobalBatchSampler  # noqa: PLC0415
+
+    records = [json.loads((tmp_path / f"served{i}.json").read_text()) for i in range(2)]
+    assert [sum(r["sizes"]) for r in records] != [EPOCHS * SAMPLES / 2] * 2  # uneven: the splits were balanced
+    assert sum(sum(r["sizes"]) for r in records) == EPOCHS * SAMPLES
+    _one_thread(tf)
+    keras.backend.set_floatx("float64")
+    reference = build_two_in_two_out(keras)
+    reference.set_weights(list(np.load(tmp_path / "initial0.npz").values()))
+    x, y = two_in_two_out_data()
+    sampler = GlobalBatchSampler(SAMPLES, GLOBAL_BATCH, seed=SEED)
+    losses = []
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        steps = []
+        for step in range(len(sampler)):
+            idx = sampler.global_indices(step)
+            loss = reference.train_on_batch({k: v[idx] for k, v in x.items()}, [t[idx] for t in y])[0]
+            steps.append((len(idx), loss))
+        sizes, step_losses = np.array(steps).T
+        losses.append(float(np.average(step_losses, weights=sizes)))
+    for record in records:
+        np.testing.assert_allclose(record["loss"], losses, rtol=1e-10)
+    for i in range(2):
+        for ours, theirs in zip(np.load(tmp_path / f"weights{i}.npz").values(), reference.get_weights()):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_a_worker_on_another_machine_reaches_worker0_over_tcp_through_the_strategy(tmp_path: Path, job: str) -> None:
     """No Redis URL anywhere: worker 0's embedded server also listens on TCP, its addresses and password reach
     worker 2 through the strategy's collectives, and the training is still exactly single-process SGD. Worker 1,
@@ -532,6 +623,9 @@ def test_a_redis_stalled_for_good_stops_both_workers_and_neither_hangs(tmp_path:
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     _, _, index, ports, url, job, spe, out = sys.argv
     run_worker(int(index), [int(p) for p in ports.split(",")], url, job, int(spe), Path(out))
+elif __name__ == "__main__" and sys.argv[1:2] == ["multi"]:
+    _, _, index, ports, url, job, out = sys.argv
+    run_multi_worker(int(index), [int(p) for p in ports.split(",")], url, job, Path(out))
 elif __name__ == "__main__" and sys.argv[1:2] == ["timed"]:
     _, _, index, ports, url, job = sys.argv
     run_timed_worker(int(index), [int(p) for p in ports.split(",")], url, job)

@@ -85,13 +85,6 @@ def test_a_worker_that_finds_no_socket_is_told_to_pass_the_strategy(job: str) ->
         WorkerSession(JobConfig(job, num_workers=2, global_batch=32), 1, connect_timeout_s=0.2)
 
 
-@pytest.mark.parametrize("x, y", [({"a": np.zeros((8, 2))}, np.zeros(8)), ((np.zeros((8, 2)), np.zeros((8, 3))),
-                                   np.zeros(8)), (np.zeros((8, 2)), None), ([np.zeros((8, 2))], np.zeros(8))])
-def test_source_takes_single_arrays_only(x: object, y: object, job: str) -> None:
-    with pytest.raises(ConfigError, match="must be a single array"):
-        BalancedSource(x, y, JobConfig(job, num_workers=1, global_batch=4), 0)  # type: ignore[arg-type]
-
-
 @pytest.mark.parametrize("sample_weight", [np.ones(7), np.ones((8, 1)), np.ones((8, 3))])
 def test_source_needs_one_sample_weight_per_sample(sample_weight: np.ndarray, job: str) -> None:
     """A weight per time step or output would be misread: the source multiplies one weight per sample."""
