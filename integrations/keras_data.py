@@ -255,9 +255,9 @@ class BalancedSource:
         """The vector of ``iteration`` once the callback publishes it; None when no callback is attached."""
         if os.getpid() != self._owner_pid:
             raise ConfigError("BalancedSource cannot run in a separate process (use_multiprocessing=True): the "
-                             "size of each batch is agreed after the previous step, in the training process; "
-                             "use worker threads instead", job=self.config.job, worker=self.worker,
-                             iteration=iteration)
+                              "size of each batch is agreed after the previous step, in the training process; "
+                              "use worker threads instead", job=self.config.job, worker=self.worker,
+                              iteration=iteration)
         with self._changed:
             if not self._changed.wait_for(lambda: iteration in self._vectors or not self._attached,
                                           self.wait_timeout_s):

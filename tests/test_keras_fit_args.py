@@ -8,6 +8,7 @@ MultiWorkerMirroredStrategy) is in tests/test_keras_mwms.py.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -44,14 +45,19 @@ def _reference(keras: Any, weights: np.ndarray | None, class_weight: dict[int, f
     """Plain Keras, one process: ``train_on_batch`` on the source's global batches, with the given weights."""
     x, y = _data()
     model = _model(keras)
+    for idx in _global_batches():
+        model.train_on_batch(x[idx], y[idx], sample_weight=None if weights is None else weights[idx],
+                             class_weight=class_weight)
+    return model.get_weights()
+
+
+def _global_batches() -> Iterator[np.ndarray]:
+    """The indices of the source's global batches, epoch after epoch, as a single process trains them."""
     sampler = GlobalBatchSampler(SAMPLES, GLOBAL_BATCH, seed=SEED)
     for epoch in range(EPOCHS):
         sampler.set_epoch(epoch)
         for step in range(len(sampler)):
-            idx = sampler.global_indices(step)
-            model.train_on_batch(x[idx], y[idx], sample_weight=None if weights is None else weights[idx],
-                                 class_weight=class_weight)
-    return model.get_weights()
+            yield sampler.global_indices(step)
 
 
 @pytest.mark.timeout(120)
@@ -190,13 +196,9 @@ def test_a_model_of_named_inputs_and_two_outputs_trains_as_plain_keras(redis_url
                   callbacks=[callback_class(keras)(session.client, source)])
     assert [b.size for b in source.served] == [32, 32, 32, 4] * EPOCHS
     reference = _two_in_two_out(keras)
-    sampler = GlobalBatchSampler(SAMPLES, GLOBAL_BATCH, seed=SEED)
-    for epoch in range(EPOCHS):
-        sampler.set_epoch(epoch)
-        for step in range(len(sampler)):
-            idx = sampler.global_indices(step)
-            reference.train_on_batch({k: v[idx] for k, v in inputs.items()}, [t[idx] for t in targets],
-                                     sample_weight=sample_weight[idx])
+    for idx in _global_batches():
+        reference.train_on_batch({k: v[idx] for k, v in inputs.items()}, [t[idx] for t in targets],
+                                 sample_weight=sample_weight[idx])
     for ours, theirs in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
 

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,15 @@ def build_model(keras, steps_per_execution: int = 1):  # type: ignore[no-untyped
     return model
 
 
+def _refusal(call: Callable[[], object]) -> str:
+    """The ConfigError ``call`` raised, as text; empty where it ran."""
+    try:
+        call()
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
 def run_worker(index: int, ports: list[int], url: str, job: str, steps_per_execution: int, out: Path) -> None:
     """One MWMS worker: fit with the lbbsp callback and data source, then save weights and what it served."""
     os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
@@ -93,37 +102,25 @@ def run_worker(index: int, ports: list[int], url: str, job: str, steps_per_execu
             model = build_model(keras, steps_per_execution)
         initial = [w.copy() for w in model.get_weights()]
         callback = LBBSPCallback(session.client, source)
-        try:  # Keras would cut each batch of a dataset built without the strategy across the workers again
-            model.fit(source.tf_dataset(), epochs=EPOCHS, steps_per_epoch=len(source), callbacks=[callback], verbose=0)
-            refused = ""
-        except ConfigError as exc:
-            refused = str(exc)
+        # Keras would cut each batch of a dataset built without the strategy across the workers again
+        refused = _refusal(lambda: model.fit(source.tf_dataset(), epochs=EPOCHS, steps_per_epoch=len(source),
+                                             callbacks=[callback], verbose=0))
         with strategy.scope():
             jitted = build_model(keras, steps_per_execution)
             jitted.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True,
                            steps_per_execution=steps_per_execution)
-        try:
-            jitted.fit(source.tf_dataset(strategy), epochs=1, steps_per_epoch=len(source),
-                       callbacks=[LBBSPCallback(session.client, source)], verbose=0)
-            jit_refused = ""
-        except ConfigError as exc:
-            jit_refused = str(exc)
+        jit_refused = _refusal(lambda: jitted.fit(source.tf_dataset(strategy), epochs=1, steps_per_epoch=len(source),
+                                                  callbacks=[LBBSPCallback(session.client, source)], verbose=0))
         with strategy.scope():  # a summed loss times the served weights W * b_i / B is no global sum or mean
             summed = build_model(keras, steps_per_execution)
             summed.compile(optimizer=keras.optimizers.SGD(0.1), loss=[keras.losses.MeanSquaredError(reduction="sum")],
                            steps_per_execution=steps_per_execution)
-        try:
-            summed.fit(source.tf_dataset(strategy), epochs=1, steps_per_epoch=len(source),
-                       callbacks=[LBBSPCallback(session.client, source)], verbose=0)
-            sum_refused = ""
-        except ConfigError as exc:
-            sum_refused = str(exc)
-        try:  # tf_keras would call map, which a distributed dataset does not have: AttributeError
-            model.fit(source.tf_dataset(strategy), epochs=1, steps_per_epoch=len(source), class_weight={0: 1, 1: 2},
-                      callbacks=[callback], verbose=0)
-            class_weight_refused = ""
-        except ConfigError as exc:
-            class_weight_refused = str(exc)
+        sum_refused = _refusal(lambda: summed.fit(source.tf_dataset(strategy), epochs=1, steps_per_epoch=len(source),
+                                                  callbacks=[LBBSPCallback(session.client, source)], verbose=0))
+        # tf_keras would call map, which a distributed dataset does not have: AttributeError
+        class_weight_refused = _refusal(lambda: model.fit(source.tf_dataset(strategy), epochs=1,
+                                                          steps_per_epoch=len(source), class_weight={0: 1, 1: 2},
+                                                          callbacks=[callback], verbose=0))
         traces: list[int] = []
         count_traces = keras.callbacks.LambdaCallback(
             on_epoch_end=lambda *_: traces.append(model.train_function.experimental_get_tracing_count()))

@@ -5,7 +5,6 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
-import inspect
 import json
 import tempfile
 import time
@@ -19,7 +18,7 @@ from ..embedded import EmbeddedRedis
 from ..errors import ConfigError, StoreUnavailable
 from ..store import Store, redacted
 from .engine import PolicyRun, compare
-from .scenarios import SCENARIOS, CPUContention, Scenario
+from .scenarios import MEAN_DWELL, SCENARIOS, Scenario
 from .traces import DEFAULT_TRACE_DIR, load_traces
 
 DEFAULT_OUT = Path("experiments") / "results"
@@ -35,9 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lag", type=int, default=2,
                         help="iterations a decision runs ahead, as JobConfig.lag (2: production default)")
     parser.add_argument("--mean-dwell", type=float, default=None,
-                        help="cpu-contention only: mean iterations between contention-level draws (default 200; a draw "
-                             "may keep the level, so with 3 levels it changes every 1.5x that on average; inf: "
-                             "never)")
+                        help=f"cpu-contention only: mean iterations between contention-level draws (default "
+                             f"{MEAN_DWELL:g}; a draw may keep the level, so with 3 levels it changes every 1.5x that "
+                             "on average; inf: never)")
     parser.add_argument("--traces", type=Path, default=None,
                         help="cpu-contention only: directory of recorded traces to replay (default: the shipped "
                              "experiments/traces; record your own with experiments/record_cpu_trace.py)")
@@ -149,13 +148,10 @@ def _scenario_options(args: argparse.Namespace) -> tuple[dict[str, object], str]
         options["traces"] = load_traces(args.traces)
         if args.traces.resolve() != DEFAULT_TRACE_DIR:
             suffix += f"_{args.traces.resolve().name}-{_digest(args.traces)}"
-    if args.mean_dwell is not None and args.mean_dwell != _DEFAULT_DWELL:
+    if args.mean_dwell is not None and args.mean_dwell != MEAN_DWELL:
         suffix += f"_dwell{args.mean_dwell:g}"
     suffix += "_nonoise" if args.no_noise else ""
     return options, suffix
-
-
-_DEFAULT_DWELL = inspect.signature(CPUContention).parameters["mean_dwell"].default
 
 
 def _digest(directory: Path) -> str:

@@ -81,6 +81,10 @@ class Scenario:
         return AutoCapacityModel(horizon=self.config.lag)
 
 
+#: Mean iterations between a cpu-contention worker's level draws, by default (``--mean-dwell``).
+MEAN_DWELL = 200.0
+
+
 class CPUContention(Scenario):
     """CPU workers on shared machines, calibrated from recorded traces.
 
@@ -96,7 +100,7 @@ class CPUContention(Scenario):
     """
 
     def __init__(self, num_workers: int, iterations: int, seed: int, *, traces: Sequence[CPUTrace] | None = None,
-                 batch_per_worker: int = 64, mean_dwell: float = 200.0, machine_spread: float = 0.25,
+                 batch_per_worker: int = 64, mean_dwell: float = MEAN_DWELL, machine_spread: float = 0.25,
                  noise: bool = True) -> None:
         _run(num_workers, iterations, seed, batch_per_worker, "batch_per_worker")
         _at_least_zero("machine_spread", machine_spread)
