@@ -19,6 +19,7 @@ from .coordinator import AHEAD_LIMIT, MAX_AHEAD, Coordinator, freeze_heap
 from .embedded import EmbeddedRedis
 from .errors import ConfigError, LBBSPError
 from .models import (
+    KINDS,
     AutoCapacityModel,
     BatchTimeCurve,
     CapacityModel,
@@ -80,6 +81,25 @@ def whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], in
     return parse
 
 
+def kind_pin(text: str) -> tuple[int, str]:
+    """An argparse type: WORKER=KIND, a worker id and one of the kinds :class:`AutoCapacityModel` routes to."""
+    worker, _, kind = text.partition("=")
+    if not worker.strip().isdigit() or kind not in KINDS:
+        raise argparse.ArgumentTypeError(f"expected WORKER=KIND with KIND one of {', '.join(KINDS)} (e.g. 3=gpu), "
+                                         f"got {text!r}")
+    return int(worker), kind
+
+
+def kind_model(text: str) -> tuple[str, str]:
+    """An argparse type: KIND=MODEL, the model one kind's workers get under ``--model auto``."""
+    kind, _, name = text.partition("=")
+    names = sorted(set(_MODELS) - {"auto"})
+    if kind not in KINDS or name not in names:
+        raise argparse.ArgumentTypeError(f"expected KIND=MODEL with KIND one of {', '.join(KINDS)} and MODEL one of "
+                                         f"{', '.join(names)} (e.g. cpu=ewma), got {text!r}")
+    return kind, name
+
+
 def seconds(text: str) -> float:
     """An argparse type: a finite number of seconds above 0."""
     try:
@@ -114,13 +134,28 @@ def _host(url: str) -> str:
 
 
 def _policy(args: argparse.Namespace) -> Policy:
-    """The policy the flags name; ``--model`` only where the policy predicts with one."""
+    """The policy the flags name; ``--model`` only where the policy predicts with one, ``--kind`` and
+    ``--kind-model`` only with the auto model."""
+    pins, kind_models = dict(args.kind or ()), dict(args.kind_model or ())
+    routed = " ".join([f"--kind {w}={k}" for w, k in pins.items()] + [f"--kind-model {k}={m}" for k, m in kind_models.items()])
     if args.model is not None and args.policy in ("bsp", "static-proportional"):
         raise LBBSPError(f"--policy {args.policy} uses no capacity model; drop --model {args.model}")
+    if routed and (args.policy in ("bsp", "static-proportional") or args.model not in (None, "auto")):
+        raise LBBSPError(f"{routed}: only the auto model routes workers by kind, and --policy {args.policy} "
+                         f"{'uses no model' if args.model is None else f'with --model {args.model} does not'}")
+    if outside := sorted(w for w in pins if w >= args.workers):
+        raise LBBSPError(f"--kind: worker(s) {outside} outside the job's workers 0..{args.workers - 1}")
     if args.epoch_iterations is not None and args.policy != "per-epoch":
         raise LBBSPError(f"--epoch-iterations is per-epoch's; --policy {args.policy} decides every iteration")
-    own_average = args.model is None and args.policy == "per-epoch"  # its slow average of the epoch's speed
-    return _POLICIES[args.policy](None if own_average else _MODELS[args.model or "auto"](args.lag), args)
+    own_average = args.model is None and args.policy == "per-epoch" and not routed  # its slow average of speed
+    if own_average:
+        return _POLICIES[args.policy](None, args)
+    if routed:
+        model: CapacityModel = AutoCapacityModel({kind: _MODELS[name](args.lag) for kind, name in kind_models.items()},
+                                                 pins, horizon=args.lag)
+    else:
+        model = _MODELS[args.model or "auto"](args.lag)
+    return _POLICIES[args.policy](model, args)
 
 
 def _coordinator(args: argparse.Namespace) -> int:
@@ -303,6 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--model", choices=sorted(_MODELS), default=None,
                              help="the capacity model of lbbsp, per-epoch or leader-straggler (default: auto, which "
                                   "picks NARX, the GPU curve or the client model from each worker's reports)")
+    coordinator.add_argument("--kind", type=kind_pin, action="append", metavar="WORKER=KIND",
+                             help=f"with the auto model: pin a worker's kind ({', '.join(KINDS)}) instead of reading "
+                                  "it from its reports, e.g. --kind 3=gpu; repeatable")
+    coordinator.add_argument("--kind-model", type=kind_model, action="append", metavar="KIND=MODEL",
+                             help="with the auto model: the model of one kind's workers, e.g. --kind-model cpu=ewma "
+                                  "(defaults: cpu=narx, gpu=gpu-curve, fl=fl-client); repeatable")
     coordinator.add_argument("--epoch-iterations", type=whole_number(1), default=None, metavar="N",
                              help=f"--policy per-epoch: iterations between rebalancings, as an epoch's (default "
                                   f"{PER_EPOCH_ITERATIONS})")

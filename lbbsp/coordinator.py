@@ -27,7 +27,7 @@ import numpy as np
 
 from .config import JobConfig, _integer, _real
 from .embedded import RestartBudget, release_cpu_pinning
-from .errors import LBBSPError, PolicyError, ProtocolError
+from .errors import ConfigError, LBBSPError, PolicyError, ProtocolError
 from .models import AutoCapacityModel, worker_kind
 from .policies import Decision, LBBSPPolicy, Policy, checked_policy
 from .protocol import MAX_POLICY_NAME_CHARS, MAX_REASON_CHARS, Assignment, Report
@@ -107,6 +107,23 @@ class _Repeats:
         return told
 
 
+def _check_model_for(policy: Policy | None, config: JobConfig) -> None:
+    """A ConfigError for worker kinds pinned outside the job (a typo, or a rank off by one, had been kept
+    silently), and a warning where the model forecasts further or less far ahead than the job's lag (a hand-built
+    model does not take the lag; the default and `lbbsp coordinator --model` do)."""
+    model = getattr(policy, "model", None)
+    pinned = getattr(model, "kinds", None) if isinstance(model, AutoCapacityModel) else None
+    outside = sorted(w for w in pinned or {} if isinstance(w, int) and not 0 <= w < config.num_workers)
+    if outside:
+        raise ConfigError(f"AutoCapacityModel's kinds pin worker(s) {outside[:8]}, outside the job's workers "
+                          f"0..{config.num_workers - 1}", job=config.job)
+    horizon = getattr(model, "horizon", None)
+    if isinstance(horizon, int) and horizon != config.lag:
+        log.warning("job %s: the model forecasts %d iteration(s) ahead (horizon=%d), but each split is decided %d "
+                    "ahead (lag=%d): give it horizon=%d", config.job, horizon, horizon, config.lag, config.lag,
+                    config.lag)
+
+
 class GuardedPolicy:
     """A policy held to the job's rules, as the coordinator runs it: a split that breaks them, or a policy that
     fails, keeps the split in force (logged with the reason) instead of stopping the job. The simulator runs
@@ -114,6 +131,7 @@ class GuardedPolicy:
 
     def __init__(self, policy: Policy, config: JobConfig) -> None:
         checked_policy(policy, config.job)
+        _check_model_for(policy, config)
         self.policy, self.config = policy, config
         self._bounds = tuple(np.asarray(b, dtype=np.int64) for b in config.bounds())
         # an assignment holds a name and a reason of bounded length: longer ones are cut, not refused (a policy
@@ -608,6 +626,7 @@ class CoordinatorProcess:
                  max_ahead: int = MAX_AHEAD, start_timeout_s: float = 60.0) -> None:
         max_ahead = checked_max_ahead(max_ahead, config.job)
         checked_policy(policy, config.job)
+        _check_model_for(policy, config)  # here, not in the child
         if multiprocessing.current_process().daemon:
             raise LBBSPError("a daemonic process cannot start the coordinator process: start this worker with "
                              "daemon=False, or run Coordinator(store, config).start() in a thread", job=config.job)

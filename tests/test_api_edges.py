@@ -38,6 +38,7 @@ from lbbsp import (
     scale_split,
 )
 from lbbsp.cli import main
+from lbbsp.models import AutoCapacityModel, NARXThroughput
 
 
 def test_an_assignment_gives_offsets_of_its_own_workers_only() -> None:
@@ -107,6 +108,28 @@ def test_a_model_with_a_bad_parameter_fails_where_the_policy_is_made() -> None:
     kept the equal split, so the job ran as plain BSP."""
     with pytest.raises(ConfigError, match="alpha"):
         LBBSPPolicy(EWMAThroughput(alpha=5))
+
+
+def test_a_model_nested_in_the_auto_model_is_checked_where_the_policy_is_made() -> None:
+    """It had been checked at its kind's first report: then every decision of the running job failed."""
+    with pytest.raises(ConfigError, match=r"models\['gpu'\]: alpha must be in \(0, 1\], got 5"):
+        LBBSPPolicy(AutoCapacityModel(models={"gpu": EWMAThroughput(alpha=5)}))
+
+
+def test_a_coordinator_refuses_kinds_pinned_outside_the_job_and_warns_of_a_horizon_not_its_lag(
+        redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    config = JobConfig(job, 4, 64, lag=1)
+    with Store.from_url(redis_url, job) as store:
+        with pytest.raises(ConfigError, match=r"kinds pin worker\(s\) \[4, 99\], outside the job's workers 0..3"):
+            Coordinator(store, config, LBBSPPolicy(AutoCapacityModel(kinds={0: "gpu", 4: "gpu", 99: "cpu"}, horizon=1)))
+        with pytest.raises(ConfigError, match="outside the job's workers"):  # before a child process is spawned
+            CoordinatorProcess(redis_url, config, LBBSPPolicy(AutoCapacityModel(kinds={4: "gpu"}, horizon=1)))
+        with caplog.at_level(logging.WARNING, logger="lbbsp.coordinator"):
+            Coordinator(store, config, LBBSPPolicy(AutoCapacityModel(kinds={3: "gpu"}, horizon=1)))
+            assert not caplog.records
+            Coordinator(store, config, LBBSPPolicy(NARXThroughput()))
+        assert "forecasts 2 iteration(s) ahead (horizon=2), but each split is decided 1 ahead (lag=1): give it " \
+               "horizon=1" in caplog.text
 
 
 def test_a_coordinator_refuses_a_policy_that_is_not_a_policy_instance(redis_url: str, job: str) -> None:

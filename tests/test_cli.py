@@ -9,8 +9,9 @@ import pytest
 
 from emulated import worker_clients
 from lbbsp import Assignment, JobConfig, WorkerClient
-from lbbsp.cli import main
+from lbbsp.cli import _policy, build_parser, main
 from lbbsp.embedded import ipv6_available
+from lbbsp.models import AutoCapacityModel, EWMAThroughput
 
 LBBSP = [sys.executable, "-m", "lbbsp.cli"]
 
@@ -50,7 +51,9 @@ def test_coordinator_process_and_status_table(redis_url: str, job: str) -> None:
                                                         (["--max-ahead", "1"], "lbbsp", (7, 23)),
                                                         (["--policy", "per-epoch"], "per-epoch", (15, 15)),
                                                         (["--policy", "per-epoch", "--epoch-iterations", "1"],
-                                                         "per-epoch", (7, 23))])
+                                                         "per-epoch", (7, 23)),
+                                                        (["--kind", "1=gpu", "--kind-model", "cpu=ewma"], "lbbsp",
+                                                         (7, 23))])
 def test_the_coordinator_runs_the_policy_and_model_its_flags_name(redis_url: str, job: str, flags: list[str],
                                                                    policy: str, third: tuple[int, int]) -> None:
     coordinator = subprocess.Popen([*LBBSP, "coordinator", "--redis", redis_url, "--job", job, "--workers", "2",
@@ -90,6 +93,27 @@ def test_a_model_for_a_policy_without_one_is_refused(capsys: pytest.CaptureFixtu
     assert "--policy bsp uses no capacity model" in capsys.readouterr().err
     assert main(["coordinator", "--workers", "2", "--global-batch", "8", "--epoch-iterations", "5"]) == 2
     assert "--epoch-iterations is per-epoch's; --policy lbbsp decides every iteration" in capsys.readouterr().err
+
+
+def test_kind_flags_are_checked_and_build_the_auto_model_they_name(capsys: pytest.CaptureFixture[str]) -> None:
+    job = ["coordinator", "--workers", "4", "--global-batch", "8"]
+    policy = _policy(build_parser().parse_args([*job, "--kind", "3=gpu", "--kind", "0=fl", "--kind-model", "cpu=ewma",
+                                           "--lag", "1"]))
+    model = policy.model  # type: ignore[attr-defined]
+    assert isinstance(model, AutoCapacityModel) and model.kinds == {3: "gpu", 0: "fl"} and model.horizon == 1
+    assert isinstance(model.models["cpu"], EWMAThroughput)  # type: ignore[index]
+    per_epoch = _policy(build_parser().parse_args([*job, "--policy", "per-epoch", "--kind", "1=gpu"]))
+    assert isinstance(per_epoch.model, AutoCapacityModel)  # type: ignore[attr-defined]
+    for flags, error in ((["--kind", "4=gpu"], "--kind: worker(s) [4] outside the job's workers 0..3"),
+                         (["--policy", "bsp", "--kind", "1=gpu"], "--kind 1=gpu: only the auto model routes"),
+                         (["--model", "narx", "--kind-model", "gpu=ewma"], "with --model narx does not")):
+        assert main([*job, *flags]) == 2
+        assert error in capsys.readouterr().err
+    for flag, value in (("--kind", "gpu=1"), ("--kind", "1=GPU"), ("--kind-model", "gpu=auto"),
+                        ("--kind-model", "tpu=ewma")):
+        with pytest.raises(SystemExit):
+            main([*job, flag, value])
+        assert f"argument {flag}: expected" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("max_ahead", ["0", "1025", "x"])

@@ -260,6 +260,38 @@ def test_auto_model_leaves_the_kind_of_a_bare_announcement_open() -> None:
     np.testing.assert_allclose(model.time_model([0, 1]).time(np.array([20, 20])), [61.0, 61.0])
 
 
+def test_auto_model_routes_a_worker_that_only_announced_itself_by_its_hardware() -> None:
+    """A CPU worker that announces itself (nothing measured, no GPU features) in a job of mostly GPUs had been
+    routed to the GPUs' model and given an A100's share, 251 samples where its CPU peers got 9, and the next
+    iteration lasted 26x as long. Its hardware's peers decide, then its device family's, then the job's most
+    common kind."""
+    a100 = [Report("j", w, 0, 170, 0.016, device="cuda:A100", features={"cores": 8.0}) for w in range(3)]
+    cpus = [Report("j", w, 0, 170, 0.425, features={"cores": 8.0}) for w in (3, 4)]
+    newcomers = [Report("j", 5, 0, 0, 0.0, features={"cores": 8.0}),  # the CPUs' hardware
+                 Report("j", 6, 0, 0, 0.0, features={"cores": 64.0}),  # the CPUs' device family
+                 Report("j", 7, 0, 0, 0.0, device="tpu", features={"cores": 8.0})]  # nobody's: the most common kind
+    policy = LBBSPPolicy(deadband=0)
+    policy.observe(a100 + cpus + newcomers)
+    model = policy.model
+    assert isinstance(model, AutoCapacityModel) and 5 not in model.kind_
+    np.testing.assert_allclose(model.predict([5, 6, 7]), [400.0, 400.0, 10625.0], rtol=0.01)
+    sizes = policy.decide(2, JobConfig("j", 8, 1024).initial_sizes(), JobConfig("j", 8, 1024)).sizes
+    assert sizes[3] == sizes[5] == sizes[6] < 20 and sizes[7] == sizes[0] > 200 and sum(sizes) == 1024
+
+
+def test_auto_model_plans_the_first_gpu_of_a_cpu_job_at_the_jobs_median_speed() -> None:
+    """A GPU that announced itself in a CPU job, its kind's model having measured nothing, had been planned at
+    1 sample/s (the curve's fallback) and given 1 sample, with a predicted finish of 128 s where the iteration
+    took 0.43 s; it now runs at the job's median speed until it reports."""
+    config = JobConfig("j", 4, 512)
+    policy = LBBSPPolicy(deadband=0)
+    policy.observe([Report("j", w, 0, 170, 0.425, features={"cores": 8.0}) for w in range(3)]
+                   + [Report("j", 3, 0, 0, 0.0, device="cuda:A100", features={"cores": 8.0})])
+    assert policy.model.predict([3])[0] == pytest.approx(400.0)
+    decision = policy.decide(2, config.initial_sizes(), config)
+    assert decision.sizes == (128, 128, 128, 128) and "predicted finish 0.32s" in decision.reason
+
+
 @pytest.mark.parametrize("factory", [LastValue, EWMAThroughput, NARXThroughput, BatchTimeCurve, FLClientModel,
                                      AutoCapacityModel])
 def test_contract(factory: type) -> None:

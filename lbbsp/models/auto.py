@@ -19,7 +19,7 @@ from ..allocation import InvertibleTimeModel, LinearTime, TimeModel
 from ..config import _integer
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel, CheckedReports, WorkerIds, as_reports, worker_ids
+from .base import CapacityModel, CheckedReports, Hardware, WorkerIds, as_reports, hardware_of, worker_ids
 from .fl_client import TRANSFER_FEATURES, FLClientModel
 from .gpu_curve import BatchTimeCurve
 from .narx import NARXThroughput
@@ -104,12 +104,17 @@ class AutoCapacityModel(CapacityModel):
             # same parameters, or one fitted again, do not learn into each other's state
             self.models_ = default_models(self.horizon) | {kind: clone(model) for kind, model in given.items()}
             self.kind_: dict[int, str] = {}
+            self.hardware_: dict[int, Hardware] = {}  # each worker's, from its first report
             self.fed_: set[str] = set()  # kinds whose model has had reports: the others cannot answer yet
+            self.measured_: set[str] = set()  # kinds whose model has had a measurement, not just announcements
             self._groups_cache = None  # from before a refit, perhaps
         by_kind: dict[str, list[Report]] = {kind: CheckedReports() for kind in KINDS}  # in order: not checked again
         for report in reports:
             kind = self.kind_.get(report.worker)
             if kind is None:  # a worker's kind is set by its first report that shows it
+                if report.worker not in self.hardware_:  # what its kind is guessed from until then
+                    self.hardware_[report.worker] = hardware_of(report)
+                    self._groups_cache = None
                 pinned = (self.kinds or {}).get(report.worker)
                 kind = pinned or worker_kind(report)
                 bare = pinned is None and report.samples == 0 and kind == "cpu"
@@ -127,6 +132,8 @@ class AutoCapacityModel(CapacityModel):
                 if kind not in self.fed_:
                     self.fed_.add(kind)
                     self._groups_cache = None
+                if kind not in self.measured_ and any(r.samples > 0 and r.compute_s > 0 for r in group):
+                    self.measured_.add(kind)
         return self
 
     def _check_params(self) -> None:
@@ -143,6 +150,11 @@ class AutoCapacityModel(CapacityModel):
         wrong = sorted(kind for kind, model in given.items() if not isinstance(model, CapacityModel))
         if wrong:
             raise ConfigError(f"models for {wrong} are not CapacityModel instances")
+        for kind, model in given.items():  # here, not at the first report of its kind (a decision of a running job)
+            try:
+                model._check_params()
+            except ConfigError as exc:
+                raise ConfigError(f"models[{kind!r}]: {exc.message}") from None
 
     def finish_learning(self) -> AutoCapacityModel:
         for model in getattr(self, "models_", {}).values():
@@ -150,8 +162,15 @@ class AutoCapacityModel(CapacityModel):
         return self
 
     def predict(self, workers: WorkerIds) -> np.ndarray:
+        """Each worker's throughput as its kind's model predicts it; for a kind that has announced itself but
+        measured nothing yet (the first GPU of a CPU job), the median of the other kinds' predictions."""
         self._check_is_fitted("models_")
-        return self._per_kind(workers, lambda model, ids: model.predict(ids), np.nan)
+        ids = worker_ids(workers)
+        out = self._per_kind(ids, lambda model, some: model.predict(some), np.nan)
+        unmeasured = [positions for kind, positions in self._groups(ids).items() if kind not in self.measured_]
+        if unmeasured:
+            out[np.concatenate(unmeasured)] = self._median_speed()
+        return out
 
     def max_batch(self, workers: WorkerIds) -> np.ndarray | None:
         self._check_is_fitted("models_")
@@ -177,18 +196,32 @@ class AutoCapacityModel(CapacityModel):
         groups = self._groups(ids)
         if len(groups) == 1:
             return self._time_model(next(iter(groups)), ids)
-        return grouped(tuple((positions, self._time_model(kind, ids[positions])) for kind, positions in groups.items()),
-                       ids.size)
+        return grouped(tuple((positions, self._time_model(kind, ids[positions]))
+                             for kind, positions in groups.items()), ids.size)
 
     def _time_model(self, kind: str, ids: np.ndarray) -> TimeModel:
-        """The ``kind``'s model's time model, or equal speeds where that model has had no report."""
-        return self.models_[kind].time_model(ids) if kind in self.fed_ else LinearTime(np.ones(ids.size))
+        """The ``kind``'s model's time model; where that model has measured nothing yet, the median speed of the
+        other kinds' workers (its own fallback, 1 sample/s, had starved the first GPU of a CPU job)."""
+        if kind in self.measured_:
+            return self.models_[kind].time_model(ids)
+        return LinearTime(np.full(ids.size, np.nan_to_num(self._median_speed(), nan=1.0)))
+
+    def _median_speed(self) -> float:
+        """The median predicted throughput of the workers whose kind's model has measured something (NaN where none
+        has): the cold-start prior of everyone, across kinds."""
+        speeds = np.concatenate([np.empty(0)] + [
+            self.models_[kind].predict(np.array([w for w, k in self.kind_.items() if k == kind], dtype=np.int64))
+            for kind in self.measured_])
+        speeds = speeds[np.isfinite(speeds) & (speeds > 0)]
+        return float(np.median(speeds)) if speeds.size else np.nan
 
     def _groups(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        """Positions of each kind in ``ids``; a worker never seen is of the kind ``kinds`` pins (once that kind's
-        model has had reports), else joins the most common kind among ``ids`` (among all workers when none in
-        ``ids`` was seen). Cached until a new worker or kind reports, since a decision asks several times for the
-        same workers."""
+        """Positions of each kind in ``ids``; a worker whose kind is not set yet is of the kind ``kinds`` pins
+        (once that kind's model has had reports), else of the kind most common among workers of its hardware, then
+        of its device family (a CPU worker that only announced itself, in a job of mostly GPUs, had been routed to
+        the GPUs' model and given a GPU's share), else among ``ids`` (among all workers when none in ``ids`` has a
+        kind). Ties go to the first in KINDS: the same in every process. Cached until a worker or kind is new, since
+        a decision asks several times for the same workers."""
         key = ids.tobytes()
         cached = getattr(self, "_groups_cache", None)
         if cached is not None and cached[0] == key:
@@ -197,8 +230,17 @@ class AutoCapacityModel(CapacityModel):
         kinds = [self.kind_.get(w) or (kind if (kind := pinned.get(w)) in self.fed_ else None) for w in ids.tolist()]
         if None in kinds:
             seen = [k for k in kinds if k is not None] or list(self.kind_.values()) or sorted(self.fed_)
-            common = max(KINDS, key=seen.count)  # ties in the order of KINDS: the same in every process
-            kinds = [k or common for k in kinds]
+            common = max(KINDS, key=seen.count)
+            by_hardware: dict[Hardware | str, list[str]] = {}
+            for worker, kind in self.kind_.items():
+                hardware = self.hardware_.get(worker)
+                if hardware is not None:
+                    by_hardware.setdefault(hardware, []).append(kind)
+                    by_hardware.setdefault(hardware[0], []).append(kind)
+            for at in [i for i, kind in enumerate(kinds) if kind is None]:
+                hardware = self.hardware_.get(int(ids[at]))
+                peers = by_hardware.get(hardware) or by_hardware.get(hardware[0]) if hardware else None
+                kinds[at] = max(KINDS, key=peers.count) if peers else common
         labels = np.array(kinds)
         groups = {kind: np.flatnonzero(labels == kind) for kind in KINDS if (labels == kind).any()}
         self._groups_cache = (key, groups)
