@@ -79,6 +79,13 @@ class Policy:
     #: The share of workers the policy may give nothing in an iteration (they sit it out); 0 for most policies.
     sit_out: float = 0.0
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """A policy of one's own that sets no ``name`` is named for its class, not "static" (its failures had been
+        logged, and its splits written, as the static policy's)."""
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__ and cls.name == Policy.name:
+            cls.name = cls.__name__
+
     def observe(self, reports: Sequence[Report]) -> None:
         """Learn from one iteration's validated reports (some workers may be missing); this one learns nothing,
         but refuses what is not a list of reports, as every policy does (a TypeError)."""

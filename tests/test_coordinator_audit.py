@@ -273,9 +273,8 @@ def test_a_report_far_below_its_workers_previous_throughput_is_named_in_a_warnin
 
 
 class _Broken(Policy):
-    """A custom policy with a bug that fails every decision the same way."""
-
-    name = "broken"
+    """A custom policy with a bug that fails every decision the same way; it sets no name, so it is named for its
+    class (it had been logged as the static policy)."""
 
     def decide(self, iteration: int, current, config):  # type: ignore[no-untyped-def]
         raise RuntimeError("a bug in a custom policy")
@@ -293,4 +292,4 @@ def test_a_policy_that_fails_every_decision_is_logged_once_with_a_count_not_at_e
             assert assignment.sizes == (5, 5)
     assert guarded.failures == 50
     assert [r.getMessage() for r in caplog.records] == [
-        "policy broken failed to decide iteration 2; keeping the current split"]
+        "policy _Broken failed to decide iteration 2; keeping the current split"]

@@ -93,8 +93,10 @@ def test_a_misspelt_parameter_changes_nothing(model: BatchTimeCurve | NARXThroug
                                               change: dict[str, int]) -> None:
     model.fit([[Report("j", w, k, 10 + k, 0.1, device="cuda:0") for w in range(2)] for k in range(4)])
     before = model.get_params()
-    with pytest.raises(ValueError, match="Invalid parameter"):
+    misspelt = next(name for name in change if name not in before)
+    with pytest.raises(ValueError, match=f"Invalid parameter '{misspelt}' for {type(model).__name__}; valid") as raised:
         model.set_params(**change)
+    assert "=" not in str(raised.value)  # scikit-learn's message showed the model with the valid value set
     assert model.get_params() == before  # the valid name had been set, without the forgetting it needs
     model.partial_fit([Report("j", 5, 9, 20, 0.1, device="cuda:0")])  # the GPU curve had crashed here
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -356,11 +357,23 @@ def test_splits_over_gpu_memory_are_listed_last_whatever_their_time() -> None:
     assert "listed last, whatever their time: lbbsp-ewma" in text
 
 
+@pytest.mark.parametrize(("text", "said"), [
+    (text, "a trace is an object with 'columns' (a list of names) and 'rows' (a list of rows)")
+    for text in ("[1, 2]", '"hello"', "null", '{"columns": 5, "rows": [[1]]}', '{"columns": "throughput", "rows": [[1]]}',
+                 '{"columns": ["throughput"], "rows": {"a": 1}}', '{"rows": [[1]]}')
+] + [  # the messages had been Python's own ("string indices must be integers"; a string's 10 letters as 7 columns)
+    ('{"columns": ["throughput", "throughput"], "rows": [[1, 2]]}', "columns must be distinct names"),
+    ('{"columns": ["throughput"], "rows": [[true]]}', "rows must be a non-empty list of rows of 1 numbers"),  # true had been read as 1.0
+    ('{"columns": ["throughput"], "rows": []}', "rows must be a non-empty list"),
+])
+def test_a_malformed_trace_file_says_what_a_trace_is(tmp_path: Path, text: str, said: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(f"cannot read CPU trace {path}: {said}")):
+        CPUTrace.load(path)
+
+
 @pytest.mark.parametrize("text", [
-    "[1, 2]",  # not an object
-    '{"columns": 5, "rows": [[1]]}',
-    '{"columns": ["throughput"], "rows": {"a": 1}}',
-    '{"columns": ["throughput"], "rows": []}',
     "zero throughput", "NaN feature", "half a level", "cpu_util over 1", "no cores", "negative level", "ragged",
 ])
 def test_a_malformed_trace_is_refused_by_name(tmp_path: Path, text: str) -> None:

@@ -130,6 +130,9 @@ class CapacityModel(BaseEstimator):
         before = self.get_params(deep=False)
         for name in params:
             outer = name.partition("__")[0]
+            if outer not in before:  # before anything is set: scikit-learn's message showed the values it had set
+                raise ValueError(f"Invalid parameter {outer!r} for {type(self).__name__}; valid parameters are "
+                                 f"{sorted(before)}")
             if outer != name and outer in before and not hasattr(before[outer], "set_params"):  # sklearn would call it
                 raise ValueError(f"Invalid parameter {name!r} for {type(self).__name__}: {outer!r} is not an "
                                  f"estimator with parameters of its own; pass a whole new {outer}= instead")

@@ -27,12 +27,14 @@ MAX_CELLS = 50_000_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scenario", choices=sorted(SCENARIOS), required=True)
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), required=True,
+                        help="cpu-contention: recorded CPU traces under co-located jobs; gpu-mix: GPU generations with "
+                             "nonlinear curves and memory caps; fl-clients: federated clients (docs/simulator.md)")
     parser.add_argument("--workers", type=int, default=16, help="number of simulated workers")
     parser.add_argument("--iterations", type=int, default=200, help="barriers to simulate per policy")
     parser.add_argument("--seed", type=int, default=0, help="seed of the scenario (same trace for every policy)")
     parser.add_argument("--lag", type=int, default=2,
-                        help="iterations a decision runs ahead, as JobConfig.lag (2: production default)")
+                        help="iterations a decision runs ahead, as JobConfig.lag (default: 2, as in production)")
     parser.add_argument("--mean-dwell", type=float, default=None,
                         help=f"cpu-contention only: mean iterations between contention-level draws (default "
                              f"{MEAN_DWELL:g}; a draw may keep the level, so with 3 levels it changes every 1.5x that "

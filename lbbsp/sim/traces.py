@@ -33,9 +33,16 @@ class CPUTrace:
         path = Path(path)
         try:
             data = json.loads(path.read_text())
+            if not isinstance(data, dict) or not isinstance(data.get("columns"), list) or not isinstance(
+                    data.get("rows"), list):
+                raise ValueError("a trace is an object with 'columns' (a list of names) and 'rows' (a list of rows)")
+            if not all(isinstance(name, str) for name in data["columns"]) or len(set(data["columns"])) < len(
+                    data["columns"]):
+                raise ValueError(f"columns must be distinct names, got {data['columns']!r:.120}")
             columns = {name: i for i, name in enumerate(data["columns"])}
+            plain = all(isinstance(row, list) and all(type(v) in (int, float) for v in row) for row in data["rows"])
             try:
-                rows = np.asarray(data["rows"], dtype=float)
+                rows = np.asarray(data["rows"], dtype=float) if plain else np.zeros(0)  # true is no throughput
             except ValueError:  # numpy's "inhomogeneous shape" says nothing of rows
                 rows = np.zeros(0)
             if rows.ndim != 2 or rows.shape[1] != len(columns):
@@ -45,9 +52,6 @@ class CPUTrace:
                 raise ValueError(f"no column {', '.join(missing)} (columns: {', '.join(columns)})")
             throughput, level = rows[:, columns["throughput"]], rows[:, columns["hog_level"]]
             features = rows[:, [columns[f] for f in TRACE_FEATURES]]
-        except KeyError as exc:
-            raise ConfigError(f"cannot read CPU trace {path}: no {exc} entry (a trace is an object with "
-                              "'columns' and 'rows')") from None
         except (OSError, ValueError, IndexError, TypeError, OverflowError) as exc:  # Overflow: an int beyond a float
             raise ConfigError(f"cannot read CPU trace {path}: {exc}") from None
         except RecursionError:
