@@ -279,6 +279,20 @@ def test_auto_model_routes_a_worker_that_only_announced_itself_by_its_hardware()
     assert sizes[3] == sizes[5] == sizes[6] < 20 and sizes[7] == sizes[0] > 200 and sum(sizes) == 1024
 
 
+def test_auto_model_moves_a_cpu_worker_that_starts_reporting_gpu_memory_to_the_gpu_model() -> None:
+    """Its model moved to a GPU mid-run: it had stayed with NARX for good, 18 iterations to reach its share and never
+    a memory cap. A worker pinned to the CPUs stays there."""
+    gpu = {"gpu_mem_used": 2e9 + 1e7 * 64, "gpu_mem_free": 14e9 - 1e7 * 64}
+    model = AutoCapacityModel(kinds={2: "cpu"})
+    for k in range(4):
+        model.partial_fit([Report("j", w, k, 64, 0.64) for w in range(3)])
+    assert model.kind_ == {0: "cpu", 1: "cpu", 2: "cpu"} and model.max_batch([0, 1, 2]) is None
+    model.partial_fit([Report("j", 0, 4, 64, 0.064, device="cuda:A100", features=gpu),
+                       Report("j", 1, 4, 64, 0.64), Report("j", 2, 4, 64, 0.064, device="cuda:A100", features=gpu)])
+    assert model.kind_ == {0: "gpu", 1: "cpu", 2: "cpu"}
+    assert model.predict([0])[0] == pytest.approx(1000.0) and model.max_batch([0])[0] < 2000
+
+
 def test_auto_model_plans_the_first_gpu_of_a_cpu_job_at_the_jobs_median_speed() -> None:
     """A GPU that announced itself in a CPU job, its kind's model having measured nothing, had been planned at
     1 sample/s (the curve's fallback) and given 1 sample, with a predicted finish of 128 s where the iteration

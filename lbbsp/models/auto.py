@@ -81,7 +81,8 @@ class MixedTime(GroupedTime):
 
 class AutoCapacityModel(CapacityModel):
     """Routes each worker to the model of its kind; ``models`` replaces any kind's model, ``kinds`` pins
-    a worker's kind (``{worker: "gpu"}``); ``horizon`` is how far ahead forecasts are used (``JobConfig.lag``)."""
+    a worker's kind (``{worker: "gpu"}``); ``horizon`` is how far ahead forecasts are used (``JobConfig.lag``).
+    A kind once set stays, but for a CPU worker that starts to report GPU memory (its model moved to a GPU)."""
 
     _STRUCTURAL = frozenset({"models", "kinds", "horizon"})
     _groups_cache: tuple[bytes, dict[str, np.ndarray]] | None  # (worker ids as bytes, positions of each kind)
@@ -111,6 +112,8 @@ class AutoCapacityModel(CapacityModel):
         by_kind: dict[str, list[Report]] = {kind: CheckedReports() for kind in KINDS}  # in order: not checked again
         for report in reports:
             kind = self.kind_.get(report.worker)
+            if kind == "cpu" and "gpu_mem_used" in report.features and report.worker not in (self.kinds or {}):
+                kind = None  # a CPU worker now reading GPU memory has moved to a GPU: its kind is set again
             if kind is None:  # a worker's kind is set by its first report that shows it
                 if report.worker not in self.hardware_:  # what its kind is guessed from until then
                     self.hardware_[report.worker] = hardware_of(report)
