@@ -59,6 +59,22 @@ def hedged(model: TimeModel, factor: np.ndarray) -> TimeModel:
     return HedgedTime(model, factor)
 
 
+def sized_throughput(model: TimeModel, sizes: np.ndarray) -> np.ndarray:
+    """The throughput ``model`` predicts for each worker at its size in ``sizes``, where that depends on the size
+    (a hinge curve: a GPU under its knee takes as long for fewer samples); NaN elsewhere, where the forecast
+    throughput is the same at every size (a linear model's speed, a federated client's compute without its
+    transfers) and a worker given nothing."""
+    sizes = np.asarray(sizes, dtype=float)
+    out = np.full(sizes.size, np.nan)
+    if isinstance(model, GroupedTime):
+        for positions, inner in model.groups:
+            out[positions] = sized_throughput(inner, sizes[positions])
+    elif isinstance(model, HingeTime):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out = np.where(sizes > 0, sizes / model.time(sizes), np.nan)
+    return out
+
+
 class ForecastRisk:
     """Per-worker time factors: the (1 - hedge/N) quantile of past slowdowns of similar forecasts.
 
@@ -103,6 +119,21 @@ class ForecastRisk:
         self.forecasts_[iteration] = (ids, forecast, self._bucket(ids, forecast))
         while len(self.forecasts_) > self.keep:  # the oldest other than this one (a decision may be re-made late)
             del self.forecasts_[min(k for k in self.forecasts_ if k != iteration)]
+
+    def expect(self, iteration: int, workers: Sequence[int] | np.ndarray, throughput: np.ndarray) -> None:
+        """Score the forecasts recorded for ``iteration``, where ``throughput`` is finite, against it instead: what
+        the forecast implies at the size each worker was then given (:func:`sized_throughput`). A GPU's forecast at
+        its latest size, 64 samples, scored against a step of 1 sample under its knee, had read as a slowdown of
+        17x, whose margin gave it 1 sample again (a mixed job ran at 2.9x the oracle's time)."""
+        recorded = self.forecasts_.get(iteration)
+        if recorded is None:
+            return
+        ids, predicted, bucket = recorded
+        position = np.full(int(max(np.max(workers, initial=-1), ids.max(initial=-1))) + 1, -1, dtype=np.int64)
+        position[np.asarray(workers, dtype=np.int64)] = np.arange(len(workers))
+        at = position[ids]
+        given = np.where(at >= 0, np.asarray(throughput, dtype=float)[np.maximum(at, 0)], np.nan)
+        self.forecasts_[iteration] = (ids, np.where(np.isfinite(given), given, predicted), bucket)
 
     def observe(self, reports: Sequence[Report], *, defer: bool = False) -> None:
         """Learn each new worker's hardware and each worker's co-located load, and pool the slowdowns of the

@@ -24,7 +24,7 @@ from .allocation import (
 )
 from .config import JobConfig, _integer, _real
 from .errors import ConfigError
-from .hedging import ForecastRisk, hedged
+from .hedging import ForecastRisk, hedged, sized_throughput
 from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
 from .models.auto import GroupedTime
 from .models.base import WorkerIds, as_reports
@@ -248,6 +248,8 @@ class LBBSPPolicy(Policy):
             sizes, changed = proposed, True
         forced = lower.sum() == config.global_batch or upper.sum() == config.global_batch  # one split fits
         sizes = self.model.explore(workers, sizes, lower, upper)
+        if self.risk is not None:  # margins learn from misses at the sizes run, where the forecast depends on them
+            self.risk.expect(iteration, workers, sized_throughput(time_model, sizes))
         predicted = time_model.time(sizes)
         slowest = int(np.argmin(np.where(np.isfinite(throughput), throughput, np.inf)))
         finish = float(predicted.max()) if plan is time_model else predicted_makespan(plan, sizes)

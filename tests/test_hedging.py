@@ -9,7 +9,7 @@ import pytest
 from lbbsp.allocation import HingeTime, LinearTime, allocate
 from lbbsp.config import JobConfig
 from lbbsp.errors import ConfigError
-from lbbsp.hedging import _REACH, ForecastRisk, HedgedTime, hedged
+from lbbsp.hedging import _REACH, ForecastRisk, HedgedTime, hedged, sized_throughput
 from lbbsp.models import EWMAThroughput
 from lbbsp.models.auto import MixedTime
 from lbbsp.policies import LBBSPPolicy
@@ -254,3 +254,21 @@ def test_the_quantile_is_the_order_statistic_it_names_despite_float_rounding() -
     risk.pooled_[0] = 397
     risk.record(5, np.arange(9), np.ones(9))
     assert np.allclose(risk.factors(5), 265.0)  # index 264 of the sorted slowdowns (np.quantile's "higher" says 266)
+
+
+def test_a_forecast_is_scored_at_the_size_run_where_the_curve_makes_throughput_depend_on_it() -> None:
+    """A GPU forecast at 500 samples/s at its latest size, then given 8 samples under its 64-sample knee, takes as
+    long as for 64: scored at the latest size, that read as a slowdown of 6x, whose margin took its samples away
+    (in a mixed job of 256 workers, GPUs at 1 sample and the job at 2.9x the oracle's time)."""
+    curve = HingeTime(np.full(3, 0.128), np.full(3, 64.0), np.full(3, 0.002), np.full(3, 1e12))
+    linear = LinearTime(np.array([50.0, 60.0]))
+    job = MixedTime(((np.arange(3), curve), (np.arange(3, 5), linear)), 5)
+    sizes = np.array([8, 100, 0, 4, 6])
+    np.testing.assert_allclose(sized_throughput(job, sizes), [62.5, 100 / 0.2, np.nan, np.nan, np.nan])
+    risk = ForecastRisk(min_samples=1)
+    risk.record(5, np.arange(5), np.array([500.0, 500.0, 500.0, 50.0, 60.0]))
+    risk.expect(5, np.arange(5), sized_throughput(job, sizes))
+    risk.observe([Report("h", w, 5, int(sizes[w]), float(job.time(sizes)[w])) for w in (0, 1, 3, 4)])
+    pooled = np.concatenate([risk.pool_[b, :n] for b, n in enumerate(risk.pooled_)])
+    np.testing.assert_allclose(pooled, 0.0, atol=1e-12)  # every forecast came true at the size it was run at
+    assert risk.factors(5).max() == pytest.approx(1.0)

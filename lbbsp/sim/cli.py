@@ -29,21 +29,22 @@ MAX_CELLS = 50_000_000
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), required=True,
                         help="cpu-contention: recorded CPU traces under co-located jobs; gpu-mix: GPU generations with "
-                             "nonlinear curves and memory caps; fl-clients: federated clients (docs/simulator.md)")
+                             "nonlinear curves and memory caps; fl-clients: federated clients; mixed: gpu-mix's GPUs and "
+                             "cpu-contention's CPU workers in one job (docs/simulator.md)")
     parser.add_argument("--workers", type=int, default=16, help="number of simulated workers")
     parser.add_argument("--iterations", type=int, default=200, help="barriers to simulate per policy")
     parser.add_argument("--seed", type=int, default=0, help="seed of the scenario (same trace for every policy)")
     parser.add_argument("--lag", type=int, default=2,
                         help="iterations a decision runs ahead, as JobConfig.lag (default: 2, as in production)")
     parser.add_argument("--mean-dwell", type=float, default=None,
-                        help=f"cpu-contention only: mean iterations between contention-level draws (default "
+                        help=f"cpu-contention and mixed only: mean iterations between contention-level draws (default "
                              f"{MEAN_DWELL:g}; a draw may keep the level, so with 3 levels it changes every 1.5x that "
                              "on average; inf: never)")
     parser.add_argument("--traces", type=Path, default=None,
-                        help="cpu-contention only: directory of recorded traces to replay (default: the shipped "
+                        help="cpu-contention and mixed only: directory of recorded traces to replay (default: the shipped "
                              "experiments/traces; record your own with experiments/record_cpu_trace.py)")
     parser.add_argument("--no-noise", action="store_true",
-                        help="cpu-contention only: replay each level's median throughput instead of the recorded "
+                        help="cpu-contention and mixed only: replay each level's median throughput instead of the recorded "
                              "per-iteration noise")
     parser.add_argument("--redis", nargs="?", const="", default=None, metavar="URL",
                         help="run every policy through Redis as in a job (reports posted, a real Coordinator "
@@ -136,15 +137,15 @@ def _through_redis(scenario: Scenario, iterations: int, url: str,
 
 
 def _scenario_options(args: argparse.Namespace) -> tuple[dict[str, object], str]:
-    """The cpu-contention options given on the command line, and a file-name suffix that names them (so a
+    """The CPU workers' options given on the command line (cpu-contention and mixed), and a file-name suffix that names them (so a
     decomposition run never overwrites the default scenario's results)."""
     options: dict[str, object] = {}
     if args.mean_dwell is not None:
         options["mean_dwell"] = args.mean_dwell
     if args.no_noise:
         options["noise"] = False
-    if (options or args.traces is not None) and args.scenario != "cpu-contention":
-        raise ConfigError("--mean-dwell, --traces and --no-noise apply to --scenario cpu-contention only")
+    if (options or args.traces is not None) and args.scenario not in ("cpu-contention", "mixed"):
+        raise ConfigError("--mean-dwell, --traces and --no-noise apply to --scenario cpu-contention and mixed only")
     suffix = ""
     if args.traces is not None:
         options["traces"] = load_traces(args.traces)

@@ -16,7 +16,7 @@ import numpy as np
 from ..allocation import HingeTime, LinearTime
 from ..config import JobConfig, _integer, _real
 from ..errors import ConfigError
-from ..models import AutoCapacityModel, CapacityModel, FLClientModel
+from ..models import AutoCapacityModel, CapacityModel, FLClientModel, MixedTime
 from .traces import TRACE_FEATURES, CPUTrace, load_traces
 
 #: Iterations past the last simulated one that a scenario generates: decisions run up to ``lag`` (at most 8)
@@ -46,7 +46,7 @@ def _above_zero(name: str, value: object) -> float:
 class Truth:
     """What is really going to happen in one iteration: each worker's time model, memory cap, presence."""
 
-    time_model: LinearTime | HingeTime
+    time_model: LinearTime | HingeTime | MixedTime
     max_batch: np.ndarray | None = None
     present: np.ndarray | None = None  # False for a federated client that drops out this round
 
@@ -301,4 +301,46 @@ class FLClients(Scenario):
         return [{"download_s": d, "upload_s": u} for d, u in zip(self.download_s.tolist(), self.upload_s.tolist())]
 
 
-SCENARIOS = {"cpu-contention": CPUContention, "gpu-mix": GPUMix, "fl-clients": FLClients}
+class MixedCluster(Scenario):
+    """GPU and CPU workers in one job, every other worker a GPU: the GPUs of gpu-mix and the CPU workers of
+    cpu-contention (their contention levels and recorded noise), each CPU worker's speed scaled so that its
+    uncontended median is ``cpu_images_per_s`` times its machine's factor (an assumption, not a published figure:
+    a CPU node training what the GPUs train). LB-BSP's automatic model routes each worker by what it reports."""
+
+    def __init__(self, num_workers: int, iterations: int, seed: int, *, traces: Sequence[CPUTrace] | None = None,
+                 mean_dwell: float = MEAN_DWELL, noise: bool = True, cpu_images_per_s: float = 60.0,
+                 gpu_batch: int = 112, cpu_batch: int = 16) -> None:
+        _run(num_workers, iterations, seed, gpu_batch, "gpu_batch")
+        _integer(cpu_batch, "cpu_batch", 1, None)
+        _above_zero("cpu_images_per_s", cpu_images_per_s)
+        if num_workers < 4:  # two of each kind, as each scenario it is made of needs
+            raise ConfigError(f"num_workers must be at least 4 for a mixed cluster (two GPUs, two CPUs), got {num_workers}")
+        self.gpus_at, self.cpus_at = np.arange(0, num_workers, 2), np.arange(1, num_workers, 2)
+        self.gpus = GPUMix(self.gpus_at.size, iterations, seed, batch_per_worker=gpu_batch)
+        self.cpus = CPUContention(self.cpus_at.size, iterations, seed, traces=traces, batch_per_worker=cpu_batch,
+                                  mean_dwell=mean_dwell, noise=noise)
+        scale = cpu_images_per_s / 1000.0  # cpu-contention's uncontended median is 1,000 samples/s
+        self.cpus.speed, self.cpus.level_speed = self.cpus.speed * scale, self.cpus.level_speed * scale
+        devices = np.empty(num_workers, dtype=object)
+        devices[self.gpus_at], devices[self.cpus_at] = list(self.gpus.devices), list(self.cpus.devices)
+        global_batch = gpu_batch * self.gpus_at.size + cpu_batch * self.cpus_at.size
+        super().__init__("mixed", JobConfig("sim-mixed", num_workers, global_batch), devices.tolist(),
+                         {"gpus": self.gpus.notes, "cpus": self.cpus.notes, "cpu_images_per_s": cpu_images_per_s,
+                          "gpu_batch": gpu_batch, "cpu_batch": cpu_batch}, iterations)
+        self.cap = np.full(num_workers, global_batch, dtype=np.int64)  # a CPU worker's memory holds the batch
+        self.cap[self.gpus_at] = self.gpus.cap
+
+    def truth(self, iteration: int) -> Truth:
+        return Truth(MixedTime(((self.gpus_at, self.gpus.truth(iteration).time_model),
+                                (self.cpus_at, self.cpus.truth(iteration).time_model)), self.config.num_workers),
+                     max_batch=self.cap)
+
+    def features(self, iteration: int, sizes: np.ndarray) -> list[dict[str, float]]:
+        out: list[dict[str, float]] = [{}] * self.config.num_workers
+        for at, part in ((self.gpus_at, self.gpus), (self.cpus_at, self.cpus)):
+            for i, features in zip(at.tolist(), part.features(iteration, np.asarray(sizes)[at])):
+                out[i] = features
+        return out
+
+
+SCENARIOS = {"cpu-contention": CPUContention, "gpu-mix": GPUMix, "fl-clients": FLClients, "mixed": MixedCluster}
