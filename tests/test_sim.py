@@ -60,8 +60,8 @@ def test_lbbsp_is_close_to_the_oracle_and_ahead_of_bsp_on_gpus() -> None:
 
 def test_a_mixed_cluster_routes_gpus_and_cpus_to_their_models_and_lbbsp_stays_near_the_oracle() -> None:
     """GPUs and CPU workers in one job: the automatic model sends each kind to its model, and LB-BSP keeps to the
-    oracle as closely as its EWMA variant (its margins, scoring GPUs' forecasts at sizes they were not run at, had
-    starved them: 1.40x the EWMA variant's time here, 2.9x the oracle's at 256 workers and 150 iterations)."""
+    oracle as closely as its EWMA variant. Its margins had starved GPUs, scoring their forecasts at sizes they were
+    not run at (1.78x the oracle's time here), and then planned them with the CPUs' misses (1.28x; 1.15x now)."""
     scenario = MixedCluster(256, 40, seed=0)
     assert scenario.devices[0].startswith("cuda:") and scenario.devices[1] == "cpu"
     assert scenario.config.global_batch == 112 * 128 + 16 * 128
@@ -70,7 +70,7 @@ def test_a_mixed_cluster_routes_gpus_and_cpus_to_their_models_and_lbbsp_stays_ne
     model = policies["lbbsp"].model  # type: ignore[attr-defined]
     assert {w: k for w, k in model.kind_.items() if w < 4} == {0: "gpu", 1: "cpu", 2: "gpu", 3: "cpu"}
     mean = {k: float(np.mean(r.iteration_s[10:])) for k, r in runs.items()}
-    assert mean["lbbsp"] <= 1.05 * mean["lbbsp-ewma"] and mean["lbbsp"] <= 1.4 * mean["oracle"] < mean["bsp"]
+    assert mean["lbbsp"] <= 1.05 * mean["lbbsp-ewma"] and mean["lbbsp"] <= 1.2 * mean["oracle"] < mean["bsp"]
     with pytest.raises(ConfigError, match="at least 4 for a mixed cluster"):
         MixedCluster(3, 10, seed=0)
 
