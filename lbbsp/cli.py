@@ -229,12 +229,14 @@ def _status(args: argparse.Namespace) -> int:
                       "assignment_timeout_s and keeps the split before: start one (lbbsp coordinator)"),
                       soft_wrap=True, markup=False, highlight=False)
         table = Table(title=title, caption=f"iteration {last.get('iteration', '-')}: {last.get('reason', 'no decision yet')}")
-        for column in ("worker", "size", "predicted /s", "measured /s", "compute s", "wait s"):
+        kinds = any(isinstance(s.get("kind"), str) for s in statuses.values())  # the automatic model's routing
+        for column in ("worker", "size", "predicted /s", "measured /s", "compute s", "wait s") + ("kind",) * kinds:
             table.add_column(column, justify="right")
         for worker in sorted(statuses):
             s = statuses[worker]
+            kind = (str(s.get("kind") or "-")[:8],) * kinds
             table.add_row(str(worker), str(s["size"]), _fmt(s["predicted_throughput"]), _fmt(s["measured_throughput"]),
-                          _fmt(s["compute_s"]), _fmt(s["wait_s"]))
+                          _fmt(s["compute_s"]), _fmt(s["wait_s"]), *kind)
         console.print(table)
         if args.decisions:
             log = Table(title=f"last {len(decisions)} decisions of job {job}, newest first")

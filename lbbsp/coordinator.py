@@ -53,7 +53,7 @@ _OUTAGE_GRACE_S = 3.0  # a coordinator whose training process ended is stopped b
 
 #: One worker's status in the ``workers`` hash, as JSON (``lbbsp status`` reads it).
 _STATUS = ('{"iteration": %d, "size": %d, "predicted_throughput": %s, "measured_throughput": %s, '
-           '"compute_s": %s, "wait_s": %s}')
+           '"compute_s": %s, "wait_s": %s, "kind": %s}')
 
 
 def _number(value: float | None) -> str:
@@ -451,6 +451,9 @@ class Coordinator:
                 through: int) -> None:
         by_worker = {r.worker: r for r in reports}
         predicted = decision.predicted_throughput
+        model = getattr(self.policy, "model", None)
+        # the kind the automatic model set for each worker (one of KINDS, plain names): what routes it, shown by status
+        kinds: dict[int, str] = getattr(model, "kind_", {}) if isinstance(model, AutoCapacityModel) else {}
         statuses = {}
         measured, dropped = self._measured, []
         for worker, size in enumerate(assignment.sizes):  # a template: json.dumps per worker costs 6 ms at 1,024
@@ -463,7 +466,7 @@ class Coordinator:
             statuses[worker] = _STATUS % (
                 assignment.iteration, size, _number(predicted[worker] if predicted is not None else None),
                 _number(now), _number(report.compute_s if report else None),
-                _number(report.wait_s if report else None))
+                _number(report.wait_s if report else None), f'"{kinds[worker]}"' if worker in kinds else "null")
         record = {
             "iteration": assignment.iteration, "through": through, "from_reports_of": iteration,
             "sizes": list(assignment.sizes),

@@ -43,6 +43,8 @@ def test_coordinator_process_and_status_table(redis_url: str, job: str) -> None:
         assert "rebalanced" in status.stdout or "kept" in status.stdout
         assert " 23 " in status.stdout
         assert "7 23" in status.stdout and "coordinator" in status.stdout  # the decision log, with who wrote it
+        rows = [line for line in status.stdout.splitlines() if "kind" in line or " 23 " in line]
+        assert "kind" in rows[0] and rows[1].rstrip(" │|").endswith("cpu"), rows  # how the automatic model routes each
 
 
 @pytest.mark.timeout(60)
