@@ -133,13 +133,13 @@ class CapacityModel(BaseEstimator):
             if outer not in before:  # before anything is set: scikit-learn's message showed the values it had set
                 raise ValueError(f"Invalid parameter {outer!r} for {type(self).__name__}; valid parameters are "
                                  f"{sorted(before)}")
-            if outer != name and outer in before and not hasattr(before[outer], "set_params"):  # sklearn would call it
+            if outer != name and not hasattr(before[outer], "set_params"):  # scikit-learn would call it
                 raise ValueError(f"Invalid parameter {name!r} for {type(self).__name__}: {outer!r} is not an "
                                  f"estimator with parameters of its own; pass a whole new {outer}= instead")
         try:
             super().set_params(**params)
             self._check_params()
-        except (ConfigError, ValueError):  # a bad value, or a misspelt name (scikit-learn sets the names before it)
+        except (ConfigError, ValueError):  # a bad value, or a misspelt nested name (scikit-learn sets the names before it)
             super().set_params(**{name: before[name] for name in params if name in before})
             raise
         changed = {name for name, value in params.items() if name in before and _changed(before[name], value)}
