@@ -17,6 +17,7 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 import uuid
 from collections import deque
 from collections.abc import Iterator
@@ -89,7 +90,9 @@ def _clipped(text: str, limit: int) -> str:
 
 class _Repeats:
     """Whether a failure is worth a log line now: a new one at once, the same one again (a bug that fails every
-    step, 20 times a second) only every 10 s, saying how many times in a row it came."""
+    step, 20 times a second) only every 10 s, saying how many times in a row it came. An exception is the same
+    as the last where it is of the same type with the same traceback, whatever its message: a policy's error
+    that named the iteration or a sum had logged a traceback at every decision."""
 
     def __init__(self) -> None:
         self._what, self._count, self._next = "", 0, 0.0
@@ -97,7 +100,7 @@ class _Repeats:
     def note(self, failure: object) -> str | None:
         """Count ``failure`` (an exception, or what names one); None if it is not to be logged now, else what to
         add to the line ("" or a count)."""
-        now, what = time.monotonic(), f"{type(failure).__name__}: {failure}"
+        now, what = time.monotonic(), _failure_site(failure)
         again = what == self._what
         told = None
         if not again or now >= self._next:
@@ -105,6 +108,15 @@ class _Repeats:
             self._next = now + 10.0
         self._what, self._count = what, self._count + 1 if again else 1
         return told
+
+
+def _failure_site(failure: object) -> str:
+    """What makes two failures the same one: an exception's type and the lines its traceback passed through (its
+    message where it has no traceback); any other object's text."""
+    if not isinstance(failure, BaseException) or failure.__traceback__ is None:
+        return f"{type(failure).__name__}: {failure}"
+    lines = (f"{frame.f_code.co_filename}:{line}" for frame, line in traceback.walk_tb(failure.__traceback__))
+    return f"{type(failure).__name__} via {' '.join(lines)}"
 
 
 def _check_model_for(policy: Policy | None, config: JobConfig) -> None:
@@ -139,7 +151,7 @@ class GuardedPolicy:
         self._name = _clipped(str(policy.name), MAX_POLICY_NAME_CHARS)
         #: Decisions that failed or broke the job's rules, each kept the split in force (and was logged).
         self.failures = 0
-        self._repeats = _Repeats()
+        self._repeats, self._learn_repeats = _Repeats(), _Repeats()
 
     def decide(self, target: int, current: tuple[int, ...], reports: list[Report]) -> tuple[Decision, Assignment]:
         """Observe ``reports`` and decide the assignment of ``target``; ``current`` (the split of ``target - 1``)
@@ -164,8 +176,9 @@ class GuardedPolicy:
         """Let the policy learn from the reports of ``iteration`` once the split is out; a failure is logged."""
         try:
             self.policy.learn()
-        except Exception:  # as above: logged, and the next decision goes on
-            log.exception("policy %s failed to learn from iteration %d", self.policy.name, iteration)
+        except Exception as exc:  # as above: logged, and the next decision goes on
+            if (repeats := self._learn_repeats.note(exc)) is not None:
+                log.exception("policy %s failed to learn from iteration %d%s", self.policy.name, iteration, repeats)
 
     def _predictions(self, target: int, decision: Decision) -> tuple[float, ...] | None:
         """The decision's predicted throughputs as one float per worker (NaN or inf where the model knows none:

@@ -293,3 +293,35 @@ def test_a_policy_that_fails_every_decision_is_logged_once_with_a_count_not_at_e
     assert guarded.failures == 50
     assert [r.getMessage() for r in caplog.records] == [
         "policy _Broken failed to decide iteration 2; keeping the current split"]
+
+
+class _Counting(Policy):
+    """A custom policy whose bug fails every decision with a message that names the iteration, and, once, fails
+    elsewhere; its learning fails every time too."""
+
+    def decide(self, iteration: int, current, config):  # type: ignore[no-untyped-def]
+        if iteration == 30:
+            raise ValueError("another bug")
+        raise RuntimeError(f"no split for iteration {iteration}")
+
+    def learn(self) -> None:
+        raise KeyError(f"worker {np.random.default_rng().integers(1000)}")
+
+
+def test_a_policy_that_fails_each_time_with_another_message_is_logged_once_per_place_it_fails(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Failures are told apart by type and traceback, not message: a policy's error that named the iteration had
+    logged its traceback at every decision, and a failure to learn was logged at every iteration."""
+    guarded = GuardedPolicy(_Counting(), JobConfig("j", 2, 10))
+    with caplog.at_level(logging.ERROR, logger="lbbsp.coordinator"):
+        for k in range(2, 52):
+            _, assignment = guarded.decide(k, (5, 5), [])
+            assert assignment.sizes == (5, 5)
+            guarded.learn(k)
+    assert guarded.failures == 50
+    assert [r.getMessage() for r in caplog.records] == [
+        "policy _Counting failed to decide iteration 2; keeping the current split",
+        "policy _Counting failed to learn from iteration 2",
+        "policy _Counting failed to decide iteration 30; keeping the current split",  # another place: at once
+        "policy _Counting failed to decide iteration 31; keeping the current split"]  # a change from the last
+    assert "no split for iteration 31" in caplog.records[-1].exc_text  # the traceback logged is the new one
