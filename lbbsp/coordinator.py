@@ -119,10 +119,10 @@ def _failure_site(failure: object) -> str:
     return f"{type(failure).__name__} via {' '.join(lines)}"
 
 
-def _check_model_for(policy: Policy | None, config: JobConfig) -> None:
+def _check_model_for(policy: Policy | None, config: JobConfig, *, warn: bool = True) -> None:
     """A ConfigError for worker kinds pinned outside the job (a typo, or a rank off by one, had been kept
-    silently), and a warning where the model forecasts further or less far ahead than the job's lag (a hand-built
-    model does not take the lag; the default and `lbbsp coordinator --model` do)."""
+    silently), and (``warn``) a warning where the model forecasts further or less far ahead than the job's lag (a
+    hand-built model does not take the lag; the default and `lbbsp coordinator --model` do)."""
     model = getattr(policy, "model", None)
     pinned = getattr(model, "kinds", None) if isinstance(model, AutoCapacityModel) else None
     outside = sorted(w for w in pinned or {} if isinstance(w, int) and not 0 <= w < config.num_workers)
@@ -130,7 +130,7 @@ def _check_model_for(policy: Policy | None, config: JobConfig) -> None:
         raise ConfigError(f"AutoCapacityModel's kinds pin worker(s) {outside[:8]}, outside the job's workers "
                           f"0..{config.num_workers - 1}", job=config.job)
     horizon = getattr(model, "horizon", None)
-    if isinstance(horizon, int) and horizon != config.lag:
+    if warn and isinstance(horizon, int) and horizon != config.lag:
         log.warning("job %s: the model forecasts %d iteration(s) ahead (horizon=%d), but each split is decided %d "
                     "ahead (lag=%d): give it horizon=%d", config.job, horizon, horizon, config.lag, config.lag,
                     config.lag)
@@ -642,7 +642,7 @@ class CoordinatorProcess:
                  max_ahead: int = MAX_AHEAD, start_timeout_s: float = 60.0) -> None:
         max_ahead = checked_max_ahead(max_ahead, config.job)
         checked_policy(policy, config.job)
-        _check_model_for(policy, config)  # here, not in the child
+        _check_model_for(policy, config, warn=False)  # refused here, not in the child; the child's coordinator warns
         if multiprocessing.current_process().daemon:
             raise LBBSPError("a daemonic process cannot start the coordinator process: start this worker with "
                              "daemon=False, or run Coordinator(store, config).start() in a thread", job=config.job)

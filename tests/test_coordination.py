@@ -577,6 +577,21 @@ coordinator.stop()
 
 
 @pytest.mark.timeout(120)
+def test_a_coordinator_process_warns_of_a_horizon_not_its_lag_once(redis_url: str, job: str, tmp_path: Path) -> None:
+    """The warning came twice, from the parent's check and from the child's coordinator: now the child's alone."""
+    script = tmp_path / "train.py"
+    script.write_text(f"""
+from lbbsp import CoordinatorProcess, JobConfig, LBBSPPolicy
+from lbbsp.models import NARXThroughput
+if __name__ == "__main__":
+    CoordinatorProcess({redis_url!r}, JobConfig({job!r}, 2, 10, lag=1), LBBSPPolicy(NARXThroughput())).stop()
+""")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("forecasts 2 iteration(s) ahead (horizon=2)") == 1, result.stderr
+
+
+@pytest.mark.timeout(120)
 def test_a_coordinator_process_runs_a_policy_defined_in_the_script(redis_url: str, job: str, tmp_path: Path) -> None:
     # the child needs the script to unpickle the policy, so the script runs there again, under its guard; here
     # from a rank that was itself spawned (as torch.multiprocessing.spawn starts ranks), where the script's
