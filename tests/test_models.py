@@ -291,6 +291,25 @@ def test_auto_model_moves_a_cpu_worker_that_starts_reporting_gpu_memory_to_the_g
                        Report("j", 1, 4, 64, 0.64), Report("j", 2, 4, 64, 0.064, device="cuda:A100", features=gpu)])
     assert model.kind_ == {0: "gpu", 1: "cpu", 2: "cpu"}
     assert model.predict([0])[0] == pytest.approx(1000.0) and model.max_batch([0])[0] < 2000
+    assert model.hardware_[0][0] == "cuda:a100"  # peers by hardware now count it among the A100s
+
+
+def test_auto_model_moves_a_gpu_worker_that_reports_from_the_cpu_to_the_cpu_model() -> None:
+    """A GPU worker whose model fell back to the CPU had stayed on the GPU curve for good, planned at its GPU speed
+    under a GPU's memory cap; an announcement from the CPU, measuring nothing, does not move it."""
+    gpu = {"gpu_mem_used": 2e9 + 1e7 * 64, "gpu_mem_free": 14e9 - 1e7 * 64}
+    model = AutoCapacityModel(kinds={2: "gpu"})
+    for k in range(4):
+        model.partial_fit([Report("j", w, k, 64, 0.064, device="cuda:A100", features=gpu) for w in range(3)])
+    assert model.kind_ == {0: "gpu", 1: "gpu", 2: "gpu"}
+    model.partial_fit([Report("j", 0, 4, 0, 0.0), Report("j", 1, 4, 64, 0.064, device="cuda:A100", features=gpu),
+                       Report("j", 2, 4, 64, 0.64)])
+    assert model.kind_ == {0: "gpu", 1: "gpu", 2: "gpu"}  # 0 only announced itself; 2 is pinned
+    model.partial_fit([Report("j", 0, 5, 64, 0.64, features={"cores": 8.0}),
+                       Report("j", 1, 5, 64, 0.064, device="cuda:A100", features=gpu)])
+    assert model.kind_[0] == "cpu" and model.hardware_[0] == ("cpu", 8.0)
+    assert model.predict([0])[0] == pytest.approx(100.0)
+    assert model.max_batch([0, 1])[0] > 10**9 > model.max_batch([0, 1])[1]  # no GPU cap on it any more
 
 
 def test_auto_model_plans_the_first_gpu_of_a_cpu_job_at_the_jobs_median_speed() -> None:

@@ -82,7 +82,8 @@ class MixedTime(GroupedTime):
 class AutoCapacityModel(CapacityModel):
     """Routes each worker to the model of its kind; ``models`` replaces any kind's model, ``kinds`` pins
     a worker's kind (``{worker: "gpu"}``); ``horizon`` is how far ahead forecasts are used (``JobConfig.lag``).
-    A kind once set stays, but for a CPU worker that starts to report GPU memory (its model moved to a GPU)."""
+    A kind once set stays, but for a worker whose model moved: a CPU worker that starts to report GPU memory, or a
+    GPU worker that reports a measurement from device "cpu" with no GPU features."""
 
     _STRUCTURAL = frozenset({"models", "kinds", "horizon"})
     _groups_cache: tuple[bytes, dict[str, np.ndarray]] | None  # (worker ids as bytes, positions of each kind)
@@ -112,8 +113,9 @@ class AutoCapacityModel(CapacityModel):
         by_kind: dict[str, list[Report]] = {kind: CheckedReports() for kind in KINDS}  # in order: not checked again
         for report in reports:
             kind = self.kind_.get(report.worker)
-            if kind == "cpu" and "gpu_mem_used" in report.features and report.worker not in (self.kinds or {}):
-                kind = None  # a CPU worker now reading GPU memory has moved to a GPU: its kind is set again
+            if kind is not None and _moved(kind, report) and report.worker not in (self.kinds or {}):
+                kind = None  # its model moved between a GPU and a CPU: its kind and hardware are set again
+                self.hardware_.pop(report.worker, None)
             if kind is None:  # a worker's kind is set by its first report that shows it
                 if report.worker not in self.hardware_:  # what its kind is guessed from until then
                     self.hardware_[report.worker] = hardware_of(report)
@@ -257,6 +259,14 @@ class AutoCapacityModel(CapacityModel):
             if kind in self.fed_:  # a model with no report cannot answer: its workers keep ``fill``
                 out[positions] = ask(self.models_[kind], ids[positions])
         return out
+
+
+def _moved(kind: str, report: Report) -> bool:
+    """Whether a worker of ``kind`` reports from other hardware now: a CPU worker reading GPU memory, or a GPU
+    worker measuring on the CPU with no GPU features (cheap tests first: this runs for every report)."""
+    if kind == "cpu":
+        return "gpu_mem_used" in report.features
+    return kind == "gpu" and report.device == "cpu" and report.samples > 0 and worker_kind(report) == "cpu"
 
 
 def _or_no_cap(caps: np.ndarray | None, count: int) -> np.ndarray:
