@@ -113,8 +113,12 @@ class AutoCapacityModel(CapacityModel):
         by_kind: dict[str, list[Report]] = {kind: CheckedReports() for kind in KINDS}  # in order: not checked again
         for report in reports:
             kind = self.kind_.get(report.worker)
-            if kind is not None and _moved(kind, report) and report.worker not in (self.kinds or {}):
-                kind = None  # its model moved between a GPU and a CPU: its kind and hardware are set again
+            # its model moved (cheap tests first, inline: this runs for every report): a CPU worker reading GPU
+            # memory, or a GPU worker measuring on the CPU with no GPU features; its kind and hardware are set again
+            moved = "gpu_mem_used" in report.features if kind == "cpu" else (
+                kind == "gpu" and report.device == "cpu" and report.samples > 0 and worker_kind(report) == "cpu")
+            if moved and report.worker not in (self.kinds or {}):
+                kind = None
                 self.hardware_.pop(report.worker, None)
             if kind is None:  # a worker's kind is set by its first report that shows it
                 if report.worker not in self.hardware_:  # what its kind is guessed from until then
@@ -259,14 +263,6 @@ class AutoCapacityModel(CapacityModel):
             if kind in self.fed_:  # a model with no report cannot answer: its workers keep ``fill``
                 out[positions] = ask(self.models_[kind], ids[positions])
         return out
-
-
-def _moved(kind: str, report: Report) -> bool:
-    """Whether a worker of ``kind`` reports from other hardware now: a CPU worker reading GPU memory, or a GPU
-    worker measuring on the CPU with no GPU features (cheap tests first: this runs for every report)."""
-    if kind == "cpu":
-        return "gpu_mem_used" in report.features
-    return kind == "gpu" and report.device == "cpu" and report.samples > 0 and worker_kind(report) == "cpu"
 
 
 def _or_no_cap(caps: np.ndarray | None, count: int) -> np.ndarray:
