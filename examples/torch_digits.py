@@ -11,6 +11,7 @@ The lines marked ``# lbbsp`` are all that differ from a plain DDP script.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 
@@ -54,6 +55,13 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    train(args, device)
+    gc.collect()  # DDP models sit in reference cycles: free the model before the group (docs/torch.md: a hang at exit)
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, device: torch.device) -> None:
+    cuda = device.type == "cuda"
     rank = dist.get_rank()
     train, test = datasets(device)
 
@@ -108,7 +116,6 @@ def main() -> None:
     if rank == 0:
         print(json.dumps({"epochs": args.epochs, "train_loss": round(train_loss, 4),
                           "test_accuracy": round(accuracy, 4)}), flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
