@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import gc
 import importlib.util
 import os
 import queue
@@ -22,10 +23,13 @@ import time
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lbbsp.cli import whole_number
 from lbbsp.errors import ConfigError, LBBSPError
+
+if TYPE_CHECKING:
+    from lbbsp.policies import Policy
 
 _PR_SET_PDEATHSIG = 1
 
@@ -160,59 +164,70 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 def _train_both(rank: int, config: DemoConfig, init: str, url: str, events: Any) -> None:
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
-    import torch.nn.functional as F  # noqa: PLC0415
-    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
 
     from lbbsp.policies import BSPPolicy, LBBSPPolicy  # noqa: PLC0415
-
-    from .torch import Balancer  # noqa: PLC0415
 
     cores = cores_for(config.workers)  # before pinning: afterwards this process may use its own core only
     os.sched_setaffinity(0, {cores[rank]})
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=config.workers)
     load = ColocatedLoad(cores[config.slow_worker], config.load_procs) if rank == 0 else None
-    every = max(config.steps // config.checkpoints, 1)
     reference: dict[int, Any] = {}
     try:
         for phase, policy in (("BSP", BSPPolicy()), ("LB-BSP", LBBSPPolicy())):
-            data, model = build(config.hidden)
-            model = DDP(model)
-            lb = Balancer.from_env(config.global_batch, redis=url, policy=policy)
-            lb.attach(model)
-            loader = lb.loader(data, seed=0, drop_last=True)
-            opt = torch.optim.SGD(model.parameters(), lr=config.lr)
-            drift = 0.0
-            dist.barrier()
-            started = time.perf_counter()
-            step = 0
-            while step < config.steps:
-                loader.set_epoch(step // len(loader))
-                for x, y in loader:
-                    if load is not None:
-                        load.set(load_on(config.schedule, step, config.steps))
-                    F.cross_entropy(model(x), y).backward()
-                    opt.step()
-                    opt.zero_grad()
-                    report, current = lb.last_report, lb.step
-                    events.put(("step", phase, rank, step, current.samples if current else len(x),
-                                report.compute_s if report else None, bool(load and load.on)))
-                    step += 1
-                    if rank == 0 and (step % every == 0 or step == config.steps):
-                        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-                        if phase == "BSP":
-                            reference[step] = flat
-                        else:
-                            drift = max(drift, float((flat - reference[step]).norm() / reference[step].norm()))
-                    if step == config.steps:
-                        break
-            lb.close()
-            if rank == 0:
-                events.put(("phase", phase, time.perf_counter() - started, drift, len(reference)))
+            _train_phase(rank, config, phase, policy, url, events, load, reference)
     finally:
         if load is not None:
             load.close()
+        gc.collect()  # the phases' DDP models sit in reference cycles: free them before the group (docs/torch.md)
         dist.destroy_process_group()
+
+
+def _train_phase(rank: int, config: DemoConfig, phase: str, policy: Policy, url: str, events: Any,
+                 load: ColocatedLoad | None, reference: dict[int, Any]) -> None:
+    """One run of ``config.steps`` steps under ``policy``; BSP's run records the parameters at each checkpoint in
+    ``reference``, LB-BSP's measures its drift from them."""
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
+
+    from .torch import Balancer  # noqa: PLC0415
+
+    every = max(config.steps // config.checkpoints, 1)
+    data, model = build(config.hidden)
+    model = DDP(model)
+    lb = Balancer.from_env(config.global_batch, redis=url, policy=policy)
+    lb.attach(model)
+    loader = lb.loader(data, seed=0, drop_last=True)
+    opt = torch.optim.SGD(model.parameters(), lr=config.lr)
+    drift = 0.0
+    dist.barrier()
+    started = time.perf_counter()
+    step = 0
+    while step < config.steps:
+        loader.set_epoch(step // len(loader))
+        for x, y in loader:
+            if load is not None:
+                load.set(load_on(config.schedule, step, config.steps))
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            report, current = lb.last_report, lb.step
+            events.put(("step", phase, rank, step, current.samples if current else len(x),
+                        report.compute_s if report else None, bool(load and load.on)))
+            step += 1
+            if rank == 0 and (step % every == 0 or step == config.steps):
+                flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+                if phase == "BSP":
+                    reference[step] = flat
+                else:
+                    drift = max(drift, float((flat - reference[step]).norm() / reference[step].norm()))
+            if step == config.steps:
+                break
+    lb.close()
+    if rank == 0:
+        events.put(("phase", phase, time.perf_counter() - started, drift, len(reference)))
 
 
 # -- the launcher and its live table ----------------------------------------------------------------------------
