@@ -16,6 +16,7 @@ and, with the arguments, to --out (default experiments/results/bench_torch.json,
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -162,6 +163,7 @@ def _worker(rank: int, args: argparse.Namespace, init: str, url: str, out: str) 
                 load.close()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
+    gc.collect()  # train's DDP models sit in reference cycles: freed before the group (docs/torch.md)
     dist.destroy_process_group()
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import platform
 import sys
@@ -205,6 +206,7 @@ def measure(sizes: list[int], lags: list[int], loops: list[str], steps: int, rep
                           f"{row[f'{loop}/ddp_range'][1]:.3f})" for loop in loops[1:]), flush=True)
         print(f"           lbbsp lag={lags[0]} with timers: {parts['step']:.2f} ms/step; its host work per step (ms): "
               + ", ".join(f"{label.strip()} {parts[label.strip()]:.3f}" for label in PARTS), flush=True)
+    gc.collect()  # the runs' DDP models sit in reference cycles: freed before the group (docs/torch.md)
     dist.destroy_process_group()
     return rows, name
 

@@ -14,6 +14,7 @@ polling adds.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -128,6 +129,7 @@ def _worker(rank: int, args: argparse.Namespace, init: str, url: str, out: str) 
             print("  repeat: " + ", ".join(f"{m} {seconds[m][-1]:.2f}s" for m in MODES), flush=True)
     if rank == 0:
         Path(out).write_text(json.dumps({"seconds": seconds, "prefetched": prefetched, "commands": issued}))
+    gc.collect()  # train's DDP models sit in reference cycles: freed before the group (docs/torch.md)
     dist.destroy_process_group()
 
 

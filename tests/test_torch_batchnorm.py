@@ -6,6 +6,7 @@ summed back the same way. The checks on the real SyncBatchNorm class run in one 
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import uuid
@@ -77,6 +78,8 @@ def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> N
     result["splits"] = splits
     result["params"] = [p.detach().tolist() for p in model.module.parameters()]
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    del model, opt, lb, loader
+    gc.collect()  # the DDP models before the group (docs/torch.md, "A hang at exit")
     dist.destroy_process_group()
 
 

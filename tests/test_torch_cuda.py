@@ -6,6 +6,7 @@ NCCL refuses two ranks on one device, so the two-rank tests use gloo with CUDA m
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import statistics
@@ -141,6 +142,8 @@ def _timing_worker(rank: int, world: int, init: str, url: str, job: str, out: st
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "compute": compute, "wall": wall[:-1], "device": report.device, "features": sorted(report.features),
         "backend": dist.get_backend(), "stall": gpu_stall.seconds_taken() if gpu_stall else STALL_S}))
+    del ddp, model, lb
+    gc.collect()  # the DDP model before the group (docs/torch.md, "A hang at exit")
     dist.destroy_process_group()
 
 
@@ -209,6 +212,8 @@ def _balancing_worker(rank: int, world: int, init: str, url: str, job: str, out:
             splits.append(list(lb.step.split))
     lb.close()
     Path(out, f"rank{rank}.json").write_text(json.dumps({"splits": splits, "device": lb.last_report.device}))
+    del ddp, model, lb, loader
+    gc.collect()  # the DDP model before the group (docs/torch.md, "A hang at exit")
     dist.destroy_process_group()
 
 

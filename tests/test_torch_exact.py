@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import time
@@ -123,6 +124,7 @@ def in_gloo_group(rank: int, world: int, init: str, out: str, work: Callable[[],
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             **({} if timeout is None else {"timeout": timeout}))
     Path(out, f"rank{rank}.json").write_text(json.dumps(work()))
+    gc.collect()  # work's DDP models sit in reference cycles: freed here, not by the group's destruction (docs/torch.md)
     dist.destroy_process_group()
 
 

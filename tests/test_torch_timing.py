@@ -1,6 +1,7 @@
 """Measure the right thing: a fast rank's reported compute time leaves out its wait for a slow rank."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -48,6 +49,8 @@ def _worker(rank: int, world: int, init: str, url: str, job: str, out: str, wher
             break
     lb.close()
     Path(out, f"rank{rank}.json").write_text(json.dumps({"compute": compute, "wall": wall}))
+    del ddp, model, lb, loader
+    gc.collect()  # the DDP model before the group (docs/torch.md, "A hang at exit")
     dist.destroy_process_group()
 
 
@@ -140,6 +143,8 @@ def _late_report_worker(rank: int, world: int, init: str, url: str, job: str, ou
         result["raised"] = str(exc)
     lb.close()
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    del ddp, lb, batches, refused
+    gc.collect()  # the DDP model before the group (docs/torch.md, "A hang at exit")
     dist.destroy_process_group()
 
 

@@ -8,6 +8,7 @@ test_torch_exact's hook mode does and writes what it saw to OUT/rank<r>.json, wi
 """
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import sys
@@ -37,6 +38,7 @@ def main(out: str) -> None:
     Balancer.from_env = joined_recording  # type: ignore[method-assign]
     result = _train("hook", dist.get_rank(), None, "two-nodes")  # type: ignore[arg-type]
     Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps({**result, "reached": reached}))
+    gc.collect()  # _train's DDP models sit in reference cycles: freed before the group (docs/torch.md)
     dist.destroy_process_group()
 
 
