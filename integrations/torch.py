@@ -309,8 +309,13 @@ class Balancer:
         step = self._open_step()
         if self.weighting == "hook":
             raise ConfigError("scale_loss with the weighted hook would weight twice; attach(..., weighting='loss')")
+        if getattr(loss, "_lbbsp_scaled", False):  # silently, its gradients would have been W * b_i / B too large
+            raise ConfigError("this loss has been through lb.scale_loss already, and a second pass would weight its "
+                              "gradients twice: call lb.scale_loss once, on the unscaled loss", job=self.config.job)
         self._scaled = True
-        return scaled_loss(loss, step.samples if samples is None else samples, step.total, self.world_size)
+        scaled = scaled_loss(loss, step.samples if samples is None else samples, step.total, self.world_size)
+        scaled._lbbsp_scaled = True  # type: ignore[attr-defined]  # what the check above reads
+        return scaled
 
     def gradient_weight(self) -> float:
         """``b_i / B`` of the step in progress."""

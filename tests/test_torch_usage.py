@@ -285,6 +285,20 @@ def mistakes(url: str, job: str) -> dict:
             F.mse_loss(used(x.double()), y.double()).backward()
             lb.all_reduce_gradients(params)  # a float32 parameter without a gradient got a float64 one
         result["grad_dtypes"] = [str(p.grad.dtype) for p in params]
+
+    model = linear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-4") as lb:
+        lb.attach(model, weighting="loss")
+        for x, y, _ in lb.loader(data()):
+            loss = lb.scale_loss(F.mse_loss(model(x), y))
+            try:
+                lb.scale_loss(loss)  # twice: gradients W * b_i / B too large, without a word, before
+            except ConfigError as exc:
+                result["scaled_twice"] = str(exc)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
     return result
 
 
@@ -525,6 +539,7 @@ def test_likely_mistakes_are_caught(outcomes: list[dict]) -> None:
     assert "closed" in result["after_close"]
     assert "not ddp_model.module(x)" in result["module"]
     assert result["grad_dtypes"] == ["torch.float64"] * 2 + ["torch.float32"] * 2
+    assert "through lb.scale_loss already" in result["scaled_twice"]
 
 
 @pytest.mark.slow
