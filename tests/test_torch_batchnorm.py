@@ -6,7 +6,6 @@ summed back the same way. The checks on the real SyncBatchNorm class run in one 
 """
 from __future__ import annotations
 
-import gc
 import json
 import os
 import uuid
@@ -26,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from lbbsp import ConfigError, EmbeddedRedis, GlobalBatchSampler  # noqa: E402
 from lbbsp.integrations.torch import Balancer, BatchNormWarning, batch_norm_layers  # noqa: E402
 from lbbsp.integrations.torch_grad import check_batch_norm  # noqa: E402
-from test_torch_exact import SEED, ChangingSplit, digits, spawn  # noqa: E402
+from test_torch_exact import SEED, ChangingSplit, destroy_group, digits, spawn  # noqa: E402
 
 GLOBAL_BATCH = 150
 
@@ -79,8 +78,7 @@ def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> N
     result["params"] = [p.detach().tolist() for p in model.module.parameters()]
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     del model, opt, lb, loader
-    gc.collect()  # the DDP models before the group (docs/torch.md, "A hang at exit")
-    dist.destroy_process_group()
+    destroy_group()
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ NCCL refuses two ranks on one device, so the two-rank tests use gloo with CUDA m
 from __future__ import annotations
 
 import functools
-import gc
 import json
 import os
 import statistics
@@ -27,6 +26,7 @@ from lbbsp.policies import BSPPolicy  # noqa: E402
 from test_torch_exact import (  # noqa: E402
     ACCUMULATE,
     _train,
+    destroy_group,
     digits,
     in_gloo_group,
     mlp,
@@ -143,8 +143,7 @@ def _timing_worker(rank: int, world: int, init: str, url: str, job: str, out: st
         "compute": compute, "wall": wall[:-1], "device": report.device, "features": sorted(report.features),
         "backend": dist.get_backend(), "stall": gpu_stall.seconds_taken() if gpu_stall else STALL_S}))
     del ddp, model, lb
-    gc.collect()  # the DDP model before the group (docs/torch.md, "A hang at exit")
-    dist.destroy_process_group()
+    destroy_group()
 
 
 @pytest.mark.timeout(240)
@@ -213,8 +212,7 @@ def _balancing_worker(rank: int, world: int, init: str, url: str, job: str, out:
     lb.close()
     Path(out, f"rank{rank}.json").write_text(json.dumps({"splits": splits, "device": lb.last_report.device}))
     del ddp, model, lb, loader
-    gc.collect()  # the DDP model before the group (docs/torch.md, "A hang at exit")
-    dist.destroy_process_group()
+    destroy_group()
 
 
 @pytest.mark.timeout(240)

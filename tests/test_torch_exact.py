@@ -124,7 +124,14 @@ def in_gloo_group(rank: int, world: int, init: str, out: str, work: Callable[[],
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             **({} if timeout is None else {"timeout": timeout}))
     Path(out, f"rank{rank}.json").write_text(json.dumps(work()))
-    gc.collect()  # work's DDP models sit in reference cycles: freed here, not by the group's destruction (docs/torch.md)
+    destroy_group()
+
+
+def destroy_group() -> None:
+    """Destroy the default group once the caller has dropped its DDP models: collect first, since a DDP model sits
+    in reference cycles, and one left holding the group's last reference can deadlock torch 2.13 at exit
+    (docs/torch.md, "A hang at exit")."""
+    gc.collect()
     dist.destroy_process_group()
 
 

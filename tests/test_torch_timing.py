@@ -1,7 +1,6 @@
 """Measure the right thing: a fast rank's reported compute time leaves out its wait for a slow rank."""
 from __future__ import annotations
 
-import gc
 import json
 import os
 import statistics
@@ -18,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from lbbsp.integrations.torch import Balancer  # noqa: E402
 from lbbsp.policies import BSPPolicy  # noqa: E402
-from test_torch_exact import digits, mlp, spawn  # noqa: E402
+from test_torch_exact import destroy_group, digits, mlp, spawn  # noqa: E402
 from test_torch_units import GatedGPUClock  # noqa: E402
 
 STALL_S = 0.25  # rank 1's extra compute per step, inside its forward pass
@@ -50,8 +49,7 @@ def _worker(rank: int, world: int, init: str, url: str, job: str, out: str, wher
     lb.close()
     Path(out, f"rank{rank}.json").write_text(json.dumps({"compute": compute, "wall": wall}))
     del ddp, model, lb, loader
-    gc.collect()  # the DDP model before the group (docs/torch.md, "A hang at exit")
-    dist.destroy_process_group()
+    destroy_group()
 
 
 @pytest.mark.slow
@@ -143,9 +141,8 @@ def _late_report_worker(rank: int, world: int, init: str, url: str, job: str, ou
         result["raised"] = str(exc)
     lb.close()
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    del ddp, lb, batches, refused
-    gc.collect()  # the DDP model before the group (docs/torch.md, "A hang at exit")
-    dist.destroy_process_group()
+    del ddp, lb, batches
+    destroy_group()
 
 
 @pytest.mark.timeout(120)

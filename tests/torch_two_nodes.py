@@ -8,7 +8,6 @@ test_torch_exact's hook mode does and writes what it saw to OUT/rank<r>.json, wi
 """
 from __future__ import annotations
 
-import gc
 import json
 import socket
 import sys
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lbbsp.integrations.torch import Balancer
-from test_torch_exact import _train
+from test_torch_exact import _train, destroy_group
 
 
 def main(out: str) -> None:
@@ -38,8 +37,7 @@ def main(out: str) -> None:
     Balancer.from_env = joined_recording  # type: ignore[method-assign]
     result = _train("hook", dist.get_rank(), None, "two-nodes")  # type: ignore[arg-type]
     Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps({**result, "reached": reached}))
-    gc.collect()  # _train's DDP models sit in reference cycles: freed before the group (docs/torch.md)
-    dist.destroy_process_group()
+    destroy_group()
 
 
 if __name__ == "__main__":
