@@ -169,7 +169,8 @@ def _reports(job: str, kind: str, k: int, sizes: Sequence[int], speed: np.ndarra
 
 
 def decision_times(url: str, workers: int, warmup: int, repeats: int) -> dict[str, dict[str, np.ndarray]]:
-    """Per model: policy observe+decide (wall and CPU seconds) and the whole coordinator step with Redis, for
+    """Per model: policy observe+decide (wall and CPU seconds), the whole coordinator step with Redis, and the
+    whole decision's cycle (the step, the learning and the records written after it: the coordinator's pace), for
     ``repeats`` iterations after ``warmup`` iterations that fill the model's history (steady state, as in a
     long run). The models take turns within each iteration, so a drift in this machine's speed hits all alike."""
     rng = np.random.default_rng(0)
@@ -183,7 +184,7 @@ def decision_times(url: str, workers: int, warmup: int, repeats: int) -> dict[st
             store = stack.enter_context(Store.from_url(url, config.job))
             timed = _Timed(LBBSPPolicy(model(), hedge=hedge))
             runs.append((name, kind, config, store, timed, Coordinator(store, config, timed),
-                         {"policy": [], "policy_cpu": [], "step": [], "learn": []}, {}))
+                         {"policy": [], "policy_cpu": [], "step": [], "learn": [], "cycle": []}, {}))
         for k in range(warmup + repeats):
             for _name, kind, config, store, timed, coordinator, times, sizes in runs:
                 pipe = store.client.pipeline(transaction=False)
@@ -192,8 +193,11 @@ def decision_times(url: str, workers: int, warmup: int, repeats: int) -> dict[st
                     pipe.hset(store.key("reports", k), str(report.worker), report.to_json())
                 pipe.execute()
                 timed.seconds = timed.cpu_seconds = timed.learn_seconds = 0.0
+                started = time.perf_counter()
                 outcome = coordinator.decide(k)
+                cycle = time.perf_counter() - started
                 if k >= warmup:
+                    times["cycle"].append(cycle)
                     times["policy"].append(timed.seconds)
                     times["policy_cpu"].append(timed.cpu_seconds)
                     times["learn"].append(timed.learn_seconds)
@@ -368,14 +372,15 @@ def run(args: argparse.Namespace) -> None:
         print(f"\ndecision time in steady state (after {args.warmup} iterations), LB-BSP with each real model; "
               "the models take turns each iteration; this process's heap frozen, as the coordinator's")
         print(f"{'model':<26} {'workers':>8} {'policy p50':>11} {'policy p99':>11} {'cpu p50':>8} {'step p50':>9} "
-              f"{'step p99':>9} {'learn p50':>10}   (ms; policy = prediction + allocation, wall clock; cpu = its "
-              "CPU time; step = + validation + Redis I/O + write; learn = after the write, off the decision's path)")
+              f"{'step p99':>9} {'learn p50':>10} {'cycle p50':>10}   (ms; policy = prediction + allocation, wall "
+              "clock; cpu = its CPU time; step = + validation + Redis I/O + write; learn = after the write, off the "
+              "decision's path; cycle = step + learn + the decision log and status lines: the coordinator's pace)")
         for n in args.decision_workers:
             print(f"(this machine's speed just before: reference workload {machine_speed_ms():.1f} ms)")
             for name, times in decision_times(url, n, args.warmup, args.repeats).items():
                 print(f"{name:<26} {n:>8} {_ms(times['policy'], 50):>11} {_ms(times['policy'], 99):>11} "
                       f"{_ms(times['policy_cpu'], 50):>8} {_ms(times['step'], 50):>9} {_ms(times['step'], 99):>9} "
-                      f"{_ms(times['learn'], 50):>10}", flush=True)
+                      f"{_ms(times['learn'], 50):>10} {_ms(times['cycle'], 50):>10}", flush=True)
     finally:
         if server is not None:
             server.close()

@@ -228,7 +228,11 @@ def _status(args: argparse.Namespace) -> int:
                       "no coordinator serves it (none renewed its claim in the last 5 s), so each step waits "
                       "assignment_timeout_s and keeps the split before: start one (lbbsp coordinator)"),
                       soft_wrap=True, markup=False, highlight=False)
-        table = Table(title=title, caption=f"iteration {last.get('iteration', '-')}: {last.get('reason', 'no decision yet')}")
+        caption = f"iteration {last.get('iteration', '-')}: {last.get('reason', 'no decision yet')}"
+        rows_of = max((s["iteration"] for s in statuses.values()), default=None)
+        if rows_of is not None and rows_of != last.get("iteration"):  # the coordinator writes them once a second
+            caption += f"\nthe workers' rows are of iteration {rows_of}"
+        table = Table(title=title, caption=caption)
         kinds = any(isinstance(s.get("kind"), str) for s in statuses.values())  # the automatic model's routing
         for column in ("worker", "size", "predicted /s", "measured /s", "compute s", "wait s") + ("kind",) * kinds:
             table.add_column(column, justify="right")
@@ -265,8 +269,8 @@ _Fields = dict[str, type | tuple[type, ...]]
 _NUMBER = (int, float, type(None))
 _DECISION: _Fields = {"iteration": int, "sizes": list, "policy": str, "written_by_coordinator": bool, "reason": str,
              "rejected": list}
-_WORKER_STATUS: _Fields = {"size": int, "predicted_throughput": _NUMBER, "measured_throughput": _NUMBER, "compute_s": _NUMBER,
-                  "wait_s": _NUMBER}
+_WORKER_STATUS: _Fields = {"iteration": int, "size": int, "predicted_throughput": _NUMBER,
+                           "measured_throughput": _NUMBER, "compute_s": _NUMBER, "wait_s": _NUMBER}
 
 
 def _readable(raw: bytes, fields: _Fields) -> dict[str, Any] | None:

@@ -52,6 +52,10 @@ _PACE_WINDOW = 5  # decisions over which the coordinator's own time and the work
 _DROP = 100  # a report under 1/_DROP of its worker's previous throughput is worth a warning (_warn_dropped)
 _OUTAGE_GRACE_S = 3.0  # a coordinator whose training process ended is stopped by then (_stop_when_orphaned)
 
+#: Per-worker status lines are written at most this often, and at a coordinator's first decision and when it stops
+#: serving: building and writing 1,024 of them took 7 ms, a quarter of the coordinator's whole time per decision at
+#: that size (its pace), for a table a person reads. The decision log is written at every decision.
+_STATUS_EVERY_S = 1.0
 #: One worker's status in the ``workers`` hash, as JSON (``lbbsp status`` reads it).
 _STATUS = ('{"iteration": %d, "size": %d, "predicted_throughput": %s, "measured_throughput": %s, '
            '"compute_s": %s, "wait_s": %s, "kind": %s}')
@@ -272,6 +276,8 @@ class Coordinator:
         self._claim_seen: str | None = None  # the other coordinator's claim found at the last heartbeat
         self._measured: dict[int, float] = {}  # each worker's latest measured throughput (_record)
         self._drops, self._next_drop_log = 0, 0.0  # reports far below their worker's previous one (_warn_dropped)
+        self._next_status = 0.0  # when the workers' status lines are next written (_record)
+        self._unwritten: tuple[Assignment, Decision, list[Report]] | None = None  # the latest ones not written
         stored = store.decision_count()
         if stored:
             log.warning("job %s already has %d decisions in this Redis: resuming it, and reusing its stored "
@@ -462,24 +468,12 @@ class Coordinator:
     def _record(self, iteration: int, assignment: Assignment, written: bool, decision: Decision,
                 reports: list[Report], rejected: list[Rejection], decision_s: float, learn_s: float,
                 through: int) -> None:
-        by_worker = {r.worker: r for r in reports}
-        predicted = decision.predicted_throughput
-        model = getattr(self.policy, "model", None)
-        # the kind the automatic model set for each worker (one of KINDS, plain names): what routes it, shown by status
-        kinds: dict[int, str] = getattr(model, "kind_", {}) if isinstance(model, AutoCapacityModel) else {}
-        statuses = {}
         measured, dropped = self._measured, []
-        for worker, size in enumerate(assignment.sizes):  # a template: json.dumps per worker costs 6 ms at 1,024
-            report = by_worker.get(worker)
-            now = report.throughput if report is not None else None
-            if now:  # a measurement (0.0: nothing measured)
-                if now * _DROP < measured.get(worker, 0.0):
-                    dropped.append((worker, now, measured[worker]))
-                measured[worker] = now
-            statuses[worker] = _STATUS % (
-                assignment.iteration, size, _number(predicted[worker] if predicted is not None else None),
-                _number(now), _number(report.compute_s if report else None),
-                _number(report.wait_s if report else None), f'"{kinds[worker]}"' if worker in kinds else "null")
+        for report in reports:
+            if now := report.throughput:  # a measurement (0.0: nothing measured)
+                if now * _DROP < measured.get(report.worker, 0.0):
+                    dropped.append((report.worker, now, measured[report.worker]))
+                measured[report.worker] = now
         record = {
             "iteration": assignment.iteration, "through": through, "from_reports_of": iteration,
             "sizes": list(assignment.sizes),
@@ -488,9 +482,36 @@ class Coordinator:
             "learn_ms": round(learn_s * 1e3, 3),
             "rejected": [{"worker": r.worker, "error": r.error} for r in rejected], "time": time.time(),
         }
-        self.store.record_decision(json.dumps(record), statuses if self.config.num_workers <= 4096 else None)
+        self.store.record_decision(json.dumps(record))
+        self._unwritten = (assignment, decision, reports)
+        if time.monotonic() >= self._next_status:
+            self._write_statuses()
         if dropped:
             self._warn_dropped(iteration, dropped)
+
+    def _write_statuses(self) -> None:
+        """Write each worker's status line (its size, predicted and measured throughput, times, kind) from the
+        latest decision, if not written yet; none past 4,096 workers."""
+        if self._unwritten is None:
+            return
+        assignment, decision, reports = self._unwritten
+        self._unwritten, self._next_status = None, time.monotonic() + _STATUS_EVERY_S
+        if self.config.num_workers > 4096:
+            return
+        by_worker = {r.worker: r for r in reports}
+        predicted = decision.predicted_throughput
+        model = getattr(self.policy, "model", None)
+        # the kind the automatic model set for each worker (one of KINDS, plain names): what routes it, shown by status
+        kinds: dict[int, str] = getattr(model, "kind_", {}) if isinstance(model, AutoCapacityModel) else {}
+        statuses = {}
+        for worker, size in enumerate(assignment.sizes):  # a template: json.dumps per worker costs 6 ms at 1,024
+            report = by_worker.get(worker)
+            statuses[worker] = _STATUS % (
+                assignment.iteration, size, _number(predicted[worker] if predicted is not None else None),
+                _number(report.throughput if report is not None else None),
+                _number(report.compute_s if report else None),
+                _number(report.wait_s if report else None), f'"{kinds[worker]}"' if worker in kinds else "null")
+        self.store.record_statuses(statuses)
 
     def _warn_dropped(self, iteration: int, dropped: list[tuple[int, float, float]]) -> None:
         """Say, at most once a minute, which workers measured under 1/_DROP of their previous throughput: valid
@@ -516,6 +537,7 @@ class Coordinator:
             self._serve(max_decisions, poll_s)
         finally:
             with contextlib.suppress(*REDIS_FAILURES):
+                self._write_statuses()  # the last decision's, where the once-a-second limit held them back
                 self.store.release_coordinator(self._identity)
 
     def _serve(self, max_decisions: int | None, poll_s: float) -> None:

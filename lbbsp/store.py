@@ -379,18 +379,23 @@ class Store:
         return pubsub
 
     # -- decision log and status --------------------------------------------------------------------------
-    def record_decision(self, payload: str, statuses: dict[int, str] | None = None) -> None:
-        """Log a decision (``payload``, JSON, kept among the newest ``DECISION_LOG_LENGTH``) and each worker's
-        status line, renewing the job's TTL; what ``lbbsp status`` reads."""
+    def record_decision(self, payload: str) -> None:
+        """Log a decision (``payload``, JSON, kept among the newest ``DECISION_LOG_LENGTH``), renewing the job's
+        TTL; what ``lbbsp status`` reads."""
         pipe = self.client.pipeline(transaction=True)
         pipe.lpush(self.key("decisions"), payload)
         pipe.ltrim(self.key("decisions"), 0, DECISION_LOG_LENGTH - 1)
         pipe.expire(self.key("decisions"), self.ttl_s)
         pipe.expire(self.key("config"), self.ttl_s)  # a job that runs longer than the TTL keeps its settings
+        pipe.execute()
+
+    def record_statuses(self, statuses: dict[int, str]) -> None:
+        """Store each worker's status line (JSON, by worker), renewing their TTL; what ``lbbsp status`` shows."""
         if statuses:
+            pipe = self.client.pipeline(transaction=True)
             pipe.hset(self.key("workers"), mapping={str(k): v for k, v in statuses.items()})
             pipe.expire(self.key("workers"), self.ttl_s)
-        pipe.execute()
+            pipe.execute()
 
     def decision_count(self) -> int:
         """How many decisions the job's log holds (at most ``DECISION_LOG_LENGTH``): 0 for a new job."""

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from lbbsp import Coordinator, JobConfig, LBBSPError, ProtocolError, Report, ResourceMonitor, Store
+from lbbsp.cli import main
 from lbbsp.coordinator import GuardedPolicy
 from lbbsp.errors import ConfigError
 from lbbsp.models import EWMAThroughput
@@ -123,6 +124,33 @@ def test_predictions_as_an_array_are_recorded_as_numbers(store: Store, job: str)
     assert coordinator.decisions_made == 1
     statuses = {int(w): json.loads(s) for w, s in store.worker_statuses().items()}
     assert [statuses[w]["predicted_throughput"] for w in range(4)] == [1.0, 2.0, None, 4.0]
+
+
+def test_worker_statuses_are_written_once_a_second_and_the_last_ones_when_the_coordinator_stops(
+        store: Store, job: str, redis_url: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Every decision had rebuilt and rewritten every worker's status line: 7 ms of the coordinator's time per
+    decision at 1,024 workers, a quarter of it. The decision log still gets every decision."""
+    monkeypatch.setattr("lbbsp.coordinator._STATUS_EVERY_S", 3600.0)  # no second write within this test
+    coordinator = Coordinator(store, JobConfig(job, 4, 400, lag=1), LBBSPPolicy(EWMAThroughput()))
+
+    def rows() -> dict[int, dict[str, object]]:
+        return {int(w): json.loads(s) for w, s in store.worker_statuses().items()}
+
+    for k in range(3):
+        post_measured(store, coordinator, k)
+        coordinator.decide(k)
+        assert {row["iteration"] for row in rows().values()} == {1}  # the first decision's, written at once
+    assert [json.loads(d)["iteration"] for d in store.decisions(10)] == [3, 2, 1]
+    assert main(["status", "--redis", redis_url, "--job", job]) == 0
+    assert "the workers' rows are of iteration 1" in capsys.readouterr().out
+    coordinator.run(max_decisions=3)  # made already: returns at once, as a serving coordinator stops
+    last = coordinator._in_force(3).sizes
+    assert {w: (row["iteration"], row["size"]) for w, row in rows().items()} == {w: (3, last[w]) for w in range(4)}
+    assert [row["compute_s"] for row in rows().values()] == pytest.approx(
+        [size / speed for size, speed in zip(coordinator._in_force(2).sizes, SPEEDS)])  # iteration 2's reports
+    assert main(["status", "--redis", redis_url, "--job", job]) == 0
+    assert "rows are of iteration" not in capsys.readouterr().out
 
 
 def test_start_after_a_stop_that_timed_out_does_not_start_a_second_thread(store: Store, job: str) -> None:
