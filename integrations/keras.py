@@ -595,9 +595,17 @@ class _CallbackLogic:
         self.source.publish(self.client.assignment(self.iteration))
 
     def _check_schedule(self) -> None:
+        job = self.source.config.job
+        # tf_keras marks "auto" (its steps_per_execution is then a tf.Variable it retunes); Keras 3 keeps the string
+        if getattr(self.model, "autotune_steps_per_execution", False) or isinstance(self.model.steps_per_execution, str):
+            raise ConfigError("model.compile(steps_per_execution='auto') changes how many steps one execution runs "
+                              "while it trains (tf_keras retunes it every 50 s or so), but each LB-BSP iteration is "
+                              "one execution of the steps the source was built for: compile with a whole number, "
+                              "and build BalancedSource with the same steps_per_execution (tf_keras goes on retuning "
+                              "a model compiled once with 'auto', even compiled again: set "
+                              "model.autotune_steps_per_execution = False)", job=job)
         per_execution = getattr(self.model, "_steps_per_execution", None)  # tf_keras: a tf.Variable
         per_execution = int(per_execution.numpy()) if per_execution is not None else int(self.model.steps_per_execution)
-        job = self.source.config.job
         if per_execution != self.source.steps_per_execution:
             raise ConfigError(f"model.compile(steps_per_execution={per_execution}) but the source was built with "
                               f"steps_per_execution={self.source.steps_per_execution}", job=job)

@@ -113,6 +113,27 @@ def test_fit_class_weight_on_a_tf_dataset_is_refused_before_training(redis_url: 
     source.tf_dataset().map(lambda *batch: batch)  # other maps go through
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("keras_name", ["keras", "tf_keras"])
+def test_steps_per_execution_auto_is_refused_before_training(redis_url: str, job: str, keras_name: str) -> None:
+    """tf_keras retunes an "auto" steps_per_execution while it trains (every 50 s or so), where each LB-BSP iteration
+    is one execution of the steps the source was built for; Keras 3 had stopped in the callback with "invalid
+    literal for int() with base 10: 'auto'"."""
+    keras = _keras(keras_name)
+    config = JobConfig(job, num_workers=1, global_batch=GLOBAL_BATCH)
+    source = BalancedSource(*_data(), config, 0)
+    model = _model(keras)
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy",
+                  steps_per_execution="auto")
+    with WorkerSession(config, 0, url=redis_url) as session:
+        callback = callback_class(keras)(session.client, source)
+        with pytest.raises(ConfigError, match=re.escape("model.compile(steps_per_execution='auto') changes how many "
+                                                        "steps one execution runs while it trains")):
+            model.fit(source.tf_dataset(), epochs=1, steps_per_epoch=len(source), verbose=0, shuffle=False,
+                      callbacks=[callback])
+    assert callback.iteration == 0 and not source.served  # refused as fit starts, before any step
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"sample_weight": np.r_[np.nan, np.ones(SAMPLES - 1)]}, r"finite and >= 0: 1 are not, the first at index 0"),
     ({"sample_weight": -np.ones(SAMPLES)}, r"finite and >= 0: 100 are not"),
