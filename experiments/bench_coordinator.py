@@ -15,6 +15,9 @@ Steps shorter than a decision (--short-compute-ms, --short-workers): the same ru
 reporting the compute they measured, the coordinator running ahead (several iterations a decision, the default)
 against one decision per iteration, side by side.
 
+Status lines (--status-lines): the coordinator's whole cycle per decision with its workers' status lines for
+`lbbsp status` written at every decision, as until 2026-12-02, against at most once a second, side by side.
+
 Full garbage collections (--skip-heap leaves them out): the decision-time runs at the first --decision-workers,
 this process's heap as its imports left it against frozen as the coordinator's own process freezes it, in turns;
 the decision-time table after them runs frozen.
@@ -39,6 +42,7 @@ from multiprocessing.synchronize import Barrier
 import numpy as np
 
 from lbbsp import Coordinator, EmbeddedRedis, JobConfig, LBBSPPolicy, Report, Store, WorkerClient
+from lbbsp import coordinator as coordinator_module
 from lbbsp.coordinator import MAX_AHEAD, freeze_heap
 from lbbsp.errors import ConfigError, StoreUnavailable
 from lbbsp.models import AutoCapacityModel, BatchTimeCurve, CapacityModel, EWMAThroughput, FLClientModel, NARXThroughput
@@ -168,42 +172,68 @@ def _reports(job: str, kind: str, k: int, sizes: Sequence[int], speed: np.ndarra
     return out
 
 
-def decision_times(url: str, workers: int, warmup: int, repeats: int) -> dict[str, dict[str, np.ndarray]]:
+def decision_times(url: str, workers: int, warmup: int, repeats: int,
+                   status_every: Sequence[float] = ()) -> dict[str, dict[str, np.ndarray]]:
     """Per model: policy observe+decide (wall and CPU seconds), the whole coordinator step with Redis, and the
     whole decision's cycle (the step, the learning and the records written after it: the coordinator's pace), for
     ``repeats`` iterations after ``warmup`` iterations that fill the model's history (steady state, as in a
-    long run). The models take turns within each iteration, so a drift in this machine's speed hits all alike."""
+    long run). The models take turns within each iteration, in the reverse order every other one, so a drift in
+    this machine's speed hits all alike. ``status_every``: one coordinator per model and value, writing its
+    workers' status lines at most every that many seconds (0: at every decision), named "model @ value"."""
     rng = np.random.default_rng(0)
     speed = rng.uniform(500, 5000, workers)
-    # per model: name, worker kind, job, store, timed policy, coordinator, times, the split of each iteration
-    runs: list[tuple[str, str, JobConfig, Store, _Timed, Coordinator,
+    # per run: name, status interval, worker kind, job, store, timed policy, coordinator, times, each iteration's split
+    runs: list[tuple[str, float | None, str, JobConfig, Store, _Timed, Coordinator,
                      dict[str, list[float]], dict[int, tuple[int, ...]]]] = []
+    default_every = coordinator_module._STATUS_EVERY_S
     with contextlib.ExitStack() as stack:
         for name, (model, kind, hedge) in MODELS.items():
-            config = JobConfig(f"decide-{workers}-{len(runs)}-{time.time_ns()}", workers, 64 * workers)
-            store = stack.enter_context(Store.from_url(url, config.job))
-            timed = _Timed(LBBSPPolicy(model(), hedge=hedge))
-            runs.append((name, kind, config, store, timed, Coordinator(store, config, timed),
-                         {"policy": [], "policy_cpu": [], "step": [], "learn": [], "cycle": []}, {}))
-        for k in range(warmup + repeats):
-            for _name, kind, config, store, timed, coordinator, times, sizes in runs:
-                pipe = store.client.pipeline(transaction=False)
-                # iteration k runs the split decided for it (lag iterations before), as the workers do
-                for report in _reports(config.job, kind, k, sizes.pop(k, config.initial_sizes()), speed, rng):
-                    pipe.hset(store.key("reports", k), str(report.worker), report.to_json())
-                pipe.execute()
-                timed.seconds = timed.cpu_seconds = timed.learn_seconds = 0.0
-                started = time.perf_counter()
-                outcome = coordinator.decide(k)
-                cycle = time.perf_counter() - started
-                if k >= warmup:
-                    times["cycle"].append(cycle)
-                    times["policy"].append(timed.seconds)
-                    times["policy_cpu"].append(timed.cpu_seconds)
-                    times["learn"].append(timed.learn_seconds)
-                    times["step"].append(outcome.decision_s)
-                sizes[outcome.assignment.iteration] = outcome.assignment.sizes
-    return {name: {key: np.array(v) for key, v in times.items()} for name, _, _, _, _, _, times, _ in runs}
+            for every in status_every or (None,):
+                config = JobConfig(f"decide-{workers}-{len(runs)}-{time.time_ns()}", workers, 64 * workers)
+                store = stack.enter_context(Store.from_url(url, config.job))
+                timed = _Timed(LBBSPPolicy(model(), hedge=hedge))
+                runs.append((name if every is None else f"{name} @ {every:g}", every, kind, config, store, timed,
+                             Coordinator(store, config, timed),
+                             {"policy": [], "policy_cpu": [], "step": [], "learn": [], "cycle": []}, {}))
+        try:
+            for k in range(warmup + repeats):
+                for _name, every, kind, config, store, timed, coordinator, times, sizes in (runs if k % 2 == 0 else runs[::-1]):
+                    pipe = store.client.pipeline(transaction=False)
+                    # iteration k runs the split decided for it (lag iterations before), as the workers do
+                    for report in _reports(config.job, kind, k, sizes.pop(k, config.initial_sizes()), speed, rng):
+                        pipe.hset(store.key("reports", k), str(report.worker), report.to_json())
+                    pipe.execute()
+                    coordinator_module._STATUS_EVERY_S = default_every if every is None else every
+                    timed.seconds = timed.cpu_seconds = timed.learn_seconds = 0.0
+                    started = time.perf_counter()
+                    outcome = coordinator.decide(k)
+                    cycle = time.perf_counter() - started
+                    if k >= warmup:
+                        times["cycle"].append(cycle)
+                        times["policy"].append(timed.seconds)
+                        times["policy_cpu"].append(timed.cpu_seconds)
+                        times["learn"].append(timed.learn_seconds)
+                        times["step"].append(outcome.decision_s)
+                    sizes[outcome.assignment.iteration] = outcome.assignment.sizes
+        finally:
+            coordinator_module._STATUS_EVERY_S = default_every
+    return {name: {key: np.array(v) for key, v in times.items()} for name, *_, times, _ in runs}
+
+
+def status_line_costs(url: str, workers: int, warmup: int, repeats: int) -> None:
+    """The coordinator's cycle per decision with its workers' status lines written at every decision (as until
+    2026-12-02) and at most once a second (since), side by side decision by decision, one pair per model."""
+    print(f"\nthe coordinator's whole cycle per decision at {workers} workers, its workers' status lines for `lbbsp "
+          f"status` written at every decision (@ 0) against at most once a second (@ 1), the two taking turns "
+          f"decision by decision")
+    print(f"{'model':<26} {'policy p50 @0 / @1':>19} {'step p50 @0 / @1':>17} {'cycle p50 @0 / @1':>18} {'@1/@0':>6}"
+          "   (ms; medians over the decisions)")
+    times = decision_times(url, workers, warmup, repeats, status_every=(0.0, 1.0))
+    for name in MODELS:
+        each, once = times[f"{name} @ 0"], times[f"{name} @ 1"]
+        print(f"{name:<26} {_ms(each['policy'], 50):>9} {_ms(once['policy'], 50):>9} {_ms(each['step'], 50):>8} "
+              f"{_ms(once['step'], 50):>8} {_ms(each['cycle'], 50):>9} {_ms(once['cycle'], 50):>8} "
+              f"{np.median(once['cycle']) / np.median(each['cycle']):>6.2f}", flush=True)
 
 
 class _FullCollections:
@@ -322,6 +352,9 @@ def main() -> None:
     parser.add_argument("--skip-critical-path", action="store_true", help="only time the decisions")
     parser.add_argument("--skip-heap", action="store_true",
                         help="skip the runs with the heap as imported against frozen (the garbage collector's pauses)")
+    parser.add_argument("--status-lines", action="store_true",
+                        help="also compare, at the first --decision-workers, the coordinator's cycle with its workers' "
+                             "status lines written at every decision against once a second (about 5 minutes)")
     parser.add_argument("--redis", help="Redis URL (default: an embedded redis-server)")
     args = parser.parse_args()
     if args.iterations <= WARM_UP or args.rounds < 1:
@@ -369,6 +402,8 @@ def run(args: argparse.Namespace) -> None:
         if not args.skip_heap:
             heap_pauses(url, args.decision_workers[0], args.warmup, args.repeats, args.rounds)
         freeze_heap()  # as the coordinator's own process does once it is set up
+        if args.status_lines:
+            status_line_costs(url, args.decision_workers[0], args.warmup, args.repeats)
         print(f"\ndecision time in steady state (after {args.warmup} iterations), LB-BSP with each real model; "
               "the models take turns each iteration; this process's heap frozen, as the coordinator's")
         print(f"{'model':<26} {'workers':>8} {'policy p50':>11} {'policy p99':>11} {'cpu p50':>8} {'step p50':>9} "
