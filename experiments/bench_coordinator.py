@@ -36,7 +36,7 @@ import multiprocessing as mp
 import signal
 import sys
 import time
-from collections.abc import Callable, MutableSequence, Sequence
+from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from multiprocessing.synchronize import Barrier
 
 import numpy as np
@@ -172,14 +172,16 @@ def _reports(job: str, kind: str, k: int, sizes: Sequence[int], speed: np.ndarra
     return out
 
 
-def decision_times(url: str, workers: int, warmup: int, repeats: int,
-                   status_every: Sequence[float] = ()) -> dict[str, dict[str, np.ndarray]]:
+def decision_times(url: str, workers: int, warmup: int, repeats: int, status_every: Sequence[float] = (),
+                   models: Mapping[str, tuple[Callable[[], CapacityModel], str, float | None]] = MODELS,
+                   ) -> dict[str, dict[str, np.ndarray]]:
     """Per model: policy observe+decide (wall and CPU seconds), the whole coordinator step with Redis, and the
     whole decision's cycle (the step, the learning and the records written after it: the coordinator's pace), for
     ``repeats`` iterations after ``warmup`` iterations that fill the model's history (steady state, as in a
     long run). The models take turns within each iteration, in the reverse order every other one, so a drift in
     this machine's speed hits all alike. ``status_every``: one coordinator per model and value, writing its
-    workers' status lines at most every that many seconds (0: at every decision), named "model @ value"."""
+    workers' status lines at most every that many seconds (0: at every decision), named "model @ value"; ``models``:
+    a part of MODELS."""
     rng = np.random.default_rng(0)
     speed = rng.uniform(500, 5000, workers)
     # per run: name, status interval, worker kind, job, store, timed policy, coordinator, times, each iteration's split
@@ -187,7 +189,7 @@ def decision_times(url: str, workers: int, warmup: int, repeats: int,
                      dict[str, list[float]], dict[int, tuple[int, ...]]]] = []
     default_every = coordinator_module._STATUS_EVERY_S
     with contextlib.ExitStack() as stack:
-        for name, (model, kind, hedge) in MODELS.items():
+        for name, (model, kind, hedge) in models.items():
             for every in status_every or (None,):
                 config = JobConfig(f"decide-{workers}-{len(runs)}-{time.time_ns()}", workers, 64 * workers)
                 store = stack.enter_context(Store.from_url(url, config.job))
@@ -222,18 +224,20 @@ def decision_times(url: str, workers: int, warmup: int, repeats: int,
 
 def status_line_costs(url: str, workers: int, warmup: int, repeats: int) -> None:
     """The coordinator's cycle per decision with its workers' status lines written at every decision (as until
-    2026-12-02) and at most once a second (since), side by side decision by decision, one pair per model."""
+    2026-12-02) and at most once a second (since), side by side decision by decision, one model's pair at a time
+    (twelve coordinators in turn would space each one's decisions so far apart that most wrote them anyway)."""
     print(f"\nthe coordinator's whole cycle per decision at {workers} workers, its workers' status lines for `lbbsp "
-          f"status` written at every decision (@ 0) against at most once a second (@ 1), the two taking turns "
-          f"decision by decision")
-    print(f"{'model':<26} {'policy p50 @0 / @1':>19} {'step p50 @0 / @1':>17} {'cycle p50 @0 / @1':>18} {'@1/@0':>6}"
-          "   (ms; medians over the decisions)")
-    times = decision_times(url, workers, warmup, repeats, status_every=(0.0, 1.0))
+          "status` written at every decision (@ 0) against at most once a second (@ 1), the two taking turns "
+          "decision by decision, one model at a time")
+    print(f"{'model':<26} {'step p50 @0 / @1':>17} {'cycle p50 @0 / @1':>18} {'@1/@0':>6} {'cycle mean @0 / @1':>19} "
+          f"{'@1/@0':>6}   (ms)")
     for name in MODELS:
+        times = decision_times(url, workers, warmup, repeats, status_every=(0.0, 1.0), models={name: MODELS[name]})
         each, once = times[f"{name} @ 0"], times[f"{name} @ 1"]
-        print(f"{name:<26} {_ms(each['policy'], 50):>9} {_ms(once['policy'], 50):>9} {_ms(each['step'], 50):>8} "
-              f"{_ms(once['step'], 50):>8} {_ms(each['cycle'], 50):>9} {_ms(once['cycle'], 50):>8} "
-              f"{np.median(once['cycle']) / np.median(each['cycle']):>6.2f}", flush=True)
+        print(f"{name:<26} {_ms(each['step'], 50):>8} {_ms(once['step'], 50):>8} {_ms(each['cycle'], 50):>9} "
+              f"{_ms(once['cycle'], 50):>8} {np.median(once['cycle']) / np.median(each['cycle']):>6.2f} "
+              f"{1e3 * each['cycle'].mean():>9.3f} {1e3 * once['cycle'].mean():>9.3f} "
+              f"{once['cycle'].mean() / each['cycle'].mean():>6.2f}", flush=True)
 
 
 class _FullCollections:

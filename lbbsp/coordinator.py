@@ -53,8 +53,8 @@ _DROP = 100  # a report under 1/_DROP of its worker's previous throughput is wor
 _OUTAGE_GRACE_S = 3.0  # a coordinator whose training process ended is stopped by then (_stop_when_orphaned)
 
 #: Per-worker status lines are written at most this often, and at a coordinator's first decision and when it stops
-#: serving: building and writing 1,024 of them took 7 ms, a quarter of the coordinator's whole time per decision at
-#: that size (its pace), for a table a person reads. The decision log is written at every decision.
+#: serving: building and writing 1,024 of them took 5-8 ms, a fifth to a quarter of the coordinator's whole time per
+#: decision at that size (its pace), for a table a person reads. The decision log is written at every decision.
 _STATUS_EVERY_S = 1.0
 #: One worker's status in the ``workers`` hash, as JSON (``lbbsp status`` reads it).
 _STATUS = ('{"iteration": %d, "size": %d, "predicted_throughput": %s, "measured_throughput": %s, '
