@@ -42,7 +42,6 @@ from multiprocessing.synchronize import Barrier
 import numpy as np
 
 from lbbsp import Coordinator, EmbeddedRedis, JobConfig, LBBSPPolicy, Report, Store, WorkerClient
-from lbbsp import coordinator as coordinator_module
 from lbbsp.coordinator import MAX_AHEAD, freeze_heap
 from lbbsp.errors import ConfigError, StoreUnavailable
 from lbbsp.models import AutoCapacityModel, BatchTimeCurve, CapacityModel, EWMAThroughput, FLClientModel, NARXThroughput
@@ -184,42 +183,39 @@ def decision_times(url: str, workers: int, warmup: int, repeats: int, status_eve
     a part of MODELS."""
     rng = np.random.default_rng(0)
     speed = rng.uniform(500, 5000, workers)
-    # per run: name, status interval, worker kind, job, store, timed policy, coordinator, times, each iteration's split
-    runs: list[tuple[str, float | None, str, JobConfig, Store, _Timed, Coordinator,
+    # per run: name, worker kind, job, store, timed policy, coordinator, times, the split of each iteration
+    runs: list[tuple[str, str, JobConfig, Store, _Timed, Coordinator,
                      dict[str, list[float]], dict[int, tuple[int, ...]]]] = []
-    default_every = coordinator_module._STATUS_EVERY_S
     with contextlib.ExitStack() as stack:
         for name, (model, kind, hedge) in models.items():
             for every in status_every or (None,):
                 config = JobConfig(f"decide-{workers}-{len(runs)}-{time.time_ns()}", workers, 64 * workers)
                 store = stack.enter_context(Store.from_url(url, config.job))
                 timed = _Timed(LBBSPPolicy(model(), hedge=hedge))
-                runs.append((name if every is None else f"{name} @ {every:g}", every, kind, config, store, timed,
-                             Coordinator(store, config, timed),
+                coordinator = Coordinator(store, config, timed)
+                if every is not None:
+                    coordinator.STATUS_EVERY_S = every
+                runs.append((name if every is None else f"{name} @ {every:g}", kind, config, store, timed, coordinator,
                              {"policy": [], "policy_cpu": [], "step": [], "learn": [], "cycle": []}, {}))
-        try:
-            for k in range(warmup + repeats):
-                for _name, every, kind, config, store, timed, coordinator, times, sizes in (runs if k % 2 == 0 else runs[::-1]):
-                    pipe = store.client.pipeline(transaction=False)
-                    # iteration k runs the split decided for it (lag iterations before), as the workers do
-                    for report in _reports(config.job, kind, k, sizes.pop(k, config.initial_sizes()), speed, rng):
-                        pipe.hset(store.key("reports", k), str(report.worker), report.to_json())
-                    pipe.execute()
-                    coordinator_module._STATUS_EVERY_S = default_every if every is None else every
-                    timed.seconds = timed.cpu_seconds = timed.learn_seconds = 0.0
-                    started = time.perf_counter()
-                    outcome = coordinator.decide(k)
-                    cycle = time.perf_counter() - started
-                    if k >= warmup:
-                        times["cycle"].append(cycle)
-                        times["policy"].append(timed.seconds)
-                        times["policy_cpu"].append(timed.cpu_seconds)
-                        times["learn"].append(timed.learn_seconds)
-                        times["step"].append(outcome.decision_s)
-                    sizes[outcome.assignment.iteration] = outcome.assignment.sizes
-        finally:
-            coordinator_module._STATUS_EVERY_S = default_every
-    return {name: {key: np.array(v) for key, v in times.items()} for name, *_, times, _ in runs}
+        for k in range(warmup + repeats):
+            for _name, kind, config, store, timed, coordinator, times, sizes in (runs if k % 2 == 0 else runs[::-1]):
+                pipe = store.client.pipeline(transaction=False)
+                # iteration k runs the split decided for it (lag iterations before), as the workers do
+                for report in _reports(config.job, kind, k, sizes.pop(k, config.initial_sizes()), speed, rng):
+                    pipe.hset(store.key("reports", k), str(report.worker), report.to_json())
+                pipe.execute()
+                timed.seconds = timed.cpu_seconds = timed.learn_seconds = 0.0
+                started = time.perf_counter()
+                outcome = coordinator.decide(k)
+                cycle = time.perf_counter() - started
+                if k >= warmup:
+                    times["cycle"].append(cycle)
+                    times["policy"].append(timed.seconds)
+                    times["policy_cpu"].append(timed.cpu_seconds)
+                    times["learn"].append(timed.learn_seconds)
+                    times["step"].append(outcome.decision_s)
+                sizes[outcome.assignment.iteration] = outcome.assignment.sizes
+    return {name: {key: np.array(v) for key, v in times.items()} for name, _, _, _, _, _, times, _ in runs}
 
 
 def status_line_costs(url: str, workers: int, warmup: int, repeats: int) -> None:

@@ -52,10 +52,6 @@ _PACE_WINDOW = 5  # decisions over which the coordinator's own time and the work
 _DROP = 100  # a report under 1/_DROP of its worker's previous throughput is worth a warning (_warn_dropped)
 _OUTAGE_GRACE_S = 3.0  # a coordinator whose training process ended is stopped by then (_stop_when_orphaned)
 
-#: Per-worker status lines are written at most this often, and at a coordinator's first decision and when it stops
-#: serving: building and writing 1,024 of them took 5-8 ms, a fifth to a quarter of the coordinator's whole time per
-#: decision at that size (its pace), for a table a person reads. The decision log is written at every decision.
-_STATUS_EVERY_S = 1.0
 #: One worker's status in the ``workers`` hash, as JSON (``lbbsp status`` reads it).
 _STATUS = ('{"iteration": %d, "size": %d, "predicted_throughput": %s, "measured_throughput": %s, '
            '"compute_s": %s, "wait_s": %s, "kind": %s}')
@@ -245,6 +241,11 @@ class Coordinator:
     newest iteration whose reports are all in and writes that split for the next ``ahead`` iterations, each
     still exactly once; ``max_ahead=1`` turns this off.
     """
+
+    #: Each worker's status line (``lbbsp status``) is written at most this often, and at the first decision and when
+    #: the coordinator stops serving: building and writing 1,024 of them took 5-8 ms, a fifth to a quarter of its
+    #: whole time per decision at that size (its pace), for a table a person reads. The decision log gets every one.
+    STATUS_EVERY_S = 1.0
 
     def __init__(self, store: Store, config: JobConfig, policy: Policy | None = None, *,
                  max_ahead: int = MAX_AHEAD) -> None:
@@ -495,7 +496,7 @@ class Coordinator:
         if self._unwritten is None:
             return
         assignment, decision, reports = self._unwritten
-        self._unwritten, self._next_status = None, time.monotonic() + _STATUS_EVERY_S
+        self._unwritten, self._next_status = None, time.monotonic() + self.STATUS_EVERY_S
         if self.config.num_workers > 4096:
             return
         by_worker = {r.worker: r for r in reports}
