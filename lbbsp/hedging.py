@@ -85,8 +85,8 @@ class ForecastRisk:
     only turn slower. Workers that report the ``colocated_load`` feature are also told apart by it: under
     ``loaded_at`` (runnable foreign tasks per core) a machine is free and its job can only slow down; at or
     above, it can also speed up; so ranks and load give 2 x ``buckets`` buckets, for each kind of worker (CPU,
-    GPU, federated client, as :func:`~lbbsp.models.worker_kind` reads the first measured report of its hardware
-    group) apart: GPUs, whose forecasts miss by about 0.5%, pooled with shared CPUs, which miss by tens of
+    GPU, federated client, as :func:`~lbbsp.models.worker_kind` reads the first report of its hardware
+    group that measured something or names an accelerator or transfers) apart: GPUs, whose forecasts miss by about 0.5%, pooled with shared CPUs, which miss by tens of
     percent, had been planned with the CPUs' margins (a mixed job of 1,024 workers at 1.59x the oracle's time,
     1.16x with the kinds apart). When the target's reports
     arrive (or those of a later iteration that used its split), :meth:`observe` pools each worker's slowdown,
@@ -240,7 +240,7 @@ class ForecastRisk:
         loaded = np.zeros(ids.size, dtype=bool)
         loaded[inside] = self.loaded_[ids[inside]]
         bucket += self.buckets * loaded
-        # a group none of whose workers measured anything yet counts as CPUs; a worker never seen, as the workers'
+        # a group whose workers only announced themselves, bare, counts as CPUs; a worker never seen, as the workers'
         # most common kind (in a job of one kind, its kind: it then shares its peers' pools, as before kinds)
         kind = np.zeros(ids.size, dtype=np.int64)
         seen = group >= 0
@@ -282,7 +282,8 @@ class ForecastRisk:
     def _remember_hardware(self, reports: Sequence[Report], ids: np.ndarray) -> None:
         """Give each worker seen for the first time (``ids``: the reports' workers) its hardware group id, and each
         group its kind (as :func:`~lbbsp.models.worker_kind` reads it) from the first of its reports that measured
-        something: a client that has not been asked yet shares its peers' pools."""
+        something or names an accelerator or transfers, as :class:`~lbbsp.models.AutoCapacityModel` routes it: a
+        bare announcement says nothing of its kind, and a client that has not been asked yet shares its peers' pools."""
         size = int(ids.max()) + 1
         if size > self.peer_group_.size:
             self.loaded_ = np.concatenate([self.loaded_, np.zeros(size - self.peer_group_.size, dtype=bool)])
@@ -292,9 +293,10 @@ class ForecastRisk:
             self.peer_group_[ids[at]] = self.groups_.setdefault(key, len(self.groups_))
         if len(self.groups_) > self.group_kind_.size:
             self.group_kind_ = np.concatenate([self.group_kind_, np.full(len(self.groups_) - self.group_kind_.size, -1)])
-        for at in np.flatnonzero(self.group_kind_[self.peer_group_[ids]] < 0).tolist():  # its first measured report
-            if reports[at].samples > 0:
-                self.group_kind_[self.peer_group_[ids[at]]] = KINDS.index(worker_kind(reports[at]))
+        for at in np.flatnonzero(self.group_kind_[self.peer_group_[ids]] < 0).tolist():  # its first report showing it
+            kind = worker_kind(reports[at])
+            if reports[at].samples > 0 or kind != "cpu":
+                self.group_kind_[self.peer_group_[ids[at]]] = KINDS.index(kind)
 
 
 __all__ = ["ForecastRisk", "HedgedTime", "InvertibleHedgedTime", "hedged", "sized_throughput"]

@@ -288,3 +288,21 @@ def test_gpus_and_cpus_learn_their_margins_apart() -> None:
     risk.record(20, workers, forecast)
     factor = risk.factors(20)
     assert factor[:20].max() < 1.03 and factor[20:].min() > 1.4
+
+
+def test_gpus_that_join_a_running_cpu_job_are_not_planned_with_the_cpus_margins_before_they_measure() -> None:
+    """A GPU's announcement (nothing measured yet, GPU memory read) names its kind, as AutoCapacityModel reads it:
+    its group had counted as CPUs until its first measurement, so its first forecasts took the CPUs' margin."""
+    rng = np.random.default_rng(1)
+    risk = ForecastRisk()
+    cpus = np.arange(20)
+    for k in range(10):
+        risk.record(k, cpus, np.full(20, 100.0))
+        risk.observe([Report("h", w, k, 64, 0.64 * rng.uniform(1.0, 1.6)) for w in cpus.tolist()])
+    gpus = [Report("h", w, 10, 0, 0.0, device="cuda:A100", features={"gpu_mem_used": 1e9, "gpu_mem_free": 7e10})
+            for w in range(20, 24)]
+    risk.observe([Report("h", w, 10, 64, 0.64 * rng.uniform(1.0, 1.6)) for w in cpus.tolist()] + gpus)
+    workers = np.arange(24)
+    risk.record(11, workers, np.full(24, 100.0))
+    factor = risk.factors(11)
+    assert factor[:20].min() > 1.4 and np.all(factor[20:] == 1.0)  # no GPU slowdowns pooled yet: plain LB-BSP
