@@ -266,4 +266,9 @@ class AutoCapacityModel(CapacityModel):
 
 
 def _or_no_cap(caps: np.ndarray | None, count: int) -> np.ndarray:
-    return np.full(count, np.inf) if caps is None else np.asarray(caps, dtype=float)
+    """A kind's caps as floats, inf where it sets none: None, or NaN (no cap known, as the policies read it; cast to
+    int64 it had become -2**63, a cap below every lower bound)."""
+    if caps is None:
+        return np.full(count, np.inf)
+    caps = np.asarray(caps, dtype=float)
+    return np.where(np.isnan(caps), np.inf, caps)

@@ -201,7 +201,7 @@ class CapacityModel(BaseEstimator):
         return LinearTime(np.where(unknown, fill, np.clip(speed, 0.0, None)))
 
     def max_batch(self, workers: WorkerIds) -> np.ndarray | None:
-        """The largest batch each worker can hold (GPU memory), or None when the model sets no cap."""
+        """The largest batch each worker can hold (GPU memory; NaN where unknown), or None when the model sets no cap."""
         worker_ids(workers)  # a bad id is an error here too, as in every model that sets a cap
         return None
 
