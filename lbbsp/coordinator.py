@@ -32,7 +32,7 @@ from .errors import ConfigError, LBBSPError, PolicyError, ProtocolError
 from .models import AutoCapacityModel, worker_kind
 from .policies import Decision, LBBSPPolicy, Policy, checked_policy
 from .protocol import MAX_POLICY_NAME_CHARS, MAX_REASON_CHARS, Assignment, Report
-from .store import ITERATIONS_KEPT, REDIS_ERRORS, REDIS_FAILURES, Store
+from .store import ITERATIONS_KEPT, REDIS_ERRORS, REDIS_FAILURES, Store, redacted
 
 log = logging.getLogger("lbbsp.coordinator")
 
@@ -119,6 +119,13 @@ def _failure_site(failure: object) -> str:
     return f"{type(failure).__name__} via {' '.join(lines)}"
 
 
+def _job_config(config: object) -> JobConfig:
+    """``config`` if it is a JobConfig, else a ConfigError that says so (its missing ``job`` was an AttributeError)."""
+    if not isinstance(config, JobConfig):
+        raise ConfigError(f"config must be a JobConfig, got {type(config).__name__}")
+    return config
+
+
 def _check_model_for(policy: Policy | None, config: JobConfig, *, warn: bool = True) -> None:
     """A ConfigError for worker kinds pinned outside the job (a typo, or a rank off by one, had been kept
     silently), and (``warn``) a warning where the model forecasts further or less far ahead than the job's lag (a
@@ -161,9 +168,7 @@ class GuardedPolicy:
             decision = self.policy.decide(target, current, self.config)
             assignment = self._checked(target, decision)
             return dataclasses.replace(decision, predicted_throughput=self._predictions(target, decision)), assignment
-        except REDIS_ERRORS:
-            raise
-        except Exception as exc:  # a policy's bug must not stop the job: keep the split in force, say why
+        except Exception as exc:  # a policy's bug, an OSError too (none is Redis's here): keep the split in force
             self.failures += 1
             if (repeats := self._repeats.note(exc)) is not None:
                 log.exception("policy %s failed to decide iteration %d%s; keeping the current split",
@@ -249,6 +254,11 @@ class Coordinator:
 
     def __init__(self, store: Store, config: JobConfig, policy: Policy | None = None, *,
                  max_ahead: int = MAX_AHEAD) -> None:
+        config = _job_config(config)
+        if not isinstance(store, Store):  # CoordinatorProcess takes a URL, this a Store: an easy mix-up
+            given = redacted(store) if isinstance(store, str) else store  # a URL's password stays out of the error
+            raise ConfigError(f"store must be a Store (for a URL: Store.from_url(url, job), or CoordinatorProcess(url, "
+                              f"config)), got {given!r:.80}", job=config.job)
         self.max_ahead = checked_max_ahead(max_ahead, config.job)
         self.policy = policy if policy is not None else LBBSPPolicy(AutoCapacityModel(horizon=config.lag))
         self._guarded = GuardedPolicy(self.policy, config)  # checks the policy, before the job is registered
@@ -606,11 +616,12 @@ class Coordinator:
 
     def _republish(self) -> None:
         """Write the assignments that workers may still read again (write-once), in case Redis lost them: a
-        worker that finds none would write its fallback, and split from one that had read the decision."""
+        worker that finds none would write its fallback, and split from one that had read the decision. Any Redis error
+        is let go: it runs after an outage, unguarded, where a refusal (out of memory, read-only) had ended serving."""
         try:
             if self._written:
                 self.store.publish_all(list(self._written))
-        except REDIS_ERRORS:
+        except REDIS_FAILURES:
             pass
 
     def start(self, timeout_s: float = 5.0) -> Coordinator:
@@ -663,6 +674,7 @@ class CoordinatorProcess:
 
     def __init__(self, url: str, config: JobConfig, policy: Policy | None = None, *,
                  max_ahead: int = MAX_AHEAD, start_timeout_s: float = 60.0) -> None:
+        config = _job_config(config)
         max_ahead = checked_max_ahead(max_ahead, config.job)
         checked_policy(policy, config.job)
         _check_model_for(policy, config, warn=False)  # refused here, not in the child; the child's coordinator warns

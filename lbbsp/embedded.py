@@ -545,7 +545,8 @@ class EmbeddedRedis:
         raise StoreUnavailable(f"embedded redis-server did not start within {self.start_timeout_s}s: {detail[-500:]}")
 
     def _start(self, port: int, log_file: Path) -> bool:
-        """One start on ``port`` (0: no TCP); False, with the process stopped, if it did not answer in time."""
+        """One start on ``port`` (0: no TCP); False, with the process ended, if it did not answer in time. It stays
+        ``_process``, as a server that died does, so the watch tries again (``stop()`` is for good)."""
         args = [redis_server_binary()]
         if self._password is not None:  # a config file of its own: a password on the command line is seen by all
             conf = self.directory / "redis.conf"
@@ -571,7 +572,7 @@ class EmbeddedRedis:
                         return True
             except (redis.ConnectionError, redis.TimeoutError, FileNotFoundError):
                 time.sleep(0.02)
-        self.stop()
+        self._end(self._process, kill=False)
         return False
 
     def stop(self, *, kill: bool = False) -> None:

@@ -22,7 +22,7 @@ import redis
 from .config import JobConfig, _integer, _is_integer, _real
 from .errors import ConfigError, LBBSPError, ProtocolError, StoreUnavailable
 from .protocol import MAX_DEVICE_CHARS, MAX_ITERATION, Assignment, Report
-from .store import REDIS_ERRORS, REDIS_FAILURES, Store
+from .store import REDIS_ERRORS, REDIS_FAILURES, Store, redacted
 
 log = logging.getLogger("lbbsp.worker")
 
@@ -66,7 +66,8 @@ class WorkerClient:
         if not isinstance(config, JobConfig):
             raise ConfigError(f"config must be a JobConfig, got {type(config).__name__}")
         if not isinstance(store, Store):
-            raise ConfigError(f"store must be a Store (for a URL: Store.from_url(url, job)), got {store!r:.80}",
+            given = redacted(store) if isinstance(store, str) else store  # a URL's password stays out of the error
+            raise ConfigError(f"store must be a Store (for a URL: Store.from_url(url, job)), got {given!r:.80}",
                               job=config.job)
         if agree is not None and not callable(agree):
             raise ConfigError(f"agree must be None or a function from Assignment to Assignment, got {agree!r}",
