@@ -43,6 +43,15 @@ REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 REDIS_FAILURES = (*REDIS_ERRORS, redis.RedisError)
 
 
+def _queued(item: bytes | str) -> int | None:
+    """An entry of the ready list as an iteration, None for anything else (only a foreign writer puts one there; a
+    number of over 4,300 digits, which int() refuses, had ended the coordinator's step after the list was emptied)."""
+    try:
+        return int(item)
+    except ValueError:
+        return None
+
+
 def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
     """A client from one URL (redis://, rediss:// for TLS, unix://; password and db in the URL).
 
@@ -295,12 +304,7 @@ class Store:
         if socket_timeout:
             timeout_s = min(timeout_s, max(socket_timeout - 1.0, socket_timeout / 2))
         item = self.client.blpop([self.key("ready")], timeout=timeout_s)
-        if item is None:
-            return None
-        try:
-            return int(item[1])
-        except ValueError:
-            return None
+        return None if item is None else _queued(item[1])
 
     def drain_ready(self) -> list[int]:
         """Pop every iteration queued as complete, without waiting: a coordinator that runs behind the workers
@@ -309,7 +313,7 @@ class Store:
         pipe.lrange(self.key("ready"), 0, -1)
         pipe.delete(self.key("ready"))
         items, _ = pipe.execute()
-        return [int(item) for item in items if item.isdigit()]
+        return [k for k in map(_queued, items) if k is not None]
 
     def reports(self, iteration: int) -> dict[bytes, bytes]:
         """The raw payloads posted for ``iteration``, keyed by the worker field as posted."""

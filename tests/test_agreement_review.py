@@ -124,3 +124,14 @@ def test_a_coordinator_that_finds_redis_refusing_writes_after_an_outage_keeps_se
                 workers.client.config_set("maxmemory", 0)
         coordinator.stop()
         assert workers.get_assignment(3) is not None  # decided from iteration 1, after the refusals
+
+
+def test_entries_of_the_ready_list_that_are_not_iterations_are_skipped_not_fatal(redis_url: str, job: str) -> None:
+    """A number of over 4,300 digits on the ready list (only a foreign writer puts one there) made int() raise after
+    the list had been emptied: the coordinator's step failed, and the iterations queued beside it were lost."""
+    with Store.from_url(redis_url, job) as store:
+        store.client.rpush(store.key("ready"), b"3", b"9" * 5000, b"junk", b"-1", b"5")
+        assert store.drain_ready() == [3, -1, 5]  # a negative one is the coordinator's to refuse, with a warning
+        store.client.rpush(store.key("ready"), b"9" * 5000, b"7")
+        assert store.next_ready(1.0) is None and store.next_ready(1.0) == 7
+        store.forget()
