@@ -313,8 +313,8 @@ def local_addresses(toward: str | None = None, *, ipv6: bool = False) -> list[st
         try:
             routes = socket.getaddrinfo(toward.strip("[]"), 9, socket.AF_UNSPEC if ipv6 else socket.AF_INET,
                                         socket.SOCK_DGRAM)
-        except OSError:  # a host that does not resolve: the other addresses remain
-            routes = []
+        except (OSError, UnicodeError):  # a host that does not resolve (or, a label over 63 characters, cannot be
+            routes = []  # encoded to look up): the other addresses remain
         for family, _, _, _, target in routes:
             try:
                 with socket.socket(family, socket.SOCK_DGRAM) as route:
@@ -373,6 +373,8 @@ def serve_embedded(index: int, all_gather: Callable[[str | None], Sequence[str |
         except Exception as exc:  # noqa: BLE001  (raised below, once every worker has heard of it)
             failure = exc
             offer = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+            if server is not None:  # started, but its addresses failed: the caller never gets it
+                server.close()
     shared = json.loads(str(all_gather(offer)[0]))
     if failure is not None:
         raise failure

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from lbbsp import ConfigError, Coordinator, CoordinatorProcess, EmbeddedRedis, JobConfig, Report, Store, WorkerClient
+from lbbsp.embedded import local_addresses, serve_embedded
 from lbbsp.policies import BSPPolicy, Policy
 
 
@@ -135,3 +136,23 @@ def test_entries_of_the_ready_list_that_are_not_iterations_are_skipped_not_fatal
         store.client.rpush(store.key("ready"), b"9" * 5000, b"7")
         assert store.next_ready(1.0) is None and store.next_ready(1.0) == 7
         store.forget()
+
+
+def test_a_host_that_cannot_be_looked_up_leaves_the_other_addresses_and_a_failed_offer_stops_the_server() -> None:
+    """A peer host with a label over 63 characters (a bad MASTER_ADDR) raised a bare UnicodeError from the lookup,
+    after worker 0's server had started: every worker raised, and the server ran on until this process exited."""
+    assert local_addresses("a" * 64 + ".example")[-1] == "127.0.0.1"
+
+    class Offers(EmbeddedRedis):  # a real server whose addresses fail, as any error there would
+        def peer_urls(self, toward: str | None = None) -> list[str]:
+            raise ConfigError("no address to offer")
+
+    started: list[EmbeddedRedis] = []
+
+    def start(listen: str | None) -> EmbeddedRedis:
+        started.append(Offers(listen=listen))
+        return started[-1]
+
+    with pytest.raises(ConfigError, match="no address to offer"):
+        serve_embedded(0, lambda value: [value], start, across=True)
+    assert started and started[0].pid is None and not _answers(started[0].url)
