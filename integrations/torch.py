@@ -214,9 +214,7 @@ class Balancer:
 
     def begin_step(self, sampler: GlobalBatchSampler, step: int) -> np.ndarray:
         """End the previous step, agree on this step's vector, start the clock; our dataset indices."""
-        if self._closed:  # else each step would wait out assignment_timeout_s on a Redis that is gone
-            raise LBBSPError("this Balancer is closed: draw batches before lb.close(), or start a new Balancer",
-                             job=self.config.job, worker=self.rank)
+        self._refuse_closed()
         self._refuse_steps_drawn_together(sampler)
         self.end_step()
         self._time_on_model_device()
@@ -229,6 +227,14 @@ class Balancer:
         self._reported = self._synced = self._scaled = self._unsynced_forward = self._forwarded = False
         self._clock.start()
         return indices
+
+    def _refuse_closed(self) -> None:
+        """Raise once closed, before any collective or Redis call: a step would wait out assignment_timeout_s on a
+        Redis that is gone, and a loader's check of the epoch waited in a collective that ranks may never join (a
+        draw on one rank after close) or that has no process group left."""
+        if self._closed:
+            raise LBBSPError("this Balancer is closed: draw batches before lb.close(), or start a new Balancer",
+                             job=self.config.job, worker=self.rank)
 
     def end_step(self, *, abandoned: bool = False) -> None:
         """Report the step in progress and check that its gradients were weighted; a no-op between steps.

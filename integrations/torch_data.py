@@ -14,13 +14,14 @@ p[3:8]; if the next step agrees (6, 2), rank 0 gets p[8:14] and rank 1 gets p[14
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -224,6 +225,7 @@ class BalancedLoader:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[Any]:
+        self.balancer._refuse_closed()  # before the ranks' check, a collective
         if self._next_epoch is not None:
             self.sampler.set_epoch(self._next_epoch)
             self._next_epoch = None
@@ -363,7 +365,12 @@ def _emptied(one: Any, two: Any, leaks: list[str]) -> Any:
         if _equal(one, two):
             return one
     elif isinstance(one, Mapping) and isinstance(two, Mapping) and one.keys() == two.keys():
-        return type(one)({k: _emptied(v, two[k], leaks) for k, v in one.items()})  # type: ignore[call-arg]
+        entries = {k: _emptied(v, two[k], leaks) for k, v in one.items()}
+        if isinstance(one, MutableMapping):  # as default_collate builds it: a defaultdict's type takes no dict
+            emptied = copy.copy(one)
+            emptied.update(entries)
+            return emptied
+        return type(one)(entries)  # type: ignore[call-arg]
     elif isinstance(one, (list, tuple)) and type(two) is type(one):
         if len(one) == 1 and len(two) == 2:  # one entry per sample
             return [] if isinstance(one, list) else ()
