@@ -117,7 +117,9 @@ def _all_reduce(balancer: "Balancer", bucket: dist.GradBucket, weight: float) ->
 
 
 def all_reduce_gradients(balancer: "Balancer", parameters: Iterable[nn.Parameter]) -> None:
-    """Without DDP: sum ``(b_i / B) * grad`` over ranks in one flat all-reduce; missing grads count as zero."""
+    """Without DDP: sum ``(b_i / B) * grad`` over ranks in one flat all-reduce; missing grads count as zero, and
+    a parameter no rank has a gradient for keeps none (as in one process and under DDP: a zero gradient would still
+    move it by momentum and weight decay). The flat tensor ends with how many ranks hold each parameter's grad."""
     balancer._open_step()
     balancer.gradients_ready()
     params = [p for p in parameters if p.requires_grad]
@@ -126,15 +128,19 @@ def all_reduce_gradients(balancer: "Balancer", parameters: Iterable[nn.Parameter
     weight = balancer.gradient_weight()
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
     flat = flat.zero_() if weight == 0.0 else flat.mul_(weight)
+    held = [p.grad is not None for p in params]
+    flat = torch.cat([flat, torch.tensor(held, dtype=flat.dtype, device=flat.device)])
     dist.all_reduce(flat, group=balancer.group)
+    # read back (a sync on a GPU) only where this rank lacks a gradient
+    holders = [1.0] * len(params) if all(held) else flat[-len(params):].tolist()
     offset = 0
-    for p in params:
+    for p, holding in zip(params, holders):
         n = p.numel()
         chunk = flat[offset:offset + n].view_as(p)
-        if p.grad is None:
-            p.grad = chunk.to(p.dtype, copy=True)  # torch.cat promoted mixed dtypes to the widest
-        else:
+        if p.grad is not None:
             p.grad.copy_(chunk)
+        elif holding > 0:
+            p.grad = chunk.to(p.dtype, copy=True)  # torch.cat promoted mixed dtypes to the widest
         offset += n
 
 

@@ -1,7 +1,8 @@
 """Found in a review of the torch adapter, on 2 real gloo ranks: a loader drawn after ``lb.close()`` raises the
 closed Balancer's error at once, on one rank alone or after the process group is gone (it had waited in the
-ranks' check of the epoch, a collective); and an empty slice of a ``defaultdict`` batch keeps its structure (it
-had raised a TypeError on the rank with nothing to train, leaving the other in the step's all-reduce)."""
+ranks' check of the epoch, a collective); an empty slice of a ``defaultdict`` batch keeps its structure (it
+had raised a TypeError on the rank with nothing to train, leaving the other in the step's all-reduce); and without
+DDP a parameter no rank used in a step keeps no gradient, as in one process (a zero one moved it by momentum)."""
 from __future__ import annotations
 
 import contextlib
@@ -87,6 +88,24 @@ def _empty_defaultdict_slice(url: str, job: str) -> dict:
     return {"batches": batches, "params": [p.detach().tolist() for p in model.module.parameters()]}
 
 
+def _unused_in_some_steps(url: str, job: str) -> dict:
+    """Without DDP, SGD with momentum and weight decay on a model whose second layer only the even steps use (on
+    every rank): each step's indices and the parameters after the epoch."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([torch.nn.Linear(5, 1), torch.nn.Linear(5, 1)])
+    opt = torch.optim.SGD(layers.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    steps = []
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job) as lb:
+        for step, (x, y, index) in enumerate(lb.loader(data())):
+            out = layers[0](x) + (layers[1](x) if step % 2 == 0 else 0)
+            F.mse_loss(out, y).backward()
+            lb.all_reduce_gradients(layers.parameters())
+            opt.step()
+            opt.zero_grad()
+            steps.append(index.tolist())
+    return {"steps": steps, "params": [p.detach().tolist() for p in layers.parameters()]}
+
+
 def _worker(rank: int, world: int, init: str, url: str, job: str, out: str, scenario: str) -> None:
     """Run ``scenario`` as ``rank``; write what it returned, or what it raised, to out/rank{rank}.json."""
     torch.set_num_threads(1)
@@ -95,7 +114,7 @@ def _worker(rank: int, world: int, init: str, url: str, job: str, out: str, scen
         if scenario == "after_close":
             result = _draw_after_close(rank, url, job, out)
         else:
-            result = _empty_defaultdict_slice(url, job)
+            result = (_empty_defaultdict_slice if scenario == "empty_defaultdict" else _unused_in_some_steps)(url, job)
             destroy_group()
     except Exception as exc:  # recorded, then raised: this rank ends, and so does the other's wait for it
         Path(out, f"rank{rank}.json").write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
@@ -141,3 +160,26 @@ def test_an_empty_slice_of_a_defaultdict_batch_keeps_its_structure(tmp_path: Pat
     opt.step()
     for got, want in zip(ranks[0]["params"], alone.parameters()):
         assert torch.allclose(torch.tensor(got), want.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_without_ddp_a_parameter_no_rank_used_keeps_no_gradient_as_in_one_process(
+        tmp_path: Path, redis_url: str) -> None:
+    ranks = run(tmp_path, redis_url, "unused")
+    assert all("error" not in r for r in ranks), ranks
+    assert ranks[0]["params"] == ranks[1]["params"]
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([torch.nn.Linear(5, 1), torch.nn.Linear(5, 1)])
+    opt = torch.optim.SGD(layers.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    x_all, y_all, _ = data().tensors
+    for step, (mine, theirs) in enumerate(zip(ranks[0]["steps"], ranks[1]["steps"])):
+        batch = torch.tensor(sorted(mine + theirs))
+        assert len(batch) == GLOBAL_BATCH
+        x, y = x_all[batch], y_all[batch]
+        out = layers[0](x) + (layers[1](x) if step % 2 == 0 else 0)
+        F.mse_loss(out, y).backward()
+        opt.step()
+        opt.zero_grad()
+    for got, want in zip(ranks[0]["params"], layers.parameters()):  # a zero gradient had moved layer 1 by 0.11
+        assert torch.allclose(torch.tensor(got), want.detach(), rtol=1e-6, atol=1e-7), (got, want)
