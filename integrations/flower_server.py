@@ -332,7 +332,7 @@ class LoadBalanced(Strategy):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = list(replies)
+        replies = self._first_reply_each(server_round, replies)
         sent = self._pending.pop(server_round, None)
         if sent is not None:
             predicted = "" if sent.predicted_s is None else f" (predicted {sent.predicted_s:.3g}s)"
@@ -400,6 +400,8 @@ class LoadBalanced(Strategy):
         """
         records = message.content.metric_records
         if sent is not None:  # every train reply, a plain Flower one too: it is averaged into the model
+            if message.metadata.src_node_id not in sent.plan:
+                raise ProtocolError("this node was sent no workload this round", field="node")
             _check_arrays(sent.arrays, message.content)
         if len(records) != 1:  # the strategy would refuse the round (InconsistentMessageReplies), not the reply
             raise ProtocolError(f"must hold one MetricRecord, holds {len(records)}", field="metrics")
@@ -412,10 +414,7 @@ class LoadBalanced(Strategy):
             return None, None
         result = ClientResult.from_metrics(metrics)
         if sent is not None:
-            workload = sent.plan.get(message.metadata.src_node_id)
-            if workload is None:
-                raise ProtocolError("this node was sent no workload this round", field="node")
-            result.check(workload)
+            result.check(sent.plan[message.metadata.src_node_id])
         if result.samples == 0 or result.steps == 0:
             raise ProtocolError("processed no sample: a ClientApp trains one step per batch size of `for batch_size "
                                 "in rnd.batches():`, and a reply counts only the steps taken in that loop",
@@ -427,6 +426,19 @@ class LoadBalanced(Strategy):
             return result, None
         return result, Report(self.history.job, worker, iteration, result.samples, result.compute_s,
                               features={"download_s": result.download_s, "upload_s": result.upload_s})
+
+    def _first_reply_each(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
+        """Each node's first reply; a second one (a grid that delivers a reply twice) is logged and dropped: it would
+        count the node's update twice, once under a weight ``normalise`` never set."""
+        first: dict[int, Message] = {}
+        for message in replies:
+            node = message.metadata.src_node_id
+            if node in first:
+                log(WARNING, "lbbsp round %d: node %d replied more than once; only its first reply counts",
+                    server_round, node)
+            else:
+                first[node] = message
+        return list(first.values())
 
     def _unlike_the_others(self, replies: list[Message]) -> dict[int, str]:
         """Why each reply whose records are laid out unlike most of the round's is left out, by node: the
@@ -585,18 +597,30 @@ def _check_arrays(model: ArrayRecord, content: RecordDict) -> None:
         if tuple(array.shape) != tuple(model[name].shape):
             raise ProtocolError(f"shape {tuple(array.shape)}, the model's is {tuple(model[name].shape)}",
                                 field=f"arrays.{name}")
-        if array.dtype != model[name].dtype:
+        if not _dtype_fits(array.dtype, model[name].dtype):
             raise ProtocolError(f"dtype {array.dtype}, the model's is {model[name].dtype}", field=f"arrays.{name}")
         try:  # the labels above are the sender's word: the bytes decide what the average gets
             values = array.numpy()
         except (ValueError, TypeError) as exc:
             raise ProtocolError(f"cannot be read as an array: {exc}", field=f"arrays.{name}") from None
         expected = model[name].numpy()
-        if values.shape != expected.shape or values.dtype != expected.dtype:
+        if values.shape != expected.shape or not _dtype_fits(values.dtype, expected.dtype):
             raise ProtocolError(f"holds a {values.dtype} array of shape {values.shape}, the model's is "
                                 f"{expected.dtype} of shape {expected.shape}", field=f"arrays.{name}")
         if values.dtype.kind in "fc" and not np.isfinite(values).all():
             raise ProtocolError("holds NaN or infinite values", field=f"arrays.{name}")
+
+
+def _dtype_fits(reply: str | np.dtype, model: str | np.dtype) -> bool:
+    """Whether a reply's array of dtype ``reply`` may be averaged into the model's of dtype ``model``: the same, or
+    an integer or bool array (a counter, a mask) where the model's is float, since Flower's weighted average turns
+    such an array float after round 1 and the clients still return it in their own dtype."""
+    if reply == model:
+        return True
+    try:  # a label is the sender's word, and may name no dtype at all
+        return np.dtype(reply).kind in "biu" and np.dtype(model).kind == "f"
+    except (TypeError, ValueError):
+        return False
 
 
 def _describe(layout: tuple[tuple[str, ...], tuple[str, ...], frozenset[str]]) -> str:

@@ -79,11 +79,12 @@ class ClientStatus:
 class ClientHistory:
     """Reports and outcomes of each federated client of one job, kept in Redis across server restarts."""
 
-    # KEYS[1] = ids hash, KEYS[2] = next counter; ARGV[1] = TTL s, ARGV[2] = max index, ARGV[3] = the lowest index a
-    # new client may get, ARGV[4..] = client keys.
+    # KEYS[1] = ids hash, KEYS[2] = next counter, KEYS[3] = status hash; ARGV[1] = TTL s, ARGV[2] = max index,
+    # ARGV[3] = the lowest index a new client may get, ARGV[4..] = client keys.
     # Returns each client's worker index, assigning the next free one to a client the hash lacks (never seen, or
     # its entry lost with Redis's data, or not a decimal index in range: no lbbsp process wrote it); -1 for a
-    # client that finds every index taken. A counter that is not a decimal restarts above the hash's indices.
+    # client that finds every index taken. A counter that is lost or not a decimal restarts above the hash's
+    # indices and those with a stored outcome, whose history a new client must not inherit.
     ASSIGN_INDICES = """
     local function index_in(raw)
         if raw and string.match(raw, '^%d+$') and #raw <= 6 and tonumber(raw) <= tonumber(ARGV[2]) then
@@ -99,8 +100,10 @@ class ClientHistory:
             local next_free = counter and string.match(counter, '^%d+$') and tonumber(counter)
             if not next_free then
                 next_free = 0
-                for _, stored in ipairs(redis.call('HVALS', KEYS[1])) do
-                    local known = index_in(stored)
+                local stored = redis.call('HVALS', KEYS[1])
+                for _, worker in ipairs(redis.call('HKEYS', KEYS[3])) do stored[#stored + 1] = worker end
+                for _, raw in ipairs(stored) do
+                    local known = index_in(raw)
                     if known and known >= next_free then next_free = known + 1 end
                 end
             end
@@ -175,7 +178,8 @@ class ClientHistory:
                                 job=self.job)
         if not names:
             return []
-        indices = [int(i) for i in self._call(self._assign, keys=[self.key("ids"), self.key("next")],
+        keys = [self.key("ids"), self.key("next"), self.key("status")]
+        indices = [int(i) for i in self._call(self._assign, keys=keys,
                                               args=[self.ttl_s, MAX_WORKERS - 1, self._lowest_new, *names])]
         if min(indices) < 0:
             raise ConfigError(f"every client index of the job is taken: {MAX_WORKERS} distinct client keys were seen "
@@ -221,10 +225,7 @@ class ClientHistory:
         out = {}
         for name, index in self._call(self.client.hgetall, self.key("ids")).items():
             try:
-                text = index.decode() if isinstance(index, bytes) else str(index)
-                if not (text.isascii() and text.isdigit() and int(text) < MAX_WORKERS):  # as ASSIGN_INDICES reads it
-                    raise ValueError(text)
-                out[name.decode() if isinstance(name, bytes) else name] = int(text)
+                out[name.decode() if isinstance(name, bytes) else name] = _index(index)
             except (UnicodeDecodeError, ValueError):
                 log.warning("skipping a bad client id entry in job %s", self.job)
         return out
@@ -241,8 +242,8 @@ class ClientHistory:
         """Each client's last outcome; entries that fail validation are logged and skipped."""
         out = {}
         for worker, raw in self._call(self.client.hgetall, self.key("status")).items():
-            try:
-                out[int(worker)] = ClientStatus.from_json(raw)
+            try:  # the field too: int() would take "-1" or "1_000", and a huge index would size the model's tables
+                out[_index(worker)] = ClientStatus.from_json(raw)
             except (ValueError, ProtocolError) as exc:
                 log.warning("skipping a stored status in job %s: %s", self.job, exc)
         return out
@@ -252,3 +253,11 @@ class ClientHistory:
             return fn(*args, **kwargs)
         except REDIS_FAILURES as exc:  # unreachable, or refusing (out of memory, read-only replica, ...)
             raise StoreUnavailable(f"Redis unusable ({type(exc).__name__}): {exc}", job=self.job) from exc
+
+
+def _index(stored: bytes | str) -> int:
+    """A stored worker index, read as ASSIGN_INDICES reads it: a decimal below ``MAX_WORKERS``, else a ValueError."""
+    text = stored.decode() if isinstance(stored, bytes) else str(stored)
+    if not (text.isascii() and text.isdigit() and int(text) < MAX_WORKERS):
+        raise ValueError(f"not a worker index: {text[:20]!r}")
+    return int(text)

@@ -61,7 +61,8 @@ def rescale_update(global_arrays: Arrays, local_arrays: Arrays, scale: float) ->
 
     The arrays are paired by position, so each pair must have one shape (numpy would broadcast a mismatch).
     Integer arrays (a counter such as BatchNorm's ``num_batches_tracked``) are rounded to the nearest integer,
-    not truncated towards zero.
+    not truncated towards zero; they and bool arrays are stretched as floats, since an unsigned difference would
+    wrap around and numpy refuses to subtract bools.
     """
     if len(global_arrays) != len(local_arrays):
         raise LBBSPError(f"model has {len(global_arrays)} arrays, client sent {len(local_arrays)}")
@@ -70,8 +71,10 @@ def rescale_update(global_arrays: Arrays, local_arrays: Arrays, scale: float) ->
         x, local = np.asarray(g), np.asarray(xi)
         if x.shape != local.shape:
             raise LBBSPError(f"array {i} of the model has shape {x.shape}, the client's {local.shape}")
-        stretched = x + scale * (local - x)
         dtype = np.result_type(x, local)
+        if dtype.kind in "iub":
+            x, local = x.astype(np.float64), local.astype(np.float64)
+        stretched = x + scale * (local - x)
         out.append((np.rint(stretched) if dtype.kind in "iub" else stretched).astype(dtype, copy=False))
     return out
 
