@@ -10,7 +10,7 @@ import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -38,6 +38,9 @@ from .policies import (
     StaticProportionalPolicy,
 )
 from .store import REDIS_ERRORS, Store
+
+if TYPE_CHECKING:
+    from rich.text import Text
 
 #: Subcommands that live beside a framework or a heavy module; each module has add_arguments() and run().
 _EXTERNAL = {
@@ -228,7 +231,7 @@ def _status(args: argparse.Namespace) -> int:
                       "no coordinator serves it (none renewed its claim in the last 5 s), so each step waits "
                       "assignment_timeout_s and keeps the split before: start one (lbbsp coordinator)"),
                       soft_wrap=True, markup=False, highlight=False)
-        caption = f"iteration {last.get('iteration', '-')}: {last.get('reason', 'no decision yet')}"
+        caption = _shown(f"iteration {last.get('iteration', '-')}: {last.get('reason', 'no decision yet')}")
         rows_of = max((s["iteration"] for s in statuses.values()), default=None)
         if rows_of is not None and rows_of != last.get("iteration"):  # the coordinator writes them once a second
             caption += f"\nthe workers' rows are of iteration {rows_of}"
@@ -238,7 +241,7 @@ def _status(args: argparse.Namespace) -> int:
             table.add_column(column, justify="right")
         for worker in sorted(statuses):
             s = statuses[worker]
-            kind = (str(s.get("kind") or "-")[:8],) * kinds
+            kind = (_shown(str(s.get("kind") or "-")[:8]),) * kinds
             table.add_row(str(worker), str(s["size"]), _fmt(s["predicted_throughput"]), _fmt(s["measured_throughput"]),
                           _fmt(s["compute_s"]), _fmt(s["wait_s"]), *kind)
         console.print(table)
@@ -247,10 +250,11 @@ def _status(args: argparse.Namespace) -> int:
             for column in ("iteration", "sizes", "policy", "by", "reason", "rejected"):
                 log.add_column(column)
             for d in decisions:
-                log.add_row(_iterations(d), " ".join(map(str, d["sizes"][:16])) + (" ..." if len(d["sizes"]) > 16 else ""),
-                            d["policy"], _written_by(d), d["reason"],
-                            "; ".join(f"worker {r.get('worker')}: {r.get('error')}" for r in d["rejected"]
-                                      if isinstance(r, dict)))
+                sizes = " ".join(map(str, d["sizes"][:16])) + (" ..." if len(d["sizes"]) > 16 else "")
+                rejected = "; ".join(f"worker {r.get('worker')}: {r.get('error')}" for r in d["rejected"]
+                                     if isinstance(r, dict))
+                log.add_row(_iterations(d), _shown(sizes), _shown(d["policy"]), _written_by(d), _shown(d["reason"]),
+                            _shown(rejected))
             console.print(log)
     return 0
 
@@ -291,6 +295,15 @@ def _iterations(decision: dict[str, Any]) -> str:
     if isinstance(through, int) and through > decision["iteration"]:
         return f"{decision['iteration']}-{through}"
     return str(decision["iteration"])
+
+
+def _shown(text: str) -> Text:
+    """Text read from Redis, shown as it is: not as console markup (a rejected report's error quotes the report's
+    field names, and "[/x]" had ended `lbbsp status` in a MarkupError), and with what no terminal encodes (a lone
+    surrogate, from a JSON escape) as its backslash escape, not a UnicodeEncodeError."""
+    from rich.text import Text  # noqa: PLC0415  (only the status subcommand draws tables)
+
+    return Text(text.encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
 def _fmt(value: float | None) -> str:

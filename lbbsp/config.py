@@ -47,13 +47,22 @@ def _integer(value: object, name: str, lo: int, hi: int | None, job: str | None 
     return number
 
 
+def _float(value: Real, name: str, want: str, job: str | None = None) -> float:
+    """``value`` as a float; for one beyond any float (an integer of 400 digits, which JSON may hold), a ConfigError
+    saying what ``name`` must be, not an OverflowError (nor the 400 digits)."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ConfigError(f"{name} must be {want}, got a number beyond any float", job=job) from None
+
+
 def _real(value: object, name: str, lo: float, hi: float, want: str, *, lo_open: bool = False,
           hi_open: bool = False) -> float:
     """``value`` as a float in [lo, hi], or (lo, hi] with ``lo_open`` and [lo, hi) with ``hi_open`` (``want``
     says which in the error); any real number passes (numpy's float32 too), bools do not, and NaN fails."""
     if isinstance(value, bool) or not isinstance(value, Real):
         raise ConfigError(f"{name} must be {want}, got {_given(value)}")
-    number = float(value)
+    number = _float(value, name, want)
     if not (lo < number if lo_open else lo <= number) or not (number < hi if hi_open else number <= hi):
         raise ConfigError(f"{name} must be {want}, got {value!r}")
     return number
@@ -79,7 +88,7 @@ def _seconds(value: object, name: str, lo: float, hi: float, job: str) -> float:
     """``value`` as a float in [lo, hi]: a real, finite number of seconds (NaN and infinity fail the range)."""
     if isinstance(value, bool) or not isinstance(value, Real):
         raise ConfigError(f"{name} must be a number of seconds, got {_given(value)}", job=job)
-    seconds = float(value)
+    seconds = _float(value, name, f"a number of seconds in [{lo:g}, {hi:g}]", job)
     if not lo <= seconds <= hi:
         raise ConfigError(f"{name} must be a number of seconds in [{lo:g}, {hi:g}], got {value!r}", job=job)
     return seconds
@@ -175,14 +184,16 @@ class JobConfig:
                             "waits assignment_timeout_s (%gs) for it; check the job name", self.job, self.job,
                             self.assignment_timeout_s)
             return self
-        joined = replace(self, lag=stored.lag, ttl_s=stored.ttl_s)
-        differ = [f.name for f in fields(JobConfig) if getattr(joined, f.name) != getattr(stored, f.name)]
+        # compared first: the coordinator's TTL under this run's assignment_timeout_s fails replace() with an error
+        # about a TTL the caller never set, where the timeout is what differs
+        differ = [f.name for f in fields(JobConfig)
+                  if f.name not in ("lag", "ttl_s") and getattr(self, f.name) != getattr(stored, f.name)]
         if differ:
             served = ", ".join(f"{name}={getattr(stored, name)!r}" for name in differ)
-            asked = ", ".join(f"{name}={getattr(joined, name)!r}" for name in differ)
+            asked = ", ".join(f"{name}={getattr(self, name)!r}" for name in differ)
             raise ConfigError(f"the coordinator serves job {self.job!r} with {served}, but this run asks for {asked}: "
                               f"pass the coordinator's settings to {caller}", job=self.job)
-        return joined
+        return replace(self, lag=stored.lag, ttl_s=stored.ttl_s)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -28,6 +28,7 @@ MIN_COMPUTE_S = 1e-9  # a measured compute time below a nanosecond is a broken t
 MAX_REASON_CHARS = 512
 MAX_POLICY_NAME_CHARS = 64
 MAX_DEVICE_CHARS = 64
+MAX_NAME_SHOWN = 64  # characters of an unknown name in an error, which the coordinator keeps in its decision log
 MAX_WORKERS = 100_000
 
 #: Resource features a report may carry, with their allowed closed ranges.
@@ -106,7 +107,10 @@ def _str(value: Any, name: str, max_chars: int, **where: Any) -> str:
 def _decode(data: bytes | str, kind: str, allowed: set[str], max_bytes: int) -> dict[str, Any]:
     if not isinstance(data, (bytes, bytearray, memoryview, str)):  # bytes(5) would be five zero bytes
         raise _fail(f"{kind} must be JSON as bytes or str, got {type(data).__name__}", "payload")
-    raw = data.encode() if isinstance(data, str) else bytes(data)
+    try:
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+    except UnicodeEncodeError:  # a str with a lone surrogate: no JSON a worker could have sent
+        raise _fail(f"{kind} is not valid UTF-8 text", "payload") from None
     if len(raw) > max_bytes:
         raise _fail(f"{kind} payload is {len(raw)} bytes, more than {max_bytes}", "payload")
     try:
@@ -123,7 +127,8 @@ def _decode(data: bytes | str, kind: str, allowed: set[str], max_bytes: int) -> 
         raise _fail(f"{kind} must be a JSON object, got {type(obj).__name__}", "payload")
     unknown = [] if allowed.issuperset(obj) else sorted(set(obj) - allowed)
     if unknown:
-        raise _fail(f"unknown field(s) in {kind}: {', '.join(map(str, unknown))}", str(unknown[0]))
+        shown = ", ".join(repr(name[:MAX_NAME_SHOWN]) for name in unknown[:4]) + (", ..." if len(unknown) > 4 else "")
+        raise _fail(f"unknown field(s) in {kind}: {shown}", unknown[0][:MAX_NAME_SHOWN])
     version = obj.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:  # true and 1.0 equal 1 in Python
         raise _fail(f"unsupported protocol version {version!r}, expected {PROTOCOL_VERSION}", "v")
@@ -231,7 +236,8 @@ class Report:
         for name, value in self.features.items():
             bounds = FEATURE_RANGES.get(name)
             if bounds is None:
-                raise _fail(f"unknown feature {name!r}", f"features.{name}", **where)
+                raise _fail(f"unknown feature {name!r:.{MAX_NAME_SHOWN}}", f"features.{str(name)[:MAX_NAME_SHOWN]}",
+                            **where)
             if not _in_range(value, *bounds):
                 _float(value, f"features.{name}", *bounds, **where)
         if ("gpu_mem_used" in self.features) != ("gpu_mem_free" in self.features):  # a cap needs the card's size
