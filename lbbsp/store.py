@@ -445,9 +445,14 @@ class Store:
         return int(self.client.unlink(*keys)) if keys else 0
 
     def jobs(self) -> Iterator[str]:
-        """Names of the jobs with a stored configuration on this Redis."""
+        """Names of the jobs with a stored configuration on this Redis; a key of that pattern whose middle is no job
+        name (not UTF-8, a space, a colon: only a foreign writer makes one) is skipped, not fatal to the listing."""
         for key in self.client.scan_iter(match="lbbsp:*:config", count=1000):
-            yield key.decode()[len("lbbsp:"):-len(":config")]
+            try:
+                job = _job_name(key.decode()[len("lbbsp:"):-len(":config")])
+            except (UnicodeDecodeError, ConfigError):
+                continue
+            yield job
 
 
 def wait_for_redis(url: str, timeout_s: float, *, socket_timeout_s: float = 5.0) -> redis.Redis:

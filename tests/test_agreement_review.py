@@ -156,3 +156,18 @@ def test_a_host_that_cannot_be_looked_up_leaves_the_other_addresses_and_a_failed
     with pytest.raises(ConfigError, match="no address to offer"):
         serve_embedded(0, lambda value: [value], start, across=True)
     assert started and started[0].pid is None and not _answers(started[0].url)
+
+
+def test_a_foreign_key_that_names_no_job_is_left_out_of_the_jobs_listed(redis_url: str, job: str) -> None:
+    """A key of the config pattern whose middle is no job name (a space, a colon, bytes that are not UTF-8) made
+    Store.jobs() yield it, and `lbbsp status` then failed for every job with "job name must match ..."."""
+    with Store.from_url(redis_url, job) as store:
+        store.register(JobConfig(job, 2, 10))
+        foreign = [b"lbbsp:a b:config", b"lbbsp:a:b:config", b"lbbsp:\xff:config"]
+        for key in foreign:
+            store.client.set(key, b"{}")
+        try:
+            assert job in set(store.jobs()) and not {"a b", "a:b"} & set(store.jobs())
+        finally:
+            store.client.delete(*foreign)
+            store.forget()
