@@ -17,11 +17,13 @@ import logging
 import math
 import os
 import shutil
+import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
+from types import FrameType, ModuleType
 from typing import Any
 
 import numpy as np
@@ -330,8 +332,8 @@ def _embedded_directory(job: str) -> Path:
 class StepProbe:
     """Marks, inside the train step, when local gradients are ready and when their all-reduce returned.
 
-    Installed on a tf_keras optimizer by wrapping its ``aggregate_gradients``; the callback reads it to time
-    compute without the wait for other workers inside the all-reduce.
+    Installed on a tf_keras optimizer by wrapping its ``aggregate_gradients`` (``_aggregate_gradients`` for a legacy
+    one); the callback reads it to time compute without the wait for other workers inside the all-reduce.
     """
 
     def __init__(self) -> None:
@@ -359,12 +361,15 @@ class StepProbe:
 
 def install_probe(optimizer: Any) -> StepProbe | None:
     """Wrap a tf_keras optimizer's ``aggregate_gradients`` with time marks (once); None if it has none. A
-    LossScaleOptimizer (``mixed_float16``) aggregates in the optimizer it wraps: the probe goes there."""
+    LossScaleOptimizer (``mixed_float16``) aggregates in the optimizer it wraps: the probe goes there. A legacy
+    optimizer (``tf_keras.optimizers.legacy``) aggregates in ``_aggregate_gradients``: without the probe there, every
+    report counted the all-reduce's wait as compute."""
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     probe = getattr(optimizer, "_lbbsp_probe", None)
     if probe is not None:
         return probe
-    original = getattr(optimizer, "aggregate_gradients", None)
+    name = "aggregate_gradients" if hasattr(optimizer, "aggregate_gradients") else "_aggregate_gradients"
+    original = getattr(optimizer, name, None)
     if original is None:
         return None
     import tensorflow as tf  # noqa: PLC0415
@@ -385,7 +390,7 @@ def install_probe(optimizer: Any) -> StepProbe | None:
         reduced_grads, reduced_vars = zip(*reduced)
         return list(zip(mark_after(probe.reduced, list(reduced_grads)), reduced_vars))
 
-    optimizer.aggregate_gradients = aggregate_gradients
+    setattr(optimizer, name, aggregate_gradients)
     optimizer._lbbsp_probe = probe
     return probe
 
@@ -578,7 +583,11 @@ class _CallbackLogic:
             raise ConfigError(f"JobConfig.num_workers is {self.client.config.num_workers} but the model's strategy "
                               f"trains on {replicas} worker(s): set num_workers to the number of workers in "
                               "TF_CONFIG, and build the model under MultiWorkerMirroredStrategy().scope()", job=job)
-        self.source.attach(self.iteration, self.epochs_done, replicas)
+        # where the latest fit left the job and the source, also one that ran after this callback was made (callback
+        # lists built up front had replayed iteration 0 and epoch 0's order, and every report was refused)
+        self.iteration = _NEXT_ITERATION.get(self.client, self.iteration)
+        self.epochs_done = self.source.epochs_trained
+        self.source.attach(self.iteration, self.epochs_done, replicas, running=_fit_running())
         if _keras_of(type(self)) == "tf_keras":
             jit = bool(self.model.jit_compile)
             if jit and replicas > 1:
@@ -677,6 +686,26 @@ class _CallbackLogic:
     def on_train_end(self, logs: dict | None = None) -> None:
         self.source.detach(self.iteration)
         self.client.flush()
+
+
+def _fit_running() -> Callable[[], bool] | None:
+    """A test, for other threads, of whether the ``model.fit`` that calls this is still running (its frame is still on
+    its thread's stack); None outside a ``fit``. When fit raises, Keras skips ``on_train_end``: this is how the source
+    learns of it. The frame is known by its id and code, not held, so that it is freed as usual."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "fit":
+        frame = frame.f_back
+    if frame is None:
+        return None
+    thread, fit_id, fit_code = threading.get_ident(), id(frame), frame.f_code
+
+    def running() -> bool:
+        frame = sys._current_frames().get(thread)
+        while frame is not None and (id(frame) != fit_id or frame.f_code is not fit_code):
+            frame = frame.f_back
+        return frame is not None
+
+    return running
 
 
 @functools.cache

@@ -17,6 +17,7 @@ import itertools
 import math
 import os
 import threading
+import time
 import warnings
 import weakref
 from collections import deque
@@ -40,6 +41,8 @@ _SOURCES: weakref.WeakSet[BalancedSource] = weakref.WeakSet()  # released at exi
 #: How long a ``PyDataset`` batch waits for the batches before it in its epoch to be asked for: in order, they
 #: were asked for a moment earlier (worker threads take indices first come, first served).
 _ORDER_GRACE_S = 5.0
+#: How often a batch waiting for its vector checks that the fit it waits for is still running (see attach).
+_RUNNING_CHECK_S = 0.5
 #: Batches beyond two epochs that a pipeline may serve, before a callback made for its source attaches, and still
 #: be Keras probing it (see BalancedSource._count_unattached).
 _PROBE_BATCHES = 16
@@ -151,6 +154,7 @@ class BalancedSource:
         self._unattached: dict[int, int] = {}  # per other pipeline: batches served
         self._warned_unattached = False
         self._callback_waiting = False  # a callback was made for this source and has not attached yet
+        self._running: Callable[[], bool] | None = None  # whether the attached fit still runs (see attach)
         _SOURCES.add(self)
 
     # -- shape of an epoch ------------------------------------------------------------------------------
@@ -168,11 +172,14 @@ class BalancedSource:
         return self._first_iteration + epoch * self.iterations_per_epoch + step // self.steps_per_execution
 
     # -- the callback's side ----------------------------------------------------------------------------
-    def attach(self, first_iteration: int, first_epoch: int, replicas: int = 1) -> None:
+    def attach(self, first_iteration: int, first_epoch: int, replicas: int = 1,
+               running: Callable[[], bool] | None = None) -> None:
         """Start serving agreed sizes: the next ``fit`` starts at this iteration and sampler epoch.
 
         ``replicas`` is the number of replicas of the model's strategy; the latest pipeline built must be
-        for it, since Keras would split each batch of a plain pipeline across the workers again.
+        for it, since Keras would split each batch of a plain pipeline across the workers again. ``running``
+        says whether that ``fit`` still runs: a batch waiting for its vector after the fit raised (Keras then
+        skips ``on_train_end``) returns, instead of holding up the destruction of fit's iterator.
         """
         if replicas > 1 and self._pipeline_replicas != replicas:
             raise ConfigError(f"the model trains on {replicas} replicas, but the source's pipeline was built for "
@@ -182,6 +189,7 @@ class BalancedSource:
             self._forget_from(first_iteration)
             self._attached = True
             self._callback_waiting = False
+            self._running = running
             self._first_iteration = first_iteration
             self._first_epoch = first_epoch
             self._generator_epochs = 0
@@ -258,9 +266,18 @@ class BalancedSource:
                               "size of each batch is agreed after the previous step, in the training process; "
                               "use worker threads instead", job=self.config.job, worker=self.worker,
                               iteration=iteration)
+        deadline = time.monotonic() + self.wait_timeout_s
         with self._changed:
-            if not self._changed.wait_for(lambda: iteration in self._vectors or not self._attached,
-                                          self.wait_timeout_s):
+            while iteration not in self._vectors and self._attached:
+                if self._running is not None and not self._running():
+                    # fit raised, so Keras skipped on_train_end: a prefetch (tf.data's, in a py_dataset() of one
+                    # worker thread) kept waiting here, and destroying fit's iterator waited for it (wait_timeout_s)
+                    self._end_failed_fit()
+                    break
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._changed.wait(min(left, _RUNNING_CHECK_S))
+                    continue
                 raise LBBSPError(f"no agreed vector after {self.wait_timeout_s:g}s: is LBBSPCallback in "
                                  "model.fit's callbacks, and fit(shuffle=False) for a PyDataset (batch k must be "
                                  "step k; the source shuffles by itself)? Or the callback is still waiting for "
