@@ -74,7 +74,7 @@ def reference(epochs: int, global_batch: int, lr: float) -> np.ndarray:
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         for step in range(len(sampler)):
-            idx = sampler.worker_indices(step, sampler.split_for(step, (global_batch,)), 0)
+            idx = sampler.worker_indices(step, (global_batch,), 0)  # the whole batch, short final one included
             w = w - lr * x[idx].T @ (x[idx] @ w - y[idx]) / len(idx)
     return w
 

@@ -147,11 +147,14 @@ def test_a_batch_still_being_cut_when_the_fit_ends_is_not_recorded(job: str, mon
 
 
 _RAISE_IN_FIT = textwrap.dedent("""
+    import gc
     import sys
+    import time
     import numpy as np
-    import keras
     from lbbsp import JobConfig
-    from lbbsp.integrations.keras import BalancedSource, WorkerSession, callback_class
+    from lbbsp.integrations.keras import BalancedSource, WorkerSession, callback_class, keras_module
+
+    keras = keras_module()  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1
 
     class Boom(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -161,14 +164,18 @@ _RAISE_IN_FIT = textwrap.dedent("""
     config = JobConfig(sys.argv[2], num_workers=1, global_batch=100)
     x = np.zeros((1000, 8), "float32")
     with WorkerSession(config, 0, url=sys.argv[1]) as session:
-        source = BalancedSource(x, x[:, :1], config, 0)
+        source = BalancedSource(x, x[:, :1], config, 0, wait_timeout_s=60)
         model = keras.Sequential([keras.layers.Input((8,)), keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse")
+        started = time.monotonic()
         try:
-            model.fit(source.tf_dataset(), epochs=2, steps_per_epoch=len(source), shuffle=False, verbose=0,
+            pipeline = source.py_dataset() if sys.argv[3:] == ["py_dataset"] else source.tf_dataset()
+            model.fit(pipeline, epochs=2, steps_per_epoch=len(source), shuffle=False, verbose=0,
                       callbacks=[callback_class(keras)(session.client, source), Boom()])
         except RuntimeError:
             print("raised")
+        gc.collect()
+        print(f"released after {time.monotonic() - started:.1f}s")
 """)
 
 

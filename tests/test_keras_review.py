@@ -12,7 +12,6 @@ import logging
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from typing import Any
 
@@ -24,6 +23,7 @@ from lbbsp import JobConfig
 tf = pytest.importorskip("tensorflow")
 tf_keras = pytest.importorskip("tf_keras")
 from lbbsp.integrations.keras import BalancedSource, WorkerSession, callback_class  # noqa: E402
+from test_keras_fixes import _RAISE_IN_FIT  # noqa: E402
 
 SAMPLES, GLOBAL_BATCH = 96, 32  # 3 steps per epoch
 WAIT_S = 0.3  # the stand-in for the all-reduce's wait for a slower worker
@@ -75,38 +75,6 @@ def test_the_wait_in_gradient_aggregation_is_not_reported_as_compute(redis_url: 
         assert compute_s < WAIT_S / 2 and wait_s >= 0.9 * WAIT_S, reports
 
 
-_RAISE_IN_FIT = textwrap.dedent("""
-    import gc
-    import sys
-    import time
-    import numpy as np
-    from lbbsp import JobConfig
-    from lbbsp.integrations.keras import BalancedSource, WorkerSession, callback_class, keras_module
-
-    keras = keras_module()
-
-    class Boom(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 2:
-                raise RuntimeError("a bug in a callback of the user's")
-
-    config = JobConfig(sys.argv[2], num_workers=1, global_batch=100)
-    x = np.zeros((1000, 8), "float32")
-    with WorkerSession(config, 0, url=sys.argv[1]) as session:
-        source = BalancedSource(x, x[:, :1], config, 0, wait_timeout_s=60)
-        model = keras.Sequential([keras.layers.Input((8,)), keras.layers.Dense(1)])
-        model.compile(optimizer="sgd", loss="mse")
-        started = time.monotonic()
-        try:
-            model.fit(source.py_dataset(), epochs=2, steps_per_epoch=len(source), shuffle=False, verbose=0,
-                      callbacks=[callback_class(keras)(session.client, source), Boom()])
-        except RuntimeError:
-            print("raised")
-        gc.collect()
-        print(f"released after {time.monotonic() - started:.1f}s")
-""")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("legacy", [False, True])
@@ -117,7 +85,7 @@ def test_a_py_dataset_fit_that_raised_leaves_no_prefetch_to_stall_the_process(re
     iterator, at the end of the ``except`` block or in the GC, waited for that thread: the process stood still for
     ``wait_timeout_s`` (120 s by default)."""
     env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"} | {"TF_CPP_MIN_LOG_LEVEL": "2"}
-    done = subprocess.run([sys.executable, "-c", _RAISE_IN_FIT, redis_url, job],
+    done = subprocess.run([sys.executable, "-c", _RAISE_IN_FIT, redis_url, job, "py_dataset"],
                           env=env | ({"TF_USE_LEGACY_KERAS": "1"} if legacy else {}), capture_output=True, text=True,
                           timeout=150, check=False)
     assert done.returncode == 0 and "raised" in done.stdout, done.stderr[-2000:]

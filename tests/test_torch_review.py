@@ -123,12 +123,14 @@ def _worker(rank: int, world: int, init: str, url: str, job: str, out: str, scen
 
 
 def run(tmp: Path, url: str, scenario: str) -> list[dict]:
-    """Both ranks' results of ``scenario``, or what each raised."""
+    """Both ranks' results of ``scenario``; the test fails with what each raised, if one did."""
     job = f"test-{uuid.uuid4().hex[:10]}"
     with contextlib.suppress(ProcessRaisedException):  # a rank that raised: its file says what
         spawn(_worker, (2, str(tmp / "rdv"), url, job, str(tmp), scenario), nprocs=2, timeout_s=150)
-    return [json.loads(f.read_text()) if (f := tmp / f"rank{r}.json").exists() else {"error": "no result"}
-            for r in range(2)]
+    ranks = [json.loads(f.read_text()) if (f := tmp / f"rank{r}.json").exists() else {"error": "no result"}
+             for r in range(2)]
+    assert all("error" not in r for r in ranks), ranks
+    return ranks
 
 
 @pytest.mark.slow
@@ -136,7 +138,6 @@ def run(tmp: Path, url: str, scenario: str) -> list[dict]:
 def test_a_loader_drawn_after_close_raises_at_once_on_one_rank_or_without_a_process_group(
         tmp_path: Path, redis_url: str) -> None:
     outcomes = run(tmp_path, redis_url, "after_close")
-    assert all("error" not in r for r in outcomes), outcomes
     alone = outcomes[0]
     assert alone["alone"].startswith(LBBSPError.__name__) and "Balancer is closed" in alone["alone"], alone
     assert alone["alone_s"] < 5, alone  # it had waited out the process group's timeout in the ranks' check
@@ -149,7 +150,6 @@ def test_a_loader_drawn_after_close_raises_at_once_on_one_rank_or_without_a_proc
 @pytest.mark.timeout(300)
 def test_an_empty_slice_of_a_defaultdict_batch_keeps_its_structure(tmp_path: Path, redis_url: str) -> None:
     ranks = run(tmp_path, redis_url, "empty_defaultdict")
-    assert all("error" not in r for r in ranks), ranks
     assert [r["batches"] for r in ranks] == [[{"type": "defaultdict", "shapes": {"x": [n, 5], "y": [n, 1]}}]
                                              for n in (1, 0)], ranks
     assert ranks[0]["params"] == ranks[1]["params"]
@@ -167,7 +167,6 @@ def test_an_empty_slice_of_a_defaultdict_batch_keeps_its_structure(tmp_path: Pat
 def test_without_ddp_a_parameter_no_rank_used_keeps_no_gradient_as_in_one_process(
         tmp_path: Path, redis_url: str) -> None:
     ranks = run(tmp_path, redis_url, "unused")
-    assert all("error" not in r for r in ranks), ranks
     assert ranks[0]["params"] == ranks[1]["params"]
     torch.manual_seed(0)
     layers = torch.nn.ModuleList([torch.nn.Linear(5, 1), torch.nn.Linear(5, 1)])
