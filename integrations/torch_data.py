@@ -150,6 +150,7 @@ class BalancedLoader:
         self._loader = DataLoader(dataset, batch_sampler=self._plan, persistent_workers=workers > 0,
                                   **dataloader_kwargs)
         self._iterating = False
+        self._loop: object | None = None  # the latest loop to start: only its clean-up ends a step or the iteration
         self._next_epoch: int | None = None
         self._served = (0, 0)  # (epoch, its next global batch): where the latest iteration stands
         self._resume: tuple[int, int] | None = None  # (epoch, first global batch) of a loaded state, until used
@@ -233,7 +234,7 @@ class BalancedLoader:
         first = self._first_step()
         _check_ranks_agree(self.sampler, self.balancer, first, self.dataset)
         self._resume = None  # used once the ranks agree on it (a refusal leaves it for the next loop)
-        self._iterating = True
+        self._iterating, self._loop = True, (loop := object())
         self._served = (self.sampler.epoch, first)
         if first == len(self.sampler):  # a state saved at the epoch's end: nothing of it is left to serve
             self._iterating = False
@@ -254,13 +255,15 @@ class BalancedLoader:
                 self._served = (self.sampler.epoch, step + 1)  # yielded: a checkpoint from here on counts it
                 yield batch
         except GeneratorExit:  # the loop was left early (break, zip, an error): its open step is abandoned
-            if not self.balancer._synced:  # left before its backward: a checkpoint from here must not count it
-                self._served = (self.sampler.epoch, step)
-            self.balancer.end_step(abandoned=True)
+            if self._loop is loop:  # an earlier loop closed late (collected) must not end a later loop's step
+                if not self.balancer._synced:  # left before its backward: a checkpoint from here must not count it
+                    self._served = (self.sampler.epoch, step)
+                self.balancer.end_step(abandoned=True)
             raise
         finally:
-            self._cancel_ahead()
-            self._iterating = False
+            if self._loop is loop:  # nor cancel its prefetch, or count the loader as no longer iterated
+                self._cancel_ahead()
+                self._iterating = False
         self.balancer.end_step()
         self.balancer.end_epoch()
 
