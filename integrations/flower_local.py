@@ -2,12 +2,14 @@
 
 Flower's own simulation engine needs Ray. ``LocalGrid`` drives the same ``Strategy.start`` loop and the same
 ``ClientApp`` objects with real ``Message``s, but delivers them by function call instead of through a
-SuperLink. Like a SuperNode, it turns an exception in a ClientApp into an error reply; a reply that comes
-after ``send_and_receive``'s timeout is dropped, as a late node's would be. Each message runs on its own
-daemon thread, so a ClientApp that never returns holds neither a later round nor the interpreter's exit.
+SuperLink. Like a SuperNode, it hands each ClientApp its own copy of its message and turns an exception in
+a ClientApp, or its exit, into an error reply; a reply that comes after ``send_and_receive``'s timeout is
+dropped, as a late node's would be. Each message runs on its own daemon thread, so a ClientApp that never
+returns holds neither a later round nor the interpreter's exit.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
 import time
@@ -16,6 +18,7 @@ from concurrent.futures import Future, wait
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
@@ -23,7 +26,6 @@ from flwr.supercore.task_identity import TaskIdentity
 from lbbsp.errors import ConfigError
 
 _SERVER_NODE_ID = 0
-_CLIENT_APP_RAISED = 0  # Flower's ErrorCode.CLIENT_APP_RAISED_EXCEPTION
 
 
 class LocalGrid(Grid):
@@ -89,15 +91,22 @@ class LocalGrid(Grid):
         self._futures.clear()
 
     def _deliver(self, message: Message, future: Future[Message]) -> None:
-        """Run the ClientApp on ``message`` and put its reply (or an error reply) in ``future``."""
+        """Run the ClientApp on a copy of ``message`` and put its reply (or an error reply) in ``future``.
+
+        The copy is what a SuperNode deserialises: the server's message shares its arrays with the global model
+        and the round's other messages, which a ClientApp editing what it received would change."""
+        message = copy.deepcopy(message)
         message.metadata.delivered_at = str(time.time())
         try:
             reply = self.client_app(message, self._contexts[message.metadata.dst_node_id])
             if not isinstance(reply, Message):
                 raise TypeError(f"the ClientApp returned {type(reply).__name__}, not a Message (a train function "
                                 f"ends with `return rnd.reply(...)`)")
-        except Exception as exc:  # noqa: BLE001  (a SuperNode reports any ClientApp exception as an error)
-            reply = Message(Error(code=_CLIENT_APP_RAISED, reason=f"{type(exc).__name__}: {exc}"), reply_to=message)
+        except BaseException as exc:  # noqa: BLE001  (a SuperNode reports any ClientApp exception as an error)
+            # sys.exit() ends a thread silently, with no reply: the round would wait out its timeout; a SuperNode
+            # replies CLIENT_APP_CRASHED for a ClientApp process that is gone
+            code = ErrorCode.CLIENT_APP_RAISED_EXCEPTION if isinstance(exc, Exception) else ErrorCode.CLIENT_APP_CRASHED
+            reply = Message(Error(code=code, reason=f"{type(exc).__name__}: {exc}"), reply_to=message)
         future.set_result(reply)
 
     def check_enough_nodes(self, strategy: object, purpose: str) -> None:
