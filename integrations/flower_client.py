@@ -161,7 +161,8 @@ class LocalRound:
 
     A step counts once the loop asks for the next batch size (or ends): a loop that stops early should
     ``break`` before a step's work, as ``zip(rnd.batches(), loader)`` does when the data runs out; a step
-    broken out of after its work is not counted. ``config_key`` None (the default) reads the workload from
+    broken out of after its work is not counted. A step whose batch came out short (the data ran out within it)
+    says so with :meth:`last_batch`, and is the round's last. ``config_key`` None (the default) reads the workload from
     whichever ConfigRecord holds it (the strategy's ``configrecord_key``), else from "config".
     """
 
@@ -198,6 +199,8 @@ class LocalRound:
         self.samples = 0
         self.compute_s = 0.0
         self._looped = False
+        self._in_step = False  # between batches()'s yield of a step and the loop's request for the next
+        self._short: int | None = None  # the step in progress took this many samples (last_batch)
 
     def batches(self) -> Iterator[int]:
         """Yield the batch size once per local step, until the steps are done or the deadline would pass.
@@ -218,10 +221,26 @@ class LocalRound:
                     self.compute_s * (self.steps + 1) / self.steps > work.deadline_s):
                 return
             start = time.perf_counter()
-            yield work.batch_size
+            self._in_step = True
+            try:
+                yield work.batch_size
+            finally:  # also where the loop is left at the yield
+                self._in_step = False
             self.compute_s += time.perf_counter() - start
             self.steps += 1
-            self.samples += work.batch_size
+            self.samples += work.batch_size if self._short is None else self._short
+            if self._short is not None:  # the data ran out: no further step (the server allows only the last short)
+                return
+
+    def last_batch(self, samples: int) -> None:
+        """The step in progress took only ``samples`` samples, at most its batch size (a loader without
+        replacement ran out of data): it is counted so, and it is the round's last. Counted as a full batch, it
+        had overstated the client's throughput (a client of 10 samples given batches of 32 read as 3.2x faster)."""
+        if not self._in_step or self._short is not None:
+            raise ConfigError("last_batch() is called inside `for batch_size in rnd.batches():`, once, in the step "
+                              "whose batch came out short")
+        _integer(samples, "last_batch's samples", 1, self.workload.batch_size)
+        self._short = int(samples)
 
     def reply(self, arrays: ArrayRecord, metrics: Mapping[str, int | float] | None = None,
               array_key: str = "arrays", metric_key: str = "metrics") -> Message:

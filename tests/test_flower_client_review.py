@@ -17,7 +17,8 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.serverapp.strategy import FedAvg
 
-from lbbsp.integrations.flower import ClientHistory, LoadBalanced, LocalRound, Workload
+from lbbsp.errors import ConfigError
+from lbbsp.integrations.flower import ClientHistory, ClientResult, LoadBalanced, LocalRound, Workload
 from lbbsp.integrations.flower_local import LocalGrid
 
 
@@ -103,3 +104,42 @@ def test_a_client_that_edits_the_message_it_received_changes_nothing_the_others_
     assert {s.status for s in statuses.values()} == {"ok"}, statuses
     assert result.arrays["w"].numpy().tolist() == [4.0]
     assert initial["w"].numpy().tolist() == [0.0]  # the caller's initial model is left as it was
+
+
+def _train_message(workload: Workload) -> Message:
+    LocalGrid(ClientApp(), [{}])  # sets Flower's task identity so that messages can be built here
+    return Message(RecordDict({"arrays": ArrayRecord([np.zeros(1)]), "config": ConfigRecord(workload.to_config())}),
+                   dst_node_id=1, message_type=MessageType.TRAIN)
+
+
+@pytest.mark.parametrize(("data", "workload", "steps"), [(37, Workload(8, 5), 5), (10, Workload(32, 3), 1),
+                                                         (40, Workload(8, 7), 5)])
+def test_a_short_last_batch_is_counted_as_short_and_ends_the_round(data: int, workload: Workload, steps: int) -> None:
+    """A client drawing without replacement (zip(rnd.batches(), loader), as the docs show) whose data ran out within a
+    step had it counted as a full batch: 40 samples claimed for 37, 32 for 10 (its throughput read 3.2x too high)."""
+    rnd = LocalRound(_train_message(workload))
+    x = np.arange(data)
+    seen = []
+    for batch_size, start in zip(rnd.batches(), range(0, data, workload.batch_size)):
+        batch = x[start:start + batch_size]
+        if len(batch) < batch_size:
+            rnd.last_batch(len(batch))
+        seen += batch.tolist()
+    metrics = rnd.reply(ArrayRecord([np.zeros(1)])).content.metric_records["metrics"]
+    assert seen == list(range(data)) and (metrics["lbbsp-samples"], metrics["lbbsp-steps"]) == (data, steps)
+    ClientResult.from_metrics(metrics).check(workload)  # the server takes it: only the last batch is short
+
+
+def test_last_batch_is_for_the_step_in_progress_once() -> None:
+    rnd = LocalRound(_train_message(Workload(8, 3)))
+    with pytest.raises(ConfigError, match="inside `for batch_size in rnd.batches"):
+        rnd.last_batch(3)  # before the loop
+    for _ in rnd.batches():
+        with pytest.raises(ConfigError, match="last_batch's samples"):
+            rnd.last_batch(9)  # more than the batch size
+        rnd.last_batch(3)
+        with pytest.raises(ConfigError, match="once"):
+            rnd.last_batch(2)
+    assert (rnd.steps, rnd.samples) == (1, 3)
+    with pytest.raises(ConfigError, match="inside `for batch_size in rnd.batches"):
+        rnd.last_batch(3)  # after the loop
