@@ -213,3 +213,10 @@ class JobConfig:
         if missing:
             raise ConfigError(f"stored job configuration lacks the fields {sorted(missing)}")
         return cls(**obj)
+
+
+def _job_config(config: object) -> JobConfig:
+    """``config`` if it is a JobConfig, else a ConfigError that says so (its missing ``job`` was an AttributeError)."""
+    if not isinstance(config, JobConfig):
+        raise ConfigError(f"config must be a JobConfig, got {type(config).__name__}")
+    return config

@@ -26,13 +26,13 @@ from operator import attrgetter
 
 import numpy as np
 
-from .config import JobConfig, _integer, _real
+from .config import JobConfig, _integer, _job_config, _real
 from .embedded import RestartBudget, release_cpu_pinning
 from .errors import ConfigError, LBBSPError, PolicyError, ProtocolError
 from .models import AutoCapacityModel, worker_kind
 from .policies import Decision, LBBSPPolicy, Policy, checked_policy
 from .protocol import MAX_POLICY_NAME_CHARS, MAX_REASON_CHARS, Assignment, Report
-from .store import ITERATIONS_KEPT, REDIS_ERRORS, REDIS_FAILURES, Store, redacted
+from .store import ITERATIONS_KEPT, REDIS_ERRORS, REDIS_FAILURES, Store, _store
 
 log = logging.getLogger("lbbsp.coordinator")
 
@@ -117,13 +117,6 @@ def _failure_site(failure: object) -> str:
         return f"{type(failure).__name__}: {failure}"
     lines = (f"{frame.f_code.co_filename}:{line}" for frame, line in traceback.walk_tb(failure.__traceback__))
     return f"{type(failure).__name__} via {' '.join(lines)}"
-
-
-def _job_config(config: object) -> JobConfig:
-    """``config`` if it is a JobConfig, else a ConfigError that says so (its missing ``job`` was an AttributeError)."""
-    if not isinstance(config, JobConfig):
-        raise ConfigError(f"config must be a JobConfig, got {type(config).__name__}")
-    return config
 
 
 def _check_model_for(policy: Policy | None, config: JobConfig, *, warn: bool = True) -> None:
@@ -255,10 +248,8 @@ class Coordinator:
     def __init__(self, store: Store, config: JobConfig, policy: Policy | None = None, *,
                  max_ahead: int = MAX_AHEAD) -> None:
         config = _job_config(config)
-        if not isinstance(store, Store):  # CoordinatorProcess takes a URL, this a Store: an easy mix-up
-            given = redacted(store) if isinstance(store, str) else store  # a URL's password stays out of the error
-            raise ConfigError(f"store must be a Store (for a URL: Store.from_url(url, job), or CoordinatorProcess(url, "
-                              f"config)), got {given!r:.80}", job=config.job)
+        # CoordinatorProcess takes a URL, this a Store: an easy mix-up
+        store = _store(store, config.job, "Store.from_url(url, job), or CoordinatorProcess(url, config)")
         self.max_ahead = checked_max_ahead(max_ahead, config.job)
         self.policy = policy if policy is not None else LBBSPPolicy(AutoCapacityModel(horizon=config.lag))
         self._guarded = GuardedPolicy(self.policy, config)  # checks the policy, before the job is registered

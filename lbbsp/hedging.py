@@ -85,10 +85,10 @@ class ForecastRisk:
     only turn slower. Workers that report the ``colocated_load`` feature are also told apart by it: under
     ``loaded_at`` (runnable foreign tasks per core) a machine is free and its job can only slow down; at or
     above, it can also speed up; so ranks and load give 2 x ``buckets`` buckets, for each kind of worker (CPU,
-    GPU, federated client, as :func:`~lbbsp.models.worker_kind` reads the first report of its hardware
-    group that measured something or names an accelerator or transfers) apart: GPUs, whose forecasts miss by about 0.5%, pooled with shared CPUs, which miss by tens of
-    percent, had been planned with the CPUs' margins (a mixed job of 1,024 workers at 1.59x the oracle's time,
-    1.16x with the kinds apart). When the target's reports
+    GPU, federated client, as :func:`~lbbsp.models.worker_kind` reads the first report of its hardware group that
+    measured something or names an accelerator or transfers) apart: GPUs, whose forecasts miss by about 0.5%,
+    pooled with shared CPUs, which miss by tens of percent, had been planned with the CPUs' margins (a mixed job
+    of 1,024 workers at 1.59x the oracle's time, 1.16x with the kinds apart). When the target's reports
     arrive (or those of a later iteration that used its split), :meth:`observe` pools each worker's slowdown,
     forecast / measured throughput (= measured seconds / the seconds the forecast implied for the samples
     done), into the ring buffer of its bucket (``pool_size`` log-slowdowns). Throughput, not the time model's seconds, is compared because it is what every capacity

@@ -455,6 +455,15 @@ class Store:
             yield job
 
 
+def _store(store: object, job: str, for_url: str = "Store.from_url(url, job)") -> Store:
+    """``store`` if it is a Store, else a ConfigError that says what to pass for a URL (``for_url``), the URL's
+    password left out of it."""
+    if not isinstance(store, Store):
+        given = redacted(store) if isinstance(store, str) else store
+        raise ConfigError(f"store must be a Store (for a URL: {for_url}), got {given!r:.80}", job=job)
+    return store
+
+
 def wait_for_redis(url: str, timeout_s: float, *, socket_timeout_s: float = 5.0) -> redis.Redis:
     """Connect and ping until Redis answers or ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s

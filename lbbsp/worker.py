@@ -19,10 +19,10 @@ from collections.abc import Callable, Mapping
 
 import redis
 
-from .config import JobConfig, _integer, _is_integer, _real
+from .config import JobConfig, _integer, _is_integer, _job_config, _real
 from .errors import ConfigError, LBBSPError, ProtocolError, StoreUnavailable
 from .protocol import MAX_DEVICE_CHARS, MAX_ITERATION, Assignment, Report
-from .store import REDIS_ERRORS, REDIS_FAILURES, Store, redacted
+from .store import REDIS_ERRORS, REDIS_FAILURES, Store, _store
 
 log = logging.getLogger("lbbsp.worker")
 
@@ -63,12 +63,8 @@ class WorkerClient:
 
     def __init__(self, store: Store, config: JobConfig, worker: int, *, agree: Agree | None = None,
                  device: str = "cpu", outage_s: float | None = None) -> None:
-        if not isinstance(config, JobConfig):
-            raise ConfigError(f"config must be a JobConfig, got {type(config).__name__}")
-        if not isinstance(store, Store):
-            given = redacted(store) if isinstance(store, str) else store  # a URL's password stays out of the error
-            raise ConfigError(f"store must be a Store (for a URL: Store.from_url(url, job)), got {given!r:.80}",
-                              job=config.job)
+        config = _job_config(config)
+        store = _store(store, config.job)
         if agree is not None and not callable(agree):
             raise ConfigError(f"agree must be None or a function from Assignment to Assignment, got {agree!r}",
                               job=config.job)
