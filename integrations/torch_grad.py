@@ -16,6 +16,7 @@ Both forms use a hook for timing: the hook of DDP's last bucket fires when every
 before any wait for the slower ranks, which is where this rank's compute time ends.
 """
 
+import functools
 import time
 import warnings
 from collections.abc import Iterable
@@ -126,10 +127,15 @@ def all_reduce_gradients(balancer: "Balancer", parameters: Iterable[nn.Parameter
     if not params:
         return
     weight = balancer.gradient_weight()
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-    flat = flat.zero_() if weight == 0.0 else flat.mul_(weight)
+    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
     held = [p.grad is not None for p in params]
-    flat = torch.cat([flat, torch.tensor(held, dtype=flat.dtype, device=flat.device)])
+    dtype = functools.reduce(torch.promote_types, [g.dtype for g in grads])  # the dtype torch.cat gives them
+    flat = torch.cat([*grads, torch.tensor(held, dtype=dtype, device=grads[0].device)])  # one copy of the grads
+    weighted = flat[:-len(params)]  # the counts after the gradients are not weighted
+    if weight == 0.0:  # no samples here: nothing of this rank's counts (not even a NaN times 0)
+        weighted.zero_()
+    else:
+        weighted.mul_(weight)
     dist.all_reduce(flat, group=balancer.group)
     # read back (a sync on a GPU) only where this rank lacks a gradient
     holders = [1.0] * len(params) if all(held) else flat[-len(params):].tolist()
