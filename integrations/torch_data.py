@@ -149,8 +149,7 @@ class BalancedLoader:
         workers = int(dataloader_kwargs.get("num_workers", 0))
         self._loader = DataLoader(dataset, batch_sampler=self._plan, persistent_workers=workers > 0,
                                   **dataloader_kwargs)
-        self._iterating = False
-        self._loop: object | None = None  # the latest loop to start: only its clean-up ends a step or the iteration
+        self._loop: object | None = None  # the loop in progress, if any: only its clean-up ends a step or the iteration
         self._next_epoch: int | None = None
         self._served = (0, 0)  # (epoch, its next global batch): where the latest iteration stands
         self._resume: tuple[int, int] | None = None  # (epoch, first global batch) of a loaded state, until used
@@ -171,7 +170,7 @@ class BalancedLoader:
         """Use the permutation of ``epoch``, as ``DistributedSampler.set_epoch`` does: called while an epoch
         is being iterated, from the next iteration on (switching mid-epoch would repeat and skip samples)."""
         epoch = _integer(epoch, "epoch", 0, None)
-        if self._iterating:
+        if self._loop is not None:
             self._next_epoch = epoch
         else:  # and one asked for during an earlier iteration is superseded
             self._next_epoch = None
@@ -181,8 +180,8 @@ class BalancedLoader:
         """Where the loader stands, for a checkpoint: the epoch and its next global batch (a batch counts as
         served once yielded, so save after the step's update), and what a resume must match. The position is
         global, not this rank's, so a run may resume on another number of ranks."""
-        epoch = self._next_epoch if self._next_epoch is not None and not self._iterating else self.sampler.epoch
-        if self._resume is not None and not self._iterating:
+        epoch = self._next_epoch if self._next_epoch is not None and self._loop is None else self.sampler.epoch
+        if self._resume is not None and self._loop is None:
             step = self._resume[1] if self._resume[0] == epoch else 0
         else:
             step = self._served[1] if self._served[0] == epoch else 0
@@ -196,7 +195,7 @@ class BalancedLoader:
         state's global batch, so every sample of the epoch is still used once across the restart. A
         ``ConfigError`` if the state is not a loader's or was saved with another dataset size, global batch,
         seed, shuffle or drop_last (its positions would then name other samples)."""
-        if self._iterating:
+        if self._loop is not None:
             raise ConfigError("load_state_dict while the loader is being iterated: load it before the loop")
         now = self.state_dict()
         if not isinstance(state, Mapping) or set(state) != set(now):
@@ -234,10 +233,10 @@ class BalancedLoader:
         first = self._first_step()
         _check_ranks_agree(self.sampler, self.balancer, first, self.dataset)
         self._resume = None  # used once the ranks agree on it (a refusal leaves it for the next loop)
-        self._iterating, self._loop = True, (loop := object())
+        self._loop = loop = object()
         self._served = (self.sampler.epoch, first)
         if first == len(self.sampler):  # a state saved at the epoch's end: nothing of it is left to serve
-            self._iterating = False
+            self._loop = None
             return
         try:
             for step in range(first, len(self.sampler)):
@@ -263,7 +262,7 @@ class BalancedLoader:
         finally:
             if self._loop is loop:  # nor cancel its prefetch, or count the loader as no longer iterated
                 self._cancel_ahead()
-                self._iterating = False
+                self._loop = None
         self.balancer.end_step()
         self.balancer.end_epoch()
 
