@@ -335,7 +335,12 @@ class Assignment:
         if isinstance(self.sizes, (str, bytes)) or not isinstance(self.sizes, Iterable):
             raise _fail(f"must be a sequence of integers, got {type(self.sizes).__name__}", "sizes",
                         job=self.job if isinstance(self.job, str) else None)
-        object.__setattr__(self, "sizes", tuple(self.sizes))
+        sizes = tuple(self.sizes)
+        if not all(type(size) is int for size in sizes):  # numpy's integers (a policy's array) as Python's, as Report
+            sizes = tuple(int(size) if _is_integer(size) else size for size in sizes)
+        object.__setattr__(self, "sizes", sizes)
+        if type(self.iteration) is not int and _is_integer(self.iteration):
+            object.__setattr__(self, "iteration", int(self.iteration))
         self.validate()
 
     def offset(self, worker: int) -> int:

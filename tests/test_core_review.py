@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from lbbsp import Assignment, ConfigError, Coordinator, JobConfig, ProtocolError, Report
@@ -84,3 +85,16 @@ def test_a_rejection_lists_a_few_unknown_fields() -> None:
     report.update({f"f{i}": 1 for i in range(300)})
     with pytest.raises(ProtocolError, match=r"unknown field\(s\) in report: 'f0', 'f1', 'f10', 'f100', \.\.\.$"):
         Report.from_json(json.dumps(report))
+
+
+def test_an_assignment_takes_numpy_integers_as_a_report_does() -> None:
+    """A policy of the user's own that returned its sizes as a numpy array, and the iteration as numpy's integer,
+    got "sizes[0]: must be an integer, got int64" from Assignment, where Report takes numpy's numbers; the
+    assignment holds Python ints (what its JSON takes) and refuses what is not an integer as before."""
+    assignment = Assignment("j", np.int64(3), np.array([5, 7], dtype=np.int32), "mine")
+    assert assignment.sizes == (5, 7) and all(type(size) is int for size in assignment.sizes)
+    assert type(assignment.iteration) is int and assignment.iteration == 3
+    assert Assignment.from_json(assignment.to_json(), job="j", iteration=3) == assignment
+    for bad in ([5.0, 7], [True, 7], np.array([5.5, 7.0])):
+        with pytest.raises(ProtocolError, match=r"sizes\[0\]: must be an integer"):
+            Assignment("j", 3, bad, "mine")
