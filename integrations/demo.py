@@ -59,7 +59,8 @@ class ColocatedLoad:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
     def set(self, on: bool) -> None:
-        """Switch the load on or off (a no-op if it already is)."""
+        """Switch the load on or off (a no-op if it already is); with no busy processes it stays off, and is shown so."""
+        on = on and bool(self._procs)
         if on != self.on:
             for proc in self._procs:
                 os.kill(proc.pid, signal.SIGCONT if on else signal.SIGSTOP)
@@ -232,7 +233,8 @@ def _train_phase(rank: int, config: DemoConfig, phase: str, policy: Policy, url:
 
 # -- the launcher and its live table ----------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=whole_number(2), default=2, help="worker processes, each pinned to a core")
+    parser.add_argument("--workers", type=whole_number(2, 1797), default=2,
+                        help="worker processes, each pinned to a core (at most the global batch)")
     parser.add_argument("--global-batch", type=whole_number(2, 1797), default=512,
                         help="global batch B (kept in both runs; at most the digits data's 1,797 samples)")
     parser.add_argument("--hidden", type=whole_number(1), default=512, help="MLP width: the compute per sample")
@@ -243,6 +245,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-schedule", default="0-0.5,0.75-1",
                         help="fractions of the run with the load on, e.g. 0-0.5,0.75-1")
     parser.add_argument("--redis", default=None, help="Redis URL; default: an embedded redis-server")
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM (kill, timeout(1), a CI job's cancel) as SystemExit, so that the launcher's cleanup stops the workers:
+    at its default it ended the launcher alone, and the workers, their coordinator and the busy processes ran on."""
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
@@ -280,14 +293,14 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[yellow]warning[/]: {config.workers} workers share {len(set(cores))} core(s): the busy "
                       "processes slow the workers that share the slow worker's core too, and the speedup shown is "
                       "smaller than on one core per worker")
-    server = EmbeddedRedis() if args.redis is None else None
+    server = None if args.redis else EmbeddedRedis()  # an empty --redis (an unset variable) is none, as elsewhere
     url = args.redis or server.url  # type: ignore[union-attr]
     with Store.from_url(url, "") as probe:  # a clear error here, not one traceback per worker process
         probe.ping(hint="check --redis")
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     view = _View(config, cores)
-    with tempfile.TemporaryDirectory(prefix="lbbsp-demo-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="lbbsp-demo-") as tmp, _sigterm_as_exit():
         procs = [ctx.Process(target=_worker, args=(r, config, os.path.join(tmp, "rdv"), url, events), daemon=False)
                  for r in range(config.workers)]
         with _ctrl_c_ignored():  # inherited: the children, theirs too, leave Ctrl-C to this process
