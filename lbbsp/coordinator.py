@@ -724,9 +724,8 @@ class CoordinatorProcess:
                               "`lbbsp coordinator` for the job, with the same settings and its Redis URL",
                               self._job, self.RESTARTS + 1)
                     return
-                log.warning("the coordinator process of job %s died (exit code %s: the OOM killer, or a kill?): "
-                            "starting it again; it resumes from the job's state in Redis", self._job,
-                            self._process.exitcode)
+                log.warning("the coordinator process of job %s died (%s): starting it again; it resumes from the "
+                            "job's state in Redis", self._job, _how_it_ended(self._process.exitcode))
                 try:
                     self._process = self._spawn()
                     self.restarts += 1
@@ -744,6 +743,17 @@ class CoordinatorProcess:
         with self._lock:  # waits for a restart under way: its child is stopped too
             _end(self._process, timeout_s)
         atexit.unregister(self._stopping.set)
+
+
+def _how_it_ended(code: int | None) -> str:
+    """A dead coordinator child's exit code, with what it tells: a signal's name, a SIGTERM (its handler ends the
+    child cleanly, with 0), or an error."""
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+        return f"exit code {code}, {name}" + (": the OOM killer, or a kill -9?" if code == -signal.SIGKILL else "")
+    if code == 0:
+        return "exit code 0: a SIGTERM stopped it"
+    return f"exit code {code}: an error, its traceback above"
 
 
 def _end(process: multiprocessing.process.BaseProcess, timeout_s: float) -> None:

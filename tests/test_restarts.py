@@ -59,6 +59,21 @@ def test_a_coordinator_process_killed_is_started_again_and_decides_on(
     assert not running.alive and running.restarts == 1  # stopped on purpose: not started again
 
 
+def test_a_coordinator_process_stopped_by_sigterm_is_said_so_and_started_again(
+        redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A SIGTERM to the child (a process group's, from timeout(1) or a job's cancel) ends it with exit code 0; the
+    warning had blamed "the OOM killer, or a kill?" for that too."""
+    running = CoordinatorProcess(redis_url, JobConfig(job, 2, 8), BSPPolicy())
+    try:
+        with caplog.at_level(logging.WARNING, logger="lbbsp.coordinator"):
+            os.kill(running._process.pid, signal.SIGTERM)  # type: ignore[arg-type]
+            _until(lambda: running.restarts == 1 and running.alive)
+        assert "died (exit code 0: a SIGTERM stopped it): starting it again" in caplog.text
+        assert "OOM" not in caplog.text
+    finally:
+        running.stop()
+
+
 def test_a_coordinator_process_that_keeps_dying_is_left_dead_with_an_error(
         redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
     running = CoordinatorProcess(redis_url, JobConfig(job, 2, 8), BSPPolicy())
