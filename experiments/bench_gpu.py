@@ -1,4 +1,4 @@
-"""The GPU batch-time curve and memory cap, measured on a real GPU (prints figures; needs CUDA).
+"""The GPU batch-time curve and memory cap, measured on a real GPU (prints figures; needs CUDA and NVML).
 
     python experiments/bench_gpu.py [--sizes 1,2,4,...] [--repeats 10] [--free-gib 4] [--expandable-segments]
                                     [--out F]
@@ -184,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_gpu needs a CUDA GPU; none is visible here", file=sys.stderr)
         return 1
     gpu = torch.device("cuda", torch.cuda.current_device())
+    if "gpu_mem_used" not in ResourceMonitor(gpu.index, min_interval_s=0.0).sample():  # before the curve's minutes
+        print("bench_gpu needs NVML's readings of the card's memory for its cap test (pip install 'lbbsp[gpu]', or "
+              "nvidia-ml-py); none came (the warning above says why)", file=sys.stderr)
+        return 1
     device = f"cuda:{torch.cuda.get_device_name(gpu)}"[:64]
     print(f"{torch.cuda.get_device_name(gpu)}, torch {torch.__version__}, expandable segments "
           f"{expandable_segments()}, TF32 matmul "

@@ -15,9 +15,11 @@ the docs quote).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -33,10 +35,15 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "keras_digits.py"
 DIGITS = 1797  # samples in scikit-learn's digits, the example's data
 MIN_BATCH = 8  # the example's least batch of a worker (its MIN_BATCH)
+_PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its parent ends
 
 
-def busy_loop(cpu: int) -> None:
-    """Co-located load: spin on one core forever."""
+def busy_loop(cpu: int, benchmark: int) -> None:
+    """Co-located load: spin on one core until the benchmark ends, however it ends (a plain `kill` of it had left
+    these spinning for good)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # Linux, as sched_setaffinity
+    if os.getppid() != benchmark:  # it ended before the line above
+        return
     os.sched_setaffinity(0, {cpu})
     while True:
         pass
@@ -56,7 +63,8 @@ def run_mode(policy: str, args: argparse.Namespace, out: Path) -> dict:
     ports = ",".join(free_ports(2))
     job = f"bench-{policy}-{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    loads = [multiprocessing.Process(target=busy_loop, args=(1,), daemon=True) for _ in range(args.load_procs)]
+    loads = [multiprocessing.Process(target=busy_loop, args=(1, os.getpid()), daemon=True)
+             for _ in range(args.load_procs)]
     for load in loads:
         load.start()
     try:

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 from _args import results_file
 
+from lbbsp.errors import ConfigError
 from lbbsp.sim.cli import summarise
 from lbbsp.sim.engine import compare
 from lbbsp.sim.scenarios import SCENARIOS
@@ -70,6 +71,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.seeds < 1 or args.iterations < 1 or min(args.workers) < 2:
         parser.error("--seeds and --iterations must be at least 1, --workers at least 2")
+    for scenario in args.scenarios:  # a size a scenario cannot take (mixed: 4 workers) had ended the run late
+        for workers in args.workers:
+            try:
+                SCENARIOS[scenario](workers, 1, 0)
+            except ConfigError as exc:
+                parser.error(f"--workers {workers} with --scenarios {scenario}: {exc}")
     out = results_file(parser, args.out)
     results: dict[str, dict[str, Figures]] = {}
     for scenario in args.scenarios:

@@ -1,0 +1,87 @@
+"""The benchmark scripts as a user runs them: sizes a scenario cannot take refused before any run, co-located load
+that ends with the benchmark however it ends, and a GPU benchmark that says what it lacks instead of writing
+figures that mean nothing."""
+from __future__ import annotations
+
+import importlib.util
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import psutil
+import pytest
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+
+
+def _experiment(name: str) -> ModuleType:
+    """The script ``name`` as a module, imported as running it would: its folder on the path (for _args)."""
+    if str(EXPERIMENTS) not in sys.path:
+        sys.path.append(str(EXPERIMENTS))
+    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_policy_benchmark_refuses_a_size_a_default_scenario_cannot_take_before_it_runs(tmp_path: Path) -> None:
+    """--workers 2 passed its check, ran the other scenarios, then ended in a traceback at mixed (4 workers at
+    least), and wrote nothing of what it had run."""
+    out = tmp_path / "out.json"
+    result = subprocess.run([sys.executable, str(EXPERIMENTS / "bench_policies.py"), "--workers", "2", "--seeds", "1",
+                             "--iterations", "2", "--out", str(out)], capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "--workers 2" in result.stderr and "mixed" in result.stderr, result.stderr
+    assert "seeds 0-" not in result.stdout and not out.exists()  # refused before the first run
+
+
+def test_the_keras_benchmarks_busy_loops_end_with_it(tmp_path: Path) -> None:
+    """A plain `kill` of bench_keras had left its busy loops spinning, pinned to worker 1's core, for good."""
+    pytest.importorskip("tf_keras")
+    bench = subprocess.Popen([sys.executable, str(EXPERIMENTS / "bench_keras.py"), "--epochs", "1", "--hidden", "8",
+                              "--global-batch", "64", "--repeats", "1", "--load-procs", "2", "--out",
+                              str(tmp_path / "out.json")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and sum("keras_digits" not in " ".join(c.cmdline()) for c in children) < 2:
+            time.sleep(0.2)
+            children = psutil.Process(bench.pid).children()
+        busy = [c for c in children if "keras_digits" not in " ".join(c.cmdline())]
+        assert len(busy) == 2, children
+        bench.send_signal(signal.SIGTERM)
+        bench.wait(timeout=30)
+        _, alive = psutil.wait_procs(busy, timeout=10)
+        assert not alive, alive
+    finally:
+        bench.kill()
+        for child in children:  # the TensorFlow workers, and the busy loops if they outlived it
+            if child.is_running():
+                child.kill()
+
+
+def test_the_gpu_benchmark_stops_before_it_runs_without_the_cards_memory_readings(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without NVML (lbbsp[gpu]), the cap test had doubled a worker until it ran out of memory, after the minutes of
+    the curve, and written a cap of 2**61 as the card's: its readings of the card's memory are checked first."""
+    bench = _experiment("bench_gpu")
+
+    class NoGPUReadings:
+        def __init__(self, gpu_index: int | None = None, *, min_interval_s: float = 0.2) -> None:
+            pass
+
+        def sample(self) -> dict[str, float]:
+            return {"cpu_util": 0.5, "proc_cpu": 0.9, "colocated_load": 0.0, "mem_util": 0.4, "cores": 2.0}
+
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(bench, "ResourceMonitor", NoGPUReadings)
+    monkeypatch.setattr(bench, "measure_curve", lambda *args: pytest.fail("the curve was measured"))
+    out = tmp_path / "gpu.json"
+    assert bench.main(["--out", str(out)]) == 1
+    assert "nvidia-ml-py" in capsys.readouterr().err and not out.exists()
