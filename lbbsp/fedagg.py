@@ -62,7 +62,8 @@ def rescale_update(global_arrays: Arrays, local_arrays: Arrays, scale: float) ->
     The arrays are paired by position, so each pair must have one shape (numpy would broadcast a mismatch).
     Integer arrays (a counter such as BatchNorm's ``num_batches_tracked``) are rounded to the nearest integer,
     not truncated towards zero; they and bool arrays are stretched as floats, since an unsigned difference would
-    wrap around and numpy refuses to subtract bools.
+    wrap around and numpy refuses to subtract bools, and held within their dtype's range (a stretch past it
+    stops at its end: cast back, -1 would be 255 as a uint8 and True as a bool).
     """
     if len(global_arrays) != len(local_arrays):
         raise LBBSPError(f"model has {len(global_arrays)} arrays, client sent {len(local_arrays)}")
@@ -75,8 +76,17 @@ def rescale_update(global_arrays: Arrays, local_arrays: Arrays, scale: float) ->
         if dtype.kind in "iub":
             x, local = x.astype(np.float64), local.astype(np.float64)
         stretched = x + scale * (local - x)
-        out.append((np.rint(stretched) if dtype.kind in "iub" else stretched).astype(dtype, copy=False))
+        if dtype.kind in "iub":
+            stretched = _saturated(np.rint(stretched), dtype)
+        out.append(stretched.astype(dtype, copy=False))
     return out
+
+
+def _saturated(whole: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Whole numbers held as floats, clipped to the range of the integer or bool ``dtype`` they are cast to."""
+    low, high = (0, 1) if dtype.kind == "b" else (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max))
+    top = float(high) if float(high) <= high else np.nextafter(float(high), 0.0)  # 2**63 - 1 rounds up to 2**63
+    return np.clip(whole, float(low), top)
 
 
 def weighted_average(local_arrays: Sequence[Arrays], weights: Sequence[float]) -> list[np.ndarray]:

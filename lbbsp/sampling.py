@@ -22,14 +22,15 @@ from .errors import ConfigError
 
 
 def _checked_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
-    """``sizes`` as a tuple (a generator would be used up by the check), if all are integers >= 0."""
+    """``sizes`` as a tuple of plain ints (a generator would be used up by the check; numpy integers would sum
+    with wrap-around, so that sizes far beyond B could pass for B), if all are integers >= 0."""
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
         hint = ": pass the assignment's .sizes" if hasattr(sizes, "sizes") else ""
         raise ConfigError(f"sizes must be a sequence of integers, one per worker, got {type(sizes).__name__}{hint}")
     sizes = tuple(sizes)
     if not all(_is_integer(s) and s >= 0 for s in sizes):
         raise ConfigError(f"sizes must be integers >= 0, got {sizes[:8]}")
-    return sizes
+    return tuple(int(s) for s in sizes)
 
 
 def scale_split(sizes: Sequence[int], total: int) -> tuple[int, ...]:
@@ -38,19 +39,19 @@ def scale_split(sizes: Sequence[int], total: int) -> tuple[int, ...]:
 
 
 def _scaled(sizes: tuple[int, ...], total: int) -> tuple[int, ...]:
-    """:func:`scale_split` of sizes and a total already checked."""
-    sizes_arr = np.asarray(sizes, dtype=np.int64)
-    whole = int(sizes_arr.sum())
+    """:func:`scale_split` of plain-int sizes and a total already checked, in exact integer arithmetic: int64
+    products overflow, and float remainders that should tie do not."""
+    whole = sum(sizes)
     if whole == total:
-        return tuple(int(s) for s in sizes_arr)
+        return sizes
     if whole <= 0:
         raise ConfigError("cannot scale an empty split")
-    exact = sizes_arr * total / whole
-    floor = np.floor(exact).astype(np.int64)
-    short = total - int(floor.sum())
-    order = np.argsort(-(exact - floor), kind="stable")
-    floor[order[:short]] += 1
-    return tuple(int(s) for s in floor)
+    parts = [divmod(s * total, whole) for s in sizes]  # (floor, remainder) of each exact share
+    scaled = [floor for floor, _ in parts]
+    short = total - sum(scaled)
+    for i in sorted(range(len(sizes)), key=lambda i: -parts[i][1])[:short]:  # a stable sort: ties to the lower index
+        scaled[i] += 1
+    return tuple(scaled)
 
 
 class GlobalBatchSampler:

@@ -57,9 +57,9 @@ class CPUTrace:
         except RecursionError:
             raise ConfigError(f"cannot read CPU trace {path}: nested too deeply") from None
         if not (np.isfinite(np.column_stack([throughput, level, features])).all() and (throughput > 0).all()
-                and (level == np.round(level)).all() and (level >= 0).all()):
+                and (level == np.round(level)).all() and (level >= 0).all() and (level < 2**53).all()):
             raise ConfigError(f"cannot read CPU trace {path}: every throughput must be positive and finite, every "
-                              "feature finite and every hog_level a whole number of at least 0")
+                              "feature finite and every hog_level a whole number in [0, 2**53)")
         for j, name in enumerate(TRACE_FEATURES):  # replayed into reports, which refuse values out of range
             low, high = FEATURE_RANGES[name]
             if (bad := np.flatnonzero((features[:, j] < low) | (features[:, j] > high))).size:
