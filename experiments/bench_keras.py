@@ -4,8 +4,8 @@
     python experiments/bench_keras.py [--epochs 60] [--hidden 1024] [--global-batch 1024] [--load-procs 2]
                                       [--repeats 3] [--out F]
 
-Two tf_keras workers train the digits MLP of examples/keras_digits.py, worker 0 pinned to CPU 0 and
-worker 1 to CPU 1, where busy-loop processes (``--load-procs``, also pinned to CPU 1) take most of the core.
+Two tf_keras workers train the digits MLP of examples/keras_digits.py, each pinned to one of the first two cores
+this process may use, and busy-loop processes (``--load-procs``, pinned to worker 1's core) take most of its core.
 Both modes run the same pipeline (data source, callback, coordinator); "plain" uses BSPPolicy, the equal split,
 "lbbsp" uses LBBSPPolicy. The modes take turns, ``--repeats`` times, so that a change in the machine's speed
 falls on both alike. Prints global throughput (samples/s) of each run, the median and range of the repeats'
@@ -63,13 +63,14 @@ def run_mode(policy: str, args: argparse.Namespace, out: Path) -> dict:
     ports = ",".join(free_ports(2))
     job = f"bench-{policy}-{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    loads = [multiprocessing.Process(target=busy_loop, args=(1, os.getpid()), daemon=True)
+    cores = sorted(os.sched_getaffinity(0))[:2]  # the first two this process may use: a cpuset may leave out 0 and 1
+    loads = [multiprocessing.Process(target=busy_loop, args=(cores[1], os.getpid()), daemon=True)
              for _ in range(args.load_procs)]
     for load in loads:
         load.start()
     try:
         procs = [subprocess.Popen([sys.executable, str(EXAMPLE), "--index", str(i), "--ports", ports, "--job", job,
-                                   "--cpu", str(i), "--policy", policy, "--epochs", str(args.epochs),
+                                   "--cpu", str(cores[i]), "--policy", policy, "--epochs", str(args.epochs),
                                    "--hidden", str(args.hidden), "--global-batch", str(args.global_batch),
                                    "--result", str(out / f"{policy}{i}.json")], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]

@@ -85,3 +85,28 @@ def test_the_gpu_benchmark_stops_before_it_runs_without_the_cards_memory_reading
     out = tmp_path / "gpu.json"
     assert bench.main(["--out", str(out)]) == 1
     assert "nvidia-ml-py" in capsys.readouterr().err and not out.exists()
+
+
+def test_the_keras_benchmark_pins_to_the_cores_it_may_use(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers and load were pinned to CPUs 0 and 1 whatever the cpuset (Docker's --cpuset-cpus, Slurm): where those
+    were not allowed, a worker failed with an OSError. Popen stands in for the TensorFlow workers here."""
+    bench = _experiment("bench_keras")
+    commands: list[list[str]] = []
+
+    class Worker:
+        returncode = 0
+
+        def __init__(self, command: list[str], **_: object) -> None:
+            commands.append(command)
+            index = command[command.index("--index") + 1]
+            (tmp_path / f"bsp{index}.json").write_text(
+                '{"seconds": 1.0, "global_samples_per_s": 9.0, "sizes": [[4, 4]], "steps": 1}')
+
+        def communicate(self) -> tuple[str, None]:
+            return "", None
+
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {5, 3, 9})
+    monkeypatch.setattr(bench.subprocess, "Popen", Worker)
+    args = bench.argparse.Namespace(load_procs=0, epochs=1, hidden=8, global_batch=64)
+    assert bench.run_mode("bsp", args, tmp_path)["steps"] == 1
+    assert [command[command.index("--cpu") + 1] for command in commands] == ["3", "5"]
