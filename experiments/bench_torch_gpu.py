@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                              "GPU; written only to an --out given)")
     args = parser.parse_args(argv)
     try:
-        sizes = [int(s) for s in args.sizes.split(",")]
-        lags = [int(s) for s in args.lags.split(",")]
+        sizes = list(dict.fromkeys(int(s) for s in args.sizes.split(",")))  # a size or lag given twice runs once
+        lags = list(dict.fromkeys(int(s) for s in args.lags.split(",")))
     except ValueError:
         parser.error(f"--sizes and --lags must be comma-separated integers, got {args.sizes!r}, {args.lags!r}")
     if not sizes or min(sizes) < 1 or args.steps < 1 or args.repeats < 1:

@@ -110,3 +110,13 @@ def test_the_keras_benchmark_pins_to_the_cores_it_may_use(tmp_path: Path, monkey
     args = bench.argparse.Namespace(load_procs=0, epochs=1, hidden=8, global_batch=64)
     assert bench.run_mode("bsp", args, tmp_path)["steps"] == 1
     assert [command[command.index("--cpu") + 1] for command in commands] == ["3", "5"]
+
+
+@pytest.mark.timeout(300)
+def test_the_torch_gpu_benchmark_takes_a_lag_given_twice_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """--lags 2,2 ran the lag twice (with --repeats 2 or more, it then crashed at the ratios, one row per loop name
+    and arrays of two lengths, after every run), --sizes 16,16 the size: checked on the CPU with --dry-run."""
+    bench = _experiment("bench_torch_gpu")
+    assert bench.main(["--dry-run", "--sizes", "16,16", "--lags", "2,2", "--steps", "1", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("b=   16") == 1 and out.count("lbbsp lag=2/DDP") == 1, out
