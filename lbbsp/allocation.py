@@ -114,11 +114,15 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
         raise AllocationError(f"the time model must have a method time(sizes) (LinearTime, a model's "
                               f"time_model(...)), got {type(model).__name__}")
     try:
-        t_lower = np.asarray(model.time(lower), dtype=float)
-        t_upper = np.asarray(model.time(upper), dtype=float)
+        t_lower, t_upper = model.time(lower), model.time(upper)
     except ValueError as exc:  # numpy's broadcast error: a model of another number of workers than the bounds
         raise AllocationError(f"the time model failed on the sizes of {lower.size} workers ({exc}): is it "
                               "the model of these workers?") from exc
+    if not isinstance(t_lower, np.ndarray) or t_lower.dtype.kind not in "iuf":  # a list had failed deep in the search
+        got = type(t_lower).__name__ if not isinstance(t_lower, np.ndarray) else f"an array of {t_lower.dtype}"
+        raise AllocationError(f"the time model's time(sizes) must return a numpy array of seconds, one per worker, "
+                              f"got {got}")
+    t_lower, t_upper = t_lower.astype(float, copy=False), np.asarray(t_upper, dtype=float)
     if t_lower.shape != lower.shape or t_upper.shape != lower.shape:
         raise AllocationError(f"the time model gave {t_lower.shape[0] if t_lower.ndim == 1 else t_lower.shape} "
                               f"times for {lower.size} workers: it must give one per worker of the bounds")

@@ -203,12 +203,15 @@ class GuardedPolicy:
             return PolicyError(f"policy {self.policy.name} returned an invalid split: {why}", job=self.config.job,
                                iteration=target)
 
+        if not isinstance(decision, Decision):  # the bare sizes, say: it had failed on a missing attribute
+            raise refuse(f"decide must return a Decision(sizes, reason), got {type(decision).__name__}")
         try:
             raw = np.asarray(decision.sizes)
         except (TypeError, ValueError) as exc:
             raise refuse(f"sizes are not numbers ({exc})") from exc
         if raw.shape != (self.config.num_workers,):
-            raise refuse(f"{raw.size} sizes for {self.config.num_workers} workers")
+            what = f"{raw.size} sizes" if raw.ndim == 1 else f"sizes of shape {raw.shape}"
+            raise refuse(f"{what} for {self.config.num_workers} workers")
         whole = raw.dtype.kind in "iu" or (raw.dtype.kind == "f" and np.array_equal(raw, np.round(raw)))
         if not whole:
             raise refuse(f"sizes must be integers, got {raw[:8].tolist()}")
@@ -690,7 +693,7 @@ class CoordinatorProcess:
         ready = context.Event()
         process = context.Process(target=_serve, args=(*self._args, ready), name=f"lbbsp-coordinator-{self._job}",
                                   daemon=True)
-        reruns_main = _refers_to_main(policy)
+        reruns_main = _refers_to_main(policy, self._job)
         with _main_not_rerun(rerun=reruns_main):
             process.start()
         deadline = time.monotonic() + self._start_timeout_s
@@ -789,15 +792,19 @@ def _main_not_rerun(*, rerun: bool) -> Iterator[None]:
         main.__dict__.update(saved)
 
 
-def _refers_to_main(policy: Policy | None) -> bool:
+def _refers_to_main(policy: Policy | None, job: str) -> bool:
     """Whether unpickling ``policy`` needs the main script: its class, or anything it holds, defined there
-    (named ``__main__``, or ``__mp_main__`` in a process that multiprocessing itself spawned)."""
+    (named ``__main__``, or ``__mp_main__`` in a process that multiprocessing itself spawned). A ConfigError naming
+    the policy if it cannot be pickled at all: pickle's own words ("cannot pickle '_thread.lock' object") named
+    neither the policy nor the way around it."""
     if policy is None:
         return False
     try:
         data = pickle.dumps(policy)
-    except (pickle.PicklingError, TypeError, AttributeError):  # multiprocessing will say so, in its own words
-        return True
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"policy {type(policy).__name__} cannot be pickled to the coordinator's child process "
+                          f"({exc}): keep no lock, lambda or open file in it, or serve it in a thread of this process "
+                          "with Coordinator(store, config, policy).start()", job=job) from exc
     return b"__main__" in data or b"__mp_main__" in data
 
 

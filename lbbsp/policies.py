@@ -27,7 +27,7 @@ from .errors import ConfigError
 from .hedging import ForecastRisk, hedged, sized_throughput
 from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
 from .models.auto import GroupedTime
-from .models.base import WorkerIds, as_reports
+from .models.base import WorkerIds, as_reports, predicted_throughput
 from .protocol import Report
 
 log = logging.getLogger("lbbsp.policies")
@@ -229,11 +229,12 @@ class LBBSPPolicy(Policy):
             return Decision(tuple(int(s) for s in current), "no measurements yet: keep the split")
         workers = np.arange(config.num_workers)
         time_model = self.model.time_model(workers)
-        throughput = self.model.predict(workers)
+        throughput = predicted_throughput(self.model, workers)
         plan, factor = self.with_margins(iteration, time_model, throughput)
         current_arr = np.asarray(current, dtype=np.int64)
-        lower, upper = self.bounds(workers, current_arr, config)
-        proposed = self.propose(plan, config, lower, upper, time_model)
+        # the hooks' answers as arrays: a variant's that hands back lists had failed on a missing attribute
+        lower, upper = (np.asarray(b) for b in self.bounds(workers, current_arr, config))
+        proposed = np.asarray(self.propose(plan, config, lower, upper, time_model))
         may_idle = self._may_idle(lower)
         sitting = (current_arr == 0) & bool(self.sit_out)  # a worker sitting out is within its bounds
         in_bounds = current_arr.shape == proposed.shape and bool(

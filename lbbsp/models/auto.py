@@ -19,7 +19,16 @@ from ..allocation import InvertibleTimeModel, LinearTime, TimeModel
 from ..config import _integer
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel, CheckedReports, Hardware, WorkerIds, as_reports, hardware_of, worker_ids
+from .base import (
+    CapacityModel,
+    CheckedReports,
+    Hardware,
+    WorkerIds,
+    as_reports,
+    hardware_of,
+    predicted_throughput,
+    worker_ids,
+)
 from .fl_client import TRANSFER_FEATURES, FLClientModel
 from .gpu_curve import BatchTimeCurve
 from .narx import NARXThroughput
@@ -162,8 +171,12 @@ class AutoCapacityModel(CapacityModel):
         for kind, model in given.items():  # here, not at the first report of its kind (a decision of a running job)
             try:
                 model._check_params()
+                clone(model)  # as the first fit does: a model that cannot be cloned had failed every decision
             except ConfigError as exc:
                 raise ConfigError(f"models[{kind!r}]: {exc.message}") from None
+            except (RuntimeError, TypeError) as exc:  # scikit-learn's refusals
+                raise ConfigError(f"models[{kind!r}]: {type(model).__name__} cannot be cloned ({exc}); its __init__ "
+                                  "must store each keyword argument as given (the scikit-learn contract)") from None
 
     def finish_learning(self) -> AutoCapacityModel:
         for model in getattr(self, "models_", {}).values():
@@ -175,7 +188,7 @@ class AutoCapacityModel(CapacityModel):
         measured nothing yet (the first GPU of a CPU job), the median of the other kinds' predictions."""
         self._check_is_fitted("models_")
         ids = worker_ids(workers)
-        out = self._per_kind(ids, lambda model, some: model.predict(some), np.nan)
+        out = self._per_kind(ids, predicted_throughput, np.nan)
         unmeasured = [positions for kind, positions in self._groups(ids).items() if kind not in self.measured_]
         if unmeasured:
             out[np.concatenate(unmeasured)] = self._median_speed()
@@ -219,7 +232,8 @@ class AutoCapacityModel(CapacityModel):
         """The median predicted throughput of the workers whose kind's model has measured something (NaN where none
         has): the cold-start prior of everyone, across kinds."""
         speeds = np.concatenate([np.empty(0)] + [
-            self.models_[kind].predict(np.array([w for w, k in self.kind_.items() if k == kind], dtype=np.int64))
+            predicted_throughput(self.models_[kind], np.array([w for w, k in self.kind_.items() if k == kind],
+                                                              dtype=np.int64))
             for kind in self.measured_])
         speeds = speeds[np.isfinite(speeds) & (speeds > 0)]
         return float(np.median(speeds)) if speeds.size else np.nan

@@ -51,6 +51,25 @@ def worker_ids(workers: WorkerIds) -> np.ndarray:
     return ids
 
 
+def predicted_throughput(model: CapacityModel, workers: np.ndarray) -> np.ndarray:
+    """``model.predict(workers)`` as one float per worker, or a ConfigError naming the model: a model of one's own that
+    answered with the wrong length, or with no numbers, had failed deep inside each decision (a broadcast error,
+    ``isnan`` on strings); a list is taken as its array."""
+    answer = model.predict(workers)
+    try:
+        values = np.asarray(answer)
+    except ValueError:  # ragged
+        values = np.asarray(None)
+    if values.dtype.kind not in "iuf":
+        raise ConfigError(f"{type(model).__name__}.predict returned {str(answer)[:80]}, not numbers: it must return "
+                          "one throughput (samples/s) per worker asked")
+    if values.shape != (len(workers),):
+        what = f"{values.size} values" if values.ndim == 1 else f"an array of shape {values.shape}"
+        raise ConfigError(f"{type(model).__name__}.predict returned {what} for {len(workers)} workers: it must return "
+                          "one throughput (samples/s) per worker asked")
+    return values.astype(float, copy=False)
+
+
 class CheckedReports(list[Report]):
     """Reports :func:`as_reports` has checked and put in iteration order, or a sub-list of them kept in order: they
     pass through it again unchecked (a policy checks them, then its model, then each model of a mixed job)."""
@@ -192,7 +211,7 @@ class CapacityModel(BaseEstimator):
     def time_model(self, workers: WorkerIds) -> TimeModel:
         """Predicted time as a function of batch size; linear in the size unless a model knows better. A worker
         with no forecast (NaN) is taken at the median speed; one predicted at 0 or below never finishes."""
-        speed = self.predict(workers)
+        speed = predicted_throughput(self, worker_ids(workers))
         unknown = np.isnan(speed)
         if not unknown.any():  # the usual case: no median to take (about 20 us at 1,024 workers)
             return LinearTime(np.clip(speed, 0.0, None))

@@ -13,7 +13,7 @@ import numpy as np
 from ..config import JobConfig
 from ..coordinator import Coordinator, GuardedPolicy
 from ..errors import ConfigError, LBBSPError
-from ..models import EWMAThroughput
+from ..models import CapacityModel, EWMAThroughput
 from ..policies import (
     BackupWorkersPolicy,
     BSPPolicy,
@@ -106,14 +106,30 @@ _DRIVEN: weakref.WeakSet[Policy] = weakref.WeakSet()
 PROGRESS_EVERY_S = 30.0
 
 
+#: Every capacity model a driven policy held: two policies given one model (``LBBSPPolicy(model)`` twice) had the
+#: second start warm from what the first learned, with no error.
+_DRIVEN_MODELS: weakref.WeakSet[CapacityModel] = weakref.WeakSet()
+
+
 def _fresh(name: str, policy: Policy) -> None:
-    """A :class:`ConfigError` if ``policy`` has been driven by a run already; else remember it."""
+    """A :class:`ConfigError` if ``policy``, or the capacity model it holds, has been driven by a run already; else
+    remember them."""
     try:
         if policy in _DRIVEN:
             raise ConfigError(f"policy {name!r} has run already and keeps what it learned: give each run fresh "
                               "policies (standard_policies(scenario) builds a new set)")
         _DRIVEN.add(policy)
     except TypeError:  # an unhashable or unreferenceable policy of the user's own: nothing to remember it by
+        pass
+    model = getattr(policy, "model", None)
+    if not isinstance(model, CapacityModel):
+        return
+    try:
+        if model in _DRIVEN_MODELS:
+            raise ConfigError(f"policy {name!r}'s model has run already, in this policy or another, and keeps what it "
+                              "learned: give each policy a model of its own")
+        _DRIVEN_MODELS.add(model)
+    except TypeError:  # a model of the user's own that cannot be remembered (unhashable)
         pass
 
 
