@@ -345,7 +345,7 @@ class StaticProportionalPolicy(LBBSPPolicy):
     def observe(self, reports: Sequence[Report]) -> None:
         reports = as_reports(reports, "observe")
         if self._observed < self.profile_iterations and reports:
-            self._observed += 1
+            self._observed += any(report.throughput for report in reports)  # announcements alone profile nothing
             super().observe(reports)
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
@@ -411,7 +411,9 @@ class LeaderStragglerPolicy(Policy):
         if self.model is not None and reports:
             self.model.partial_fit(reports)
             self._fed = True
-        current = [report for report in reports if report.iteration >= self._since]
+        # compute_s = 0 measured nothing (an announcement, a step left untimed): read as 0 s, it made its worker the
+        # leader at every window
+        current = [report for report in reports if report.iteration >= self._since and report.compute_s > 0]
         for report in current:
             self._times.setdefault(report.worker, []).append(report.compute_s)
         self._observed += bool(current)
@@ -428,7 +430,10 @@ class LeaderStragglerPolicy(Policy):
         lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
         if self.model is not None and self._fed:  # a model that has seen no report knows no cap (it raises)
             caps = _whole_caps(self.model.max_batch(range(config.num_workers)), upper)
-            upper = upper if caps is None else np.maximum(np.minimum(upper, caps), lower)
+            capped = upper if caps is None else np.maximum(np.minimum(upper, caps), lower)
+            # caps too tight to place B never shrink a worker below its size, as in LBBSPPolicy.bounds: the excess
+            # had nowhere to go, and the search stopped for good
+            upper = capped if capped.sum() >= config.global_batch else np.maximum(capped, np.minimum(sizes, upper))
         # A worker that sent no report in the window (it left, or its reports were refused) keeps its size:
         # it is neither the straggler nor the leader, and does not hold up the search of the others.
         mean_time = np.array([np.mean(self._times[w][-self.window:]) if w in self._times else np.nan
