@@ -50,6 +50,7 @@ def checked_max_ahead(value: object, job: str | None = None) -> int:
 
 _PACE_WINDOW = 5  # decisions over which the coordinator's own time and the workers' step are taken (medians)
 _DROP = 100  # a report under 1/_DROP of its worker's previous throughput is worth a warning (_warn_dropped)
+_CLAIM_S = 5  # a serving coordinator's claim on its job lasts this long, renewed every second (_heartbeat)
 _OUTAGE_GRACE_S = 3.0  # a coordinator whose training process ended is stopped by then (_stop_when_orphaned)
 
 #: One worker's status in the ``workers`` hash, as JSON (``lbbsp status`` reads it).
@@ -278,7 +279,8 @@ class Coordinator:
         self._written: deque[Assignment] = deque(maxlen=2 * (self.config.lag + self.max_ahead))  # maybe not read yet
         # the splits of the latest iterations: a worker that fell back (agreed, Redis unusable) used one of them
         self._recent: deque[tuple[int, ...]] = deque([self.config.initial_sizes()], maxlen=_LOOK_BACK)
-        self._claim_seen: str | None = None  # the other coordinator's claim found at the last heartbeat
+        self._claim_seen: str | None = None  # the other coordinator's claim found last, and when (_heartbeat)
+        self._claim_seen_at = 0.0
         self._measured: dict[int, float] = {}  # each worker's latest measured throughput (_record)
         self._drops, self._next_drop_log = 0, 0.0  # reports far below their worker's previous one (_warn_dropped)
         self._next_status = 0.0  # when the workers' status lines are next written (_record)
@@ -316,17 +318,35 @@ class Coordinator:
         have run: negative, or with no assignment, which each worker reads before it runs an iteration. Deciding from
         one far ahead (a report posted out of line, a number pushed on the ready list) had deleted the
         assignments of the 100 iterations before it, some still to be read, and the workers' fallbacks then
-        disagreed with the splits some had read."""
+        disagreed with the splits some had read. Ones behind the job's latest decision ran long ago: a coordinator
+        paused while holding them finds their keys deleted by another one, and is told so."""
         shown = ", ".join(str(k) for k in iterations[:5]) + (" ..." if len(iterations) > 5 else "")
-        if self._ready_repeats.note(shown) is not None:
-            log.warning("job %s: iterations %s are queued as complete (the %s list) but have no assignment, so no "
-                        "worker ran them (reports posted out of line?): not deciding from them", self.config.job,
-                        shown, self.store.key("ready"))
+        if self._ready_repeats.note(shown) is None:
+            return
+        latest = self._latest_decided()
+        if latest is not None and 0 <= min(iterations) <= max(iterations) < latest:  # ran long ago, keys deleted since
+            log.warning("job %s: iterations %s, queued as complete, are behind the job's latest decision (from "
+                        "iteration %d) and no longer stored: another coordinator decided on while this one was paused "
+                        "or slow: not deciding from them", self.config.job, shown, latest)
+            return
+        log.warning("job %s: iterations %s are queued as complete (the %s list) but have no assignment, so no "
+                    "worker ran them (reports posted out of line?): not deciding from them", self.config.job, shown,
+                    self.store.key("ready"))
+
+    def _latest_decided(self) -> int | None:
+        """The iteration the job's latest recorded decision was made from (by any coordinator), None if unknown."""
+        try:
+            latest = json.loads(self.store.decisions(1)[0])["from_reports_of"]
+        except (IndexError, ValueError, TypeError, KeyError):
+            return None
+        return latest if isinstance(latest, int) else None
 
     def decide(self, iteration: int) -> Outcome:
         """Decide the assignment of ``iteration + lag`` from the stored reports of ``iteration``; running
         :attr:`ahead`, also those of the iterations after it, and of any before it that no decision covers."""
         started = time.perf_counter()
+        if self._previous is not None and iteration < self._previous[0]:
+            self._went_back(self._previous[0], iteration)
         targets = self._targets(iteration)
         reports, rejected = self._parse_reports(iteration)
         decision, assignment = self._guarded.decide(targets[0], self._in_force(targets[0] - 1).sizes, reports)
@@ -345,6 +365,17 @@ class Coordinator:
         self.decisions_made += 1
         self._pace(iteration, started, reports)
         return Outcome(iteration, assignment, written[0], decision_s, rejected, learn_s, through=targets[-1])
+
+    def _went_back(self, before: int, iteration: int) -> None:
+        """Start the written and deleted iterations afresh, and say so, where the workers' iterations went back (the
+        ready list is in order otherwise): kept from the run before, they had made each decision write its own
+        iteration only (no running ahead: the workers waited for every decision) and delete no old keys, until the
+        new run passed the old one's last iteration."""
+        log.warning("job %s: the workers' iterations went back from %d to %d (a new run under this job name, one "
+                    "resumed from an earlier checkpoint, or an iteration number that restarts each epoch): deciding on "
+                    "from there; give a new run a new job name, since the old run's splits still stored are used "
+                    "again", self.config.job, before, iteration)
+        self._written_through, self._forgotten_through = self.config.lag - 1, None
 
     def _targets(self, iteration: int) -> list[int]:
         """The iterations the decision from ``iteration`` writes: ``iteration + lag`` and the next ``ahead - 1``,
@@ -597,16 +628,19 @@ class Coordinator:
                         len(self._written))
             self.store.register(self.config)
             self._republish()
-        other = self.store.claim_coordinator(self._identity, ttl_s=5)
+        other = self.store.claim_coordinator(self._identity, ttl_s=_CLAIM_S)
         # A claim found once may be a stopped coordinator's, left to expire (a crash leaves it up to 5 s); one
-        # found again has overwritten this coordinator's claim in between, so it is alive.
-        if other is not None and other == self._claim_seen and other != self._warned_about:
-            log.warning("another coordinator (%s) is serving job %s too: they split the iterations between them "
-                        "and each model learns from only part of them; stop one", other, self.config.job)
-            self._warned_about = other
-        elif other is None:
-            self._warned_about = None
-        self._claim_seen = other
+        # found again, at any later heartbeat, has overwritten this coordinator's claim in between, so it is alive.
+        # Not only at the next heartbeat: one whose heartbeats came at about half this one's rate was found only at
+        # every other one, and never warned about.
+        if other is not None:
+            if other == self._claim_seen and other != self._warned_about:
+                log.warning("another coordinator (%s) is serving job %s too: they split the iterations between them "
+                            "and each model learns from only part of them; stop one", other, self.config.job)
+                self._warned_about = other
+            self._claim_seen, self._claim_seen_at = other, now
+        elif now - self._claim_seen_at > _CLAIM_S:  # gone: warn again if it comes back
+            self._claim_seen = self._warned_about = None
 
     def _republish(self) -> None:
         """Write the assignments that workers may still read again (write-once), in case Redis lost them: a
