@@ -11,15 +11,9 @@ import psutil
 import pytest
 
 from lbbsp.cli import main
+from test_cli_audit import _running
 
 LBBSP = [sys.executable, "-m", "lbbsp.cli"]
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.mark.timeout(180)

@@ -3,29 +3,16 @@ that ends with the benchmark however it ends, and a GPU benchmark that says what
 figures that mean nothing."""
 from __future__ import annotations
 
-import importlib.util
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import psutil
 import pytest
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
-
-
-def _experiment(name: str) -> ModuleType:
-    """The script ``name`` as a module, imported as running it would: its folder on the path (for _args)."""
-    if str(EXPERIMENTS) not in sys.path:
-        sys.path.append(str(EXPERIMENTS))
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from test_experiments import EXPERIMENTS, _experiment
 
 
 def test_the_policy_benchmark_refuses_a_size_a_default_scenario_cannot_take_before_it_runs(tmp_path: Path) -> None:
