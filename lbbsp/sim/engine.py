@@ -97,39 +97,35 @@ def standard_policies(scenario: Scenario) -> dict[str, Policy]:
     }
 
 
-#: Every policy object a run has driven: one keeps what it learned, so a second run would start warm (and its
-#: margins would look up forecasts of iterations it numbered before), which no comparison should hide.
-_DRIVEN: weakref.WeakSet[Policy] = weakref.WeakSet()
+#: Every policy object a run has driven, and the capacity model each held: one keeps what it learned, so a second
+#: run would start warm (and its margins would look up forecasts of iterations it numbered before), and so would a
+#: second policy given the same model (``LBBSPPolicy(model)`` twice), which no comparison should hide.
+_DRIVEN: weakref.WeakSet[object] = weakref.WeakSet()
 
 
 #: Seconds between progress lines within one policy's run (a large run takes minutes a policy).
 PROGRESS_EVERY_S = 30.0
 
 
-#: Every capacity model a driven policy held: two policies given one model (``LBBSPPolicy(model)`` twice) had the
-#: second start warm from what the first learned, with no error.
-_DRIVEN_MODELS: weakref.WeakSet[CapacityModel] = weakref.WeakSet()
-
-
 def _fresh(name: str, policy: Policy) -> None:
     """A :class:`ConfigError` if ``policy``, or the capacity model it holds, has been driven by a run already; else
     remember them."""
-    try:
-        if policy in _DRIVEN:
-            raise ConfigError(f"policy {name!r} has run already and keeps what it learned: give each run fresh "
-                              "policies (standard_policies(scenario) builds a new set)")
-        _DRIVEN.add(policy)
-    except TypeError:  # an unhashable or unreferenceable policy of the user's own: nothing to remember it by
-        pass
+    _remember(policy, f"policy {name!r} has run already and keeps what it learned: give each run fresh policies "
+                      "(standard_policies(scenario) builds a new set)")
     model = getattr(policy, "model", None)
-    if not isinstance(model, CapacityModel):
-        return
+    if isinstance(model, CapacityModel):
+        _remember(model, f"policy {name!r}'s model has run already, in this policy or another, and keeps what it "
+                         "learned: give each policy a model of its own")
+
+
+def _remember(driven: object, why: str) -> None:
+    """A :class:`ConfigError` saying ``why`` if ``driven`` is in :data:`_DRIVEN`; else add it (an unhashable or
+    unreferenceable one of the user's own has nothing to remember it by)."""
     try:
-        if model in _DRIVEN_MODELS:
-            raise ConfigError(f"policy {name!r}'s model has run already, in this policy or another, and keeps what it "
-                              "learned: give each policy a model of its own")
-        _DRIVEN_MODELS.add(model)
-    except TypeError:  # a model of the user's own that cannot be remembered (unhashable)
+        if driven in _DRIVEN:
+            raise ConfigError(why)
+        _DRIVEN.add(driven)
+    except TypeError:
         pass
 
 
