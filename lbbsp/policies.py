@@ -176,13 +176,8 @@ class LBBSPPolicy(Policy):
     def bounds(self, workers: WorkerIds, current: np.ndarray, config: JobConfig) -> tuple[np.ndarray, np.ndarray]:
         """The job's bounds, with each upper bound lowered to the model's memory cap where that is feasible."""
         lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
-        caps = _whole_caps(self.model.max_batch(workers), upper)
-        if caps is None:
-            return lower, upper
-        capped = np.maximum(np.minimum(upper, caps), lower)
-        if capped.sum() < config.global_batch:  # caps too tight to place B: never shrink below today's sizes
-            capped = np.maximum(capped, np.minimum(current, upper)) if current.shape == upper.shape else upper
-        return lower, capped if capped.sum() >= config.global_batch else upper
+        return lower, _capped(lower, upper, _whole_caps(self.model.max_batch(workers), upper), current,
+                              config.global_batch)
 
     def with_margins(self, iteration: int, time_model: TimeModel,
                      throughput: np.ndarray) -> tuple[TimeModel, np.ndarray]:
@@ -298,6 +293,18 @@ def _whole_caps(caps: np.ndarray | None, upper: np.ndarray) -> np.ndarray | None
         return None
     caps = np.asarray(caps, dtype=float)
     return np.where(np.isnan(caps), upper, np.floor(np.clip(caps, -1.0, upper))).astype(np.int64)
+
+
+def _capped(lower: np.ndarray, upper: np.ndarray, caps: np.ndarray | None, current: np.ndarray,
+            global_batch: int) -> np.ndarray:
+    """The upper bounds lowered to the memory ``caps`` (not below ``lower``); where those cannot place B, no worker's
+    bound below its ``current`` size (the excess had nowhere to go), and the job's bounds where even that cannot."""
+    if caps is None:
+        return upper
+    capped = np.maximum(np.minimum(upper, caps), lower)
+    if capped.sum() < global_batch:
+        capped = np.maximum(capped, np.minimum(current, upper)) if current.shape == upper.shape else upper
+    return capped if capped.sum() >= global_batch else upper
 
 
 def _forecast_share(time_model: TimeModel, sizes: np.ndarray) -> float:
@@ -429,11 +436,9 @@ class LeaderStragglerPolicy(Policy):
         sizes = _split_of(current, config).copy()
         lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
         if self.model is not None and self._fed:  # a model that has seen no report knows no cap (it raises)
-            caps = _whole_caps(self.model.max_batch(range(config.num_workers)), upper)
-            capped = upper if caps is None else np.maximum(np.minimum(upper, caps), lower)
-            # caps too tight to place B never shrink a worker below its size, as in LBBSPPolicy.bounds: the excess
-            # had nowhere to go, and the search stopped for good
-            upper = capped if capped.sum() >= config.global_batch else np.maximum(capped, np.minimum(sizes, upper))
+            # caps too tight to place B had left the excess nowhere to go, and the search stopped for good
+            upper = _capped(lower, upper, _whole_caps(self.model.max_batch(range(config.num_workers)), upper), sizes,
+                            config.global_batch)
         # A worker that sent no report in the window (it left, or its reports were refused) keeps its size:
         # it is neither the straggler nor the leader, and does not hold up the search of the others.
         mean_time = np.array([np.mean(self._times[w][-self.window:]) if w in self._times else np.nan
