@@ -15,11 +15,9 @@ the docs quote).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import multiprocessing
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -30,23 +28,12 @@ import uuid
 from pathlib import Path
 
 from _args import results_file
+from record_cpu_trace import busy_loop
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "keras_digits.py"
 DIGITS = 1797  # samples in scikit-learn's digits, the example's data
 MIN_BATCH = 8  # the example's least batch of a worker (its MIN_BATCH)
-_PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its parent ends
-
-
-def busy_loop(cpu: int, benchmark: int) -> None:
-    """Co-located load: spin on one core until the benchmark ends, however it ends (a plain `kill` of it had left
-    these spinning for good)."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # Linux, as sched_setaffinity
-    if os.getppid() != benchmark:  # it ended before the line above
-        return
-    os.sched_setaffinity(0, {cpu})
-    while True:
-        pass
 
 
 def free_ports(count: int) -> list[str]:

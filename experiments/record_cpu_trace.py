@@ -43,13 +43,13 @@ FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util", "cores")
 COLUMNS = ("iteration", "t_s", "samples", "compute_s", "throughput", *FEATURES, "hog_level")
 
 
-def _busy_loop(core: int, recorder: int) -> None:
-    """A co-located CPU-bound job on ``core``; Ctrl-C is the recorder's to handle (it stops these itself), and
-    it ends with the recorder however that ends: a plain `kill` of the recorder had left it spinning."""
+def busy_loop(core: int, parent: int) -> None:
+    """A co-located CPU-bound job on ``core`` (this recorder's, and bench_keras's); Ctrl-C is its parent's to handle
+    (it stops these itself), and it ends with its parent however that ends: a plain `kill` had left it spinning."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the recorder's handler, which a fork copies
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler, which a fork copies
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # Linux, as sched_setaffinity
-    if os.getppid() != recorder:  # it ended before the line above
+    if os.getppid() != parent:  # it ended before the line above
         return
     os.sched_setaffinity(0, {core})
     x = 0
@@ -104,7 +104,7 @@ class ContentionSchedule:
         self.level = 0
         self._rng = np.random.default_rng(seed)
         self._mean_dwell_s = mean_dwell_s
-        self._procs = [mp.Process(target=_busy_loop, args=(core, os.getpid()), daemon=True) for _ in range(max_level)]
+        self._procs = [mp.Process(target=busy_loop, args=(core, os.getpid()), daemon=True) for _ in range(max_level)]
         self._pids: list[int] = []
         for proc in self._procs:
             proc.start()
