@@ -335,10 +335,7 @@ class Assignment:
         if isinstance(self.sizes, (str, bytes)) or not isinstance(self.sizes, Iterable):
             raise _fail(f"must be a sequence of integers, got {type(self.sizes).__name__}", "sizes",
                         job=self.job if isinstance(self.job, str) else None)
-        sizes = tuple(self.sizes)
-        if not all(type(size) is int for size in sizes):  # numpy's integers (a policy's array) as Python's, as Report
-            sizes = tuple(int(size) if _is_integer(size) else size for size in sizes)
-        object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "sizes", tuple(self.sizes))
         if type(self.iteration) is not int and _is_integer(self.iteration):
             object.__setattr__(self, "iteration", int(self.iteration))
         self.validate()
@@ -366,7 +363,10 @@ class Assignment:
             raise _fail(f"must hold 1 to {MAX_WORKERS} sizes, got {len(self.sizes)}", "sizes", **where)
         sizes = self.sizes
         if not (all(type(size) is int for size in sizes) and 0 <= min(sizes) and max(sizes) <= MAX_BATCH):
-            for i, size in enumerate(sizes):  # the slow path names the first bad size
+            # the slow path: numpy's integers (a policy's array) as Python's, as Report takes them; the first bad size
+            sizes = tuple(int(size) if _is_integer(size) else size for size in sizes)
+            object.__setattr__(self, "sizes", sizes)
+            for i, size in enumerate(sizes):
                 _int(size, f"sizes[{i}]", 0, MAX_BATCH, **where)
         if num_workers is not None and len(self.sizes) != num_workers:
             raise _fail(f"has {len(self.sizes)} sizes for {num_workers} workers", "sizes", **where)
