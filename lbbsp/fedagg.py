@@ -15,11 +15,13 @@ Pure functions on lists of numpy arrays.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from numbers import Real
 
 import numpy as np
 
-from .config import _is_integer
+from .config import _given, _is_integer, _real
 from .errors import LBBSPError
 
 Arrays = Sequence[np.ndarray]
@@ -29,8 +31,10 @@ def sample_weights(samples: Sequence[float]) -> np.ndarray:
     """p_i = samples_i / sum(samples); raises if any count is negative or not a number, or all are zero."""
     bad = LBBSPError(f"sample counts must be a non-empty list of finite non-negative numbers, got {samples}")
     try:
-        if any(isinstance(c, (bool, np.bool_)) for c in samples):
-            raise bad  # True would count as one sample
+        for i, count in enumerate(samples):  # numpy reads the string "10" as 10.0, and True as one sample
+            if isinstance(count, bool) or not isinstance(count, Real):  # numpy's bool is no Real
+                raise LBBSPError(f"sample count {i} must be a number (an int or float, numpy's too), got "
+                                 f"{_given(count)}")
         counts = np.asarray(samples, dtype=float)
     except (OverflowError, TypeError, ValueError):
         raise bad from None
@@ -57,7 +61,8 @@ def fednova_scales(steps: Sequence[int], weights: Sequence[float]) -> np.ndarray
 
 
 def rescale_update(global_arrays: Arrays, local_arrays: Arrays, scale: float) -> list[np.ndarray]:
-    """x + scale * (x_i - x): a client's model with its update stretched by ``scale``.
+    """x + scale * (x_i - x): a client's model with its update stretched by ``scale``, a finite number > 0 (0 would
+    drop the update, a negative one reverse it, NaN spoil the model).
 
     The arrays are paired by position, so each pair must have one shape (numpy would broadcast a mismatch).
     Integer arrays (a counter such as BatchNorm's ``num_batches_tracked``) are rounded to the nearest integer,
@@ -65,6 +70,8 @@ def rescale_update(global_arrays: Arrays, local_arrays: Arrays, scale: float) ->
     wrap around and numpy refuses to subtract bools, and held within their dtype's range (a stretch past it
     stops at its end: cast back, -1 would be 255 as a uint8 and True as a bool).
     """
+    scale = _real(scale, "scale", 0.0, math.inf, "a finite number > 0 (FedNova's tau_eff / steps_i)", lo_open=True,
+                  hi_open=True)
     if len(global_arrays) != len(local_arrays):
         raise LBBSPError(f"model has {len(global_arrays)} arrays, client sent {len(local_arrays)}")
     out = []

@@ -34,8 +34,8 @@ class ResourceMonitor:
         self._last_at = 0.0
         self._process = psutil.Process()
         self._cores = psutil.cpu_count() or 1
-        self._process.cpu_percent(None)
-        psutil.cpu_percent(None)
+        self._process.cpu_percent(None)  # the baseline of this monitor's own Process object
+        self._cpu_times = psutil.cpu_times()  # and of the machine's: psutil.cpu_percent keeps one per thread
         self._nvml = _nvml_handle(int(gpu_index)) if gpu_index is not None else None
         self._nvml_failed: set[str] = set()  # the GPU readings that failed once (logged then, not every time)
 
@@ -51,7 +51,7 @@ class ResourceMonitor:
 
     def _use(self) -> dict[str, float]:
         """CPU, memory and GPU use since the previous call."""
-        cpu_util = min(psutil.cpu_percent(None) / 100.0, 1.0)
+        cpu_util = self._machine_busy_share()
         proc_cpu = self._process.cpu_percent(None) / 100.0
         features = {
             "cpu_util": cpu_util,
@@ -63,6 +63,18 @@ class ResourceMonitor:
         if self._nvml is not None:
             features.update(self._gpu("utilisation", _gpu_utilisation, *self._nvml))
         return features
+
+    def _machine_busy_share(self) -> float:
+        """The share of the machine's CPU time spent busy since this monitor's previous call, counted as
+        psutil.cpu_percent counts it (idle and iowait are idle; guest time is already in user time), but from this
+        monitor's own baseline: psutil keeps one per thread (older psutil one in all), so two monitors in one
+        thread cut each other's window short."""
+        before, self._cpu_times = self._cpu_times, psutil.cpu_times()
+        delta = {name: max(getattr(self._cpu_times, name) - getattr(before, name), 0.0) for name in before._fields}
+        total = sum(delta.values()) - delta.get("guest", 0.0) - delta.get("guest_nice", 0.0)
+        if total <= 0:  # within one clock tick of the previous call
+            return 0.0
+        return min(max(1.0 - (delta["idle"] + delta.get("iowait", 0.0)) / total, 0.0), 1.0)
 
     def _gpu(self, what: str, reading: Callable[[Any, Any], dict[str, float]], pynvml: Any,
              handle: Any) -> dict[str, float]:
