@@ -65,11 +65,13 @@ class LinearTime:
         return np.where(x > 0, seconds, 0.0) if self.idle_is_free else seconds
 
     def capacity(self, deadline: float) -> np.ndarray:
-        """How many samples each worker finishes by ``deadline`` seconds (not bounded: the allocator clips)."""
-        # The small slack keeps x whose time equals the deadline up to rounding; 0 x inf is NaN (allocate's
-        # capacity reads it as nothing more).
+        """How many samples each worker finishes by ``deadline`` seconds (not bounded above: the allocator clips);
+        -1 where none."""
+        # The small slack keeps x whose time equals the deadline up to rounding; 0 x inf (a speed of 0 and an
+        # infinite overhead, an infinite speed at a deadline equal to the overhead) is NaN, which fmax reads as none
+        # (the allocator refuses NaN: a time model of one's own that answers it has a bug).
         with np.errstate(invalid="ignore"):
-            return np.floor((deadline - self.overhead) * self.speed * (1 + 1e-12) + 1e-9)
+            return np.fmax(np.floor((deadline - self.overhead) * self.speed * (1 + 1e-12) + 1e-9), -1.0)
 
 
 def _capacity_by_search(model: TimeModel, deadline: float, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
@@ -136,9 +138,9 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
     invert = getattr(model, "capacity", None)
 
     def capacity(deadline: float) -> np.ndarray:
-        if invert is not None:  # NaN (0 x inf: a speed of 0 and an infinite overhead) finishes nothing more
-            return np.clip(np.nan_to_num(invert(deadline), nan=-1.0), lower, upper).astype(np.int64)
-        return _capacity_by_search(model, deadline, lower, upper)
+        if invert is None:
+            return _capacity_by_search(model, deadline, lower, upper)
+        return np.clip(_checked_capacity(model, invert(deadline), deadline, lower.size), lower, upper).astype(np.int64)
 
     # Over the workers whose size is free (a fixed one's time, even an infinite one, moves nothing):
     t_lo = float(np.nextafter(t_lower[free].min(), -np.inf))  # capacity(t_lo) == lower, whose sum is < B
@@ -188,6 +190,30 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
     x = x_lo.copy()
     x[order] += take
     return x
+
+
+def _checked_capacity(model: TimeModel, answer: object, deadline: float, count: int) -> np.ndarray:
+    """``model.capacity(deadline)``'s ``answer`` as an array of one number per worker of ``count``, or a ConfigError
+    naming the model: one of the wrong length had failed deep in the search (numpy's broadcast error), and a NaN had
+    been read as nothing more, giving that worker its lower bound in silence. Below the lower bound (none) and
+    inf (any number) are answers: the bounds clip them."""
+    name = type(model).__name__
+    try:
+        samples = np.asarray(answer)
+    except ValueError:  # ragged
+        samples = np.asarray(None)
+    if samples.dtype.kind not in "iuf":
+        raise ConfigError(f"{name}.capacity returned {str(answer)[:80]}, not numbers: it must return one number of "
+                          "samples per worker, how many it finishes by the deadline")
+    if samples.shape != (count,):
+        what = f"{samples.size} values" if samples.ndim == 1 else f"an array of shape {samples.shape}"
+        raise ConfigError(f"{name}.capacity returned {what} for {count} workers: it must return one number of samples "
+                          "per worker, how many it finishes by the deadline")
+    if np.isnan(samples).any():
+        raise ConfigError(f"{name}.capacity({deadline:.6g}) returned NaN for worker(s) "
+                          f"{np.flatnonzero(np.isnan(samples))[:8].tolist()}: it must return how many samples each "
+                          "finishes by the deadline (-1 for none, inf for any number)")
+    return samples
 
 
 def _sizes(values: Sequence[int] | np.ndarray, name: str) -> np.ndarray:

@@ -125,8 +125,15 @@ class BackupWorkersPolicy(BSPPolicy):
 
     def aggregated(self, num_workers: int) -> int:
         if not 0 <= self.backups < num_workers:
-            raise ConfigError(f"backups must be in [0, {num_workers}), got {self.backups}")
+            raise ConfigError(f"backups must be in [0, {num_workers}), got {self.backups}: an iteration of "
+                              f"{num_workers} workers must aggregate at least one gradient")
         return num_workers - self.backups
+
+    def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
+        """The equal split, where ``backups`` leaves a gradient to aggregate; a ConfigError otherwise (only the
+        simulator asks ``aggregated``, so a coordinator had run this policy with every gradient dropped, unsaid)."""
+        self.aggregated(config.num_workers)
+        return super().decide(iteration, current, config)
 
 
 class LBBSPPolicy(Policy):
@@ -176,8 +183,7 @@ class LBBSPPolicy(Policy):
     def bounds(self, workers: WorkerIds, current: np.ndarray, config: JobConfig) -> tuple[np.ndarray, np.ndarray]:
         """The job's bounds, with each upper bound lowered to the model's memory cap where that is feasible."""
         lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
-        return lower, _capped(lower, upper, _whole_caps(self.model.max_batch(workers), upper), current,
-                              config.global_batch)
+        return lower, _capped(lower, upper, _whole_caps(self.model, workers, upper), current, config.global_batch)
 
     def with_margins(self, iteration: int, time_model: TimeModel,
                      throughput: np.ndarray) -> tuple[TimeModel, np.ndarray]:
@@ -265,7 +271,7 @@ class LBBSPPolicy(Policy):
             self.rounds_out.record(workers, sizes)
         if self.sit_out and not sizes.all():
             reason += f"; {int((sizes == 0).sum())} sit out"
-        caps = _whole_caps(self.model.max_batch(workers), upper)
+        caps = _whole_caps(self.model, workers, upper)
         if caps is not None and (over := np.flatnonzero(sizes > caps)).size:  # bounds() could not keep them
             held = int(np.minimum(caps, upper).sum())
             why = (f"the caps hold {held} samples, the global batch is {config.global_batch}"
@@ -287,11 +293,21 @@ def _split_of(current: Sequence[int], config: JobConfig) -> np.ndarray:
     return sizes
 
 
-def _whole_caps(caps: np.ndarray | None, upper: np.ndarray) -> np.ndarray | None:
-    """A model's memory caps as whole samples (a cap of 10.5 holds 10), the job's upper bound where a cap is NaN."""
-    if caps is None:
+def _whole_caps(model: CapacityModel, workers: WorkerIds, upper: np.ndarray) -> np.ndarray | None:
+    """``model``'s memory caps for ``workers`` as whole samples (a cap of 10.5 holds 10), the job's upper bound where a
+    cap is NaN; None where it sets none. A ConfigError naming the model where it answers with neither one cap per
+    worker nor one for all (numpy's broadcast error had failed each decision) or with no numbers."""
+    answer = model.max_batch(workers)
+    if answer is None:
         return None
-    caps = np.asarray(caps, dtype=float)
+    try:
+        caps: np.ndarray | None = np.asarray(answer, dtype=float)
+    except (TypeError, ValueError):  # ragged, or not numbers
+        caps = None
+    if caps is None or caps.shape not in ((), upper.shape):
+        what = f"{caps.size} values" if caps is not None and caps.ndim == 1 else str(answer)[:80]
+        raise ConfigError(f"{type(model).__name__}.max_batch returned {what} for {upper.size} workers: it must "
+                          "return one cap (samples; NaN where unknown) per worker asked, or None")
     return np.where(np.isnan(caps), upper, np.floor(np.clip(caps, -1.0, upper))).astype(np.int64)
 
 
@@ -384,9 +400,10 @@ class PerEpochPolicy(LBBSPPolicy):
         # a memory cap that shrank below a worker's size is acted on at once (bounds() lifts caps it cannot keep)
         over_caps = self._seen and bool((current_arr > self.bounds(np.arange(config.num_workers), current_arr,
                                                                       config)[1]).any())
-        # an epoch starts at this iteration or, where a coordinator running ahead skipped some, since the last one
+        # an epoch starts at this iteration or, where a coordinator running ahead skipped some, since the last one;
+        # iterations that went back (a new job, a run resumed from an earlier checkpoint) start afresh
         n, previous, self._decided = self.iterations_per_epoch, self._decided, iteration
-        starts = iteration % n == 0 if previous is None else iteration // n > previous // n
+        starts = iteration % n == 0 if previous is None or iteration < previous else iteration // n > previous // n
         if not starts and not over_caps:
             return Decision(tuple(int(s) for s in current), "within the epoch: keep the split")
         return super().decide(iteration, current, config)
@@ -412,12 +429,20 @@ class LeaderStragglerPolicy(Policy):
         self._last_leader: int | None = None
         self._since = 0  # the first iteration of the split in force
         self._fed = False  # whether the model has had a report
+        self._latest = -1  # the iteration of the newest report observed
 
     def observe(self, reports: Sequence[Report]) -> None:
         reports = as_reports(reports, "observe")
         if self.model is not None and reports:
             self.model.partial_fit(reports)
             self._fed = True
+        if reports:
+            if reports[0].iteration < self._latest:
+                # the iterations went back (a new job, a run resumed from an earlier checkpoint): search afresh, or
+                # every report before the last move's iteration had been dropped until the count caught up
+                self._step, self._last_leader = None, None
+                self._window_from(0)
+            self._latest = reports[-1].iteration  # reports come in iteration order
         # compute_s = 0 measured nothing (an announcement, a step left untimed): read as 0 s, it made its worker the
         # leader at every window
         current = [report for report in reports if report.iteration >= self._since and report.compute_s > 0]
@@ -427,17 +452,21 @@ class LeaderStragglerPolicy(Policy):
 
     def _moved(self, iteration: int, decision: Decision) -> Decision:
         """``decision``, which changes the split from ``iteration`` on: the window starts again from there."""
+        self._window_from(iteration)
+        return decision
+
+    def _window_from(self, iteration: int) -> None:
+        """Start the window again, pooling the reports of ``iteration`` on."""
         self._since = iteration
         self._times.clear()
         self._observed = 0
-        return decision
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         sizes = _split_of(current, config).copy()
         lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
         if self.model is not None and self._fed:  # a model that has seen no report knows no cap (it raises)
             # caps too tight to place B had left the excess nowhere to go, and the search stopped for good
-            upper = _capped(lower, upper, _whole_caps(self.model.max_batch(range(config.num_workers)), upper), sizes,
+            upper = _capped(lower, upper, _whole_caps(self.model, range(config.num_workers), upper), sizes,
                             config.global_batch)
         # A worker that sent no report in the window (it left, or its reports were refused) keeps its size:
         # it is neither the straggler nor the leader, and does not hold up the search of the others.
