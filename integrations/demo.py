@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import gc
 import importlib.util
+import logging
 import os
 import queue
 import signal
@@ -89,6 +90,13 @@ def parse_schedule(text: str) -> tuple[tuple[float, float], ...]:
     return tuple(spans)
 
 
+def _when_on(schedule: tuple[tuple[float, float], ...]) -> str:
+    """When the load is on, for the launcher's header; an empty schedule (no span) leaves it off throughout."""
+    if not schedule:
+        return "never switched on: --load-schedule is empty"
+    return f"during {','.join(f'{lo:g}-{hi:g}' for lo, hi in schedule)} of each run"
+
+
 def load_on(schedule: tuple[tuple[float, float], ...], step: int, steps: int) -> bool:
     return any(lo <= step / steps < hi for lo, hi in schedule)
 
@@ -144,8 +152,30 @@ def build(hidden: int) -> tuple[Any, Any]:
     return data, model
 
 
-def _worker(rank: int, config: DemoConfig, init: str, url: str, events: Any) -> None:
+@dataclass(frozen=True)
+class _Logs:
+    """The launcher's logging, for its workers: spawned, they start with none, and `lbbsp demo -v` had not reached
+    them."""
+
+    level: int
+    formatter: logging.Formatter | None
+
+    @classmethod
+    def of_this_process(cls) -> _Logs:
+        """The root logger's level and its first handler's format (``lbbsp``'s, from -v)."""
+        root = logging.getLogger()
+        return cls(root.getEffectiveLevel(), next((h.formatter for h in root.handlers), None))
+
+    def apply(self) -> None:
+        """Log as the launcher does: at its level, to stderr, in its format."""
+        handler = logging.StreamHandler()
+        handler.setFormatter(self.formatter)
+        logging.basicConfig(level=self.level, handlers=[handler])
+
+
+def _worker(rank: int, config: DemoConfig, init: str, url: str, events: Any, logs: _Logs) -> None:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    logs.apply()
     try:
         _train_both(rank, config, init, url, events)
     except Exception:  # the launcher shows it and stops the others
@@ -243,7 +273,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-procs", type=whole_number(0), default=2,
                         help="busy processes on the slow worker's core (1: about 2x slower, 2: about 3x)")
     parser.add_argument("--load-schedule", default="0-0.5,0.75-1",
-                        help="fractions of the run with the load on, e.g. 0-0.5,0.75-1")
+                        help="fractions of the run with the load on, e.g. 0-0.5,0.75-1 (empty: never on)")
     parser.add_argument("--redis", default=None, help="Redis URL; default: an embedded redis-server")
 
 
@@ -287,8 +317,7 @@ def run(args: argparse.Namespace) -> int:
     cores = cores_for(config.workers)
     console.print(f"[bold]lbbsp demo[/]: {config.workers} gloo workers on cores {cores}, global batch "
                   f"{config.global_batch}, {config.steps} steps per run; {config.load_procs} busy process(es) on "
-                  f"core {cores[config.slow_worker]} (worker {config.slow_worker}) during {args.load_schedule} "
-                  "of each run")
+                  f"core {cores[config.slow_worker]} (worker {config.slow_worker}) {_when_on(config.schedule)}")
     if len(set(cores)) < len(cores):
         console.print(f"[yellow]warning[/]: {config.workers} workers share {len(set(cores))} core(s): the busy "
                       "processes slow the workers that share the slow worker's core too, and the speedup shown is "
@@ -300,13 +329,15 @@ def run(args: argparse.Namespace) -> int:
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     view = _View(config, cores)
+    logs = _Logs.of_this_process()
     with tempfile.TemporaryDirectory(prefix="lbbsp-demo-") as tmp, _sigterm_as_exit():
-        procs = [ctx.Process(target=_worker, args=(r, config, os.path.join(tmp, "rdv"), url, events), daemon=False)
+        procs = [ctx.Process(target=_worker, args=(r, config, os.path.join(tmp, "rdv"), url, events, logs),
+                             daemon=False)
                  for r in range(config.workers)]
-        with _ctrl_c_ignored():  # inherited: the children, theirs too, leave Ctrl-C to this process
-            for proc in procs:
-                proc.start()
         try:
+            with _ctrl_c_ignored():  # inherited: the children, theirs too, leave Ctrl-C to this process
+                for proc in procs:
+                    proc.start()
             live = Live(view.table(), console=console, refresh_per_second=4) if console.is_terminal else None
             with live or contextlib.nullcontext():
                 while len(view.phases) < 2:
@@ -325,11 +356,13 @@ def run(args: argparse.Namespace) -> int:
                         console.print(line)
             for proc in procs:
                 proc.join(30)
-        finally:
-            for proc in procs:
+        finally:  # the workers started so far, also after a SIGTERM between two starts (left to multiprocessing's
+            # exit, they had been waited for until each started up and failed, with a traceback)
+            started = [proc for proc in procs if proc.pid is not None]
+            for proc in started:
                 if proc.is_alive():
                     proc.terminate()
-            for proc in procs:  # gone before their Redis is, and before this process exits
+            for proc in started:  # gone before their Redis is, and before this process exits
                 proc.join(10)
                 if proc.is_alive():
                     proc.kill()
