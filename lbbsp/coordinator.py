@@ -41,6 +41,9 @@ _LOOK_BACK = 16  # how many iterations back the coordinator looks for the split 
 #: Coordinator.ahead): a decision then runs further ahead of the reports it was made from.
 MAX_AHEAD = 16
 AHEAD_LIMIT = 1024  # the largest max_ahead accepted
+#: The most iterations one clean-up deletes (20,000 keys, about 12 ms): a coordinator's first reaches back this far where
+#: no earlier clean-up of the job says where its stored iterations start, and one after a long pause no further.
+CLEAN_UP_REACH = 10_000
 
 
 def checked_max_ahead(value: object, job: str | None = None) -> int:
@@ -73,7 +76,8 @@ class Rejection:
 
 @dataclass
 class Outcome:
-    """What one decision step did: the assignment it wrote (or found already written) and why."""
+    """What one decision step did: the assignment it wrote (or found already written) and why; not written and not
+    logged where another coordinator's clean-up had deleted its iteration meanwhile (``written`` False)."""
 
     iteration: int
     assignment: Assignment
@@ -162,7 +166,9 @@ class GuardedPolicy:
             decision = self.policy.decide(target, current, self.config)
             assignment = self._checked(target, decision)
             return dataclasses.replace(decision, predicted_throughput=self._predictions(target, decision)), assignment
-        except Exception as exc:  # a policy's bug, an OSError too (none is Redis's here): keep the split in force
+        # a policy's bug, an OSError too (none is Redis's here), a sys.exit() in it or a library it calls (which had
+        # ended the coordinator's thread without a word): keep the split in force. Ctrl-C still stops the coordinator.
+        except (Exception, SystemExit) as exc:
             self.failures += 1
             if (repeats := self._repeats.note(exc)) is not None:
                 log.exception("policy %s failed to decide iteration %d%s; keeping the current split",
@@ -175,7 +181,7 @@ class GuardedPolicy:
         """Let the policy learn from the reports of ``iteration`` once the split is out; a failure is logged."""
         try:
             self.policy.learn()
-        except Exception as exc:  # as above: logged, and the next decision goes on
+        except (Exception, SystemExit) as exc:  # as above: logged, and the next decision goes on
             if (repeats := self._learn_repeats.note(exc)) is not None:
                 log.exception("policy %s failed to learn from iteration %d%s", self.policy.name, iteration, repeats)
 
@@ -351,10 +357,15 @@ class Coordinator:
         reports, rejected = self._parse_reports(iteration)
         decision, assignment = self._guarded.decide(targets[0], self._in_force(targets[0] - 1).sizes, reports)
         covered = [assignment, *(dataclasses.replace(assignment, iteration=t) for t in targets[1:])]
-        written = self.store.publish_all(covered)
+        written = self.store.publish_all(covered, decided_from=iteration)
         decision_s = time.perf_counter() - started
         self._guarded.learn(iteration)  # the split is out: the workers need not wait for this
         learn_s = time.perf_counter() - started - decision_s
+        if written[0] is None:
+            log.warning("job %s: the keys of iteration %d were deleted while this coordinator decided it from the "
+                        "reports of iteration %d (paused or slow, while another decided on and cleaned up): not writing "
+                        "or logging its split", self.config.job, targets[0], iteration)
+            return Outcome(iteration, assignment, False, decision_s, rejected, learn_s, through=targets[-1])
         self._written.extend(a for a, w in zip(covered, written) if w)
         self._written_through = max(self._written_through, targets[-1])
         if not written[0]:
@@ -388,11 +399,21 @@ class Coordinator:
 
     def _forget(self, iteration: int) -> None:
         """Delete the keys of the iterations up to ``iteration - ITERATIONS_KEPT``: every worker is past them,
-        and kept for ttl_s they filled Redis. A coordinator that joins a running job starts from there."""
+        and kept for ttl_s they filled Redis. The first clean-up deletes all the earlier ones still stored too (left
+        by a coordinator that crashed, or before a restart, which had stayed for their TTL): from where the job's
+        clean-ups stopped, or from 0 where none did or they reach past this one's (its iterations went back); each
+        at most CLEAN_UP_REACH iterations."""
         last = iteration - ITERATIONS_KEPT
-        first = last if self._forgotten_through is None else self._forgotten_through + 1
-        if last >= max(first, 0):
-            self.store.forget_iterations(max(first, 0), last)
+        if last < 0:
+            return
+        if self._forgotten_through is not None:
+            first = self._forgotten_through + 1
+        else:
+            through = self.store.forgotten_through()
+            first = through + 1 if through is not None and through < last else 0
+        first = max(first, last - CLEAN_UP_REACH + 1)
+        if last >= first:
+            self.store.forget_iterations(first, last)
             self._forgotten_through = last
 
     def _pace(self, iteration: int, started: float, reports: list[Report]) -> None:
@@ -647,8 +668,8 @@ class Coordinator:
         worker that finds none would write its fallback, and split from one that had read the decision. Any Redis error
         is let go: it runs after an outage, unguarded, where a refusal (out of memory, read-only) had ended serving."""
         try:
-            if self._written:
-                self.store.publish_all(list(self._written))
+            if self._written:  # refused, as a decision is, where another's clean-up deleted them (the oldest too)
+                self.store.publish_all(list(self._written), decided_from=self._written[0].iteration)
         except REDIS_FAILURES:
             pass
 

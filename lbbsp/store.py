@@ -11,6 +11,7 @@ Keys (all under ``lbbsp:{job}:``, all with a TTL so that finished jobs do not le
 ``decisions``          list     the latest decisions with their reasons, newest first (capped)
 ``workers``            hash     worker id -> status JSON for ``lbbsp status``
 ``coordinator``        string   the serving coordinator's host:pid:id, renewed every second (expires in 5 s)
+``forgotten``          string   the latest iteration whose keys a coordinator's clean-up deleted (only rises)
 =====================  =======  ==========================================================================
 
 ``reports:{k}`` and ``assign:{k}`` go sooner: when the coordinator decides from iteration k + ``ITERATIONS_KEPT``,
@@ -44,8 +45,9 @@ REDIS_FAILURES = (*REDIS_ERRORS, redis.RedisError)
 
 
 def _queued(item: bytes | str) -> int | None:
-    """An entry of the ready list as an iteration, None for anything else (only a foreign writer puts one there; a
-    number of over 4,300 digits, which int() refuses, had ended the coordinator's step after the list was emptied)."""
+    """An entry of the ready list (or the clean-up's watermark) as an iteration, None for anything else (only a foreign
+    writer puts one there; a number of over 4,300 digits, which int() refuses, had ended the coordinator's step after the
+    list was emptied)."""
     try:
         return int(item)
     except ValueError:
@@ -130,17 +132,34 @@ class Store:
     return added
     """
 
-    # KEYS[1] = assign:{k} string, KEYS[2] = assigned channel
+    # KEYS[1] = assign:{k} string, KEYS[2] = assigned channel; a coordinator's write adds KEYS[3] = forgotten string
+    # (the clean-up's watermark) and KEYS[4] = assign:{j} string, j the iteration it decided from
     # ARGV[1] = assignment JSON, ARGV[2] = TTL s, ARGV[3] = iteration k
     # Returns {1, the JSON} if this call wrote the assignment, else {0, the one already there} (write-once),
     # its TTL renewed: read in the same script, so no flush or expiry can fall between the write and the read.
+    # A coordinator's write returns {-1, nil} instead where a clean-up has deleted k (k at or below the watermark, its
+    # key gone) and j too: it resumed after another coordinator had decided on and cleaned up. A new run under the
+    # job's name, whose j is stored, still writes below the watermark its run before left; a worker's write (two
+    # KEYS) is never refused.
     PUBLISH_ASSIGNMENT = """
+    if KEYS[3] and redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[4]) == 0 then
+        local through = tonumber(redis.call('GET', KEYS[3]))
+        if through and tonumber(ARGV[3]) <= through then return {-1, false} end
+    end
     if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
         redis.call('PUBLISH', KEYS[2], ARGV[3])
         return {1, ARGV[1]}
     end
     redis.call('EXPIRE', KEYS[1], ARGV[2])
     return {0, redis.call('GET', KEYS[1])}
+    """
+
+    # KEYS[1] = forgotten string, ARGV[1] = the last iteration a clean-up deleted, ARGV[2] = TTL s: raise the
+    # watermark to it (never lower it: two coordinators' clean-ups may land out of order), its TTL renewed
+    RAISE_WATERMARK = """
+    local through = tonumber(redis.call('GET', KEYS[1]))
+    if through and through >= tonumber(ARGV[1]) then return redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+    return redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
     """
 
     # KEYS[1] = coordinator string, ARGV[1] = identity: delete the claim only if it is still this identity's
@@ -166,6 +185,7 @@ class Store:
         self._post_report = client.register_script(self.POST_REPORT)
         self._publish = client.register_script(self.PUBLISH_ASSIGNMENT)
         self._release = client.register_script(self.RELEASE_COORDINATOR)
+        self._raise_watermark = client.register_script(self.RAISE_WATERMARK)
 
     @classmethod
     def from_url(cls, url: str, job: str, *, ttl_s: int = 3600, socket_timeout_s: float = 5.0) -> Store:
@@ -320,11 +340,21 @@ class Store:
         return cast("dict[bytes, bytes]", self.client.hgetall(self.key("reports", iteration)))
 
     def forget_iterations(self, first: int, last: int) -> None:
-        """Delete the reports and the assignments of iterations ``first`` to ``last``; the coordinator does,
-        :data:`ITERATIONS_KEPT` iterations later."""
+        """Delete the reports and the assignments of iterations ``first`` to ``last``, and raise the job's clean-up
+        watermark to ``last`` in the same transaction (a coordinator's write below it is refused, see
+        PUBLISH_ASSIGNMENT); the coordinator does, :data:`ITERATIONS_KEPT` iterations later."""
         keys = [self.key(kind, k) for k in range(first, last + 1) for kind in ("reports", "assign")]
         if keys:
-            self.client.unlink(*keys)
+            pipe = self.client.pipeline(transaction=True)
+            self._raise_watermark(keys=[self.key("forgotten")], args=[last, self.ttl_s], client=pipe)
+            pipe.unlink(*keys)
+            pipe.execute()
+
+    def forgotten_through(self) -> int | None:
+        """The latest iteration whose keys a clean-up of the job deleted (by any coordinator, within ``ttl_s``), None
+        if none did: where the iterations still stored start."""
+        through = self.client.get(self.key("forgotten"))
+        return _queued(through) if through is not None else None
 
     def report_count(self, iteration: int) -> int:
         """How many workers' reports of ``iteration`` are stored."""
@@ -341,21 +371,26 @@ class Store:
         written, raw = self._publish_on(assignment)
         return written == 1, cast("bytes", raw)
 
-    def publish_all(self, assignments: Sequence[Assignment]) -> list[bool]:
+    def publish_all(self, assignments: Sequence[Assignment], *, decided_from: int | None = None) -> list[bool | None]:
         """:meth:`publish` each of ``assignments`` (a decision that covers several iterations), in one round
-        trip; whether each was written."""
+        trip; whether each was written, or None where it was refused: given the iteration ``decided_from``, one that
+        a clean-up has deleted together with that iteration (another coordinator decided on meanwhile)."""
         pipe = self.client.pipeline(transaction=False)
         for assignment in assignments:
-            self._publish_on(assignment, pipe)
-        return [int(written) == 1 for written, _ in pipe.execute()]
+            self._publish_on(assignment, pipe, decided_from)
+        return [None if int(written) < 0 else int(written) == 1 for written, _ in pipe.execute()]
 
-    def _publish_on(self, assignment: Assignment, client: redis.client.Pipeline | None = None) -> Any:
-        """Run the PUBLISH_ASSIGNMENT script (on ``client``, a pipeline, when given: its result comes with execute)."""
+    def _publish_on(self, assignment: Assignment, client: redis.client.Pipeline | None = None,
+                    decided_from: int | None = None) -> Any:
+        """Run the PUBLISH_ASSIGNMENT script (on ``client``, a pipeline, when given: its result comes with execute),
+        with the clean-up's guard where ``decided_from`` is given (a coordinator's write)."""
         if assignment.job != self.job:  # it would be this job's split for good: the key is written once
             raise ProtocolError(f"assignment of job {assignment.job!r} published to the store of {self.job!r}",
                                 field="job", job=self.job, iteration=assignment.iteration)
-        return self._publish(keys=[self.key("assign", assignment.iteration), self.key("assigned")],
-                             args=[assignment.to_json(), self.ttl_s, assignment.iteration], client=client)
+        keys = [self.key("assign", assignment.iteration), self.key("assigned")]
+        if decided_from is not None:
+            keys += [self.key("forgotten"), self.key("assign", decided_from)]
+        return self._publish(keys=keys, args=[assignment.to_json(), self.ttl_s, assignment.iteration], client=client)
 
     def assigned(self, iterations: list[int]) -> list[bool]:
         """Whether each iteration has an assignment key (one round trip): every worker read it before it ran
