@@ -29,10 +29,16 @@ from typing import Any
 import numpy as np
 
 from lbbsp.config import JobConfig, _is_integer, _real
-from lbbsp.coordinator import EXTERNAL_MAX_AHEAD, EXTERNAL_POLICY, CoordinatorProcess, checked_max_ahead
+from lbbsp.coordinator import (
+    EXTERNAL_MAX_AHEAD,
+    EXTERNAL_POLICY,
+    CoordinatorProcess,
+    checked_max_ahead,
+    checked_process_policy,
+)
 from lbbsp.embedded import FOLDER_PREFIX, EmbeddedRedis, serve_embedded, temp_parent
 from lbbsp.errors import ConfigError, StoreUnavailable
-from lbbsp.policies import Policy, checked_policy
+from lbbsp.policies import Policy
 from lbbsp.store import Store, agreed_config, redacted, wait_for_redis, worker_socket_timeout
 from lbbsp.telemetry import ResourceMonitor
 from lbbsp.worker import WorkerClient, checked_outage
@@ -237,7 +243,7 @@ def _refusal(config: JobConfig, worker: int, *, url: str | None, policy: Policy 
         return ConfigError(EXTERNAL_MAX_AHEAD, job=config.job)
     try:
         checked_max_ahead(max_ahead, config.job)
-        checked_policy(policy, config.job)  # on every worker: worker 0 alone would leave the others waiting
+        checked_process_policy(policy, config)  # on every worker: worker 0 alone would leave the others waiting
         _real(connect_timeout_s, "connect_timeout_s", 0.0, 86_400.0, "seconds in (0, 86400]", lo_open=True)
         checked_outage(outage_s, config)  # before Redis and the coordinator start, not after
     except ConfigError as exc:

@@ -42,7 +42,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from lbbsp.config import JobConfig, _is_integer
-from lbbsp.coordinator import EXTERNAL_MAX_AHEAD, EXTERNAL_POLICY, CoordinatorProcess, checked_max_ahead
+from lbbsp.coordinator import (
+    EXTERNAL_MAX_AHEAD,
+    EXTERNAL_POLICY,
+    CoordinatorProcess,
+    checked_max_ahead,
+    checked_process_policy,
+)
 from lbbsp.embedded import EmbeddedRedis, serve_embedded
 from lbbsp.errors import ConfigError, LBBSPError
 from lbbsp.policies import Policy, checked_policy
@@ -187,6 +193,7 @@ class Balancer:
             caps = cast("int | tuple[int, ...] | None", max_batch)  # JobConfig takes any sequence, and names a str
             config = JobConfig(job, world, global_batch, min_batch=min_batch, max_batch=caps,
                                assignment_timeout_s=assignment_timeout_s, **({} if lag is None else {"lag": lag}))
+            checked_process_policy(policy, config)  # on every rank too: kinds outside the job, a policy not pickled
             store = Store.from_url(url, job, ttl_s=config.ttl_s,
                                    socket_timeout_s=worker_socket_timeout(config.assignment_timeout_s))
             owned.append(store)

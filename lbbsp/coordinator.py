@@ -707,6 +707,15 @@ EXTERNAL_MAX_AHEAD = ("max_ahead= is the coordinator's: with an external one (co
                       "--max-ahead")
 
 
+def checked_process_policy(policy: Policy | None, config: JobConfig) -> None:
+    """The checks :class:`CoordinatorProcess` makes of ``policy`` before its child starts, for the integrations to
+    make on every worker: a ConfigError for a policy that is none, pins worker kinds outside the job, or cannot be
+    pickled to the child (on rank 0 alone, the other ranks had gone on and failed later, in gloo's words)."""
+    checked_policy(policy, config.job)
+    _check_model_for(policy, config, warn=False)  # the child's coordinator warns
+    _refers_to_main(policy, config.job)
+
+
 class CoordinatorProcess:
     """A coordinator in a child process of its own: no GIL or CPU core shared with a training worker.
 
@@ -725,8 +734,7 @@ class CoordinatorProcess:
                  max_ahead: int = MAX_AHEAD, start_timeout_s: float = 60.0) -> None:
         config = _job_config(config)
         max_ahead = checked_max_ahead(max_ahead, config.job)
-        checked_policy(policy, config.job)
-        _check_model_for(policy, config, warn=False)  # refused here, not in the child; the child's coordinator warns
+        checked_process_policy(policy, config)
         if multiprocessing.current_process().daemon:
             raise LBBSPError("a daemonic process cannot start the coordinator process: start this worker with "
                              "daemon=False, or run Coordinator(store, config).start() in a thread", job=config.job)

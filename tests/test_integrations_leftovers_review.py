@@ -1,7 +1,6 @@
 """Leftovers of the integrations' reviews, each seen failing before its fix: a policy that rank 0's coordinator
 process refuses (kinds pinned outside the job, or one that cannot be pickled) must be refused on every rank, not
-leave the others to a gloo error or a wait (xfail: pending a public check in lbbsp/coordinator.py); ``lbbsp demo
--v`` reaches the workers; an empty ``--load-schedule`` is shown as no load; a SIGTERM while the demo's workers start
+leave the others to a gloo error or a wait (checked_process_policy, on every rank); ``lbbsp demo -v`` reaches the workers; an empty ``--load-schedule`` is shown as no load; a SIGTERM while the demo's workers start
 stops them at once."""
 from __future__ import annotations
 
@@ -27,10 +26,8 @@ from lbbsp.models import AutoCapacityModel
 from lbbsp.policies import Policy
 from test_cli_audit import _running
 
-pytest.importorskip("torch")  # the demo's workers and the ranks of item 1 train with it
+pytest.importorskip("torch")  # the demo's workers and the ranks of the policy checks train with it
 TESTS = str(Path(__file__).parent)
-PENDING = pytest.mark.xfail(strict=True, reason="needs a public check in lbbsp/coordinator.py for the integrations "
-                                                "to call (_check_model_for and the pickling of _refers_to_main)")
 
 
 class Locked(LBBSPPolicy):
@@ -50,7 +47,7 @@ REFUSALS = {"kinds": "AutoCapacityModel's kinds pin worker(s) [5], outside the j
             "pickle": "policy Locked cannot be pickled to the coordinator's child process"}
 
 
-# -- item 1: a policy refused on every rank ---------------------------------------------------------------------
+# -- a policy refused on every rank -----------------------------------------------------------------------------
 def _join_with(rank: int, init: str, url: str, job: str, out: str, what: str) -> None:
     """Join a 2-rank gloo group and build a Balancer with a policy rank 0 refuses; write what from_env raised."""
     import torch  # noqa: PLC0415
@@ -72,7 +69,6 @@ def _join_with(rank: int, init: str, url: str, job: str, out: str, what: str) ->
         destroy_group()
 
 
-@PENDING
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("what", list(REFUSALS))
@@ -90,7 +86,6 @@ def test_a_policy_rank_0_refuses_is_refused_on_every_rank(what: str, tmp_path: P
     assert raised[0] == raised[1] and raised[0].startswith(f"ConfigError: {REFUSALS[what]}"), raised
 
 
-@PENDING
 @pytest.mark.parametrize("what", list(REFUSALS))
 def test_a_policy_worker_0_refuses_is_refused_on_every_keras_worker(what: str, redis_url: str, job: str) -> None:
     """Worker 1's session started with it; worker 0's alone raised, and worker 1's fit then waited on a coordinator
