@@ -1,7 +1,7 @@
 """Leftovers of the integrations' reviews, each seen failing before its fix: a policy that rank 0's coordinator
 process refuses (kinds pinned outside the job, or one that cannot be pickled) must be refused on every rank, not
-leave the others to a gloo error or a wait (checked_process_policy, on every rank); ``lbbsp demo -v`` reaches the workers; an empty ``--load-schedule`` is shown as no load; a SIGTERM while the demo's workers start
-stops them at once."""
+leave the others to a gloo error or a wait; ``lbbsp demo -v`` reaches the workers; an empty ``--load-schedule`` is
+shown as no load; a SIGTERM while the demo's workers start stops them at once."""
 from __future__ import annotations
 
 import json
@@ -96,7 +96,7 @@ def test_a_policy_worker_0_refuses_is_refused_on_every_keras_worker(what: str, r
         WorkerSession(JobConfig(job, num_workers=2, global_batch=10), 1, url=redis_url, policy=refused_policy(what))
 
 
-# -- items 2 and 4: the demo's workers, started by its real launcher ---------------------------------------------
+# -- the demo's workers, started by its real launcher -----------------------------------------------------------
 def probe_worker(rank: int, *args: Any) -> None:
     """The demo's worker with its training replaced: one INFO line, then an error event that ends the launcher."""
     from lbbsp.integrations import demo  # noqa: PLC0415
