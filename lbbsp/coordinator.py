@@ -30,7 +30,7 @@ from .config import JobConfig, _integer, _job_config, _real
 from .embedded import RestartBudget, release_cpu_pinning
 from .errors import ConfigError, LBBSPError, PolicyError, ProtocolError
 from .models import AutoCapacityModel, worker_kind
-from .policies import Decision, LBBSPPolicy, Policy, checked_policy
+from .policies import BackupWorkersPolicy, Decision, LBBSPPolicy, Policy, checked_policy
 from .protocol import MAX_POLICY_NAME_CHARS, MAX_REASON_CHARS, Assignment, Report
 from .store import ITERATIONS_KEPT, REDIS_ERRORS, REDIS_FAILURES, Store, _store
 
@@ -124,10 +124,13 @@ def _failure_site(failure: object) -> str:
     return f"{type(failure).__name__} via {' '.join(lines)}"
 
 
-def _check_model_for(policy: Policy | None, config: JobConfig, *, warn: bool = True) -> None:
+def _check_for_job(policy: Policy | None, config: JobConfig, *, warn: bool = True) -> None:
     """A ConfigError for worker kinds pinned outside the job (a typo, or a rank off by one, had been kept
-    silently), and (``warn``) a warning where the model forecasts further or less far ahead than the job's lag (a
-    hand-built model does not take the lag; the default and `lbbsp coordinator --model` do)."""
+    silently) or backup workers that would drop every gradient (refused at each decision, and the job ran on), and
+    (``warn``) a warning where the model forecasts further or less far ahead than the job's lag (a hand-built model
+    does not take the lag; the default and `lbbsp coordinator --model` do)."""
+    if isinstance(policy, BackupWorkersPolicy):
+        policy.aggregated(config.num_workers)
     model = getattr(policy, "model", None)
     pinned = getattr(model, "kinds", None) if isinstance(model, AutoCapacityModel) else None
     outside = sorted(w for w in pinned or {} if isinstance(w, int) and not 0 <= w < config.num_workers)
@@ -148,7 +151,7 @@ class GuardedPolicy:
 
     def __init__(self, policy: Policy, config: JobConfig) -> None:
         checked_policy(policy, config.job)
-        _check_model_for(policy, config)
+        _check_for_job(policy, config)
         self.policy, self.config = policy, config
         self._bounds = tuple(np.asarray(b, dtype=np.int64) for b in config.bounds())
         # an assignment holds a name and a reason of bounded length: longer ones are cut, not refused (a policy
@@ -712,7 +715,7 @@ def checked_process_policy(policy: Policy | None, config: JobConfig) -> None:
     make on every worker: a ConfigError for a policy that is none, pins worker kinds outside the job, or cannot be
     pickled to the child (on rank 0 alone, the other ranks had gone on and failed later, in gloo's words)."""
     checked_policy(policy, config.job)
-    _check_model_for(policy, config, warn=False)  # the child's coordinator warns
+    _check_for_job(policy, config, warn=False)  # the child's coordinator warns
     _refers_to_main(policy, config.job)
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from lbbsp import Assignment, Coordinator, JobConfig, Report, Store
 from lbbsp.allocation import LinearTime, allocate
+from lbbsp.coordinator import checked_process_policy
 from lbbsp.errors import ConfigError
 from lbbsp.models import EWMAThroughput
 from lbbsp.models.base import WorkerIds
@@ -131,11 +132,16 @@ def _run(store: Store, policy: Policy, iterations: int) -> tuple[list[tuple[int,
 
 
 def test_backup_workers_that_drop_every_gradient_are_refused_by_the_coordinator(stores: list[Store]) -> None:
-    """Outside the simulator nothing asked: BackupWorkersPolicy(backups=4) on 4 workers wrote 'equal split (BSP)'."""
+    """Outside the simulator nothing asked: BackupWorkersPolicy(backups=4) on 4 workers wrote 'equal split (BSP)'.
+    A coordinator now refuses it where it is made, and the policy where it is asked to decide."""
     with pytest.raises(ConfigError, match=r"backups must be in \[0, 4\), got 4"):
         BackupWorkersPolicy(backups=4).decide(2, (200, 200, 200, 200), JobConfig("p", 4, 800))
-    _, reasons = _run(stores[0], BackupWorkersPolicy(backups=4), 1)
-    assert "ConfigError: backups must be in [0, 4), got 4" in reasons[0], reasons
+    with pytest.raises(ConfigError, match=r"backups must be in \[0, 4\), got 4"):
+        _run(stores[0], BackupWorkersPolicy(backups=4), 1)
+    with pytest.raises(ConfigError, match=r"backups must be in \[0, 4\), got 4"):
+        checked_process_policy(BackupWorkersPolicy(backups=4), JobConfig("p", 4, 800))
+    ran, _ = _run(stores[1], BackupWorkersPolicy(backups=3), 2)
+    assert ran[1] == (200, 200, 200, 200)
 
 
 @pytest.mark.parametrize("make", [lambda: LeaderStragglerPolicy(window=1), lambda: PerEpochPolicy(2)],
