@@ -13,7 +13,6 @@ import contextlib
 import ctypes
 import gc
 import importlib.util
-import logging
 import os
 import queue
 import signal
@@ -26,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lbbsp.child_logging import ParentLogging
 from lbbsp.cli import whole_number
 from lbbsp.errors import ConfigError, LBBSPError
 
@@ -152,28 +152,7 @@ def build(hidden: int) -> tuple[Any, Any]:
     return data, model
 
 
-@dataclass(frozen=True)
-class _Logs:
-    """The launcher's logging, for its workers: spawned, they start with none, and `lbbsp demo -v` had not reached
-    them."""
-
-    level: int
-    formatter: logging.Formatter | None
-
-    @classmethod
-    def of_this_process(cls) -> _Logs:
-        """The root logger's level and its first handler's format (``lbbsp``'s, from -v)."""
-        root = logging.getLogger()
-        return cls(root.getEffectiveLevel(), next((h.formatter for h in root.handlers), None))
-
-    def apply(self) -> None:
-        """Log as the launcher does: at its level, to stderr, in its format."""
-        handler = logging.StreamHandler()
-        handler.setFormatter(self.formatter)
-        logging.basicConfig(level=self.level, handlers=[handler])
-
-
-def _worker(rank: int, config: DemoConfig, init: str, url: str, events: Any, logs: _Logs) -> None:
+def _worker(rank: int, config: DemoConfig, init: str, url: str, events: Any, logs: ParentLogging) -> None:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logs.apply()
     try:
@@ -329,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     view = _View(config, cores)
-    logs = _Logs.of_this_process()
+    logs = ParentLogging.of_this_process()  # spawned, the workers start with no logging
     with tempfile.TemporaryDirectory(prefix="lbbsp-demo-") as tmp, _sigterm_as_exit():
         procs = [ctx.Process(target=_worker, args=(r, config, os.path.join(tmp, "rdv"), url, events, logs),
                              daemon=False)

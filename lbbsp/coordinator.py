@@ -26,6 +26,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from .child_logging import ParentLogging
 from .config import JobConfig, _integer, _job_config, _real
 from .embedded import RestartBudget, release_cpu_pinning
 from .errors import ConfigError, LBBSPError, PolicyError, ProtocolError
@@ -743,7 +744,7 @@ class CoordinatorProcess:
                              "daemon=False, or run Coordinator(store, config).start() in a thread", job=config.job)
         with Store.from_url(url, config.job, ttl_s=config.ttl_s) as store:
             store.register(config)  # a mismatch with the job's stored settings is raised here, not in the child
-        self._args = (url, config.to_json(), policy, max_ahead)
+        self._args = (url, config.to_json(), policy, max_ahead, ParentLogging.of_this_process())
         self._job, self._start_timeout_s = config.job, start_timeout_s
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # a restart and stop() take turns: stop() never leaves a new child running
@@ -893,7 +894,9 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def _serve(url: str, config_json: str, policy: Policy | None, max_ahead: int, ready: threading.Event) -> None:
+def _serve(url: str, config_json: str, policy: Policy | None, max_ahead: int, logs: ParentLogging,
+           ready: threading.Event) -> None:
+    logs.apply()  # the coordinator's warnings and INFO lines as the parent logs (spawned, it had none)
     release_cpu_pinning()
     parent = os.getppid()
     config = JobConfig.from_json(config_json)

@@ -146,3 +146,26 @@ def test_a_coordinator_whose_heartbeats_come_at_half_the_others_rate_is_warned_a
                 beats._next_heartbeat = 0.0
                 beats._heartbeat()
         assert caplog.text.count(f"another coordinator ({slow._identity}) is serving job {job} too") == 1
+
+
+CHILD_LOGS = """
+import logging, sys
+from lbbsp import CoordinatorProcess, JobConfig, LBBSPPolicy
+from lbbsp.models import NARXThroughput
+logging.basicConfig(format="PARENT-FORMAT %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+if __name__ == "__main__":
+    process = CoordinatorProcess(sys.argv[1], JobConfig(sys.argv[2], 2, 10, lag=2), LBBSPPolicy(NARXThroughput(horizon=1)))
+    process.stop()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_coordinator_process_logs_as_its_parent_does(redis_url: str, job: str, tmp_path: Path) -> None:
+    """The child, spawned, started with no logging: its warning about the model's horizon came bare (Python's last
+    resort), not in the format the training script had set, and its INFO lines not at all."""
+    script = tmp_path / "train.py"
+    script.write_text(CHILD_LOGS)
+    done = subprocess.run([sys.executable, str(script), redis_url, job], capture_output=True, text=True, timeout=100,
+                          check=True)
+    assert re.search(r"^PARENT-FORMAT WARNING lbbsp\.coordinator: job \S+: the model forecasts 1 iteration", done.stderr,
+                     re.MULTILINE), done.stderr
