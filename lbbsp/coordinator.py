@@ -868,7 +868,7 @@ def _refers_to_main(policy: Policy | None, job: str) -> bool:
         return False
     try:
         data = pickle.dumps(policy)
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+    except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:  # ValueError: a ctypes pointer
         raise ConfigError(f"policy {type(policy).__name__} cannot be pickled to the coordinator's child process "
                           f"({exc}): keep no lock, lambda or open file in it, or serve it in a thread of this process "
                           "with Coordinator(store, config, policy).start()", job=job) from exc
