@@ -365,13 +365,15 @@ class Coordinator:
         decision_s = time.perf_counter() - started
         self._guarded.learn(iteration)  # the split is out: the workers need not wait for this
         learn_s = time.perf_counter() - started - decision_s
+        # the ones written are kept for a republish, also where the first was refused: running far ahead, one
+        # decision may cover iterations past those another coordinator deleted
+        self._written.extend(a for a, w in zip(covered, written) if w)
+        self._written_through = max(self._written_through, targets[-1])
         if written[0] is None:
             log.warning("job %s: the keys of iteration %d were deleted while this coordinator decided it from the "
                         "reports of iteration %d (paused or slow, while another decided on and cleaned up): not writing "
                         "or logging its split", self.config.job, targets[0], iteration)
             return Outcome(iteration, assignment, False, decision_s, rejected, learn_s, through=targets[-1])
-        self._written.extend(a for a, w in zip(covered, written) if w)
-        self._written_through = max(self._written_through, targets[-1])
         if not written[0]:
             assignment = self._assignment(targets[0])
         self._recent.append(assignment.sizes)
@@ -672,8 +674,8 @@ class Coordinator:
         worker that finds none would write its fallback, and split from one that had read the decision. Any Redis error
         is let go: it runs after an outage, unguarded, where a refusal (out of memory, read-only) had ended serving."""
         try:
-            if self._written:  # refused, as a decision is, where another's clean-up deleted them (the oldest too)
-                self.store.publish_all(list(self._written), decided_from=self._written[0].iteration)
+            if self._written:  # unguarded: a restart that kept older data, a watermark too, lost the latest splits
+                self.store.publish_all(list(self._written))
         except REDIS_FAILURES:
             pass
 

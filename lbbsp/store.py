@@ -45,9 +45,8 @@ REDIS_FAILURES = (*REDIS_ERRORS, redis.RedisError)
 
 
 def _queued(item: bytes | str) -> int | None:
-    """An entry of the ready list (or the clean-up's watermark) as an iteration, None for anything else (only a foreign
-    writer puts one there; a number of over 4,300 digits, which int() refuses, had ended the coordinator's step after the
-    list was emptied)."""
+    """An entry of the ready list as an iteration, None for anything else (only a foreign writer puts one there; a
+    number of over 4,300 digits, which int() refuses, had ended the coordinator's step after the list was emptied)."""
     try:
         return int(item)
     except ValueError:
@@ -132,6 +131,14 @@ class Store:
     return added
     """
 
+    # The watermark's value as a number where it is what a clean-up writes (plain digits, at most 16), else false, as
+    # forgotten_through reads it: Lua's tonumber made "inf" or 400 digits infinite, which refused every write for good
+    _WATERMARK = """
+    local function watermark(raw)
+        return raw and string.len(raw) <= 16 and string.match(raw, '^%d+$') and tonumber(raw)
+    end
+    """
+
     # KEYS[1] = assign:{k} string, KEYS[2] = assigned channel; a coordinator's write adds KEYS[3] = forgotten string
     # (the clean-up's watermark) and KEYS[4] = assign:{j} string, j the iteration it decided from
     # ARGV[1] = assignment JSON, ARGV[2] = TTL s, ARGV[3] = iteration k
@@ -141,9 +148,9 @@ class Store:
     # key gone) and j too: it resumed after another coordinator had decided on and cleaned up. A new run under the
     # job's name, whose j is stored, still writes below the watermark its run before left; a worker's write (two
     # KEYS) is never refused.
-    PUBLISH_ASSIGNMENT = """
+    PUBLISH_ASSIGNMENT = _WATERMARK + """
     if KEYS[3] and redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[4]) == 0 then
-        local through = tonumber(redis.call('GET', KEYS[3]))
+        local through = watermark(redis.call('GET', KEYS[3]))
         if through and tonumber(ARGV[3]) <= through then return {-1, false} end
     end
     if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
@@ -156,8 +163,8 @@ class Store:
 
     # KEYS[1] = forgotten string, ARGV[1] = the last iteration a clean-up deleted, ARGV[2] = TTL s: raise the
     # watermark to it (never lower it: two coordinators' clean-ups may land out of order), its TTL renewed
-    RAISE_WATERMARK = """
-    local through = tonumber(redis.call('GET', KEYS[1]))
+    RAISE_WATERMARK = _WATERMARK + """
+    local through = watermark(redis.call('GET', KEYS[1]))
     if through and through >= tonumber(ARGV[1]) then return redis.call('EXPIRE', KEYS[1], ARGV[2]) end
     return redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
     """
@@ -353,8 +360,9 @@ class Store:
     def forgotten_through(self) -> int | None:
         """The latest iteration whose keys a clean-up of the job deleted (by any coordinator, within ``ttl_s``), None
         if none did: where the iterations still stored start."""
-        through = self.client.get(self.key("forgotten"))
-        return _queued(through) if through is not None else None
+        through = cast("bytes | None", self.client.get(self.key("forgotten")))
+        # as the scripts read it (_WATERMARK): plain ASCII digits, at most 16, or none
+        return int(through) if through is not None and len(through) <= 16 and through.isdigit() else None
 
     def report_count(self, iteration: int) -> int:
         """How many workers' reports of ``iteration`` are stored."""
