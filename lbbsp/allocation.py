@@ -192,23 +192,29 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
     return x
 
 
-def _checked_capacity(model: TimeModel, answer: object, deadline: float, count: int) -> np.ndarray:
-    """``model.capacity(deadline)``'s ``answer`` as an array of one number per worker of ``count``, or a ConfigError
-    naming the model: one of the wrong length had failed deep in the search (numpy's broadcast error), and a NaN had
-    been read as nothing more, giving that worker its lower bound in silence. Below the lower bound (none) and
-    inf (any number) are answers: the bounds clip them."""
-    name = type(model).__name__
+def numbers_per_worker(answer: object, count: int, source: str, meaning: str) -> np.ndarray:
+    """``answer`` (from ``source``, a method of a model of one's own) as an array of one number per worker of
+    ``count``, or a ConfigError that names ``source`` and says it must return ``meaning``: a list is taken as its
+    array; one of the wrong length, or not numbers, had failed deep inside each decision (numpy's broadcast error)."""
     try:
-        samples = np.asarray(answer)
+        values = np.asarray(answer)
     except ValueError:  # ragged
-        samples = np.asarray(None)
-    if samples.dtype.kind not in "iuf":
-        raise ConfigError(f"{name}.capacity returned {str(answer)[:80]}, not numbers: it must return one number of "
-                          "samples per worker, how many it finishes by the deadline")
-    if samples.shape != (count,):
-        what = f"{samples.size} values" if samples.ndim == 1 else f"an array of shape {samples.shape}"
-        raise ConfigError(f"{name}.capacity returned {what} for {count} workers: it must return one number of samples "
-                          "per worker, how many it finishes by the deadline")
+        values = np.asarray(None)
+    if values.dtype.kind not in "iuf":
+        raise ConfigError(f"{source} returned {str(answer)[:80]}, not numbers: it must return {meaning}")
+    if values.shape != (count,):
+        what = f"{values.size} values" if values.ndim == 1 else f"an array of shape {values.shape}"
+        raise ConfigError(f"{source} returned {what} for {count} workers: it must return {meaning}")
+    return values
+
+
+def _checked_capacity(model: TimeModel, answer: object, deadline: float, count: int) -> np.ndarray:
+    """``model.capacity(deadline)``'s ``answer`` as one number per worker of ``count``, or a ConfigError naming the
+    model: a NaN had been read as nothing more, giving that worker its lower bound in silence. Below the lower bound
+    (none) and inf (any number) are answers: the bounds clip them."""
+    name = type(model).__name__
+    samples = numbers_per_worker(answer, count, f"{name}.capacity",
+                                 "one number of samples per worker, how many it finishes by the deadline")
     if np.isnan(samples).any():
         raise ConfigError(f"{name}.capacity({deadline:.6g}) returned NaN for worker(s) "
                           f"{np.flatnonzero(np.isnan(samples))[:8].tolist()}: it must return how many samples each "

@@ -8,15 +8,15 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from lbbsp import Assignment, Coordinator, JobConfig, Report, Store
+from lbbsp import JobConfig, Report, Store
 from lbbsp.allocation import LinearTime, allocate
 from lbbsp.coordinator import checked_process_policy
 from lbbsp.errors import ConfigError
 from lbbsp.models import EWMAThroughput
 from lbbsp.models.base import WorkerIds
 from lbbsp.policies import BackupWorkersPolicy, LBBSPPolicy, LeaderStragglerPolicy, PerEpochPolicy, Policy
-
-SPEEDS = np.array([100.0, 200.0, 400.0, 100.0])  # samples/s; the balanced split of 800 is 100, 200, 400, 100
+from test_policies_review import SPEEDS
+from test_policies_review import _run as run_job
 
 
 class OwnTime:
@@ -113,22 +113,8 @@ def stores(redis_url: str, job: str) -> Iterator[list[Store]]:
 
 
 def _run(store: Store, policy: Policy, iterations: int) -> tuple[list[tuple[int, ...]], list[str]]:
-    """Run ``iterations`` iterations of a job of 4 workers at SPEEDS, a real coordinator deciding each split from
-    the reports posted to Redis; the sizes each iteration ran with (read back), and the reasons."""
-    config = JobConfig(store.job, 4, 800)
-    coordinator = Coordinator(store, config, policy, max_ahead=1)
-    for k in range(config.lag):
-        store.publish(config.initial_assignment(k))
-    ran: list[tuple[int, ...]] = []
-    reasons: list[str] = []
-    for k in range(iterations):
-        raw = store.get_assignment(k)
-        assert raw is not None
-        sizes = Assignment.from_json(raw, job=config.job).sizes
-        ran.append(sizes)
-        store.post_reports(_reports(config.job, k, np.asarray(sizes)), config.num_workers)
-        reasons.append(coordinator.decide(k).assignment.reason)
-    return ran, reasons
+    """``iterations`` of a job of 4 workers at SPEEDS, as tests/test_policies_review.py runs one."""
+    return run_job(store, JobConfig(store.job, 4, 800), policy, iterations)
 
 
 def test_backup_workers_that_drop_every_gradient_are_refused_by_the_coordinator(stores: list[Store]) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 from sklearn import exceptions
 from sklearn.base import BaseEstimator
 
-from ..allocation import LinearTime, TimeModel
+from ..allocation import LinearTime, TimeModel, numbers_per_worker
 from ..errors import ConfigError, LBBSPError
 from ..protocol import Report
 
@@ -55,18 +55,8 @@ def predicted_throughput(model: CapacityModel, workers: np.ndarray) -> np.ndarra
     """``model.predict(workers)`` as one float per worker, or a ConfigError naming the model: a model of one's own that
     answered with the wrong length, or with no numbers, had failed deep inside each decision (a broadcast error,
     ``isnan`` on strings); a list is taken as its array."""
-    answer = model.predict(workers)
-    try:
-        values = np.asarray(answer)
-    except ValueError:  # ragged
-        values = np.asarray(None)
-    if values.dtype.kind not in "iuf":
-        raise ConfigError(f"{type(model).__name__}.predict returned {str(answer)[:80]}, not numbers: it must return "
-                          "one throughput (samples/s) per worker asked")
-    if values.shape != (len(workers),):
-        what = f"{values.size} values" if values.ndim == 1 else f"an array of shape {values.shape}"
-        raise ConfigError(f"{type(model).__name__}.predict returned {what} for {len(workers)} workers: it must return "
-                          "one throughput (samples/s) per worker asked")
+    values = numbers_per_worker(model.predict(workers), len(workers), f"{type(model).__name__}.predict",
+                                "one throughput (samples/s) per worker asked")
     return values.astype(float, copy=False)
 
 
