@@ -393,6 +393,7 @@ class Coordinator:
                     "from there; give a new run a new job name, since the old run's splits still stored are used "
                     "again", self.config.job, before, iteration)
         self._written_through, self._forgotten_through = self.config.lag - 1, None
+        self._written.clear()  # the old run's splits: a republish had written them back for the new run to use
 
     def _targets(self, iteration: int) -> list[int]:
         """The iterations the decision from ``iteration`` writes: ``iteration + lag`` and the next ``ahead - 1``,

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 
 import lbbsp.coordinator
@@ -199,3 +200,27 @@ def test_a_keyboard_interrupt_in_a_policy_still_stops_the_coordinator(redis_url:
         with pytest.raises(KeyboardInterrupt):
             coordinator.run(max_decisions=1, poll_s=0.1)
         assert coordinator.failed_decisions == 0 and store.coordinator() is None  # its claim released on the way out
+
+
+def test_a_coordinator_whose_iterations_went_back_does_not_republish_the_old_runs_splits(redis_url: str,
+                                                                                         job: str) -> None:
+    """Kept from the run before, they were written again after an outage: keys that run's clean-up or TTL had
+    removed came back, and the new run, reaching those iterations, used the old run's splits."""
+    from test_policy_leftovers_review import _reports  # noqa: PLC0415
+
+    with Store.from_url(redis_url, job) as store:
+        config = JobConfig(job, 4, 800)
+        coordinator = Coordinator(store, config, BSPPolicy(), max_ahead=1)
+        for k in range(config.lag):
+            store.publish(config.initial_assignment(k))
+        for k in range(30):  # the first run
+            store.post_reports(_reports(job, k, np.full(4, 200)), config.num_workers)
+            coordinator.decide(k)
+        store.forget_iterations(0, 40)  # its keys gone (a TTL, another coordinator's clean-up)
+        for k in range(config.lag):  # a new run under the name
+            store.publish(config.initial_assignment(k))
+        store.post_reports(_reports(job, 0, np.full(4, 200)), config.num_workers)
+        coordinator.decide(0)
+        coordinator._republish()  # as after an outage
+        assert [k for k in range(3, 40) if store.get_assignment(k) is not None] == []
+        store.forget()
