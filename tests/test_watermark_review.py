@@ -42,8 +42,8 @@ def test_a_resumed_runs_split_lost_in_a_restart_that_kept_older_data_is_written_
     """A job resumed under its name from a checkpoint at iteration 400, its earlier run having cleaned up through
     500; Redis restarts and keeps its older data (the watermark among it) but not the resumed run's latest writes.
     Worker 0 read the decision of iteration 401 before the restart; the coordinator's republish (what it runs after an
-    outage) is refused, since neither 401 nor the iteration it was decided from is stored and 401 is below the
-    watermark; worker 1 then falls back, and the two use different vectors for iteration 401."""
+    outage) was refused, since neither 401 nor the iteration it was decided from is stored and 401 is below the
+    watermark; worker 1 then fell back, and the two used different vectors for iteration 401."""
     config = JobConfig(job, 2, 10, assignment_timeout_s=0.2, lag=1)
     url = own_server.url
     with Store.from_url(url, job) as store:
@@ -77,9 +77,9 @@ def test_a_paused_coordinator_running_ahead_past_the_watermark_leaves_no_split_t
         redis_url: str, job: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Coordinator A, running ahead by 30 iterations (past ITERATIONS_KEPT + lag: with the defaults, max_ahead over
     101), pauses holding iteration 5; B decides on through iteration 21 and cleans up through 11. A, resumed: its first
-    target (6) is refused, but 23 to 35, which nobody had written, are written with A's split, while A says it wrote
-    nothing and keeps none of them. Worker 0 reads iteration 23 (A's split, B's write having found it there); the
-    job's keys are then lost and both coordinators republish what they hold: nobody holds 23, and worker 1 falls back
+    target (6) is refused, but 23 to 35, which nobody had written, are written with A's split; A had kept none of
+    them for a republish. Worker 0 reads iteration 23 (A's split, B's write having found it there); the
+    job's keys are then lost and both coordinators republish what they hold: nobody held 23, and worker 1 fell back
     to another vector."""
     monkeypatch.setattr(lbbsp.coordinator, "ITERATIONS_KEPT", 10)
     config = JobConfig(job, 2, 10, assignment_timeout_s=0.2, lag=1)
