@@ -741,7 +741,8 @@ class CoordinatorProcess:
                  max_ahead: int = MAX_AHEAD, start_timeout_s: float = 60.0) -> None:
         config = _job_config(config)
         max_ahead = checked_max_ahead(max_ahead, config.job)
-        checked_process_policy(policy, config)
+        checked_policy(policy, config.job)
+        _check_for_job(policy, config, warn=False)  # the child's coordinator warns; _spawn checks the pickling
         if multiprocessing.current_process().daemon:
             raise LBBSPError("a daemonic process cannot start the coordinator process: start this worker with "
                              "daemon=False, or run Coordinator(store, config).start() in a thread", job=config.job)
