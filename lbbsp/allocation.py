@@ -302,7 +302,10 @@ def allocate_sitting_out(model: TimeModel, global_batch: int, lower: Sequence[in
     low[out] = high[out] = 0
     if int(high.sum()) < global_batch:  # the others cannot hold the global batch
         return everyone
-    without = allocate(model, global_batch, low, high)
+    try:
+        without = allocate(model, global_batch, low, high)
+    except AllocationError:  # nor where their times turn infinite short of their bounds (a memory wall, a speed of 0)
+        return everyone
     faster = predicted_makespan(model, without) * (1 + min_gain) < predicted_makespan(model, everyone)
     return without if faster else everyone
 

@@ -47,6 +47,15 @@ def worker_kind(report: Report) -> str:
     return "cpu"
 
 
+def model_moved(kind: str | None, report: Report) -> bool:
+    """Whether ``report`` shows its worker, of ``kind``, on another model now: a CPU worker reading GPU memory, or a
+    GPU worker measuring on the CPU with no GPU features (a GPU rank's first step, timed before its model's device
+    was known). Cheap tests first: it runs for every report."""
+    if kind == "cpu":
+        return "gpu_mem_used" in report.features
+    return kind == "gpu" and report.device == "cpu" and report.samples > 0 and worker_kind(report) == "cpu"
+
+
 def grouped(groups: tuple[tuple[np.ndarray, TimeModel], ...], size: int) -> GroupedTime:
     """A :class:`MixedTime` of ``groups`` where each has ``capacity``, else a :class:`GroupedTime`."""
     if all(hasattr(model, "capacity") for _, model in groups):
@@ -122,11 +131,7 @@ class AutoCapacityModel(CapacityModel):
         by_kind: dict[str, list[Report]] = {kind: CheckedReports() for kind in KINDS}  # in order: not checked again
         for report in reports:
             kind = self.kind_.get(report.worker)
-            # its model moved (cheap tests first, inline: this runs for every report): a CPU worker reading GPU
-            # memory, or a GPU worker measuring on the CPU with no GPU features; its kind and hardware are set again
-            moved = "gpu_mem_used" in report.features if kind == "cpu" else (
-                kind == "gpu" and report.device == "cpu" and report.samples > 0 and worker_kind(report) == "cpu")
-            if moved and report.worker not in (self.kinds or {}):
+            if model_moved(kind, report) and report.worker not in (self.kinds or {}):  # its kind, hardware set again
                 kind = None
                 self.hardware_.pop(report.worker, None)
             if kind is None:  # a worker's kind is set by its first report that shows it
