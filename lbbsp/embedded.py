@@ -45,6 +45,9 @@ _OWNER_FILE = "owner"
 #: A folder without a readable owner file is judged by its server alone once it is this old: younger, it may be
 #: one another process has just created and not yet labelled (or, from an older lbbsp, not yet started).
 _UNLABELLED_GRACE_S = 300.0
+#: The longest unix socket path, in bytes: Linux's 108 of ``sun_path``, less the NUL redis-server ends it with (it
+#: cuts a longer one short, silently, and listens where no client looks).
+_SOCKET_PATH_BYTES = 107
 
 
 def redis_server_binary() -> str:
@@ -94,6 +97,14 @@ class _Launcher:
         self._requests: queue.Queue[tuple[list[str], Future[subprocess.Popen[bytes]]]] = queue.Queue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        os.register_at_fork(after_in_child=self._forget_thread)
+
+    def _forget_thread(self) -> None:
+        """In a forked child, which has no copy of the thread: start another on demand (a server started there had
+        waited for the parent's thread forever)."""
+        self._requests = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread = None
 
     def popen(self, args: list[str]) -> subprocess.Popen[bytes]:
         with self._lock:
@@ -454,11 +465,14 @@ class EmbeddedRedis:
         self.port = port
         self._password = secrets.token_hex(24) if address is not None else None
         self.start_timeout_s = start_timeout_s
+        self._owner_pid = os.getpid()  # a forked child inherits this object, and its atexit close(), but not the server
+        self._log_offset = 0  # where the running server's log goes on from once it answers
         self._process: subprocess.Popen[bytes] | None = None
         self._lock = threading.RLock()  # start, stop and the watch's restart take turns
         self._closed = threading.Event()
         atexit.register(self.close)
         try:
+            self._check_socket_path()
             self.start()
         except BaseException:  # the folder is not left behind until this process exits
             self.close()
@@ -467,6 +481,16 @@ class EmbeddedRedis:
 
     #: Restarts of a server that died by itself allowed within 5 minutes; then it is left stopped, with an error.
     RESTARTS = 5
+
+    def _check_socket_path(self) -> None:
+        """A ConfigError for a socket path longer than a unix socket's: the server would listen on it cut short, and
+        ``start()`` would wait ``start_timeout_s`` for an answer that cannot come."""
+        length = len(os.fsencode(self.socket_path))
+        if length > _SOCKET_PATH_BYTES:
+            raise ConfigError(f"the embedded Redis's unix socket {self.socket_path} is {length} bytes long, more than "
+                              f"the {_SOCKET_PATH_BYTES} a unix socket's path may have: give EmbeddedRedis a shorter "
+                              "directory (without one, it lives in /dev/shm, or in TMPDIR where /dev/shm is not "
+                              "writable)")
 
     def _watch(self, poll_s: float = 0.5) -> None:
         """Start the server again where it died without :meth:`stop` (which sets ``_process`` to None first)."""
@@ -481,8 +505,10 @@ class EmbeddedRedis:
                               self.socket_path, self.RESTARTS + 1)
                     self._process = None
                     return
-                log.warning("embedded redis-server at %s died (exit code %s): starting it again; its append-only "
-                            "file keeps the jobs' state", self.socket_path, process.returncode)
+                said = _log_since(self.directory / "redis.log", self._log_offset).strip()[-500:]
+                log.warning("embedded redis-server at %s died (exit code %s%s): starting it again; its append-only "
+                            "file keeps the jobs' state", self.socket_path, process.returncode,
+                            f"; its log: {said}" if said else "")
                 try:
                     self._start_once()
                 except (StoreUnavailable, OSError) as exc:
@@ -537,6 +563,7 @@ class EmbeddedRedis:
             written = log_file.stat().st_size if log_file.exists() else 0
             if self._start(port, log_file):
                 self.port = port
+                self._log_offset = log_file.stat().st_size if log_file.exists() else 0
                 return
             detail = _log_since(log_file, written)
             if "Address already in use" not in detail:
@@ -603,7 +630,9 @@ class EmbeddedRedis:
 
     def close(self) -> None:
         """Stop the server and remove its data directory (one it created, or was given with ``own_directory``);
-        safe to call twice."""
+        safe to call twice. In a child forked from the process that started it (its atexit), it does nothing."""
+        if os.getpid() != self._owner_pid:  # the parent's server, socket and append-only file: not the child's
+            return
         self._closed.set()
         self.stop()
         if self._owns_dir:

@@ -168,9 +168,22 @@ class WorkerClient:
                     break
                 time.sleep(0.05)
         if self.agree is not None:
-            agreed = self.agree(agreed)
+            agreed = self._agreed(self.agree(agreed), iteration)
         self._remember(agreed)
         return agreed
+
+    def _agreed(self, agreed: object, iteration: int) -> Assignment:
+        """What ``agree`` returned, checked: this job's assignment of ``iteration``, one size per worker summing to
+        the global batch. Every worker uses it, so anything else is a ConfigError here, not a split of its own."""
+        try:
+            if not isinstance(agreed, Assignment):
+                raise ProtocolError(f"{agreed!r:.80} is not an Assignment")
+            return agreed.validate(job=self.config.job, iteration=iteration, num_workers=self.config.num_workers,
+                                   global_batch=self.config.global_batch)
+        except ProtocolError as exc:
+            raise ConfigError(f"agree returned an unusable value ({exc.message}): it must return the Assignment it is "
+                              "given or one worker's (rank 0's, say) of the same iteration", job=self.config.job,
+                              worker=self.worker, iteration=iteration) from None
 
     def peek(self, iteration: int) -> Assignment | None:
         """The vector of ``iteration`` if one is stored now, else None: no wait, no fallback, no agreement. A guess
