@@ -6,9 +6,10 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from ..embedded import EmbeddedRedis
 from ..errors import ConfigError, StoreUnavailable
 from ..store import Store, redacted
 from .engine import PolicyRun, compare
-from .scenarios import MEAN_DWELL, SCENARIOS, Scenario
+from .scenarios import LOOKAHEAD, MEAN_DWELL, SCENARIOS, Scenario
 from .traces import DEFAULT_TRACE_DIR, load_traces
 
 DEFAULT_OUT = Path("experiments") / "results"
@@ -56,17 +57,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    if args.workers < 2 or args.iterations < 1:  # backup workers drop at least one worker: they need two
-        raise ConfigError(f"--workers must be at least 2 and --iterations at least 1, got {args.workers} and "
-                          f"{args.iterations}")
+    kind: type[Scenario] = SCENARIOS[args.scenario]
+    if args.workers < kind.min_workers:  # backup workers drop one: two at least (a mixed cluster, two of each kind)
+        raise ConfigError(f"--workers must be at least {kind.min_workers} for --scenario {args.scenario}, got "
+                          f"{args.workers}")
+    if args.iterations < 1:
+        raise ConfigError(f"--iterations must be at least 1, got {args.iterations}")
     if args.seed < 0:
         raise ConfigError(f"--seed must be at least 0, got {args.seed}")
     if not 1 <= args.lag <= 8:  # JobConfig's range, named by its flag and before the scenario is built
         raise ConfigError(f"--lag must be in [1, 8], got {args.lag}")
     if args.mean_dwell is not None and not args.mean_dwell >= 1:
         raise ConfigError(f"--mean-dwell must be at least 1 iteration (inf: never), got {args.mean_dwell}")
-    if args.workers * args.iterations > MAX_CELLS:  # each scenario holds a few arrays of this many floats
-        raise ConfigError(f"--workers x --iterations is at most {MAX_CELLS:,} (a few GiB of trace), got "
+    # each scenario holds a few arrays of workers x (iterations + LOOKAHEAD) floats: a short run counts as LOOKAHEAD
+    if args.workers * max(args.iterations, LOOKAHEAD) > MAX_CELLS:
+        raise ConfigError(f"--workers x --iterations is at most {MAX_CELLS:,} (a few GiB of trace; fewer than "
+                          f"{LOOKAHEAD} iterations count as {LOOKAHEAD}, the look-ahead every scenario generates), got "
                           f"{args.workers:,} x {args.iterations:,}")
     options, suffix = _scenario_options(args)
     with _writing(args.out):  # before simulating, so that a bad --out costs no run
@@ -96,8 +102,8 @@ def run(args: argparse.Namespace) -> int:
               f"{check['iterations']} iterations: {all(check['identical'].values())}"
               + "".join(f"\n  {name} differs" for name, same in check["identical"].items() if not same))
     with _writing(args.out):
-        stem.with_suffix(".json").write_text(json.dumps(_finite(result), indent=1, default=_plain))
-        plot(scenario, runs, summary, stem.with_suffix(".png"))
+        _write_pair(stem, json.dumps(_finite(result), indent=1, default=_plain),
+                    lambda png: plot(scenario, runs, summary, png))
     print(f"wrote {stem}.json and {stem}.png ({time.perf_counter() - started:.0f}s)")
     return 0
 
@@ -109,6 +115,22 @@ def _writing(out: Path) -> Iterator[None]:
         yield
     except OSError as exc:
         raise ConfigError(f"--out {out} is not a folder results can be written to: {exc}") from None
+
+
+def _write_pair(stem: Path, text: str, draw: Callable[[Path], None]) -> None:
+    """Write ``stem``.json holding ``text`` and ``stem``.png as ``draw`` draws it, each to a hidden file first and
+    then renamed over the last run's: stopped part-way (Ctrl-C, a failure), the last run's pair stays whole."""
+    # not stem.with_suffix: the name's last dot (_dwell2.5, a --traces folder's) is no suffix, and it cut the name there
+    json_path, png_path = (stem.with_name(f"{stem.name}.{kind}") for kind in ("json", "png"))
+    hidden = [stem.with_name(f".{stem.name}.{os.getpid()}.part.{kind}") for kind in ("json", "png")]  # plot reads .png
+    try:
+        hidden[0].write_text(text)
+        draw(hidden[1])
+        os.replace(hidden[0], json_path)
+        os.replace(hidden[1], png_path)
+    finally:
+        for path in hidden:
+            path.unlink(missing_ok=True)
 
 
 def _reach(url: str) -> None:
@@ -152,7 +174,8 @@ def _scenario_options(args: argparse.Namespace) -> tuple[dict[str, object], str]
         if args.traces.resolve() != DEFAULT_TRACE_DIR:
             suffix += f"_{args.traces.resolve().name}-{_digest(args.traces)}"
     if args.mean_dwell is not None and args.mean_dwell != MEAN_DWELL:
-        suffix += f"_dwell{args.mean_dwell:g}"
+        short = f"{args.mean_dwell:g}"  # where it is exact: :g alone named 1e6 and 1e6 + 1 alike
+        suffix += f"_dwell{short if float(short) == args.mean_dwell else repr(args.mean_dwell)}"
     suffix += "_nonoise" if args.no_noise else ""
     return options, suffix
 

@@ -1,6 +1,7 @@
 """Run balancing policies side by side on one simulated cluster, through the production policy code."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -97,10 +98,11 @@ def standard_policies(scenario: Scenario) -> dict[str, Policy]:
     }
 
 
-#: Every policy object a run has driven, and the capacity model each held: one keeps what it learned, so a second
-#: run would start warm (and its margins would look up forecasts of iterations it numbered before), and so would a
-#: second policy given the same model (``LBBSPPolicy(model)`` twice), which no comparison should hide.
-_DRIVEN: weakref.WeakSet[object] = weakref.WeakSet()
+#: Every policy object a run has driven, and the capacity model each held, by identity: one keeps what it learned, so
+#: a second run would start warm (and its margins would look up forecasts of iterations it numbered before), and so
+#: would a second policy given the same model (``LBBSPPolicy(model)`` twice), which no comparison should hide. Not a
+#: WeakSet: that compares with ``==``, which refused a fresh policy equal to one that ran, and skipped unhashable ones.
+_DRIVEN: dict[int, weakref.ref[object]] = {}
 
 
 #: Seconds between progress lines within one policy's run (a large run takes minutes a policy).
@@ -119,14 +121,13 @@ def _fresh(name: str, policy: Policy) -> None:
 
 
 def _remember(driven: object, why: str) -> None:
-    """A :class:`ConfigError` saying ``why`` if ``driven`` is in :data:`_DRIVEN`; else add it (an unhashable or
-    unreferenceable one of the user's own has nothing to remember it by)."""
-    try:
-        if driven in _DRIVEN:
-            raise ConfigError(why)
-        _DRIVEN.add(driven)
-    except TypeError:
-        pass
+    """A :class:`ConfigError` saying ``why`` if ``driven`` is in :data:`_DRIVEN`; else add it (one of the user's own
+    that takes no weak reference, a class with ``__slots__``, has nothing to remember it by)."""
+    key = id(driven)
+    if (known := _DRIVEN.get(key)) is not None and known() is driven:
+        raise ConfigError(why)
+    with contextlib.suppress(TypeError):
+        _DRIVEN[key] = weakref.ref(driven, lambda ref: _DRIVEN.pop(key) if _DRIVEN.get(key) is ref else None)
 
 
 def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -26,9 +27,9 @@ LOOKAHEAD = 8
 
 def _run(num_workers: object, iterations: object, seed: object, batch: object, batch_name: str) -> None:
     """Check what every scenario takes, before anything is drawn: a ConfigError naming the argument."""
-    if _integer(num_workers, "num_workers", 1, None) < 2:
-        raise ConfigError(f"num_workers must be at least 2 (backup workers, one of the policies compared, drop one), "
-                          f"got {num_workers!r}")
+    if _integer(num_workers, "num_workers", 1, None) < Scenario.min_workers:
+        raise ConfigError(f"num_workers must be at least {Scenario.min_workers} (backup workers, one of the policies "
+                          f"compared, drop one), got {num_workers!r}")
     _integer(iterations, "iterations", 1, None)
     _integer(seed, "seed", 0, None)
     _integer(batch, batch_name, 1, None)
@@ -60,6 +61,8 @@ class Scenario:
     devices: Sequence[str]
     notes: dict[str, object] = field(default_factory=dict)
     iterations: int | None = None  # how many iterations its trace covers (None: as many as asked)
+    #: The fewest workers the scenario is built with (backup workers, one of the policies compared, drop one).
+    min_workers: ClassVar[int] = 2
 
     def truth(self, iteration: int) -> Truth:
         raise NotImplementedError
@@ -307,14 +310,17 @@ class MixedCluster(Scenario):
     uncontended median is ``cpu_images_per_s`` times its machine's factor (an assumption, not a published figure:
     a CPU node training what the GPUs train). LB-BSP's automatic model routes each worker by what it reports."""
 
+    min_workers = 4  # two of each kind, as each scenario it is made of needs
+
     def __init__(self, num_workers: int, iterations: int, seed: int, *, traces: Sequence[CPUTrace] | None = None,
                  mean_dwell: float = MEAN_DWELL, noise: bool = True, cpu_images_per_s: float = 60.0,
                  gpu_batch: int = 112, cpu_batch: int = 16) -> None:
         _run(num_workers, iterations, seed, gpu_batch, "gpu_batch")
         _integer(cpu_batch, "cpu_batch", 1, None)
         _above_zero("cpu_images_per_s", cpu_images_per_s)
-        if num_workers < 4:  # two of each kind, as each scenario it is made of needs
-            raise ConfigError(f"num_workers must be at least 4 for a mixed cluster (two GPUs, two CPUs), got {num_workers}")
+        if num_workers < self.min_workers:
+            raise ConfigError(f"num_workers must be at least {self.min_workers} for a mixed cluster (two GPUs, two CPUs), "
+                              f"got {num_workers}")
         self.gpus_at, self.cpus_at = np.arange(0, num_workers, 2), np.arange(1, num_workers, 2)
         self.gpus = GPUMix(self.gpus_at.size, iterations, seed, batch_per_worker=gpu_batch)
         self.cpus = CPUContention(self.cpus_at.size, iterations, seed, traces=traces, batch_per_worker=cpu_batch,

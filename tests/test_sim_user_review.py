@@ -1,0 +1,159 @@
+"""`lbbsp simulate` from a new user's side: what it refuses, what it writes, and whether its figures add up."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lbbsp.allocation import LinearTime
+from lbbsp.cli import main
+from lbbsp.config import JobConfig
+from lbbsp.errors import ConfigError
+from lbbsp.policies import BSPPolicy, OraclePolicy
+from lbbsp.sim import cli
+from lbbsp.sim.engine import compare
+from lbbsp.sim.scenarios import GPUMix, Scenario, Truth
+
+SMALL = ("--workers", "4", "--iterations", "3")
+
+
+def cli_args(*argv: str) -> argparse.Namespace:
+    """The namespace `lbbsp simulate` parses from ``argv``."""
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+class TwoSpeeds(Scenario):
+    """Two workers at 1 and 3 samples/s, global batch 4: every figure can be worked out by hand."""
+
+    def __init__(self) -> None:
+        super().__init__("two-speeds", JobConfig("sim-two", 2, 4), ["cpu", "cpu"], iterations=3)
+
+    def truth(self, iteration: int) -> Truth:
+        return Truth(LinearTime(np.array([1.0, 3.0])))
+
+    def features(self, iteration: int, sizes: np.ndarray) -> list[dict[str, float]]:
+        return [{}, {}]
+
+
+def test_idle_fraction_and_ratio_to_the_oracle_match_a_hand_computed_case() -> None:
+    """Not a fix: the check of the table's figures. BSP's 2 + 2 takes 2 s and 2/3 s, so the fast worker waits
+    2/3 of every iteration (idle 1/3); the oracle runs the initial 2 + 2 for lag = 2 iterations, then 1 + 3
+    (1 s each, idle 0): mean 5/3 s, idle 2/9, and BSP is 2 / (5/3) = 1.2 x the oracle, in the table as in the JSON."""
+    scenario = TwoSpeeds()
+    summary = cli.summarise(compare(scenario, 3, {"oracle": OraclePolicy(), "bsp": BSPPolicy()}))
+    assert summary["oracle"]["mean_iteration_s"] == pytest.approx(5 / 3)
+    assert summary["oracle"]["idle_fraction"] == pytest.approx(2 / 9)
+    assert summary["bsp"]["idle_fraction"] == pytest.approx(1 / 3)
+    assert summary["bsp"]["vs_oracle"] == pytest.approx(1.2)
+    rows = {line.split()[0]: line.split()[1:4] for line in cli.table(scenario, summary).splitlines()[2:]}
+    assert rows == {"oracle": ["1.667", "1.000", "22.2%"], "bsp": ["2", "1.200", "33.3%"]}
+
+
+def test_a_mixed_cluster_too_small_is_refused_by_its_flag_before_anything_is_built(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--scenario mixed --workers 2` had printed 'building mixed with 2 workers ...' and then failed with
+    'num_workers must be at least 4 for a mixed cluster', which names no flag of the command."""
+    assert main(["simulate", "--scenario", "mixed", "--workers", "3", "--iterations", "3", "--out", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert "building" not in out
+    assert "--workers must be at least 4 for --scenario mixed, got 3" in err
+
+
+def test_a_huge_cluster_for_few_iterations_is_refused_before_it_is_built(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every scenario generates 8 iterations past the last simulated one, so `--workers 50000000 --iterations 1`
+    passed the 50-million cap and started building 9 x 50 million rows of trace (tens of GiB): the cap is
+    counted over at least those 8 iterations."""
+    class Built(GPUMix):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise AssertionError("the scenario was built")
+
+    monkeypatch.setitem(cli.SCENARIOS, "gpu-mix", Built)
+    assert main(["simulate", "--scenario", "gpu-mix", "--workers", "50000000", "--iterations", "1",
+                 "--out", str(tmp_path)]) == 2
+    assert "at most 50,000,000" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, RuntimeError])
+def test_a_run_stopped_while_writing_leaves_the_previous_results_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: type[BaseException]) -> None:
+    """Ctrl-C (or a failure) while the PNG was drawn left the new JSON beside the old PNG, or beside a half-written
+    one: the two files of one name described different runs."""
+    stem = tmp_path / "simulate_gpu-mix_4w_3it_seed0"
+    stem.with_suffix(".json").write_text("old")
+    stem.with_suffix(".png").write_bytes(b"old")
+
+    def interrupted(scenario: object, runs: object, summary: object, path: Path) -> None:
+        path.write_bytes(b"half a PNG")
+        raise stop
+
+    monkeypatch.setattr(cli, "plot", interrupted)
+    with pytest.raises(stop):
+        cli.run(cli_args("--scenario", "gpu-mix", *SMALL, "--out", str(tmp_path)))
+    assert stem.with_suffix(".json").read_text() == "old"
+    assert stem.with_suffix(".png").read_bytes() == b"old"
+    assert sorted(path.name for path in tmp_path.iterdir()) == [f"{stem.name}.json", f"{stem.name}.png"]
+
+
+def test_results_are_replaced_as_a_pair(tmp_path: Path) -> None:
+    """The run that completes replaces both files, and leaves nothing else in --out."""
+    stem = tmp_path / "simulate_gpu-mix_4w_3it_seed0"
+    stem.with_suffix(".json").write_text("old")
+    stem.with_suffix(".png").write_bytes(b"old")
+    assert main(["simulate", "--scenario", "gpu-mix", *SMALL, "--out", str(tmp_path)]) == 0
+    assert stem.with_suffix(".json").read_text().startswith("{")
+    assert stem.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_mean_dwells_that_print_alike_get_result_files_of_their_own() -> None:
+    """`--mean-dwell 1000000` and `--mean-dwell 1000001` both wrote `_dwell1e+06`: the second run's results
+    overwrote the first's without a word. A value that prints exactly keeps its short name."""
+    def suffix(dwell: str) -> str:
+        return cli._scenario_options(cli_args("--scenario", "cpu-contention", "--mean-dwell", dwell))[1]
+
+    assert suffix("1000000") != suffix("1000001")
+    assert (suffix("50"), suffix("inf"), suffix("1e6"), suffix("200")) == ("_dwell50", "_dwellinf", "_dwell1e+06", "")
+
+
+def test_a_policy_that_compares_equal_to_one_that_ran_is_still_fresh() -> None:
+    """A fresh policy of the user's own whose class compares by value was refused as 'has run already' when an
+    equal one had run; a policy that cannot be hashed (a plain dataclass) was never checked at all."""
+    class Tuned(BSPPolicy):
+        def __init__(self, knob: int) -> None:
+            super().__init__()
+            self.knob = knob
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Tuned) and other.knob == self.knob
+
+        def __hash__(self) -> int:
+            return hash(self.knob)
+
+    ran = Tuned(1)  # kept alive, as a user's notebook keeps it
+    compare(GPUMix(4, 3, 0), 3, {"tuned": ran})
+    assert compare(GPUMix(4, 3, 0), 3, {"tuned": Tuned(1)})["tuned"].iteration_s
+
+    class Unhashable(BSPPolicy):
+        __hash__ = None  # type: ignore[assignment]
+
+    twice = Unhashable()
+    compare(GPUMix(4, 3, 0), 3, {"once": twice})
+    with pytest.raises(ConfigError, match="has run already"):
+        compare(GPUMix(4, 3, 0), 3, {"twice": twice})
+
+
+def test_result_files_are_named_as_printed_whatever_dots_the_name_holds(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`--mean-dwell 2.5 --no-noise` printed 'wrote ..._dwell2.5_nonoise.json' and wrote '..._dwell2.json': the name
+    was cut at its last dot, so 2.5 and 2.7, with noise or without, all wrote over one file (as did a --traces
+    folder with a dot in its name, losing its digest)."""
+    assert main(["simulate", "--scenario", "cpu-contention", *SMALL, "--mean-dwell", "2.5", "--no-noise",
+                 "--out", str(tmp_path)]) == 0
+    stem = "simulate_cpu-contention_4w_3it_seed0_dwell2.5_nonoise"
+    assert sorted(path.name for path in tmp_path.iterdir()) == [f"{stem}.json", f"{stem}.png"]
+    assert f"wrote {tmp_path / stem}.json and {tmp_path / stem}.png" in capsys.readouterr().out
