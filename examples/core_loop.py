@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import queue
 import time
+from collections.abc import Sequence
+from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 
 import numpy as np
@@ -79,13 +82,37 @@ def reference(epochs: int, global_batch: int, lr: float) -> np.ndarray:
     return w
 
 
+def gather(parts: Queue, procs: Sequence[BaseProcess], k: int, timeout_s: float = 120) -> list[tuple]:
+    """Every worker's part of iteration ``k``. A worker that died, or sent nothing for ``timeout_s``, ends the run,
+    named, rather than leaving the launcher (and the other workers, which wait for it) waiting for ever."""
+    received: list[tuple] = []
+    deadline = time.monotonic() + timeout_s
+    while len(received) < len(procs):
+        try:
+            received.append(parts.get(timeout=1))
+        except queue.Empty:
+            missing = sorted(set(range(len(procs))) - {part[0] for part in received})
+            dead = [(rank, procs[rank].exitcode) for rank in missing if procs[rank].exitcode is not None]
+            if dead:
+                raise SystemExit(f"worker {dead[0][0]} exited (exit code {dead[0][1]}) before sending its part of "
+                                 f"iteration {k} (any error it printed is above)") from None
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no part of iteration {k} from worker {missing[0]} in {timeout_s:g}s") from None
+    return received
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--global-batch", type=int, default=128)
     parser.add_argument("--lr", type=float, default=0.05)
     args = parser.parse_args()
-    config = JobConfig("core-loop", num_workers=2, global_batch=args.global_batch)
+    workers = 2
+    if args.epochs < 1:
+        parser.error(f"--epochs must be at least 1, got {args.epochs}")
+    if args.global_batch < workers:
+        parser.error(f"--global-batch must be at least {workers}, a sample for each worker, got {args.global_batch}")
+    config = JobConfig("core-loop", num_workers=workers, global_batch=args.global_batch)
     ctx = mp.get_context("spawn")
     with EmbeddedRedis() as server:  # a private redis-server, removed at the end
         coordinator = CoordinatorProcess(server.url, config)
@@ -98,16 +125,21 @@ def main() -> None:
         w = np.zeros(make_data()[0].shape[1])
         iterations = args.epochs * -(-len(make_data()[1]) // args.global_batch)
         started = time.perf_counter()
-        for k in range(iterations):  # the stand-in for the all-reduce
-            parts = [to_launcher.get(timeout=120) for _ in range(config.num_workers)]
-            vectors = {tuple(sizes) for _, _, sizes, _, _ in parts}
-            assert len(vectors) == 1 and {part[1] for part in parts} == {k}, f"iteration {k}: {parts}"
-            total = sum(part[4] for part in parts)
-            w = w - args.lr * sum(part[3] for part in parts) / total
-            for queue in to_workers:
-                queue.put(w)
-            if k % 8 == 0 or k == iterations - 1:
-                print(f"iteration {k:3d}: split {vectors.pop()}", flush=True)
+        try:
+            for k in range(iterations):  # the stand-in for the all-reduce
+                parts = gather(to_launcher, procs, k)
+                vectors = {tuple(sizes) for _, _, sizes, _, _ in parts}
+                assert len(vectors) == 1 and {part[1] for part in parts} == {k}, f"iteration {k}: {parts}"
+                total = sum(part[4] for part in parts)
+                w = w - args.lr * sum(part[3] for part in parts) / total
+                for to_worker in to_workers:
+                    to_worker.put(w)
+                if k % 8 == 0 or k == iterations - 1:
+                    print(f"iteration {k:3d}: split {vectors.pop()}", flush=True)
+        except BaseException:
+            for proc in procs:  # a worker left waiting for the launcher would hold its exit, which joins them
+                proc.kill()
+            raise
         for proc in procs:
             proc.join(60)
         coordinator.stop()

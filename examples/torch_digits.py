@@ -14,6 +14,7 @@ import argparse
 import gc
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint", default=None, help="save here every --checkpoint-every global batches, "
                         "and resume from it where it exists (mid-epoch too)")
     parser.add_argument("--checkpoint-every", type=int, default=5)
-    return parser.parse_args()
+    args = parser.parse_args()
+    for flag in ("epochs", "hidden", "checkpoint_every"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    return args
 
 
 def datasets(device: torch.device) -> tuple[TensorDataset, TensorDataset]:
@@ -49,6 +54,10 @@ def datasets(device: torch.device) -> tuple[TensorDataset, TensorDataset]:
 
 def main() -> None:
     args = parse_args()
+    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:  # init_process_group's env:// would fail with a traceback about the first of them
+        sys.exit(f"{', '.join(missing)} not set: start this script with torchrun, which sets them for each rank, "
+                 "e.g. torchrun --nproc-per-node 2 examples/torch_digits.py")
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +29,16 @@ from lbbsp import EmbeddedRedis
 
 APP_DIR = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
+
+
+def flower_command(name: str) -> str:
+    """Flower's command ``name``: beside this Python (its environment's bin), else on PATH (``pip install --user``
+    puts it in ~/.local/bin)."""
+    found = shutil.which(name, path=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]))
+    if found is None:
+        raise FileNotFoundError(f"{name} is neither beside {sys.executable} nor on PATH: install Flower in this "
+                                "environment, pip install 'lbbsp[flower]'")
+    return found
 
 
 def free_port() -> int:
@@ -47,6 +58,7 @@ def _toml_value(value: object) -> str:
 def run_deployment(clients: int, run_config: Mapping[str, object], *, timeout_s: float = 600,
                    workdir: Path | None = None, redis_url: str | None = None) -> dict[str, object]:
     """Run the app on a fresh SuperLink with ``clients`` SuperNodes; returns the ServerApp's results."""
+    superlink, supernode, flwr = (flower_command(name) for name in ("flower-superlink", "flower-supernode", "flwr"))
     work = Path(workdir or tempfile.mkdtemp(prefix="lbbsp-flower-"))
     home = work / "flwr-home"
     home.mkdir(parents=True, exist_ok=True)
@@ -64,10 +76,10 @@ def run_deployment(clients: int, run_config: Mapping[str, object], *, timeout_s:
                                               stdin=subprocess.DEVNULL, start_new_session=True))
 
     try:
-        start([str(BIN / "flower-superlink"), "--insecure", "--port", str(port),
+        start([superlink, "--insecure", "--port", str(port),
                "--disable-runtime-dependency-installation"], "superlink.log")
         for i in range(clients):
-            start([str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
+            start([supernode, "--insecure", "--superlink", f"127.0.0.1:{port}",
                    "--port", str(free_port()), "--node-config", f"partition-id={i} num-partitions={clients}"],
                   f"supernode-{i}.log")
         config = {**run_config, "num-clients": clients, "out": str(out),
@@ -75,10 +87,13 @@ def run_deployment(clients: int, run_config: Mapping[str, object], *, timeout_s:
         overrides = " ".join(f"{k}={_toml_value(v)}" for k, v in config.items())
         deadline = time.monotonic() + timeout_s
         while True:  # the SuperLink takes a few seconds to listen
-            submit = subprocess.run([str(BIN / "flwr"), "run", str(APP_DIR), "local", "--run-config", overrides],
+            submit = subprocess.run([flwr, "run", str(APP_DIR), "local", "--run-config", overrides],
                                     env=env, capture_output=True, text=True, timeout=120, check=False)
             if submit.returncode == 0 or time.monotonic() > deadline:
                 break
+            if processes[0].poll() is not None:  # the SuperLink will never listen: say why, not flwr's refusal
+                log = (work / "superlink.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"flower-superlink exited with code {processes[0].returncode}: {log}")
             time.sleep(2)
         if submit.returncode != 0:
             raise RuntimeError(f"flwr run failed: {submit.stdout[-2000:]}{submit.stderr[-2000:]}")
