@@ -18,6 +18,7 @@ from lbbsp.hedging import ForecastRisk, hedged
 from lbbsp.models.base import CapacityModel, WorkerIds, as_reports
 from lbbsp.policies import LBBSPPolicy
 from lbbsp.protocol import MAX_BATCH, Report
+from test_allocation import MemoryWall
 
 
 class Search:
@@ -38,17 +39,6 @@ class Steps:
 
     def time(self, sizes: np.ndarray) -> np.ndarray:
         return self.base + self.step * np.ceil(np.asarray(sizes, dtype=float) / self.chunk)
-
-
-class MemoryWall:
-    """x / speed up to a wall, then never (out of memory)."""
-
-    def __init__(self, speed: Sequence[float], wall: Sequence[int]) -> None:
-        self.speed, self.wall = np.asarray(speed, dtype=float), np.asarray(wall)
-
-    def time(self, sizes: np.ndarray) -> np.ndarray:
-        x = np.asarray(sizes, dtype=float)
-        return np.where(x <= self.wall, x / self.speed, np.inf)
 
 
 def _equal(batch: int, n: int) -> np.ndarray:
