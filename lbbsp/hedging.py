@@ -254,9 +254,17 @@ class ForecastRisk:
             return bucket
         group, values = group[known], forecast[known]
         rank = np.empty(values.size)
-        for g in np.unique(group).tolist() if group.min() != group.max() else [None]:  # a few hardware groups
-            members = np.flatnonzero(group == g) if g is not None else np.arange(values.size)
-            rank[members[np.argsort(values[members])]] = (np.arange(members.size) + 0.5) / members.size
+        peers = np.unique(group)
+        if peers.size <= 16:  # a few hardware groups: a sort each (where forecasts tie, the order the stored results had)
+            for g in peers.tolist():
+                members = np.flatnonzero(group == g) if peers.size > 1 else np.arange(values.size)
+                rank[members[np.argsort(values[members])]] = (np.arange(members.size) + 0.5) / members.size
+        else:  # many (clients that each name their device): one sort by group, then forecast; a loop had taken 9 ms
+            order = np.lexsort((values, group))  # at 1,024 workers of 1,024 hardware keys
+            ordered = group[order]
+            starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+            counts = np.diff(np.r_[starts, order.size])
+            rank[order] = (np.arange(order.size) - np.repeat(starts, counts) + 0.5) / np.repeat(counts, counts)
         bucket[known] = (np.minimum((rank * self.buckets).astype(np.int64), self.buckets - 1) + self.buckets * loaded[known]
                          + 2 * self.buckets * kind[known])
         return bucket

@@ -306,3 +306,20 @@ def test_gpus_that_join_a_running_cpu_job_are_not_planned_with_the_cpus_margins_
     risk.record(11, workers, np.full(24, 100.0))
     factor = risk.factors(11)
     assert factor[:20].min() > 1.4 and np.all(factor[20:] == 1.0)  # no GPU slowdowns pooled yet: plain LB-BSP
+
+
+@pytest.mark.parametrize("groups", [3, 40])  # a sort per group; one sort for many groups (clients naming devices)
+def test_each_forecast_is_ranked_among_its_hardware_peers_alone(groups: int) -> None:
+    """The rank bucket is a forecast's place among its own hardware group's forecasts (slow, middle, fast third),
+    whatever the other groups forecast: the same rule for a few groups and for many."""
+    rng = np.random.default_rng(groups)
+    n = 6 * groups
+    workers, cores = np.arange(n), rng.permutation(np.arange(n) % groups) + 1
+    risk = ForecastRisk(buckets=3)
+    risk.observe([Report("h", w, 0, 64, 0.5, features={"cores": int(c)}) for w, c in zip(workers.tolist(), cores)])
+    forecast = rng.permutation(n).astype(float) + 1.0  # no ties
+    bucket = risk._bucket(workers, forecast)
+    for c in np.unique(cores).tolist():  # six workers a group: two a third, by forecast within the group
+        members = np.flatnonzero(cores == c)
+        by_forecast = members[np.argsort(forecast[members])]
+        assert bucket[by_forecast].tolist() == [0, 0, 1, 1, 2, 2], c
