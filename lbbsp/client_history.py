@@ -49,6 +49,21 @@ class ClientStatus:
     reason: str = ""
     at: float = 0.0
 
+    def __post_init__(self) -> None:
+        """Checked where made, as where read: a bad one (a NaN time, a negative round) had been written over the
+        client's good one, then skipped when read."""
+        rnd, at = self.round, self.at
+        if isinstance(rnd, bool) or not isinstance(rnd, int) or not 0 <= rnd <= MAX_ITERATION:
+            raise ProtocolError(f"must be an integer in [0, {MAX_ITERATION}] (a report's iteration), got {rnd!r}",
+                                field="round")
+        if self.status not in _OUTCOMES:
+            raise ProtocolError(f"must be one of {_OUTCOMES}, got {self.status!r}", field="status")
+        if not isinstance(self.reason, str):
+            raise ProtocolError(f"must be a string, got {self.reason!r:.80}", field="reason")
+        if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at) or at < 0:
+            raise ProtocolError(f"must be a non-negative time, got {at!r}", field="at")
+        object.__setattr__(self, "at", float(at))
+
     @classmethod
     def from_json(cls, data: bytes | str) -> ClientStatus:
         if len(data) > MAX_PAYLOAD_BYTES:
@@ -59,17 +74,9 @@ class ClientStatus:
             raise ProtocolError(f"status is not valid JSON: {exc!r}", field="payload") from None
         if not isinstance(obj, dict) or set(obj) != {"round", "status", "reason", "at"}:
             raise ProtocolError("status must be an object with round, status, reason, at", field="payload")
-        rnd, status, reason, at = obj["round"], obj["status"], obj["reason"], obj["at"]
-        if isinstance(rnd, bool) or not isinstance(rnd, int) or not 0 <= rnd <= MAX_ITERATION:
-            raise ProtocolError(f"must be an integer in [0, {MAX_ITERATION}] (a report's iteration), got {rnd!r}",
-                                field="round")
-        if status not in _OUTCOMES:
-            raise ProtocolError(f"must be one of {_OUTCOMES}, got {status!r}", field="status")
-        if not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS:
+        if isinstance(obj["reason"], str) and len(obj["reason"]) > MAX_REASON_CHARS:  # one made is cut to it
             raise ProtocolError("must be a short string", field="reason")
-        if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at) or at < 0:
-            raise ProtocolError(f"must be a non-negative time, got {at!r}", field="at")
-        return cls(rnd, status, reason, float(at))
+        return cls(obj["round"], obj["status"], obj["reason"], obj["at"])
 
     def to_json(self) -> str:
         return json.dumps({"round": self.round, "status": self.status, "reason": self.reason[:MAX_REASON_CHARS],

@@ -13,11 +13,11 @@ import pytest
 from lbbsp.allocation import HingeTime, LinearTime, allocate, allocate_sitting_out, damp, predicted_makespan
 from lbbsp.client_history import ClientHistory, ClientStatus
 from lbbsp.config import JobConfig
-from lbbsp.errors import AllocationError
+from lbbsp.errors import AllocationError, ProtocolError
 from lbbsp.hedging import ForecastRisk, hedged
 from lbbsp.models.base import CapacityModel, WorkerIds, as_reports
 from lbbsp.policies import LBBSPPolicy
-from lbbsp.protocol import MAX_BATCH, Report
+from lbbsp.protocol import MAX_BATCH, MAX_REASON_CHARS, Report
 from test_allocation import MemoryWall
 
 
@@ -292,3 +292,16 @@ def test_the_client_history_stays_bounded_over_a_long_run(redis_url: str, job: s
         assert all(0 < history.client.ttl(key) <= 3600 for key in keys)
         assert [r[0].iteration for r in history.rounds()] == list(range(115, 120))
         assert {w: s.round for w, s in history.statuses().items()} == {0: 119, 1: 119, 2: 119}
+
+
+@pytest.mark.parametrize(("args", "field"), [((-1, "ok"), "round"), ((1, "done"), "status"), ((1, "ok", None), "reason"),
+                                             ((1, "ok", "", float("nan")), "at"), ((1, "ok", "", -1.0), "at")])
+def test_a_client_status_is_checked_where_it_is_made(args: tuple, field: str) -> None:
+    """A bad status had been written over the client's good one, then skipped when read: now refused when made, with
+    the field named, as when read; a long reason is still cut to its limit when written, and reads back."""
+    with pytest.raises(ProtocolError) as caught:
+        ClientStatus(*args)
+    assert caught.value.field == field
+    long = ClientStatus(2, "failed", "x" * 10_000, 5)
+    assert long.at == 5.0 and isinstance(long.at, float)
+    assert ClientStatus.from_json(long.to_json()) == ClientStatus(2, "failed", "x" * MAX_REASON_CHARS, 5.0)
