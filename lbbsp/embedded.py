@@ -459,7 +459,8 @@ class EmbeddedRedis:
             parent = temp_parent()
             remove_stale_folders(parent)
             directory = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=parent))
-        self.directory = _claim(Path(directory)) if self._owns_dir else Path(directory)
+        directory = Path(directory).absolute()  # redis-server opens its log and socket after changing into it
+        self.directory = _claim(directory) if self._owns_dir else directory
         self.socket_path = self.directory / "redis.sock"
         self.listen = address
         self.port = port

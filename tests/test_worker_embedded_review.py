@@ -107,3 +107,18 @@ def test_an_agree_that_returns_no_assignment_of_the_iteration_is_a_config_error(
             worker.assignment(0)
         assert raised.value.iteration == 0
         assert worker.peek(1) is None or worker.peek(1).iteration == 1  # nothing wrong was remembered
+
+
+def test_a_server_in_a_directory_given_relative_to_the_current_one_starts_and_serves(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, job: str) -> None:
+    """redis-server changes into its --dir before it opens its log and socket, so a relative directory had them
+    looked up inside itself ('Can't open the log file'): 'embedded redis-server did not start within 10.0s: ' with
+    nothing after it, and the socket-path check had measured a path the server never used."""
+    monkeypatch.chdir(tmp_path)
+    with EmbeddedRedis("redis-data", start_timeout_s=5.0) as server, Store.from_url(server.url, job) as store:
+        store.ping()
+        assert server.socket_path == tmp_path / "redis-data" / "redis.sock"
+    assert (tmp_path / "redis-data" / "appendonly.aof").exists()  # a directory given is kept
+    with EmbeddedRedis("owned", own_directory=True, start_timeout_s=5.0) as server:
+        assert server.directory == tmp_path / "owned"
+    assert not (tmp_path / "owned").exists()  # and one owned is removed, wherever the process has moved since
