@@ -31,6 +31,8 @@ from urllib.parse import quote
 
 import psutil
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from .errors import ConfigError, StoreUnavailable
 from .store import redacted
@@ -562,7 +564,7 @@ class EmbeddedRedis:
         for attempt in range(tries):
             port = self.port or (_free_port(self.listen) if self.listen is not None else 0)
             written = log_file.stat().st_size if log_file.exists() else 0
-            if self._start(port, log_file):
+            if (failed := self._start(port, log_file)) is None:
                 self.port = port
                 self._log_offset = log_file.stat().st_size if log_file.exists() else 0
                 return
@@ -572,11 +574,12 @@ class EmbeddedRedis:
             if attempt + 1 == tries:
                 raise StoreUnavailable(f"embedded redis-server cannot listen on {_url_host(str(self.listen))}:{port}: "
                                        "another process holds that port")
-        raise StoreUnavailable(f"embedded redis-server did not start within {self.start_timeout_s}s: {detail[-500:]}")
+        raise StoreUnavailable(f"embedded redis-server {failed}: {detail[-500:]}")
 
-    def _start(self, port: int, log_file: Path) -> bool:
-        """One start on ``port`` (0: no TCP); False, with the process ended, if it did not answer in time. It stays
-        ``_process``, as a server that died does, so the watch tries again (``stop()`` is for good)."""
+    def _start(self, port: int, log_file: Path) -> str | None:
+        """One start on ``port`` (0: no TCP): None once it answers; else, with the process ended, why not (it exited,
+        with its code; it did not answer in time). It stays ``_process``, as a server that died does,
+        so the watch tries again (``stop()`` is for good)."""
         args = [redis_server_binary()]
         if self._password is not None:  # a config file of its own: a password on the command line is seen by all
             conf = self.directory / "redis.conf"
@@ -593,17 +596,17 @@ class EmbeddedRedis:
         self._process = _launcher.popen(args)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                break
-            try:
+            if (code := self._process.poll()) is not None:
+                return f"exited at start (exit code {code})"
+            try:  # no retries of the client's own: they had slept for seconds past a server that exited at start
                 with redis.Redis(unix_socket_path=str(self.socket_path), password=self._password,
-                                 socket_timeout=1) as client:
+                                 socket_timeout=1, retry=Retry(NoBackoff(), 0)) as client:
                     if client.ping():
-                        return True
+                        return None
             except (redis.ConnectionError, redis.TimeoutError, FileNotFoundError):
                 time.sleep(0.02)
         self._end(self._process, kill=False)
-        return False
+        return f"did not start within {self.start_timeout_s}s"
 
     def stop(self, *, kill: bool = False) -> None:
         """Stop the server process (SIGKILL with ``kill=True``, to test crashes); the data directory stays, and

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from lbbsp import Assignment, ConfigError, EmbeddedRedis, JobConfig, Store, WorkerClient, embedded
+from lbbsp import Assignment, ConfigError, EmbeddedRedis, JobConfig, Store, StoreUnavailable, WorkerClient, embedded
 
 
 def _in_a_forked_child(body: str, server: EmbeddedRedis, timeout_s: float = 20.0) -> int:
@@ -122,3 +122,14 @@ def test_a_server_in_a_directory_given_relative_to_the_current_one_starts_and_se
     with EmbeddedRedis("owned", own_directory=True, start_timeout_s=5.0) as server:
         assert server.directory == tmp_path / "owned"
     assert not (tmp_path / "owned").exists()  # and one owned is removed, wherever the process has moved since
+
+
+def test_a_server_that_exits_at_start_is_reported_at_once_with_its_exit_code_and_what_it_said(tmp_path: Path) -> None:
+    """A corrupt append-only file makes redis-server exit at once: the start-up probe's client had retried its
+    connection with backoff for seconds past the exit, and the error said 'did not start within 10.0s'."""
+    (tmp_path / "appendonly.aof").write_text("*garbage\r\nnot redis\r\n")
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable) as caught:
+        EmbeddedRedis(tmp_path, start_timeout_s=10.0)
+    assert time.monotonic() - started < 2.0
+    assert "exited at start (exit code 1)" in str(caught.value) and "Bad file format" in str(caught.value)
