@@ -42,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     for flag in ("epochs", "hidden", "checkpoint_every"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.checkpoint:  # its folder, made now: saving into a missing one had failed at the first checkpoint
+        os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
     return args
 
 

@@ -42,7 +42,7 @@ def test_example_loss_is_finite_with_an_empty_slice() -> None:
 @pytest.mark.timeout(360)
 def test_example_resumes_mid_epoch_from_its_checkpoint(tmp_path: Path) -> None:
     # 1,437 training digits in global batches of 128: 12 a epoch, a checkpoint after the 5th and the 10th
-    checkpoint = str(tmp_path / "ckpt.pt")
+    checkpoint = str(tmp_path / "runs" / "ckpt.pt")  # in a folder not made yet: the example makes it
     run_example("--epochs", "2", "--checkpoint", checkpoint)
     printed: list[str] = []
     result = run_example("--epochs", "12", "--checkpoint", checkpoint, printed=printed)
