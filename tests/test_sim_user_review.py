@@ -1,7 +1,6 @@
 """`lbbsp simulate` from a new user's side: what it refuses, what it writes, and whether its figures add up."""
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
@@ -15,15 +14,9 @@ from lbbsp.policies import BSPPolicy, OraclePolicy
 from lbbsp.sim import cli
 from lbbsp.sim.engine import compare
 from lbbsp.sim.scenarios import GPUMix, Scenario, Truth
+from test_sim import _parse
 
 SMALL = ("--workers", "4", "--iterations", "3")
-
-
-def cli_args(*argv: str) -> argparse.Namespace:
-    """The namespace `lbbsp simulate` parses from ``argv``."""
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    return parser.parse_args(list(argv))
 
 
 class TwoSpeeds(Scenario):
@@ -93,7 +86,7 @@ def test_a_run_stopped_while_writing_leaves_the_previous_results_whole(
 
     monkeypatch.setattr(cli, "plot", interrupted)
     with pytest.raises(stop):
-        cli.run(cli_args("--scenario", "gpu-mix", *SMALL, "--out", str(tmp_path)))
+        cli.run(_parse("--scenario", "gpu-mix", *SMALL, "--out", str(tmp_path)))
     assert stem.with_suffix(".json").read_text() == "old"
     assert stem.with_suffix(".png").read_bytes() == b"old"
     assert sorted(path.name for path in tmp_path.iterdir()) == [f"{stem.name}.json", f"{stem.name}.png"]
@@ -114,7 +107,7 @@ def test_mean_dwells_that_print_alike_get_result_files_of_their_own() -> None:
     """`--mean-dwell 1000000` and `--mean-dwell 1000001` both wrote `_dwell1e+06`: the second run's results
     overwrote the first's without a word. A value that prints exactly keeps its short name."""
     def suffix(dwell: str) -> str:
-        return cli._scenario_options(cli_args("--scenario", "cpu-contention", "--mean-dwell", dwell))[1]
+        return cli._scenario_options(_parse("--scenario", "cpu-contention", "--mean-dwell", dwell))[1]
 
     assert suffix("1000000") != suffix("1000001")
     assert (suffix("50"), suffix("inf"), suffix("1e6"), suffix("200")) == ("_dwell50", "_dwellinf", "_dwell1e+06", "")
