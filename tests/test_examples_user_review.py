@@ -135,3 +135,30 @@ def test_the_flower_launcher_stops_at_once_when_the_superlink_exits(tmp_path: Pa
         launcher.run_deployment(1, {"num-server-rounds": 1}, timeout_s=60, workdir=tmp_path / "work",
                                 redis_url=redis_url)
     assert time.monotonic() - started < 20
+
+
+FAKE_FLWR = """case "$1" in
+  run) echo '{"success": true, "run-id": "42", "fab-id": "lbbsp/flower-digits"}' ;;
+  ls) echo '{"success": true, "runs": [{"run-id": "42", "status": "finished:failed", "status-details": '\\
+'"ServerApp failed with exception: weight_by must be auto"}]}' ;;
+  log) echo 'Traceback (most recent call last):'; echo 'lbbsp.errors.ConfigError: weight_by must be auto' ;;
+esac"""
+
+
+@pytest.mark.timeout(90)
+def test_the_flower_launcher_stops_at_once_when_the_server_app_fails(tmp_path: Path, redis_url: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ServerApp that raised (a bad run config) had left run.py waiting for its result until the 600 s deadline,
+    then saying only "no result". `flwr ls` tells the run ended failed (the JSON as Flower 1.42 prints it)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_command(bin_dir, "flower-superlink", "exec sleep 60")
+    fake_command(bin_dir, "flower-supernode", "exec sleep 60")
+    fake_command(bin_dir, "flwr", FAKE_FLWR)
+    launcher = flower_launcher()
+    monkeypatch.setattr(launcher, "BIN", bin_dir)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)run 42 ended finished:failed.*weight_by must be auto.*Traceback"):
+        launcher.run_deployment(1, {"num-server-rounds": 1}, timeout_s=60, workdir=tmp_path / "work",
+                                redis_url=redis_url)
+    assert time.monotonic() - started < 20

@@ -55,6 +55,34 @@ def _toml_value(value: object) -> str:
     return repr(value)
 
 
+def flwr_json(flwr: str, args: list[str], env: Mapping[str, str]) -> dict[str, object]:
+    """``flwr args --format json``'s answer; ``success`` False with flwr's output where it printed no JSON."""
+    done = subprocess.run([flwr, *args, "--format", "json"], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    try:
+        answer = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        answer = None
+    if not isinstance(answer, dict):
+        return {"success": False, "error-message": f"{done.stdout[-2000:]}{done.stderr[-2000:]}"}
+    return answer
+
+
+def _check_run(flwr: str, run_id: str, env: Mapping[str, str], out: Path) -> None:
+    """Raise, with the ServerApp's error and the tail of its log, if run ``run_id`` ended without writing ``out``
+    (a ServerApp that raised had left the launcher waiting out its whole timeout)."""
+    listed = flwr_json(flwr, ["ls", "local", "--run-id", run_id], env)
+    runs = listed.get("runs")
+    run = runs[0] if isinstance(runs, list) and runs and isinstance(runs[0], dict) else {}
+    status = str(run.get("status", ""))
+    if not status.startswith("finished") or out.exists():
+        return
+    log = subprocess.run([flwr, "log", run_id, "local", "--show"], env=env, capture_output=True, text=True,
+                         timeout=120, check=False).stdout
+    raise RuntimeError(f"the ServerApp's run {run_id} ended {status} without a result: "
+                       f"{run.get('status-details', '')}\n{log[-3000:]}")
+
+
 def run_deployment(clients: int, run_config: Mapping[str, object], *, timeout_s: float = 600,
                    workdir: Path | None = None, redis_url: str | None = None) -> dict[str, object]:
     """Run the app on a fresh SuperLink with ``clients`` SuperNodes; returns the ServerApp's results."""
@@ -87,21 +115,23 @@ def run_deployment(clients: int, run_config: Mapping[str, object], *, timeout_s:
         overrides = " ".join(f"{k}={_toml_value(v)}" for k, v in config.items())
         deadline = time.monotonic() + timeout_s
         while True:  # the SuperLink takes a few seconds to listen
-            submit = subprocess.run([flwr, "run", str(APP_DIR), "local", "--run-config", overrides],
-                                    env=env, capture_output=True, text=True, timeout=120, check=False)
-            if submit.returncode == 0 or time.monotonic() > deadline:
+            submit = flwr_json(flwr, ["run", str(APP_DIR), "local", "--run-config", overrides], env)
+            if submit.get("success") is True or time.monotonic() > deadline:
                 break
             if processes[0].poll() is not None:  # the SuperLink will never listen: say why, not flwr's refusal
                 log = (work / "superlink.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"flower-superlink exited with code {processes[0].returncode}: {log}")
             time.sleep(2)
-        if submit.returncode != 0:
-            raise RuntimeError(f"flwr run failed: {submit.stdout[-2000:]}{submit.stderr[-2000:]}")
-        print(f"submitted to SuperLink 127.0.0.1:{port} with {clients} SuperNodes; logs in {work}", flush=True)
+        if submit.get("success") is not True:
+            raise RuntimeError(f"flwr run failed: {submit.get('error-message', submit)}")
+        run_id = str(submit["run-id"])
+        print(f"submitted run {run_id} to SuperLink 127.0.0.1:{port} with {clients} SuperNodes; logs in {work}",
+              flush=True)
         while not out.exists():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no result after {timeout_s}s; logs in {work}")
-            time.sleep(1)
+            time.sleep(2)
+            _check_run(flwr, run_id, env, out)
         time.sleep(0.5)  # the ServerApp writes the file in one call; let it close
         return json.loads(out.read_text())
     finally:
