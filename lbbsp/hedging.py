@@ -16,6 +16,7 @@ import numpy as np
 
 from .allocation import HingeTime, LinearTime, TimeModel
 from .config import _integer, _real
+from .errors import ConfigError
 from .models.auto import KINDS, GroupedTime, grouped, model_moved, worker_kind
 from .models.base import Hardware, hardware_of
 from .protocol import Report
@@ -75,6 +76,16 @@ def sized_throughput(model: TimeModel, sizes: np.ndarray) -> np.ndarray:
     return out
 
 
+def _per_worker(workers: Sequence[int] | np.ndarray, throughput: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, throughputs) as flat arrays of one length, or a ConfigError that gives both lengths."""
+    ids = np.asarray(workers, dtype=np.int64).reshape(-1)
+    forecast = np.asarray(throughput, dtype=float).reshape(-1)
+    if ids.size != forecast.size:
+        raise ConfigError(f"a forecast must give one throughput per worker: {ids.size} workers, "
+                          f"{forecast.size} throughputs")
+    return ids, forecast
+
+
 class ForecastRisk:
     """Per-worker time factors: the (1 - hedge/N) quantile of past slowdowns of similar forecasts.
 
@@ -121,8 +132,7 @@ class ForecastRisk:
 
     def record(self, iteration: int, workers: Sequence[int] | np.ndarray, throughput: np.ndarray) -> None:
         """Remember the forecast throughput of ``workers`` for ``iteration`` and the bucket each sits in."""
-        ids = np.asarray(workers, dtype=np.int64).reshape(-1)
-        forecast = np.asarray(throughput, dtype=float).reshape(-1)
+        ids, forecast = _per_worker(workers, throughput)
         self.forecasts_[iteration] = (ids, forecast, self._bucket(ids, forecast))
         while len(self.forecasts_) > self.keep:  # the oldest other than this one (a decision may be re-made late)
             del self.forecasts_[min(k for k in self.forecasts_ if k != iteration)]
@@ -136,10 +146,11 @@ class ForecastRisk:
         if recorded is None:
             return
         ids, predicted, bucket = recorded
-        position = np.full(int(max(np.max(workers, initial=-1), ids.max(initial=-1))) + 1, -1, dtype=np.int64)
-        position[np.asarray(workers, dtype=np.int64)] = np.arange(len(workers))
+        workers, throughput = _per_worker(workers, throughput)
+        position = np.full(int(max(workers.max(initial=-1), ids.max(initial=-1))) + 1, -1, dtype=np.int64)
+        position[workers] = np.arange(workers.size)
         at = position[ids]
-        given = np.where(at >= 0, np.asarray(throughput, dtype=float)[np.maximum(at, 0)], np.nan)
+        given = np.where(at >= 0, throughput[np.maximum(at, 0)], np.nan)
         self.forecasts_[iteration] = (ids, np.where(np.isfinite(given), given, predicted), bucket)
 
     def observe(self, reports: Sequence[Report], *, defer: bool = False) -> None:

@@ -323,3 +323,13 @@ def test_each_forecast_is_ranked_among_its_hardware_peers_alone(groups: int) -> 
         members = np.flatnonzero(cores == c)
         by_forecast = members[np.argsort(forecast[members])]
         assert bucket[by_forecast].tolist() == [0, 0, 1, 1, 2, 2], c
+
+
+@pytest.mark.parametrize("call", ["record", "expect"])
+def test_forecasts_of_another_length_than_their_workers_are_a_clear_error(call: str) -> None:
+    """A forecast of 2 throughputs for 3 workers had failed with numpy's "operands could not be broadcast" from
+    inside the bucketing (record), or with an IndexError (expect)."""
+    risk = ForecastRisk()
+    risk.record(1, [0, 1, 2], [1.0, 2.0, 3.0])
+    with pytest.raises(ConfigError, match=r"3 workers.*2 throughputs"):
+        getattr(risk, call)(1, [0, 1, 2], [1.0, 2.0])
