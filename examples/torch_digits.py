@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
+from lbbsp import ConfigError, StoreUnavailable
 from lbbsp.integrations.torch import Balancer
 
 
@@ -66,7 +67,11 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    train(args, device)
+    try:
+        train(args, device)
+    except (ConfigError, StoreUnavailable) as exc:  # a bad or unreachable --redis: why, not 40 lines of traceback
+        dist.destroy_process_group()
+        sys.exit(f"torch_digits.py: {exc}{' (from --redis)' if args.redis else ''}")
     gc.collect()  # DDP models sit in reference cycles: free the model before the group (docs/torch.md: a hang at exit)
     dist.destroy_process_group()
 

@@ -162,3 +162,15 @@ def test_the_flower_launcher_stops_at_once_when_the_server_app_fails(tmp_path: P
         launcher.run_deployment(1, {"num-server-rounds": 1}, timeout_s=60, workdir=tmp_path / "work",
                                 redis_url=redis_url)
     assert time.monotonic() - started < 20
+
+
+@pytest.mark.timeout(120)
+def test_the_torch_example_with_a_bad_redis_url_says_why_without_a_traceback() -> None:
+    """`--redis http://host` had ended each rank in 40 lines of traceback, the ConfigError that says why at the bottom."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                           str(EXAMPLES / "torch_digits.py"), "--redis", "http://localhost", "--epochs", "1"],
+                          capture_output=True, text=True, timeout=110, check=False, env=env)
+    assert done.returncode != 0
+    assert "torch_digits.py: not a usable Redis URL: http://localhost" in done.stderr, done.stderr
+    assert "(from --redis)" in done.stderr and "[rank0]: Traceback" not in done.stderr, done.stderr
