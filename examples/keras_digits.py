@@ -146,7 +146,12 @@ def main() -> int:
         sys.exit("with a TF_CONFIG of your own, pass --job NAME, the same on every worker")
     if args.index is None and args.workers > 1:
         return launch(args)
-    train(args)
+    from lbbsp import ConfigError, StoreUnavailable  # noqa: PLC0415  (as train's imports: after TF_CONFIG is set)
+
+    try:
+        train(args)
+    except (ConfigError, StoreUnavailable) as exc:  # a bad or unreachable --redis: why, not a page of traceback
+        sys.exit(f"keras_digits.py: {exc}{' (from --redis)' if args.redis else ''}")
     return 0
 
 
