@@ -14,7 +14,7 @@ import numpy as np
 from ..allocation import LinearTime
 from ..config import _integer, _real
 from ..errors import ConfigError
-from ..protocol import MAX_SECONDS, Report
+from ..protocol import MAX_SECONDS, MAX_WORKERS, Report
 from .base import CapacityModel, WorkerIds, as_reports, measured_throughput, smoothed, worker_ids
 
 #: Report features that tell a model transfer: a report with any of them comes from a federated client.
@@ -60,6 +60,10 @@ class FLClientModel(CapacityModel):
         if not isinstance(completed, Mapping):
             raise TypeError(f"record_outcomes takes a mapping {{client id: completed}}, got {type(completed).__name__}")
         ids = worker_ids(list(completed.keys()))
+        if ids.size and ids.max() >= MAX_WORKERS:  # the table has a row per id up to the largest
+            raise ConfigError(f"record_outcomes takes client ids in [0, {MAX_WORKERS - 1}] (MAX_WORKERS - 1, as "
+                              f"reports carry them), got {int(ids.max())}: number the clients from 0, as the Flower "
+                              "plugin does, rather than passing their node ids")
         outcomes = list(completed.values())
         wrong = next((v for v in outcomes if not isinstance(v, (bool, np.bool_)) and v not in (0, 1)), None)
         if wrong is not None:  # NaN too: it is not in (0, 1)
