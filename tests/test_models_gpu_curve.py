@@ -396,3 +396,11 @@ def test_the_pure_fits_check_their_arrays(call, match: str | None) -> None:  # t
     else:
         with pytest.raises(ConfigError, match=match):
             call()
+
+
+def test_a_window_too_large_to_hold_is_a_config_error_not_an_out_of_memory_kill() -> None:
+    """BatchTimeCurve(window=10**9) had been accepted, and its first partial_fit made tables of a billion slots per
+    worker: the process was killed for lack of memory."""
+    with pytest.raises(ConfigError, match=r"window must be an integer in \[2, 256\], got 1000000000"):
+        BatchTimeCurve(window=10**9).partial_fit([Report("j", 0, 0, 32, 0.1, device="cuda:0")])
+    BatchTimeCurve(window=256).partial_fit([Report("j", 0, 0, 32, 0.1, device="cuda:0")])

@@ -386,7 +386,7 @@ class BatchTimeCurve(CapacityModel):
         return perturb_pairs(sizes, unknown, self.explore_fraction, lower, upper)
 
     def _check_params(self) -> None:
-        _integer(self.window, "window", 2, None)
+        _integer(self.window, "window", 2, 256)  # slots per worker: a billion had been an out-of-memory kill
         for name in ("memory_margin", "memory_floor", "explore_fraction"):
             _real(getattr(self, name), name, 0.0, 1.0, "in [0, 1)", hi_open=True)
         _real(self.half_life, "half_life", 0.0, np.inf, "a positive number of measurements", lo_open=True)
