@@ -413,10 +413,10 @@ class Balancer:
                               "slices of different sizes as if they were equal: call lb.attach(ddp_model) before "
                               "training (without DDP, lb.all_reduce_gradients(model.parameters()) after backward)",
                               job=job, worker=worker, iteration=iteration)
-        if self.weighting == "loss" and self._synced and not self._scaled:
+        if self.weighting == "loss" and (self._synced or self._unsynced_forward) and not self._scaled:
             raise ConfigError("attach(model, weighting='loss') weights nothing by itself: backpropagate "
-                              "lb.scale_loss(loss) at every step (or attach with the default weighting='hook')",
-                              job=job, worker=worker, iteration=iteration)
+                              "lb.scale_loss(loss) at every step, those under no_sync too (or attach with the default "
+                              "weighting='hook')", job=job, worker=worker, iteration=iteration)
         if self.weighting == "hook" and self._unsynced_forward and not self._synced:
             raise LBBSPError("a step ran under no_sync and ended without a synchronised backward (gradient "
                              "accumulation?); the hook form would weight accumulated gradients by one step's "

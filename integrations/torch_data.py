@@ -45,7 +45,8 @@ _RESERVED = {
     "batch_size": "each step's size is this rank's share of the Balancer's global batch",
     "sampler": "it samples the global batches itself (GlobalBatchSampler; pass shuffle= and seed=)",
     "batch_sampler": "it samples the global batches itself (GlobalBatchSampler; pass shuffle= and seed=)",
-    "persistent_workers": "it keeps its loader workers alive between steps whenever num_workers > 0",
+    "persistent_workers": "it keeps its loader workers alive between steps whenever num_workers > 0; leave it out "
+                          "(True is accepted with num_workers > 0)",
 }
 
 
@@ -129,6 +130,9 @@ class BalancedLoader:
 
     def __init__(self, dataset: Dataset, balancer: Balancer, *, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, prefetch: bool | None = None, **dataloader_kwargs: Any) -> None:
+        workers = int(dataloader_kwargs.get("num_workers", 0))
+        if workers > 0 and dataloader_kwargs.get("persistent_workers") is True:  # what it does anyway: a DDP
+            del dataloader_kwargs["persistent_workers"]  # script's own DataLoader options pass unchanged
         reserved = sorted(set(dataloader_kwargs) & set(_RESERVED))
         if reserved:
             raise ConfigError("BalancedLoader sets " + "; ".join(f"{key} itself: {_RESERVED[key]}" for key in reserved))
@@ -146,7 +150,6 @@ class BalancedLoader:
         self.sampler = GlobalBatchSampler(size, balancer.config.global_batch, seed=seed, shuffle=shuffle,
                                           drop_last=drop_last)
         self._plan = PlannedBatch()
-        workers = int(dataloader_kwargs.get("num_workers", 0))
         self._loader = DataLoader(dataset, batch_sampler=self._plan, persistent_workers=workers > 0,
                                   **dataloader_kwargs)
         self._loop: object | None = None  # the loop in progress, if any: only its clean-up ends a step or the iteration
