@@ -8,7 +8,8 @@ is used exactly once per epoch, whatever the splits were.
 
 A dataset of n samples gives ``n // B`` full batches. The rest (``n % B`` samples) is either dropped
 (``drop_last=True``, as ``DataLoader`` does) or served as a short final batch, split in proportion to
-the agreed vector by :func:`scale_split`, so that it too is covered exactly once.
+the agreed vector by :func:`scale_split` (each worker with samples keeping one where there are enough), so that
+it too is covered exactly once.
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ def _checked_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
 
 
 def scale_split(sizes: Sequence[int], total: int) -> tuple[int, ...]:
-    """Scale a split to a new total, proportionally, by largest remainders (ties to the lower index)."""
+    """Scale a split to a new total, proportionally, by largest remainders (ties to the lower index). A worker with
+    samples keeps at least one where the total holds one for each such worker, taken from the largest share (an
+    epoch's short final batch of 3 had split 9 / 1 as 3 / 0: an empty slice, whose mean loss is NaN)."""
     return _scaled(_checked_sizes(sizes), _integer(total, "total", 0, None))
 
 
@@ -51,6 +54,12 @@ def _scaled(sizes: tuple[int, ...], total: int) -> tuple[int, ...]:
     short = total - sum(scaled)
     for i in sorted(range(len(sizes)), key=lambda i: -parts[i][1])[:short]:  # a stable sort: ties to the lower index
         scaled[i] += 1
+    emptied = [i for i, size in enumerate(sizes) if size and not scaled[i]]
+    if emptied and total >= len(sizes) - sizes.count(0):  # then another share holds 2 or more
+        for i in emptied:
+            donor = max(range(len(scaled)), key=lambda j: (scaled[j], -j))  # the largest, ties to the lower index
+            scaled[donor] -= 1
+            scaled[i] = 1
     return tuple(scaled)
 
 

@@ -87,3 +87,20 @@ def test_the_fingerprint_tells_seeds_and_epochs_apart() -> None:
     first = a.fingerprint()
     a.set_epoch(1)
     assert a.fingerprint() != first and 0 <= a.fingerprint() < 2**63
+
+
+def test_a_short_final_batch_leaves_no_worker_with_samples_empty_where_it_holds_one_each() -> None:
+    """A split of 9 / 1 scaled an epoch's short final batch of 3 to 3 / 0: the second rank's slice was empty under the
+    default min_batch of 1, its mean loss NaN (a script's `if loss.isnan(): continue` then hung the other rank in
+    the all-reduce). A worker given nothing stays at nothing; a batch too short for one each still empties some."""
+    assert scale_split((9, 1), 3) == (2, 1)
+    assert scale_split((0, 9, 1), 3) == (0, 2, 1)
+    assert scale_split((1, 8, 1), 3) == (1, 1, 1)
+    assert scale_split((1, 1, 98), 5) == (1, 1, 3)
+    assert scale_split((9, 1), 1) == (1, 0)
+    assert scale_split((3, 3, 4), 5) == (2, 1, 2)  # the proportional split where it has no empty slice
+    sampler = GlobalBatchSampler(23, 10, seed=1)
+    for sizes in [(9, 1), (1, 9), (5, 5), (10, 0)]:
+        parts = [sampler.worker_indices(2, sizes, w) for w in range(2)]
+        assert sorted(np.concatenate(parts).tolist()) == sorted(sampler.global_indices(2).tolist())
+        assert all(part.size for part, size in zip(parts, sizes) if size)
