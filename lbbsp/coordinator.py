@@ -269,6 +269,7 @@ class Coordinator:
         self._guarded = GuardedPolicy(self.policy, config)  # checks the policy, before the job is registered
         self.store = store
         self.config = store.register(config)
+        self._renewed = time.monotonic()  # when this coordinator last renewed the job's TTL (register, each decision)
         self.decisions_made = 0
         self._identity = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._next_heartbeat = 0.0
@@ -547,8 +548,9 @@ class Coordinator:
             "rejected": [{"worker": r.worker, "error": r.error} for r in rejected], "time": time.time(),
         }
         self.store.record_decision(json.dumps(record))
+        self._renewed = time.monotonic()
         self._unwritten = (assignment, decision, reports)
-        if time.monotonic() >= self._next_status:
+        if self._renewed >= self._next_status:
             self._write_statuses()
         if dropped:
             self._warn_dropped(iteration, dropped)
@@ -651,10 +653,14 @@ class Coordinator:
             return
         self._next_heartbeat = now + 1.0
         if not self.store.has_config():
-            log.warning("job %s's keys are gone from Redis (restarted without persistence, or flushed): "
-                        "registering the job again and republishing its last %d assignments", self.config.job,
-                        len(self._written))
+            idle, ttl = now - self._renewed, self.config.ttl_s
+            # expired, where nothing renewed the TTL for ttl_s (less a second: Redis started it a round trip earlier)
+            why = (f"expired: no decision for {idle:.0f}s, past the job's ttl_s ({ttl}s); for pauses that long, "
+                   "raise ttl_s" if idle > ttl - 1 else "restarted without persistence, or flushed")
+            log.warning("job %s's keys are gone from Redis (%s): registering the job again and republishing its last "
+                        "%d assignments", self.config.job, why, len(self._written))
             self.store.register(self.config)
+            self._renewed = now
             self._republish()
         other = self.store.claim_coordinator(self._identity, ttl_s=_CLAIM_S)
         # A claim found once may be a stopped coordinator's, left to expire (a crash leaves it up to 5 s); one

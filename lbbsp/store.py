@@ -419,9 +419,11 @@ class Store:
         raw, _ = pipe.execute()
         return cast("bytes | None", raw)
 
-    def subscribe(self) -> redis.client.PubSub:
-        """A subscription to the channel that announces each newly written assignment."""
-        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+    def subscribe(self, pubsub: redis.client.PubSub | None = None) -> redis.client.PubSub:
+        """A subscription to the channel that announces each newly written assignment by its iteration number, on
+        ``pubsub`` where given (one unsubscribed before: its connection is reused). Redis's confirmations of
+        subscribing and unsubscribing come as messages too, so that a reader can tell them from a quiet poll."""
+        pubsub = pubsub if pubsub is not None else self.client.pubsub()
         pubsub.subscribe(self.key("assigned"))
         return pubsub
 
