@@ -14,6 +14,7 @@ it too is covered exactly once.
 from __future__ import annotations
 
 import hashlib
+import heapq
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -56,9 +57,17 @@ def _scaled(sizes: tuple[int, ...], total: int) -> tuple[int, ...]:
         scaled[i] += 1
     emptied = [i for i, size in enumerate(sizes) if size and not scaled[i]]
     if emptied and total >= len(sizes) - sizes.count(0):  # then another share holds 2 or more
+        # the largest share first, ties to the lower index: a heap, as a pass over all workers for each one emptied
+        # had taken 3 s at 4,096 workers
+        largest = [(-share, j) for j, share in enumerate(scaled) if share > 1]
+        heapq.heapify(largest)
         for i in emptied:
-            donor = max(range(len(scaled)), key=lambda j: (scaled[j], -j))  # the largest, ties to the lower index
-            scaled[donor] -= 1
+            negated, donor = largest[0]
+            scaled[donor] = -negated - 1
+            if scaled[donor] > 1:
+                heapq.heapreplace(largest, (negated + 1, donor))
+            else:
+                heapq.heappop(largest)
             scaled[i] = 1
     return tuple(scaled)
 
