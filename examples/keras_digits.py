@@ -151,7 +151,7 @@ def main() -> int:
     try:
         train(args)
     except (ConfigError, StoreUnavailable) as exc:  # a bad or unreachable --redis: why, not a page of traceback
-        sys.exit(f"keras_digits.py: {exc}{' (from --redis)' if args.redis else ''}")
+        sys.exit(f"keras_digits.py: {exc}{' (from --redis)' if isinstance(exc, StoreUnavailable) and args.redis else ''}")
     return 0
 
 

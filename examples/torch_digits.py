@@ -71,7 +71,7 @@ def main() -> None:
         train(args, device)
     except (ConfigError, StoreUnavailable) as exc:  # a bad or unreachable --redis: why, not 40 lines of traceback
         dist.destroy_process_group()
-        sys.exit(f"torch_digits.py: {exc}{' (from --redis)' if args.redis else ''}")
+        sys.exit(f"torch_digits.py: {exc}{' (from --redis)' if isinstance(exc, StoreUnavailable) and args.redis else ''}")
     gc.collect()  # DDP models sit in reference cycles: free the model before the group (docs/torch.md: a hang at exit)
     dist.destroy_process_group()
 

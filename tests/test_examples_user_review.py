@@ -173,7 +173,7 @@ def test_the_torch_example_with_a_bad_redis_url_says_why_without_a_traceback() -
                           capture_output=True, text=True, timeout=110, check=False, env=env)
     assert done.returncode != 0
     assert "torch_digits.py: not a usable Redis URL: http://localhost" in done.stderr, done.stderr
-    assert "(from --redis)" in done.stderr and "[rank0]: Traceback" not in done.stderr, done.stderr
+    assert "[rank0]: Traceback" not in done.stderr, done.stderr
 
 
 @pytest.mark.timeout(120)
@@ -182,4 +182,4 @@ def test_the_keras_example_with_a_bad_redis_url_says_why_without_a_traceback() -
     done = run_example("keras_digits.py", "--redis", "http://localhost", "--epochs", "1", timeout_s=110)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "keras_digits.py: not a usable Redis URL: http://localhost" in done.stderr, done.stderr
-    assert "(from --redis)" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
