@@ -5,10 +5,12 @@ import argparse
 import importlib
 import json
 import logging
+import math
 import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -164,35 +166,101 @@ def _policy(args: argparse.Namespace) -> Policy:
 def _coordinator(args: argparse.Namespace) -> int:
     config = _job_config(args)  # bad flags: no server
     policy = _policy(args)
-    server = None
     url = _redis_url(args)
     if url is not None and args.listen is not None:
         raise LBBSPError("--listen serves the embedded Redis on TCP: drop it, or drop --redis (and $LBBSP_REDIS_URL)")
-    if url is None:
-        server = EmbeddedRedis(listen=args.listen)
-        url = server.url
-        print(f"started an embedded redis-server: --redis {url}", flush=True)
-        if args.listen is not None:
-            first, *others = server.peer_urls()
-            also = f" (or the same at {', '.join(_host(u) for u in others)})" if others else ""
-            print(f"workers on other machines: --redis {first}{also}", flush=True)
-    store = Store.from_url(url, args.job)
+    server, store, stop = None, None, _StopSignals()
     try:
-        store.ping()
-        coordinator = Coordinator(store, config, policy, max_ahead=args.max_ahead)
-        signal.signal(signal.SIGTERM, lambda *_: coordinator.stop(timeout_s=0))
-        print(f"coordinating job {args.job!r}: {args.workers} workers, global batch {args.global_batch}, policy "
-              f"{policy.name}" + (f" with the {args.model} model" if args.model else ""), flush=True)
-        freeze_heap()
-        try:
+        with stop:  # from here on, so that a stop during start-up (as PID 1, a SIGTERM had been ignored) is one too
+            if url is None:
+                server = EmbeddedRedis(listen=args.listen)
+                url = server.url
+                print(f"started an embedded redis-server: --redis {url}", flush=True)
+                if args.listen is not None:
+                    first, *others = server.peer_urls()
+                    also = f" (or the same at {', '.join(_host(u) for u in others)})" if others else ""
+                    print(f"workers on other machines: --redis {first}{also}", flush=True)
+            store = Store.from_url(url, args.job)
+            store.ping()
+            coordinator = stop.serving(Coordinator(store, config, policy, max_ahead=args.max_ahead))
+            print(f"coordinating job {args.job!r}: {args.workers} workers, global batch {args.global_batch}, policy "
+                  f"{policy.name}" + (f" with the {args.model} model" if args.model else ""), flush=True)
+            freeze_heap()
             coordinator.run(max_decisions=args.max_decisions)
-        except KeyboardInterrupt:
-            pass
+        made = coordinator.decisions_made
+        print(f"stopped serving job {args.job!r} after {made} decision{'s' * (made != 1)} "
+              f"({stop.received or '--max-decisions'})", flush=True)
+    except _CutShort as exc:
+        when, hint = exc.args
+        left = ("without releasing the coordinator's claim on it (which expires within 5 s)"
+                if stop.coordinator is not None else "before serving it")
+        print(f"lbbsp: job {args.job!r}: stopped {when}, {left}{hint}", file=sys.stderr)
+        return 128 + stop.signum
     finally:
-        store.close()
+        if store is not None:
+            store.close()
         if server is not None:
             server.close()
     return 0
+
+
+#: Seconds a signalled coordinator has to end its step and release its claim on the job before it exits anyway: each
+#: call to a Redis that stopped answering waits out a 5 s socket timeout, three times (29 s in all), and `docker stop`
+#: kills at 10 s.
+STOP_GRACE_S = 3.0
+
+
+class _CutShort(KeyboardInterrupt):
+    """A stopping coordinator's clean-up cut short, by a second signal or by :data:`STOP_GRACE_S` running out; its
+    args: when, and a hint. A KeyboardInterrupt, so that no ``except Exception`` on the way (a step's) holds it."""
+
+
+class _StopSignals:
+    """While in use: SIGTERM, SIGINT and SIGHUP stop ``coordinator`` after its current step, which then releases its
+    claim on the job; a second signal, or :data:`STOP_GRACE_S` later, raises :class:`_CutShort` in the main thread,
+    and again every 0.25 s (the step's clean-up makes Redis calls of its own, each of which would wait 15 s).
+    A signal ignored when the command started (SIGHUP under nohup, SIGINT in a background job) stays ignored."""
+
+    def __init__(self) -> None:
+        self.coordinator: Coordinator | None = None
+        self.received: str | None = None  # the first signal's name
+        self.signum = 0
+        self._cut: tuple[str, str] | None = None  # what _CutShort says
+        self._previous: dict[int, Any] = {}
+
+    def serving(self, coordinator: Coordinator) -> Coordinator:
+        """``coordinator``, the one to stop from now on: stopped already if a signal came while it was built."""
+        self.coordinator = coordinator
+        if self.received is not None:
+            coordinator.stop(timeout_s=0)
+        return coordinator
+
+    def __enter__(self) -> _StopSignals:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                self._previous[sig] = signal.signal(sig, self._stop)
+        self._previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._again)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _stop(self, signum: int, frame: object) -> None:
+        if self.received is None:
+            self.received, self.signum = signal.Signals(signum).name, signum
+            if self.coordinator is not None:
+                self.coordinator.stop(timeout_s=0)
+            signal.setitimer(signal.ITIMER_REAL, STOP_GRACE_S, 0.25)
+        elif self._cut is None:
+            self._cut = (f"at a second {signal.Signals(signum).name}", "")
+            signal.setitimer(signal.ITIMER_REAL, 0.25, 0.25)
+            raise _CutShort(*self._cut)
+
+    def _again(self, signum: int, frame: object) -> None:
+        self._cut = self._cut or (f"{STOP_GRACE_S:g} s after {self.received}", ": does Redis answer?")
+        raise _CutShort(*self._cut)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -203,14 +271,14 @@ def _status(args: argparse.Namespace) -> int:
     if url is None:
         raise LBBSPError("no Redis to read: pass --redis URL or set LBBSP_REDIS_URL (the coordinator prints it)")
     console = Console()
-    with Store.from_url(url, args.job or "") as probe:
+    with Store.from_url(url, args.job or "", socket_timeout_s=_STATUS_TIMEOUT_S) as probe:
         probe.ping()
         jobs = [args.job] if args.job else sorted(probe.jobs())
     if not jobs:
         console.print("no lbbsp jobs on this Redis")
         return 0
     for job in jobs:
-        with Store.from_url(url, job) as store:
+        with Store.from_url(url, job, socket_timeout_s=_STATUS_TIMEOUT_S) as store:
             try:
                 config = store.load_config()
                 if config is None and args.job:
@@ -227,9 +295,13 @@ def _status(args: argparse.Namespace) -> int:
                 continue
         last = decisions[0] if decisions else {}
         title = f"job {job}" + (f": {config.num_workers} workers, global batch {config.global_batch}" if config else "")
-        console.print(f"job {job}: " + (f"served by the coordinator {serving}" if serving else
-                      "no coordinator serves it (none renewed its claim in the last 5 s), so each step waits "
-                      "assignment_timeout_s and keeps the split before: start one (lbbsp coordinator)"),
+        when = last.get("time")  # a coordinator's time.time()
+        decided = "no decision yet" if not last else f"last decision (iteration {last['iteration']})" + (
+            f" was {_ago(when)} ago" if isinstance(when, float) and math.isfinite(when) else "")
+        console.print(f"job {job}: " + (f"served by the coordinator {serving}; {decided}" if serving else
+                      f"no coordinator serves it (none renewed its claim in the last 5 s); {decided}: while its "
+                      "workers run, each step waits assignment_timeout_s and keeps the split before, so start one "
+                      "(lbbsp coordinator) unless the job is over"),
                       soft_wrap=True, markup=False, highlight=False)
         caption = _shown(f"iteration {last.get('iteration', '-')}: {last.get('reason', 'no decision yet')}")
         rows_of = max((s["iteration"] for s in statuses.values()), default=None)
@@ -257,6 +329,18 @@ def _status(args: argparse.Namespace) -> int:
                             _shown(rejected))
             console.print(log)
     return 0
+
+
+#: Seconds `lbbsp status` waits on each Redis call (three tries): a Redis that stopped answering had held it 17 s.
+_STATUS_TIMEOUT_S = 1.0
+
+
+def _ago(when: float) -> str:
+    """How long ago the Unix time ``when`` was, in the unit that reads best."""
+    seconds = max(time.time() - when, 0.0)
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def _written_by(decision: dict) -> str:
