@@ -139,10 +139,13 @@ class BalancedSource:
         #: Epochs trained from this source, over every fit: a new callback for it starts the sampler there.
         self.epochs_trained = 0
         self._generator_epochs = 0
-        self._index_calls: dict[int, int] = {}
+        self._index_calls: dict[int, int] = {}  # per PyDataset index: the epochs of this fit that asked for it
+        self._sequence_epochs = 0  # epochs of this fit that tf_keras ended on its Sequence (_end_sequence_epoch)
+        self._fit_thread: int | None = None  # the thread that runs the attached fit
         self._samplers: dict[int, GlobalBatchSampler] = {}
         self._owner_pid = os.getpid()
         self._pipelines = itertools.count()
+        self._newest: int | None = None  # the pipeline built last
         self._pipeline_replicas: int | None = None  # replicas the latest tf_dataset or py_dataset was built for
         self.latest_pipeline: str | None = None  # "tf_dataset" or "py_dataset": which the latest call built
         self._reader: int | None = None  # the pipeline that model.fit reads while a callback is attached
@@ -190,10 +193,12 @@ class BalancedSource:
             self._attached = True
             self._callback_waiting = False
             self._running = running
+            self._fit_thread = threading.get_ident()  # attach runs in the callback's on_train_begin, in fit's thread
             self._first_iteration = first_iteration
             self._first_epoch = first_epoch
             self._generator_epochs = 0
             self._index_calls.clear()
+            self._sequence_epochs = 0
             self._prefix.clear()
             self._reader = None
             self._reading = 0
@@ -285,8 +290,9 @@ class BalancedSource:
                                  job=self.config.job, worker=self.worker, iteration=iteration)
             return self._vectors.get(iteration) if self._attached else None
 
-    def _batch(self, epoch: int, step: int, pipeline: int) -> tuple[Arrays, ...]:
-        """This worker's ``(x, y)``, or ``(x, y, weights)`` if weighted, at ``step`` of this fit's ``epoch``."""
+    def _batch(self, epoch: int, step: int, pipeline: int, record: bool = True) -> tuple[Arrays, ...]:
+        """This worker's ``(x, y)``, or ``(x, y, weights)`` if weighted, at ``step`` of this fit's ``epoch``; recorded
+        in ``served`` and the samples to report unless ``record`` is False (a batch served before)."""
         iteration = self.iteration_of(epoch, step)
         sizes = self._agreed(iteration)
         if sizes is None:  # a shape probe, training without the callback, or a prefetch past the end of fit
@@ -295,7 +301,7 @@ class BalancedSource:
         batch = self._cut(self._first_epoch + epoch, step, sizes)
         samples = len(_named_leaves(batch[0])[0][1])
         with self._changed:
-            if self._attached:  # else fit ended while this prefetch was being cut: it is never trained
+            if self._attached and record:  # not attached: fit ended while this prefetch was cut, it is never trained
                 self.served.append(ServedBatch(iteration, self._first_epoch + epoch, step, samples, sizes))
                 self._samples[iteration] = self._samples.get(iteration, 0) + samples
                 self._batches[iteration] = self._batches.get(iteration, 0) + 1
@@ -397,12 +403,17 @@ class BalancedSource:
                 if counted and fit == self._fit:
                     self._reading -= 1
 
-    def _indexed_batch(self, pipeline: int, index: int) -> tuple[Arrays, ...]:
+    def _indexed_batch(self, pipeline: int, index: int, sequence: bool) -> tuple[Arrays, ...]:
+        """Batch ``index`` of its epoch: for Keras 3's PyDataset, the epoch after those that asked for it before; for
+        tf_keras's ``sequence``, the epoch fit is in (see :meth:`_end_sequence_epoch`), recorded once."""
+        if sequence and self._left_over(pipeline):  # what it reads is thrown away with it
+            return self._cut(self._first_epoch + self._sequence_epochs, index, self.config.initial_sizes())
         with self._changed:
             self._claim(pipeline)
-            epoch = self._index_calls.get(index, 0)
+            asked = self._index_calls.get(index, 0)
+            epoch = self._sequence_epochs if sequence else asked
             if self._attached:
-                self._index_calls[index] = epoch + 1
+                self._index_calls[index] = max(asked, epoch + 1)
                 prefix = self._prefix.get(epoch, 0)
                 while self._index_calls.get(prefix, 0) > epoch:
                     prefix += 1
@@ -414,7 +425,25 @@ class BalancedSource:
                                        f"{self._prefix.get(epoch, 0)}: call model.fit(..., shuffle=False) (fit "
                                        "shuffles a PyDataset or Sequence by default; the source shuffles samples "
                                        "itself)")
-        return self._batch(epoch, index, pipeline)
+        return self._batch(epoch, index, pipeline, record=asked <= epoch)
+
+    def _left_over(self, pipeline: int) -> bool:
+        """Whether ``pipeline``, a tf_keras Sequence that an earlier fit read, is read by that fit's enqueuer
+        (``fit(workers=2)``) during this one: tf_keras stops an epoch's enqueuer at the epoch's end, so one whose fit a
+        callback stopped mid-epoch reads on. It had taken the reader's turn, and the fit's own pipeline was refused."""
+        with self._changed:
+            return (self._attached and pipeline != self._reader and pipeline != self._newest
+                    and pipeline in self._trained)
+
+    def _end_sequence_epoch(self) -> None:
+        """tf_keras ends each epoch of a Sequence here, from fit's thread, after it stopped that epoch's reader; a new
+        reader reads the next epoch. Its enqueuer (``fit(workers=2)``) also calls this, from its own thread, once it has
+        read a pass, and then reads a second pass while the epoch ends, which fit throws away. Counted per index, those
+        reads had taken the next epoch's turn, and the next epoch's reads waited for a vector that never came (fit
+        failed after ``wait_timeout_s``, 120 s by default)."""
+        with self._changed:
+            if self._attached and threading.get_ident() == self._fit_thread:
+                self._sequence_epochs += 1
 
     # -- the two Keras pipelines ------------------------------------------------------------------------
     def tf_dataset(self, strategy: Any = None) -> Any:
@@ -440,7 +469,8 @@ class BalancedSource:
         self._end_failed_fit()
         signature = (_map(spec, self.x), _map(spec, self.y)) + ((tf.TensorSpec((None,), tf.as_dtype(self.weight_dtype)),)
                                                     if self.weighted else ())
-        dataset = tf.data.Dataset.from_generator(functools.partial(self._epoch_batches, next(self._pipelines)),
+        self._newest = next(self._pipelines)
+        dataset = tf.data.Dataset.from_generator(functools.partial(self._epoch_batches, self._newest),
                                                  output_signature=signature)
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(self))).repeat()
         options = tf.data.Options()
@@ -511,7 +541,7 @@ class BalancedSource:
         has_py_dataset = hasattr(keras.utils, "PyDataset")  # Keras 3; tf_keras has only Sequence
         base = keras.utils.PyDataset if has_py_dataset else keras.utils.Sequence
         source = self
-        pipeline = next(self._pipelines)
+        pipeline = self._newest = next(self._pipelines)
         self._pipeline_replicas = 1
         self.latest_pipeline = "py_dataset"
 
@@ -529,7 +559,11 @@ class BalancedSource:
                 return len(source)
 
             def __getitem__(self, index: int) -> tuple[Arrays, ...]:
-                return source._indexed_batch(pipeline, index)
+                return source._indexed_batch(pipeline, index, sequence=not has_py_dataset)
+
+            if not has_py_dataset:
+                def on_epoch_end(self) -> None:
+                    source._end_sequence_epoch()
 
         return BalancedPyDataset()
 
@@ -604,7 +638,8 @@ def _take(value: Arrays, indices: np.ndarray) -> Arrays:
 
 def _class_weights(class_weight: Mapping[int, float], y: np.ndarray, job: str) -> np.ndarray:
     """One weight per sample from ``class_weight`` and the classes in ``y``, read as Keras reads them: rounded
-    labels of shape (n,) or (n, 1), or the argmax of one-hot rows (n, k); a class without a weight weighs 1."""
+    labels (booleans too) of shape (n,) or (n, 1), or the argmax of one-hot rows (n, k); a class without a weight
+    weighs 1."""
     if not isinstance(class_weight, Mapping):
         raise ConfigError(f"class_weight must be a dict of class id -> weight, got {type(class_weight).__name__}",
                           job=job)
@@ -615,9 +650,11 @@ def _class_weights(class_weight: Mapping[int, float], y: np.ndarray, job: str) -
         if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not 0 <= value < math.inf:
             raise ConfigError(f"class_weight[{key}] must be a finite number >= 0, got {value!r}", job=job)
         table[int(key)] = float(value)
-    if y.ndim > 2 or not np.issubdtype(y.dtype, np.number):
+    if y.ndim > 2 or not (y.dtype == bool or np.issubdtype(y.dtype, np.number)):
         raise ConfigError(f"class_weight needs one class per sample: y of shape (n,), (n, 1) or one-hot (n, k), "
                           f"got shape {y.shape} and dtype {y.dtype}", job=job)
+    if y.dtype == bool:  # False and True are classes 0 and 1, as Keras 3's fit(class_weight=...) reads them
+        y = y.astype(np.int64)
     classes = y.argmax(axis=1) if y.ndim == 2 and y.shape[1] > 1 else np.round(y.reshape(len(y))).astype(np.int64)
     if len(classes) and classes.min() < 0:
         raise ConfigError(f"class_weight needs class ids >= 0 in y, found {classes.min()}", job=job)
