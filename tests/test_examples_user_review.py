@@ -121,17 +121,25 @@ def test_the_flower_launcher_stops_at_once_when_the_superlink_exits(tmp_path: Pa
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A SuperLink that refused its flags (a Flower without --disable-runtime-dependency-installation) had left run.py
     submitting `flwr run` every 2 s until its 600 s deadline, then showing flwr's "connection refused", not why."""
+    superlink = ('echo "flower-superlink: error: unrecognized arguments: --disable-runtime-dependency-installation"'
+                 " >&2; exit 2")
+    launch_ends_with(tmp_path, monkeypatch, redis_url, superlink, 'echo "cannot connect to the SuperLink"; exit 1',
+                     r"flower-superlink exited with code 2.*unrecognized arguments")
+
+
+def launch_ends_with(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_url: str, superlink: str, flwr: str,
+                     error: str) -> None:
+    """run.py on stand-ins for Flower's commands (the SuperNodes sleep) raises a RuntimeError matching ``error``
+    within 20 s."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    fake_command(bin_dir, "flower-superlink",
-                 'echo "flower-superlink: error: unrecognized arguments: --disable-runtime-dependency-installation"'
-                 " >&2; exit 2")
+    fake_command(bin_dir, "flower-superlink", superlink)
     fake_command(bin_dir, "flower-supernode", "exec sleep 60")
-    fake_command(bin_dir, "flwr", 'echo "cannot connect to the SuperLink"; exit 1')
+    fake_command(bin_dir, "flwr", flwr)
     launcher = flower_launcher()
     monkeypatch.setattr(launcher, "BIN", bin_dir)
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"flower-superlink exited with code 2.*unrecognized arguments"):
+    with pytest.raises(RuntimeError, match=error):
         launcher.run_deployment(1, {"num-server-rounds": 1}, timeout_s=60, workdir=tmp_path / "work",
                                 redis_url=redis_url)
     assert time.monotonic() - started < 20
@@ -150,18 +158,8 @@ def test_the_flower_launcher_stops_at_once_when_the_server_app_fails(tmp_path: P
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A ServerApp that raised (a bad run config) had left run.py waiting for its result until the 600 s deadline,
     then saying only "no result". `flwr ls` tells the run ended failed (the JSON as Flower 1.42 prints it)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake_command(bin_dir, "flower-superlink", "exec sleep 60")
-    fake_command(bin_dir, "flower-supernode", "exec sleep 60")
-    fake_command(bin_dir, "flwr", FAKE_FLWR)
-    launcher = flower_launcher()
-    monkeypatch.setattr(launcher, "BIN", bin_dir)
-    started = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"(?s)run 42 ended finished:failed.*weight_by must be auto.*Traceback"):
-        launcher.run_deployment(1, {"num-server-rounds": 1}, timeout_s=60, workdir=tmp_path / "work",
-                                redis_url=redis_url)
-    assert time.monotonic() - started < 20
+    launch_ends_with(tmp_path, monkeypatch, redis_url, "exec sleep 60", FAKE_FLWR,
+                     r"(?s)run 42 ended finished:failed.*weight_by must be auto.*Traceback")
 
 
 @pytest.mark.timeout(120)
