@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -11,9 +12,12 @@ import psutil
 
 from .config import _real
 from .errors import ConfigError
-from .protocol import _is_integer
+from .protocol import FEATURE_RANGES, _is_integer
 
 log = logging.getLogger("lbbsp.telemetry")
+
+_CGROUP_ROOT = "/sys/fs/cgroup"  # where cgroup v2's tree, or v1's controller folders, are mounted
+_PROC_SELF_CGROUP = "/proc/self/cgroup"  # this process's cgroup in each hierarchy
 
 
 class ResourceMonitor:
@@ -23,6 +27,8 @@ class ResourceMonitor:
     return the previous sample's CPU, memory and GPU use: short training steps do not pay for it every time.
     GPU memory is read at every call (an NVML call of microseconds): it is the memory of the batch size just
     run, and a reading kept from an earlier, smaller batch had let a GPU's learned cap pass its card.
+    ``cores`` is what this process may use (its CPU affinity, capped by its cgroup's CPU quota), and CPU use is
+    counted over the CPUs of its affinity: a worker pinned to 2 cores of 64 is a 2-core machine to the models.
     """
 
     def __init__(self, gpu_index: int | None = None, *, min_interval_s: float = 0.2) -> None:
@@ -32,62 +38,151 @@ class ResourceMonitor:
         self.min_interval_s = _real(min_interval_s, "min_interval_s", 0.0, 3600.0, "seconds in [0, 3600]")
         self._last: dict[str, float] | None = None
         self._last_at = 0.0
-        self._process = psutil.Process()
-        self._cores = psutil.cpu_count() or 1
-        self._process.cpu_percent(None)  # the baseline of this monitor's own Process object
-        self._cpu_times = psutil.cpu_times()  # and of the machine's: psutil.cpu_percent keeps one per thread
-        self._nvml = _nvml_handle(int(gpu_index)) if gpu_index is not None else None
-        self._nvml_failed: set[str] = set()  # the GPU readings that failed once (logged then, not every time)
+        self._failed: set[str] = set()  # the readings that failed once (logged then, not every time)
+        # The CPUs this process may run on (taskset, a cpuset) and its cgroup's CPU quota are read once: they are
+        # the worker's hardware, and a sample must not pay for them.
+        self._cpus = _allowed_cpus()
+        quota = _cgroup_cpu_quota()
+        self._cores = max(min(float(len(self._cpus)), math.ceil(quota) if quota is not None else math.inf), 1.0)
+        self._per_cpu = len(self._cpus) < (psutil.cpu_count() or 1)  # pinned: read the times of each CPU
+        self._process = self._read("process CPU", psutil.Process)
+        self._process_cpu()  # the baseline of this monitor's own Process object
+        self._cpu_times = self._read("machine CPU", self._busy_times)  # and of its CPUs': psutil.cpu_percent
+        self._nvml = _nvml_handle(int(gpu_index)) if gpu_index is not None else None  # keeps one per thread
 
     def sample(self) -> dict[str, float]:
-        """Machine CPU use, this process's cores, others' load per core, memory use; GPU when known."""
+        """CPU use of this process's CPUs, this process's cores, others' load per core, memory use; GPU when known."""
         now = time.monotonic()
         if self._last is None or now - self._last_at >= self.min_interval_s:
             self._last, self._last_at = self._use(), now
         features = dict(self._last)
         if self._nvml is not None:
-            features.update(self._gpu("memory", _gpu_memory, *self._nvml))
+            features.update(self._gpu("GPU memory", _gpu_memory, *self._nvml))
         return features
 
     def _use(self) -> dict[str, float]:
-        """CPU, memory and GPU use since the previous call."""
-        cpu_util = self._machine_busy_share()
-        proc_cpu = self._process.cpu_percent(None) / 100.0
-        features = {
-            "cpu_util": cpu_util,
-            "proc_cpu": min(proc_cpu, 1024.0),
-            "colocated_load": max(cpu_util * self._cores - proc_cpu, 0.0) / self._cores,
-            "mem_util": min(psutil.virtual_memory().percent / 100.0, 1.0),
-            "cores": float(self._cores),
-        }
+        """CPU, memory and GPU use since the previous call; a reading that fails leaves its features out."""
+        features = {"cores": self._cores}
+        cpu_util = self._read("machine CPU", self._machine_busy_share)
+        proc_cpu = self._process_cpu()
+        if cpu_util is not None:
+            features["cpu_util"] = cpu_util
+        if proc_cpu is not None:
+            features["proc_cpu"] = min(proc_cpu / 100.0, 1024.0)
+        if cpu_util is not None and proc_cpu is not None:  # others' load: the busy cores of ours less this process
+            features["colocated_load"] = max(cpu_util * len(self._cpus) - proc_cpu / 100.0, 0.0) / len(self._cpus)
+        memory = self._read("memory", psutil.virtual_memory)
+        if memory is not None:
+            features["mem_util"] = min(memory.percent / 100.0, 1.0)
         if self._nvml is not None:
-            features.update(self._gpu("utilisation", _gpu_utilisation, *self._nvml))
+            features.update(self._gpu("GPU utilisation", _gpu_utilisation, *self._nvml))
         return features
 
-    def _machine_busy_share(self) -> float:
-        """The share of the machine's CPU time spent busy since this monitor's previous call, counted as
-        psutil.cpu_percent counts it (idle and iowait are idle; guest time is already in user time), but from this
-        monitor's own baseline: psutil keeps one per thread (older psutil one in all), so two monitors in one
-        thread cut each other's window short."""
-        before, self._cpu_times = self._cpu_times, psutil.cpu_times()
-        delta = {name: max(getattr(self._cpu_times, name) - getattr(before, name), 0.0) for name in before._fields}
+    def _process_cpu(self) -> float | None:
+        """This process's CPU use since the previous call, in percent of one core, or None where it cannot be read."""
+        return self._read("process CPU", self._process.cpu_percent, None) if self._process is not None else None
+
+    def _busy_times(self) -> list[Any]:
+        """psutil's CPU times of each CPU this process may run on, or of the whole machine (one entry) when it may
+        run on all of them (one line of /proc/stat to parse, not one per CPU)."""
+        if self._per_cpu:
+            per_cpu = psutil.cpu_times(percpu=True)
+            if max(self._cpus) < len(per_cpu):  # /proc/stat lists online CPUs only: with one offline, numbers shift
+                return [per_cpu[cpu] for cpu in self._cpus]
+        return [psutil.cpu_times()]
+
+    def _machine_busy_share(self) -> float | None:
+        """The share of the CPU time of the CPUs this process may run on spent busy since this monitor's previous
+        call, counted as psutil.cpu_percent counts it (idle and iowait are idle; guest time is already in user time),
+        but from this monitor's own baseline: psutil keeps one per thread (older psutil one in all), so two monitors
+        in one thread cut each other's window short. Pinned to 2 of 64 cores, load on the other 62 does not slow
+        the worker, and load on its own 2 is what does."""
+        before, self._cpu_times = self._cpu_times, self._busy_times()
+        if before is None or len(before) != len(self._cpu_times):  # no baseline (/proc/stat failed before): unknown
+            return None
+        fields = before[0]._fields
+        delta = {name: sum(max(getattr(now, name) - getattr(then, name), 0.0)
+                           for now, then in zip(self._cpu_times, before)) for name in fields}
         total = sum(delta.values()) - delta.get("guest", 0.0) - delta.get("guest_nice", 0.0)
         if total <= 0:  # within one clock tick of the previous call
             return 0.0
         return min(max(1.0 - (delta["idle"] + delta.get("iowait", 0.0)) / total, 0.0), 1.0)
 
+    def _read(self, what: str, reading: Callable[..., Any], *args: Any) -> Any:
+        """One reading, or None if it fails (/proc not mounted or not readable, AccessDenied in a sandbox): the
+        training step that reports must not fail with it. Logged once per reading."""
+        try:
+            return reading(*args)
+        except Exception as exc:  # noqa: BLE001  (psutil.Error, OSError, or NVMLError of any pynvml version)
+            self._warn_once(what, f"cannot be read ({type(exc).__name__}: {exc})")
+            return None
+
     def _gpu(self, what: str, reading: Callable[[Any, Any], dict[str, float]], pynvml: Any,
              handle: Any) -> dict[str, float]:
         """One NVML reading, or nothing if NVML fails it (utilisation is not supported on a MIG instance; a lost
-        GPU fails every call): the training step that reports must not fail with it. Logged once per reading."""
-        try:
-            return reading(pynvml, handle)
-        except Exception as exc:  # noqa: BLE001  (NVMLError, or whatever another pynvml version raises)
-            if what not in self._nvml_failed:
-                self._nvml_failed.add(what)
-                log.warning("NVML cannot read the GPU's %s (%s: %s): reports go without it", what, type(exc).__name__,
-                            exc)
+        GPU fails every call) or gives a value no report may carry (free memory that wrapped below zero where used
+        passed total): the report would fail validation in the training step."""
+        features = self._read(what, reading, pynvml, handle) or {}
+        bad = {name: value for name, value in features.items()
+               if not FEATURE_RANGES[name][0] <= value <= FEATURE_RANGES[name][1]}
+        if bad:
+            self._warn_once(what, f"is out of range ({', '.join(f'{k}={v!r}' for k, v in bad.items())})")
             return {}
+        return features
+
+    def _warn_once(self, what: str, why: str) -> None:
+        if what not in self._failed:
+            self._failed.add(what)
+            log.warning("the %s %s: reports go without it", what, why)
+
+
+def _allowed_cpus() -> list[int]:
+    """The CPUs this process may run on (taskset, numactl, a container's cpuset), or all of them where the platform
+    has no affinity to ask."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return list(range(psutil.cpu_count() or 1))
+
+
+def _cgroup_cpu_quota() -> float | None:
+    """The CPUs per second this process's cgroup may use (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), the
+    smallest quota on the path from its cgroup to the root; None where none is set or none can be read. A Kubernetes
+    limit of 2 CPUs on a 64-core host leaves the worker 2 cores' worth, wherever it runs."""
+    try:
+        with open(_PROC_SELF_CGROUP) as f:
+            memberships = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    quotas = []
+    files: tuple[str, ...]
+    for entry in memberships:
+        if len(entry) != 3:
+            continue
+        _, controllers, path = entry
+        if controllers == "":  # v2: one tree, cpu.max holds "quota period" or "max period"
+            folders, files = [_CGROUP_ROOT], ("cpu.max",)
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own tree
+            folders, files = [os.path.join(_CGROUP_ROOT, controllers)], ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        for part in path.strip("/").split("/") if path.strip("/") else []:
+            folders.append(os.path.join(folders[-1], part))
+        quotas += [q for q in (_quota(folder, files) for folder in folders) if q is not None]
+    return min(quotas, default=None)
+
+
+def _quota(folder: str, files: tuple[str, ...]) -> float | None:
+    """The quota in CPUs that ``files`` in ``folder`` set, or None (no such file, no limit, not numbers)."""
+    words: list[str] = []
+    try:
+        for name in files:
+            with open(os.path.join(folder, name)) as f:
+                words += f.read().split()
+        quota, period = float(words[0]), float(words[1])
+    except (OSError, ValueError, IndexError):  # not there, or "max": no limit
+        return None
+    return quota / period if quota > 0 and period > 0 and math.isfinite(quota / period) else None
 
 
 def _nvml_handle(index: int) -> tuple[Any, Any] | None:
