@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, wait
+from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -112,8 +113,22 @@ class LocalGrid(Grid):
     def check_enough_nodes(self, strategy: object, purpose: str) -> None:
         """Raise a ConfigError if ``strategy`` (a FedAvg or alike) would wait for more nodes than this grid has,
         for its ``purpose`` ("train" or "evaluate"): a LocalGrid never gains one, so Flower would wait forever."""
-        need = max(getattr(strategy, "min_available_nodes", 0), getattr(strategy, f"min_{purpose}_nodes", 0))
+        need = max(strategy_attribute(strategy, "min_available_nodes", 0),
+                   strategy_attribute(strategy, f"min_{purpose}_nodes", 0))
         if isinstance(need, int) and need > len(self._contexts):
             raise ConfigError(f"the strategy waits for {need} nodes (min_available_nodes, min_{purpose}_nodes) and "
                               f"this LocalGrid has {len(self._contexts)}, which it never outgrows: give the strategy "
                               f"min_available_nodes and min_{purpose}_nodes of at most {len(self._contexts)}")
+
+
+def strategy_attribute(strategy: object, name: str, default: Any) -> Any:
+    """``strategy``'s attribute ``name``, else that of the strategy it wraps (``.strategy``, as Flower's DP wrappers
+    and LoadBalanced keep it), and so on inwards; ``default`` if none has it. A wrapper samples with its inner
+    strategy's node counts and aggregates by its keys, without holding them itself."""
+    seen: set[int] = set()
+    while strategy is not None and id(strategy) not in seen:
+        if hasattr(strategy, name):
+            return getattr(strategy, name)
+        seen.add(id(strategy))
+        strategy = getattr(strategy, "strategy", None)
+    return default

@@ -56,7 +56,7 @@ from .flower_client import (
     UPLOAD_S,
     Workload,
 )
-from .flower_local import LocalGrid
+from .flower_local import LocalGrid, strategy_attribute
 
 #: The reply metrics a LocalRound always sends; a reply with none of them is a plain Flower reply.
 TIMINGS = (SAMPLES, STEPS, COMPUTE_S, DOWNLOAD_S, UPLOAD_S)
@@ -214,8 +214,8 @@ class LoadBalanced(Strategy):
             raise ConfigError(f"model must be an FLClientModel (lbbsp.models): the plan needs each client's transfer "
                               f"time and availability, which only it learns; got {model!r}")
         self.model = model or FLClientModel(local_steps)
-        self.weighted_by_key: str = getattr(strategy, "weighted_by_key", "num-examples")
-        self.configrecord_key: str = getattr(strategy, "configrecord_key", "config")
+        self.weighted_by_key: str = strategy_attribute(strategy, "weighted_by_key", "num-examples")
+        self.configrecord_key: str = strategy_attribute(strategy, "configrecord_key", "config")
         self._pending: dict[int, _Round] = {}
         self._temporary: dict[int, int] = {}  # node -> worker index while Redis cannot give it one
         self._next_temporary = MAX_WORKERS - 1  # temporary indices count down from the top: no stored one clashes
@@ -243,6 +243,10 @@ class LoadBalanced(Strategy):
                         grid: Grid) -> Iterable[Message]:
         if server_round == 1:  # a run starts (again): its rounds follow every round recorded before
             self._round_base = self._last_iteration
+        for skipped in sorted(self._pending):  # Flower aggregates a round before it configures the next
+            log(WARNING, "lbbsp round %d: no replies reached LoadBalanced (a strategy wrapped around it, such as a DP "
+                         "wrapper, skipped the round's aggregation): nothing of it is recorded", skipped)
+        self._pending.clear()  # each holds its round's arrays
         if isinstance(grid, LocalGrid):
             grid.check_enough_nodes(self.strategy, "train")
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
@@ -496,7 +500,7 @@ class LoadBalanced(Strategy):
     # -- evaluation: the wrapped strategy's own ----------------------------------------------------------
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        if isinstance(grid, LocalGrid) and getattr(self.strategy, "fraction_evaluate", None) != 0:
+        if isinstance(grid, LocalGrid) and strategy_attribute(self.strategy, "fraction_evaluate", None) != 0:
             grid.check_enough_nodes(self.strategy, "evaluate")
         return self.strategy.configure_evaluate(server_round, arrays, config, grid)
 
