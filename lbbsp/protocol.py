@@ -33,7 +33,7 @@ MAX_WORKERS = 100_000
 
 #: Resource features a report may carry, with their allowed closed ranges.
 FEATURE_RANGES: dict[str, tuple[float, float]] = {
-    "cpu_util": (0.0, 1.0),  # fraction busy of the cores this process may run on (all the machine's unless pinned)
+    "cpu_util": (0.0, 1.0),  # whole machine, fraction of all cores busy
     "proc_cpu": (0.0, 1024.0),  # this process, in cores
     "colocated_load": (0.0, 1e4),  # runnable tasks on the machine that are not ours, per core
     "mem_util": (0.0, 1.0),  # fraction of machine memory in use

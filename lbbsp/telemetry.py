@@ -27,8 +27,8 @@ class ResourceMonitor:
     return the previous sample's CPU, memory and GPU use: short training steps do not pay for it every time.
     GPU memory is read at every call (an NVML call of microseconds): it is the memory of the batch size just
     run, and a reading kept from an earlier, smaller batch had let a GPU's learned cap pass its card.
-    ``cores`` is what this process may use (its CPU affinity, capped by its cgroup's CPU quota), and CPU use is
-    counted over the CPUs of its affinity: a worker pinned to 2 cores of 64 is a 2-core machine to the models.
+    ``cores`` is the machine's cores capped by the process's cgroup CPU quota: a container limited to 2 CPUs on a
+    64-core host is a 2-core machine to the models.
     """
 
     def __init__(self, gpu_index: int | None = None, *, min_interval_s: float = 0.2) -> None:
@@ -39,19 +39,19 @@ class ResourceMonitor:
         self._last: dict[str, float] | None = None
         self._last_at = 0.0
         self._failed: set[str] = set()  # the readings that failed once (logged then, not every time)
-        # The CPUs this process may run on (taskset, a cpuset) and its cgroup's CPU quota are read once: they are
-        # the worker's hardware, and a sample must not pay for them.
-        self._cpus = _allowed_cpus()
+        # The machine's cores, capped by its cgroup's CPU quota, read once: the worker's hardware, which a sample must
+        # not pay for. Not the CPU affinity: Linux keeps one per thread, and OpenMP's binding (OMP_PROC_BIND) pins
+        # the main thread to one core of those its threads use, which had read as a 1-core worker.
+        self._host_cores = psutil.cpu_count() or 1
         quota = _cgroup_cpu_quota()
-        self._cores = max(min(float(len(self._cpus)), math.ceil(quota) if quota is not None else math.inf), 1.0)
-        self._per_cpu = len(self._cpus) < (psutil.cpu_count() or 1)  # pinned: read the times of each CPU
+        self._cores = max(min(float(self._host_cores), math.ceil(quota) if quota is not None else math.inf), 1.0)
         self._process = self._read("process CPU", psutil.Process)
         self._process_cpu()  # the baseline of this monitor's own Process object
-        self._cpu_times = self._read("machine CPU", self._busy_times)  # and of its CPUs': psutil.cpu_percent
-        self._nvml = _nvml_handle(int(gpu_index)) if gpu_index is not None else None  # keeps one per thread
+        self._cpu_times = self._read("machine CPU", psutil.cpu_times)  # the machine's (psutil keeps one per thread)
+        self._nvml = _nvml_handle(int(gpu_index)) if gpu_index is not None else None
 
     def sample(self) -> dict[str, float]:
-        """CPU use of this process's CPUs, this process's cores, others' load per core, memory use; GPU when known."""
+        """Machine CPU use, this process's cores, others' load per core, memory use; GPU when known."""
         now = time.monotonic()
         if self._last is None or now - self._last_at >= self.min_interval_s:
             self._last, self._last_at = self._use(), now
@@ -69,8 +69,8 @@ class ResourceMonitor:
             features["cpu_util"] = cpu_util
         if proc_cpu is not None:
             features["proc_cpu"] = min(proc_cpu / 100.0, 1024.0)
-        if cpu_util is not None and proc_cpu is not None:  # others' load: the busy cores of ours less this process
-            features["colocated_load"] = max(cpu_util * len(self._cpus) - proc_cpu / 100.0, 0.0) / len(self._cpus)
+        if cpu_util is not None and proc_cpu is not None:  # others' load: the machine's busy cores less this process
+            features["colocated_load"] = max(cpu_util * self._host_cores - proc_cpu / 100.0, 0.0) / self._host_cores
         memory = self._read("memory", psutil.virtual_memory)
         if memory is not None:
             features["mem_util"] = min(memory.percent / 100.0, 1.0)
@@ -82,27 +82,16 @@ class ResourceMonitor:
         """This process's CPU use since the previous call, in percent of one core, or None where it cannot be read."""
         return self._read("process CPU", self._process.cpu_percent, None) if self._process is not None else None
 
-    def _busy_times(self) -> list[Any]:
-        """psutil's CPU times of each CPU this process may run on, or of the whole machine (one entry) when it may
-        run on all of them (one line of /proc/stat to parse, not one per CPU)."""
-        if self._per_cpu:
-            per_cpu = psutil.cpu_times(percpu=True)
-            if max(self._cpus) < len(per_cpu):  # /proc/stat lists online CPUs only: with one offline, numbers shift
-                return [per_cpu[cpu] for cpu in self._cpus]
-        return [psutil.cpu_times()]
 
     def _machine_busy_share(self) -> float | None:
-        """The share of the CPU time of the CPUs this process may run on spent busy since this monitor's previous
-        call, counted as psutil.cpu_percent counts it (idle and iowait are idle; guest time is already in user time),
-        but from this monitor's own baseline: psutil keeps one per thread (older psutil one in all), so two monitors
-        in one thread cut each other's window short. Pinned to 2 of 64 cores, load on the other 62 does not slow
-        the worker, and load on its own 2 is what does."""
-        before, self._cpu_times = self._cpu_times, self._busy_times()
-        if before is None or len(before) != len(self._cpu_times):  # no baseline (/proc/stat failed before): unknown
+        """The share of the machine's CPU time spent busy since this monitor's previous call, counted as
+        psutil.cpu_percent counts it (idle and iowait are idle; guest time is already in user time), but from this
+        monitor's own baseline: psutil keeps one per thread (older psutil one in all), so two monitors in one
+        thread cut each other's window short."""
+        before, self._cpu_times = self._cpu_times, psutil.cpu_times()
+        if before is None:  # no baseline (/proc/stat failed before): unknown
             return None
-        fields = before[0]._fields
-        delta = {name: sum(max(getattr(now, name) - getattr(then, name), 0.0)
-                           for now, then in zip(self._cpu_times, before)) for name in fields}
+        delta = {name: max(getattr(self._cpu_times, name) - getattr(before, name), 0.0) for name in before._fields}
         total = sum(delta.values()) - delta.get("guest", 0.0) - delta.get("guest_nice", 0.0)
         if total <= 0:  # within one clock tick of the previous call
             return 0.0
@@ -134,15 +123,6 @@ class ResourceMonitor:
         if what not in self._failed:
             self._failed.add(what)
             log.warning("the %s %s: reports go without it", what, why)
-
-
-def _allowed_cpus() -> list[int]:
-    """The CPUs this process may run on (taskset, numactl, a container's cpuset), or all of them where the platform
-    has no affinity to ask."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return list(range(psutil.cpu_count() or 1))
 
 
 def _cgroup_cpu_quota() -> float | None:

@@ -28,56 +28,19 @@ def _pinned_sample(script: str) -> str:
 
 
 @needs_two_cores
-def test_a_worker_pinned_to_one_core_reports_one_core() -> None:
-    """A worker pinned to 1 core of 2 reported the host's 2: the model read it as the host's size, and grouped it
-    with unpinned workers of that host as the same hardware."""
+def test_a_main_thread_pinned_to_one_core_still_reports_the_machines_cores() -> None:
+    """Affinity is per thread on Linux, and OpenMP's binding (OMP_PROC_BIND, KMP_AFFINITY) pins the main thread to one
+    of the cores its threads use: read from the affinity, a 2-core worker reported 1 core, and its CPU use counted
+    that core only. Only the cgroup quota limits what the process has (this machine sets none)."""
     out = _pinned_sample("""
-        from lbbsp import ResourceMonitor
-        print(ResourceMonitor(min_interval_s=0.0).sample()["cores"])
+        from lbbsp import ResourceMonitor, telemetry
+        quota = telemetry._cgroup_cpu_quota()
+        print(ResourceMonitor(min_interval_s=0.0).sample()["cores"], quota)
     """)
-    assert float(out) == 1.0
-
-
-@needs_two_cores
-def test_load_on_the_pinned_core_is_colocated_load() -> None:
-    """Another process busy on the one core a worker is pinned to takes all of it; the machine-wide share read about
-    half of that (the other core idle), as if half the worker's core were free."""
-    burner = subprocess.Popen([sys.executable, "-c", "import os; os.sched_setaffinity(0, {0})\nwhile True: pass"])
-    try:
-        out = _pinned_sample("""
-            import time
-            from lbbsp import ResourceMonitor
-            monitor = ResourceMonitor(min_interval_s=0.0)
-            time.sleep(0.5)
-            f = monitor.sample()
-            print(f["cpu_util"], f["colocated_load"])
-        """)
-    finally:
-        burner.kill()
-        burner.wait()
-    cpu_util, colocated = map(float, out.split())
-    assert cpu_util > 0.9 and colocated > 0.85, out
-
-
-def test_busy_share_and_colocated_load_count_the_allowed_cores_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same, deterministic: core 0 (the allowed one) fully busy, core 1 idle, this process idle."""
-    times = type(psutil.cpu_times())
-    zero = times(**dict.fromkeys(times._fields, 0.0))
-    busy = zero._replace(user=10.0)
-    idle = zero._replace(idle=10.0)
-    readings = iter([[zero, zero], [busy, idle]])
-
-    def cpu_times(percpu: bool = False) -> object:
-        per = next(readings)
-        return per if percpu else times(*(a + b for a, b in zip(*per)))
-
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    monkeypatch.setattr(psutil, "cpu_times", cpu_times)
-    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 2)
-    monkeypatch.setattr(psutil.Process, "cpu_percent", lambda self, interval=None: 0.0)
-    features = ResourceMonitor(min_interval_s=0.0).sample()
-    assert features["cores"] == 1.0
-    assert features["cpu_util"] == pytest.approx(1.0) and features["colocated_load"] == pytest.approx(1.0)
+    cores, quota = out.split()
+    if quota != "None":
+        pytest.skip(f"this machine's cgroup sets a CPU quota ({quota})")
+    assert float(cores) == psutil.cpu_count()
 
 
 def _cgroup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, membership: str, files: dict[str, str]) -> None:
