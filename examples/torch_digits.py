@@ -69,7 +69,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     try:
         train(args, device)
-    except (ConfigError, StoreUnavailable) as exc:  # a bad or unreachable --redis: why, not 40 lines of traceback
+    except (ConfigError, StoreUnavailable) as exc:  # lbbsp: a bad or unreachable --redis: why, not a traceback
         dist.destroy_process_group()
         sys.exit(f"torch_digits.py: {exc}{' (from --redis)' if isinstance(exc, StoreUnavailable) and args.redis else ''}")
     gc.collect()  # DDP models sit in reference cycles: free the model before the group (docs/torch.md: a hang at exit)
@@ -114,7 +114,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                 torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "loader": state, "epoch": epoch},
                            args.checkpoint + ".tmp")
                 os.replace(args.checkpoint + ".tmp", args.checkpoint)  # a crash while saving leaves the last one
-            if len(y):  # an empty slice (a short final batch) has a NaN mean loss and adds nothing
+            if len(y):  # an empty slice (a short final batch of fewer samples than ranks) has a NaN mean loss
                 seen[0] += loss.detach() * len(y)
                 seen[1] += len(y)
             if lb.step is not None and lb.step.total == args.global_batch:  # lbbsp: not the short final batch

@@ -124,8 +124,8 @@ class BalancedLoader:
 
     Replaces ``DataLoader(dataset, batch_size, sampler=DistributedSampler(...))``: call
     :meth:`set_epoch` at the start of each epoch as with ``DistributedSampler``. Every rank yields the same
-    number of batches per epoch; a rank whose slice is empty (a short final batch) yields a zero-length
-    batch so that it still takes part in the step's collectives.
+    number of batches per epoch; a rank whose slice is empty (``min_batch=0``, or a short final batch of fewer
+    samples than ranks) yields a zero-length batch so that it still takes part in the step's collectives.
     """
 
     def __init__(self, dataset: Dataset, balancer: Balancer, *, shuffle: bool = True, seed: int = 0,

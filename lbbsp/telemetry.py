@@ -82,7 +82,6 @@ class ResourceMonitor:
         """This process's CPU use since the previous call, in percent of one core, or None where it cannot be read."""
         return self._read("process CPU", self._process.cpu_percent, None) if self._process is not None else None
 
-
     def _machine_busy_share(self) -> float | None:
         """The share of the machine's CPU time spent busy since this monitor's previous call, counted as
         psutil.cpu_percent counts it (idle and iowait are idle; guest time is already in user time), but from this
