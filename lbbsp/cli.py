@@ -416,8 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     coordinator = sub.add_parser("coordinator", help="run the BatchSize Manager for one job",
                                  description="Decide each iteration's batch-size vector for one job from its workers' "
-                                             "reports, until stopped (Ctrl-C) or --max-decisions. The integrations start "
-                                             "one on worker 0 by themselves; Balancer.from_env(..., coordinator=False) "
+                                             "reports, until stopped (Ctrl-C, SIGTERM or SIGHUP: after its step) or "
+                                             "--max-decisions. The integrations start one on worker 0 by themselves; "
+                                             "Balancer.from_env(..., coordinator=False) "
                                              "leaves a PyTorch job to this one.",
                                  formatter_class=_WithDefaults)
     coordinator.add_argument("--redis", help="Redis URL (redis://, rediss://, unix://); default: $LBBSP_REDIS_URL, "
