@@ -94,7 +94,7 @@ class ForecastRisk:
     capacity models' cold-start prior groups them), split into ``buckets``: slow .. fast. Among identical
     machines, one forecast much faster than its peers is most likely free of co-located load and can mostly
     only turn slower. Workers that report the ``colocated_load`` feature are also told apart by it: under
-    ``loaded_at`` (runnable foreign tasks per core) a machine is free and its job can only slow down; at or
+    ``loaded_at`` (other processes' busy cores per core) a machine is free and its job can only slow down; at or
     above, it can also speed up; so ranks and load give 2 x ``buckets`` buckets, for each kind of worker (CPU,
     GPU, federated client, as :func:`~lbbsp.models.worker_kind` reads the first report of its hardware group that
     measured something or names an accelerator or transfers; a worker whose model moved joins the group of its
@@ -113,7 +113,7 @@ class ForecastRisk:
     def __init__(self, hedge: float = 2.0, *, buckets: int = 3, loaded_at: float = 0.1, pool_size: int = 4096,
                  min_samples: int = 50, keep: int = 16) -> None:
         self.hedge = _real(hedge, "hedge", 1e-300, 1e6, "a positive number of workers")
-        self.loaded_at = _real(loaded_at, "loaded_at", 0.0, 1e6, "a number >= 0 (foreign tasks per core)")
+        self.loaded_at = _real(loaded_at, "loaded_at", 0.0, 1e6, "a number >= 0 (other processes' busy cores per core)")
         self.buckets = _integer(buckets, "buckets", 1, None)
         self.pool_size = _integer(pool_size, "pool_size", 2, None)
         self.min_samples = _integer(min_samples, "min_samples", 1, None)

@@ -35,7 +35,7 @@ MAX_WORKERS = 100_000
 FEATURE_RANGES: dict[str, tuple[float, float]] = {
     "cpu_util": (0.0, 1.0),  # whole machine, fraction of all cores busy
     "proc_cpu": (0.0, 1024.0),  # this process, in cores
-    "colocated_load": (0.0, 1e4),  # runnable tasks on the machine that are not ours, per core
+    "colocated_load": (0.0, 1e4),  # other processes' busy cores per core of the machine
     "mem_util": (0.0, 1.0),  # fraction of machine memory in use
     "cores": (1.0, 1e5),
     "gpu_util": (0.0, 1.0),

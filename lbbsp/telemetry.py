@@ -27,8 +27,9 @@ class ResourceMonitor:
     return the previous sample's CPU, memory and GPU use: short training steps do not pay for it every time.
     GPU memory is read at every call (an NVML call of microseconds): it is the memory of the batch size just
     run, and a reading kept from an earlier, smaller batch had let a GPU's learned cap pass its card.
-    ``cores`` is the machine's cores capped by the process's cgroup CPU quota: a container limited to 2 CPUs on a
-    64-core host is a 2-core machine to the models.
+    ``cores`` is the machine's cores capped by the process's cgroup CPU quota and cpuset: a container limited to 2
+    CPUs, or to CPUs 0-1, on a 64-core host is a 2-core machine to the models. ``cpu_util`` and ``colocated_load``
+    stay the whole machine's (psutil counts every host CPU).
     """
 
     def __init__(self, gpu_index: int | None = None, *, min_interval_s: float = 0.2) -> None:
@@ -39,19 +40,22 @@ class ResourceMonitor:
         self._last: dict[str, float] | None = None
         self._last_at = 0.0
         self._failed: set[str] = set()  # the readings that failed once (logged then, not every time)
-        # The machine's cores, capped by its cgroup's CPU quota, read once: the worker's hardware, which a sample must
-        # not pay for. Not the CPU affinity: Linux keeps one per thread, and OpenMP's binding (OMP_PROC_BIND) pins
-        # the main thread to one core of those its threads use, which had read as a 1-core worker.
+        # The machine's cores, capped by its cgroup's CPU quota and cpuset, read once: the worker's hardware, which a
+        # sample must not pay for. Not the CPU affinity: Linux keeps one per thread, and OpenMP's binding
+        # (OMP_PROC_BIND) pins the main thread to one core of those its threads use, which had read as a 1-core
+        # worker; a cgroup's cpuset is the process's, whatever its threads are pinned to.
         self._host_cores = psutil.cpu_count() or 1
-        quota = _cgroup_cpu_quota()
-        self._cores = max(min(float(self._host_cores), math.ceil(quota) if quota is not None else math.inf), 1.0)
+        quota, cpuset = _cgroup_cpu_quota(), _cgroup_cpuset_size()
+        self._cores = float(max(min(self._host_cores, math.ceil(quota) if quota is not None else math.inf,
+                                    cpuset if cpuset is not None else math.inf), 1))
         self._process = self._read("process CPU", psutil.Process)
         self._process_cpu()  # the baseline of this monitor's own Process object
         self._cpu_times = self._read("machine CPU", psutil.cpu_times)  # the machine's (psutil keeps one per thread)
         self._nvml = _nvml_handle(int(gpu_index)) if gpu_index is not None else None
 
     def sample(self) -> dict[str, float]:
-        """Machine CPU use, this process's cores, others' load per core, memory use; GPU when known."""
+        """Machine CPU use, this process's cores, other processes' busy cores per core of the machine, memory use; GPU
+        when known."""
         now = time.monotonic()
         if self._last is None or now - self._last_at >= self.min_interval_s:
             self._last, self._last_at = self._use(), now
@@ -69,7 +73,7 @@ class ResourceMonitor:
             features["cpu_util"] = cpu_util
         if proc_cpu is not None:
             features["proc_cpu"] = min(proc_cpu / 100.0, 1024.0)
-        if cpu_util is not None and proc_cpu is not None:  # others' load: the machine's busy cores less this process
+        if cpu_util is not None and proc_cpu is not None:  # other processes' busy cores per core of the machine
             features["colocated_load"] = max(cpu_util * self._host_cores - proc_cpu / 100.0, 0.0) / self._host_cores
         memory = self._read("memory", psutil.virtual_memory)
         if memory is not None:
@@ -128,27 +132,50 @@ def _cgroup_cpu_quota() -> float | None:
     """The CPUs per second this process's cgroup may use (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), the
     smallest quota on the path from its cgroup to the root; None where none is set or none can be read. A Kubernetes
     limit of 2 CPUs on a 64-core host leaves the worker 2 cores' worth, wherever it runs."""
+    quotas = []
+    for v2, folders in _cgroup_folders("cpu"):  # v2's cpu.max holds "quota period" or "max period"
+        files = ("cpu.max",) if v2 else ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        quotas += [q for q in (_quota(folder, files) for folder in folders) if q is not None]
+    return min(quotas, default=None)
+
+
+def _cgroup_cpuset_size() -> int | None:
+    """How many CPUs this process's cgroup cpuset holds (cgroup v2 ``cpuset.cpus.effective``, v1
+    ``cpuset.effective_cpus`` or ``cpuset.cpus``), the fewest on the path from its cgroup to the root (v2 has the file
+    only where the cpuset controller is enabled); None where none can be read. Docker's ``--cpuset-cpus=0-3`` on a
+    64-core host leaves the worker 4 cores."""
+    sizes = []
+    for v2, folders in _cgroup_folders("cpuset"):  # v2's cpuset.cpus is empty where inherited: its effective list
+        files = ("cpuset.cpus.effective",) if v2 else ("cpuset.effective_cpus", "cpuset.cpus")
+        sizes += [n for n in (_cpu_list_size(os.path.join(folder, name)) for folder in folders for name in files)
+                  if n is not None]
+    return min(sizes, default=None)
+
+
+def _cgroup_folders(controller: str) -> list[tuple[bool, list[str]]]:
+    """For each cgroup hierarchy of this process that can hold ``controller`` (v2's one tree, v1's tree of that
+    controller): whether it is v2, and its folders from the root down to this process's cgroup. Empty where
+    /proc/self/cgroup cannot be read."""
     try:
         with open(_PROC_SELF_CGROUP) as f:
             memberships = [line.rstrip("\n").split(":", 2) for line in f]
     except OSError:
-        return None
-    quotas = []
-    files: tuple[str, ...]
+        return []
+    hierarchies = []
     for entry in memberships:
         if len(entry) != 3:
             continue
         _, controllers, path = entry
-        if controllers == "":  # v2: one tree, cpu.max holds "quota period" or "max period"
-            folders, files = [_CGROUP_ROOT], ("cpu.max",)
-        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own tree
-            folders, files = [os.path.join(_CGROUP_ROOT, controllers)], ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        if controllers == "":  # v2: one tree
+            folders = [_CGROUP_ROOT]
+        elif controller in controllers.split(","):  # v1: the controller's own tree
+            folders = [os.path.join(_CGROUP_ROOT, controllers)]
         else:
             continue
         for part in path.strip("/").split("/") if path.strip("/") else []:
             folders.append(os.path.join(folders[-1], part))
-        quotas += [q for q in (_quota(folder, files) for folder in folders) if q is not None]
-    return min(quotas, default=None)
+        hierarchies.append((controllers == "", folders))
+    return hierarchies
 
 
 def _quota(folder: str, files: tuple[str, ...]) -> float | None:
@@ -162,6 +189,23 @@ def _quota(folder: str, files: tuple[str, ...]) -> float | None:
     except (OSError, ValueError, IndexError):  # not there, or "max": no limit
         return None
     return quota / period if quota > 0 and period > 0 and math.isfinite(quota / period) else None
+
+
+def _cpu_list_size(file: str) -> int | None:
+    """How many CPUs the Linux CPU list in ``file`` names ("0-3,8,10-11": 7), or None (no such file, empty, or not
+    such a list)."""
+    count = 0
+    try:
+        with open(file) as f:
+            for part in f.read().strip().split(","):
+                first, _, last = part.partition("-")
+                low, high = int(first), int(last or first)
+                if not 0 <= low <= high:
+                    return None
+                count += high - low + 1
+    except (OSError, ValueError):  # not there, empty, or a stride ("0-7:2") the kernel does not write
+        return None
+    return count
 
 
 def _nvml_handle(index: int) -> tuple[Any, Any] | None:
