@@ -98,6 +98,8 @@ def _when_on(schedule: tuple[tuple[float, float], ...]) -> str:
 
 
 def load_on(schedule: tuple[tuple[float, float], ...], step: int, steps: int) -> bool:
+    """Whether the busy loop runs at ``step`` of ``steps``: the step's share of the run falls in a span of
+    ``schedule`` (``[start, end)``, as :func:`parse_schedule` reads ``--load-schedule``)."""
     return any(lo <= step / steps < hi for lo, hi in schedule)
 
 
@@ -242,6 +244,7 @@ def _train_phase(rank: int, config: DemoConfig, phase: str, policy: Policy, url:
 
 # -- the launcher and its live table ----------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``lbbsp demo``'s flags to ``parser`` (the command imports this module only when it is asked for)."""
     parser.add_argument("--workers", type=whole_number(2, 1797), default=2,
                         help="worker processes, each pinned to a core (at most the global batch)")
     parser.add_argument("--global-batch", type=whole_number(2, 1797), default=512,
@@ -279,6 +282,8 @@ def _ctrl_c_ignored() -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``lbbsp demo``: the BSP run, then the LB-BSP run, live; 0 when both trained the same parameters, 1 when
+    they differ."""
     import multiprocessing as mp  # noqa: PLC0415
 
     from rich.console import Console  # noqa: PLC0415

@@ -62,9 +62,11 @@ class Workload:
 
     @property
     def samples(self) -> int:
+        """The round's samples, ``batch_size`` x ``local_steps``: what the client's Report counts."""
         return self.batch_size * self.local_steps
 
     def to_config(self) -> dict[str, int | float]:
+        """The workload as the entries of a train ConfigRecord, read back by :meth:`from_config`."""
         config: dict[str, int | float] = {BATCH_SIZE: self.batch_size, LOCAL_STEPS: self.local_steps}
         if self.deadline_s is not None:
             config[DEADLINE_S] = float(self.deadline_s)
@@ -88,9 +90,13 @@ class Workload:
 class Link(Protocol):
     """Says how long the model took to arrive and to leave, in seconds."""
 
-    def download(self, msg: Message) -> float: ...
+    def download(self, msg: Message) -> float:
+        """Seconds the train message ``msg`` took to arrive; called once, as the round starts."""
+        ...
 
-    def upload(self, nbytes: int) -> float: ...
+    def upload(self, nbytes: int) -> float:
+        """Seconds the reply of ``nbytes`` bytes of arrays takes to leave; called once, as the round ends."""
+        ...
 
 
 def array_bytes(content: RecordDict) -> int:
@@ -108,11 +114,13 @@ class MessageClock:
     """
 
     def download(self, msg: Message) -> float:
+        """Seconds since the server created ``msg``, in [0, a day]."""
         # A clock skewed either way gives 0 or at most a day, not a span no Report can carry (the server would
         # refuse the whole reply, the update with it).
         return min(max(0.0, time.time() - msg.metadata.created_at), MAX_SECONDS)
 
     def upload(self, nbytes: int) -> float:
+        """0: the reply's transfer is not observed from the client."""
         return 0.0
 
 
@@ -138,10 +146,13 @@ class EmulatedLink:
             raise ConfigError(f"count_delivery must be True or False, got {self.count_delivery!r}")
 
     def download(self, msg: Message) -> float:
+        """Sleep for the bytes of ``msg``'s arrays over ``down_bps`` and return those seconds (with
+        ``count_delivery``, at least the time since the server created the message)."""
         seconds = self._transfer(array_bytes(msg.content), self.down_bps)
         return max(seconds, MessageClock().download(msg)) if self.count_delivery else seconds
 
     def upload(self, nbytes: int) -> float:
+        """Sleep for ``nbytes`` over ``up_bps`` and return those seconds."""
         return self._transfer(nbytes, self.up_bps)
 
     @staticmethod

@@ -75,6 +75,8 @@ class ClientResult:
 
     @classmethod
     def from_metrics(cls, metrics: MetricRecord) -> ClientResult:
+        """Read a reply's ``lbbsp-*`` metrics; a :class:`ProtocolError` naming the metric that is missing, negative,
+        not finite, or a fraction where a count belongs."""
         values = {}
         for key in (SAMPLES, STEPS, COMPUTE_S, DOWNLOAD_S, UPLOAD_S, DATA_SIZE):
             value = metrics.get(key)

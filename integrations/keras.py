@@ -581,6 +581,8 @@ class _CallbackLogic:
         super().set_model(model)  # type: ignore[misc]
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        """Check the fit against the job (workers, steps per epoch and per execution), carry on from where the
+        latest fit left the job, and publish the first iteration's vector to the source."""
         self._in_step = False  # a fit that failed inside a step left it set
         self._check_schedule()
         replicas = self.model.distribute_strategy.num_replicas_in_sync
@@ -639,6 +641,7 @@ class _CallbackLogic:
                               "source.py_dataset()", job=job)
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        """Start timing this execution's compute."""
         if self._in_step:  # Keras calls each listed callback in turn: this one twice before either end
             raise ConfigError("this LBBSPCallback is listed more than once in model.fit(callbacks=...): list it once "
                               "(each listing would count and report every step again)", job=self.client.config.job)
@@ -683,13 +686,16 @@ class _CallbackLogic:
             self.source.publish(self.client.assignment(self.iteration))  # the next fit fetches it otherwise
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        """Note the epoch: the last step of the fit's last epoch fetches no next vector (the next fit does)."""
         self._epoch = epoch
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        """Count the epoch trained, for the source's permutation of the next one."""
         self.epochs_done += 1
         self.source.epochs_trained = self.epochs_done
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        """Put the source back on the equal split and send the reports still queued."""
         self.source.detach(self.iteration)
         self.client.flush()
 

@@ -88,6 +88,7 @@ class Step:
 
     @property
     def total(self) -> int:
+        """The step's global batch: the split's sum (less than ``global_batch`` in a short final batch)."""
         return sum(self.split)
 
 

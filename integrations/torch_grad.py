@@ -180,6 +180,7 @@ class ComputeClock:
         return event
 
     def start(self) -> None:
+        """Start timing a new step (what an earlier one measured is dropped)."""
         self._end, self._paused_at, self._pauses = None, None, []
         self._start = self._now()
 
@@ -189,6 +190,7 @@ class ComputeClock:
             self._paused_at = self._now()
 
     def resume(self) -> None:
+        """Count what follows again, after :meth:`pause`; nothing when the clock is not paused."""
         if self._paused_at is not None:
             self._pauses.append((self._paused_at, self._now()))  # type: ignore[arg-type]
             self._paused_at = None
@@ -202,6 +204,7 @@ class ComputeClock:
 
     @property
     def stopped(self) -> bool:
+        """Whether :meth:`stop` has marked the end of this step's compute."""
         return self._end is not None
 
     @property
@@ -210,6 +213,8 @@ class ComputeClock:
         return self._end is not None and (not self.cuda or self._end.query())  # type: ignore[union-attr]
 
     def seconds(self) -> float:
+        """The step's compute seconds less its pauses; waits for the GPU's end event, and is a
+        :class:`ConfigError` before :meth:`stop`."""
         if self._end is None:
             raise ConfigError("the compute clock was read before it was stopped")
         if self.cuda:
@@ -221,6 +226,7 @@ class ComputeClock:
 
 
 def check_weighting(weighting: str) -> str:
+    """``weighting`` if :meth:`Balancer.attach` knows it (``"hook"`` or ``"loss"``), else a :class:`ConfigError`."""
     if weighting not in WEIGHTINGS:
         raise ConfigError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
     return weighting

@@ -24,13 +24,18 @@ _SEARCH_STEPS = 100
 class TimeModel(Protocol):
     """Predicted seconds per worker: ``time(sizes)[i]`` is worker i's time for ``sizes[i]`` samples."""
 
-    def time(self, sizes: np.ndarray) -> np.ndarray: ...
+    def time(self, sizes: np.ndarray) -> np.ndarray:
+        """Each worker's predicted seconds for its size in ``sizes`` (one per worker, in worker order)."""
+        ...
 
 
 class InvertibleTimeModel(TimeModel, Protocol):
     """A time model that can also say how many samples each worker finishes by a deadline."""
 
-    def capacity(self, deadline: float) -> np.ndarray: ...
+    def capacity(self, deadline: float) -> np.ndarray:
+        """How many samples each worker finishes by ``deadline`` seconds: -1 for none, inf for any (the allocator
+        clips to the bounds); lets the allocator solve for a deadline instead of searching each worker's time."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -373,11 +378,15 @@ class HingeTime:
     observed_max: np.ndarray
 
     def time(self, sizes: np.ndarray) -> np.ndarray:
+        """Each worker's predicted seconds for its size in ``sizes``: the hinge, and past ``observed_max`` at least
+        the line through the origin and the last measured point."""
         x = np.asarray(sizes, dtype=float)
         hinge = self.base + self.slope * np.maximum(x - self.knee, 0.0)
         return np.where(x > self.observed_max, np.maximum(hinge, self._ratio * x), hinge)
 
     def capacity(self, deadline: float) -> np.ndarray:
+        """How many samples each worker finishes by ``deadline`` seconds (at most 1e15: a flat curve finishes
+        any); -1 where even none is done by then (the deadline is under its base time)."""
         with np.errstate(divide="ignore", invalid="ignore"):
             along_hinge = np.where(self.slope > 0, self.knee + (deadline - self.base) / self.slope, np.inf)
             beyond = np.minimum(along_hinge, deadline / self._ratio)

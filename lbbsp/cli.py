@@ -410,6 +410,7 @@ def _verbose_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``lbbsp`` command's parser; ``demo`` and ``simulate`` are only named here (their modules parse them)."""
     parser = argparse.ArgumentParser(prog="lbbsp", description=__doc__)
     _verbose_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -476,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``lbbsp`` command on ``argv`` (default: ``sys.argv[1:]``) and return its exit status: 2 for an
+    lbbsp or Redis error, printed in a line instead of a traceback, 130 for Ctrl-C (a coordinator stopped by a
+    signal: 128 + its number)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     verbose = False

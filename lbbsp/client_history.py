@@ -66,6 +66,7 @@ class ClientStatus:
 
     @classmethod
     def from_json(cls, data: bytes | str) -> ClientStatus:
+        """Parse a stored status, checked as where made; a :class:`ProtocolError` naming the bad field."""
         if len(data) > MAX_PAYLOAD_BYTES:
             raise ProtocolError("status payload too large", field="payload")
         try:
@@ -79,6 +80,7 @@ class ClientStatus:
         return cls(obj["round"], obj["status"], obj["reason"], obj["at"])
 
     def to_json(self) -> str:
+        """The JSON kept in Redis (``reason`` cut to 512 characters)."""
         return json.dumps({"round": self.round, "status": self.status, "reason": self.reason[:MAX_REASON_CHARS],
                            "at": self.at}, allow_nan=False)
 
@@ -165,6 +167,7 @@ class ClientHistory:
         self.close()
 
     def key(self, *parts: object) -> str:
+        """The Redis key of this job's federated state named by ``parts`` (``key("reports", 3)``)."""
         return self.prefix + ":".join(str(p) for p in parts)
 
     def worker_index(self, client_key: str | int) -> int:

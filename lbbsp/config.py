@@ -196,10 +196,12 @@ class JobConfig:
         return replace(self, lag=stored.lag, ttl_s=stored.ttl_s)
 
     def to_json(self) -> str:
+        """The settings as JSON: what the job's ``config`` key in Redis holds, and a coordinator's child is given."""
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, data: str | bytes) -> JobConfig:
+        """Read stored settings back, validated; a :class:`ConfigError` for bad JSON or a missing or unknown field."""
         try:
             obj = json.loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:

@@ -34,6 +34,7 @@ class HedgedTime:
     factor: np.ndarray
 
     def time(self, sizes: np.ndarray) -> np.ndarray:
+        """``inner``'s seconds for ``sizes``, each worker's times its factor."""
         return np.asarray(self.inner.time(sizes), dtype=float) * self.factor
 
 
@@ -42,6 +43,7 @@ class InvertibleHedgedTime(HedgedTime):
     """:class:`HedgedTime` of a model whose ``capacity`` takes one deadline per worker (an array)."""
 
     def capacity(self, deadline: float) -> np.ndarray:
+        """``inner``'s capacity with each worker's deadline divided by its factor (closed form, no search)."""
         return self.inner.capacity(deadline / self.factor)  # type: ignore[attr-defined]
 
 

@@ -271,6 +271,7 @@ class Report:
         return self
 
     def to_json(self) -> bytes:
+        """The compact JSON a worker posts to Redis; a :class:`ProtocolError` if it would pass the 4 KiB cap."""
         obj: dict[str, Any] = {
             "v": PROTOCOL_VERSION, "job": self.job, "worker": self.worker, "iteration": self.iteration,
             "samples": self.samples, "compute_s": self.compute_s, "features": dict(self.features),
@@ -380,6 +381,7 @@ class Assignment:
         return self
 
     def to_json(self) -> bytes:
+        """The compact JSON stored under the iteration's ``assign:{k}`` key (``reason`` cut to 512 characters)."""
         return json.dumps(
             {"v": PROTOCOL_VERSION, "job": self.job, "iteration": self.iteration, "sizes": list(self.sizes),
              "policy": self.policy, "reason": self.reason[:MAX_REASON_CHARS], "fallback": self.fallback,
@@ -390,6 +392,8 @@ class Assignment:
     @classmethod
     def from_json(cls, data: bytes | str, *, job: str | None = None, iteration: int | None = None,
                   num_workers: int | None = None, global_batch: int | None = None) -> Assignment:
+        """Parse and validate, also against the job, iteration, worker count and global batch where given (the
+        key it was read from); raises :class:`ProtocolError` naming the bad field."""
         obj = _decode(data, "assignment", _ASSIGNMENT_FIELDS, MAX_ASSIGNMENT_BYTES)
         sizes = _require(obj, "sizes")
         if not isinstance(sizes, list):

@@ -78,6 +78,7 @@ class GroupedTime:
     size: int
 
     def time(self, sizes: np.ndarray) -> np.ndarray:
+        """Each worker's predicted seconds for its size in ``sizes``, from its group's model."""
         out = np.empty(self.size)
         for positions, model in self.groups:
             out[positions] = model.time(np.asarray(sizes)[positions])
@@ -91,6 +92,7 @@ class MixedTime(GroupedTime):
     groups: tuple[tuple[np.ndarray, InvertibleTimeModel], ...]
 
     def capacity(self, deadline: float) -> np.ndarray:
+        """How many samples each worker finishes by ``deadline`` seconds, from its group's model (-1 for none)."""
         out = np.empty(self.size)
         for positions, model in self.groups:
             out[positions] = model.capacity(deadline)

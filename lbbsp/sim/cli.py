@@ -28,6 +28,7 @@ MAX_CELLS = 50_000_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``lbbsp simulate``'s flags to ``parser`` (the command imports this module only when it is asked for)."""
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), required=True,
                         help="cpu-contention: recorded CPU traces under co-located jobs; gpu-mix: GPU generations with "
                              "nonlinear curves and memory caps; fl-clients: federated clients; mixed: gpu-mix's GPUs and "
@@ -56,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``lbbsp simulate``: check the flags, simulate every policy on one scenario, print the table and write
+    the JSON and PNG under ``--out``; 0 when done."""
     started = time.perf_counter()
     kind: type[Scenario] = SCENARIOS[args.scenario]
     if args.workers < kind.min_workers:  # backup workers drop one: two at least (a mixed cluster, two of each kind)
@@ -196,6 +199,7 @@ def summarise(runs: dict[str, PolicyRun]) -> dict[str, dict[str, float]]:
 
 
 def table(scenario: Scenario, summary: dict[str, dict[str, float]]) -> str:
+    """The printed comparison: one line per policy, fastest first (those that overfilled a GPU's memory last)."""
     lines = [f"{scenario.name}: {scenario.config.num_workers} workers, global batch {scenario.config.global_batch}",
              f"{'policy':<24} {'s/iteration':>12} {'/ oracle':>9} {'idle':>7} {'decide ms':>10} {'over mem':>9}"]
     for name, s in sorted(summary.items(), key=lambda item: _rank(item[1])):

@@ -45,6 +45,8 @@ class PolicyRun:
     failed_decisions: int = 0  # decisions that failed or broke the job's rules: the split in force was kept
 
     def summary(self, oracle_mean_s: float) -> dict[str, float]:
+        """The run's figures for the table and the JSON: mean seconds per iteration, that over the oracle's
+        ``oracle_mean_s``, idle share, decision times, iterations over a GPU's memory and failed decisions."""
         mean = float(np.mean(self.iteration_s))
         return {"mean_iteration_s": mean, "vs_oracle": mean / oracle_mean_s,
                 "idle_fraction": float(np.mean(self.idle_fraction)),

@@ -65,6 +65,8 @@ class Scenario:
     min_workers: ClassVar[int] = 2
 
     def truth(self, iteration: int) -> Truth:
+        """What really happens in ``iteration``: the engine times each worker's share with it; only the oracle
+        sees it."""
         raise NotImplementedError
 
     def expected(self, iteration: int) -> Truth | None:
@@ -73,6 +75,8 @@ class Scenario:
         return None
 
     def features(self, iteration: int, sizes: np.ndarray) -> list[dict[str, float]]:
+        """Each worker's report features in ``iteration`` given its size in ``sizes`` (what ResourceMonitor, or a
+        federated client's transfer timing, would measure)."""
         raise NotImplementedError
 
     def measured(self, sizes: np.ndarray, seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
