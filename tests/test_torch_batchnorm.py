@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 import warnings
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from lbbsp import ConfigError, EmbeddedRedis, GlobalBatchSampler  # noqa: E402
 from lbbsp.integrations.torch import Balancer, BatchNormWarning, batch_norm_layers  # noqa: E402
 from lbbsp.integrations.torch_grad import check_batch_norm  # noqa: E402
-from test_torch_exact import SEED, ChangingSplit, destroy_group, digits, spawn  # noqa: E402
+from test_torch_exact import SEED, ChangingSplit, destroy_group, digits, run_ranks  # noqa: E402
 
 GLOBAL_BATCH = 150
 
@@ -85,9 +84,7 @@ def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> N
 @pytest.mark.timeout(180)
 def test_batch_norm_warning_and_synchronised_batch_norm_exact(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
     url = os.environ.get("LBBSP_TEST_REDIS_URL", redis_server.url)
-    spawn(_worker, (2, str(tmp_path / "rdv"), url, f"test-{uuid.uuid4().hex[:10]}", str(tmp_path)), nprocs=2,
-          timeout_s=150)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    results = run_ranks(_worker, 2, tmp_path, url, timeout_s=150)
     for result in results:
         assert len(result["plain_warnings"]) <= 1
     assert sum(len(r["plain_warnings"]) for r in results) >= 1 and "BatchNorm" in results[0]["plain_warnings"][0]

@@ -154,14 +154,20 @@ def spawn(fn, args: tuple, nprocs: int, timeout_s: float) -> None:
             process.join()
 
 
+def run_ranks(fn: Callable[..., None], world: int, out: Path, url: str, *extra: object,
+              timeout_s: float) -> list[dict]:
+    """Spawn ``fn(rank, world, out/rdv, url, a new job, out, *extra)`` as ``world`` ranks; returns what each rank
+    wrote to out/rank{r}.json."""
+    spawn(fn, (world, str(out / "rdv"), url, f"test-{uuid.uuid4().hex[:10]}", str(out), *extra), nprocs=world,
+          timeout_s=timeout_s)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, redis_server: EmbeddedRedis) -> list[dict]:
     """One run of 3 gloo ranks that trains every mode in turn (process start-up is the slow part)."""
-    tmp = tmp_path_factory.mktemp("exact")
     url = os.environ.get("LBBSP_TEST_REDIS_URL", redis_server.url)
-    job = f"test-{uuid.uuid4().hex[:10]}"
-    spawn(_worker, (3, str(tmp / "rdv"), url, job, str(tmp)), nprocs=3, timeout_s=200)
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(3)]
+    return run_ranks(_worker, 3, tmp_path_factory.mktemp("exact"), url, timeout_s=200)
 
 
 def single_process_params(accumulate: int = 1, reduction: str = "mean") -> list[torch.Tensor]:

@@ -5,9 +5,7 @@ workers, persistent_workers=True, pin_memory and drop_last, over several epochs.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import uuid
 from collections.abc import Callable
 
 import numpy as np
@@ -21,7 +19,7 @@ from torch.utils.data import Dataset, TensorDataset  # noqa: E402
 
 from lbbsp import EmbeddedRedis, GlobalBatchSampler  # noqa: E402
 from lbbsp.integrations.torch import Balancer  # noqa: E402
-from test_torch_exact import ChangingSplit, in_gloo_group, spawn  # noqa: E402
+from test_torch_exact import ChangingSplit, in_gloo_group, run_ranks  # noqa: E402
 
 SAMPLES, GLOBAL_BATCH, SEED = 53, 10, 4  # 5 full global batches and a short one of 3
 ACCUMULATE, MAX_NORM, LR = 3, 0.05, 0.3
@@ -197,10 +195,8 @@ def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> N
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory, redis_server: EmbeddedRedis) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("porting")
     url = os.environ.get("LBBSP_TEST_REDIS_URL", redis_server.url)
-    spawn(_worker, (2, str(tmp / "rdv"), url, f"test-{uuid.uuid4().hex[:10]}", str(tmp)), nprocs=2, timeout_s=150)
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    return run_ranks(_worker, 2, tmp_path_factory.mktemp("porting"), url, timeout_s=150)
 
 
 def outcome(ranks: list[dict], scenario: str) -> list[dict]:

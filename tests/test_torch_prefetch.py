@@ -4,13 +4,11 @@ SGD; a prefetch cut by another vector than the one agreed, or loaded for another
 cancelled never loads; a script that ends with a prefetch loading exits; a failed load is not counted served."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +30,8 @@ from test_torch_exact import (  # noqa: E402
     digits,
     in_gloo_group,
     mlp,
+    run_ranks,
     single_process_params,
-    spawn,
 )
 from test_torch_resume import loader_alone  # noqa: E402
 
@@ -79,10 +77,8 @@ def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> N
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, redis_server: EmbeddedRedis) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("prefetch")
     url = os.environ.get("LBBSP_TEST_REDIS_URL", redis_server.url)
-    spawn(_worker, (2, str(tmp / "rdv"), url, f"test-{uuid.uuid4().hex[:10]}", str(tmp)), nprocs=2, timeout_s=200)
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    return run_ranks(_worker, 2, tmp_path_factory.mktemp("prefetch"), url, timeout_s=200)
 
 
 @pytest.mark.slow
@@ -146,9 +142,7 @@ def _alone_worker(rank: int, world: int, init: str, url: str, job: str, out: str
 def test_a_second_loop_gets_its_own_batches_and_a_failed_load_is_not_served(
         tmp_path, redis_server: EmbeddedRedis) -> None:
     url = os.environ.get("LBBSP_TEST_REDIS_URL", redis_server.url)
-    spawn(_alone_worker, (1, str(tmp_path / "rdv"), url, f"test-{uuid.uuid4().hex[:10]}", str(tmp_path)), nprocs=1,
-          timeout_s=100)
-    result = json.loads((tmp_path / "rank0.json").read_text())
+    [result] = run_ranks(_alone_worker, 1, tmp_path, url, timeout_s=100)
     assert result["first"] == list(range(8)), "the second loop was served another loop's prefetched step"
     assert result["served"] == [list(range(8)), list(range(8, 16))]
     assert result["state"]["step"] == 2, "a checkpoint after the failed load would skip global batch 2"

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from lbbsp.integrations.torch import Balancer  # noqa: E402
 from lbbsp.policies import BSPPolicy  # noqa: E402
-from test_torch_exact import destroy_group, digits, mlp, spawn  # noqa: E402
+from test_torch_exact import destroy_group, digits, mlp, run_ranks, spawn  # noqa: E402
 from test_torch_units import GatedGPUClock  # noqa: E402
 
 STALL_S = 0.25  # rank 1's extra compute per step, inside its forward pass
@@ -60,9 +60,7 @@ def test_reported_compute_leaves_out_the_wait_at_the_all_reduce(tmp_path: Path, 
     made the fast rank wait inside its step, and it reported the straggler's time (0.407 s against 0.001 s), so
     the split never moved."""
     url = os.environ.get("LBBSP_TEST_REDIS_URL", redis_server.url)
-    spawn(_worker, (2, str(tmp_path / "rdv"), url, f"test-{uuid.uuid4().hex[:10]}", str(tmp_path), where), nprocs=2,
-          timeout_s=150)
-    fast, slow = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    fast, slow = run_ranks(_worker, 2, tmp_path, url, where, timeout_s=150)
     # step 0 includes start-up; medians over the other steps, so one scheduling stall of a rank on a loaded
     # machine (which shortens its partner's wait, or lengthens its own compute) cannot decide the test
     assert statistics.median(fast["wall"][1:]) > STALL_S * 0.8, "the fast rank did not wait for the straggler"
@@ -150,9 +148,7 @@ def test_a_gpu_steps_report_waits_for_its_events_in_a_thread_not_in_the_next_ste
     """The path CUDA steps take (tests/test_torch_cuda.py runs it on a GPU), with a stand-in clock on the CPU: the
     next step begins at once, the report follows once the events are done, and a report that fails to send
     raises at a later step of the training thread."""
-    spawn(_late_report_worker, (1, str(tmp_path / "rdv"), redis_url, f"test-{uuid.uuid4().hex[:10]}", str(tmp_path)),
-          nprocs=1, timeout_s=100)
-    result = json.loads((tmp_path / "rank0.json").read_text())
+    [result] = run_ranks(_late_report_worker, 1, tmp_path, redis_url, timeout_s=100)
     assert result["queued"] and result["next_step_s"] < 5, result
     assert result["first"] == [0, 0.25]
     assert result["raised"] == "Redis refused the report"
