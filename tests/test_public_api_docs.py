@@ -197,3 +197,14 @@ def table_names(doc: str, header: str) -> list[str]:
 def test_the_docs_api_tables_name_only_exported_names(doc: str, header: str, module_name: str) -> None:
     exported = set(importlib.import_module(module_name).__all__)
     assert [name for name in table_names(doc, header) if name not in exported] == []
+
+
+@pytest.mark.parametrize("module_name", ["lbbsp", "lbbsp.models", "lbbsp.hedging", "lbbsp.policies",
+                                         "lbbsp.integrations.torch", "lbbsp.integrations.keras",
+                                         "lbbsp.integrations.flower"])
+def test_every_exported_name_is_named_in_the_docs(module_name: str) -> None:
+    """An export no page names is one a user finds only by dir(): equal_split, scale_split, hardware_of,
+    BalancedLoader, agree_with_rank0, ClientStatus and five more had been."""
+    text = "\n".join(page.read_text() for page in [*DOCS.glob("*.md"), DOCS.parent / "README.md"])
+    names = importlib.import_module(module_name).__all__
+    assert [name for name in names if not re.search(rf"\b{re.escape(name)}\b", text)] == []
