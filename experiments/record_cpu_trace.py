@@ -144,7 +144,9 @@ def record(step: Callable[[], None], batch: int, seconds: float, schedule: Conte
            progress_every_s: float = 15.0) -> list[list[float]]:
     """Run ``step`` until ``seconds`` have passed, or Ctrl-C (the rows so far are kept); one row per iteration
     (see COLUMNS)."""
-    monitor = ResourceMonitor(min_interval_s=0.0)  # a fresh sample every iteration: the trace is the data
+    # a fresh sample every iteration: the trace is the data. The busy loops are this process's children but stand
+    # for other jobs: their CPU is co-located load, as a worker beside such jobs would report it
+    monitor = ResourceMonitor(min_interval_s=0.0, children=False)
     rows: list[list[float]] = []
     started = last_progress = time.perf_counter()
     try:

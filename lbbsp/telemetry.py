@@ -23,20 +23,27 @@ _PROC_SELF_CGROUP = "/proc/self/cgroup"  # this process's cgroup in each hierarc
 class ResourceMonitor:
     """Samples resource use since the previous sample, as the feature names of :data:`FEATURE_RANGES`.
 
-    A sample costs about a millisecond of /proc reads, so calls closer together than ``min_interval_s``
-    return the previous sample's CPU, memory and GPU use: short training steps do not pay for it every time.
+    A sample costs about 0.1 ms of /proc reads, plus reads of this process's tasks and descendants, so calls closer
+    together than ``min_interval_s`` return the previous sample's CPU, memory and GPU use: short training steps do
+    not pay for it every time.
     GPU memory is read at every call (an NVML call of microseconds): it is the memory of the batch size just
     run, and a reading kept from an earlier, smaller batch had let a GPU's learned cap pass its card.
     ``cores`` is the machine's cores capped by the process's cgroup CPU quota and cpuset: a container limited to 2
     CPUs, or to CPUs 0-1, on a 64-core host is a 2-core machine to the models. ``cpu_util`` and ``colocated_load``
     stay the whole machine's (psutil counts every host CPU).
+    ``proc_cpu`` counts this process's descendants too (``children``, the default): DataLoader or tf.data workers and
+    a redis-server the job started are the job's own CPU, not co-located load. ``children=False`` counts them as
+    others', for a process that runs stand-ins for other jobs as its children (experiments/record_cpu_trace.py).
     """
 
-    def __init__(self, gpu_index: int | None = None, *, min_interval_s: float = 0.2) -> None:
+    def __init__(self, gpu_index: int | None = None, *, min_interval_s: float = 0.2, children: bool = True) -> None:
         if gpu_index is not None and (not _is_integer(gpu_index) or gpu_index < 0):
             raise ConfigError(f"gpu_index must be None or torch's index of a CUDA device (an integer >= 0), got "
                               f"{gpu_index!r}")
         self.min_interval_s = _real(min_interval_s, "min_interval_s", 0.0, 3600.0, "seconds in [0, 3600]")
+        if not isinstance(children, bool):  # "no" would count them
+            raise ConfigError(f"children must be True or False, got {children!r}")
+        self.children = children
         self._last: dict[str, float] | None = None
         self._last_at = 0.0
         self._failed: set[str] = set()  # the readings that failed once (logged then, not every time)
@@ -50,6 +57,13 @@ class ResourceMonitor:
                                     cpuset if cpuset is not None else math.inf), 1))
         self._process = self._read("process CPU", psutil.Process)
         self._process_cpu()  # the baseline of this monitor's own Process object
+        # each descendant's Process object (psutil compares its creation time too, so a reused pid is another
+        # process) and CPU seconds at the previous reading, and when that was
+        self._descendants: dict[int, tuple[psutil.Process, float]] = {}
+        self._descendants_at = time.monotonic()
+        self._proc_children = _kernel_lists_children()
+        if children:
+            self._descendants_cpu()  # their baselines
         self._cpu_times = self._read("machine CPU", psutil.cpu_times)  # the machine's (psutil keeps one per thread)
         self._nvml = _nvml_handle(int(gpu_index)) if gpu_index is not None else None
 
@@ -69,6 +83,9 @@ class ResourceMonitor:
         features = {"cores": self._cores}
         cpu_util = self._read("machine CPU", self._machine_busy_share)
         proc_cpu = self._process_cpu()
+        descendants = self._descendants_cpu() if self.children else 0.0
+        if proc_cpu is not None:
+            proc_cpu += descendants
         if cpu_util is not None:
             features["cpu_util"] = cpu_util
         if proc_cpu is not None:
@@ -85,6 +102,45 @@ class ResourceMonitor:
     def _process_cpu(self) -> float | None:
         """This process's CPU use since the previous call, in percent of one core, or None where it cannot be read."""
         return self._read("process CPU", self._process.cpu_percent, None) if self._process is not None else None
+
+    def _descendants_cpu(self) -> float:
+        """The CPU use of this process's descendants since the previous call, in percent of one core. A child first
+        seen counts from the next call (its baseline); one that ended, or whose times cannot be read (AccessDenied),
+        is left out."""
+        now = time.monotonic()
+        elapsed, self._descendants_at = now - self._descendants_at, now
+        found = self._read("child processes' CPU", self._list_descendants) if self._process is not None else None
+        used, seen = 0.0, {}
+        for child in found or ():
+            try:
+                times = child.cpu_times()
+            except (psutil.Error, OSError):  # ended since the listing (NoSuchProcess, ZombieProcess), or AccessDenied
+                continue
+            before = self._descendants.get(child.pid)
+            if before is not None and before[0] is child:
+                used += max(times.user + times.system - before[1], 0.0)
+            seen[child.pid] = (child, times.user + times.system)
+        self._descendants = seen  # ended ones dropped; none where the listing failed, so none spans two windows
+        return 100.0 * used / elapsed if elapsed > 0 else 0.0
+
+    def _list_descendants(self) -> list[psutil.Process]:
+        """This process's descendants: from the kernel's lists of each task's children where it keeps them (reads of
+        the descendants only), else psutil's scan of every process on the machine (17 us for each). A pid already
+        known keeps its Process object while it is the same process (psutil compares creation times), so that its
+        CPU seconds carry on; a reused pid is a new child."""
+        assert self._process is not None
+        if not self._proc_children:
+            listed = self._process.children(recursive=True)
+            return [known[0] if (known := self._descendants.get(child.pid)) and known[0] == child else child
+                    for child in listed]
+        out = []
+        for pid in _descendant_pids(self._process.pid):
+            known = self._descendants.get(pid)
+            try:
+                out.append(known[0] if known is not None and known[0].is_running() else psutil.Process(pid))
+            except psutil.Error:  # ended since the listing
+                continue
+        return out
 
     def _machine_busy_share(self) -> float | None:
         """The share of the machine's CPU time spent busy since this monitor's previous call, counted as
@@ -189,6 +245,35 @@ def _quota(folder: str, files: tuple[str, ...]) -> float | None:
     except (OSError, ValueError, IndexError):  # not there, or "max": no limit
         return None
     return quota / period if quota > 0 and period > 0 and math.isfinite(quota / period) else None
+
+
+def _kernel_lists_children() -> bool:
+    """Whether the kernel keeps each task's children in /proc (CONFIG_PROC_CHILDREN), read at this process's main
+    thread."""
+    return os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+
+
+def _descendant_pids(pid: int) -> list[int]:
+    """The pids of ``pid``'s descendants, from /proc/<pid>/task/<tid>/children (Linux 3.5+ with
+    CONFIG_PROC_CHILDREN): a read per task of the descendants, not a scan of every process. Tasks and processes that
+    end while it reads are skipped."""
+    found: list[int] = []
+    parents = [pid]
+    while parents:
+        parent = parents.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    children = [int(child) for child in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            found += children
+            parents += children
+    return found
 
 
 def _cpu_list_size(file: str) -> int | None:
