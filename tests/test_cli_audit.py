@@ -34,6 +34,7 @@ def _running(pid: int) -> bool:
 def test_ctrl_c_in_the_demo_prints_no_traceback_and_leaves_nothing_running() -> None:
     """Ctrl-C (SIGINT to the terminal's process group) mid-demo printed the coordinator process's traceback,
     and after the fix of that, the coordinator outlived the command and logged that Redis was gone."""
+    pytest.importorskip("torch")  # the demo's workers (lbbsp[torch])
     demo = _ctrl_c_able(args=[*LBBSP, "demo", "--steps", "2000"])
     assert demo.stdout is not None
     started: dict[int, str] = {}  # every process the demo started, with its command line
@@ -109,6 +110,7 @@ def test_a_negative_count_is_refused(argv: list[str], capsys: pytest.CaptureFixt
 def test_the_demo_warns_when_workers_share_a_core(monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """More workers than cores put the slow worker's load on another worker too, with no word of it."""
+    pytest.importorskip("torch")  # the demo's workers (lbbsp[torch])
     from lbbsp.integrations import demo  # noqa: PLC0415
 
     monkeypatch.setattr(demo, "cores_for", lambda workers: [0] * workers)
