@@ -10,16 +10,7 @@ import psutil
 import pytest
 
 from lbbsp import Report, ResourceMonitor, telemetry
-
-
-def _cgroup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, membership: str, files: dict[str, str]) -> None:
-    """A cgroup tree under ``tmp_path`` and a /proc/self/cgroup naming this process's cgroup in it."""
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    (tmp_path / "self-cgroup").write_text(membership)
-    monkeypatch.setattr(telemetry, "_CGROUP_ROOT", str(tmp_path))
-    monkeypatch.setattr(telemetry, "_PROC_SELF_CGROUP", str(tmp_path / "self-cgroup"))
+from test_telemetry_hosts_review import _cgroup  # a fake cgroup tree under tmp_path
 
 
 @pytest.mark.parametrize(("membership", "files", "cpus"), [

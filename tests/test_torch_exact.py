@@ -116,6 +116,18 @@ def _train(mode: str, rank: int, url: str, job: str, device: str = "cpu") -> dic
             "device": lb.last_report.device if lb.last_report else None}
 
 
+def each_recorded(runs: dict[str, Callable[[], dict]]) -> dict[str, dict]:
+    """Each of ``runs``' results, or ``{"error": "Type: message"}`` where it raised: one rank runs many scenarios in
+    turn (starting ranks is the slow part), and each test then fails for its own."""
+    results = {}
+    for name, run in runs.items():
+        try:
+            results[name] = run()
+        except Exception as exc:  # noqa: BLE001  (recorded, as above)
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    return results
+
+
 def in_gloo_group(rank: int, world: int, init: str, out: str, work: Callable[[], dict],
                   timeout: timedelta | None = None) -> None:
     """Run ``work`` as ``rank`` of a gloo group of ``world`` (under ``timeout``, torch's default for None) and write

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from lbbsp import EmbeddedRedis, GlobalBatchSampler  # noqa: E402
 from lbbsp.integrations.torch import Balancer  # noqa: E402
-from test_torch_exact import ChangingSplit, digits, in_gloo_group, mlp, run_ranks  # noqa: E402
+from test_torch_exact import ChangingSplit, digits, each_recorded, in_gloo_group, mlp, run_ranks  # noqa: E402
 
 GLOBAL_BATCH, SEED = 100, 5  # 1797 digits: 17 full global batches and a short one of 97
 LR, MAX_NORM, ACCUMULATE = 0.5, 0.5, 2
@@ -226,15 +226,15 @@ SCRIPTS: dict[str, tuple[Callable[[Run], dict], str]] = {
 
 def _scripts(url: str, job: str) -> dict:
     """Every script in turn on one Balancer, each with its own DDP model (starting ranks is the slow part)."""
-    results: dict = {}
     with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, policy=ChangingSplit(), min_batch=0) as lb:
-        for name, (script, weighting) in SCRIPTS.items():
-            run = Run(lb, weighting)
-            try:
-                results[name] = script(run) | {"splits": run.seen}
-            except Exception as exc:  # noqa: BLE001  (recorded: each test then fails for its own script)
-                results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    return results
+
+        def scripted(script: Callable[[Run], dict], weighting: str) -> Callable[[], dict]:
+            def go() -> dict:
+                run = Run(lb, weighting)
+                return script(run) | {"splits": run.seen}
+            return go
+
+        return each_recorded({name: scripted(*entry) for name, entry in SCRIPTS.items()})
 
 
 def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> None:

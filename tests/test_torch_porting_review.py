@@ -5,6 +5,7 @@ workers, persistent_workers=True, pin_memory and drop_last, over several epochs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable
 
@@ -19,7 +20,7 @@ from torch.utils.data import Dataset, TensorDataset  # noqa: E402
 
 from lbbsp import EmbeddedRedis, GlobalBatchSampler  # noqa: E402
 from lbbsp.integrations.torch import Balancer  # noqa: E402
-from test_torch_exact import ChangingSplit, in_gloo_group, run_ranks  # noqa: E402
+from test_torch_exact import ChangingSplit, each_recorded, in_gloo_group, run_ranks  # noqa: E402
 
 SAMPLES, GLOBAL_BATCH, SEED = 53, 10, 4  # 5 full global batches and a short one of 3
 ACCUMULATE, MAX_NORM, LR = 3, 0.05, 0.3
@@ -179,14 +180,8 @@ SCENARIOS: dict[str, Callable[[Balancer], dict]] = {
 
 def _scenarios(url: str, job: str) -> dict:
     """Every scenario on one Balancer (each with its own DDP model): starting a Balancer is the slow part."""
-    results: dict = {}
     with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, policy=ChangingSplit(), min_batch=0) as lb:
-        for name, scenario in SCENARIOS.items():
-            try:
-                results[name] = scenario(lb)
-            except Exception as exc:  # noqa: BLE001  (recorded: each test then fails for its own scenario)
-                results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    return results
+        return each_recorded({name: functools.partial(scenario, lb) for name, scenario in SCENARIOS.items()})
 
 
 def _worker(rank: int, world: int, init: str, url: str, job: str, out: str) -> None:
