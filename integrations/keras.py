@@ -482,6 +482,17 @@ class ExactLogs:
             result = self._train_step(data)
             self._apply_deferred()  # a train step of the user's own that computed no metrics
             return result
+        except ValueError as exc:
+            if "values to unpack (expected 2)" not in str(exc):
+                raise
+            # the guide's `x, y = data` on the (x, y, weights) batches: a bare unpacking error from the traced step
+            error = ConfigError(f"{type(self.model).__name__}.train_step unpacks its batch as `x, y = data`, but with "
+                                "several workers every batch is (x, y, sample_weight): the weights W * b_i / B make the "
+                                "uneven batches' gradients the global batch's. Unpack with x, y, sample_weight = "
+                                "keras.utils.unpack_x_y_sample_weight(data) and pass sample_weight to compiled_loss "
+                                "(docs/keras.md, `model.fit` arguments)")
+            error.ag_pass_through = True  # type: ignore[attr-defined]  # AutoGraph would make it a StagingError
+            raise error from exc
         finally:
             self._local, self._scales = None, None
             self._deferred.clear()
