@@ -117,7 +117,7 @@ class ResourceMonitor:
             except (psutil.Error, OSError):  # ended since the listing (NoSuchProcess, ZombieProcess), or AccessDenied
                 continue
             before = self._descendants.get(child.pid)
-            if before is not None and before[0] is child:
+            if before is not None and before[0] == child:  # the same process: psutil compares creation times too
                 used += max(times.user + times.system - before[1], 0.0)
             seen[child.pid] = (child, times.user + times.system)
         self._descendants = seen  # ended ones dropped; none where the listing failed, so none spans two windows
@@ -125,19 +125,14 @@ class ResourceMonitor:
 
     def _list_descendants(self) -> list[psutil.Process]:
         """This process's descendants: from the kernel's lists of each task's children where it keeps them (reads of
-        the descendants only), else psutil's scan of every process on the machine (17 us for each). A pid already
-        known keeps its Process object while it is the same process (psutil compares creation times), so that its
-        CPU seconds carry on; a reused pid is a new child."""
+        the descendants only), else psutil's scan of every process on the machine (17 us for each)."""
         assert self._process is not None
         if not self._proc_children:
-            listed = self._process.children(recursive=True)
-            return [known[0] if (known := self._descendants.get(child.pid)) and known[0] == child else child
-                    for child in listed]
+            return self._process.children(recursive=True)
         out = []
         for pid in _descendant_pids(self._process.pid):
-            known = self._descendants.get(pid)
             try:
-                out.append(known[0] if known is not None and known[0].is_running() else psutil.Process(pid))
+                out.append(psutil.Process(pid))
             except psutil.Error:  # ended since the listing
                 continue
         return out
