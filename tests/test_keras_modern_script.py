@@ -22,7 +22,17 @@ import numpy as np
 import pytest
 
 from lbbsp import EmbeddedRedis, GlobalBatchSampler, JobConfig, Report, Store
-from test_keras_mwms import EPOCHS, GLOBAL_BATCH, SAMPLES, SEED, ScriptedPolicy, _free_ports, _one_thread, make_data
+from test_keras_mwms import (
+    EPOCHS,
+    GLOBAL_BATCH,
+    SAMPLES,
+    SEED,
+    ScriptedPolicy,
+    _free_ports,
+    _one_thread,
+    join_cluster,
+    make_data,
+)
 
 #: What each tf_keras worker trains, in order, each from a source of its own: "unpacks_two" fails, so it comes last.
 FITS = ("clip", "named", "own_step", "bf16", "unpacks_two")
@@ -87,8 +97,7 @@ def policy_of(name: str) -> str | None:
 
 def run_worker(index: int, ports: list[int], url: str, job: str, out: Path) -> None:
     """One MWMS worker: trains each model of FITS with the lbbsp callback and source, and writes what it trained."""
-    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
-                                          "task": {"type": "worker", "index": index}})
+    join_cluster(index, ports)
     import tensorflow as tf  # noqa: PLC0415
 
     tf.config.threading.set_intra_op_parallelism_threads(1)

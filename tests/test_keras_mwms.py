@@ -44,6 +44,13 @@ class ScriptedPolicy(Policy):
         return Decision(SPLITS[iteration % len(SPLITS)], f"scripted split {iteration % len(SPLITS)}")
 
 
+def join_cluster(index: int, ports: list[int]) -> None:
+    """Make this process worker ``index`` of a MultiWorkerMirroredStrategy cluster of one worker per localhost port
+    (``TF_CONFIG``, read when the strategy is made)."""
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
+                                          "task": {"type": "worker", "index": index}})
+
+
 def make_data() -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(7)
     x = rng.normal(size=(SAMPLES, 5))
@@ -80,8 +87,7 @@ def _refusal(call: Callable[[], object]) -> str:
 
 def run_worker(index: int, ports: list[int], url: str, job: str, steps_per_execution: int, out: Path) -> None:
     """One MWMS worker: fit with the lbbsp callback and data source, then save weights and what it served."""
-    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
-                                          "task": {"type": "worker", "index": index}})
+    join_cluster(index, ports)
     import tensorflow as tf  # noqa: PLC0415
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -152,8 +158,7 @@ def two_in_two_out_data() -> tuple[dict[str, np.ndarray], tuple[np.ndarray, np.n
 
 def run_multi_worker(index: int, ports: list[int], url: str, job: str, out: Path) -> None:
     """One MWMS worker training the two-input, two-output model on a dict of inputs and a tuple of targets."""
-    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
-                                          "task": {"type": "worker", "index": index}})
+    join_cluster(index, ports)
     import tensorflow as tf  # noqa: PLC0415
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -191,8 +196,7 @@ def run_across_worker(index: int, ports: list[int], job: str, out: Path, reachab
     """One MWMS worker given no Redis URL but the strategy; the last worker says it runs on another machine (by
     its host name), so it reaches worker 0's embedded Redis over TCP, and the others by its unix socket. Unless
     ``reachable``, worker 0 offers TCP addresses that nothing answers at, as behind a firewall."""
-    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
-                                          "task": {"type": "worker", "index": index}})
+    join_cluster(index, ports)
     import tensorflow as tf  # noqa: PLC0415
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -230,8 +234,7 @@ def run_across_worker(index: int, ports: list[int], job: str, out: Path, reachab
 def run_misconfigured_worker(index: int, ports: list[int], job: str, out: Path) -> None:
     """Two MWMS workers that both say they are worker 0, then that name different jobs, then of which one passes an
     index outside the job: each time both refuse (else the other would wait in the strategy's next collective)."""
-    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
-                                          "task": {"type": "worker", "index": index}})
+    join_cluster(index, ports)
     import tensorflow as tf  # noqa: PLC0415
 
     from lbbsp.integrations.keras import WorkerSession  # noqa: PLC0415
@@ -250,8 +253,7 @@ def run_misconfigured_worker(index: int, ports: list[int], job: str, out: Path) 
 
 def run_keras3_worker(index: int, ports: list[int], url: str, job: str, out: Path) -> None:
     """One Keras 3 worker under MWMS (its model.fit fails there): the session and the dataset refuse it."""
-    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
-                                          "task": {"type": "worker", "index": index}})
+    join_cluster(index, ports)
     import tensorflow as tf  # noqa: PLC0415
 
     from lbbsp.integrations.keras import BalancedSource, WorkerSession  # noqa: PLC0415
@@ -275,8 +277,7 @@ SLOW_S = 0.25  # worker 1's extra compute per step in the timing test
 
 def run_timed_worker(index: int, ports: list[int], url: str, job: str) -> None:
     """One MWMS worker of the timing test: worker 1's forward pass sleeps SLOW_S, worker 0's does not."""
-    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
-                                          "task": {"type": "worker", "index": index}})
+    join_cluster(index, ports)
     import tensorflow as tf  # noqa: PLC0415
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -307,8 +308,7 @@ OUTAGE_S = 4.0  # how long the outage test's workers wait for a stalled Redis be
 
 def run_outage_worker(index: int, ports: list[int], url: str, job: str, out: Path) -> None:
     """One MWMS worker of the outage test: trains until Redis stalls for good, then records how fit ended."""
-    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
-                                          "task": {"type": "worker", "index": index}})
+    join_cluster(index, ports)
     import tensorflow as tf  # noqa: PLC0415
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
