@@ -69,9 +69,9 @@ class LinearTime:
             seconds = self.overhead + np.where(x > 0, x / self.speed, 0.0)  # but no samples take no compute
         return np.where(x > 0, seconds, 0.0) if self.idle_is_free else seconds
 
-    def capacity(self, deadline: float) -> np.ndarray:
-        """How many samples each worker finishes by ``deadline`` seconds (not bounded above: the allocator clips);
-        -1 where none."""
+    def capacity(self, deadline: float | np.ndarray) -> np.ndarray:
+        """How many samples each worker finishes by ``deadline`` seconds, one for all or one per worker (not bounded
+        above: the allocator clips); -1 where none."""
         # The small slack keeps x whose time equals the deadline up to rounding; 0 x inf (a speed of 0 and an
         # infinite overhead, an infinite speed at a deadline equal to the overhead) is NaN, which fmax reads as none
         # (the allocator refuses NaN: a time model of one's own that answers it has a bug).
@@ -384,9 +384,9 @@ class HingeTime:
         hinge = self.base + self.slope * np.maximum(x - self.knee, 0.0)
         return np.where(x > self.observed_max, np.maximum(hinge, self._ratio * x), hinge)
 
-    def capacity(self, deadline: float) -> np.ndarray:
-        """How many samples each worker finishes by ``deadline`` seconds (at most 1e15: a flat curve finishes
-        any); -1 where even none is done by then (the deadline is under its base time)."""
+    def capacity(self, deadline: float | np.ndarray) -> np.ndarray:
+        """How many samples each worker finishes by ``deadline`` seconds, one for all or one per worker (at most
+        1e15: a flat curve finishes any); -1 where even none is done by then (the deadline is under its base time)."""
         with np.errstate(divide="ignore", invalid="ignore"):
             along_hinge = np.where(self.slope > 0, self.knee + (deadline - self.base) / self.slope, np.inf)
             beyond = np.minimum(along_hinge, deadline / self._ratio)

@@ -42,9 +42,11 @@ class HedgedTime:
 class InvertibleHedgedTime(HedgedTime):
     """:class:`HedgedTime` of a model whose ``capacity`` takes one deadline per worker (an array)."""
 
+    inner: LinearTime | HingeTime
+
     def capacity(self, deadline: float) -> np.ndarray:
         """``inner``'s capacity with each worker's deadline divided by its factor (closed form, no search)."""
-        return self.inner.capacity(deadline / self.factor)  # type: ignore[attr-defined]
+        return self.inner.capacity(deadline / self.factor)
 
 
 def hedged(model: TimeModel, factor: np.ndarray) -> TimeModel:
