@@ -148,12 +148,14 @@ def _check_for_job(policy: Policy | None, config: JobConfig, *, warn: bool = Tru
 class GuardedPolicy:
     """A policy held to the job's rules, as the coordinator runs it: a split that breaks them, or a policy that
     fails, keeps the split in force (logged with the reason) instead of stopping the job. The simulator runs
-    its policies through this too, so that a split it measures is one a job would have written."""
+    its policies through this too, so that a split it measures is one a job would have written. ``name``: what
+    its log lines call the policy (the simulator's name of the run); the policy's own name by default."""
 
-    def __init__(self, policy: Policy, config: JobConfig) -> None:
+    def __init__(self, policy: Policy, config: JobConfig, name: str | None = None) -> None:
         checked_policy(policy, config.job)
         _check_for_job(policy, config)
         self.policy, self.config = policy, config
+        self.name = str(policy.name) if name is None else name
         self._bounds = tuple(np.asarray(b, dtype=np.int64) for b in config.bounds())
         # an assignment holds a name and a reason of bounded length: longer ones are cut, not refused (a policy
         # error's long message made even the split kept in force invalid, and nothing was written)
@@ -176,7 +178,7 @@ class GuardedPolicy:
             self.failures += 1
             if (repeats := self._repeats.note(exc)) is not None:
                 log.exception("policy %s failed to decide iteration %d%s; keeping the current split",
-                              self.policy.name, target, repeats)
+                              self.name, target, repeats)
             decision = Decision(current, f"policy failed ({type(exc).__name__}: {exc}); kept the split")
             return decision, Assignment(self.config.job, target, current, self._name, _clipped(decision.reason,
                                                                                                MAX_REASON_CHARS))
@@ -187,7 +189,7 @@ class GuardedPolicy:
             self.policy.learn()
         except (Exception, SystemExit) as exc:  # as above: logged, and the next decision goes on
             if (repeats := self._learn_repeats.note(exc)) is not None:
-                log.exception("policy %s failed to learn from iteration %d%s", self.policy.name, iteration, repeats)
+                log.exception("policy %s failed to learn from iteration %d%s", self.name, iteration, repeats)
 
     def _predictions(self, target: int, decision: Decision) -> tuple[float, ...] | None:
         """The decision's predicted throughputs as one float per worker (NaN or inf where the model knows none:
@@ -201,7 +203,7 @@ class GuardedPolicy:
             predicted = np.asarray(None)
         if predicted.shape != (self.config.num_workers,) or predicted.dtype.kind not in "iuf":
             log.warning("policy %s's predicted throughput for iteration %d is not one number per worker (%.80r); "
-                        "recording none", self.policy.name, target, decision.predicted_throughput)
+                        "recording none", self.name, target, decision.predicted_throughput)
             return None
         return tuple(predicted.astype(float, copy=False).tolist())
 
@@ -211,7 +213,7 @@ class GuardedPolicy:
         the global batch): once written it could not be replaced, and every worker would refuse it. Checked
         on arrays: a fraction of a millisecond at 1,024 workers."""
         def refuse(why: str) -> PolicyError:
-            return PolicyError(f"policy {self.policy.name} returned an invalid split: {why}", job=self.config.job,
+            return PolicyError(f"policy {self.name} returned an invalid split: {why}", job=self.config.job,
                                iteration=target)
 
         if not isinstance(decision, Decision):  # the bare sizes, say: it had failed on a missing attribute

@@ -27,7 +27,7 @@ from .errors import ConfigError
 from .hedging import ForecastRisk, hedged, sized_throughput
 from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
 from .models.auto import GroupedTime
-from .models.base import WorkerIds, as_reports, predicted_throughput
+from .models.base import WorkerIds, as_reports, check_contract, predicted_throughput
 from .protocol import Report
 
 log = logging.getLogger("lbbsp.policies")
@@ -40,10 +40,12 @@ MIN_BAND = 0.005
 
 def _model(model: object) -> CapacityModel | None:
     """``model`` (None stays None); a :class:`ConfigError` for anything that is not a capacity model (a name
-    such as "ewma" is what the command line takes, not a policy)."""
+    such as "ewma" is what the command line takes, not a policy), or one of one's own that breaks its contract
+    (:func:`~lbbsp.models.base.check_contract`)."""
     if model is None:
         return model
     if isinstance(model, CapacityModel):
+        check_contract(model)
         model._check_params()  # EWMAThroughput(alpha=5) fails here, not at every decision of a running job
         return model
     raise ConfigError(f"model must be a CapacityModel instance (lbbsp.models: EWMAThroughput(), NARXThroughput(), "

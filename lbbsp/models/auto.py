@@ -25,6 +25,7 @@ from .base import (
     Hardware,
     WorkerIds,
     as_reports,
+    check_contract,
     hardware_of,
     predicted_throughput,
     worker_ids,
@@ -177,6 +178,7 @@ class AutoCapacityModel(CapacityModel):
             raise ConfigError(f"models for {wrong} are not CapacityModel instances")
         for kind, model in given.items():  # here, not at the first report of its kind (a decision of a running job)
             try:
+                check_contract(model)
                 model._check_params()
                 clone(model)  # as the first fit does: a model that cannot be cloned had failed every decision
             except ConfigError as exc:

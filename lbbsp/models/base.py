@@ -14,6 +14,7 @@ throughput history of its own is predicted from the median of workers on similar
 """
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import repeat
@@ -154,6 +155,31 @@ def _group_medians(groups: np.ndarray, ordered: np.ndarray, count: int) -> np.nd
     return out
 
 
+#: The methods a model of one's own must define, with their signatures: every other one has a default.
+CONTRACT = {"partial_fit": "partial_fit(reports, *, defer=False) -> self",
+            "predict": "predict(workers) -> throughput per worker (samples/s)"}
+
+
+def check_contract(model: CapacityModel) -> None:
+    """A ConfigError naming ``model``'s class and method where it leaves ``partial_fit`` or ``predict`` to the base
+    class, or its ``partial_fit`` takes no ``defer`` keyword: each had failed every decision of a running job (the
+    split kept, logged), and a simulated run read as BSP's. Once, where a policy takes the model."""
+    name = type(model).__name__
+    for method, signature in CONTRACT.items():
+        given = getattr(type(model), method, None)
+        if given is getattr(CapacityModel, method) or not callable(given):
+            raise ConfigError(f"{name} must define {signature}: CapacityModel leaves {method} to each model "
+                              "(docs/models.md)")
+    try:
+        inspect.signature(model.partial_fit).bind([], defer=True)
+    except TypeError:
+        raise ConfigError(f"{name}.partial_fit must take the keyword defer: {CONTRACT['partial_fit']} (or **kwargs; "
+                          "a model with nothing to defer ignores it): LBBSPPolicy calls partial_fit(reports, "
+                          "defer=True)") from None
+    except ValueError:  # no signature to read (a callable written in C): trusted
+        pass
+
+
 class CapacityModel(BaseEstimator):
     """Base class: ``partial_fit`` one iteration's reports, ``predict`` next-iteration throughput. A scikit-learn
     estimator: ``get_params``, ``set_params`` and ``sklearn.base.clone`` work on every model."""
@@ -217,7 +243,7 @@ class CapacityModel(BaseEstimator):
         """Learn from one iteration's reports (one report alone is taken as a list of one: :func:`as_reports`,
         which every model calls first); ``defer``: keep what the next forecast can do without for
         :meth:`finish_learning` (a model with nothing to defer ignores it)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define {CONTRACT['partial_fit']} (docs/models.md)")
 
     def finish_learning(self) -> CapacityModel:
         """Do the learning that ``partial_fit(..., defer=True)`` left for later; nothing unless a model defers."""
@@ -226,7 +252,7 @@ class CapacityModel(BaseEstimator):
     def predict(self, workers: WorkerIds) -> np.ndarray:
         """Predicted samples per second for each worker; a similar-hardware prior for a worker with no
         history, NaN only when no worker has any."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define {CONTRACT['predict']} (docs/models.md)")
 
     def time_model(self, workers: WorkerIds) -> TimeModel:
         """Predicted time as a function of batch size; linear in the size unless a model knows better. A worker

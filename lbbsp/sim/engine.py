@@ -48,7 +48,7 @@ class PolicyRun:
         """The run's figures for the table and the JSON: mean seconds per iteration, that over the oracle's
         ``oracle_mean_s``, idle share, decision times, iterations over a GPU's memory and failed decisions."""
         mean = float(np.mean(self.iteration_s))
-        return {"mean_iteration_s": mean, "vs_oracle": mean / oracle_mean_s,
+        return {"mean_iteration_s": mean, "vs_oracle": float(mean / oracle_mean_s),
                 "idle_fraction": float(np.mean(self.idle_fraction)),
                 "decision_ms_mean": 1e3 * float(np.mean(self.decision_s)),
                 "decision_ms_p99": 1e3 * float(np.percentile(self.decision_s, 99)),
@@ -145,8 +145,8 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
     aggregated = policy.aggregated(n)
     _fresh(name, policy)
     run = PolicyRun(name)
-    decider = _InProcess(policy, scenario.config) if redis_url is None else _ThroughRedis(policy, scenario.config,
-                                                                                          redis_url)
+    decider = (_InProcess(policy, scenario.config, name) if redis_url is None
+               else _ThroughRedis(policy, scenario.config, redis_url))
     config = decider.config
 
     def reveal(target: int) -> None:
@@ -196,10 +196,10 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
 
 class _InProcess:
     """Decides as the coordinator does, in this process and through the same :class:`GuardedPolicy`:
-    observe -> decide -> (split out) -> learn."""
+    observe -> decide -> (split out) -> learn. A failure is logged under the run's ``name``."""
 
-    def __init__(self, policy: Policy, config: JobConfig) -> None:
-        self.guarded, self.config = GuardedPolicy(policy, config), config
+    def __init__(self, policy: Policy, config: JobConfig, name: str) -> None:
+        self.guarded, self.config = GuardedPolicy(policy, config, name), config
         initial = np.asarray(config.initial_sizes(), dtype=np.int64)
         self.planned = {k: initial for k in range(config.lag)}
 
@@ -287,8 +287,11 @@ def compare(scenario: Scenario, iterations: int, policies: Mapping[str, Policy] 
     runs = {}
     for name, policy in policies.items():
         started = time.perf_counter()
-        runs[name] = run_policy(scenario, name, policy, iterations, redis_url, progress)
+        run = runs[name] = run_policy(scenario, name, policy, iterations, redis_url, progress)
         if progress is not None:
-            progress(f"  {name:<24} {np.mean(runs[name].iteration_s):.4g} s/iteration "
-                     f"({time.perf_counter() - started:.1f}s to simulate)")
+            # a run whose decisions failed ran the split kept in force (at worst the initial one throughout)
+            failed = (f"; {run.failed_decisions} of {iterations} decisions failed, the split was kept: see the log"
+                      if run.failed_decisions else "")
+            progress(f"  {name:<24} {np.mean(run.iteration_s):.4g} s/iteration "
+                     f"({time.perf_counter() - started:.1f}s to simulate{failed})")
     return runs
