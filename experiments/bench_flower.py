@@ -111,7 +111,7 @@ def main() -> None:
                         help="the test accuracy whose time to reach is reported, in [0, 1]")
     parser.add_argument("--dropout", type=float, default=0.4, help="the most-dropping clients' chance per round")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_flower.json",
-                        help="the JSON file written (default: the one the docs quote)")
+                        help="the JSON file written, or a folder for it (a name without a suffix) (default: the one the docs quote)")
     args = parser.parse_args()
     if args.clients < 1 or args.rounds < 1:
         parser.error("--clients and --rounds must be at least 1")

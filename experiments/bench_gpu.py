@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expandable-segments", action="store_true",
                         help="run PyTorch's CUDA allocator with expandable segments (what docs/torch.md advises)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bench_gpu.json",
-                        help="the JSON file written (default: the one the docs quote)")
+                        help="the JSON file written, or a folder for it (a name without a suffix) (default: the one the docs quote)")
     args = parser.parse_args(argv)
     try:
         sizes = sorted({int(s) for s in args.sizes.split(",")})

@@ -90,7 +90,7 @@ def main() -> None:
                         help="samples a step over both workers, in [16, 1797]")
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each mode")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_keras.json",
-                        help="the JSON file written (default: the one the docs quote)")
+                        help="the JSON file written, or a folder for it (a name without a suffix) (default: the one the docs quote)")
     args = parser.parse_args()
     if min(args.epochs, args.hidden, args.repeats) < 1 or args.load_procs < 0:
         parser.error("--epochs, --hidden and --repeats must be at least 1, --load-procs at least 0")

@@ -95,7 +95,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", default=str(DEFAULT_TRACE_DIR),
                         help="folder of recorded CPU traces to score on (default: the shipped ones)")
-    parser.add_argument("--skip", type=int, default=50, help="warm-up iterations not scored")
+    parser.add_argument("--skip", type=int, default=50, help="warm-up iterations not scored (default: 50)")
     args = parser.parse_args()
     if args.skip < 0:
         parser.error("--skip must be at least 0")

@@ -62,12 +62,16 @@ def table(figures: Figures) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1 of each scenario")
-    parser.add_argument("--workers", type=int, nargs="+", default=[16, 256, 1024])
-    parser.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=sorted(SCENARIOS))
-    parser.add_argument("--iterations", type=int, default=150, help="as the committed lbbsp simulate results")
+    parser.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1 of each scenario (default: 5)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[16, 256, 1024],
+                        help="cluster sizes, each run on every scenario (default: 16 256 1024)")
+    parser.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=sorted(SCENARIOS),
+                        help="(default: all)")
+    parser.add_argument("--iterations", type=int, default=150,
+                        help="per run (default: 150, as the committed lbbsp simulate results)")
     parser.add_argument("--out", type=Path, default=OUT,
-                        help=f"the JSON file to write, or a folder to write {OUT.name} in (default: {OUT})")
+                        help=f"the JSON file to write (a name with a suffix, such as x.json), or a folder to write "
+                             f"{OUT.name} in (any other name; made if missing) (default: {OUT})")
     args = parser.parse_args()
     if args.seeds < 1 or args.iterations < 1 or min(args.workers) < 2:
         parser.error("--seeds and --iterations must be at least 1, --workers at least 2")

@@ -196,7 +196,7 @@ def main() -> int:
     parser.add_argument("--global-batch", type=int, default=1024, help=f"at most {DIGITS} (the digits data)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each mode per case")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "bench_torch.json",
-                        help="the JSON file written (default: the one the docs quote)")
+                        help="the JSON file written, or a folder for it (a name without a suffix) (default: the one the docs quote)")
     args = parser.parse_args()
     if args.repeats < 1 or args.steps < 1 or args.hidden < 1:
         parser.error("--repeats, --steps and --hidden must be at least 1")

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lags", default="2,4", help="lbbsp's lags, comma-separated (2 is the default)")
     parser.add_argument("--steps", type=int, default=60, help="timed steps per run (after 10 warm-up steps)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each loop per size, in turn")
-    parser.add_argument("--out", type=Path, default=OUT, help=f"the JSON file written (default: {OUT})")
+    parser.add_argument("--out", type=Path, default=OUT, help=f"the JSON file written, or a folder for it (a name without a suffix) (default: {OUT})")
     parser.add_argument("--dry-run", action="store_true",
                         help="without CUDA: run on the CPU under gloo to check the script (figures say nothing of a "
                              "GPU; written only to an --out given)")

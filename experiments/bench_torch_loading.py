@@ -142,7 +142,7 @@ def main() -> int:
     parser.add_argument("--global-batch", type=int, default=128, help="at most 1797 (the digits data)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each mode, in turn")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" /
-                        "bench_torch_loading.json", help="the JSON file written (default: the one the docs quote)")
+                        "bench_torch_loading.json", help="the JSON file written, or a folder for it (a name without a suffix) (default: the one the docs quote)")
     args = parser.parse_args()
     if min(args.steps, args.warmup, args.hidden, args.repeats) < 1:
         parser.error("--steps, --warmup, --hidden and --repeats must be at least 1")

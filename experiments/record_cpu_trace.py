@@ -175,14 +175,19 @@ def _stop_recording(signum: int, frame: object) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=("numpy", "torch"), default="numpy")
-    parser.add_argument("--batch", type=int, default=256, help="samples per iteration")
-    parser.add_argument("--seconds", type=float, default=180.0, help="how long to record")
-    parser.add_argument("--core", type=int, default=0, help="the core the worker and its co-located jobs share")
-    parser.add_argument("--max-level", type=int, default=2, help="most co-located busy loops at once")
-    parser.add_argument("--mean-dwell-s", type=float, default=3.0, help="mean seconds between load switches")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", required=True, help="trace file to write (JSON)")
+    parser.add_argument("--backend", choices=("numpy", "torch"), default="numpy",
+                        help="the training step: a numpy MLP or a torch CNN (default: numpy)")
+    parser.add_argument("--batch", type=int, default=256,
+                        help="samples per iteration (default: 256; the shipped numpy trace used 2048, the torch one 256)")
+    parser.add_argument("--seconds", type=float, default=180.0, help="how long to record (default: 180)")
+    parser.add_argument("--core", type=int, default=0,
+                        help="the core the worker and its co-located jobs share (default: 0)")
+    parser.add_argument("--max-level", type=int, default=2, help="most co-located busy loops at once (default: 2)")
+    parser.add_argument("--mean-dwell-s", type=float, default=3.0,
+                        help="mean seconds between load switches (default: 3)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the model, its data and the load switches (default: 0)")
+    parser.add_argument("--out", required=True,
+                        help="trace file to write, NAME.json (lbbsp simulate --traces DIR reads every *.json in DIR)")
     args = parser.parse_args()
     # checked before recording: each of these failed only after it (or stopped the load switches unseen)
     for wrong, message in ((args.batch < 1, f"--batch must be at least 1, got {args.batch}"),
@@ -190,7 +195,10 @@ def main() -> int:
                            (not 0 < args.mean_dwell_s < 1e6,  # inf stopped the switches
                             f"--mean-dwell-s must be positive and below a million seconds, got {args.mean_dwell_s:g}"),
                            (not 0 < args.seconds < 1e6, f"--seconds must be positive and below a million, got "
-                                                        f"{args.seconds:g}")):
+                                                        f"{args.seconds:g}"),
+                           (Path(args.out).suffix != ".json",  # a trace named otherwise is not read as one
+                            f"--out must end in .json (lbbsp simulate --traces DIR and bench_models.py read every "
+                            f"*.json in DIR), got {args.out}")):
         if wrong:
             parser.error(message)
     if args.core not in os.sched_getaffinity(0):

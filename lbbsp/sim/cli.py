@@ -254,9 +254,9 @@ def plot(scenario: Scenario, runs: dict[str, PolicyRun], summary: dict[str, dict
     # below the axis label: inside the axes it covered a bar's label (the top one, with 2 workers)
     bars.legend(handles=legend, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     bars.set_xlim(0, 1.3 * max(summary[n]["vs_oracle"] for n in names))  # room for the labels
-    for i, n in enumerate(names):
+    for i, n in enumerate(names):  # a label starts right of the oracle's line: a shorter bar's had been drawn across it
         over = summary[n]["over_memory_iterations"]
-        bars.text(summary[n]["vs_oracle"], i, f" {summary[n]['vs_oracle']:.3f}, idle {summary[n]['idle_fraction']:.0%}"
+        bars.text(max(summary[n]["vs_oracle"], 1.0), i, f" {summary[n]['vs_oracle']:.3f}, idle {summary[n]['idle_fraction']:.0%}"
                   + (f", {over} over memory" if over else ""), va="center", fontsize=8)
     oracle = np.asarray(runs["oracle"].iteration_s)
     window = max(1, oracle.size // 20)

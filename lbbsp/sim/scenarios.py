@@ -8,8 +8,9 @@ run of the same seed begins with the same iterations as a shorter one.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from os import PathLike
 from typing import ClassVar
 
 import numpy as np
@@ -18,6 +19,7 @@ from ..allocation import HingeTime, LinearTime
 from ..config import JobConfig, _integer, _real
 from ..errors import ConfigError
 from ..models import AutoCapacityModel, CapacityModel, FLClientModel, MixedTime
+from ..protocol import _is_integer
 from .traces import TRACE_FEATURES, CPUTrace, load_traces
 
 #: Iterations past the last simulated one that a scenario generates: decisions run up to ``lag`` (at most 8)
@@ -27,9 +29,10 @@ LOOKAHEAD = 8
 
 def _run(num_workers: object, iterations: object, seed: object, batch: object, batch_name: str) -> None:
     """Check what every scenario takes, before anything is drawn: a ConfigError naming the argument."""
-    if _integer(num_workers, "num_workers", 1, None) < Scenario.min_workers:
+    if _is_integer(num_workers) and num_workers < Scenario.min_workers:  # the bound and why (0 had said [1, inf])
         raise ConfigError(f"num_workers must be at least {Scenario.min_workers} (backup workers, one of the policies "
                           f"compared, drop one), got {num_workers!r}")
+    _integer(num_workers, "num_workers", Scenario.min_workers, None)  # not an integer
     _integer(iterations, "iterations", 1, None)
     _integer(seed, "seed", 0, None)
     _integer(batch, batch_name, 1, None)
@@ -112,10 +115,14 @@ class CPUContention(Scenario):
         _run(num_workers, iterations, seed, batch_per_worker, "batch_per_worker")
         _at_least_zero("machine_spread", machine_spread)
         _real(mean_dwell, "mean_dwell", 1.0, math.inf, ">= 1 iteration (inf: the levels never switch)")
-        traces = list(traces) if traces is not None else load_traces()
+        given = traces
+        if isinstance(given, (str, PathLike)):  # a folder's name had been listed letter by letter
+            raise ConfigError(f"traces must be None (the shipped ones) or a non-empty list of CPUTrace, got the folder "
+                              f"{given!r}: pass traces=load_traces({str(given)!r}) (from lbbsp.sim)")
+        traces = load_traces() if given is None else list(given) if isinstance(given, Iterable) else []
         if not traces or not all(isinstance(trace, CPUTrace) for trace in traces):
             raise ConfigError(f"traces must be None (the shipped ones) or a non-empty list of CPUTrace, as "
-                              f"load_traces(directory) gives, got {traces!r:.80}")
+                              f"load_traces(directory) gives, got {given!r:.80}")
         if not isinstance(noise, bool):
             raise ConfigError(f"noise must be True or False, got {noise!r}")
         rng, *replay_rngs = _streams(seed, 1 + len(traces))
@@ -319,12 +326,12 @@ class MixedCluster(Scenario):
     def __init__(self, num_workers: int, iterations: int, seed: int, *, traces: Sequence[CPUTrace] | None = None,
                  mean_dwell: float = MEAN_DWELL, noise: bool = True, cpu_images_per_s: float = 60.0,
                  gpu_batch: int = 112, cpu_batch: int = 16) -> None:
+        if _is_integer(num_workers) and num_workers < self.min_workers:
+            raise ConfigError(f"num_workers must be at least {self.min_workers} for a mixed cluster (two GPUs, two CPUs), "
+                              f"got {num_workers!r}")
         _run(num_workers, iterations, seed, gpu_batch, "gpu_batch")
         _integer(cpu_batch, "cpu_batch", 1, None)
         _above_zero("cpu_images_per_s", cpu_images_per_s)
-        if num_workers < self.min_workers:
-            raise ConfigError(f"num_workers must be at least {self.min_workers} for a mixed cluster (two GPUs, two CPUs), "
-                              f"got {num_workers}")
         self.gpus_at, self.cpus_at = np.arange(0, num_workers, 2), np.arange(1, num_workers, 2)
         self.gpus = GPUMix(self.gpus_at.size, iterations, seed, batch_per_worker=gpu_batch)
         self.cpus = CPUContention(self.cpus_at.size, iterations, seed, traces=traces, batch_per_worker=cpu_batch,

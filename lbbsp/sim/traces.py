@@ -56,15 +56,17 @@ class CPUTrace:
             raise ConfigError(f"cannot read CPU trace {path}: {exc}") from None
         except RecursionError:
             raise ConfigError(f"cannot read CPU trace {path}: nested too deeply") from None
-        if not (np.isfinite(np.column_stack([throughput, level, features])).all() and (throughput > 0).all()
-                and (level == np.round(level)).all() and (level >= 0).all() and (level < 2**53).all()):
-            raise ConfigError(f"cannot read CPU trace {path}: every throughput must be positive and finite, every "
-                              "feature finite and every hog_level a whole number in [0, 2**53)")
-        for j, name in enumerate(TRACE_FEATURES):  # replayed into reports, which refuse values out of range
-            low, high = FEATURE_RANGES[name]
-            if (bad := np.flatnonzero((features[:, j] < low) | (features[:, j] > high))).size:
-                raise ConfigError(f"cannot read CPU trace {path}: {name} must be in [{low}, {high}], row "
-                                  f"{int(bad[0])} has {features[bad[0], j]:g} ({bad.size} rows out of range)")
+        wanted = {"throughput": ("positive and finite", (throughput > 0) & (throughput < np.inf)),
+                  "hog_level": ("a whole number in [0, 2**53)", (level >= 0) & (level < 2**53) & (level == np.round(level))),
+                  **{name: (f"in [{low}, {high}]", (features[:, j] >= low) & (features[:, j] <= high))  # NaN fails
+                     for j, name in enumerate(TRACE_FEATURES) for low, high in [FEATURE_RANGES[name]]}}
+        # replayed into reports, which refuse values out of range: the first bad row, and its column, named
+        if bad := {name: np.flatnonzero(~fine) for name, (_, fine) in wanted.items() if not fine.all()}:
+            name = min(bad, key=lambda n: (bad[n][0], columns[n]))
+            row = int(bad[name][0])
+            raise ConfigError(f"cannot read CPU trace {path}: {name} must be {wanted[name][0]}, row {row} has "
+                              f"{rows[row, columns[name]]:g} ({bad[name].size} row{'s' * (bad[name].size > 1)} "
+                              "out of range)")
         return cls(path.stem, throughput, features, level.astype(int))
 
 
@@ -73,6 +75,9 @@ def load_traces(directory: str | Path = DEFAULT_TRACE_DIR) -> list[CPUTrace]:
     if not Path(directory).is_dir():
         raise ConfigError(f"{directory} is not a directory: traces are read from a directory of *.json files")
     paths = sorted(Path(directory).glob("*.json"))
-    if not paths:
-        raise ConfigError(f"no CPU traces in {directory}; record one with experiments/record_cpu_trace.py")
+    if not paths:  # a trace saved without .json, or in a subfolder, is not read: say what is there
+        names = sorted(p.name + "/" * p.is_dir() for p in Path(directory).iterdir())
+        holds = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise ConfigError(f"no CPU traces in {directory}: no *.json files directly in it (it holds {holds or 'nothing'}); "
+                          f"record one with experiments/record_cpu_trace.py --out {Path(directory) / 'NAME.json'}")
     return [CPUTrace.load(p) for p in paths]
