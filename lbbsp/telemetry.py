@@ -18,6 +18,12 @@ log = logging.getLogger("lbbsp.telemetry")
 
 _CGROUP_ROOT = "/sys/fs/cgroup"  # where cgroup v2's tree, or v1's controller folders, are mounted
 _PROC_SELF_CGROUP = "/proc/self/cgroup"  # this process's cgroup in each hierarchy
+# How much earlier than the wall clock psutil's process creation times can read: on Linux they add the boot time, which
+# /proc/stat gives in whole seconds, to the start in clock ticks since boot (0.96 s early on the machine this was
+# written on), so a process started just after a sample may read as a second and a tick before it
+_CREATE_TIME_EARLY_S = 1.02
+# Whether psutil reads a process's reaped children's CPU times (children_user, children_system: 0 on macOS and Windows)
+_READS_REAPED_TIMES = not (psutil.MACOS or psutil.WINDOWS)
 
 
 class ResourceMonitor:
@@ -32,8 +38,10 @@ class ResourceMonitor:
     CPUs, or to CPUs 0-1, on a 64-core host is a 2-core machine to the models. ``cpu_util`` and ``colocated_load``
     stay the whole machine's (psutil counts every host CPU).
     ``proc_cpu`` counts this process's descendants too (``children``, the default): DataLoader or tf.data workers and
-    a redis-server the job started are the job's own CPU, not co-located load. ``children=False`` counts them as
-    others', for a process that runs stand-ins for other jobs as its children (experiments/record_cpu_trace.py).
+    a redis-server the job started are the job's own CPU, not co-located load. A descendant counts from the window it
+    starts in to the one it ends in (its last part through its parent's reaped-children times). ``children=False``
+    counts them as others' (this process's own user and system time only, as psutil's cpu_percent), for a process
+    that runs stand-ins for other jobs as its children (experiments/record_cpu_trace.py).
     """
 
     def __init__(self, gpu_index: int | None = None, *, min_interval_s: float = 0.2, children: bool = True) -> None:
@@ -57,10 +65,12 @@ class ResourceMonitor:
                                     cpuset if cpuset is not None else math.inf), 1))
         self._process = self._read("process CPU", psutil.Process)
         self._process_cpu()  # the baseline of this monitor's own Process object
-        # each descendant's Process object (psutil compares its creation time too, so a reused pid is another
-        # process) and CPU seconds at the previous reading, and when that was
+        # The CPU-seconds at the previous reading of each descendant (its own and its reaped descendants') and of this
+        # process (its reaped descendants' only: its own are cpu_percent's), by pid with its Process object (psutil
+        # compares creation times too, so a reused pid is another process); and when that was, on the monotonic and
+        # the wall clock (creation times are on that)
         self._descendants: dict[int, tuple[psutil.Process, float]] = {}
-        self._descendants_at = time.monotonic()
+        self._descendants_at, self._descendants_wall = time.monotonic(), time.time()
         self._proc_children = _kernel_lists_children()
         if children:
             self._descendants_cpu()  # their baselines
@@ -100,28 +110,48 @@ class ResourceMonitor:
         return features
 
     def _process_cpu(self) -> float | None:
-        """This process's CPU use since the previous call, in percent of one core, or None where it cannot be read."""
+        """This process's CPU use since the previous call, in percent of one core, or None where it cannot be read:
+        user and system time, as psutil's cpu_percent counts them (not its reaped children's)."""
         return self._read("process CPU", self._process.cpu_percent, None) if self._process is not None else None
 
     def _descendants_cpu(self) -> float:
-        """The CPU use of this process's descendants since the previous call, in percent of one core. A child first
-        seen counts from the next call (its baseline); one that ended, or whose times cannot be read (AccessDenied),
-        is left out."""
-        now = time.monotonic()
-        elapsed, self._descendants_at = now - self._descendants_at, now
+        """The CPU use of this process's descendants since the previous call, in percent of one core; 0 where they
+        cannot be read (the next call then spans this window too) and at the first call (their baselines).
+
+        Each descendant counts its user and system time and its reaped descendants' (children_user, children_system),
+        and this process its reaped descendants': a descendant that ends is reaped by its parent, in the tree, whose
+        children_* times then take its whole total, so the tree's total runs on across exits. One that ended in the
+        window counts its last part (its parent's jump, less its total at the previous call); one born in the window
+        counts whole; a new one that was not (it could not be read before) only sets its baseline, so no history
+        lands in one window. Left: a descendant that ends unwaited for (orphaned to init in the window, as a
+        daemonising child's child is, or its parent ignores SIGCHLD) takes its time with it, not to a parent in the
+        tree: that window reads low (clamped at 0)."""
+        now, wall = time.monotonic(), time.time()
         found = self._read("child processes' CPU", self._list_descendants) if self._process is not None else None
-        used, seen = 0.0, {}
-        for child in found or ():
-            try:
-                times = child.cpu_times()
-            except (psutil.Error, OSError):  # ended since the listing (NoSuchProcess, ZombieProcess), or AccessDenied
+        if self._process is None or found is None:
+            return 0.0
+        totals, failed = _tree_cpu_s(self._process, found)
+        before, born_after = self._descendants, self._descendants_wall - _CREATE_TIME_EARLY_S
+        elapsed = now - self._descendants_at
+        self._descendants, self._descendants_at, self._descendants_wall = dict(totals), now, wall
+        if not before:  # this call read the baselines
+            return 0.0
+        used = 0.0
+        for pid, (process, total) in totals.items():
+            previous = before.get(pid)
+            if previous is not None and previous[0] == process:  # the same process: psutil compares creation times
+                used += total - previous[1]
+            elif _created_after(process, born_after):  # born in the window: all its time is the window's
+                used += total
+        for pid, (process, total) in before.items():
+            if pid in totals and totals[pid][0] == process:
                 continue
-            before = self._descendants.get(child.pid)
-            if before is not None and before[0] == child:  # the same process: psutil compares creation times too
-                used += max(times.user + times.system - before[1], 0.0)
-            seen[child.pid] = (child, times.user + times.system)
-        self._descendants = seen  # ended ones dropped; none where the listing failed, so none spans two windows
-        return 100.0 * used / elapsed if elapsed > 0 else 0.0
+            if pid in failed and failed[pid] == process:  # unreadable now (AccessDenied): its time since counts
+                self._descendants[pid] = (process, total)  # when it can be read again
+            elif _READS_REAPED_TIMES and not process.is_running():  # ended: its total is in its parent's
+                used -= total  # children_* times now
+            # else it runs out of the tree (orphaned to init, or not listed), or its last window is not known
+        return 100.0 * max(used, 0.0) / elapsed if elapsed > 0 else 0.0
 
     def _list_descendants(self) -> list[psutil.Process]:
         """This process's descendants: from the kernel's lists of each task's children where it keeps them (reads of
@@ -269,6 +299,46 @@ def _descendant_pids(pid: int) -> list[int]:
             found += children
             parents += children
     return found
+
+
+def _tree_cpu_s(process: psutil.Process, descendants: list[psutil.Process]) -> tuple[
+        dict[int, tuple[psutil.Process, float]], dict[int, psutil.Process]]:
+    """By pid, the CPU-seconds of ``process`` (this one) that its reaped descendants used (os.times: no /proc read)
+    and of each descendant, its own and its reaped descendants'; and the descendants that cannot be read
+    (AccessDenied). ``descendants`` lists parents before their children, so a child read was not yet reaped when its
+    parent was. One that ended since the listing was reaped before or after its parent was read: all are read again
+    (up to twice), so that each parent's reading holds the children that are gone."""
+    for _ in range(3):
+        reaped = os.times()
+        totals = {process.pid: (process, reaped.children_user + reaped.children_system)}
+        failed: dict[int, psutil.Process] = {}
+        kept, ended = [], False
+        for descendant in descendants:
+            try:
+                times = descendant.cpu_times()
+            except psutil.ZombieProcess:  # a NoSuchProcess, but not reaped
+                failed[descendant.pid] = descendant
+            except psutil.NoSuchProcess:
+                ended = True
+                continue
+            except (psutil.Error, OSError):  # AccessDenied
+                failed[descendant.pid] = descendant
+            else:
+                totals[descendant.pid] = (descendant, times.user + times.system + times.children_user
+                                          + times.children_system)
+            kept.append(descendant)
+        if not ended:
+            break
+        descendants = kept
+    return totals, failed
+
+
+def _created_after(process: psutil.Process, since: float) -> bool:
+    """Whether ``process`` started after ``since`` (the wall clock); False where its creation time cannot be read."""
+    try:
+        return bool(process.create_time() > since)
+    except (psutil.Error, OSError):
+        return False
 
 
 def _cpu_list_size(file: str) -> int | None:

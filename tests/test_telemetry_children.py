@@ -11,8 +11,10 @@ import subprocess
 import sys
 import time
 from collections import namedtuple
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -22,7 +24,7 @@ from lbbsp.errors import ConfigError
 
 RECORDER = Path(__file__).resolve().parent.parent / "experiments" / "record_cpu_trace.py"
 _FORK = mp.get_context("fork")  # fast, and the target needs no import by name
-_Times = namedtuple("_Times", "user system")
+_Times = namedtuple("_Times", "user system children_user children_system")
 
 
 def _burn(started: mp.synchronize.Event, done: mp.synchronize.Event, stop: mp.synchronize.Event) -> None:
@@ -113,35 +115,245 @@ def test_a_child_that_exits_between_samples_leaves_the_next_sample_whole(
         Report("j", 0, 0, 1, 0.1, features=features)
 
 
-class _Child:
-    """A stand-in for a psutil.Process child: its CPU seconds so far, or the psutil error reading them raises."""
+def _spend(cpu_s: float) -> None:
+    """Busy until this process has used ``cpu_s`` CPU-seconds, however loaded the machine is."""
+    while time.process_time() < cpu_s:
+        pass
 
-    def __init__(self, pid: int, cpu_s: float | psutil.Error) -> None:
-        self.pid, self.cpu_s = pid, cpu_s
+
+def _cpu_s() -> float:
+    """This process's CPU-seconds and its reaped children's, as the kernel counts them (clock ticks, as /proc's)."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def _spend_and_tell(go: mp.synchronize.Event, cpu_s: float, stop: mp.synchronize.Event | None,
+                    tell: Connection) -> None:
+    """When told to go, spends ``cpu_s`` CPU-seconds and tells how many it used; then exits, or waits for ``stop``."""
+    assert go.wait(30)
+    _spend(cpu_s)
+    tell.send(_cpu_s())
+    if stop is not None:
+        stop.wait(30)
+
+
+def _reap_a_busy_grandchild(cpu_s: float, tell: Connection) -> None:
+    """Forks a grandchild that spends ``cpu_s`` CPU-seconds, reaps it, and tells its own and the grandchild's."""
+    pid = os.fork()
+    if pid == 0:
+        _spend(cpu_s)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    tell.send(_cpu_s())
+
+
+def _child(target: Callable[..., None], *args: Any) -> tuple[mp.process.BaseProcess, Connection]:
+    """A forked child running ``target(*args, tell)``, and the end of the pipe it tells its CPU-seconds on."""
+    heard, tell = _FORK.Pipe(duplex=False)
+    return _FORK.Process(target=target, args=(*args, tell), daemon=True), heard
+
+
+def _heard(heard: Connection) -> float:
+    assert heard.poll(30), "the child did not tell its CPU-seconds"
+    told: float = heard.recv()
+    return told
+
+
+def _window_cpu_s(monitors: list[ResourceMonitor], during: Callable[[], None]) -> tuple[list[float], float]:
+    """The CPU-seconds each monitor's proc_cpu gives a window in which ``during`` runs (proc_cpu times the window's
+    length), and this process's own in it."""
+    for monitor in monitors:
+        monitor.sample()
+    start, own = time.monotonic(), time.process_time()
+    during()
+    own, length = time.process_time() - own, time.monotonic() - start
+    return [monitor.sample()["proc_cpu"] * length for monitor in monitors], own
+
+
+@contextlib.contextmanager
+def _ended(child: mp.process.BaseProcess) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+            child.join()
+
+
+def test_a_child_that_ends_between_two_samples_counts_its_last_window() -> None:
+    """A child's CPU from the last sample that saw it to its exit was lost (proc_cpu ~0 while it burnt 0.3 s), and
+    read as co-located load: its parent reaps it, and its total moves into the parent's children_* times."""
+    go = _FORK.Event()
+    child, heard = _child(_spend_and_tell, go, 0.3, None)
+    child.start()
+    told = [0.0]
+
+    def burn_and_reap() -> None:
+        go.set()
+        told[0] = _heard(heard)
+        child.join(30)  # reaped by this process
+
+    with _ended(child):  # started: the first sample sees it
+        (used,), own = _window_cpu_s([ResourceMonitor(min_interval_s=0.0)], burn_and_reap)
+    assert child.exitcode == 0
+    assert told[0] - 0.1 <= used <= told[0] + own + 0.1, (used, told[0], own)
+
+
+def test_a_child_started_after_a_sample_counts_in_the_next_window() -> None:
+    """A child first seen at a sample counted only from the next (its first window was its baseline): DataLoader
+    workers restarted each epoch were under-counted, and their CPU read as co-located load."""
+    go, stop = _FORK.Event(), _FORK.Event()
+    go.set()
+    child, heard = _child(_spend_and_tell, go, 0.3, stop)
+    told = [0.0]
+
+    def start_and_burn() -> None:
+        child.start()
+        told[0] = _heard(heard)  # it still runs at the next sample
+
+    with _ended(child):
+        (used,), own = _window_cpu_s([ResourceMonitor(min_interval_s=0.0)], start_and_burn)
+        stop.set()
+    assert told[0] - 0.1 <= used <= told[0] + own + 0.1, (used, told[0], own)
+
+
+def test_a_grandchild_reaped_by_its_child_counts_once() -> None:
+    """A grandchild's time is in its parent's children_* times once reaped, and in ours once we reap that parent:
+    born, reaped and gone within a window, the tree counts it once (0.4 s here), not twice, and not never."""
+    child, heard = _child(_reap_a_busy_grandchild, 0.4)
+    told = [0.0]
+
+    def start_and_reap() -> None:
+        child.start()
+        told[0] = _heard(heard)
+        child.join(30)
+
+    with _ended(child):
+        (used,), own = _window_cpu_s([ResourceMonitor(min_interval_s=0.0)], start_and_reap)
+    assert told[0] >= 0.35, told[0]  # the grandchild's 0.4 s, as the kernel counts it in clock ticks
+    assert told[0] - 0.1 <= used <= told[0] + own + 0.1, (used, told[0], own)
+
+
+def test_children_false_leaves_a_reaped_childs_cpu_out() -> None:
+    """children=False counts this process's own CPU only, as psutil's cpu_percent does (user + system, not the
+    children_* times that a reaped child's total moves into): the recorder's busy loops stay co-located load, while
+    with children (the default) that child is the job's."""
+    go = _FORK.Event()
+    go.set()
+    child, heard = _child(_spend_and_tell, go, 0.3, None)
+    told = [0.0]
+
+    def start_burn_and_reap() -> None:
+        child.start()
+        told[0] = _heard(heard)
+        child.join(30)
+
+    with _ended(child):
+        (with_children, without), own = _window_cpu_s(
+            [ResourceMonitor(min_interval_s=0.0), ResourceMonitor(min_interval_s=0.0, children=False)],
+            start_burn_and_reap)
+    assert without <= own + 0.05, (without, own, told[0])
+    assert told[0] - 0.1 <= with_children <= told[0] + own + 0.1, (with_children, told[0], own)
+
+
+class _Child:
+    """A stand-in for a descendant's psutil.Process: its CPU seconds so far (or the psutil error reading them raises),
+    when it started (0: long before any sample), and whether it still runs where it is not listed."""
+
+    def __init__(self, pid: int, cpu_s: float | psutil.Error, created: float = 0.0, running: bool = False) -> None:
+        self.pid, self.cpu_s, self.created, self.running = pid, cpu_s, created, running
 
     def cpu_times(self) -> _Times:
         if isinstance(self.cpu_s, psutil.Error):
             raise self.cpu_s
-        return _Times(self.cpu_s, 0.0)
+        return _Times(self.cpu_s, 0.0, 0.0, 0.0)
+
+    def create_time(self) -> float:
+        return self.created
+
+    def is_running(self) -> bool:
+        return self.running
 
 
-def test_children_that_end_deny_access_or_reuse_a_pid_are_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each child's failure leaves the others and the sample whole; a pid now another process's is a new child
-    (counted from the next sample), not the old one's CPU seconds since."""
+def _fake_tree(monkeypatch: pytest.MonkeyPatch, cores: list[float], reaped: Callable[[], float],
+               scans: Iterator[list[_Child]]) -> tuple[ResourceMonitor, list[float]]:
+    """A monitor whose process uses ``cores[0]`` cores of its own (psutil's cpu_percent), whose reaped children's
+    CPU-seconds read ``reaped()``, and whose descendants are each next of ``scans`` (psutil's scan, as without /proc's
+    lists); and the monotonic clock it reads (seconds, to move on)."""
     clock = [100.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(psutil.Process, "cpu_percent", lambda *args, **kwargs: 100.0)  # this process: 1 core
-    good, reused = _Child(11, 1.0), _Child(12, 5.0)
+    monkeypatch.setattr(psutil.Process, "cpu_percent", lambda *args, **kwargs: 100.0 * cores[0])
+    # this process's own times run on (a core) in os.times too: they are cpu_percent's, not to be counted again
+    monkeypatch.setattr(os, "times", lambda: _Times(clock[0], 0.0, reaped(), 0.0))
+    monkeypatch.setattr(psutil.Process, "children", lambda *args, **kwargs: next(scans))
+    monkeypatch.setattr(telemetry, "_kernel_lists_children", lambda: False)
+    return ResourceMonitor(min_interval_s=0.0), clock
+
+
+def test_children_that_end_deny_access_reuse_a_pid_or_leave_the_tree_are_counted_as_far_as_they_can_be(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each child's failure leaves the others and the sample whole. A pid now another process's: the old one's last
+    window (its reaper's children_* jump, less its total at the previous sample) and the new one, born in the window,
+    whole. One that left the tree alive (orphaned to init) took its time with it: nothing is taken off for it."""
+    reaped = [0.0]
+    good, old = _Child(11, 1.0), _Child(12, 5.0)
     failing = [_Child(13, psutil.NoSuchProcess(13)), _Child(14, psutil.AccessDenied(14)),
                _Child(15, psutil.ZombieProcess(15))]
-    scans = iter([[good, reused, *failing], [good, _Child(12, 50.0), *failing]])
-    monkeypatch.setattr(psutil.Process, "children", lambda *args, **kwargs: next(scans))
-    monkeypatch.setattr(telemetry, "_kernel_lists_children", lambda: False)  # psutil's scan, as without /proc's lists
-    monitor = ResourceMonitor(min_interval_s=0.0)
+    orphan = _Child(17, 4.0, running=True)
+    scans = [[good, old, *failing, orphan]]
+    monitor, clock = _fake_tree(monkeypatch, [1.0], lambda: reaped[0], iter(scans))
     clock[0] += 2.0
-    good.cpu_s = 2.0  # one CPU-second in two seconds
-    features = monitor.sample()
-    assert features["proc_cpu"] == pytest.approx(1.5)  # this process's core and half the good child's
+    good.cpu_s = 2.0  # half a core
+    reaped[0] = 6.0  # this process reaped the old pid 12, whose total ended at 6
+    scans.append([good, _Child(12, 0.5, created=time.time()), *failing])  # the new pid 12, born since
+    # a core of its own, and 1 (good) + 6 - 5 (the old 12's last second) + 0.5 (the new 12) CPU-seconds in 2 seconds
+    assert monitor.sample()["proc_cpu"] == pytest.approx(1.0 + 1.25)
+
+
+def test_a_child_that_cannot_be_read_for_a_while_is_counted_when_it_can_and_an_unseen_old_one_only_from_then(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child unreadable at one sample (AccessDenied) keeps its total and counts it all at the next that reads it; a
+    child never read before that started long before the previous sample counts from now, not its whole history."""
+    child, hidden = _Child(11, 1.0), _Child(12, psutil.AccessDenied(12))
+    monitor, clock = _fake_tree(monkeypatch, [0.0], lambda: 0.0, iter([[child, hidden]] * 4))
+    clock[0] += 2.0
+    child.cpu_s = psutil.AccessDenied(11)
+    assert monitor.sample()["proc_cpu"] == 0.0
+    clock[0] += 2.0
+    child.cpu_s, hidden.cpu_s = 3.0, 50.0  # two CPU-seconds over both windows; 50 over its life, before these samples
+    assert monitor.sample()["proc_cpu"] == pytest.approx(1.0)
+    clock[0] += 2.0
+    hidden.cpu_s = 51.0
+    assert monitor.sample()["proc_cpu"] == pytest.approx(0.5)
+
+
+def test_a_child_reaped_while_the_tree_is_read_is_counted_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child listed but reaped before it is read may or may not be in its parent's children_* times as read: the
+    tree is read again, so its last window is counted now, not lost and then counted whole in the next."""
+    reads = [0]
+
+    def reaped() -> float:  # the child, whose total ended at 3, is reaped after this process's first read
+        reads[0] += 1
+        return 0.0 if reads[0] <= 2 else 3.0
+
+    child = _Child(11, 1.0)
+    monitor, clock = _fake_tree(monkeypatch, [0.5], reaped, iter([[child], [child], []]))
+    clock[0] += 2.0
+    child.cpu_s = psutil.NoSuchProcess(11)
+    assert monitor.sample()["proc_cpu"] == pytest.approx(0.5 + (3.0 - 1.0) / 2)
+    clock[0] += 2.0
+    assert monitor.sample()["proc_cpu"] == pytest.approx(0.5)
+
+
+def test_where_psutil_reads_no_reaped_childrens_times_a_child_that_ends_is_dropped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On macOS and Windows children_user and children_system stay 0: an ended child's total moves nowhere that is
+    read, so taking it off would read its whole past as the window's deficit (proc_cpu 0 beside a busy process)."""
+    monkeypatch.setattr(telemetry, "_READS_REAPED_TIMES", False)
+    monitor, clock = _fake_tree(monkeypatch, [0.5], lambda: 0.0, iter([[_Child(11, 30.0)], []]))
+    clock[0] += 2.0
+    assert monitor.sample()["proc_cpu"] == pytest.approx(0.5)
 
 
 def test_children_must_be_a_bool() -> None:
