@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import logging
@@ -118,7 +119,11 @@ def seconds(text: str) -> float:
 
 #: The flag of each JobConfig field that ``lbbsp coordinator`` sets, for the errors that JobConfig raises.
 _FLAGS = {"num_workers": "--workers", "global_batch": "--global-batch", "min_batch": "--min-batch",
-          "max_batch": "--max-batch", "assignment_timeout_s": "--timeout", "ttl_s": "--ttl", "job name": "--job"}
+          "max_batch": "--max-batch", "assignment_timeout_s": "--timeout", "ttl_s": "--ttl", "lag": "--lag",
+          "job name": "--job"}
+#: Seconds `lbbsp status`, and `lbbsp coordinator` as it starts, wait on each Redis call (three tries): a Redis that
+#: stopped answering had held them 16-17 s (5 s socket timeouts) before a word.
+_PROBE_TIMEOUT_S = 1.0
 
 
 def _job_config(args: argparse.Namespace) -> JobConfig:
@@ -131,6 +136,23 @@ def _job_config(args: argparse.Namespace) -> JobConfig:
         for name, flag in _FLAGS.items():
             message = re.sub(rf"\b{name}\b", flag, message)
         raise ConfigError(message) from None
+
+
+def _same_settings(stored: JobConfig | None, config: JobConfig) -> None:
+    """A ConfigError naming, as flags, the settings in which the flags' ``config`` differs from the job's ``stored``
+    ones: the one the coordinator would raise names JobConfig's fields, which a user of this command never sets."""
+    if stored is None or stored == config:
+        return
+    differ = [f"{_FLAGS.get(f.name, f.name)} {_setting(getattr(stored, f.name))} (not "
+              f"{_setting(getattr(config, f.name))})"
+              for f in dataclasses.fields(JobConfig) if getattr(stored, f.name) != getattr(config, f.name)]
+    raise ConfigError(f"job {config.job!r} already runs with {', '.join(differ)}: give the job's settings, or "
+                      "another --job")
+
+
+def _setting(value: object) -> str:
+    """A JobConfig value as its flag takes it: 10 for 10.0 seconds, "unset" for None."""
+    return "unset" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _host(url: str) -> str:
@@ -180,8 +202,11 @@ def _coordinator(args: argparse.Namespace) -> int:
                     first, *others = server.peer_urls()
                     also = f" (or the same at {', '.join(_host(u) for u in others)})" if others else ""
                     print(f"workers on other machines: --redis {first}{also}", flush=True)
+            # checked on a short timeout, as `lbbsp status` does: a Redis that never answers is an error in seconds
+            with Store.from_url(url, args.job, socket_timeout_s=_PROBE_TIMEOUT_S) as probe:
+                probe.ping()
+                _same_settings(probe.load_config(), config)
             store = Store.from_url(url, args.job)
-            store.ping()
             coordinator = stop.serving(Coordinator(store, config, policy, max_ahead=args.max_ahead))
             print(f"coordinating job {args.job!r}: {args.workers} workers, global batch {args.global_batch}, policy "
                   f"{policy.name}" + (f" with the {args.model} model" if args.model else ""), flush=True)
@@ -271,14 +296,14 @@ def _status(args: argparse.Namespace) -> int:
     if url is None:
         raise LBBSPError("no Redis to read: pass --redis URL or set LBBSP_REDIS_URL (the coordinator prints it)")
     console = Console()
-    with Store.from_url(url, args.job or "", socket_timeout_s=_STATUS_TIMEOUT_S) as probe:
+    with Store.from_url(url, args.job or "", socket_timeout_s=_PROBE_TIMEOUT_S) as probe:
         probe.ping()
         jobs = [args.job] if args.job else sorted(probe.jobs())
     if not jobs:
         console.print("no lbbsp jobs on this Redis")
         return 0
     for job in jobs:
-        with Store.from_url(url, job, socket_timeout_s=_STATUS_TIMEOUT_S) as store:
+        with Store.from_url(url, job, socket_timeout_s=_PROBE_TIMEOUT_S) as store:
             try:
                 config = store.load_config()
                 if config is None and args.job:
@@ -317,7 +342,9 @@ def _status(args: argparse.Namespace) -> int:
             table.add_row(str(worker), str(s["size"]), _fmt(s["predicted_throughput"]), _fmt(s["measured_throughput"]),
                           _fmt(s["compute_s"]), _fmt(s["wait_s"]), *kind)
         console.print(table)
-        if args.decisions:
+        if args.decisions and not decisions:
+            console.print(f"no decisions yet for job {job}", soft_wrap=True, markup=False, highlight=False)
+        elif args.decisions:
             log = Table(title=f"last {len(decisions)} decisions of job {job}, newest first")
             for column in ("iteration", "sizes", "policy", "by", "reason", "rejected"):
                 log.add_column(column)
@@ -329,10 +356,6 @@ def _status(args: argparse.Namespace) -> int:
                             _shown(rejected))
             console.print(log)
     return 0
-
-
-#: Seconds `lbbsp status` waits on each Redis call (three tries): a Redis that stopped answering had held it 17 s.
-_STATUS_TIMEOUT_S = 1.0
 
 
 def _ago(when: float) -> str:

@@ -256,9 +256,10 @@ class Coordinator:
     still exactly once; ``max_ahead=1`` turns this off.
     """
 
-    #: Each worker's status line (``lbbsp status``) is written at most this often, and at the first decision and when
-    #: the coordinator stops serving: building and writing 1,024 of them took 5-8 ms, a fifth to a quarter of its
-    #: whole time per decision at that size (its pace), for a table a person reads. The decision log gets every one.
+    #: Each worker's status line (``lbbsp status``) is written at most this often, and at the first decision, when a
+    #: poll finds nothing to decide (the coordinator is idle) and when it stops serving: building and writing 1,024 of
+    #: them took 5-8 ms, a fifth to a quarter of its whole time per decision at that size (its pace), for a table a
+    #: person reads. The decision log gets every one.
     STATUS_EVERY_S = 1.0
 
     def __init__(self, store: Store, config: JobConfig, policy: Policy | None = None, *,
@@ -614,7 +615,8 @@ class Coordinator:
                 return
             try:
                 self._heartbeat()
-                self.step(poll_s)
+                if self.step(poll_s) is None:  # idle: the rows STATUS_EVERY_S held back, if any
+                    self._write_statuses()
             except REDIS_ERRORS as exc:
                 self._outage(exc)
                 self._stop.wait(0.05)

@@ -257,12 +257,25 @@ class WorkerClient:
         return self._parse(raw, iteration)
 
     def _warn_late(self, iteration: int) -> None:
-        """Say, at most once a minute, that this worker wrote a fallback because no decision came in time:
-        each such iteration costs ``assignment_timeout_s`` of waiting, often because no coordinator runs."""
-        if self._late.due():
-            log.warning("job %s, worker %d: no decision for iteration %d within %gs, so the previous split is used "
-                        "(%d time(s) so far); is a coordinator running for this job (lbbsp status)?", self.config.job,
-                        self.worker, iteration, self.config.assignment_timeout_s, self._late.count)
+        """Say, at most once a minute, that this worker wrote a fallback because no decision came in time, and which
+        split it wrote (as :meth:`_fallback` chose it): each such iteration costs ``assignment_timeout_s`` of waiting,
+        often because no coordinator runs, or because the iteration skipped some (no decision covers it then)."""
+        if not self._late.due():
+            return
+        ask = "; is a coordinator running for this job (lbbsp status)?"
+        if iteration - 1 in self._known:
+            used = f"so the split of iteration {iteration - 1} is used"
+        elif self._known:  # the iteration skipped some (or went back): no decision covers it, whatever runs
+            last = max(self._known)
+            gap = f"{iteration - last} past" if iteration > last else f"{last - iteration} before"
+            used = (f"and iteration {iteration} is {gap} this worker's last ({last}): k must count up by one, across "
+                    "epochs too; the equal split is used")
+            ask = ""
+        else:
+            used = "so the equal split is used (this worker knows no split before it)"
+        log.warning("job %s, worker %d: no decision for iteration %d within %gs, %s (%d time(s) so far)%s",
+                    self.config.job, self.worker, iteration, self.config.assignment_timeout_s, used, self._late.count,
+                    ask)
 
     def _fallback(self, iteration: int, why: str) -> Assignment:
         """The previous iteration's vector (the initial split if unknown), marked as a fallback."""
