@@ -14,12 +14,15 @@ since the server created the message (delivery and start-up included) as the dow
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from logging import WARNING
 from typing import Any, Protocol
 
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.common import log
 
 from lbbsp.config import _integer, _real
 from lbbsp.errors import ConfigError, ProtocolError
@@ -35,6 +38,18 @@ COMPUTE_S, DOWNLOAD_S, UPLOAD_S = "lbbsp-compute-s", "lbbsp-download-s", "lbbsp-
 MAX_LOCAL_STEPS = 1_000_000
 #: The prefix of every key lbbsp adds to a ConfigRecord or a reply's MetricRecord.
 LBBSP_PREFIX = "lbbsp-"
+
+_told: set[str] = set()  # what this process has logged once (LocalGrid runs the ClientApps as its threads)
+_told_lock = threading.Lock()
+
+
+def _log_once(what: str, level: int, message: str) -> None:
+    """Log ``message`` unless this process has already logged ``what``."""
+    with _told_lock:
+        if what in _told:
+            return
+        _told.add(what)
+    log(level, message)
 
 
 @dataclass(frozen=True)
@@ -204,6 +219,13 @@ class LocalRound:
         if config_key is None:
             config_key = next((name for name, record in records.items() if BATCH_SIZE in record), "config")
         config: Mapping[str, Any] = records.get(config_key, {})
+        if BATCH_SIZE not in config and default is not None:
+            _log_once("no workload", WARNING,
+                      f"lbbsp: no lbbsp workload in the train config (is the server's strategy wrapped in "
+                      f"LoadBalanced?): the ClientApp runs its default, {default.batch_size} x "
+                      f"{default.local_steps}, and its replies are weighted by the samples they processed (LocalRound "
+                      f"sets {weighted_by_key!r} to them), not by data size, unless the strategy uses "
+                      f'weighted_by_key="{DATA_SIZE}"')
         self.workload = Workload.from_config(config, default)
         self.download_s = self.link.download(msg)
         self.steps = 0

@@ -223,8 +223,13 @@ class LoadBalanced(Strategy):
         self._next_temporary = MAX_WORKERS - 1  # temporary indices count down from the top: no stored one clashes
         self._told: set[tuple[str, int]] = set()  # (what, node) already logged once
         self._told_sit_out = False
-        stored = history.rounds()
-        last = history.statuses()  # each client's last outcome: a start for its availability after a restart
+        try:
+            stored = history.rounds()
+            last = history.statuses()  # each client's last outcome: a start for its availability after a restart
+        except StoreUnavailable as exc:  # not an outage to ride out, as in a round: nothing has started yet
+            raise StoreUnavailable(f"LoadBalanced loads the stored client history when it is built, so Redis must "
+                                   f"answer then: check the URL and that redis-server runs there (or use "
+                                   f"EmbeddedRedis().url). {exc.message}", job=history.job) from exc
         self._round_base = max([r.iteration for rounds in stored for r in rounds] +
                                [status.round for status in last.values()], default=0)
         self._last_iteration = self._round_base  # the highest round recorded: a second start() carries on from it

@@ -3,8 +3,10 @@
     python examples/flower_digits/run.py --clients 10 --rounds 5 --mode lbbsp
 
 Starts an embedded Redis for lbbsp's client history, `flower-superlink` and one `flower-supernode` per
-client (``partition-id`` = its index) on free local ports, submits the app with `flwr run`, waits for the
-ServerApp to write its per-round results, prints them, and stops every process it started.
+client (``partition-id`` = its index) on free local ports, submits the app with `flwr run`, prints each round's
+progress from the ServerApp's log as it comes (`flwr log RUN_ID local`), then the per-round results the ServerApp
+writes, and stops every process it started. ``--run-config "sit-out=0.1 min-size=8"`` sets any other key of the
+app's run config (pyproject.toml).
 
 It shows the plugin on a real deployment, not a speed-up: every round starts a fresh ClientApp process per
 client, and on one machine those start-ups set the round (seconds), which no batch size changes. The clients
@@ -15,20 +17,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+
+import click
+from flwr.common.config import parse_config_args
 
 from lbbsp import EmbeddedRedis
 
 APP_DIR = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
+#: The ServerApp's log lines that show a run's progress: each round's start, lbbsp's plan and measured time, and
+#: the central evaluation's accuracy.
+PROGRESS = re.compile(r"\[ROUND \d+/\d+\]|lbbsp round \d+:|MetricRecord: \{'accuracy'")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: Keys of the run config that run.py sets itself, and the flag that sets each.
+OWN_KEYS = {"num-clients": "use --clients", "num-server-rounds": "use --rounds", "mode": "use --mode",
+            "weight-by": "use --weight-by", "out": "run.py reads the ServerApp's result from a file of its own"}
 
 
 def flower_command(name: str) -> str:
@@ -83,6 +97,32 @@ def _check_run(flwr: str, run_id: str, env: Mapping[str, str], out: Path) -> Non
                        f"{run.get('status-details', '')}\n{log[-3000:]}")
 
 
+class LogFollower:
+    """Streams a run's log (`flwr log RUN_ID local`, which ends when the run does) and prints its progress lines as
+    they come, from a thread: one process waiting on the SuperLink's stream, not one started per poll."""
+
+    def __init__(self, flwr: str, run_id: str, env: Mapping[str, str]) -> None:
+        self.process = subprocess.Popen([flwr, "log", run_id, "local"], env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True,
+                                        errors="replace", start_new_session=True)
+        self._thread = threading.Thread(target=self._echo, args=(self.process.stdout or (),), daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _echo(lines: Iterable[str]) -> None:
+        for line in lines:
+            if PROGRESS.search(line):
+                print(f"  {ANSI.sub('', line).strip()}", flush=True)
+
+    def ended(self) -> bool:
+        """Whether the stream has ended: the run has, or the stream broke."""
+        return self.process.poll() is not None
+
+    def join(self) -> None:
+        """Wait for the thread to print what the stream gave before it ended (its process ended or was stopped)."""
+        self._thread.join(timeout=5)
+
+
 def run_deployment(clients: int, run_config: Mapping[str, object], *, timeout_s: float = 600,
                    workdir: Path | None = None, redis_url: str | None = None) -> dict[str, object]:
     """Run the app on a fresh SuperLink with ``clients`` SuperNodes; returns the ServerApp's results."""
@@ -95,7 +135,8 @@ def run_deployment(clients: int, run_config: Mapping[str, object], *, timeout_s:
         f'[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
     env = {**os.environ, "FLWR_HOME": str(home), "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     out = work / "result.json"
-    processes: list[subprocess.Popen[bytes]] = []
+    processes: list[subprocess.Popen[bytes] | subprocess.Popen[str]] = []
+    follower: LogFollower | None = None
     redis = EmbeddedRedis() if redis_url is None else None
 
     def start(args: list[str], log_name: str) -> None:
@@ -127,11 +168,14 @@ def run_deployment(clients: int, run_config: Mapping[str, object], *, timeout_s:
         run_id = str(submit["run-id"])
         print(f"submitted run {run_id} to SuperLink 127.0.0.1:{port} with {clients} SuperNodes; logs in {work}",
               flush=True)
+        follower = LogFollower(flwr, run_id, env)
+        processes.append(follower.process)
         while not out.exists():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no result after {timeout_s}s; logs in {work}")
             time.sleep(2)
-            _check_run(flwr, run_id, env, out)
+            if follower.ended():  # the log's stream ends with the run (or broke): ask how the run ended
+                _check_run(flwr, run_id, env, out)
         time.sleep(0.5)  # the ServerApp writes the file in one call; let it close
         return json.loads(out.read_text())
     finally:
@@ -144,6 +188,8 @@ def run_deployment(clients: int, run_config: Mapping[str, object], *, timeout_s:
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+        if follower is not None:
+            follower.join()
         if redis is not None:
             redis.close()
 
@@ -154,11 +200,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--mode", choices=["lbbsp", "fedavg"], default="lbbsp")
     parser.add_argument("--weight-by", choices=["data", "auto", "samples"], default="data")
+    parser.add_argument("--run-config", default="",
+                        help="other keys of the app's run config (pyproject.toml), as flwr run --run-config takes "
+                             "them, e.g. 'sit-out=0.1 min-size=8 adapt=\"steps\"'; with "
+                             "'redis-url=\"redis://HOST:6379/0\"' the client history outlasts the run")
     args = parser.parse_args()
     if args.clients < 1 or args.rounds < 1:  # 0 clients had "trained" every round at the initial accuracy
         parser.error(f"--clients and --rounds must be at least 1, got {args.clients} and {args.rounds}")
+    try:
+        extra = parse_config_args([args.run_config])
+    except click.ClickException as exc:
+        parser.error(f"--run-config {args.run_config!r}: {exc.format_message()}")
+    for key in sorted(OWN_KEYS.keys() & extra.keys()):
+        parser.error(f"--run-config must not set {key}: {OWN_KEYS[key]}")
+    redis_url = extra.pop("redis-url", None) or None
     result = run_deployment(args.clients, {"num-server-rounds": args.rounds, "mode": args.mode,
-                                           "weight-by": args.weight_by})
+                                           "weight-by": args.weight_by, **extra}, redis_url=redis_url)
     rounds = result["rounds"]
     if not isinstance(rounds, list):
         raise TypeError(f"the ServerApp's result should list its rounds, got {rounds!r}")
