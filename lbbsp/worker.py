@@ -86,6 +86,9 @@ class WorkerClient:
         self._listening = False  # whether _pubsub is subscribed: between waits that come one after another
         self._late = _EveryMinute()  # fallbacks this worker wrote because no decision came in time
         self._unusable = _EveryMinute()  # iterations this worker found Redis unusable past the bound
+        # Whether the last assignment fell back on an unusable Redis: the next one, still failing, falls back at once
+        # (each step of an outage had waited assignment_timeout_s, for as long as Redis stayed away)
+        self._fell_back_unusable = False
         self._duplicates = _EveryMinute()  # reports Redis ignored: this worker had reported their iteration already
         self._dropped = _EveryMinute()  # reports Redis did not take within the bound
         self._closed = False
@@ -152,7 +155,9 @@ class WorkerClient:
         that stalls, add up to three of the store's socket timeouts (a call and its two retries): connect with
         :func:`~lbbsp.store.worker_socket_timeout` (a third of the timeout) as the integrations do. Without
         ``agree`` (and more than one worker), an unusable Redis is waited for up to ``outage_s`` instead, then
-        :class:`StoreUnavailable` is raised: only an agreed fallback is safe."""
+        :class:`StoreUnavailable` is raised: only an agreed fallback is safe. With ``agree``, once an assignment has
+        fallen back on an unusable Redis, the next ones fall back at their first failure, until Redis answers: an
+        outage costs one wait, not one per step (a Redis that stalls still costs its socket timeouts each step)."""
         iteration = self._iteration(iteration)
         known = self._known.get(iteration)
         if known is not None:
@@ -161,11 +166,14 @@ class WorkerClient:
         while True:
             try:
                 agreed = self._fetch(iteration, deadline)
+                self._fell_back_unusable = False
                 break
-            except REDIS_FAILURES as exc:  # retry within the bound: Redis may be restarting
-                self._drop_subscription()
-                if time.monotonic() >= deadline and self._unusable_past_bound(iteration, exc, deadline):
+            except REDIS_FAILURES as exc:  # retry within the bound: Redis may be restarting (not again once it has
+                self._drop_subscription()  # stayed away a whole bound: an outage's steps then fall back at once)
+                if ((self._fell_back_unusable or time.monotonic() >= deadline)
+                        and self._unusable_past_bound(iteration, exc, deadline)):
                     agreed = self._fallback(iteration, f"Redis unusable ({type(exc).__name__})")
+                    self._fell_back_unusable = True
                     break
                 time.sleep(0.05)
         if self.agree is not None:

@@ -112,6 +112,29 @@ def test_a_stalled_redis_holds_a_worker_about_its_assignment_timeout(job: str) -
     assert waited < 2.5  # with the default 5 s socket timeout and its retries: 15 s
 
 
+def test_with_agree_an_outage_costs_one_wait_not_one_per_step(job: str) -> None:
+    """Each step of an outage had waited assignment_timeout_s before its agreed fallback, for as long as Redis stayed
+    away (about 10 s a step by default, found porting a DDP script). Now the first step waits, the next fall back at
+    their first failure, and once Redis answers again a step waits for the decision as before."""
+    config = JobConfig(job, 2, 10, assignment_timeout_s=1.5, lag=1)
+    with EmbeddedRedis() as server:
+        store = Store.from_url(server.url, job, socket_timeout_s=worker_socket_timeout(config.assignment_timeout_s))
+        with store, WorkerClient(store, config, 0, agree=lambda agreed: agreed) as worker:
+            worker.assignment(0)
+            server.stop()
+            waits = []
+            for iteration in (1, 2, 3):
+                started = time.monotonic()
+                assert worker.assignment(iteration).fallback
+                waits.append(time.monotonic() - started)
+            server.start()
+            started = time.monotonic()
+            late = worker.assignment(4)  # Redis is back, and no coordinator decides: the whole wait again
+            back = time.monotonic() - started
+    assert waits[0] >= 1.5 and max(waits[1:]) < 0.75, waits
+    assert late.fallback and back >= 1.5
+
+
 def test_the_coordinators_wait_for_reports_ends_before_its_socket_timeout(redis_url: str, job: str) -> None:
     with Store.from_url(redis_url, job, socket_timeout_s=1.0) as store:
         coordinator = Coordinator(store, JobConfig(job, 2, 10))
