@@ -3,6 +3,7 @@ a Redis that stops answering, and what status says of a job nobody serves. Each 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -182,5 +183,6 @@ def test_status_of_a_job_nobody_serves_says_when_it_was_last_decided(redis_url: 
     assert result.returncode == 0, result.stderr
     first = result.stdout.splitlines()[0]
     assert first.startswith(f"job {job}: no coordinator serves it"), first
-    assert "last decision (iteration 7) was 2.5 min ago" in first, first
+    # 150 s before the call, plus the CLI's start-up (seconds on a loaded machine): 2.5 min, or a little more
+    assert re.search(r"last decision \(iteration 7\) was 2\.[5-9] min ago", first), first
     assert "while its workers run, each step waits" in first, first
