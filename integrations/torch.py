@@ -216,9 +216,12 @@ class Balancer:
 
     # -- the data side --------------------------------------------------------------------------------------
     def loader(self, dataset: Any, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-               **dataloader_kwargs: Any) -> BalancedLoader:
-        """A loader of this rank's slices; DataLoader options (num_workers, pin_memory, collate_fn) pass through."""
-        return BalancedLoader(dataset, self, shuffle=shuffle, seed=seed, drop_last=drop_last, **dataloader_kwargs)
+               prefetch: bool | None = None, **dataloader_kwargs: Any) -> BalancedLoader:
+        """A loader of this rank's slices; DataLoader options (num_workers, pin_memory, collate_fn) pass through.
+        ``prefetch`` loads the next step's slice while this one computes (None: with loader workers; see
+        :class:`BalancedLoader`)."""
+        return BalancedLoader(dataset, self, shuffle=shuffle, seed=seed, drop_last=drop_last, prefetch=prefetch,
+                              **dataloader_kwargs)
 
     def begin_step(self, sampler: GlobalBatchSampler, step: int) -> np.ndarray:
         """End the previous step, agree on this step's vector, start the clock; our dataset indices."""

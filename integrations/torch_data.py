@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, IterableDataset, Subset
 
-from lbbsp.config import _integer
+from lbbsp.config import _integer, _is_integer
 from lbbsp.errors import ConfigError
 from lbbsp.sampling import GlobalBatchSampler
 
@@ -48,6 +48,17 @@ _RESERVED = {
     "persistent_workers": "it keeps its loader workers alive between steps whenever num_workers > 0; leave it out "
                           "(True is accepted with num_workers > 0)",
 }
+
+
+def _from_ddps_batch_size(batch_size: object, balancer: Balancer) -> str:
+    """How a DDP script's ``batch_size`` (per rank) becomes the global batch, with this job's figures where known."""
+    if not _is_integer(batch_size):
+        return ("; for DDP's updates, pass global_batch = batch_size x world size to Balancer.from_env "
+                "(DDP's batch_size is per rank)")
+    world = balancer.world_size
+    return (f"; for DDP's updates, pass global_batch = batch_size x world size (here {batch_size} x {world} = "
+            f"{int(batch_size) * world}) to Balancer.from_env (DDP's batch_size is per rank; this Balancer's "
+            f"global batch is {balancer.config.global_batch})")
 
 
 class PlannedBatch:
@@ -135,7 +146,10 @@ class BalancedLoader:
             del dataloader_kwargs["persistent_workers"]  # script's own DataLoader options pass unchanged
         reserved = sorted(set(dataloader_kwargs) & set(_RESERVED))
         if reserved:
-            raise ConfigError("BalancedLoader sets " + "; ".join(f"{key} itself: {_RESERVED[key]}" for key in reserved))
+            message = "; ".join(f"{key} itself: {_RESERVED[key]}" for key in reserved)
+            if "batch_size" in reserved:
+                message += _from_ddps_batch_size(dataloader_kwargs["batch_size"], balancer)
+            raise ConfigError("BalancedLoader sets " + message)
         if isinstance(dataset, DataLoader):
             raise ConfigError("BalancedLoader takes the dataset, not a DataLoader: pass loader.dataset (and its "
                               "num_workers, collate_fn or pin_memory as keyword arguments); batch_size and the "
@@ -149,6 +163,10 @@ class BalancedLoader:
         size = len(dataset)
         self.sampler = GlobalBatchSampler(size, balancer.config.global_batch, seed=seed, shuffle=shuffle,
                                           drop_last=drop_last)
+        if balancer.config.global_batch > size:  # with drop_last, the sampler has refused it
+            log.warning("the global batch %d is larger than the dataset (%d samples): each epoch is one short step "
+                        "of %d samples; pass Balancer.from_env a global batch of at most %d",
+                        balancer.config.global_batch, size, size, size)
         self._plan = PlannedBatch()
         self._loader = DataLoader(dataset, batch_sampler=self._plan, persistent_workers=workers > 0,
                                   **dataloader_kwargs)

@@ -585,16 +585,25 @@ class Coordinator:
     def _warn_dropped(self, iteration: int, dropped: list[tuple[int, float, float]]) -> None:
         """Say, at most once a minute, which workers measured under 1/_DROP of their previous throughput: valid
         reports, and the models act on them, but one such report (a stall, or a timer that jumped) takes
-        samples off its worker for several iterations, which the split alone does not explain."""
+        samples off its worker for several iterations, which the split alone does not explain. Every worker at
+        once is a pause of the whole job (torch.compile recompiling on every rank as the sizes first change),
+        which moves the split only as far as their drops differ."""
         self._drops += len(dropped)
         if time.monotonic() < self._next_drop_log:
             return
         self._next_drop_log = time.monotonic() + 60.0
         shown = "; ".join(f"worker {w}: {now:.3g} samples/s, after {before:.3g}" for w, now, before in dropped[:3])
+        if len(dropped) == self.config.num_workers:
+            why = ("every worker at once: a pause of the whole job (a recompile, as torch.compile's when the batch "
+                   "sizes first change; a checkpoint; a garbage collection) rather than a straggler? The split "
+                   "follows the workers' relative speeds, so it moves only as far as their drops differ, until they "
+                   "measure again")
+        else:
+            why = ("a stall (preempted, swapped out, paused) or a timer that jumped? The model gives such a worker few "
+                   "samples until it measures again")
         log.warning("job %s, iteration %d: %s%s (%d such report(s) so far): under 1/%d of the previous measurement, "
-                    "a stall (preempted, swapped out, paused) or a timer that jumped? The model gives such a worker "
-                    "few samples until it measures again", self.config.job, iteration, shown,
-                    f" and {len(dropped) - 3} more" if len(dropped) > 3 else "", self._drops, _DROP)
+                    "%s", self.config.job, iteration, shown, f" and {len(dropped) - 3} more" if len(dropped) > 3 else "",
+                    self._drops, _DROP, why)
 
     # -- running ----------------------------------------------------------------------------------------
     def run(self, *, max_decisions: int | None = None, poll_s: float = 0.5) -> None:
@@ -782,9 +791,10 @@ class CoordinatorProcess:
             if not process.is_alive() or time.monotonic() > deadline:
                 exited = not process.is_alive()
                 _end(process, 5.0)
-                guard = ("the policy's class is defined in the script itself, so the child runs the script to "
-                         "load it: guard the script's training with `if __name__ == \"__main__\":`, or move the "
-                         "class into a module")
+                guard = ("the policy's class is defined in the script itself, so the child runs the script's top "
+                         "level to load it: guard the script's training with `if __name__ == \"__main__\":` and "
+                         "start nothing at module level (a MultiWorkerMirroredStrategy there starts a server the "
+                         "child cannot bind), or move the class into a module")
                 if exited:
                     hint = f"; its traceback is above ({guard})" if reruns_main else "; its traceback is above"
                 else:
