@@ -114,7 +114,9 @@ def require_tf_keras(job: str) -> None:
     """Raise unless ``tf.keras`` means tf_keras here (Keras 3's ``fit`` fails under MultiWorkerMirroredStrategy)."""
     if keras_module().__name__ != "tf_keras":
         raise ConfigError("multi-worker training needs tf_keras: set TF_USE_LEGACY_KERAS=1 before importing "
-                          "TensorFlow (Keras 3's model.fit fails under MultiWorkerMirroredStrategy)", job=job)
+                          "TensorFlow and build the model with tf.keras (or import tf_keras as keras), not `import "
+                          "keras`, which stays Keras 3 (Keras 3's model.fit fails under MultiWorkerMirroredStrategy)",
+                          job=job)
 
 
 def device_label() -> str:
@@ -173,10 +175,10 @@ class WorkerSession:
                 client = wait_for_redis(self.url, connect_timeout_s,
                                         socket_timeout_s=worker_socket_timeout(config.assignment_timeout_s))
             except StoreUnavailable as exc:
-                if url is None and strategy is None and worker != 0:
-                    raise StoreUnavailable(f"{exc}. Worker 0 serves this job's Redis on that socket: on another "
-                                           "machine than worker 0, pass strategy= (the MultiWorkerMirroredStrategy) "
-                                           "or url=", job=config.job) from None
+                if url is None and strategy is None and worker != 0:  # (redis-py's reason ends with a period)
+                    raise StoreUnavailable(f"{str(exc).rstrip('.')}. Worker 0 serves this job's Redis on that socket: "
+                                           "on another machine than worker 0, pass strategy= (the "
+                                           "MultiWorkerMirroredStrategy) or url=", job=config.job) from None
                 raise
             store = Store(client, config.job, ttl_s=config.ttl_s, owns_client=True)
             if not coordinator:  # worker 0's reading, where the strategy can share it
@@ -571,7 +573,7 @@ class _CallbackLogic:
             raise ConfigError(f"monitor must be None or a ResourceMonitor, got {monitor!r:.60}", job=client.config.job)
         self.client = client
         self.source = source
-        source.expect_callback()
+        source.expect_callback(_keras_of(type(self)))
         self.monitor = monitor if monitor is not None else ResourceMonitor()
         self.iteration = _NEXT_ITERATION.get(client, 0)  # the job's count goes on across callbacks
         self.epochs_done = source.epochs_trained  # and the source's shuffle order
@@ -582,13 +584,26 @@ class _CallbackLogic:
         self._in_step = False  # between on_train_batch_begin and its end: a second begin means listed twice
 
     def set_model(self, model: Any) -> None:
-        """Refuse a model of the other Keras (tf_keras vs Keras 3), which fails later with obscure errors."""
+        """Refuse a model of the other Keras (tf_keras vs Keras 3), or Keras 3 on a backend other than TensorFlow's,
+        which fail later with obscure errors."""
         mine, theirs = _keras_of(type(self)), _keras_of(type(model))
+        job = self.client.config.job
         if theirs is not None and theirs != mine:
             fix = ("set TF_USE_LEGACY_KERAS=1 before importing TensorFlow, or use callback_class(tf_keras)"
-                   if theirs == "tf_keras" else "unset TF_USE_LEGACY_KERAS, or use callback_class(keras)")
+                   if theirs == "tf_keras" else
+                   "`import keras` is Keras 3 even under TF_USE_LEGACY_KERAS=1. To go multi-worker, build the model "
+                   "with tf.keras (or import tf_keras as keras); to train Keras 3 on one worker, unset "
+                   "TF_USE_LEGACY_KERAS (or use callback_class(keras))")
             raise ConfigError(f"the model is a {_KERAS_NAMES[theirs]} model but LBBSPCallback was built on "
-                              f"{_KERAS_NAMES[str(mine)]}'s Callback: {fix}", job=self.client.config.job)
+                              f"{_KERAS_NAMES[str(mine)]}'s Callback: {fix}", job=job)
+        if mine == "keras":
+            import keras  # noqa: PLC0415
+
+            backend = keras.backend.backend()
+            if backend != "tensorflow":  # the source's pipelines and the strategy are TensorFlow's
+                raise ConfigError(f"the model is Keras 3 on the {backend} backend, but lbbsp's Keras integration "
+                                  "runs on TensorFlow's: set KERAS_BACKEND=tensorflow (or unset it) before importing "
+                                  "Keras", job=job)
         super().set_model(model)  # type: ignore[misc]
 
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -636,6 +651,8 @@ class _CallbackLogic:
         per_execution = int(per_execution.numpy()) if per_execution is not None else int(self.model.steps_per_execution)
         if per_execution != self.source.steps_per_execution:
             raise ConfigError(f"model.compile(steps_per_execution={per_execution}) but the source was built with "
+                              f"steps_per_execution={self.source.steps_per_execution}: build it with BalancedSource("
+                              f"..., steps_per_execution={per_execution}), or compile with "
                               f"steps_per_execution={self.source.steps_per_execution}", job=job)
         steps = self.params.get("steps")
         if steps is None:

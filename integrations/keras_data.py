@@ -43,8 +43,8 @@ _SOURCES: weakref.WeakSet[BalancedSource] = weakref.WeakSet()  # released at exi
 _ORDER_GRACE_S = 5.0
 #: How often a batch waiting for its vector checks that the fit it waits for is still running (see attach).
 _RUNNING_CHECK_S = 0.5
-#: Batches beyond two epochs that a pipeline may serve, before a callback made for its source attaches, and still
-#: be Keras probing it (see BalancedSource._count_unattached).
+#: Batches beyond two epochs that a pipeline may serve, before a Keras 3 callback made for its source attaches, and
+#: still be Keras 3 probing it (see BalancedSource.expect_callback).
 _PROBE_BATCHES = 16
 #: The names of the functions that ``fit(class_weight=...)`` maps over a ``tf.data`` dataset (Keras 3, tf_keras).
 _CLASS_WEIGHT_MAPS = frozenset({"class_weights_map_fn", "_class_weights_map_fn"})
@@ -156,7 +156,7 @@ class BalancedSource:
         self._trained: set[int] = set()  # pipelines read while a callback was attached
         self._unattached: dict[int, int] = {}  # per other pipeline: batches served
         self._warned_unattached = False
-        self._callback_waiting = False  # a callback was made for this source and has not attached yet
+        self._probe_batches = 0  # while a callback made for this source has not attached: what its Keras may probe
         self._running: Callable[[], bool] | None = None  # whether the attached fit still runs (see attach)
         _SOURCES.add(self)
 
@@ -191,7 +191,7 @@ class BalancedSource:
         with self._changed:
             self._forget_from(first_iteration)
             self._attached = True
-            self._callback_waiting = False
+            self._probe_batches = 0
             self._running = running
             self._fit_thread = threading.get_ident()  # attach runs in the callback's on_train_begin, in fit's thread
             self._first_iteration = first_iteration
@@ -232,13 +232,15 @@ class BalancedSource:
         self._samples = {k: n for k, n in self._samples.items() if k < iteration}
         self._batches = {k: n for k, n in self._batches.items() if k < iteration}
 
-    def expect_callback(self) -> None:
-        """Note that a callback for this source exists. Until it first attaches, unattached batches may be
-        Keras probing the pipeline (Keras 3 under a strategy reads a few through a throwaway iterator before
-        ``on_train_begin``), not training without the callback, so the warning waits for more of them: a
-        callback made and then left out of ``fit(callbacks=...)`` had silenced it for good."""
+    def expect_callback(self, keras: str | None) -> None:
+        """Note that a callback of ``keras`` ("keras" for Keras 3, or "tf_keras") exists for this source. Until it first
+        attaches, unattached batches may be that Keras probing the pipeline before ``on_train_begin``, so the warning
+        waits for more of them than its probe reads: Keras 3 under a strategy reads a few through a throwaway
+        iterator; tf_keras reads batch 0 of a ``Sequence`` (its shape peek) and nothing of a dataset, so a tf_keras
+        callback left out of ``fit`` is warned about in the first epoch (Keras 3's wait had held that back two)."""
         with self._changed:
-            self._callback_waiting = self._fit == 0
+            probe = 2 * len(self) + _PROBE_BATCHES if keras == "keras" else 1
+            self._probe_batches = probe if self._fit == 0 else 0
 
     def publish(self, assignment: Assignment) -> None:
         """Make the agreed vector of ``assignment.iteration`` available to the batches of that iteration."""
@@ -314,9 +316,9 @@ class BalancedSource:
             if pipeline in self._trained or self._warned_unattached:
                 return
             self._unattached[pipeline] = self._unattached.get(pipeline, 0) + 1
-            # while a callback made for the source has not attached, a few batches are Keras probing the
-            # pipeline; more than two epochs' worth are a fit the callback was left out of
-            if self._unattached[pipeline] < (2 * len(self) + _PROBE_BATCHES if self._callback_waiting else len(self)):
+            # a whole epoch, and more than the batches that the Keras of a callback made for the source (and not
+            # attached yet) may read to probe the pipeline: a fit that callback was left out of
+            if self._unattached[pipeline] <= max(len(self) - 1, self._probe_batches):
                 return
             self._warned_unattached = True
         warnings.warn("BalancedSource served a whole epoch with no LBBSPCallback attached: every batch had the equal "
