@@ -309,8 +309,10 @@ def _tree_cpu_s(process: psutil.Process, descendants: list[psutil.Process]) -> t
     parent was. One that ended since the listing was reaped before or after its parent was read: all are read again
     (up to twice), so that each parent's reading holds the children that are gone."""
     for _ in range(3):
-        reaped = os.times()
-        totals = {process.pid: (process, reaped.children_user + reaped.children_system)}
+        reaped = os.times()  # read on macOS too, where psutil reads no descendant's: there an ended one is dropped,
+        # not taken off, so this process's would count it twice (its whole past in one window)
+        own = reaped.children_user + reaped.children_system if _READS_REAPED_TIMES else 0.0
+        totals = {process.pid: (process, own)}
         failed: dict[int, psutil.Process] = {}
         kept, ended = [], False
         for descendant in descendants:

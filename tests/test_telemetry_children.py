@@ -356,6 +356,19 @@ def test_where_psutil_reads_no_reaped_childrens_times_a_child_that_ends_is_dropp
     assert monitor.sample()["proc_cpu"] == pytest.approx(0.5)
 
 
+def test_where_psutil_reads_no_reaped_childrens_times_ours_are_not_read_either(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """os.times reads this process's reaped children on macOS, where psutil reads none of a child's: a child that
+    ended is dropped without taking its total off, so ours must not count it either (it had counted its whole past,
+    30 s, in the window it ended in)."""
+    monkeypatch.setattr(telemetry, "_READS_REAPED_TIMES", False)
+    reaped = [0.0]
+    monitor, clock = _fake_tree(monkeypatch, [0.5], lambda: reaped[0], iter([[_Child(11, 30.0)], []]))
+    clock[0] += 2.0
+    reaped[0] = 31.0  # we reaped it: its 30 s and the last second it ran
+    assert monitor.sample()["proc_cpu"] == pytest.approx(0.5)
+
+
 def test_children_must_be_a_bool() -> None:
     with pytest.raises(ConfigError, match="children must be True or False, got 'no'"):
         ResourceMonitor(children="no")  # type: ignore[arg-type]
