@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import logging
@@ -141,11 +140,10 @@ def _job_config(args: argparse.Namespace) -> JobConfig:
 def _same_settings(stored: JobConfig | None, config: JobConfig) -> None:
     """A ConfigError naming, as flags, the settings in which the flags' ``config`` differs from the job's ``stored``
     ones: the one the coordinator would raise names JobConfig's fields, which a user of this command never sets."""
-    if stored is None or stored == config:
+    differ = [f"{_FLAGS.get(name, name)} {_setting(ours)} (not {_setting(theirs)})"
+              for name, (ours, theirs) in (stored.differences(config) if stored is not None else {}).items()]
+    if not differ:
         return
-    differ = [f"{_FLAGS.get(f.name, f.name)} {_setting(getattr(stored, f.name))} (not "
-              f"{_setting(getattr(config, f.name))})"
-              for f in dataclasses.fields(JobConfig) if getattr(stored, f.name) != getattr(config, f.name)]
     raise ConfigError(f"job {config.job!r} already runs with {', '.join(differ)}: give the job's settings, or "
                       "another --job")
 

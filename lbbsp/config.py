@@ -186,14 +186,19 @@ class JobConfig:
             return self
         # compared first: the coordinator's TTL under this run's assignment_timeout_s fails replace() with an error
         # about a TTL the caller never set, where the timeout is what differs
-        differ = [f.name for f in fields(JobConfig)
-                  if f.name not in ("lag", "ttl_s") and getattr(self, f.name) != getattr(stored, f.name)]
+        differ = self.differences(stored, ignore=("lag", "ttl_s"))
         if differ:
-            served = ", ".join(f"{name}={getattr(stored, name)!r}" for name in differ)
-            asked = ", ".join(f"{name}={getattr(self, name)!r}" for name in differ)
+            served = ", ".join(f"{name}={theirs!r}" for name, (_, theirs) in differ.items())
+            asked = ", ".join(f"{name}={mine!r}" for name, (mine, _) in differ.items())
             raise ConfigError(f"the coordinator serves job {self.job!r} with {served}, but this run asks for {asked}: "
                               f"pass the coordinator's settings to {caller}", job=self.job)
         return replace(self, lag=stored.lag, ttl_s=stored.ttl_s)
+
+    def differences(self, other: JobConfig, ignore: tuple[str, ...] = ()) -> dict[str, tuple[Any, Any]]:
+        """The settings in which ``other`` differs from this config, by field name: (this value, ``other``'s); the
+        fields in ``ignore`` are not compared. What a mismatch between a run and its job's stored settings names."""
+        return {f.name: (getattr(self, f.name), getattr(other, f.name)) for f in fields(JobConfig)
+                if f.name not in ignore and getattr(self, f.name) != getattr(other, f.name)}
 
     def to_json(self) -> str:
         """The settings as JSON: what the job's ``config`` key in Redis holds, and a coordinator's child is given."""

@@ -251,9 +251,11 @@ class Store:
         except REDIS_ERRORS:
             self.ping()  # a StoreUnavailable that names the URL, where Redis does not answer
             raise
-        if stored != config:
-            raise ConfigError(f"job {self.job!r} already runs with {stored}, not {config}; "
-                              "use another job name or the same settings", job=self.job)
+        differ = stored.differences(config)
+        if differ:
+            settings = ", ".join(f"{name}={ours!r} (not {theirs!r})" for name, (ours, theirs) in differ.items())
+            raise ConfigError(f"job {self.job!r} already runs with {settings}; use another job name or the same "
+                              "settings", job=self.job)
         return stored
 
     @contextlib.contextmanager

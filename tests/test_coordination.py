@@ -255,8 +255,11 @@ def test_a_late_coordinator_loses_to_the_fallback_and_says_so(redis_url: str, jo
 def test_a_job_cannot_be_joined_with_other_settings(redis_url: str, job: str) -> None:
     with Store.from_url(redis_url, job) as store:
         store.register(JobConfig(job, 2, 10))
-        with pytest.raises(Exception, match="already runs with"):
-            store.register(JobConfig(job, 2, 12))
+        with pytest.raises(ConfigError) as raised:
+            store.register(JobConfig(job, 2, 12, lag=1))
+    # only the settings that differ, the job's first: a whole repr of both configs hid them among the equal ones
+    assert raised.value.message == (f"job {job!r} already runs with global_batch=10 (not 12), lag=2 (not 1); use "
+                                    "another job name or the same settings")
 
 
 class FailsOnce(LBBSPPolicy):
