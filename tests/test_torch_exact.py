@@ -59,11 +59,13 @@ def mlp() -> torch.nn.Module:
 ACCUMULATE = 2
 #: mode -> (weighting, DataLoader workers); "accumulate" steps the optimizer every 2 global batches (no_sync),
 #: "amp" runs the hook form under a GradScaler; "compiled" runs torch.compile(lb.attach(DDP(m))) with the default
-#: backend (inductor), "compiled-module" lb.attach(DDP(torch.compile(m))) with aot_eager (no C++ build); "chunks" cuts
-#: each slice into micro-batches of CHUNK weighted by scale_loss(..., samples=), "sum" is docs/torch.md's recipe for a
-#: global sum (reduction="sum" / len(y) * lb.step.total, against single-process SGD on the sum at lr / B).
+#: backend (inductor), "compiled-dynamic" the same with dynamic=True (docs/torch.md's advice), "compiled-module"
+#: lb.attach(DDP(torch.compile(m))) with aot_eager (no C++ build); "chunks" cuts each slice into micro-batches of
+#: CHUNK weighted by scale_loss(..., samples=), "sum" is docs/torch.md's recipe for a global sum (reduction="sum" /
+#: len(y) * lb.step.total, against single-process SGD on the sum at lr / B).
 MODES = {"hook": ("hook", 0), "loss": ("loss", 2), "accumulate": ("loss", 0), "amp": ("hook", 0),
-         "compiled": ("hook", 0), "compiled-module": ("loss", 0), "chunks": ("loss", 0), "sum": ("hook", 0)}
+         "compiled": ("hook", 0), "compiled-dynamic": ("hook", 0), "compiled-module": ("loss", 0), "chunks": ("loss", 0),
+         "sum": ("hook", 0)}
 CHUNK, LR = 7, 0.5
 
 
@@ -73,7 +75,9 @@ def _train(mode: str, rank: int, url: str, job: str, device: str = "cpu") -> dic
     model = DDP(torch.compile(module, backend="aot_eager") if mode == "compiled-module" else module)
     lb = Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-{mode}", policy=ChangingSplit(), min_batch=0)
     lb.attach(model, weighting)
-    forward = torch.compile(model) if mode == "compiled" else model  # a new batch size: one recompile, to dynamic
+    forward = model
+    if mode.startswith("compiled") and mode != "compiled-module":  # "compiled": a new batch size, one recompile
+        forward = torch.compile(model, dynamic=True if mode == "compiled-dynamic" else None)
     loader = lb.loader(digits(), seed=SEED, num_workers=workers)
     opt = torch.optim.SGD(model.parameters(), lr=LR / GLOBAL_BATCH if mode == "sum" else LR)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if mode == "amp" else None
@@ -179,7 +183,7 @@ def run_ranks(fn: Callable[..., None], world: int, out: Path, url: str, *extra: 
 def trained(tmp_path_factory: pytest.TempPathFactory, redis_server: EmbeddedRedis) -> list[dict]:
     """One run of 3 gloo ranks that trains every mode in turn (process start-up is the slow part)."""
     url = os.environ.get("LBBSP_TEST_REDIS_URL", redis_server.url)
-    return run_ranks(_worker, 3, tmp_path_factory.mktemp("exact"), url, timeout_s=200)
+    return run_ranks(_worker, 3, tmp_path_factory.mktemp("exact"), url, timeout_s=300)
 
 
 def single_process_params(accumulate: int = 1, reduction: str = "mean") -> list[torch.Tensor]:
@@ -200,7 +204,7 @@ def single_process_params(accumulate: int = 1, reduction: str = "mean") -> list[
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_uneven_changing_splits_match_single_process(trained: list[dict], mode: str) -> None:
     results = [r[mode] for r in trained]
@@ -215,7 +219,7 @@ def test_uneven_changing_splits_match_single_process(trained: list[dict], mode: 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize("mode", ["hook", "loss"])
 def test_every_sample_once_per_epoch(trained: list[dict], mode: str) -> None:
     n = len(digits())
