@@ -56,6 +56,7 @@ _PACE_WINDOW = 5  # decisions over which the coordinator's own time and the work
 _DROP = 100  # a report under 1/_DROP of its worker's previous throughput is worth a warning (_warn_dropped)
 _CLAIM_S = 5  # a serving coordinator's claim on its job lasts this long, renewed every second (_heartbeat)
 _OUTAGE_GRACE_S = 3.0  # a coordinator whose training process ended is stopped by then (_stop_when_orphaned)
+_REJECTED_AGAIN = " ({} earlier ones like it, logged at most every 10 s)"  # a rejection's count (_rejected)
 
 #: One worker's status in the ``workers`` hash, as JSON (``lbbsp status`` reads it).
 _STATUS = ('{"iteration": %d, "size": %d, "predicted_throughput": %s, "measured_throughput": %s, '
@@ -96,11 +97,12 @@ def _clipped(text: str, limit: int) -> str:
 
 class _Repeats:
     """Whether a failure is worth a log line now: a new one at once, the same one again (a bug that fails every
-    step, 20 times a second) only every 10 s, saying how many times in a row it came. An exception is the same
-    as the last where it is of the same type with the same traceback, whatever its message: a policy's error
-    that named the iteration or a sum had logged a traceback at every decision."""
+    step, 20 times a second) only every 10 s, saying how many times in a row it came (``counted``, its ``{}`` the
+    count). An exception is the same as the last where it is of the same type with the same traceback, whatever its
+    message: a policy's error that named the iteration or a sum had logged a traceback at every decision."""
 
-    def __init__(self) -> None:
+    def __init__(self, counted: str = " ({} times in a row)") -> None:
+        self._counted = counted
         self._what, self._count, self._next = "", 0, 0.0
 
     def note(self, failure: object) -> str | None:
@@ -110,7 +112,7 @@ class _Repeats:
         again = what == self._what
         told = None
         if not again or now >= self._next:
-            told = f" ({self._count} times in a row)" if again and self._count > 1 else ""
+            told = self._counted.format(self._count) if again and self._count > 1 else ""
             self._next = now + 10.0
         self._what, self._count = what, self._count + 1 if again else 1
         return told
@@ -177,8 +179,8 @@ class GuardedPolicy:
         except (Exception, SystemExit) as exc:
             self.failures += 1
             if (repeats := self._repeats.note(exc)) is not None:
-                log.exception("policy %s failed to decide iteration %d%s; keeping the current split",
-                              self.name, target, repeats)
+                log.exception("job %s: policy %s failed to decide iteration %d%s; keeping the current split",
+                              self.config.job, self.name, target, repeats)
             decision = Decision(current, f"policy failed ({type(exc).__name__}: {exc}); kept the split")
             return decision, Assignment(self.config.job, target, current, self._name, _clipped(decision.reason,
                                                                                                MAX_REASON_CHARS))
@@ -189,7 +191,8 @@ class GuardedPolicy:
             self.policy.learn()
         except (Exception, SystemExit) as exc:  # as above: logged, and the next decision goes on
             if (repeats := self._learn_repeats.note(exc)) is not None:
-                log.exception("policy %s failed to learn from iteration %d%s", self.name, iteration, repeats)
+                log.exception("job %s: policy %s failed to learn from iteration %d%s", self.config.job, self.name,
+                              iteration, repeats)
 
     def _predictions(self, target: int, decision: Decision) -> tuple[float, ...] | None:
         """The decision's predicted throughputs as one float per worker (NaN or inf where the model knows none:
@@ -202,8 +205,8 @@ class GuardedPolicy:
         except (TypeError, ValueError):  # ragged
             predicted = np.asarray(None)
         if predicted.shape != (self.config.num_workers,) or predicted.dtype.kind not in "iuf":
-            log.warning("policy %s's predicted throughput for iteration %d is not one number per worker (%.80r); "
-                        "recording none", self.name, target, decision.predicted_throughput)
+            log.warning("job %s: policy %s's predicted throughput for iteration %d is not one number per worker "
+                        "(%.80r); recording none", self.config.job, self.name, target, decision.predicted_throughput)
             return None
         return tuple(predicted.astype(float, copy=False).tolist())
 
@@ -281,6 +284,9 @@ class Coordinator:
         self._next_outage_log = 0.0
         self._repeats = _Repeats()  # failed steps, see _failed
         self._ready_repeats = _Repeats()  # iterations queued that no worker ran, see _out_of_line
+        self._rejections: dict[tuple[str, str], _Repeats] = {}  # rejected reports by worker and check, see _rejected
+        self._expired_after: int | None = None  # decisions made when the job's keys last expired, see _put_back
+        self._expiries = 0  # how often they expired since then
         #: How many iterations the next decision covers: 1 while the coordinator keeps up with the workers' steps.
         self.ahead = 1
         self._written_through = self.config.lag - 1  # the latest iteration whose split this coordinator wrote
@@ -471,12 +477,21 @@ class Coordinator:
                                         field="worker", job=self.config.job)
                 self._check_samples(report, assigned)
             except ProtocolError as exc:
-                log.warning("rejected report of worker %s for iteration %d: %s", worker, iteration, exc)
+                self._rejected(worker, iteration, exc)
                 rejected.append(Rejection(worker, str(exc)))
                 continue
             reports.append(report)
         reports.sort(key=attrgetter("worker"))  # Redis hash order varies: the same reports, the same split
         return reports, rejected
+
+    def _rejected(self, worker: str, iteration: int, exc: ProtocolError) -> None:
+        """Log a rejected report: at once where it is the worker's first, or failed another check than its earlier
+        ones, the same again only every 10 s with a count (:class:`_Repeats`, one per worker and check): a worker
+        whose every report was refused had a warning at every decision. The decision log records each one."""
+        repeats = self._rejections.setdefault((worker, _failure_site(exc)), _Repeats(_REJECTED_AGAIN))
+        if (told := repeats.note(exc)) is not None:
+            log.warning("job %s: rejected report of worker %s for iteration %d: %s%s", self.config.job, worker,
+                        iteration, exc, told)
 
     def _sizes_used(self, iteration: int) -> tuple[int, ...] | None:
         """The sizes the workers computed at ``iteration``, where known: the assignment this coordinator wrote for
@@ -530,7 +545,7 @@ class Coordinator:
                 return Assignment.from_json(raw, job=self.config.job, iteration=iteration,
                                             num_workers=self.config.num_workers, global_batch=self.config.global_batch)
             except ProtocolError as exc:
-                log.error("stored assignment of iteration %d is invalid: %s", iteration, exc)
+                log.error("job %s: stored assignment of iteration %d is invalid: %s", self.config.job, iteration, exc)
         return None
 
     def _record(self, iteration: int, assignment: Assignment, written: bool, decision: Decision,
@@ -637,7 +652,7 @@ class Coordinator:
             if self._outage_since is not None:
                 lasted = time.monotonic() - self._outage_since
                 if lasted >= _OUTAGE_GRACE_S:  # an outage that was logged
-                    log.warning("Redis is back after %.1fs; serving job %s again", lasted, self.config.job)
+                    log.warning("job %s: Redis is back after %.1fs; serving again", self.config.job, lasted)
                 self._outage_since = None
 
     def _outage(self, exc: Exception) -> None:
@@ -649,13 +664,14 @@ class Coordinator:
             self._outage_since, self._next_outage_log = now, now + _OUTAGE_GRACE_S
         elif now >= self._next_outage_log:
             self._next_outage_log = now + 10.0
-            log.warning("Redis unavailable for %.0fs (%s); retrying", now - self._outage_since, exc)
+            log.warning("job %s: Redis unavailable for %.0fs (%s); retrying", self.config.job, now - self._outage_since,
+                        exc)
 
     def _failed(self, exc: Exception) -> None:
         """Log a failed step with its traceback; the same failure again (a key of the wrong type that someone
         left in the job's keys fails every step) only every 10 s, with a count (:class:`_Repeats`)."""
         if (repeats := self._repeats.note(exc)) is not None:
-            log.exception("coordinator step failed%s; still serving job %s", repeats, self.config.job)
+            log.exception("job %s: coordinator step failed%s; still serving", self.config.job, repeats)
 
     def _heartbeat(self) -> None:
         """About once a second: put the job back if Redis lost it, renew this coordinator's claim on the job,
@@ -666,15 +682,7 @@ class Coordinator:
             return
         self._next_heartbeat = now + 1.0
         if not self.store.has_config():
-            idle, ttl = now - self._renewed, self.config.ttl_s
-            # expired, where nothing renewed the TTL for ttl_s (less a second: Redis started it a round trip earlier)
-            why = (f"expired: no decision for {idle:.0f}s, past the job's ttl_s ({ttl}s); for pauses that long, "
-                   "raise ttl_s" if idle > ttl - 1 else "restarted without persistence, or flushed")
-            log.warning("job %s's keys are gone from Redis (%s): registering the job again and republishing its last "
-                        "%d assignments", self.config.job, why, len(self._written))
-            self.store.register(self.config)
-            self._renewed = now
-            self._republish()
+            self._put_back(now)
         other = self.store.claim_coordinator(self._identity, ttl_s=_CLAIM_S)
         # A claim found once may be a stopped coordinator's, left to expire (a crash leaves it up to 5 s); one
         # found again, at any later heartbeat, has overwritten this coordinator's claim in between, so it is alive.
@@ -688,6 +696,31 @@ class Coordinator:
             self._claim_seen, self._claim_seen_at = other, now
         elif now - self._claim_seen_at > _CLAIM_S:  # gone: warn again if it comes back
             self._claim_seen = self._warned_about = None
+
+    def _put_back(self, now: float) -> None:
+        """Register the job again and republish its latest splits, its keys gone from Redis; with a warning, but where
+        they expire again before the next decision, at debug level only: a coordinator left running after its job had
+        warned every ttl_s, for days. They are put back all the same: workers that paused for longer than ttl_s (an
+        evaluation, a checkpoint) need the job's settings and splits when they come back, and a coordinator cannot
+        tell such a pause from a job that is over."""
+        idle, ttl = now - self._renewed, self.config.ttl_s
+        # expired, where nothing renewed the TTL for ttl_s (less a second: Redis started it a round trip earlier)
+        expired = idle > ttl - 1
+        if expired and self._expired_after == self.decisions_made:  # warned of already, in this stretch without any
+            self._expiries += 1
+            log.debug("job %s: its keys expired again, %d times since the last decision: registering the job again "
+                      "and republishing its last %d assignments", self.config.job, self._expiries, len(self._written))
+        else:
+            why = (f"expired: no decision for {idle:.0f}s, past the job's ttl_s ({ttl}s); for pauses that long, raise "
+                   "ttl_s, or, if the job is over, stop this coordinator; until the next decision, their expiries "
+                   "are logged at debug level only" if expired else "restarted without persistence, or flushed")
+            log.warning("job %s's keys are gone from Redis (%s): registering the job again and republishing its last "
+                        "%d assignments", self.config.job, why, len(self._written))
+            if expired:
+                self._expired_after, self._expiries = self.decisions_made, 1
+        self.store.register(self.config)
+        self._renewed = now
+        self._republish()
 
     def _republish(self) -> None:
         """Write the assignments that workers may still read again (write-once), in case Redis lost them: a
@@ -904,7 +937,8 @@ def _stop_when_orphaned(coordinator: Coordinator, parent: int, poll_s: float = 0
     killer: no stop() comes then, and the child served on, logging that Redis was unavailable, for good)."""
     while not coordinator._stop.wait(poll_s):
         if os.getppid() != parent:
-            log.warning("the process that started this coordinator (pid %d) is gone: stopping", parent)
+            log.warning("job %s: the process that started this coordinator (pid %d) is gone: stopping",
+                        coordinator.config.job, parent)
             coordinator.stop(timeout_s=0)
             return
 

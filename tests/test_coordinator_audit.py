@@ -319,7 +319,7 @@ def test_a_policy_that_fails_every_decision_is_logged_once_with_a_count_not_at_e
             assert assignment.sizes == (5, 5)
     assert guarded.failures == 50
     assert [r.getMessage() for r in caplog.records] == [
-        "policy _Broken failed to decide iteration 2; keeping the current split"]
+        "job j: policy _Broken failed to decide iteration 2; keeping the current split"]
 
 
 class _Counting(Policy):
@@ -347,8 +347,8 @@ def test_a_policy_that_fails_each_time_with_another_message_is_logged_once_per_p
             guarded.learn(k)
     assert guarded.failures == 50
     assert [r.getMessage() for r in caplog.records] == [
-        "policy _Counting failed to decide iteration 2; keeping the current split",
-        "policy _Counting failed to learn from iteration 2",
-        "policy _Counting failed to decide iteration 30; keeping the current split",  # another place: at once
-        "policy _Counting failed to decide iteration 31; keeping the current split"]  # a change from the last
+        "job j: policy _Counting failed to decide iteration 2; keeping the current split",
+        "job j: policy _Counting failed to learn from iteration 2",
+        "job j: policy _Counting failed to decide iteration 30; keeping the current split",  # another place: at once
+        "job j: policy _Counting failed to decide iteration 31; keeping the current split"]  # a change from the last
     assert "no split for iteration 31" in caplog.records[-1].exc_text  # the traceback logged is the new one

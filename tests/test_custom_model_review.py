@@ -122,7 +122,7 @@ def test_a_run_whose_decisions_fail_says_so_in_its_progress_line_and_log(caplog:
     assert run.failed_decisions == 10
     assert "10 of 10 decisions failed" in lines[-1], lines
     failed = [record.getMessage() for record in caplog.records if "failed to decide" in record.getMessage()]
-    assert failed and all(message.startswith("policy mine ") for message in failed), failed
+    assert failed and all(message.startswith("job sim-gpu: policy mine ") for message in failed), failed
 
 
 def test_a_run_whose_decisions_all_succeed_says_nothing_of_failures() -> None:
