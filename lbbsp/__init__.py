@@ -3,18 +3,45 @@
 At every synchronisation barrier a coordinator resizes each worker's mini-batch so that all workers
 finish together while the global batch stays the same.
 """
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .allocation import LinearTime, allocate
 from .config import JobConfig
-from .coordinator import Coordinator, CoordinatorProcess
 from .embedded import EmbeddedRedis
 from .errors import AllocationError, ConfigError, LBBSPError, PolicyError, ProtocolError, StoreUnavailable
-from .models import CapacityModel, EWMAThroughput
-from .policies import BSPPolicy, Decision, LBBSPPolicy, Policy
 from .protocol import Assignment, Report, equal_split
 from .sampling import GlobalBatchSampler, scale_split
 from .store import Store
 from .telemetry import ResourceMonitor
 from .worker import WorkerClient
+
+if TYPE_CHECKING:
+    from .coordinator import Coordinator, CoordinatorProcess
+    from .models import CapacityModel, EWMAThroughput
+    from .policies import BSPPolicy, Decision, LBBSPPolicy, Policy
+
+#: The exports whose modules import scikit-learn (seconds), by module: imported on first use (PEP 562), so that
+#: what needs none of them (`lbbsp status`, a worker) does not wait for it.
+_LAZY = {"Coordinator": ".coordinator", "CoordinatorProcess": ".coordinator", "CapacityModel": ".models",
+         "EWMAThroughput": ".models", "BSPPolicy": ".policies", "Decision": ".policies", "LBBSPPolicy": ".policies",
+         "Policy": ".policies"}
+
+
+def __getattr__(name: str) -> Any:
+    """``lbbsp.X`` and ``from lbbsp import X`` for an export of :data:`_LAZY`, imported now and kept."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

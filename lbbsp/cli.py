@@ -1,4 +1,5 @@
-"""The ``lbbsp`` command: run a coordinator, show a job's status, run the demo or the simulator."""
+"""The ``lbbsp`` command: run a coordinator, show a job's status, forget a finished job, run the demo or the
+simulator."""
 from __future__ import annotations
 
 import argparse
@@ -16,33 +17,19 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from .config import JobConfig
-from .coordinator import AHEAD_LIMIT, MAX_AHEAD, Coordinator, freeze_heap
+from .config import JobConfig, _job_name
 from .embedded import EmbeddedRedis
 from .errors import ConfigError, LBBSPError
-from .models import (
-    KINDS,
-    AutoCapacityModel,
-    BatchTimeCurve,
-    CapacityModel,
-    EWMAThroughput,
-    FLClientModel,
-    LastValue,
-    NARXThroughput,
-)
-from .policies import (
-    PER_EPOCH_ITERATIONS,
-    BSPPolicy,
-    LBBSPPolicy,
-    LeaderStragglerPolicy,
-    PerEpochPolicy,
-    Policy,
-    StaticProportionalPolicy,
-)
 from .store import REDIS_ERRORS, Store
 
+# The coordinator, the models and the policies import scikit-learn, seconds on a loaded machine: `lbbsp --help`,
+# `status` and `forget` need none of them, so `coordinator` alone imports them, where it uses them.
 if TYPE_CHECKING:
     from rich.text import Text
+
+    from .coordinator import Coordinator
+    from .models import CapacityModel
+    from .policies import Policy
 
 #: Subcommands that live beside a framework or a heavy module; each module has add_arguments() and run().
 _EXTERNAL = {
@@ -55,20 +42,51 @@ def _redis_url(args: argparse.Namespace) -> str | None:
     return args.redis or os.environ.get("LBBSP_REDIS_URL")
 
 
-#: ``lbbsp coordinator --model``: the capacity model each name builds, given the job's lag (the forecast horizon).
-_MODELS: dict[str, Callable[[int], CapacityModel]] = {
-    "auto": lambda lag: AutoCapacityModel(horizon=lag), "narx": lambda lag: NARXThroughput(horizon=lag),
-    "ewma": lambda lag: EWMAThroughput(), "last-value": lambda lag: LastValue(),
-    "gpu-curve": lambda lag: BatchTimeCurve(), "fl-client": lambda lag: FLClientModel(),
-}
-#: ``lbbsp coordinator --policy``: the policy each name builds around a model. Not the simulator's oracle, which
-#: needs the future, nor backup workers, whose dropped gradients no integration implements.
-_POLICIES: dict[str, Callable[[CapacityModel | None, argparse.Namespace], Policy]] = {
-    "lbbsp": lambda model, args: LBBSPPolicy(model), "bsp": lambda model, args: BSPPolicy(),
-    "static-proportional": lambda model, args: StaticProportionalPolicy(),
-    "per-epoch": lambda model, args: PerEpochPolicy(args.epoch_iterations or PER_EPOCH_ITERATIONS, model=model),
-    "leader-straggler": lambda model, args: LeaderStragglerPolicy(model=model),
-}
+def _given_redis(args: argparse.Namespace) -> str:
+    """The Redis URL of ``--redis`` or $LBBSP_REDIS_URL: `status` and `forget` work on a job's Redis, and start none."""
+    url = _redis_url(args)
+    if url is None:
+        raise LBBSPError("no Redis to read: pass --redis URL or set LBBSP_REDIS_URL (the coordinator prints it)")
+    return url
+
+
+def _models() -> dict[str, Callable[[int], CapacityModel]]:
+    """``lbbsp coordinator --model``: the capacity model each name builds, given the job's lag (the forecast
+    horizon)."""
+    from .models import (  # noqa: PLC0415  (scikit-learn: see the imports above)
+        AutoCapacityModel,
+        BatchTimeCurve,
+        EWMAThroughput,
+        FLClientModel,
+        LastValue,
+        NARXThroughput,
+    )
+
+    return {
+        "auto": lambda lag: AutoCapacityModel(horizon=lag), "narx": lambda lag: NARXThroughput(horizon=lag),
+        "ewma": lambda lag: EWMAThroughput(), "last-value": lambda lag: LastValue(),
+        "gpu-curve": lambda lag: BatchTimeCurve(), "fl-client": lambda lag: FLClientModel(),
+    }
+
+
+def _policies() -> dict[str, Callable[[CapacityModel | None, argparse.Namespace], Policy]]:
+    """``lbbsp coordinator --policy``: the policy each name builds around a model. Not the simulator's oracle, which
+    needs the future, nor backup workers, whose dropped gradients no integration implements."""
+    from .policies import (  # noqa: PLC0415  (scikit-learn: see the imports above)
+        PER_EPOCH_ITERATIONS,
+        BSPPolicy,
+        LBBSPPolicy,
+        LeaderStragglerPolicy,
+        PerEpochPolicy,
+        StaticProportionalPolicy,
+    )
+
+    return {
+        "lbbsp": lambda model, args: LBBSPPolicy(model), "bsp": lambda model, args: BSPPolicy(),
+        "static-proportional": lambda model, args: StaticProportionalPolicy(),
+        "per-epoch": lambda model, args: PerEpochPolicy(args.epoch_iterations or PER_EPOCH_ITERATIONS, model=model),
+        "leader-straggler": lambda model, args: LeaderStragglerPolicy(model=model),
+    }
 
 
 def whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -88,6 +106,8 @@ def whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], in
 
 def kind_pin(text: str) -> tuple[int, str]:
     """An argparse type: WORKER=KIND, a worker id and one of the kinds :class:`AutoCapacityModel` routes to."""
+    from .models import KINDS  # noqa: PLC0415  (scikit-learn: see the imports above)
+
     worker, _, kind = text.partition("=")
     if not worker.strip().isdigit() or kind not in KINDS:
         raise argparse.ArgumentTypeError(f"expected WORKER=KIND with KIND one of {', '.join(KINDS)} (e.g. 3=gpu), "
@@ -97,8 +117,10 @@ def kind_pin(text: str) -> tuple[int, str]:
 
 def kind_model(text: str) -> tuple[str, str]:
     """An argparse type: KIND=MODEL, the model one kind's workers get under ``--model auto``."""
+    from .models import KINDS  # noqa: PLC0415  (scikit-learn: see the imports above)
+
     kind, _, name = text.partition("=")
-    names = sorted(set(_MODELS) - {"auto"})
+    names = sorted(set(_models()) - {"auto"})
     if kind not in KINDS or name not in names:
         raise argparse.ArgumentTypeError(f"expected KIND=MODEL with KIND one of {', '.join(KINDS)} and MODEL one of "
                                          f"{', '.join(names)} (e.g. cpu=ewma), got {text!r}")
@@ -131,21 +153,38 @@ def _job_config(args: argparse.Namespace) -> JobConfig:
         return JobConfig(args.job, args.workers, args.global_batch, min_batch=args.min_batch,
                          max_batch=args.max_batch, assignment_timeout_s=args.timeout, lag=args.lag, ttl_s=args.ttl)
     except ConfigError as exc:
-        message = str(exc)
-        for name, flag in _FLAGS.items():
-            message = re.sub(rf"\b{name}\b", flag, message)
-        raise ConfigError(message) from None
+        raise _flagged(exc) from None
 
 
-def _same_settings(stored: JobConfig | None, config: JobConfig) -> None:
+def _job_flag(job: str) -> str:
+    """``--job``'s value if it is a job name, else a ConfigError that names the flag, in every subcommand alike."""
+    try:
+        return _job_name(job)
+    except ConfigError as exc:
+        raise _flagged(exc) from None
+
+
+def _flagged(exc: ConfigError) -> ConfigError:
+    """``exc`` with JobConfig's names of the settings replaced by the flags that set them."""
+    message = str(exc)
+    for name, flag in _FLAGS.items():
+        message = re.sub(rf"\b{name}\b", flag, message)
+    return ConfigError(message)
+
+
+def _same_settings(stored: JobConfig | None, config: JobConfig, serving: str | None) -> None:
     """A ConfigError naming, as flags, the settings in which the flags' ``config`` differs from the job's ``stored``
-    ones: the one the coordinator would raise names JobConfig's fields, which a user of this command never sets."""
+    ones: the one the coordinator would raise names JobConfig's fields, which a user of this command never sets.
+    Where no coordinator ``serving`` the job holds its claim, the settings are most likely a finished run's, kept
+    ttl_s after its last decision: the error says how to clear them."""
     differ = [f"{_FLAGS.get(name, name)} {_setting(ours)} (not {_setting(theirs)})"
               for name, (ours, theirs) in (stored.differences(config) if stored is not None else {}).items()]
     if not differ:
         return
+    left = "" if serving else (f"; no coordinator serves it, so an earlier run left its keys (kept ttl_s after its "
+                               f"last decision): if that run is over, `lbbsp forget --job {config.job}` clears them")
     raise ConfigError(f"job {config.job!r} already runs with {', '.join(differ)}: give the job's settings, or "
-                      "another --job")
+                      f"another --job{left}")
 
 
 def _setting(value: object) -> str:
@@ -161,6 +200,8 @@ def _host(url: str) -> str:
 def _policy(args: argparse.Namespace) -> Policy:
     """The policy the flags name; ``--model`` only where the policy predicts with one, ``--kind`` and
     ``--kind-model`` only with the auto model."""
+    from .models import AutoCapacityModel  # noqa: PLC0415  (scikit-learn: see the imports above)
+
     pins, kind_models = dict(args.kind or ()), dict(args.kind_model or ())
     routed = " ".join([f"--kind {w}={k}" for w, k in pins.items()] + [f"--kind-model {k}={m}" for k, m in kind_models.items()])
     if args.model is not None and args.policy in ("bsp", "static-proportional"):
@@ -173,17 +214,20 @@ def _policy(args: argparse.Namespace) -> Policy:
     if args.epoch_iterations is not None and args.policy != "per-epoch":
         raise LBBSPError(f"--epoch-iterations is per-epoch's; --policy {args.policy} decides every iteration")
     own_average = args.model is None and args.policy == "per-epoch" and not routed  # its slow average of speed
+    models, policies = _models(), _policies()
     if own_average:
-        return _POLICIES[args.policy](None, args)
+        return policies[args.policy](None, args)
     if routed:
-        model: CapacityModel = AutoCapacityModel({kind: _MODELS[name](args.lag) for kind, name in kind_models.items()},
+        model: CapacityModel = AutoCapacityModel({kind: models[name](args.lag) for kind, name in kind_models.items()},
                                                  pins, horizon=args.lag)
     else:
-        model = _MODELS[args.model or "auto"](args.lag)
-    return _POLICIES[args.policy](model, args)
+        model = models[args.model or "auto"](args.lag)
+    return policies[args.policy](model, args)
 
 
 def _coordinator(args: argparse.Namespace) -> int:
+    from .coordinator import Coordinator, freeze_heap  # noqa: PLC0415  (scikit-learn: see the imports above)
+
     config = _job_config(args)  # bad flags: no server
     policy = _policy(args)
     url = _redis_url(args)
@@ -203,7 +247,7 @@ def _coordinator(args: argparse.Namespace) -> int:
             # checked on a short timeout, as `lbbsp status` does: a Redis that never answers is an error in seconds
             with Store.from_url(url, args.job, socket_timeout_s=_PROBE_TIMEOUT_S) as probe:
                 probe.ping()
-                _same_settings(probe.load_config(), config)
+                _same_settings(probe.load_config(), config, probe.coordinator())
             store = Store.from_url(url, args.job)
             coordinator = stop.serving(Coordinator(store, config, policy, max_ahead=args.max_ahead))
             print(f"coordinating job {args.job!r}: {args.workers} workers, global batch {args.global_batch}, policy "
@@ -290,9 +334,9 @@ def _status(args: argparse.Namespace) -> int:
     from rich.console import Console  # noqa: PLC0415  (only this subcommand draws tables)
     from rich.table import Table  # noqa: PLC0415
 
-    url = _redis_url(args)
-    if url is None:
-        raise LBBSPError("no Redis to read: pass --redis URL or set LBBSP_REDIS_URL (the coordinator prints it)")
+    url = _given_redis(args)
+    if args.job is not None:
+        _job_flag(args.job)
     console = Console()
     with Store.from_url(url, args.job or "", socket_timeout_s=_PROBE_TIMEOUT_S) as probe:
         probe.ping()
@@ -353,6 +397,26 @@ def _status(args: argparse.Namespace) -> int:
                 log.add_row(_iterations(d), _shown(sizes), _shown(d["policy"]), _written_by(d), _shown(d["reason"]),
                             _shown(rejected))
             console.print(log)
+    return 0
+
+
+def _forget(args: argparse.Namespace) -> int:
+    """Delete a finished job's keys now, not ttl_s after its last decision: a rerun under its name then starts
+    afresh, with any settings, where it would resume the old run or be refused for settings that differ. Refused
+    while a coordinator serves the job, whose workers would lose their settings and splits."""
+    url = _given_redis(args)
+    with Store.from_url(url, _job_flag(args.job), socket_timeout_s=_PROBE_TIMEOUT_S) as store:
+        store.ping()
+        serving = store.coordinator()
+        if serving is not None:
+            raise LBBSPError(f"job {args.job!r} is served by the coordinator {serving}: stop that coordinator first "
+                             "(its workers would lose their settings and splits), then forget the job")
+        deleted = store.forget()
+    if deleted:
+        print(f"forgot job {args.job!r}: deleted its {deleted} key{'s' * (deleted != 1)} from this Redis")
+    else:
+        print(f"no job {args.job!r} on this Redis (it never started, or its keys expired): nothing to forget; "
+              "`lbbsp status` lists the jobs there")
     return 0
 
 
@@ -430,19 +494,12 @@ def _verbose_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``lbbsp`` command's parser; ``demo`` and ``simulate`` are only named here (their modules parse them)."""
-    parser = argparse.ArgumentParser(prog="lbbsp", description=__doc__)
-    _verbose_flag(parser)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _coordinator_flags(coordinator: argparse.ArgumentParser) -> None:
+    """The flags of ``lbbsp coordinator``."""
+    from .coordinator import AHEAD_LIMIT, MAX_AHEAD  # noqa: PLC0415  (scikit-learn: see the imports above)
+    from .models import KINDS  # noqa: PLC0415
+    from .policies import PER_EPOCH_ITERATIONS  # noqa: PLC0415
 
-    coordinator = sub.add_parser("coordinator", help="run the BatchSize Manager for one job",
-                                 description="Decide each iteration's batch-size vector for one job from its workers' "
-                                             "reports, until stopped (Ctrl-C, SIGTERM or SIGHUP: after its step) or "
-                                             "--max-decisions. The integrations start one on worker 0 by themselves; "
-                                             "Balancer.from_env(..., coordinator=False) "
-                                             "leaves a PyTorch job to this one.",
-                                 formatter_class=_WithDefaults)
     coordinator.add_argument("--redis", help="Redis URL (redis://, rediss://, unix://); default: $LBBSP_REDIS_URL, "
                                              "or else start an embedded one")
     coordinator.add_argument("--listen", metavar="ADDRESS", default=None,
@@ -459,9 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
                              help="decide iteration k + LAG from the reports of k (2: off the critical path)")
     coordinator.add_argument("--ttl", type=whole_number(10), default=3600,
                              help="seconds the job's keys live after its last decision (JobConfig.ttl_s)")
-    coordinator.add_argument("--policy", choices=sorted(_POLICIES), default="lbbsp",
+    coordinator.add_argument("--policy", choices=sorted(_policies()), default="lbbsp",
                              help="how sizes are chosen (docs/simulator.md compares them)")
-    coordinator.add_argument("--model", choices=sorted(_MODELS), default=None,
+    coordinator.add_argument("--model", choices=sorted(_models()), default=None,
                              help="the capacity model of lbbsp, per-epoch or leader-straggler (default: auto, which "
                                   "picks NARX, the GPU curve or the client model from each worker's reports)")
     coordinator.add_argument("--kind", type=kind_pin, action="append", metavar="WORKER=KIND",
@@ -478,18 +535,49 @@ def build_parser() -> argparse.ArgumentParser:
                                   "steps (1: one decision per iteration, which the workers then wait for)")
     coordinator.add_argument("--max-decisions", type=whole_number(1), default=None,
                              help="exit after this many decisions")
+
+
+def build_parser(*, coordinator_flags: bool = True) -> argparse.ArgumentParser:
+    """The ``lbbsp`` command's parser; ``demo`` and ``simulate`` are only named here (their modules parse them).
+    ``coordinator_flags=False`` leaves out the flags of ``coordinator``, whose choices and defaults come from the
+    models and policies (scikit-learn, seconds to import): a command line of another subcommand parses without."""
+    parser = argparse.ArgumentParser(prog="lbbsp", description=__doc__)
+    _verbose_flag(parser)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    coordinator = sub.add_parser("coordinator", help="run the BatchSize Manager for one job",
+                                 description="Decide each iteration's batch-size vector for one job from its workers' "
+                                             "reports, until stopped (Ctrl-C, SIGTERM or SIGHUP: after its step) or "
+                                             "--max-decisions. The integrations start one on worker 0 by themselves; "
+                                             "Balancer.from_env(..., coordinator=False) "
+                                             "leaves a PyTorch job to this one.",
+                                 formatter_class=_WithDefaults)
+    if coordinator_flags:
+        _coordinator_flags(coordinator)
     _verbose_flag(coordinator)
     coordinator.set_defaults(handler=_coordinator)
 
     status = sub.add_parser("status", help="show each worker's size, speed and wait, and the last decision",
                             description="Show, for each job on a Redis (or --job), each worker's latest size, "
-                                        "throughput, compute and wait, and the last decision with its reason.")
+                                        "throughput, compute and wait, and the last decision with its reason.",
+                            formatter_class=_WithDefaults)
     status.add_argument("--redis", help="Redis URL (default: $LBBSP_REDIS_URL)")
     status.add_argument("--job", help="job name (default: every job on this Redis)")
     status.add_argument("--decisions", type=whole_number(0), default=0, metavar="N",
                         help="also list the last N decisions with their reasons and rejected reports")
     _verbose_flag(status)
     status.set_defaults(handler=_status)
+
+    forget = sub.add_parser("forget", help="delete a finished job's keys, so that its name starts afresh",
+                            description="Delete a job's keys from Redis now, rather than --ttl seconds after its last "
+                                        "decision: a new run under its name then starts afresh (with any settings) "
+                                        "instead of resuming the old run or being refused for other settings. "
+                                        "Refused while a coordinator serves the job; for a job that is over.",
+                            formatter_class=_WithDefaults)
+    forget.add_argument("--redis", help="Redis URL (default: $LBBSP_REDIS_URL)")
+    forget.add_argument("--job", required=True, help="the job's name")
+    _verbose_flag(forget)
+    forget.set_defaults(handler=_forget)
 
     for name, (module, help_text) in _EXTERNAL.items():
         external = sub.add_parser(name, help=help_text)
@@ -502,11 +590,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     lbbsp or Redis error, printed in a line instead of a traceback, 130 for Ctrl-C (a coordinator stopped by a
     signal: 128 + its number)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
     verbose = False
     while argv and argv[0] in ("-v", "--verbose"):  # the global flag, before any subcommand
         verbose = True
         argv.pop(0)
+    parser = build_parser(coordinator_flags=bool(argv) and argv[0] == "coordinator")
     if argv and argv[0] in _EXTERNAL:  # these parse their own flags, after importing their module
         module = importlib.import_module(_EXTERNAL[argv[0]][0])
         external = argparse.ArgumentParser(prog=f"lbbsp {argv[0]}", description=_EXTERNAL[argv[0]][1],

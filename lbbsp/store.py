@@ -20,6 +20,7 @@ which every worker has finished, so none reads them again.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
@@ -42,6 +43,8 @@ REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 #: Those, and Redis answering with an error (a key of the wrong type, out of memory, a read-only replica during a
 #: failover), which may clear as well: what a worker rides out within its bound, and a shutdown ignores.
 REDIS_FAILURES = (*REDIS_ERRORS, redis.RedisError)
+#: A URL's scheme as written, even wrongly ("redis://", "redis//", "redis:/"), then its credentials: up to the last @
+_CREDENTIALS = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*(?::/+|/+))?(.*)@", re.DOTALL)
 
 
 def _queued(item: bytes | str) -> int | None:
@@ -67,8 +70,8 @@ def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
             retry=Retry(ExponentialBackoff(cap=0.1, base=0.005), 2),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError], health_check_interval=0,
         )
-    except ValueError as exc:
-        raise ConfigError(f"not a usable Redis URL: {redacted(url)} ({exc}); {expected}") from exc
+    except ValueError as exc:  # its text may quote the URL's host part, password included
+        raise ConfigError(f"not a usable Redis URL: {redacted(url)} ({redacted(str(exc))}); {expected}") from exc
     pool = client.connection_pool
     if issubclass(pool.connection_class, redis.UnixDomainSocketConnection) and not pool.connection_kwargs.get("path"):
         client.close()
@@ -90,10 +93,21 @@ def not_a_url(client: object, owner: str, job: object) -> None:
 
 
 def redacted(url: str) -> str:
-    """``url`` without the password, for error messages."""
-    scheme, sep, rest = url.partition("://")
-    credentials, at, host = rest.rpartition("@")
-    return f"{scheme}{sep}{credentials.partition(':')[0]}:***@{host}" if at and ":" in credentials else url
+    """``url`` without the password (what follows the user name before the last @), for error messages: with any
+    scheme, or one written wrongly or left out, as in a malformed URL that an error quotes."""
+    match = _CREDENTIALS.match(url)
+    if match is None or ":" not in match[2]:
+        return url
+    return f"{match[1] or ''}{match[2].partition(':')[0]}:***@{url[match.end():]}"
+
+
+def _tls_hint(client: redis.Redis, exc: BaseException) -> str:
+    """A hint for a client whose URL asks for TLS (rediss://) and whose server did not answer: a server without TLS
+    never completes the handshake. No hint where the connection was refused: nothing listens there, TLS or not."""
+    refused = isinstance(exc.__cause__ or exc.__context__, ConnectionRefusedError)
+    if refused or not issubclass(client.connection_pool.connection_class, redis.SSLConnection):
+        return ""
+    return " (the URL asks for TLS (rediss://): if the server has none, use redis://)"
 
 
 def agreed_config(store: Store, index: int,
@@ -228,7 +242,7 @@ class Store:
             raise StoreUnavailable(f"Redis at {url} {why}: give it as redis://:PASSWORD@host:port/db (or "
                                    "redis://USER:PASSWORD@...)", job=self.job or None) from exc
         except REDIS_ERRORS as exc:
-            detail = str(exc).rstrip(".") + (f"; {hint}" if hint else "")
+            detail = str(exc).rstrip(".") + _tls_hint(self.client, exc) + (f"; {hint}" if hint else "")
             raise StoreUnavailable(f"cannot reach Redis at {url}: {detail}", job=self.job or None) from exc
         except redis.InvalidResponse as exc:  # something answers there, but not in Redis's protocol
             raise StoreUnavailable(f"the server at {url} does not answer as Redis does ({exc}): another service on "
@@ -254,9 +268,22 @@ class Store:
         differ = stored.differences(config)
         if differ:
             settings = ", ".join(f"{name}={ours!r} (not {theirs!r})" for name, (ours, theirs) in differ.items())
+            if self._run_stopped():
+                raise ConfigError(f"job {self.job!r} was started with {settings}; its keys are left by an earlier run, "
+                                  f"whose coordinator has stopped: `lbbsp forget --job {self.job}` clears them once "
+                                  "that run is over, or use another job name", job=self.job)
             raise ConfigError(f"job {self.job!r} already runs with {settings}; use another job name or the same "
                               "settings", job=self.job)
         return stored
+
+    def _run_stopped(self) -> bool:
+        """Whether a coordinator decided for the job and none serves it now (none renewed its claim in 5 s): the
+        keys are a stopped run's. False where Redis cannot tell, and before any decision: the job's workers may be
+        starting ahead of their coordinator."""
+        try:
+            return self.decision_count() > 0 and self.coordinator() is None
+        except (ConfigError, *REDIS_FAILURES):
+            return False
 
     @contextlib.contextmanager
     def _typed(self, name: str) -> Iterator[None]:
@@ -514,14 +541,15 @@ def _store(store: object, job: str, for_url: str = "Store.from_url(url, job)") -
 def wait_for_redis(url: str, timeout_s: float, *, socket_timeout_s: float = 5.0) -> redis.Redis:
     """Connect and ping until Redis answers or ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
-    last: Any = None
+    last: Exception | None = None
+    hint = ""
     while time.monotonic() < deadline:
         client = connect(url, socket_timeout_s=socket_timeout_s)
         try:
             client.ping()
             return client
         except REDIS_ERRORS as exc:
-            last = exc
+            last, hint = exc, _tls_hint(client, exc)
             client.close()
             time.sleep(0.05)
-    raise StoreUnavailable(f"Redis at {redacted(url)} did not answer within {timeout_s}s: {last}")
+    raise StoreUnavailable(f"Redis at {redacted(url)} did not answer within {timeout_s}s: {last}{hint}")

@@ -30,7 +30,7 @@ RUNS_ALONE = "<!-- snippet: runs alone -->"
 #: a fenced block, at any indent (a block inside a list item is indented with it)
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>\w*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.S | re.M)
 #: a command whose flags are checked: an lbbsp subcommand, or a script of this repository run by python
-COMMAND = re.compile(r"\blbbsp (?P<sub>coordinator|status|demo|simulate)\b|\bpython (?P<script>[\w/.-]+\.py)\b")
+COMMAND = re.compile(r"\blbbsp (?P<sub>coordinator|status|forget|demo|simulate)\b|\bpython (?P<script>[\w/.-]+\.py)\b")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 
@@ -112,7 +112,7 @@ def lbbsp_flags(sub: str) -> set[str]:
 
 
 def test_every_flag_written_after_a_command_is_one_it_takes() -> None:
-    subcommands = {sub: lbbsp_flags(sub) for sub in ("coordinator", "status", "demo", "simulate")}
+    subcommands = {sub: lbbsp_flags(sub) for sub in ("coordinator", "status", "forget", "demo", "simulate")}
     checked, wrong = 0, []
     for page in DOCS:
         for line in command_lines(page.read_text()):
