@@ -7,10 +7,12 @@ every worker ends up with the same vector. If Redis itself cannot be reached wit
 falls back to the vector of k-1 only when the integration gives an ``agree`` function (a broadcast over the
 training framework's own process group), which makes every worker use the same one. Without it a worker
 that cannot reach Redis keeps trying, up to ``outage_s``, and then raises: another worker may have read the
-decision just before the outage, and a fallback of its own would split from it.
+decision just before the outage, and a fallback of its own would split from it. A stored assignment that is not
+valid (something else wrote the key) is fallen back from the same way: with ``agree``, else an error naming the key.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -85,6 +87,11 @@ class WorkerClient:
         self._pubsub: redis.client.PubSub | None = None
         self._listening = False  # whether _pubsub is subscribed: between waits that come one after another
         self._late = _EveryMinute()  # fallbacks this worker wrote because no decision came in time
+        # Whether the last wait for a decision timed out with no coordinator claiming the job: the next iterations not
+        # stored then check the claim and fall back at once while there is none (each step of a job whose coordinator
+        # had stopped for good waited assignment_timeout_s, for as long as the job ran)
+        self._unserved = False
+        self._invalid = _EveryMinute()  # stored assignments that were not valid, fallen back from with agree
         self._unusable = _EveryMinute()  # iterations this worker found Redis unusable past the bound
         # Whether the last assignment fell back on an unusable Redis: the next one, still failing, falls back at once
         # (each step of an outage had waited assignment_timeout_s, for as long as Redis stayed away)
@@ -125,9 +132,10 @@ class WorkerClient:
                 except REDIS_FAILURES as exc:  # the thread must outlive any one report, or every later one is lost
                     if time.monotonic() > deadline:
                         if self._dropped.due():
-                            log.warning("dropped the report of iteration %d: Redis did not take it within "
-                                        "assignment_timeout_s (%s: %s); %d report(s) of this worker dropped so far",
-                                        report.iteration, type(exc).__name__, exc, self._dropped.count)
+                            log.warning("job %s, worker %d: dropped the report of iteration %d: Redis did not take it "
+                                        "within assignment_timeout_s (%s: %s); %d report(s) of this worker dropped so "
+                                        "far", self.config.job, self.worker, report.iteration, type(exc).__name__, exc,
+                                        self._dropped.count)
                         break
                     retried = True
                     time.sleep(0.05)
@@ -157,7 +165,9 @@ class WorkerClient:
         ``agree`` (and more than one worker), an unusable Redis is waited for up to ``outage_s`` instead, then
         :class:`StoreUnavailable` is raised: only an agreed fallback is safe. With ``agree``, once an assignment has
         fallen back on an unusable Redis, the next ones fall back at their first failure, until Redis answers: an
-        outage costs one wait, not one per step (a Redis that stalls still costs its socket timeouts each step)."""
+        outage costs one wait, not one per step (a Redis that stalls still costs its socket timeouts each step).
+        Likewise, once a wait has timed out with no coordinator claiming the job, the next iterations not stored fall
+        back without waiting (write-once, agreed as ever) until a coordinator claims it or a decision is found."""
         iteration = self._iteration(iteration)
         known = self._known.get(iteration)
         if known is not None:
@@ -167,6 +177,9 @@ class WorkerClient:
             try:
                 agreed = self._fetch(iteration, deadline)
                 self._fell_back_unusable = False
+                break
+            except ProtocolError as exc:  # _parse: what assign:{k} holds is no assignment of this job
+                agreed = self._invalid_stored(iteration, exc)
                 break
             except REDIS_FAILURES as exc:  # retry within the bound: Redis may be restarting (not again once it has
                 self._drop_subscription()  # stayed away a whole bound: an outage's steps then fall back at once)
@@ -209,6 +222,25 @@ class WorkerClient:
         except (*REDIS_FAILURES, LBBSPError):
             return None
 
+    def _invalid_stored(self, iteration: int, exc: ProtocolError) -> Assignment:
+        """The fallback of ``iteration`` where its stored assignment is invalid (something other than lbbsp wrote it),
+        with ``agree``, which makes every worker use one vector (alone, a worker has no one to split from); without
+        it, an LBBSPError that names the key: each worker would fall back to a vector of its own."""
+        key = self.store.key("assign", iteration)
+        if self.agree is None and self.config.num_workers > 1:
+            raise LBBSPError(f"Redis key {key} holds no valid assignment ({exc.message}); lbbsp writes only valid "
+                             "ones, so something else wrote it, and without an agree function the workers cannot "
+                             "fall back together: delete the key (the workers then write their fallback there) and "
+                             f"check what else writes to lbbsp:{self.config.job}:*", job=self.config.job,
+                             worker=self.worker, iteration=iteration) from exc
+        if self._invalid.due():
+            log.warning("job %s, worker %d: Redis key %s holds no valid assignment (%s), not written by lbbsp; using "
+                        "the previous vector, agreed (%d time(s) so far): delete the key and check what else writes "
+                        "to lbbsp:%s:*", self.config.job, self.worker, key, exc.message, self._invalid.count,
+                        self.config.job)
+        why = f"the stored assignment at key {key} is invalid"
+        return dataclasses.replace(self._fallback(iteration, why), policy="fallback", reason=why, fallback=True)
+
     def _unusable_past_bound(self, iteration: int, exc: Exception, deadline: float) -> bool:
         """True if this worker may fall back, Redis being unusable past the bound: with ``agree`` every worker
         then uses one vector (alone, it has no one to split from). Otherwise another worker may have read the
@@ -242,11 +274,19 @@ class WorkerClient:
         found = self._read(iteration)
         if found is not None:
             self._stop_listening()  # no wait: decisions come in time
+            # a decision: something decides, with a claim or without (a Coordinator driven by step() alone)
+            self._unserved = self._unserved and found.fallback
             return found
         if iteration < self.config.lag:
             # Nothing to wait for: no decision covers the first ``lag`` iterations. They use the initial
             # split, agreed through the same write-once key.
             return self._parse(self.store.publish_or_read(self.config.initial_assignment(iteration))[1], iteration)
+        if self._unserved:  # the last wait found no coordinator: wait again once one claims the job
+            claim = self._claim()
+            if claim is None:
+                return self._publish_fallback(iteration, f"no coordinator serves the job: worker {self.worker} did "
+                                                         "not wait", claim, waited=False)
+            self._unserved = False
         pubsub = self._listen()
         announced = str(iteration).encode()
         while found is None and (remaining := deadline - time.monotonic()) > 0:
@@ -257,20 +297,41 @@ class WorkerClient:
                 found = self._read(iteration)
         if found is not None:
             return found
-        waited = self.config.assignment_timeout_s
-        written, raw = self.store.publish_or_read(
-            self._fallback(iteration, f"coordinator late: worker {self.worker} waited {waited:g}s"))
+        claim = self._claim()
+        self._unserved = claim is None
+        return self._publish_fallback(iteration, f"coordinator late: worker {self.worker} waited "
+                                                 f"{self.config.assignment_timeout_s:g}s", claim, waited=True)
+
+    def _claim(self) -> str | None:
+        """The identity of the coordinator whose claim on the job is live (one GET), None if none; where the claim's
+        key holds what lbbsp does not write there, the claim of an unknown one: the worker waits, as before."""
+        try:
+            return self.store.coordinator()
+        except ConfigError:
+            return "unknown"  # the claim of a coordinator whose identity cannot be read
+
+    def _publish_fallback(self, iteration: int, why: str, claim: str | None, *, waited: bool) -> Assignment:
+        """Write this worker's fallback of ``iteration`` (write-once: every worker then uses what the key holds), with
+        a warning once a minute if it was this worker's that counted; ``claim``: the coordinator's, for the warning."""
+        written, raw = self.store.publish_or_read(self._fallback(iteration, why))
         if written:
-            self._warn_late(iteration)
+            self._warn_late(iteration, claim, waited=waited)
         return self._parse(raw, iteration)
 
-    def _warn_late(self, iteration: int) -> None:
-        """Say, at most once a minute, that this worker wrote a fallback because no decision came in time, and which
-        split it wrote (as :meth:`_fallback` chose it): each such iteration costs ``assignment_timeout_s`` of waiting,
-        often because no coordinator runs, or because the iteration skipped some (no decision covers it then)."""
+    def _warn_late(self, iteration: int, claim: str | None, *, waited: bool) -> None:
+        """Say, at most once a minute, that this worker wrote a fallback because no decision came in time (``waited``)
+        or because no coordinator serves the job (``claim`` None: the next steps do not wait until one claims it), and
+        which split it wrote (as :meth:`_fallback` chose it); a late iteration skipped some, if so (no decision covers
+        it then)."""
         if not self._late.due():
             return
-        ask = "; is a coordinator running for this job (lbbsp status)?"
+        job = self.config.job
+        if claim is None:
+            ask = (f"; no coordinator serves the job (none has claimed it for 5 s: is a coordinator running for this "
+                   f"job? lbbsp status), so its steps fall back without waiting until one starts (`lbbsp coordinator "
+                   f"--job {job} ...`)")
+        else:
+            ask = f"; a coordinator ({claim}) serves the job but decided late (lbbsp status)"
         if iteration - 1 in self._known:
             used = f"so the split of iteration {iteration - 1} is used"
         elif self._known:  # the iteration skipped some (or went back): no decision covers it, whatever runs
@@ -278,12 +339,12 @@ class WorkerClient:
             gap = f"{iteration - last} past" if iteration > last else f"{last - iteration} before"
             used = (f"and iteration {iteration} is {gap} this worker's last ({last}): k must count up by one, across "
                     "epochs too; the equal split is used")
-            ask = ""
+            ask = ask if claim is None else ""
         else:
             used = "so the equal split is used (this worker knows no split before it)"
-        log.warning("job %s, worker %d: no decision for iteration %d within %gs, %s (%d time(s) so far)%s",
-                    self.config.job, self.worker, iteration, self.config.assignment_timeout_s, used, self._late.count,
-                    ask)
+        within = f"within {self.config.assignment_timeout_s:g}s" if waited else "stored, not waited for"
+        log.warning("job %s, worker %d: no decision for iteration %d %s, %s (%d time(s) so far)%s", job, self.worker,
+                    iteration, within, used, self._late.count, ask)
 
     def _fallback(self, iteration: int, why: str) -> Assignment:
         """The previous iteration's vector (the initial split if unknown), marked as a fallback."""
@@ -298,12 +359,9 @@ class WorkerClient:
         return None if raw is None else self._parse(raw, iteration)
 
     def _parse(self, raw: bytes, iteration: int) -> Assignment:
-        try:
-            return Assignment.from_json(raw, job=self.config.job, iteration=iteration,
-                                        num_workers=self.config.num_workers, global_batch=self.config.global_batch)
-        except ProtocolError as exc:
-            raise LBBSPError(f"stored assignment is invalid: {exc.message}", job=self.config.job, worker=self.worker,
-                             iteration=iteration) from exc
+        """The stored assignment ``raw`` of ``iteration``; a ProtocolError if it is not one of this job's."""
+        return Assignment.from_json(raw, job=self.config.job, iteration=iteration,
+                                    num_workers=self.config.num_workers, global_batch=self.config.global_batch)
 
     def _remember(self, assignment: Assignment) -> None:
         self._known[assignment.iteration] = assignment
