@@ -177,12 +177,12 @@ class JobConfig:
         (the ``lbbsp coordinator`` flags ``--lag`` and ``--ttl``), once every other setting agrees; a ConfigError
         names those that differ and says to pass the coordinator's settings to ``caller``. With nothing stored
         yet (the coordinator has not started), this config, with a warning unless ``warn`` is False (one worker of
-        many says it): every step waits for the coordinator until then."""
+        many says it): the workers' steps keep the initial split until then."""
         if stored is None:
             if warn:
-                log.warning("job %r is not on this Redis yet: until `lbbsp coordinator --job %s` serves it, every step "
-                            "waits assignment_timeout_s (%gs) for it; check the job name", self.job, self.job,
-                            self.assignment_timeout_s)
+                log.warning("job %r is not on this Redis yet: until `lbbsp coordinator --job %s` serves it, its steps "
+                            "keep the initial split (the first to find no decision waits assignment_timeout_s, %gs, for "
+                            "it); check the job name", self.job, self.job, self.assignment_timeout_s)
             return self
         # compared first: the coordinator's TTL under this run's assignment_timeout_s fails replace() with an error
         # about a TTL the caller never set, where the timeout is what differs
