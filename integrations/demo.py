@@ -30,6 +30,8 @@ from lbbsp.cli import whole_number
 from lbbsp.errors import ConfigError, LBBSPError
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from lbbsp.policies import Policy
 
 _PR_SET_PDEATHSIG = 1
@@ -286,7 +288,6 @@ def run(args: argparse.Namespace) -> int:
     they differ."""
     import multiprocessing as mp  # noqa: PLC0415
 
-    from rich.console import Console  # noqa: PLC0415
     from rich.live import Live  # noqa: PLC0415
 
     from lbbsp.embedded import EmbeddedRedis  # noqa: PLC0415
@@ -297,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
     config = DemoConfig(workers=args.workers, global_batch=args.global_batch, hidden=args.hidden,
                         steps=args.steps, slow_worker=args.slow_worker, load_procs=args.load_procs,
                         schedule=parse_schedule(args.load_schedule))
-    console = Console()
+    console = _console()
     cores = cores_for(config.workers)
     console.print(f"[bold]lbbsp demo[/]: {config.workers} gloo workers on cores {cores}, global batch "
                   f"{config.global_batch}, {config.steps} steps per run; {config.load_procs} busy process(es) on "
@@ -354,6 +355,16 @@ def run(args: argparse.Namespace) -> int:
             if server is not None:
                 server.close()
     return view.summary(console)
+
+
+def _console() -> Console:
+    """rich's console for the demo's output; piped (not a terminal), it wraps no line at 80 columns, so that each
+    sentence and the table's title stay on one line for a log or grep."""
+    from rich.console import Console  # noqa: PLC0415
+
+    console = Console()
+    console.soft_wrap = not console.is_terminal
+    return console
 
 
 class _View:

@@ -78,11 +78,14 @@ def run(args: argparse.Namespace) -> int:
                           f"{LOOKAHEAD} iterations count as {LOOKAHEAD}, the look-ahead every scenario generates), got "
                           f"{args.workers:,} x {args.iterations:,}")
     options, suffix = _scenario_options(args)
-    with _writing(args.out):  # before simulating, so that a bad --out costs no run
-        args.out.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=args.out).close()  # an existing folder may still refuse files
     if args.redis:  # a given Redis is reached before the scenario is built and the in-process pass runs
         _reach(args.redis)
+    with _output_folder(args.out):  # the last check: a refused or stopped run leaves no folder of its own behind
+        return _simulate(args, options, suffix, started)
+
+
+def _simulate(args: argparse.Namespace, options: dict[str, object], suffix: str, started: float) -> int:
+    """The checked run: build the scenario, simulate every policy, print the table and write the results."""
     print(f"building {args.scenario} with {args.workers} workers, {args.iterations} iterations, seed {args.seed}",
           flush=True)
     scenario = SCENARIOS[args.scenario](args.workers, args.iterations, args.seed, **options)
@@ -109,6 +112,24 @@ def run(args: argparse.Namespace) -> int:
                     lambda png: plot(scenario, runs, summary, png))
     print(f"wrote {stem}.json and {stem}.png ({time.perf_counter() - started:.0f}s)")
     return 0
+
+
+@contextlib.contextmanager
+def _output_folder(out: Path) -> Iterator[None]:
+    """Create ``out`` and check that it takes files, as a ConfigError about ``--out``; a run that then fails or is
+    stopped (Ctrl-C) removes the folders it made that are still empty, and leaves those that were there alone."""
+    made: list[Path] = []
+    try:
+        with _writing(out):  # before simulating, so that a bad --out costs no run
+            made = [folder for folder in (out, *out.parents) if not folder.exists()]  # deepest first
+            out.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=out).close()  # an existing folder may still refuse files
+        yield
+    except BaseException:
+        for folder in made:
+            with contextlib.suppress(OSError):  # not empty (results, or someone else's files): kept
+                folder.rmdir()
+        raise
 
 
 @contextlib.contextmanager
