@@ -247,7 +247,10 @@ def _coordinator(args: argparse.Namespace) -> int:
             # checked on a short timeout, as `lbbsp status` does: a Redis that never answers is an error in seconds
             with Store.from_url(url, args.job, socket_timeout_s=_PROBE_TIMEOUT_S) as probe:
                 probe.ping()
-                _same_settings(probe.load_config(), config, probe.coordinator())
+                serving = probe.coordinator()
+                _same_settings(probe.load_config(), config, serving)
+                if serving is not None:
+                    _claim_lapsed(probe, serving, stop)
             store = Store.from_url(url, args.job)
             coordinator = stop.serving(Coordinator(store, config, policy, max_ahead=args.max_ahead))
             print(f"coordinating job {args.job!r}: {args.workers} workers, global batch {args.global_batch}, policy "
@@ -269,6 +272,28 @@ def _coordinator(args: argparse.Namespace) -> int:
         if server is not None:
             server.close()
     return 0
+
+
+def _claim_lapsed(store: Store, claim: str, stop: _StopSignals) -> None:
+    """Return once ``claim``, another coordinator's claim on the job found at start-up, lapses (one that crashed
+    leaves it to expire), or a signal came; an LBBSPError where it is a live coordinator's: renewed (its TTL went
+    back up, or another identity wrote it) or still there when the claim's lifetime is over. Two coordinators of one
+    job take turns at its iterations, and each model learns from only part of them."""
+    from .coordinator import _CLAIM_S  # noqa: PLC0415  (scikit-learn: see the imports above)
+
+    print(f"job {store.job!r}: waiting up to {_CLAIM_S} s for the claim of coordinator {claim} to lapse (a "
+          "coordinator that stopped without releasing it)", flush=True)
+    key = store.key("coordinator")  # a Store method for its remaining TTL belongs in store.py
+    deadline = time.monotonic() + _CLAIM_S
+    left_ms = store.client.pttl(key)
+    while stop.received is None:
+        time.sleep(0.1)
+        seen, before_ms, left_ms = store.coordinator(), left_ms, store.client.pttl(key)
+        if seen is None:
+            return
+        if seen != claim or left_ms > before_ms or time.monotonic() > deadline:
+            raise LBBSPError(f"job {store.job!r} is served by the coordinator {seen} (its claim renewed within the "
+                             f"last {_CLAIM_S} s): stop it first, or use another --job")
 
 
 #: Seconds a signalled coordinator has to end its step and release its claim on the job before it exits anyway: each
@@ -367,7 +392,7 @@ def _status(args: argparse.Namespace) -> int:
             f" was {_ago(when)} ago" if isinstance(when, float) and math.isfinite(when) else "")
         console.print(f"job {job}: " + (f"served by the coordinator {serving}; {decided}" if serving else
                       f"no coordinator serves it (none renewed its claim in the last 5 s); {decided}: while its "
-                      "workers run, each step waits assignment_timeout_s and keeps the split before, so start one "
+                      "workers run, they keep the split before (after one wait of assignment_timeout_s), so start one "
                       "(lbbsp coordinator) unless the job is over"),
                       soft_wrap=True, markup=False, highlight=False)
         caption = _shown(f"iteration {last.get('iteration', '-')}: {last.get('reason', 'no decision yet')}")

@@ -185,4 +185,4 @@ def test_status_of_a_job_nobody_serves_says_when_it_was_last_decided(redis_url: 
     assert first.startswith(f"job {job}: no coordinator serves it"), first
     # 150 s before the call, plus the CLI's start-up (seconds on a loaded machine): 2.5 min, or a little more
     assert re.search(r"last decision \(iteration 7\) was 2\.[5-9] min ago", first), first
-    assert "while its workers run, each step waits" in first, first
+    assert "while its workers run, they keep the split before (after one wait" in first, first
