@@ -9,8 +9,7 @@ the policy's prediction + allocation with each real capacity model in steady sta
 step with Redis I/O and validation, up to the written split; beside them the learning the coordinator does
 after the write (NARX's training, the margins' pooling), which no worker waits for. The critical-path rows
 take turns in --rounds rounds, and the models take turns each iteration, so a drift in this machine's speed
-hits all alike. A second decision-time table times each model's coordinator alone in this process, as a job runs
-one: taking turns each iteration, the models crowd each other out of the CPU caches.
+hits all alike.
 
 Steps shorter than a decision (--short-compute-ms, --short-workers): the same runs with lag 2, the workers
 reporting the compute they measured, the coordinator running ahead (several iterations a decision, the default)
@@ -26,7 +25,7 @@ the decision-time table after them runs frozen.
     python experiments/bench_coordinator.py [--iterations 100] [--rounds 3] [--workers 4 16 64]
 
 The defaults take many minutes on 2 cores (each table prints as it ends); the quickest figure, decision time
-at 1,024 workers, is `--skip-critical-path --skip-heap --decision-workers 1024` (about two minutes).
+at 1,024 workers, is `--skip-critical-path --skip-heap --decision-workers 1024` (about a minute).
 """
 from __future__ import annotations
 
@@ -219,20 +218,6 @@ def decision_times(url: str, workers: int, warmup: int, repeats: int, status_eve
     return {name: {key: np.array(v) for key, v in times.items()} for name, _, _, _, _, _, times, _ in runs}
 
 
-def decision_times_alone(url: str, workers: int, warmup: int, repeats: int,
-                         rounds: int = 2) -> dict[str, dict[str, np.ndarray]]:
-    """Per model, as :func:`decision_times` times it, but with its coordinator the only one in this process, as a
-    job's coordinator runs: the models in turns of ``warmup`` + ``repeats`` decisions each, in ``rounds`` rounds (in
-    the reverse order every other one), the timed decisions pooled. Taking turns each iteration, the other models'
-    state and Redis keys crowd each one's out of the CPU caches between two of its decisions."""
-    pooled: dict[str, dict[str, list[np.ndarray]]] = {name: {} for name in MODELS}
-    for r in range(rounds):
-        for name in list(MODELS) if r % 2 == 0 else list(MODELS)[::-1]:
-            for key, values in decision_times(url, workers, warmup, repeats, models={name: MODELS[name]})[name].items():
-                pooled[name].setdefault(key, []).append(values)
-    return {name: {key: np.concatenate(v) for key, v in times.items()} for name, times in pooled.items()}
-
-
 def status_line_costs(url: str, workers: int, warmup: int, repeats: int) -> None:
     """The coordinator's cycle per decision with its workers' status lines written at every decision (as until
     2026-12-02) and at most once a second (since), side by side decision by decision, one model's pair at a time
@@ -313,13 +298,6 @@ def machine_speed_ms(repeats: int = 5) -> float:
             a = np.tanh(a @ a.T / 256)
         times.append(time.perf_counter() - started)
     return 1e3 * float(np.median(times))
-
-
-def _decision_row(name: str, workers: int, times: dict[str, np.ndarray]) -> None:
-    """One row of a decision-time table."""
-    print(f"{name:<26} {workers:>8} {_ms(times['policy'], 50):>11} {_ms(times['policy'], 99):>11} "
-          f"{_ms(times['policy_cpu'], 50):>8} {_ms(times['step'], 50):>9} {_ms(times['step'], 99):>9} "
-          f"{_ms(times['learn'], 50):>10} {_ms(times['cycle'], 50):>10}", flush=True)
 
 
 def _ms(values: np.ndarray, q: float) -> str:
@@ -435,14 +413,9 @@ def run(args: argparse.Namespace) -> None:
         for n in args.decision_workers:
             print(f"(this machine's speed just before: reference workload {machine_speed_ms():.1f} ms)")
             for name, times in decision_times(url, n, args.warmup, args.repeats).items():
-                _decision_row(name, n, times)
-        print(f"\nthe same, each model's coordinator alone in this process, as a job's coordinator runs: the models in "
-              f"turns of {args.warmup} + {args.repeats} decisions, 2 rounds (the second in reverse order), pooled")
-        for n in args.decision_workers:
-            print(f"(this machine's speed just before: reference workload {machine_speed_ms():.1f} ms)")
-            for name, times in decision_times_alone(url, n, args.warmup, args.repeats).items():
-                _decision_row(name, n, times)
-        print(f"(this machine's speed just after: reference workload {machine_speed_ms():.1f} ms)")
+                print(f"{name:<26} {n:>8} {_ms(times['policy'], 50):>11} {_ms(times['policy'], 99):>11} "
+                      f"{_ms(times['policy_cpu'], 50):>8} {_ms(times['step'], 50):>9} {_ms(times['step'], 99):>9} "
+                      f"{_ms(times['learn'], 50):>10} {_ms(times['cycle'], 50):>10}", flush=True)
     finally:
         if server is not None:
             server.close()
