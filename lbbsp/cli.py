@@ -279,12 +279,12 @@ def _claim_lapsed(store: Store, claim: str, stop: _StopSignals) -> None:
     leaves it to expire), or a signal came; an LBBSPError where it is a live coordinator's: renewed (its TTL went
     back up, or another identity wrote it) or still there when the claim's lifetime is over. Two coordinators of one
     job take turns at its iterations, and each model learns from only part of them."""
-    from .coordinator import _CLAIM_S  # noqa: PLC0415  (scikit-learn: see the imports above)
+    from .coordinator import CLAIM_S  # noqa: PLC0415  (scikit-learn: see the imports above)
 
-    print(f"job {store.job!r}: waiting up to {_CLAIM_S} s for the claim of coordinator {claim} to lapse (a "
+    print(f"job {store.job!r}: waiting up to {CLAIM_S} s for the claim of coordinator {claim} to lapse (a "
           "coordinator that stopped without releasing it)", flush=True)
     key = store.key("coordinator")  # a Store method for its remaining TTL belongs in store.py
-    deadline = time.monotonic() + _CLAIM_S
+    deadline = time.monotonic() + CLAIM_S
     left_ms = store.client.pttl(key)
     while stop.received is None:
         time.sleep(0.1)
@@ -293,7 +293,7 @@ def _claim_lapsed(store: Store, claim: str, stop: _StopSignals) -> None:
             return
         if seen != claim or left_ms > before_ms or time.monotonic() > deadline:
             raise LBBSPError(f"job {store.job!r} is served by the coordinator {seen} (its claim renewed within the "
-                             f"last {_CLAIM_S} s): stop it first, or use another --job")
+                             f"last {CLAIM_S} s): stop it first, or use another --job")
 
 
 #: Seconds a signalled coordinator has to end its step and release its claim on the job before it exits anyway: each

@@ -54,7 +54,9 @@ def checked_max_ahead(value: object, job: str | None = None) -> int:
 
 _PACE_WINDOW = 5  # decisions over which the coordinator's own time and the workers' step are taken (medians)
 _DROP = 100  # a report under 1/_DROP of its worker's previous throughput is worth a warning (_warn_dropped)
-_CLAIM_S = 5  # a serving coordinator's claim on its job lasts this long, renewed every second (_heartbeat)
+#: How long a serving coordinator's claim on its job lasts, renewed every second (_heartbeat); `lbbsp coordinator`
+#: waits that long at most for a stale one to lapse.
+CLAIM_S = 5
 _OUTAGE_GRACE_S = 3.0  # a coordinator whose training process ended is stopped by then (_stop_when_orphaned)
 _REJECTED_AGAIN = " ({} earlier ones like it, logged at most every 10 s)"  # a rejection's count (_rejected)
 
@@ -683,7 +685,7 @@ class Coordinator:
         self._next_heartbeat = now + 1.0
         if not self.store.has_config():
             self._put_back(now)
-        other = self.store.claim_coordinator(self._identity, ttl_s=_CLAIM_S)
+        other = self.store.claim_coordinator(self._identity, ttl_s=CLAIM_S)
         # A claim found once may be a stopped coordinator's, left to expire (a crash leaves it up to 5 s); one
         # found again, at any later heartbeat, has overwritten this coordinator's claim in between, so it is alive.
         # Not only at the next heartbeat: one whose heartbeats came at about half this one's rate was found only at
@@ -694,7 +696,7 @@ class Coordinator:
                             "and each model learns from only part of them; stop one", other, self.config.job)
                 self._warned_about = other
             self._claim_seen, self._claim_seen_at = other, now
-        elif now - self._claim_seen_at > _CLAIM_S:  # gone: warn again if it comes back
+        elif now - self._claim_seen_at > CLAIM_S:  # gone: warn again if it comes back
             self._claim_seen = self._warned_about = None
 
     def _put_back(self, now: float) -> None:
