@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from .client_history import _index
 from .config import JobConfig, _job_name
 from .embedded import EmbeddedRedis
 from .errors import ConfigError, LBBSPError
@@ -376,21 +377,25 @@ def _status(args: argparse.Namespace) -> int:
                 if config is None and args.job:
                     raise LBBSPError(f"no job {job!r} on this Redis (it never started, or its keys expired); "
                                      "`lbbsp status` without --job lists the jobs there")
-                decisions = [d for raw in store.decisions(max(args.decisions, 1)) if (d := _readable(raw, _DECISION))]
-                statuses = {int(k): s for k, raw in store.worker_statuses().items()
-                            if k.isdigit() and (s := _readable(raw, _WORKER_STATUS))}
+                stored_decisions = store.decisions(max(args.decisions, 1))
+                stored_statuses = store.worker_statuses()
                 serving = store.coordinator()
             except (ConfigError, redis.ResponseError) as exc:  # a broken key of the job's: settings, or a WRONGTYPE
                 if args.job:
                     raise
                 logging.getLogger("lbbsp.cli").warning("skipped job %r: %s", job, exc)  # not hiding the others
                 continue
+        decisions, statuses, skipped = _entries(stored_decisions, stored_statuses)
+        if skipped:  # one line, however many: a line each had let a hash of foreign fields flood the output
+            logging.getLogger("lbbsp.cli").warning("job %s: skipped %d entr%s not lbbsp's (no coordinator writes "
+                                                   "such); the first: %.80r", job, len(skipped),
+                                                   "y" if len(skipped) == 1 else "ies", skipped[0])
         last = decisions[0] if decisions else {}
         title = f"job {job}" + (f": {config.num_workers} workers, global batch {config.global_batch}" if config else "")
         when = last.get("time")  # a coordinator's time.time()
         decided = "no decision yet" if not last else f"last decision (iteration {last['iteration']})" + (
             f" was {_ago(when)} ago" if isinstance(when, float) and math.isfinite(when) else "")
-        console.print(f"job {job}: " + (f"served by the coordinator {serving}; {decided}" if serving else
+        console.print(f"job {job}: " + (f"served by the coordinator {_escaped(serving)}; {decided}" if serving else
                       f"no coordinator serves it (none renewed its claim in the last 5 s); {decided}: while its "
                       "workers run, they keep the split before (after one wait of assignment_timeout_s), so start one "
                       "(lbbsp coordinator) unless the job is over"),
@@ -471,15 +476,39 @@ _WORKER_STATUS: _Fields = {"iteration": int, "size": int, "predicted_throughput"
                            "measured_throughput": _NUMBER, "compute_s": _NUMBER, "wait_s": _NUMBER}
 
 
+def _entries(stored_decisions: list[bytes], stored_statuses: dict[bytes, bytes]
+             ) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]], list[bytes]]:
+    """The decision records and the workers' statuses (by worker index) a coordinator wrote, and the entries
+    (a field, or a value) that none wrote: left out, so that one of those does not stop the listing."""
+    decisions: list[dict[str, Any]] = []
+    statuses: dict[int, dict[str, Any]] = {}
+    skipped: list[bytes] = []
+    for raw in stored_decisions:
+        if (decision := _readable(raw, _DECISION)) is not None:
+            decisions.append(decision)
+        else:
+            skipped.append(raw)
+    for field, raw in stored_statuses.items():
+        try:  # as other readers take a worker index: int() takes "-1" and "1_000", and fails on 5,000 digits
+            worker = _index(field)
+        except ValueError:
+            skipped.append(field)
+            continue
+        if worker not in statuses and (status := _readable(raw, _WORKER_STATUS)) is not None:
+            statuses[worker] = status
+        else:
+            skipped.append(raw)
+    return decisions, statuses, skipped
+
+
 def _readable(raw: bytes, fields: _Fields) -> dict[str, Any] | None:
-    """``raw`` as a JSON object holding ``fields`` with those types, or None (logged) if it is not one."""
+    """``raw`` as a JSON object holding ``fields`` with those types, or None if it is not one."""
     try:
         obj = json.loads(raw)
     except (ValueError, RecursionError):
-        obj = None
+        return None
     if isinstance(obj, dict) and all(isinstance(obj.get(name), kind) for name, kind in fields.items()):
         return obj
-    logging.getLogger("lbbsp.cli").warning("skipped an entry that is not a coordinator's record: %.80r", raw)
     return None
 
 
@@ -491,17 +520,35 @@ def _iterations(decision: dict[str, Any]) -> str:
     return str(decision["iteration"])
 
 
+#: The C0 and C1 control characters and DEL, each to its backslash escape ("\\x1b", "\\n").
+_CONTROLS = {code: repr(chr(code))[1:-1] for code in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def _escaped(text: str) -> str:
+    """Text read from Redis, safe to print in one line: its control characters (ESC, which starts a terminal's
+    escape sequence: a stored claim had set the terminal's title and cleared its screen; a newline, which fakes a
+    line) and what no terminal encodes (a lone surrogate, from a JSON escape) as backslash escapes."""
+    return text.translate(_CONTROLS).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _shown(text: str) -> Text:
-    """Text read from Redis, shown as it is: not as console markup (a rejected report's error quotes the report's
-    field names, and "[/x]" had ended `lbbsp status` in a MarkupError), and with what no terminal encodes (a lone
-    surrogate, from a JSON escape) as its backslash escape, not a UnicodeEncodeError."""
+    """:func:`_escaped` text for a table, not read as console markup (a rejected report's error quotes the report's
+    field names, and "[/x]" had ended `lbbsp status` in a MarkupError)."""
     from rich.text import Text  # noqa: PLC0415  (only the status subcommand draws tables)
 
-    return Text(text.encode("utf-8", "backslashreplace").decode("utf-8"))
+    return Text(_escaped(text))
 
 
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4g}"
+def _fmt(value: object) -> str:
+    """A stored throughput or time, in 4 digits; "-" for none, and for what is no finite float (10**400, NaN),
+    which a coordinator writes as null."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return "-"
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        return "-"
+    return f"{number:.4g}" if math.isfinite(number) else "-"
 
 
 class _WithDefaults(argparse.HelpFormatter):
