@@ -26,7 +26,7 @@ from numbers import Integral, Real
 from typing import Literal
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -43,7 +43,7 @@ from lbbsp.client_history import ClientHistory, ClientStatus
 from lbbsp.errors import ConfigError, ProtocolError, StoreUnavailable
 from lbbsp.fedagg import fednova_scales, rescale_update
 from lbbsp.models import FLClientModel, NotFittedError
-from lbbsp.protocol import MAX_BATCH, MAX_SECONDS, MAX_WORKERS, Report, equal_split
+from lbbsp.protocol import MAX_BATCH, MAX_REASON_CHARS, MAX_SECONDS, MAX_WORKERS, Report, equal_split
 
 from .flower_client import (
     COMPUTE_S,
@@ -136,6 +136,8 @@ class _Round:
     started: float  # time.monotonic() when the messages were handed to Flower
 
 
+#: The most characters of a client's error reason that are logged, stored and passed on, once escaped.
+MAX_CLIENT_REASON_CHARS = 200
 #: ``compensate_dropouts`` raises a round's total at most this many times.
 MAX_COMPENSATION = 2
 #: The split moves work between clients (or lets them sit out) only if that makes the round predicted this much
@@ -343,7 +345,7 @@ class LoadBalanced(Strategy):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = self._first_reply_each(server_round, replies)
+        replies = [_with_printable_error(m) for m in self._first_reply_each(server_round, replies)]
         sent = self._pending.pop(server_round, None)
         if sent is not None:
             predicted = "" if sent.predicted_s is None else f" (predicted {sent.predicted_s:.3g}s)"
@@ -382,7 +384,8 @@ class LoadBalanced(Strategy):
                 else:
                     if report is not None:
                         reports.append(report)
-            if reason:
+            if reason:  # a bad reply's may quote the sender's words (a dtype label)
+                reason = _printable(reason, MAX_REASON_CHARS)
                 log(WARNING, "lbbsp round %d: node %d failed and is left out: %s", server_round, node, reason)
             if worker is not None:
                 outcomes[worker] = ClientStatus(iteration, "failed" if reason else "ok", reason, now)
@@ -620,6 +623,21 @@ def _check_arrays(model: ArrayRecord, content: RecordDict) -> None:
                                 f"{expected.dtype} of shape {expected.shape}", field=f"arrays.{name}")
         if values.dtype.kind in "fc" and not np.isfinite(values).all():
             raise ProtocolError("holds NaN or infinite values", field=f"arrays.{name}")
+
+
+def _printable(text: str, limit: int) -> str:
+    """``text`` with each character a log's reader or terminal acts on (a newline, an ESC sequence, ...) as its
+    Python escape, cut to ``limit`` characters (an ellipsis where cut): a client's words had forged log lines."""
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit + 1])
+    return shown if len(shown) <= limit else shown[:limit - 1] + "\u2026"
+
+
+def _with_printable_error(message: Message) -> Message:
+    """The reply, its error reason (if it is an error reply) escaped and cut to ``MAX_CLIENT_REASON_CHARS``: both
+    LoadBalanced and the wrapped strategy log it, and the history stores it."""
+    if message.has_error() and message.error.reason:
+        message.error = Error(message.error.code, _printable(message.error.reason, MAX_CLIENT_REASON_CHARS))
+    return message
 
 
 def _dtype_fits(reply: str | np.dtype, model: str | np.dtype) -> bool:

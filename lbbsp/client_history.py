@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 Outcome = Literal["ok", "missed", "failed"]
 _OUTCOMES = ("ok", "missed", "failed")
 MAX_CLIENT_KEY_CHARS = 128
+#: The highest stored round a run may follow (LoadBalanced numbers a run's rounds on from the highest stored one):
+#: it leaves 2**32 rounds, more than runs ever add (a round a millisecond for 49 days), before MAX_ITERATION, past
+#: which no report or status can be made. One above it, which no job reaches by its own rounds (that takes about
+#: 2**53 of them: only a foreign writer stores one), is skipped when read.
+MAX_STORED_ROUND = MAX_ITERATION - 2**32
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,8 @@ class ClientHistory:
     # Returns each client's worker index, assigning the next free one to a client the hash lacks (never seen, or
     # its entry lost with Redis's data, or not a decimal index in range: no lbbsp process wrote it); -1 for a
     # client that finds every index taken. A counter that is lost or not a decimal restarts above the hash's
-    # indices and those with a stored outcome, whose history a new client must not inherit.
+    # indices and those with a stored outcome, whose history a new client must not inherit: that scan, O(hash size),
+    # runs at most once a call (the next free index is then counted on), and the counter it sets spares the next.
     ASSIGN_INDICES = """
     local function index_in(raw)
         if raw and string.match(raw, '^%d+$') and #raw <= 6 and tonumber(raw) <= tonumber(ARGV[2]) then
@@ -101,26 +107,32 @@ class ClientHistory:
         end
         return nil
     end
+    local next_free = nil  -- found when the call's first new client needs it
     local out = {}
     for i = 4, #ARGV do
         local index = index_in(redis.call('HGET', KEYS[1], ARGV[i]))
         if not index then
-            local counter = redis.call('GET', KEYS[2])
-            local next_free = counter and string.match(counter, '^%d+$') and tonumber(counter)
             if not next_free then
-                next_free = 0
-                local stored = redis.call('HVALS', KEYS[1])
-                for _, worker in ipairs(redis.call('HKEYS', KEYS[3])) do stored[#stored + 1] = worker end
-                for _, raw in ipairs(stored) do
-                    local known = index_in(raw)
-                    if known and known >= next_free then next_free = known + 1 end
+                local counter = redis.call('GET', KEYS[2])
+                next_free = counter and string.match(counter, '^%d+$') and tonumber(counter)
+                if not next_free then
+                    next_free = 0
+                    local stored = redis.call('HVALS', KEYS[1])
+                    for _, worker in ipairs(redis.call('HKEYS', KEYS[3])) do stored[#stored + 1] = worker end
+                    for _, raw in ipairs(stored) do
+                        local known = index_in(raw)
+                        if known and known >= next_free then next_free = known + 1 end
+                    end
+                    redis.call('SET', KEYS[2], next_free)  -- at most MAX_WORKERS: a decimal the next call reads
                 end
+                next_free = math.max(next_free, tonumber(ARGV[3]))
             end
-            index = math.max(next_free, tonumber(ARGV[3]))
-            if index > tonumber(ARGV[2]) then
+            if next_free > tonumber(ARGV[2]) then
                 index = -1
             else
-                redis.call('SET', KEYS[2], index + 1)
+                index = next_free
+                next_free = next_free + 1
+                redis.call('SET', KEYS[2], next_free)
                 redis.call('HSET', KEYS[1], ARGV[i], index)
             end
         end
@@ -191,9 +203,13 @@ class ClientHistory:
         keys = [self.key("ids"), self.key("next"), self.key("status")]
         indices = [int(i) for i in self._call(self._assign, keys=keys,
                                               args=[self.ttl_s, MAX_WORKERS - 1, self._lowest_new, *names])]
-        if min(indices) < 0:
-            raise ConfigError(f"every client index of the job is taken: {MAX_WORKERS} distinct client keys were seen "
-                              "(an index is kept for good within a job); run on under a new job name", job=self.job)
+        left_out = indices.count(-1)
+        if left_out:
+            raise ConfigError(f"every client index of the job is taken: no worker index is left for {left_out} new "
+                              f"client{'s' * (left_out != 1)} (indices are handed out in order up to {MAX_WORKERS - 1} "
+                              f"and never reused within a job, and the job's counter {self.key('next')} or its stored "
+                              f"indices reached the last); run on under a new job name, or, if its history is not "
+                              f"needed, `lbbsp forget --job {self.job}` deletes it", job=self.job)
         self._known.update(zip(names, indices))
         self._lowest_new = max(self._lowest_new, max(indices) + 1)
         return indices
@@ -218,13 +234,17 @@ class ClientHistory:
         self._call(pipe.execute)
 
     def reports(self, worker: int) -> list[Report]:
-        """The client's stored reports, oldest first; entries that fail validation are logged and skipped."""
+        """The client's stored reports, oldest first; entries that fail validation or are of a round above
+        :data:`MAX_STORED_ROUND` are logged and skipped."""
         out = []
         for raw in self._call(self.client.lrange, self.key("reports", worker), 0, -1):
             try:
                 report = Report.from_json(raw, job=self.job)
             except ProtocolError as exc:
                 log.warning("skipping a stored report of worker %d of job %s: %s", worker, self.job, exc)
+                continue
+            if report.iteration > MAX_STORED_ROUND:
+                self._no_room("report", report.iteration, self.key("reports", worker))
                 continue
             if report.worker == worker:
                 out.append(report)
@@ -249,14 +269,27 @@ class ClientHistory:
         return [by_round[k] for k in sorted(by_round)]
 
     def statuses(self) -> dict[int, ClientStatus]:
-        """Each client's last outcome; entries that fail validation are logged and skipped."""
+        """Each client's last outcome; entries that fail validation or are of a round above
+        :data:`MAX_STORED_ROUND` are logged and skipped."""
         out = {}
         for worker, raw in self._call(self.client.hgetall, self.key("status")).items():
             try:  # the field too: int() would take "-1" or "1_000", and a huge index would size the model's tables
-                out[_index(worker)] = ClientStatus.from_json(raw)
+                index, status = _index(worker), ClientStatus.from_json(raw)
             except (ValueError, ProtocolError) as exc:
                 log.warning("skipping a stored status in job %s: %s", self.job, exc)
+                continue
+            if status.round > MAX_STORED_ROUND:
+                self._no_room("status", status.round, f"{self.key('status')} field {index}")
+            else:
+                out[index] = status
         return out
+
+    def _no_room(self, what: str, round_: int, where: str) -> None:
+        """Log a stored entry skipped for a round above :data:`MAX_STORED_ROUND`, naming where it is kept."""
+        log.warning("skipping a stored %s of job %s at round %d (%s): it leaves no room for a run's rounds, which "
+                    "follow the highest stored one (at most %d); if the job's history is not needed, `lbbsp forget "
+                    "--job %s` deletes it, else delete that entry", what, self.job, round_, where, MAX_STORED_ROUND,
+                    self.job)
 
     def _call(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         try:
