@@ -167,15 +167,17 @@ class WorkerClient:
         fallen back on an unusable Redis, the next ones fall back at their first failure, until Redis answers: an
         outage costs one wait, not one per step (a Redis that stalls still costs its socket timeouts each step).
         Likewise, once a wait has timed out with no coordinator claiming the job, the next iterations not stored fall
-        back without waiting (write-once, agreed as ever) until a coordinator claims it or a decision is found."""
+        back without waiting (write-once, agreed as ever) until a coordinator claims it or a decision is found. Once
+        Redis answers after failing, the worker waits afresh: a Redis restarted without its data gets its latest
+        decisions back from the coordinator within about a second."""
         iteration = self._iteration(iteration)
         known = self._known.get(iteration)
         if known is not None:
             return known
-        deadline = time.monotonic() + self.config.assignment_timeout_s
+        deadline = wait_until = time.monotonic() + self.config.assignment_timeout_s
         while True:
             try:
-                agreed = self._fetch(iteration, deadline)
+                agreed = self._fetch(iteration, wait_until)
                 self._fell_back_unusable = False
                 break
             except ProtocolError as exc:  # _parse: what assign:{k} holds is no assignment of this job
@@ -189,6 +191,10 @@ class WorkerClient:
                     self._fell_back_unusable = True
                     break
                 time.sleep(0.05)
+                # once Redis answers, a whole wait: one restarted without its data gets the decision back from the
+                # coordinator's heartbeat (about a second); a worker whose wait had run out during the outage wrote its
+                # fallback at once, over the decision another worker had read (without agree, a split of its own)
+                wait_until = time.monotonic() + self.config.assignment_timeout_s
         if self.agree is not None:
             agreed = self._agreed(self.agree(agreed), iteration)
         self._remember(agreed)

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
+import redis
 
 from lbbsp import Assignment, Coordinator, EmbeddedRedis, JobConfig, LBBSPError, Store, WorkerClient
 from lbbsp.policies import Decision, Policy
@@ -187,3 +188,54 @@ def test_a_decision_stored_while_no_coordinator_claims_the_job_makes_the_worker_
         finally:
             timer.join()
     assert (got.sizes, got.fallback) == ((6, 4), False), got
+
+
+class Alternating(Policy):
+    """(7, 3) for even iterations, (6, 4) for odd ones: a fallback (the vector of k-1) differs from the decision."""
+
+    name = "alternating"
+
+    def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
+        return Decision((7, 3) if iteration % 2 == 0 else (6, 4), "alternating")
+
+
+def test_a_worker_that_lost_redis_waits_afresh_once_it_answers_for_the_decision_put_back(
+        redis_url: str, job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis restarted without its data while one worker had read iteration k's decision and the other could not
+    reach Redis: the second, its wait run out meanwhile, wrote its fallback the moment Redis answered, before the
+    coordinator (its heartbeat, about a second) put the lost decision back, and the two workers trained on different
+    vectors (tf_keras, no agree). Now a worker waits afresh once Redis answers after failing, and reads the decision."""
+    config = JobConfig(job, 2, 10, assignment_timeout_s=2.0, lag=1)
+    workers = [WorkerClient(Store.from_url(redis_url, job), config, w) for w in range(2)]
+    coordinator = Coordinator(Store.from_url(redis_url, job), config, Alternating(), max_ahead=1).start()
+    try:
+        store = workers[0].store
+        for k in range(4):
+            got = [worker.assignment(k) for worker in workers]
+            for worker in workers:
+                worker.report(k, got[0].sizes[worker.worker], 0.01)
+                worker.flush()
+        _until(lambda: store.get_assignment(4) is not None, "the decision from the reports of 3")
+        assert workers[0].assignment(4).sizes == (7, 3)
+        back = time.monotonic() + 2.5  # longer than the timeout: the second worker's wait runs out while it fails
+        real_get = workers[1].store.get_assignment
+
+        def unreachable_until_back(iteration: int) -> bytes | None:
+            if time.monotonic() < back:
+                raise redis.ConnectionError("Redis restarting (test)")
+            return real_get(iteration)
+
+        monkeypatch.setattr(workers[1].store, "get_assignment", unreachable_until_back)
+        flusher = threading.Timer(2.2, store.client.flushall)  # the restart loses every key, the decision's too
+        flusher.start()
+        try:
+            second = workers[1].assignment(4)
+        finally:
+            flusher.join()
+    finally:
+        coordinator.stop()
+        coordinator.store.close()
+        for worker in workers:
+            worker.close()
+            worker.store.close()
+    assert (second.sizes, second.fallback) == ((7, 3), False), second
