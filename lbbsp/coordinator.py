@@ -59,6 +59,9 @@ _DROP = 100  # a report under 1/_DROP of its worker's previous throughput is wor
 CLAIM_S = 5
 _OUTAGE_GRACE_S = 3.0  # a coordinator whose training process ended is stopped by then (_stop_when_orphaned)
 _REJECTED_AGAIN = " ({} earlier ones like it, logged at most every 10 s)"  # a rejection's count (_rejected)
+#: The most rejected reports a decision's record lists, the rest counted: a reports hash of 20,000 fields that are no
+#: worker (written past POST_REPORT's check) had made a record of 1.6 MB.
+_RECORDED_REJECTIONS = 20
 
 #: One worker's status in the ``workers`` hash, as JSON (``lbbsp status`` reads it).
 _STATUS = ('{"iteration": %d, "size": %d, "predicted_throughput": %s, "measured_throughput": %s, '
@@ -90,6 +93,12 @@ class Outcome:
     rejected: list[Rejection] = field(default_factory=list)
     learn_s: float = 0.0  # the policy's learning after the write, off the decision's path
     through: int = field(kw_only=True)  # the last iteration it covers (its assignment's, unless it ran ahead)
+
+
+def _worker_field(field: str, num_workers: int) -> bool:
+    """Whether ``field`` of a reports hash names a worker of a job of ``num_workers``, as POST_REPORT lets one in:
+    decimal, without sign or leading zeros."""
+    return field.isdecimal() and str(int(field)) == field and int(field) < num_workers
 
 
 def _clipped(text: str, limit: int) -> str:
@@ -286,7 +295,7 @@ class Coordinator:
         self._next_outage_log = 0.0
         self._repeats = _Repeats()  # failed steps, see _failed
         self._ready_repeats = _Repeats()  # iterations queued that no worker ran, see _out_of_line
-        self._rejections: dict[tuple[str, str], _Repeats] = {}  # rejected reports by worker and check, see _rejected
+        self._rejections: dict[tuple[str | None, str], _Repeats] = {}  # rejected reports by worker and check (_rejected)
         self._expired_after: int | None = None  # decisions made when the job's keys last expired, see _put_back
         self._expiries = 0  # how often they expired since then
         #: How many iterations the next decision covers: 1 while the coordinator keeps up with the workers' steps.
@@ -359,7 +368,7 @@ class Coordinator:
         """The iteration the job's latest recorded decision was made from (by any coordinator), None if unknown."""
         try:
             latest = json.loads(self.store.decisions(1)[0])["from_reports_of"]
-        except (IndexError, ValueError, TypeError, KeyError):
+        except (IndexError, ValueError, TypeError, KeyError, RecursionError):  # RecursionError: deeply nested JSON
             return None
         return latest if isinstance(latest, int) else None
 
@@ -389,10 +398,13 @@ class Coordinator:
         if not written[0]:
             assignment = self._assignment(targets[0])
         self._recent.append(assignment.sizes)
-        self._record(iteration, assignment, written[0], decision, reports, rejected, decision_s, learn_s, targets[-1])
-        self._forget(iteration)
-        self.decisions_made += 1
-        self._pace(iteration, started, reports)
+        try:
+            self._record(iteration, assignment, written[0], decision, reports, rejected, decision_s, learn_s,
+                         targets[-1])
+        finally:  # the split is written and the workers use it: the decision happened, even where its record failed
+            self._forget(iteration)
+            self.decisions_made += 1
+            self._pace(iteration, started, reports)
         return Outcome(iteration, assignment, written[0], decision_s, rejected, learn_s, through=targets[-1])
 
     def _went_back(self, before: int, iteration: int) -> None:
@@ -475,7 +487,7 @@ class Coordinator:
                 report = Report.from_json(payload, job=self.config.job, num_workers=self.config.num_workers)
                 if str(report.worker) != worker or report.iteration != iteration:
                     raise ProtocolError(f"report for worker {report.worker}, iteration {report.iteration} "
-                                        f"was posted under worker {worker}, iteration {iteration}",
+                                        f"was posted under worker {worker!r}, iteration {iteration}",
                                         field="worker", job=self.config.job)
                 self._check_samples(report, assigned)
             except ProtocolError as exc:
@@ -489,11 +501,16 @@ class Coordinator:
     def _rejected(self, worker: str, iteration: int, exc: ProtocolError) -> None:
         """Log a rejected report: at once where it is the worker's first, or failed another check than its earlier
         ones, the same again only every 10 s with a count (:class:`_Repeats`, one per worker and check): a worker
-        whose every report was refused had a warning at every decision. The decision log records each one."""
-        repeats = self._rejections.setdefault((worker, _failure_site(exc)), _Repeats(_REJECTED_AGAIN))
+        whose every report was refused had a warning at every decision. The fields that name no worker of the job
+        (only a writer past POST_REPORT's check makes one) share one, and are logged quoted: thousands of them had a
+        line each, and a limiter each for good, and a newline in one had made a log line of its own. The decision
+        log records the first ones (_RECORDED_REJECTIONS)."""
+        valid = _worker_field(worker, self.config.num_workers)
+        repeats = self._rejections.setdefault((worker if valid else None, _failure_site(exc)),
+                                              _Repeats(_REJECTED_AGAIN))
         if (told := repeats.note(exc)) is not None:
-            log.warning("job %s: rejected report of worker %s for iteration %d: %s%s", self.config.job, worker,
-                        iteration, exc, told)
+            log.warning("job %s: rejected report of worker %s for iteration %d: %s%s", self.config.job,
+                        worker if valid else repr(worker), iteration, exc, told)
 
     def _sizes_used(self, iteration: int) -> tuple[int, ...] | None:
         """The sizes the workers computed at ``iteration``, where known: the assignment this coordinator wrote for
@@ -541,13 +558,13 @@ class Coordinator:
         """The stored assignment of ``iteration`` (validated), or None."""
         if self._written and self._written[-1].iteration == iteration:
             return self._written[-1]  # what this coordinator wrote, once: no need to read it back
-        raw = self.store.get_assignment(iteration)
-        if raw is not None:
-            try:
+        try:  # a key of another type than lbbsp writes there is a ProtocolError too (Store.get_assignment)
+            raw = self.store.get_assignment(iteration)
+            if raw is not None:
                 return Assignment.from_json(raw, job=self.config.job, iteration=iteration,
                                             num_workers=self.config.num_workers, global_batch=self.config.global_batch)
-            except ProtocolError as exc:
-                log.error("job %s: stored assignment of iteration %d is invalid: %s", self.config.job, iteration, exc)
+        except ProtocolError as exc:
+            log.error("job %s: stored assignment of iteration %d is invalid: %s", self.config.job, iteration, exc)
         return None
 
     def _record(self, iteration: int, assignment: Assignment, written: bool, decision: Decision,
@@ -565,7 +582,8 @@ class Coordinator:
             "policy": assignment.policy, "reason": assignment.reason, "fallback": assignment.fallback,
             "written_by_coordinator": written, "decision_ms": round(decision_s * 1e3, 3),
             "learn_ms": round(learn_s * 1e3, 3),
-            "rejected": [{"worker": r.worker, "error": r.error} for r in rejected], "time": time.time(),
+            "rejected": [{"worker": r.worker, "error": r.error} for r in rejected[:_RECORDED_REJECTIONS]],
+            "rejected_more": max(len(rejected) - _RECORDED_REJECTIONS, 0), "time": time.time(),
         }
         self.store.record_decision(json.dumps(record))
         self._renewed = time.monotonic()
@@ -631,8 +649,9 @@ class Coordinator:
         try:
             self._serve(max_decisions, poll_s)
         finally:
-            with contextlib.suppress(*REDIS_FAILURES):
+            with contextlib.suppress(ConfigError, *REDIS_FAILURES):  # ConfigError: a key of another type at `workers`
                 self._write_statuses()  # the last decision's, where the once-a-second limit held them back
+            with contextlib.suppress(*REDIS_FAILURES):
                 self.store.release_coordinator(self._identity)
 
     def _serve(self, max_decisions: int | None, poll_s: float) -> None:
@@ -849,7 +868,7 @@ class CoordinatorProcess:
                     return
                 if not budget.allow(self.RESTARTS):
                     log.error("the coordinator process of job %s died %d times in 5 minutes: not starting it "
-                              "again. Every step now waits assignment_timeout_s and keeps the split before; start "
+                              "again. The workers now keep the split before (the first step waits assignment_timeout_s); start "
                               "`lbbsp coordinator` for the job, with the same settings and its Redis URL",
                               self._job, self.RESTARTS + 1)
                     return

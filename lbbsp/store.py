@@ -43,8 +43,27 @@ REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 #: Those, and Redis answering with an error (a key of the wrong type, out of memory, a read-only replica during a
 #: failover), which may clear as well: what a worker rides out within its bound, and a shutdown ignores.
 REDIS_FAILURES = (*REDIS_ERRORS, redis.RedisError)
+#: What :meth:`Store.coordinator` and :meth:`Store.claim_coordinator` return for a claim whose value is no
+#: coordinator identity as lbbsp writes one (host:pid:tag): a live claim all the same, of a coordinator unknown.
+UNKNOWN_CLAIM = "unknown (not an lbbsp claim)"
+#: A coordinator's identity as it writes its claim (host:pid:tag, see Coordinator): a host name of printable ASCII
+#: without a colon, well under 300 characters in all. Anything else at the claim's key is not logged or printed as it is.
+_IDENTITY = re.compile(rb"[!-9;-~]{1,253}:[0-9]{1,10}:[0-9A-Za-z]{1,32}")
 #: A URL's scheme as written, even wrongly ("redis://", "redis//", "redis:/"), then its credentials: up to the last @
 _CREDENTIALS = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*(?::/+|/+))?(.*)@", re.DOTALL)
+
+
+def _wrong_type(exc: redis.ResponseError) -> bool:
+    """Whether Redis's error answer is WRONGTYPE: a key of the job's holds another type than lbbsp writes there."""
+    return "WRONGTYPE" in str(exc)
+
+
+def _claimant(claim: bytes | None) -> str | None:
+    """The identity in a coordinator's claim as read from Redis; UNKNOWN_CLAIM where it is none that lbbsp writes: it
+    is logged and printed, and a newline, a terminal escape or a megabyte there came out as they were."""
+    if claim is None:
+        return None
+    return claim.decode("ascii") if _IDENTITY.fullmatch(claim) else UNKNOWN_CLAIM
 
 
 def _queued(item: bytes | str) -> int | None:
@@ -145,11 +164,14 @@ class Store:
     return added
     """
 
-    # The watermark's value as a number where it is what a clean-up writes (plain digits, at most 16), else false, as
-    # forgotten_through reads it: Lua's tonumber made "inf" or 400 digits infinite, which refused every write for good
+    # The watermark at ``key`` as a number where it is what a clean-up writes (plain digits, at most 16), else false, as
+    # forgotten_through reads it: Lua's tonumber made "inf" or 400 digits infinite, which refused every write for good.
+    # Read with pcall: a key of another type (an error reply) is no watermark either, and the clean-up's SET repairs it;
+    # it had failed every decision after its split was written.
     _WATERMARK = """
-    local function watermark(raw)
-        return raw and string.len(raw) <= 16 and string.match(raw, '^%d+$') and tonumber(raw)
+    local function watermark(key)
+        local raw = redis.pcall('GET', key)
+        return type(raw) == 'string' and string.len(raw) <= 16 and string.match(raw, '^%d+$') and tonumber(raw)
     end
     """
 
@@ -164,7 +186,7 @@ class Store:
     # KEYS) is never refused.
     PUBLISH_ASSIGNMENT = _WATERMARK + """
     if KEYS[3] and redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[4]) == 0 then
-        local through = watermark(redis.call('GET', KEYS[3]))
+        local through = watermark(KEYS[3])
         if through and tonumber(ARGV[3]) <= through then return {-1, false} end
     end
     if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
@@ -178,7 +200,7 @@ class Store:
     # KEYS[1] = forgotten string, ARGV[1] = the last iteration a clean-up deleted, ARGV[2] = TTL s: raise the
     # watermark to it (never lower it: two coordinators' clean-ups may land out of order), its TTL renewed
     RAISE_WATERMARK = _WATERMARK + """
-    local through = watermark(redis.call('GET', KEYS[1]))
+    local through = watermark(KEYS[1])
     if through and through >= tonumber(ARGV[1]) then return redis.call('EXPIRE', KEYS[1], ARGV[2]) end
     return redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
     """
@@ -286,15 +308,20 @@ class Store:
             return False
 
     @contextlib.contextmanager
-    def _typed(self, name: str) -> Iterator[None]:
-        """Turn Redis's WRONGTYPE answer about the job's key ``name`` into a ConfigError that names the key."""
+    def _typed(self, *parts: object, invalid: bool = False) -> Iterator[None]:
+        """Turn Redis's WRONGTYPE answer about the job's key of ``parts`` into a ConfigError that names the key; into a
+        ProtocolError where ``invalid`` (an assignment's key: a worker then takes the path of an invalid stored one,
+        which says what to do, where it had taken the error for Redis being down)."""
         try:
             yield
         except redis.ResponseError as exc:
-            if "WRONGTYPE" not in str(exc):
+            if not _wrong_type(exc):
                 raise
-            raise ConfigError(f"Redis key {self.key(name)} holds a value of another type than lbbsp writes there "
-                              "(left by something else?): delete it, or use another job name", job=self.job) from None
+            what = f"Redis key {self.key(*parts)} holds a value of another type than lbbsp writes there"
+            if invalid:
+                raise ProtocolError(what, job=self.job) from None
+            raise ConfigError(f"{what} (left by something else?): delete it, or use another job name",
+                              job=self.job) from None
 
     def has_config(self) -> bool:
         """Whether the job's configuration is stored: False once Redis has lost the job's keys."""
@@ -389,7 +416,12 @@ class Store:
     def forgotten_through(self) -> int | None:
         """The latest iteration whose keys a clean-up of the job deleted (by any coordinator, within ``ttl_s``), None
         if none did: where the iterations still stored start."""
-        through = cast("bytes | None", self.client.get(self.key("forgotten")))
+        try:
+            through = cast("bytes | None", self.client.get(self.key("forgotten")))
+        except redis.ResponseError as exc:
+            if not _wrong_type(exc):
+                raise
+            return None  # a key of another type is no watermark, as the scripts read it; the clean-up's SET repairs it
         # as the scripts read it (_WATERMARK): plain ASCII digits, at most 16, or none
         return int(through) if through is not None and len(through) <= 16 and through.isdigit() else None
 
@@ -405,17 +437,25 @@ class Store:
     def publish_or_read(self, assignment: Assignment) -> tuple[bool, bytes]:
         """Write the assignment for its iteration if none exists yet, and return whether this call wrote it and
         the stored one, in one step: a worker that read after writing could find the key flushed in between."""
-        written, raw = self._publish_on(assignment)
+        with self._typed("assign", assignment.iteration, invalid=True):
+            written, raw = self._publish_on(assignment)
         return written == 1, cast("bytes", raw)
 
     def publish_all(self, assignments: Sequence[Assignment], *, decided_from: int | None = None) -> list[bool | None]:
         """:meth:`publish` each of ``assignments`` (a decision that covers several iterations), in one round
         trip; whether each was written, or None where it was refused: given the iteration ``decided_from``, one that
-        a clean-up has deleted together with that iteration (another coordinator decided on meanwhile)."""
+        a clean-up has deleted together with that iteration (another coordinator decided on meanwhile). False where
+        the key holds another type than lbbsp writes: not written, as where an invalid value is stored (its reader
+        says so), and the others are written all the same."""
         pipe = self.client.pipeline(transaction=False)
         for assignment in assignments:
             self._publish_on(assignment, pipe, decided_from)
-        return [None if int(written) < 0 else int(written) == 1 for written, _ in pipe.execute()]
+        results = pipe.execute(raise_on_error=False)
+        for result in results:
+            if isinstance(result, redis.ResponseError) and not _wrong_type(result):
+                raise result
+        return [False if isinstance(result, redis.ResponseError) else None if int(result[0]) < 0 else int(result[0]) == 1
+                for result in results]
 
     def _publish_on(self, assignment: Assignment, client: redis.client.Pipeline | None = None,
                     decided_from: int | None = None) -> Any:
@@ -445,7 +485,8 @@ class Store:
         pipe = self.client.pipeline(transaction=True)
         pipe.get(key)
         pipe.expire(key, self.ttl_s)
-        raw, _ = pipe.execute()
+        with self._typed("assign", iteration, invalid=True):
+            raw, _ = pipe.execute()
         return cast("bytes | None", raw)
 
     def subscribe(self, pubsub: redis.client.PubSub | None = None) -> redis.client.PubSub:
@@ -465,7 +506,8 @@ class Store:
         pipe.ltrim(self.key("decisions"), 0, DECISION_LOG_LENGTH - 1)
         pipe.expire(self.key("decisions"), self.ttl_s)
         pipe.expire(self.key("config"), self.ttl_s)  # a job that runs longer than the TTL keeps its settings
-        pipe.execute()
+        with self._typed("decisions"):
+            pipe.execute()
 
     def record_statuses(self, statuses: dict[int, str]) -> None:
         """Store each worker's status line (JSON, by worker), renewing their TTL; what ``lbbsp status`` shows."""
@@ -473,7 +515,8 @@ class Store:
             pipe = self.client.pipeline(transaction=True)
             pipe.hset(self.key("workers"), mapping={str(k): v for k, v in statuses.items()})
             pipe.expire(self.key("workers"), self.ttl_s)
-            pipe.execute()
+            with self._typed("workers"):
+                pipe.execute()
 
     def decision_count(self) -> int:
         """How many decisions the job's log holds (at most ``DECISION_LOG_LENGTH``): 0 for a new job."""
@@ -482,19 +525,19 @@ class Store:
 
     def claim_coordinator(self, identity: str, ttl_s: int) -> str | None:
         """Mark ``identity`` as the job's coordinator for ``ttl_s`` seconds; the identity of another live
-        coordinator that had marked it, if any."""
+        coordinator that had marked it, if any (UNKNOWN_CLAIM where its value is no identity lbbsp writes)."""
         pipe = self.client.pipeline(transaction=True)
         pipe.get(self.key("coordinator"))
         pipe.set(self.key("coordinator"), identity, ex=ttl_s)
         previous = pipe.execute()[0]
-        return previous.decode(errors="replace") if previous is not None and previous != identity.encode() else None
+        return _claimant(previous) if previous != identity.encode() else None
 
     def coordinator(self) -> str | None:
         """The identity (host:pid:tag) of the coordinator that claimed the job in the last few seconds, if any:
-        a serving coordinator renews its claim every second, for 5 s."""
+        a serving coordinator renews its claim every second, for 5 s. UNKNOWN_CLAIM where the claim's value is no
+        identity lbbsp writes (a live claim all the same)."""
         with self._typed("coordinator"):
-            claim = cast("bytes | None", self.client.get(self.key("coordinator")))
-        return claim.decode(errors="replace") if claim is not None else None
+            return _claimant(cast("bytes | None", self.client.get(self.key("coordinator"))))
 
     def release_coordinator(self, identity: str) -> None:
         """Drop ``identity``'s claim on the job, if it still holds it: the next coordinator of the job (a

@@ -337,7 +337,8 @@ class WorkerClient:
                    f"job? lbbsp status), so its steps fall back without waiting until one starts (`lbbsp coordinator "
                    f"--job {job} ...`)")
         else:
-            ask = f"; a coordinator ({claim}) serves the job but decided late (lbbsp status)"
+            ask = (f"; a coordinator ({claim}) claimed the job in the last 5 s but decided late (slow, or stopped: "
+                   "lbbsp status)")
         if iteration - 1 in self._known:
             used = f"so the split of iteration {iteration - 1} is used"
         elif self._known:  # the iteration skipped some (or went back): no decision covers it, whatever runs
