@@ -43,7 +43,7 @@ from lbbsp.client_history import ClientHistory, ClientStatus
 from lbbsp.errors import ConfigError, ProtocolError, StoreUnavailable
 from lbbsp.fedagg import fednova_scales, rescale_update
 from lbbsp.models import FLClientModel, NotFittedError
-from lbbsp.protocol import MAX_BATCH, MAX_REASON_CHARS, MAX_SECONDS, MAX_WORKERS, Report, equal_split
+from lbbsp.protocol import MAX_BATCH, MAX_REASON_CHARS, MAX_SECONDS, MAX_WORKERS, Report, equal_split, printable
 
 from .flower_client import (
     COMPUTE_S,
@@ -385,7 +385,7 @@ class LoadBalanced(Strategy):
                     if report is not None:
                         reports.append(report)
             if reason:  # a bad reply's may quote the sender's words (a dtype label)
-                reason = _printable(reason, MAX_REASON_CHARS)
+                reason = printable(reason, MAX_REASON_CHARS)
                 log(WARNING, "lbbsp round %d: node %d failed and is left out: %s", server_round, node, reason)
             if worker is not None:
                 outcomes[worker] = ClientStatus(iteration, "failed" if reason else "ok", reason, now)
@@ -625,18 +625,11 @@ def _check_arrays(model: ArrayRecord, content: RecordDict) -> None:
             raise ProtocolError("holds NaN or infinite values", field=f"arrays.{name}")
 
 
-def _printable(text: str, limit: int) -> str:
-    """``text`` with each character a log's reader or terminal acts on (a newline, an ESC sequence, ...) as its
-    Python escape, cut to ``limit`` characters (an ellipsis where cut): a client's words had forged log lines."""
-    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit + 1])
-    return shown if len(shown) <= limit else shown[:limit - 1] + "\u2026"
-
-
 def _with_printable_error(message: Message) -> Message:
     """The reply, its error reason (if it is an error reply) escaped and cut to ``MAX_CLIENT_REASON_CHARS``: both
     LoadBalanced and the wrapped strategy log it, and the history stores it."""
     if message.has_error() and message.error.reason:
-        message.error = Error(message.error.code, _printable(message.error.reason, MAX_CLIENT_REASON_CHARS))
+        message.error = Error(message.error.code, printable(message.error.reason, MAX_CLIENT_REASON_CHARS))
     return message
 
 

@@ -21,6 +21,7 @@ from .client_history import _index
 from .config import JobConfig, _job_name
 from .embedded import EmbeddedRedis
 from .errors import ConfigError, LBBSPError
+from .protocol import printable
 from .store import REDIS_ERRORS, Store
 
 # The coordinator, the models and the policies import scikit-learn, seconds on a loaded machine: `lbbsp --help`,
@@ -395,7 +396,7 @@ def _status(args: argparse.Namespace) -> int:
         when = last.get("time")  # a coordinator's time.time()
         decided = "no decision yet" if not last else f"last decision (iteration {last['iteration']})" + (
             f" was {_ago(when)} ago" if isinstance(when, float) and math.isfinite(when) else "")
-        console.print(f"job {job}: " + (f"served by the coordinator {_escaped(serving)}; {decided}" if serving else
+        console.print(f"job {job}: " + (f"served by the coordinator {printable(serving)}; {decided}" if serving else
                       f"no coordinator serves it (none renewed its claim in the last 5 s); {decided}: while its "
                       "workers run, they keep the split before (after one wait of assignment_timeout_s), so start one "
                       "(lbbsp coordinator) unless the job is over"),
@@ -520,23 +521,12 @@ def _iterations(decision: dict[str, Any]) -> str:
     return str(decision["iteration"])
 
 
-#: The C0 and C1 control characters and DEL, each to its backslash escape ("\\x1b", "\\n").
-_CONTROLS = {code: repr(chr(code))[1:-1] for code in (*range(0x20), *range(0x7F, 0xA0))}
-
-
-def _escaped(text: str) -> str:
-    """Text read from Redis, safe to print in one line: its control characters (ESC, which starts a terminal's
-    escape sequence: a stored claim had set the terminal's title and cleared its screen; a newline, which fakes a
-    line) and what no terminal encodes (a lone surrogate, from a JSON escape) as backslash escapes."""
-    return text.translate(_CONTROLS).encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 def _shown(text: str) -> Text:
-    """:func:`_escaped` text for a table, not read as console markup (a rejected report's error quotes the report's
-    field names, and "[/x]" had ended `lbbsp status` in a MarkupError)."""
+    """:func:`~lbbsp.protocol.printable` text for a table, not read as console markup (a rejected report's error
+    quotes the report's field names, and "[/x]" had ended `lbbsp status` in a MarkupError)."""
     from rich.text import Text  # noqa: PLC0415  (only the status subcommand draws tables)
 
-    return Text(_escaped(text))
+    return Text(printable(text))
 
 
 def _fmt(value: object) -> str:

@@ -406,6 +406,15 @@ class Assignment:
         return assignment.validate(job=job, iteration=iteration, num_workers=num_workers, global_batch=global_batch)
 
 
+def printable(text: str, limit: int | None = None) -> str:
+    """``text``, read from Redis or a remote client, safe for one log line or a terminal: each character that a reader
+    or terminal acts on (a newline fakes a line, ESC starts an escape sequence, a bidi override reorders what follows,
+    a lone surrogate encodes to nothing) as its Python escape; cut to ``limit`` characters, with an ellipsis."""
+    shown = text if text.isprintable() else "".join(
+        c if c.isprintable() else repr(c)[1:-1] for c in (text if limit is None else text[:limit + 1]))
+    return shown if limit is None or len(shown) <= limit else shown[:limit - 1] + "\u2026"
+
+
 def equal_split(global_batch: int, num_workers: int) -> tuple[int, ...]:
     """The BSP split: sizes differ by at most one, larger ones first."""
     for name, value, lo, hi in (("global_batch", global_batch, 0, MAX_BATCH * MAX_WORKERS),
