@@ -60,6 +60,9 @@ from .flower_local import LocalGrid, strategy_attribute
 
 #: The reply metrics a LocalRound always sends; a reply with none of them is a plain Flower reply.
 TIMINGS = (SAMPLES, STEPS, COMPUTE_S, DOWNLOAD_S, UPLOAD_S)
+#: The reply metric behind each Report field a reply fills: a value the Report refuses is named as the client sent it.
+REPORT_METRICS = {"samples": SAMPLES, "compute_s": COMPUTE_S, "features.download_s": DOWNLOAD_S,
+                  "features.upload_s": UPLOAD_S}
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,8 @@ class _Round:
 MAX_CLIENT_REASON_CHARS = 200
 #: ``compensate_dropouts`` raises a round's total at most this many times.
 MAX_COMPENSATION = 2
+#: A data size over this many times the client's previous one, or the median of the round's others, is warned about.
+DATA_SIZE_LEAP = 100
 #: The split moves work between clients (or lets them sit out) only if that makes the round predicted this much
 #: (a fraction) shorter than the equal split: where transfers or fixed overheads set the round, moving samples
 #: buys no time and would only skew who trains on how much.
@@ -161,6 +166,8 @@ class LoadBalanced(Strategy):
     weighted by the samples it processed. ``"data"`` does the same but warns about each client that reports
     no data size; ``"samples"`` always weights by samples processed (every sample counts once, unbiased on
     IID data only).
+    A data size cannot be checked: one over ``DATA_SIZE_LEAP`` (100) times the client's previous one in this run, or
+    the median of the round's other clients, is warned about, once a client, and still weighs what it claims.
     The model learns each client's availability from the round outcomes; the plan logs the share of the
     round total expected back. ``compensate_dropouts=True`` raises the total (at most ``MAX_COMPENSATION``
     times, and within ``max_size``) so that the samples expected back make the nominal total: dropouts then
@@ -224,6 +231,7 @@ class LoadBalanced(Strategy):
         self._temporary: dict[int, int] = {}  # node -> worker index while Redis cannot give it one
         self._next_temporary = MAX_WORKERS - 1  # temporary indices count down from the top: no stored one clashes
         self._told: set[tuple[str, int]] = set()  # (what, node) already logged once
+        self._data_sizes: dict[int, int] = {}  # node -> the data size of its last measured reply in this run
         self._told_sit_out = False
         try:
             stored = history.rounds()
@@ -352,6 +360,7 @@ class LoadBalanced(Strategy):
             log(INFO, "lbbsp round %d: took %.3gs%s", server_round, time.monotonic() - sent.started, predicted)
         results = self.observe(server_round, replies, sent)
         if sent is not None:
+            self._warn_of_leaping_data_sizes(server_round, results)
             self.normalise(sent, replies, results)
         passed = [m for m in replies if m.has_error() or m.metadata.src_node_id in results]
         return self.strategy.aggregate_train(server_round, [self._without_lbbsp_metrics(m) for m in passed])
@@ -438,8 +447,14 @@ class LoadBalanced(Strategy):
                                 field=DATA_SIZE)
         if worker is None:
             return result, None
-        return result, Report(self.history.job, worker, iteration, result.samples, result.compute_s,
-                              features={"download_s": result.download_s, "upload_s": result.upload_s})
+        try:
+            return result, Report(self.history.job, worker, iteration, result.samples, result.compute_s,
+                                  features={"download_s": result.download_s, "upload_s": result.upload_s})
+        except ProtocolError as exc:  # name the metric the client sent; the log line names its node
+            metric = REPORT_METRICS.get(exc.field or "")
+            if metric is None:
+                raise
+            raise ProtocolError(exc.message.removeprefix(f"{exc.field}: "), field=metric) from None
 
     def _first_reply_each(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
         """Each node's first reply; a second one (a grid that delivers a reply twice) is logged and dropped: it would
@@ -453,6 +468,30 @@ class LoadBalanced(Strategy):
             else:
                 first[node] = message
         return list(first.values())
+
+    def _warn_of_leaping_data_sizes(self, server_round: int, results: dict[int, ClientResult | None]) -> None:
+        """Warn, once a node, of a data size over ``DATA_SIZE_LEAP`` times the node's previous one in this run or the
+        median of the round's other clients: it weights the node's update, and no check can tell it is wrong."""
+        sizes = {node: r.data_size for node, r in results.items() if r is not None and r.data_size is not None}
+        values = np.array(list(sizes.values()), dtype=float)
+        for i, (node, size) in enumerate(sizes.items()):
+            if self.weight_by == "samples" or ("data size", node) in self._told:
+                continue
+            said = []
+            previous = self._data_sizes.get(node)
+            if previous and size > DATA_SIZE_LEAP * previous:
+                said.append(f"{size / previous:,.0f}x its own previous report ({previous:,})")
+            if values.size > 1 and size > DATA_SIZE_LEAP * values.min():  # else no median of the others is so low
+                median = float(np.median(np.delete(values, i)))
+                if size > DATA_SIZE_LEAP * median:
+                    said.append(f"{size / median:,.0f}x the median ({median:,.0f}) of the round's other "
+                                f"{values.size - 1} clients")
+            if said:
+                self._told.add(("data size", node))
+                log(WARNING, "lbbsp round %d: node %d reports a data size of %s: %s; FedAvg weights its update by it "
+                             "(weight_by=%r), and lbbsp cannot check it: if it is wrong, the model leans toward this "
+                             "client's data", server_round, node, f"{size:,}", " and ".join(said), self.weight_by)
+        self._data_sizes.update(sizes)
 
     def _unlike_the_others(self, replies: list[Message]) -> dict[int, str]:
         """Why each reply whose records are laid out unlike most of the round's is left out, by node: the
