@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -357,78 +358,164 @@ class _StopSignals:
         raise _CutShort(*self._cut)
 
 
-def _status(args: argparse.Namespace) -> int:
-    from rich.console import Console  # noqa: PLC0415  (only this subcommand draws tables)
-    from rich.table import Table  # noqa: PLC0415
+@dataclass
+class _JobStatus:
+    """What `lbbsp status` read of one job: its settings (None if they expired meanwhile), the coordinator serving
+    it, and the decision records (newest first) and workers' statuses (by index) that a coordinator wrote."""
 
+    job: str
+    config: JobConfig | None
+    serving: str | None
+    decisions: list[dict[str, Any]]
+    statuses: dict[int, dict[str, Any]]
+
+
+def _status(args: argparse.Namespace) -> int:
+    """Show each job (or --job): a sentence and a table, one line (--brief) or one JSON document (--json); 1 with
+    --check where a job listed has no coordinator or could not be read."""
     url = _given_redis(args)
     if args.job is not None:
         _job_flag(args.job)
-    console = Console()
+    if args.brief and args.decisions:
+        raise LBBSPError(f"--brief shows one line per job, without decisions: drop --decisions {args.decisions}, or "
+                         "--brief for the tables")
     with Store.from_url(url, args.job or "", socket_timeout_s=_PROBE_TIMEOUT_S) as probe:
         probe.ping()
         jobs = [args.job] if args.job else sorted(probe.jobs())
-    if not jobs:
-        console.print("no lbbsp jobs on this Redis")
+    if not jobs and not args.json:
+        print("no lbbsp jobs on this Redis")
         return 0
+    shown: list[dict[str, Any]] = []
+    unread = unserved = 0
     for job in jobs:
-        with Store.from_url(url, job, socket_timeout_s=_PROBE_TIMEOUT_S) as store:
-            try:
-                config = store.load_config()
-                if config is None and args.job:
-                    raise LBBSPError(f"no job {job!r} on this Redis (it never started, or its keys expired); "
-                                     "`lbbsp status` without --job lists the jobs there")
-                stored_decisions = store.decisions(max(args.decisions, 1))
-                stored_statuses = store.worker_statuses()
-                serving = store.coordinator()
-            except (ConfigError, redis.ResponseError) as exc:  # a broken key of the job's: settings, or a WRONGTYPE
-                if args.job:
-                    raise
-                logging.getLogger("lbbsp.cli").warning("skipped job %r: %s", job, exc)  # not hiding the others
-                continue
-        decisions, statuses, skipped = _entries(stored_decisions, stored_statuses)
-        if skipped:  # one line, however many: a line each had let a hash of foreign fields flood the output
-            logging.getLogger("lbbsp.cli").warning("job %s: skipped %d entr%s not lbbsp's (no coordinator writes "
-                                                   "such); the first: %.80r", job, len(skipped),
-                                                   "y" if len(skipped) == 1 else "ies", skipped[0])
-        last = decisions[0] if decisions else {}
-        title = f"job {job}" + (f": {config.num_workers} workers, global batch {config.global_batch}" if config else "")
-        when = last.get("time")  # a coordinator's time.time()
-        decided = "no decision yet" if not last else f"last decision (iteration {last['iteration']})" + (
-            f" was {_ago(when)} ago" if isinstance(when, float) and math.isfinite(when) else "")
-        console.print(f"job {job}: " + (f"served by the coordinator {printable(serving)}; {decided}" if serving else
-                      f"no coordinator serves it (none renewed its claim in the last 5 s); {decided}: while its "
-                      "workers run, they keep the split before (after one wait of assignment_timeout_s), so start one "
-                      "(lbbsp coordinator) unless the job is over"),
-                      soft_wrap=True, markup=False, highlight=False)
-        caption = _shown(f"iteration {last.get('iteration', '-')}: {last.get('reason', 'no decision yet')}")
-        rows_of = max((s["iteration"] for s in statuses.values()), default=None)
-        if rows_of is not None and rows_of != last.get("iteration"):  # the coordinator writes them once a second
-            caption += f"\nthe workers' rows are of iteration {rows_of}"
-        table = Table(title=title, caption=caption)
-        kinds = any(isinstance(s.get("kind"), str) for s in statuses.values())  # the automatic model's routing
-        for column in ("worker", "size", "predicted /s", "measured /s", "compute s", "wait s") + ("kind",) * kinds:
-            table.add_column(column, justify="right")
-        for worker in sorted(statuses):
-            s = statuses[worker]
-            kind = (_shown(str(s.get("kind") or "-")[:8]),) * kinds
-            table.add_row(str(worker), str(s["size"]), _fmt(s["predicted_throughput"]), _fmt(s["measured_throughput"]),
-                          _fmt(s["compute_s"]), _fmt(s["wait_s"]), *kind)
-        console.print(table)
-        if args.decisions and not decisions:
-            console.print(f"no decisions yet for job {job}", soft_wrap=True, markup=False, highlight=False)
-        elif args.decisions:
-            log = Table(title=f"last {len(decisions)} decisions of job {job}, newest first")
-            for column in ("iteration", "sizes", "policy", "by", "reason", "rejected"):
-                log.add_column(column)
-            for d in decisions:
-                sizes = " ".join(map(str, d["sizes"][:16])) + (" ..." if len(d["sizes"]) > 16 else "")
-                rejected = "; ".join(f"worker {r.get('worker')}: {r.get('error')}" for r in d["rejected"]
-                                     if isinstance(r, dict))
-                log.add_row(_iterations(d), _shown(sizes), _shown(d["policy"]), _written_by(d), _shown(d["reason"]),
-                            _shown(rejected))
-            console.print(log)
-    return 0
+        status = _read_job(url, job, args)
+        if status is None:
+            unread += 1
+            continue
+        unserved += status.serving is None
+        if args.json:
+            shown.append(_json_status(status, args.decisions))
+        elif args.brief:
+            print(_brief_status(status))
+        else:
+            _print_status(status, args.decisions)
+    if args.json:
+        print(json.dumps(shown[0] if args.job else shown, indent=2))
+    return 1 if args.check and (unread or unserved) else 0
+
+
+def _read_job(url: str, job: str, args: argparse.Namespace) -> _JobStatus | None:
+    """What `lbbsp status` shows of ``job``; None, with a warning, for a job whose keys cannot be read where every
+    job is listed (an error with --job)."""
+    with Store.from_url(url, job, socket_timeout_s=_PROBE_TIMEOUT_S) as store:
+        try:
+            config = store.load_config()
+            if config is None and args.job:
+                raise LBBSPError(f"no job {job!r} on this Redis (it never started, or its keys expired); "
+                                 "`lbbsp status` without --job lists the jobs there")
+            stored_decisions = store.decisions(max(args.decisions, 1))
+            stored_statuses = store.worker_statuses()
+            serving = store.coordinator()
+        except (ConfigError, redis.ResponseError) as exc:  # a broken key of the job's: settings, or a WRONGTYPE
+            if args.job:
+                raise
+            logging.getLogger("lbbsp.cli").warning("skipped job %r: %s", job, exc)  # not hiding the others
+            return None
+    decisions, statuses, skipped = _entries(stored_decisions, stored_statuses)
+    if skipped:  # one line, however many: a line each had let a hash of foreign fields flood the output
+        logging.getLogger("lbbsp.cli").warning("job %s: skipped %d entr%s not lbbsp's (no coordinator writes "
+                                               "such); the first: %.80r", job, len(skipped),
+                                               "y" if len(skipped) == 1 else "ies", skipped[0])
+    return _JobStatus(job, config, serving, decisions, statuses)
+
+
+def _print_status(status: _JobStatus, decisions_shown: int) -> None:
+    """The job's sentence, its workers' table and, for ``decisions_shown``, its latest decisions."""
+    from rich.console import Console  # noqa: PLC0415  (only this view draws tables)
+    from rich.table import Table  # noqa: PLC0415
+
+    console = Console()
+    job, config, serving, decisions, statuses = (status.job, status.config, status.serving, status.decisions,
+                                                 status.statuses)
+    last = decisions[0] if decisions else {}
+    title = f"job {job}" + (f": {config.num_workers} workers, global batch {config.global_batch}" if config else "")
+    when = _decided_at(last)
+    decided = "no decision yet" if not last else f"last decision (iteration {last['iteration']})" + (
+        f" was {_ago(when)} ago" if when is not None else "")
+    console.print(f"job {job}: " + (f"served by the coordinator {printable(serving)}; {decided}" if serving else
+                  f"no coordinator serves it (none renewed its claim in the last 5 s); {decided}: while its "
+                  "workers run, they keep the split before (after one wait of assignment_timeout_s), so start one "
+                  "(lbbsp coordinator) unless the job is over"),
+                  soft_wrap=True, markup=False, highlight=False)
+    caption = _shown(f"iteration {last.get('iteration', '-')}: {last.get('reason', 'no decision yet')}")
+    rows_of = max((s["iteration"] for s in statuses.values()), default=None)
+    if rows_of is not None and rows_of != last.get("iteration"):  # the coordinator writes them once a second
+        caption += f"\nthe workers' rows are of iteration {rows_of}"
+    table = Table(title=title, caption=caption)
+    kinds = any(isinstance(s.get("kind"), str) for s in statuses.values())  # the automatic model's routing
+    for column in ("worker", "size", "predicted /s", "measured /s", "compute s", "wait s") + ("kind",) * kinds:
+        table.add_column(column, justify="right")
+    for worker in sorted(statuses):
+        s = statuses[worker]
+        kind = (_shown(str(s.get("kind") or "-")[:8]),) * kinds
+        table.add_row(str(worker), str(s["size"]), _fmt(s["predicted_throughput"]), _fmt(s["measured_throughput"]),
+                      _fmt(s["compute_s"]), _fmt(s["wait_s"]), *kind)
+    console.print(table)
+    if decisions_shown and not decisions:
+        console.print(f"no decisions yet for job {job}", soft_wrap=True, markup=False, highlight=False)
+    elif decisions_shown:
+        log = Table(title=f"last {len(decisions)} decisions of job {job}, newest first")
+        for column in ("iteration", "sizes", "policy", "by", "reason", "rejected"):
+            log.add_column(column)
+        for d in decisions:
+            sizes = " ".join(map(str, d["sizes"][:16])) + (" ..." if len(d["sizes"]) > 16 else "")
+            rejected = "; ".join(f"worker {r.get('worker')}: {r.get('error')}" for r in d["rejected"]
+                                 if isinstance(r, dict))
+            log.add_row(_iterations(d), _shown(sizes), _shown(d["policy"]), _written_by(d), _shown(d["reason"]),
+                        _shown(rejected))
+        console.print(log)
+
+
+def _brief_status(status: _JobStatus) -> str:
+    """The job in one line (`lbbsp status --brief`): its workers, who serves it, and how long ago it last decided."""
+    workers = "settings gone" if status.config is None else (
+        f"{status.config.num_workers} worker{'s' * (status.config.num_workers != 1)}")
+    served = f"served by {printable(status.serving)}" if status.serving else "no coordinator"
+    when = _decided_at(status.decisions[0]) if status.decisions else None
+    decided = "no decision yet" if not status.decisions else (
+        f"last decision {_ago(when)} ago" if when is not None else "last decision at a time not stored")
+    return f"{status.job}: {workers}, {served}, {decided}"
+
+
+def _json_status(status: _JobStatus, decisions_shown: int) -> dict[str, Any]:
+    """The job as `lbbsp status --json` gives it: what the table shows, each value checked as the table checks it
+    (null where it shows "-", or for a number that no double holds), the text as stored, for JSON to escape."""
+    config, last = status.config, (status.decisions[0] if status.decisions else None)
+    when = _decided_at(last) if last is not None else None
+    shown: dict[str, Any] = {
+        "name": status.job,
+        "num_workers": config.num_workers if config else None,
+        "global_batch": config.global_batch if config else None,
+        "served_by": status.serving,
+        "last_decision": None if last is None else {
+            "iteration": _whole(last["iteration"]), "time": when,
+            "seconds_ago": None if when is None else round(max(time.time() - when, 0.0), 3),
+            "policy": last["policy"], "reason": last["reason"]},
+        "workers": [{"index": worker, "iteration": _whole(s["iteration"]), "size": _whole(s["size"]),
+                     **{name: _finite(s[name]) for name in ("predicted_throughput", "measured_throughput", "compute_s",
+                                                            "wait_s")},
+                     "kind": _text(s.get("kind")) or None}
+                    for worker, s in sorted(status.statuses.items())],
+    }
+    if decisions_shown:
+        shown["decisions"] = [
+            {"iteration": _whole(d["iteration"]), "through": _whole(d.get("through")),
+             "sizes": [_whole(size) for size in d["sizes"]], "policy": d["policy"], "written_by": _written_by(d),
+             "reason": d["reason"],
+             "rejected": [{"worker": _text(r.get("worker")), "error": _text(r.get("error"))} for r in d["rejected"]
+                          if isinstance(r, dict)]}
+            for d in status.decisions]
+    return shown
 
 
 def _forget(args: argparse.Namespace) -> int:
@@ -457,6 +544,13 @@ def _ago(when: float) -> str:
     if seconds < 120:
         return f"{seconds:.1f} s"
     return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def _decided_at(decision: dict[str, Any]) -> float | None:
+    """The Unix time a decision record was written at (the coordinator's time.time()), None if it holds no finite
+    one."""
+    when = decision.get("time")
+    return when if isinstance(when, float) and math.isfinite(when) else None
 
 
 def _written_by(decision: dict) -> str:
@@ -529,16 +623,35 @@ def _shown(text: str) -> Text:
     return Text(printable(text))
 
 
-def _fmt(value: object) -> str:
-    """A stored throughput or time, in 4 digits; "-" for none, and for what is no finite float (10**400, NaN),
+def _finite(value: object) -> float | None:
+    """A stored throughput or time as a float; None for none, and for what is no finite float (10**400, NaN),
     which a coordinator writes as null."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        return "-"
+        return None
     try:
         number = float(value)
     except OverflowError:  # an int too large for a float
-        return "-"
-    return f"{number:.4g}" if math.isfinite(number) else "-"
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _fmt(value: object) -> str:
+    """A stored throughput or time, in 4 digits; "-" where :func:`_finite` finds none."""
+    number = _finite(value)
+    return "-" if number is None else f"{number:.4g}"
+
+
+def _whole(value: object) -> int | None:
+    """A stored iteration or size for JSON: an int (no bool) that a double holds exactly, as JSON readers take
+    numbers; None for anything else."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= 2**53:
+        return value
+    return None
+
+
+def _text(value: object) -> str | None:
+    """A stored value that should be text, for JSON (which escapes its control characters); None if it is none."""
+    return value if isinstance(value, str) else None
 
 
 class _WithDefaults(argparse.HelpFormatter):
@@ -626,7 +739,22 @@ def build_parser(*, coordinator_flags: bool = True) -> argparse.ArgumentParser:
     status.add_argument("--redis", help="Redis URL (default: $LBBSP_REDIS_URL)")
     status.add_argument("--job", help="job name (default: every job on this Redis)")
     status.add_argument("--decisions", type=whole_number(0), default=0, metavar="N",
-                        help="also list the last N decisions with their reasons and rejected reports")
+                        help="also list the last N decisions with their reasons and rejected reports (with --json: "
+                             "a 'decisions' list in each job)")
+    view = status.add_mutually_exclusive_group()
+    view.add_argument("--json", action="store_true",
+                      help="print one JSON document instead: a list of the jobs (the job itself with --job), each "
+                           "with name, num_workers, global_batch, served_by (the coordinator, or null), "
+                           "last_decision (iteration, time, seconds_ago, policy, reason; or null) and workers (each "
+                           "row of the table; null where it shows '-')")
+    view.add_argument("--brief", action="store_true",
+                      help="one line per job instead: its workers, the coordinator serving it or 'no coordinator', "
+                           "and how long ago it last decided")
+    status.add_argument("--check", action="store_true",
+                        help="exit 1, after the output, if a job listed has no live coordinator or could not be "
+                             "read (2 stays for errors). A finished job counts until its keys expire (ttl_s after "
+                             "its last decision) or `lbbsp forget` deletes them: Redis cannot tell it from a job "
+                             "whose coordinator died; pass --job to check one job")
     _verbose_flag(status)
     status.set_defaults(handler=_status)
 
