@@ -81,6 +81,12 @@ class WorkerClient:
         self.device = device
         self.agree = agree
         self._known: dict[int, Assignment] = {}
+        # The vectors this worker used where Redis was unusable, by iteration, not stored (Redis was down): the sender
+        # writes them before its next report, see _write_unwritten. The latest 2 * (lag + 16) (the coordinator's
+        # default max_ahead), as many as it republishes; the lock: the sender takes them while a step adds one.
+        self._unwritten: dict[int, Assignment] = {}
+        self._unwritten_cap = 2 * (self.config.lag + 16)
+        self._unwritten_lock = threading.Lock()
         self._outbox: queue.Queue[Report | None] = queue.Queue()
         self._sender = threading.Thread(target=self._send_loop, name=f"lbbsp-report-{worker}", daemon=True)
         self._sender.start()
@@ -125,6 +131,8 @@ class WorkerClient:
             retried = False
             while True:
                 try:
+                    if self._unwritten:  # before the report that may complete their iteration
+                        self._write_unwritten()
                     # a retry that finds the report stored found this report's own first try, whose answer was lost
                     if not self.store.post_report(report, self.config.num_workers) and not retried:
                         self._warn_duplicate(report.iteration)
@@ -140,6 +148,31 @@ class WorkerClient:
                     retried = True
                     time.sleep(0.05)
             self._outbox.task_done()
+
+    def _write_unwritten(self) -> None:
+        """Write the vectors used where Redis was unusable to their keys, write-once (one that holds another, the
+        coordinator's or another worker's, is left), in one round trip; an error goes to the sender's retries and
+        this is tried again. Left unwritten, the coordinator refused the iterations run on them ('have no assignment')
+        and the next step fell back once more, and it wrote decisions of its own where no worker had used them."""
+        with self._unwritten_lock:
+            pending = list(self._unwritten.values())
+        written = self.store.publish_all(pending)
+        with self._unwritten_lock:
+            for assignment in pending:
+                if self._unwritten.get(assignment.iteration) is assignment:
+                    del self._unwritten[assignment.iteration]
+        if not all(written):
+            log.debug("job %s, worker %d: iterations %s, run while Redis was unusable, already held an assignment "
+                      "(the coordinator's or another worker's): left as it is", self.config.job, self.worker,
+                      [a.iteration for a, w in zip(pending, written) if not w])
+
+    def _keep_unwritten(self, assignment: Assignment) -> None:
+        """Keep the vector used at an iteration where Redis was unusable, for :meth:`_write_unwritten`; the latest
+        ``_unwritten_cap`` of them."""
+        with self._unwritten_lock:
+            self._unwritten[assignment.iteration] = assignment
+            for old in sorted(self._unwritten)[:-self._unwritten_cap]:
+                del self._unwritten[old]
 
     def _warn_duplicate(self, iteration: int) -> None:
         """Say, at most once a minute, that a report was ignored because the first one of its iteration counts: an
@@ -165,7 +198,8 @@ class WorkerClient:
         ``agree`` (and more than one worker), an unusable Redis is waited for up to ``outage_s`` instead, then
         :class:`StoreUnavailable` is raised: only an agreed fallback is safe. With ``agree``, once an assignment has
         fallen back on an unusable Redis, the next ones fall back at their first failure, until Redis answers: an
-        outage costs one wait, not one per step (a Redis that stalls still costs its socket timeouts each step).
+        outage costs one wait, not one per step (a Redis that stalls still costs its socket timeouts each step); the
+        vectors so used are written to their keys (write-once) before this worker's next report reaches Redis.
         Likewise, once a wait has timed out with no coordinator claiming the job, the next iterations not stored fall
         back without waiting (write-once, agreed as ever) until a coordinator claims it or a decision is found. Once
         Redis answers after failing, the worker waits afresh: a Redis restarted without its data gets its latest
@@ -175,6 +209,7 @@ class WorkerClient:
         if known is not None:
             return known
         deadline = wait_until = time.monotonic() + self.config.assignment_timeout_s
+        unusable = False  # whether this worker falls back, Redis being unusable: nothing stores what it uses
         while True:
             try:
                 agreed = self._fetch(iteration, wait_until)
@@ -188,7 +223,7 @@ class WorkerClient:
                 if ((self._fell_back_unusable or time.monotonic() >= deadline)
                         and self._unusable_past_bound(iteration, exc, deadline)):
                     agreed = self._fallback(iteration, f"Redis unusable ({type(exc).__name__})")
-                    self._fell_back_unusable = True
+                    self._fell_back_unusable = unusable = True
                     break
                 time.sleep(0.05)
                 # once Redis answers, a whole wait: one restarted without its data gets the decision back from the
@@ -197,6 +232,8 @@ class WorkerClient:
                 wait_until = time.monotonic() + self.config.assignment_timeout_s
         if self.agree is not None:
             agreed = self._agreed(self.agree(agreed), iteration)
+        if unusable:
+            self._keep_unwritten(agreed)
         self._remember(agreed)
         return agreed
 
