@@ -7,10 +7,24 @@ import gc
 import json
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
-from lbbsp import BSPPolicy, Coordinator, JobConfig, LBBSPPolicy, Store, WorkerClient
+from lbbsp import Assignment, BSPPolicy, Coordinator, JobConfig, LBBSPPolicy, Store, WorkerClient
 from lbbsp.policies import Decision
+
+
+def rank0_agree() -> Callable[[int], Callable[[Assignment], Assignment]]:
+    """Each worker's ``agree``, as a broadcast of rank 0's vector makes it, for workers in one process (worker 0 asks
+    first at each iteration)."""
+    rank0: dict[int, Assignment] = {}
+
+    def for_worker(worker: int) -> Callable[[Assignment], Assignment]:
+        def agree(assignment: Assignment) -> Assignment:
+            if worker == 0:
+                rank0[assignment.iteration] = assignment
+            return rank0[assignment.iteration]
+        return agree
+    return for_worker
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 import redis
 
+from emulated import rank0_agree
 from lbbsp import Assignment, Coordinator, EmbeddedRedis, JobConfig, LBBSPError, Store, WorkerClient
 from lbbsp.policies import Decision, Policy
 
@@ -28,24 +29,12 @@ class Constant(Policy):
         return Decision(self.sizes, "constant")
 
 
-def _rank0_agree() -> Callable[[int], Callable[[Assignment], Assignment]]:
-    """Each worker's ``agree``, as a broadcast of rank 0's vector makes it (worker 0 asks first in these tests)."""
-    rank0: dict[int, Assignment] = {}
-
-    def for_worker(worker: int) -> Callable[[Assignment], Assignment]:
-        def agree(assignment: Assignment) -> Assignment:
-            if worker == 0:
-                rank0[assignment.iteration] = assignment
-            return rank0[assignment.iteration]
-        return agree
-    return for_worker
-
 
 @contextlib.contextmanager
 def _two_workers(url: str, job: str, *, agree: bool) -> Iterator[list[WorkerClient]]:
     """Two workers of a job of global batch 10 (lag 1), with rank 0's ``agree`` if ``agree``."""
     config = JobConfig(job, 2, 10, assignment_timeout_s=0.5, lag=1)
-    rank0 = _rank0_agree()
+    rank0 = rank0_agree()
     workers = [WorkerClient(Store.from_url(url, job), config, w, agree=rank0(w) if agree else None) for w in range(2)]
     try:
         yield workers

@@ -4,10 +4,11 @@ stopped and started again (its append-only file keeps the data)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import pytest
 
+from emulated import rank0_agree
 from lbbsp import Assignment, Coordinator, EmbeddedRedis, JobConfig, Store, WorkerClient
 from lbbsp.policies import Decision, Policy
 from lbbsp.store import worker_socket_timeout
@@ -22,18 +23,6 @@ class Constant(Policy):
         return Decision((7, 3), "constant")
 
 
-def _rank0_agree() -> Callable[[int], Callable[[Assignment], Assignment]]:
-    """Each worker's ``agree``, as a broadcast of rank 0's vector makes it (worker 0 asks first here)."""
-    rank0: dict[int, Assignment] = {}
-
-    def for_worker(worker: int) -> Callable[[Assignment], Assignment]:
-        def agree(assignment: Assignment) -> Assignment:
-            if worker == 0:
-                rank0[assignment.iteration] = assignment
-            return rank0[assignment.iteration]
-        return agree
-    return for_worker
-
 
 def test_fallbacks_used_while_redis_was_down_are_written_once_it_is_back(job: str,
                                                                          caplog: pytest.LogCaptureFixture) -> None:
@@ -42,7 +31,7 @@ def test_fallbacks_used_while_redis_was_down_are_written_once_it_is_back(job: st
     assignment ... not deciding from them'), so the next step waited its whole assignment_timeout_s and fell back
     again; and the coordinator then wrote its own decisions for iterations the workers had run on the fallback."""
     config = JobConfig(job, 2, 10, assignment_timeout_s=0.8, lag=1)
-    rank0 = _rank0_agree()
+    rank0 = rank0_agree()
     with EmbeddedRedis() as server, caplog.at_level(logging.WARNING):
         timeout = worker_socket_timeout(config.assignment_timeout_s)
         workers = [WorkerClient(Store.from_url(server.url, job, socket_timeout_s=timeout), config, w, agree=rank0(w))
