@@ -165,7 +165,7 @@ class Balancer:
                               f"{min_batch} samples: use a global batch of at least {min_batch * world}, or "
                               "min_batch=0 to let some ranks sit steps out with empty slices")
         device = torch.device(device) if device is not None else _collective_device()
-        url = redis or os.environ.get("LBBSP_REDIS_URL")
+        url = redis or os.environ.get("LBBSP_REDIS_URL") or None  # an empty variable names none
         if not coordinator and (job is None or url is None):
             raise ConfigError("with an external coordinator (coordinator=False), pass the job name it serves and the "
                               "URL of its Redis (redis= or $LBBSP_REDIS_URL): an embedded server here would be one "

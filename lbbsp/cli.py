@@ -23,7 +23,7 @@ from .config import JobConfig, _job_name
 from .embedded import EmbeddedRedis
 from .errors import ConfigError, LBBSPError
 from .protocol import printable
-from .store import REDIS_ERRORS, Store
+from .store import REDIS_ERRORS, Store, left_by_earlier_run
 
 # The coordinator, the models and the policies import scikit-learn, seconds on a loaded machine: `lbbsp --help`,
 # `status` and `forget` need none of them, so `coordinator` alone imports them, where it uses them.
@@ -42,7 +42,8 @@ _EXTERNAL = {
 
 
 def _redis_url(args: argparse.Namespace) -> str | None:
-    return args.redis or os.environ.get("LBBSP_REDIS_URL")
+    """``--redis``, else $LBBSP_REDIS_URL; None where neither gives one (an empty variable gives none)."""
+    return args.redis or os.environ.get("LBBSP_REDIS_URL") or None
 
 
 def _given_redis(args: argparse.Namespace) -> str:
@@ -175,19 +176,20 @@ def _flagged(exc: ConfigError) -> ConfigError:
     return ConfigError(message)
 
 
-def _same_settings(stored: JobConfig | None, config: JobConfig, serving: str | None) -> None:
-    """A ConfigError naming, as flags, the settings in which the flags' ``config`` differs from the job's ``stored``
-    ones: the one the coordinator would raise names JobConfig's fields, which a user of this command never sets.
-    Where no coordinator ``serving`` the job holds its claim, the settings are most likely a finished run's, kept
-    ttl_s after its last decision: the error says how to clear them."""
+def _same_settings(store: Store, config: JobConfig) -> None:
+    """A ConfigError naming, as flags, the settings in which the flags' ``config`` differs from those the job's
+    ``store`` holds: the one the coordinator would raise names JobConfig's fields, which a user of this command never
+    sets. Where they are a finished run's (:meth:`Store.run_is_over`), kept ttl_s after its last decision, the error
+    says how to clear them, in the store's words."""
+    stored = store.load_config()
     differ = [f"{_FLAGS.get(name, name)} {_setting(ours)} (not {_setting(theirs)})"
               for name, (ours, theirs) in (stored.differences(config) if stored is not None else {}).items()]
     if not differ:
         return
-    left = "" if serving else (f"; no coordinator serves it, so an earlier run left its keys (kept ttl_s after its "
-                               f"last decision): if that run is over, `lbbsp forget --job {config.job}` clears them")
+    if store.run_is_over():
+        raise ConfigError(left_by_earlier_run(config.job, ", ".join(differ)))
     raise ConfigError(f"job {config.job!r} already runs with {', '.join(differ)}: give the job's settings, or "
-                      f"another --job{left}")
+                      "another --job")
 
 
 def _setting(value: object) -> str:
@@ -250,9 +252,8 @@ def _coordinator(args: argparse.Namespace) -> int:
             # checked on a short timeout, as `lbbsp status` does: a Redis that never answers is an error in seconds
             with Store.from_url(url, args.job, socket_timeout_s=_PROBE_TIMEOUT_S) as probe:
                 probe.ping()
-                serving = probe.coordinator()
-                _same_settings(probe.load_config(), config, serving)
-                if serving is not None:
+                _same_settings(probe, config)
+                if (serving := probe.coordinator()) is not None:
                     _claim_lapsed(probe, serving, stop)
             store = Store.from_url(url, args.job)
             coordinator = stop.serving(Coordinator(store, config, policy, max_ahead=args.max_ahead))
@@ -286,17 +287,18 @@ def _claim_lapsed(store: Store, claim: str, stop: _StopSignals) -> None:
 
     print(f"job {store.job!r}: waiting up to {CLAIM_S} s for the claim of coordinator {claim} to lapse (a "
           "coordinator that stopped without releasing it)", flush=True)
-    key = store.key("coordinator")  # a Store method for its remaining TTL belongs in store.py
     deadline = time.monotonic() + CLAIM_S
-    left_ms = store.client.pttl(key)
+    before_ms: int | None = None  # the claim's lifetime left at the read before
     while stop.received is None:
-        time.sleep(0.1)
-        seen, before_ms, left_ms = store.coordinator(), left_ms, store.client.pttl(key)
-        if seen is None:
+        held = store.coordinator_claim()
+        if held is None:
             return
-        if seen != claim or left_ms > before_ms or time.monotonic() > deadline:
+        seen, left_ms = held
+        if seen != claim or (before_ms is not None and left_ms > before_ms) or time.monotonic() > deadline:
             raise LBBSPError(f"job {store.job!r} is served by the coordinator {seen} (its claim renewed within the "
                              f"last {CLAIM_S} s): stop it first, or use another --job")
+        before_ms = left_ms
+        time.sleep(0.1)
 
 
 #: Seconds a signalled coordinator has to end its step and release its claim on the job before it exits anyway: each
@@ -438,7 +440,7 @@ def _print_status(status: _JobStatus, decisions_shown: int) -> None:
     job, config, serving, decisions, statuses = (status.job, status.config, status.serving, status.decisions,
                                                  status.statuses)
     last = decisions[0] if decisions else {}
-    title = f"job {job}" + (f": {config.num_workers} workers, global batch {config.global_batch}" if config else "")
+    title = f"job {job}" + (f": {_workers(config)}, global batch {config.global_batch}" if config else "")
     when = _decided_at(last)
     decided = "no decision yet" if not last else f"last decision (iteration {last['iteration']})" + (
         f" was {_ago(when)} ago" if when is not None else "")
@@ -447,7 +449,7 @@ def _print_status(status: _JobStatus, decisions_shown: int) -> None:
                   "workers run, they keep the split before (after one wait of assignment_timeout_s), so start one "
                   "(lbbsp coordinator) unless the job is over"),
                   soft_wrap=True, markup=False, highlight=False)
-    caption = _shown(f"iteration {last.get('iteration', '-')}: {last.get('reason', 'no decision yet')}")
+    caption = _shown(f"iteration {last['iteration']}: {last['reason']}" if last else "no decision yet")
     rows_of = max((s["iteration"] for s in statuses.values()), default=None)
     if rows_of is not None and rows_of != last.get("iteration"):  # the coordinator writes them once a second
         caption += f"\nthe workers' rows are of iteration {rows_of}"
@@ -464,27 +466,36 @@ def _print_status(status: _JobStatus, decisions_shown: int) -> None:
     if decisions_shown and not decisions:
         console.print(f"no decisions yet for job {job}", soft_wrap=True, markup=False, highlight=False)
     elif decisions_shown:
-        log = Table(title=f"last {len(decisions)} decisions of job {job}, newest first")
+        log = Table(title=f"last {len(decisions)} decisions of job {job}, newest first" if len(decisions) > 1 else
+                    f"last decision of job {job}")
         for column in ("iteration", "sizes", "policy", "by", "reason", "rejected"):
             log.add_column(column)
         for d in decisions:
             sizes = " ".join(map(str, d["sizes"][:16])) + (" ..." if len(d["sizes"]) > 16 else "")
-            rejected = "; ".join(f"worker {r.get('worker')}: {r.get('error')}" for r in d["rejected"]
-                                 if isinstance(r, dict))
+            rejected = [f"worker {r.get('worker')}: {r.get('error')}" for r in _rejections(d)]
+            if more := _count(d.get("rejected_more")):
+                rejected.append(f"and {more} more rejected" if rejected else f"{more} rejected")
             log.add_row(_iterations(d), _shown(sizes), _shown(d["policy"]), _written_by(d), _shown(d["reason"]),
-                        _shown(rejected))
+                        _shown("; ".join(rejected)))
         console.print(log)
 
 
 def _brief_status(status: _JobStatus) -> str:
     """The job in one line (`lbbsp status --brief`): its workers, who serves it, and how long ago it last decided."""
-    workers = "settings gone" if status.config is None else (
-        f"{status.config.num_workers} worker{'s' * (status.config.num_workers != 1)}")
+    workers = "settings gone" if status.config is None else _workers(status.config)
     served = f"served by {printable(status.serving)}" if status.serving else "no coordinator"
     when = _decided_at(status.decisions[0]) if status.decisions else None
     decided = "no decision yet" if not status.decisions else (
         f"last decision {_ago(when)} ago" if when is not None else "last decision at a time not stored")
+    rejected = _rejected_count(status.decisions[0]) if status.decisions else 0
+    if rejected:
+        decided += f" ({rejected} report{'s' * (rejected != 1)} rejected)"
     return f"{status.job}: {workers}, {served}, {decided}"
+
+
+def _workers(config: JobConfig) -> str:
+    """"1 worker", "4 workers": the job's workers as the table's title and --brief say them."""
+    return f"{config.num_workers} worker{'s' * (config.num_workers != 1)}"
 
 
 def _json_status(status: _JobStatus, decisions_shown: int) -> dict[str, Any]:
@@ -512,8 +523,8 @@ def _json_status(status: _JobStatus, decisions_shown: int) -> dict[str, Any]:
             {"iteration": _whole(d["iteration"]), "through": _whole(d.get("through")),
              "sizes": [_whole(size) for size in d["sizes"]], "policy": d["policy"], "written_by": _written_by(d),
              "reason": d["reason"],
-             "rejected": [{"worker": _text(r.get("worker")), "error": _text(r.get("error"))} for r in d["rejected"]
-                          if isinstance(r, dict)]}
+             "rejected": [{"worker": _text(r.get("worker")), "error": _text(r.get("error"))} for r in _rejections(d)],
+             "rejected_more": _count(d.get("rejected_more"))}
             for d in status.decisions]
     return shown
 
@@ -525,11 +536,10 @@ def _forget(args: argparse.Namespace) -> int:
     url = _given_redis(args)
     with Store.from_url(url, _job_flag(args.job), socket_timeout_s=_PROBE_TIMEOUT_S) as store:
         store.ping()
-        serving = store.coordinator()
-        if serving is not None:
-            raise LBBSPError(f"job {args.job!r} is served by the coordinator {serving}: stop that coordinator first "
-                             "(its workers would lose their settings and splits), then forget the job")
-        deleted = store.forget()
+        try:  # whether a coordinator claims the job is checked in the script that deletes: also one that just did
+            deleted = store.forget(unless_claimed=True)
+        except ConfigError as exc:
+            raise LBBSPError(exc.message) from None  # it names the job: no "[job=...]" after it
     if deleted:
         print(f"forgot job {args.job!r}: deleted its {deleted} key{'s' * (deleted != 1)} from this Redis")
     else:
@@ -649,6 +659,25 @@ def _whole(value: object) -> int | None:
     return None
 
 
+def _count(value: object) -> int | None:
+    """A stored count (``rejected_more``) as an int of 0 to 2**53; None for anything else (a bool, a negative, a
+    fraction, text), which no coordinator writes: ignored, as the other stored values are."""
+    number = _whole(value)
+    return number if number is not None and number >= 0 else None
+
+
+def _rejections(decision: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rejected reports a decision record lists (each a worker and its error); entries of another shape left
+    out."""
+    return [r for r in decision["rejected"] if isinstance(r, dict)]
+
+
+def _rejected_count(decision: dict[str, Any]) -> int:
+    """How many reports a decision rejected: those its record lists, and those beyond (``rejected_more``: a
+    coordinator records 20 at most)."""
+    return len(_rejections(decision)) + (_count(decision.get("rejected_more")) or 0)
+
+
 def _text(value: object) -> str | None:
     """A stored value that should be text, for JSON (which escapes its control characters); None if it is none."""
     return value if isinstance(value, str) else None
@@ -745,11 +774,12 @@ def build_parser(*, coordinator_flags: bool = True) -> argparse.ArgumentParser:
     view.add_argument("--json", action="store_true",
                       help="print one JSON document instead: a list of the jobs (the job itself with --job), each "
                            "with name, num_workers, global_batch, served_by (the coordinator, or null), "
-                           "last_decision (iteration, time, seconds_ago, policy, reason; or null) and workers (each "
-                           "row of the table; null where it shows '-')")
+                           "last_decision (iteration, time, seconds_ago, policy, reason; or null) and "
+                           "workers (each row of the table; null where it shows '-'); with --decisions, each decision's "
+                           "rejected reports as listed, and rejected_more: how many beyond those")
     view.add_argument("--brief", action="store_true",
                       help="one line per job instead: its workers, the coordinator serving it or 'no coordinator', "
-                           "and how long ago it last decided")
+                           "how long ago it last decided, and how many reports that decision rejected, if any")
     status.add_argument("--check", action="store_true",
                         help="exit 1, after the output, if a job listed has no live coordinator or could not be "
                              "read (2 stays for errors). A finished job counts until its keys expire (ttl_s after "
@@ -762,7 +792,8 @@ def build_parser(*, coordinator_flags: bool = True) -> argparse.ArgumentParser:
                             description="Delete a job's keys from Redis now, rather than --ttl seconds after its last "
                                         "decision: a new run under its name then starts afresh (with any settings) "
                                         "instead of resuming the old run or being refused for other settings. "
-                                        "Refused while a coordinator serves the job; for a job that is over.",
+                                        "Refused while a coordinator serves the job, or claims it while its keys are "
+                                        "deleted (nothing is deleted then); for a job that is over.",
                             formatter_class=_WithDefaults)
     forget.add_argument("--redis", help="Redis URL (default: $LBBSP_REDIS_URL)")
     forget.add_argument("--job", required=True, help="the job's name")

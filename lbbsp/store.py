@@ -129,6 +129,14 @@ def _tls_hint(client: redis.Redis, exc: BaseException) -> str:
     return " (the URL asks for TLS (rediss://): if the server has none, use redis://)"
 
 
+def left_by_earlier_run(job: str, settings: str) -> str:
+    """The error for settings that differ from those a finished run of ``job`` left (:meth:`Store.run_is_over`), with
+    how to clear them: one wording wherever lbbsp refuses them. ``settings`` names the differences as the caller's
+    user sets them (JobConfig's fields, or the command's flags)."""
+    return (f"job {job!r} was started with {settings}; its keys are left by an earlier run, whose coordinator has "
+            f"stopped: `lbbsp forget --job {job}` clears them once that run is over, or use another job name")
+
+
 def agreed_config(store: Store, index: int,
                   all_gather: Callable[[str | None], Sequence[str | None]]) -> JobConfig | None:
     """The job's settings as worker 0 read them from ``store`` (None before a coordinator stored them), the same on
@@ -211,6 +219,22 @@ class Store:
     return 0
     """
 
+    # KEYS[1] = coordinator string, KEYS[2..] = the job's keys to delete (as listed by a scan)
+    # Returns {0, the claim} and deletes nothing where KEYS[1] exists (a coordinator claims the job: one that claimed it
+    # after the keys were listed keeps them), the claim false where it is no string; else {1, the number deleted}.
+    # UNLINK takes the keys a thousand at a time: Lua's unpack of them all fails past about 8,000.
+    FORGET_UNCLAIMED = """
+    if redis.call('EXISTS', KEYS[1]) == 1 then
+        local claim = redis.pcall('GET', KEYS[1])
+        return {0, type(claim) == 'string' and claim}
+    end
+    local deleted = 0
+    for first = 2, #KEYS, 1000 do
+        deleted = deleted + redis.call('UNLINK', unpack(KEYS, first, math.min(first + 999, #KEYS)))
+    end
+    return {1, deleted}
+    """
+
     def __init__(self, client: redis.Redis, job: str, *, ttl_s: int = 3600, owns_client: bool = False) -> None:
         not_a_url(client, "Store", job)
         if job != "":  # "": a probe of the server, touching no job's keys
@@ -229,6 +253,7 @@ class Store:
         self._publish = client.register_script(self.PUBLISH_ASSIGNMENT)
         self._release = client.register_script(self.RELEASE_COORDINATOR)
         self._raise_watermark = client.register_script(self.RAISE_WATERMARK)
+        self._forget_unclaimed = client.register_script(self.FORGET_UNCLAIMED)
 
     @classmethod
     def from_url(cls, url: str, job: str, *, ttl_s: int = 3600, socket_timeout_s: float = 5.0) -> Store:
@@ -290,18 +315,16 @@ class Store:
         differ = stored.differences(config)
         if differ:
             settings = ", ".join(f"{name}={ours!r} (not {theirs!r})" for name, (ours, theirs) in differ.items())
-            if self._run_stopped():
-                raise ConfigError(f"job {self.job!r} was started with {settings}; its keys are left by an earlier run, "
-                                  f"whose coordinator has stopped: `lbbsp forget --job {self.job}` clears them once "
-                                  "that run is over, or use another job name", job=self.job)
+            if self.run_is_over():
+                raise ConfigError(left_by_earlier_run(self.job, settings), job=self.job)
             raise ConfigError(f"job {self.job!r} already runs with {settings}; use another job name or the same "
                               "settings", job=self.job)
         return stored
 
-    def _run_stopped(self) -> bool:
-        """Whether a coordinator decided for the job and none serves it now (none renewed its claim in 5 s): the
-        keys are a stopped run's. False where Redis cannot tell, and before any decision: the job's workers may be
-        starting ahead of their coordinator."""
+    def run_is_over(self) -> bool:
+        """Whether the job's keys are a finished run's: a coordinator decided for the job and none holds its claim now
+        (none renewed it in 5 s). False where Redis cannot tell, and before any decision: the job's workers may be
+        starting ahead of their coordinator. What decides whether an error offers `lbbsp forget`."""
         try:
             return self.decision_count() > 0 and self.coordinator() is None
         except (ConfigError, *REDIS_FAILURES):
@@ -539,6 +562,18 @@ class Store:
         with self._typed("coordinator"):
             return _claimant(cast("bytes | None", self.client.get(self.key("coordinator"))))
 
+    def coordinator_claim(self) -> tuple[str, int] | None:
+        """The job's claim as :meth:`coordinator` reads it, with the milliseconds it has left (-1 for a claim without
+        a TTL, which only a foreign writer leaves), read in one transaction: apart, the claim could lapse, or another
+        coordinator's replace it, between the two reads. None where no coordinator claims the job."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.get(self.key("coordinator"))
+        pipe.pttl(self.key("coordinator"))
+        with self._typed("coordinator"):
+            claim, left_ms = pipe.execute()
+        identity = _claimant(claim)
+        return None if identity is None else (identity, int(left_ms))
+
     def release_coordinator(self, identity: str) -> None:
         """Drop ``identity``'s claim on the job, if it still holds it: the next coordinator of the job (a
         rerun under the same name) is then not warned about one that has stopped."""
@@ -554,12 +589,21 @@ class Store:
         with self._typed("workers"):
             return cast("dict[bytes, bytes]", self.client.hgetall(self.key("workers")))
 
-    def forget(self) -> int:
+    def forget(self, *, unless_claimed: bool = False) -> int:
         """Delete every key of this job now, rather than at its TTL (a simulated job on a shared Redis); the
-        number deleted."""
+        number deleted. With ``unless_claimed`` (`lbbsp forget`), a ConfigError that names the coordinator claiming
+        the job, and nothing deleted, where one does: the check and the deletes are one script, so a coordinator
+        that claims the job while its keys are listed keeps them."""
         pattern = "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix) + "*"  # the prefix, escaped
         keys = list(self.client.scan_iter(match=pattern, count=1000))
-        return int(self.client.unlink(*keys)) if keys else 0
+        if not unless_claimed:
+            return int(self.client.unlink(*keys)) if keys else 0
+        deleted, result = self._forget_unclaimed(keys=[self.key("coordinator"), *keys])
+        if not deleted:
+            raise ConfigError(f"job {self.job!r} is served by the coordinator {_claimant(result) or UNKNOWN_CLAIM}: "
+                              "stop that coordinator first (its workers would lose their settings and splits), then "
+                              "forget the job", job=self.job)
+        return int(result)
 
     def jobs(self) -> Iterator[str]:
         """Names of the jobs with a stored configuration on this Redis; a key of that pattern whose middle is no job

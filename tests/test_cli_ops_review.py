@@ -38,9 +38,9 @@ def test_forget_deletes_a_finished_jobs_keys_so_a_rerun_with_other_settings_star
     assert main(rerun) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
-    assert f"job {job!r} already runs with --workers 2 (not 3): give the job's settings, or another --job; no " \
-           "coordinator serves it, so an earlier run left its keys" in err, err
-    assert err.endswith(f"if that run is over, `lbbsp forget --job {job}` clears them\n"), err
+    assert err == (f"lbbsp: error: job {job!r} was started with --workers 2 (not 3); its keys are left by an earlier "
+                   f"run, whose coordinator has stopped: `lbbsp forget --job {job}` clears them once that run is over, "
+                   "or use another job name\n"), err
     monkeypatch.setenv("LBBSP_REDIS_URL", redis_url)  # found as `lbbsp status` and `lbbsp coordinator` find it
     assert main(["forget", "--job", job]) == 0
     assert capsys.readouterr().out == f"forgot job {job!r}: deleted its 2 keys from this Redis\n"

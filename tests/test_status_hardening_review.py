@@ -86,4 +86,4 @@ def test_status_prints_control_characters_from_redis_escaped(
     assert "served by the coordinator unknown (not an lbbsp claim)" in out, out  # Store reads no such claim back
     assert len(re.findall(escaped, out)) == 6, out  # sizes, policy, reason and caption, rejected twice
     assert re.search(r"│ +0 │ +5 │ +- │ +- │ +- │ +- │ +\\x1b\[2J\\n │", out), out
-    assert re.search(r"last 1 decisions of job", out) and re.search(r"│ +1 │ +5 │ +- │ +- │ +- │ +- │ +cpu │", out)
+    assert re.search(r"last decision of job", out) and re.search(r"│ +1 │ +5 │ +- │ +- │ +- │ +- │ +cpu │", out)
