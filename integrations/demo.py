@@ -21,13 +21,14 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lbbsp.child_logging import ParentLogging
 from lbbsp.cli import whole_number
 from lbbsp.errors import ConfigError, LBBSPError
+from lbbsp.store import redacted
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
     from lbbsp.policies import Policy
 
 _PR_SET_PDEATHSIG = 1
+#: Seconds with nothing printed after which the launcher, piped, prints what it waits for (the workers' start alone
+#: took 14 s on a 2-core machine, its first run).
+SILENCE_S = 10.0
 
 
 # -- co-located load --------------------------------------------------------------------------------------------
@@ -185,6 +189,7 @@ def _train_both(rank: int, config: DemoConfig, init: str, url: str, events: Any)
     os.sched_setaffinity(0, {cores[rank]})
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=config.workers)
+    events.put(("joined", rank))
     load = ColocatedLoad(cores[config.slow_worker], config.load_procs) if rank == 0 else None
     reference: dict[int, Any] = {}
     try:
@@ -258,7 +263,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="busy processes on the slow worker's core (1: about 2x slower, 2: about 3x)")
     parser.add_argument("--load-schedule", default="0-0.5,0.75-1",
                         help="fractions of the run with the load on, e.g. 0-0.5,0.75-1 (empty: never on)")
-    parser.add_argument("--redis", default=None, help="Redis URL; default: an embedded redis-server")
+    parser.add_argument("--redis", default=None,
+                        help="Redis URL; default: $LBBSP_REDIS_URL where set, else an embedded redis-server")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="print only the results: the speedup and the parameter check (and any warning or error); "
+                             "no header, progress lines, live table or table of times")
+
+
+def redis_for(given: str | None) -> tuple[str | None, str]:
+    """The demo's Redis, as the other commands find theirs: ``--redis``, else $LBBSP_REDIS_URL, else None (an
+    embedded redis-server; an empty flag or variable counts as none given), and how to name it (no password)."""
+    if given:
+        return given, f"{redacted(given)} (--redis)"
+    if variable := os.environ.get("LBBSP_REDIS_URL"):
+        return variable, f"{redacted(variable)} (from $LBBSP_REDIS_URL)"
+    return None, "an embedded redis-server"
 
 
 @contextlib.contextmanager
@@ -300,17 +319,20 @@ def run(args: argparse.Namespace) -> int:
                         schedule=parse_schedule(args.load_schedule))
     console = _console()
     cores = cores_for(config.workers)
-    console.print(f"[bold]lbbsp demo[/]: {config.workers} gloo workers on cores {cores}, global batch "
-                  f"{config.global_batch}, {config.steps} steps per run; {config.load_procs} busy process(es) on "
-                  f"core {cores[config.slow_worker]} (worker {config.slow_worker}) {_when_on(config.schedule)}")
+    given, named = redis_for(args.redis)
+    if not args.quiet:
+        console.print(f"[bold]lbbsp demo[/]: {config.workers} gloo workers on cores {cores}, global batch "
+                      f"{config.global_batch}, {config.steps} steps per run; {config.load_procs} busy process(es) on "
+                      f"core {cores[config.slow_worker]} (worker {config.slow_worker}) {_when_on(config.schedule)}")
+        console.print(f"Redis: {named}", markup=False, highlight=False)
     if len(set(cores)) < len(cores):
         console.print(f"[yellow]warning[/]: {config.workers} workers share {len(set(cores))} core(s): the busy "
                       "processes slow the workers that share the slow worker's core too, and the speedup shown is "
                       "smaller than on one core per worker")
-    server = None if args.redis else EmbeddedRedis()  # an empty --redis (an unset variable) is none, as elsewhere
-    url = args.redis or server.url  # type: ignore[union-attr]
+    server = None if given else EmbeddedRedis()
+    url = given or server.url  # type: ignore[union-attr]
     with Store.from_url(url, "") as probe:  # a clear error here, not one traceback per worker process
-        probe.ping(hint="check --redis")
+        probe.ping(hint="check --redis" if args.redis else "check $LBBSP_REDIS_URL, or pass --redis")
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     view = _View(config, cores)
@@ -323,7 +345,9 @@ def run(args: argparse.Namespace) -> int:
             with _ctrl_c_ignored():  # inherited: the children, theirs too, leave Ctrl-C to this process
                 for proc in procs:
                     proc.start()
-            live = Live(view.table(), console=console, refresh_per_second=4) if console.is_terminal else None
+            live = (Live(view.table(), console=console, refresh_per_second=4)
+                    if console.is_terminal and not args.quiet else None)
+            progress = _Progress(view, console.print, live=live, quiet=args.quiet)
             with live or contextlib.nullcontext():
                 while len(view.phases) < 2:
                     try:
@@ -331,14 +355,12 @@ def run(args: argparse.Namespace) -> int:
                     except queue.Empty:
                         if any(p.exitcode not in (None, 0) for p in procs):
                             raise LBBSPError("a demo worker died; see its output above") from None
+                        progress.tick()
                         continue
                     if event[0] == "error":
                         raise LBBSPError(f"demo worker {event[1]} failed:\n{event[2]}")
-                    view.update(event)
-                    if live is not None:
-                        live.update(view.table())
-                    elif (line := view.progress_line(event)) is not None:
-                        console.print(line)
+                    progress.saw(event)
+                    progress.tick()
             for proc in procs:
                 proc.join(30)
         finally:  # the workers started so far, also after a SIGTERM between two starts (left to multiprocessing's
@@ -354,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
                     proc.join()
             if server is not None:
                 server.close()
-    return view.summary(console)
+    return view.summary(console, quiet=args.quiet)
 
 
 def _console() -> Console:
@@ -378,6 +400,7 @@ class _View:
         self.rows: dict[int, tuple[int, float | None]] = {}
         self.load = False
         self.phases: dict[str, tuple[float, float, int]] = {}
+        self.joined: set[int] = set()  # the workers in the gloo group
         # Each worker's row of a step that ends a tenth of the run, until every worker has sent it: a progress
         # line shows one step of all workers (their sizes then sum to the global batch).
         self._tenths: dict[tuple[str, int], dict[int, tuple[int, float | None, bool]]] = {}
@@ -393,12 +416,27 @@ class _View:
         elif event[0] == "phase":
             _, phase, seconds, drift, checkpoints = event
             self.phases[phase] = (seconds, drift, checkpoints)
+        elif event[0] == "joined":
+            self.joined.add(event[1])
+
+    def status(self) -> str:
+        """What the runs are at: a line for a wait with nothing else printed, and the table's title before the first
+        step (the workers' start, spawned processes that import torch, is the demo's longest silence)."""
+        workers = self.config.workers
+        if not self.rows:
+            line = f"starting the {workers} workers: {len(self.joined)} of {workers} have joined the gloo group"
+            return line + ("; each builds the model and rank 0 starts the coordinator" if len(self.joined) == workers
+                           else "")
+        if self.phase in self.phases:  # BSP's, the LB-BSP run's first step still to come
+            return f"{self.phase} run done in {self.phases[self.phase][0]:.1f}s; starting the LB-BSP run"
+        return f"{self.phase} run: at step {self.step + 1} of {self.config.steps}"
 
     def table(self) -> Any:
         from rich.table import Table  # noqa: PLC0415
 
-        table = Table(title=f"{self.phase}: step {self.step + 1}/{self.config.steps}, load "
-                            f"{'ON' if self.load else 'off'} on worker {self.config.slow_worker}")
+        table = Table(title=self.status() if not self.rows else
+                      f"{self.phase}: step {self.step + 1}/{self.config.steps}, load "
+                      f"{'ON' if self.load else 'off'} on worker {self.config.slow_worker}")
         for column in ("worker", "core", "load", "batch", "compute ms", "samples/s"):
             table.add_column(column, justify="right")
         for rank in sorted(self.rows):
@@ -425,7 +463,9 @@ class _View:
         load = "ON " if rows[0][2] else "off"  # rank 0 switches the load on the slow worker's core
         return f"{event[1]:>6} step {event[3] + 1:4d}/{self.config.steps}  load {load}  {cells}"
 
-    def summary(self, console: Any) -> int:
+    def summary(self, console: Any, *, quiet: bool = False) -> int:
+        """Print the runs' times (not when ``quiet``), the speedup and the parameter check; 0 when the parameters
+        match, 1 when they differ."""
         from rich.table import Table  # noqa: PLC0415
 
         samples = self.config.steps * self.config.global_batch
@@ -434,7 +474,8 @@ class _View:
             table.add_column(column, justify="right")
         for phase, (seconds, _, _) in self.phases.items():
             table.add_row(phase, f"{seconds:.2f}", f"{samples / seconds:.0f}")
-        console.print(table)
+        if not quiet:
+            console.print(table)
         bsp, lb = self.phases["BSP"][0], self.phases["LB-BSP"][0]
         drift, checkpoints = self.phases["LB-BSP"][1], self.phases["LB-BSP"][2]
         console.print(f"speedup of LB-BSP over BSP: [bold]{bsp / lb:.2f}x[/]")
@@ -442,3 +483,35 @@ class _View:
         console.print(f"parameter trajectories: max relative difference {drift:.2e} over {checkpoints} checkpoints "
                       f"-> {'[green]match[/]' if match else '[red]DIFFER[/]'}")
         return 0 if match else 1
+
+
+class _Progress:
+    """What the launcher shows of the workers' events while the runs go: in a terminal, the live table; piped, a
+    line per tenth of each run, and what it waits for once nothing has been printed for :data:`SILENCE_S`; quiet
+    (``--quiet``), nothing."""
+
+    def __init__(self, view: _View, say: Callable[[str], object], *, live: Any, quiet: bool,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.view = view
+        self.live = live
+        self.quiet = quiet
+        self._say = say
+        self._clock = clock
+        self._said = clock()
+
+    def saw(self, event: tuple[Any, ...]) -> None:
+        """Take in a worker's event and show it."""
+        self.view.update(event)
+        if self.live is not None:
+            self.live.update(self.view.table())
+        elif not self.quiet and (line := self.view.progress_line(event)) is not None:
+            self._print(line)
+
+    def tick(self) -> None:
+        """Piped and not quiet: print what the runs are at if nothing has been printed for :data:`SILENCE_S`."""
+        if self.live is None and not self.quiet and self._clock() - self._said >= SILENCE_S:
+            self._print(self.view.status())
+
+    def _print(self, line: str) -> None:
+        self._say(line)
+        self._said = self._clock()

@@ -50,8 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "per-iteration noise")
     parser.add_argument("--redis", nargs="?", const="", default=None, metavar="URL",
                         help="run every policy through Redis as in a job (reports posted, a real Coordinator "
-                             "deciding, sizes read back), on an embedded redis-server or the Redis at URL, and "
-                             "check each decides exactly as in-process")
+                             "deciding, sizes read back) and check each decides exactly as in-process: on the Redis "
+                             "at URL, else $LBBSP_REDIS_URL where set, else an embedded redis-server; without "
+                             "--redis the policies run in-process only, whatever $LBBSP_REDIS_URL says")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"directory for the JSON and PNG results (default: {DEFAULT_OUT})")
 
@@ -78,14 +79,30 @@ def run(args: argparse.Namespace) -> int:
                           f"{LOOKAHEAD} iterations count as {LOOKAHEAD}, the look-ahead every scenario generates), got "
                           f"{args.workers:,} x {args.iterations:,}")
     options, suffix = _scenario_options(args)
-    if args.redis:  # a given Redis is reached before the scenario is built and the in-process pass runs
-        _reach(args.redis)
+    redis = redis_for(args.redis)
+    if redis is not None and redis[0]:  # a given Redis is reached before the scenario is built and the in-process pass
+        _reach(*redis)
     with _output_folder(args.out):  # the last check: a refused or stopped run leaves no folder of its own behind
-        return _simulate(args, options, suffix, started)
+        return _simulate(args, options, suffix, started, redis)
 
 
-def _simulate(args: argparse.Namespace, options: dict[str, object], suffix: str, started: float) -> int:
-    """The checked run: build the scenario, simulate every policy, print the table and write the results."""
+def redis_for(given: str | None) -> tuple[str, str] | None:
+    """``--redis`` as the run uses it: None without the flag (in-process only, whatever $LBBSP_REDIS_URL says); else
+    the URL given, or $LBBSP_REDIS_URL's where the flag has none, or "" for an embedded redis-server (an empty
+    variable counts as unset, as in the other commands), with where it came from."""
+    if given is None:
+        return None
+    if given:
+        return given, "--redis"
+    if variable := os.environ.get("LBBSP_REDIS_URL"):
+        return variable, "$LBBSP_REDIS_URL"
+    return "", "--redis"
+
+
+def _simulate(args: argparse.Namespace, options: dict[str, object], suffix: str, started: float,
+              redis: tuple[str, str] | None) -> int:
+    """The checked run: build the scenario, simulate every policy (again through ``redis``'s URL and source, if
+    any), print the table and write the results."""
     print(f"building {args.scenario} with {args.workers} workers, {args.iterations} iterations, seed {args.seed}",
           flush=True)
     scenario = SCENARIOS[args.scenario](args.workers, args.iterations, args.seed, **options)
@@ -95,8 +112,9 @@ def _simulate(args: argparse.Namespace, options: dict[str, object], suffix: str,
     stem = args.out / f"simulate_{args.scenario}_{args.workers}w_{args.iterations}it_seed{args.seed}{suffix}"
     runs = compare(scenario, args.iterations, progress=lambda line: print(line, flush=True))
     check = None
-    if args.redis is not None:
-        runs, check = _through_redis(scenario, args.iterations, args.redis, runs)
+    if redis is not None:
+        url, source = redis
+        runs, check = _through_redis(scenario, args.iterations, url, runs, source=source)
     summary = summarise(runs)
     print(table(scenario, summary))
     result = {"scenario": args.scenario, "workers": args.workers, "iterations": args.iterations, "seed": args.seed,
@@ -157,23 +175,25 @@ def _write_pair(stem: Path, text: str, draw: Callable[[Path], None]) -> None:
             path.unlink(missing_ok=True)
 
 
-def _reach(url: str) -> None:
-    """A ConfigError or StoreUnavailable naming ``--redis`` unless the Redis at ``url`` answers."""
+def _reach(url: str, source: str) -> None:
+    """A ConfigError or StoreUnavailable naming ``source`` (``--redis`` or the variable) unless the Redis at ``url``
+    answers."""
     try:
         with Store.from_url(url, "lbbsp-simulate") as store:
             store.ping()
     except ConfigError as exc:
-        raise ConfigError(f"--redis: {exc.message}") from None
+        raise ConfigError(f"{source}: {exc.message}") from None
     except StoreUnavailable as exc:
-        raise StoreUnavailable(f"--redis: {exc.message}") from None
+        raise StoreUnavailable(f"{source}: {exc.message}") from None
 
 
-def _through_redis(scenario: Scenario, iterations: int, url: str,
-                   in_process: dict[str, PolicyRun]) -> tuple[dict[str, PolicyRun], dict[str, Any]]:
-    """Every policy again, through Redis (embedded when ``url`` is empty); the runs, and whether each one
-    decided exactly the sizes of its in-process run."""
+def _through_redis(scenario: Scenario, iterations: int, url: str, in_process: dict[str, PolicyRun], *,
+                   source: str = "--redis") -> tuple[dict[str, PolicyRun], dict[str, Any]]:
+    """Every policy again, through Redis (embedded when ``url`` is empty; ``source`` names where a URL came from);
+    the runs, and whether each one decided exactly the sizes of its in-process run."""
     label = redacted(url) if url else "embedded redis-server"  # printed and saved: no password
-    print(f"again through Redis ({label}): reports posted, a Coordinator deciding", flush=True)
+    where = f"{label}, from {source}" if source != "--redis" else label
+    print(f"again through Redis ({where}): reports posted, a Coordinator deciding", flush=True)
     with contextlib.ExitStack() as stack:
         if not url:
             url = stack.enter_context(EmbeddedRedis()).url
