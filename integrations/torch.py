@@ -45,6 +45,7 @@ from lbbsp.config import JobConfig, _is_integer
 from lbbsp.coordinator import (
     EXTERNAL_MAX_AHEAD,
     EXTERNAL_POLICY,
+    GRACE_BEFORE_OWN_SERVER_S,
     CoordinatorProcess,
     checked_max_ahead,
     checked_process_policy,
@@ -486,7 +487,9 @@ class Balancer:
                 dist.barrier()  # nobody still talks to the Redis or coordinator that rank 0 is about to stop
         finally:
             self._closed = True
-            if self.coordinator is not None:
+            if self.coordinator is not None and any(isinstance(r, EmbeddedRedis) for r in self._owned):
+                self.coordinator.stop(GRACE_BEFORE_OWN_SERVER_S)  # its Redis is this rank's own, deleted next
+            elif self.coordinator is not None:
                 self.coordinator.stop()
             for resource in reversed(self._owned):
                 resource.close()

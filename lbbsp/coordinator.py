@@ -57,6 +57,10 @@ _DROP = 100  # a report under 1/_DROP of its worker's previous throughput is wor
 #: How long a serving coordinator's claim on its job lasts, renewed every second (_heartbeat); `lbbsp coordinator`
 #: waits that long at most for a stale one to lapse.
 CLAIM_S = 5
+#: Seconds an integration gives its coordinator process to stop, before it is killed, where the Redis it serves on is
+#: the integration's own embedded one, deleted next: its last writes (status rows, its claim) are lost anyway, and a
+#: child inside a call to a Redis that stopped answering never ends by itself (5 s a call, three tries).
+GRACE_BEFORE_OWN_SERVER_S = 1.0
 _OUTAGE_GRACE_S = 3.0  # a coordinator whose training process ended is stopped by then (_stop_when_orphaned)
 _REJECTED_AGAIN = " ({} earlier ones like it, logged at most every 10 s)"  # a rejection's count (_rejected)
 #: The most rejected reports a decision's record lists, the rest counted: a reports hash of 20,000 fields that are no

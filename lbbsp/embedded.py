@@ -634,11 +634,13 @@ class EmbeddedRedis:
 
     def close(self) -> None:
         """Stop the server and remove its data directory (one it created, or was given with ``own_directory``);
-        safe to call twice. In a child forked from the process that started it (its atexit), it does nothing."""
+        safe to call twice. In a child forked from the process that started it (its atexit), it does nothing. A server
+        whose directory goes with it is killed, not shut down: a shutdown saves the append-only file deleted next, and
+        a server that stopped answering (SIGSTOP, a stall) cannot start one, which had held close() 10 s."""
         if os.getpid() != self._owner_pid:  # the parent's server, socket and append-only file: not the child's
             return
         self._closed.set()
-        self.stop()
+        self.stop(kill=self._owns_dir)
         if self._owns_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
             self._owns_dir = False
