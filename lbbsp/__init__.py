@@ -20,14 +20,32 @@ from .worker import WorkerClient
 
 if TYPE_CHECKING:
     from .coordinator import Coordinator, CoordinatorProcess
-    from .models import CapacityModel, EWMAThroughput
-    from .policies import BSPPolicy, Decision, LBBSPPolicy, Policy
+    from .models import (
+        AutoCapacityModel,
+        BatchTimeCurve,
+        CapacityModel,
+        EWMAThroughput,
+        FLClientModel,
+        LastValue,
+        NARXThroughput,
+    )
+    from .policies import (
+        BSPPolicy,
+        Decision,
+        LBBSPPolicy,
+        LeaderStragglerPolicy,
+        PerEpochPolicy,
+        Policy,
+        StaticProportionalPolicy,
+    )
 
 #: The exports whose modules import scikit-learn (seconds), by module: imported on first use (PEP 562), so that
 #: what needs none of them (`lbbsp status`, a worker) does not wait for it.
-_LAZY = {"Coordinator": ".coordinator", "CoordinatorProcess": ".coordinator", "CapacityModel": ".models",
-         "EWMAThroughput": ".models", "BSPPolicy": ".policies", "Decision": ".policies", "LBBSPPolicy": ".policies",
-         "Policy": ".policies"}
+_LAZY = {"Coordinator": ".coordinator", "CoordinatorProcess": ".coordinator",
+         **dict.fromkeys(["AutoCapacityModel", "BatchTimeCurve", "CapacityModel", "EWMAThroughput", "FLClientModel",
+                          "LastValue", "NARXThroughput"], ".models"),
+         **dict.fromkeys(["BSPPolicy", "Decision", "LBBSPPolicy", "LeaderStragglerPolicy", "PerEpochPolicy", "Policy",
+                          "StaticProportionalPolicy"], ".policies")}
 
 
 def __getattr__(name: str) -> Any:
@@ -46,8 +64,9 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
-    "AllocationError", "Assignment", "BSPPolicy", "CapacityModel", "ConfigError", "Coordinator", "CoordinatorProcess", "Decision",
-    "EWMAThroughput", "EmbeddedRedis", "GlobalBatchSampler", "JobConfig", "LBBSPError", "LBBSPPolicy",
-    "LinearTime", "Policy", "PolicyError", "ProtocolError", "Report", "ResourceMonitor", "Store", "StoreUnavailable",
-    "WorkerClient", "allocate", "equal_split", "scale_split",
+    "AllocationError", "Assignment", "AutoCapacityModel", "BSPPolicy", "BatchTimeCurve", "CapacityModel", "ConfigError",
+    "Coordinator", "CoordinatorProcess", "Decision", "EWMAThroughput", "EmbeddedRedis", "FLClientModel",
+    "GlobalBatchSampler", "JobConfig", "LBBSPError", "LBBSPPolicy", "LastValue", "LeaderStragglerPolicy", "LinearTime",
+    "NARXThroughput", "PerEpochPolicy", "Policy", "PolicyError", "ProtocolError", "Report", "ResourceMonitor",
+    "StaticProportionalPolicy", "Store", "StoreUnavailable", "WorkerClient", "allocate", "equal_split", "scale_split",
 ]
