@@ -20,7 +20,7 @@ import time
 import traceback
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -31,7 +31,7 @@ from .config import JobConfig, _integer, _job_config, _real
 from .embedded import RestartBudget, release_cpu_pinning
 from .errors import ConfigError, LBBSPError, PolicyError, ProtocolError
 from .models import AutoCapacityModel, worker_kind
-from .policies import BackupWorkersPolicy, Decision, LBBSPPolicy, Policy, checked_policy
+from .policies import BackupWorkersPolicy, Decision, LBBSPPolicy, OraclePolicy, Policy, checked_policy
 from .protocol import MAX_POLICY_NAME_CHARS, MAX_REASON_CHARS, Assignment, Report
 from .store import ITERATIONS_KEPT, REDIS_ERRORS, REDIS_FAILURES, Store, _store
 
@@ -145,8 +145,9 @@ def _failure_site(failure: object) -> str:
 def _check_for_job(policy: Policy | None, config: JobConfig, *, warn: bool = True) -> None:
     """A ConfigError for worker kinds pinned outside the job (a typo, or a rank off by one, had been kept
     silently) or backup workers that would drop every gradient (refused at each decision, and the job ran on), and
-    (``warn``) a warning where the model forecasts further or less far ahead than the job's lag (a hand-built model
-    does not take the lag; the default and `lbbsp coordinator --model` do)."""
+    (``warn``) a warning where the model, or a model an AutoCapacityModel is given, forecasts further or less far
+    ahead than the job's lag (a hand-built model does not take the lag; the default and `lbbsp coordinator --model`
+    do)."""
     if isinstance(policy, BackupWorkersPolicy):
         policy.aggregated(config.num_workers)
     model = getattr(policy, "model", None)
@@ -155,11 +156,47 @@ def _check_for_job(policy: Policy | None, config: JobConfig, *, warn: bool = Tru
     if outside:
         raise ConfigError(f"AutoCapacityModel's kinds pin worker(s) {outside[:8]}, outside the job's workers "
                           f"0..{config.num_workers - 1}", job=config.job)
-    horizon = getattr(model, "horizon", None)
-    if warn and isinstance(horizon, int) and horizon != config.lag:
-        log.warning("job %s: the model forecasts %d iteration(s) ahead (horizon=%d), but each split is decided %d "
-                    "ahead (lag=%d): give it horizon=%d", config.job, horizon, horizon, config.lag, config.lag,
-                    config.lag)
+    for name, horizon in _horizons(model) if warn else ():
+        if horizon != config.lag:
+            log.warning("job %s: the model%s forecasts %d iteration(s) ahead (horizon=%d), but each split is decided "
+                        "%d ahead (lag=%d): give it horizon=%d", config.job, name, horizon, horizon, config.lag,
+                        config.lag, config.lag)
+
+
+def _horizons(model: object, name: str = "") -> Iterator[tuple[str, int]]:
+    """(what the warning calls it after "the model", horizon) for ``model`` and for each model an
+    :class:`AutoCapacityModel` is given, where it has a whole ``horizon``: the automatic model's own counts only where
+    it builds the CPU workers' NARX (no model given for "cpu"); those given in ``models`` had gone unchecked."""
+    if isinstance(model, AutoCapacityModel):
+        given = model.models if isinstance(model.models, Mapping) else {}
+        if "cpu" not in given:
+            yield from _whole(model.horizon, name)
+        for kind, inner in given.items():
+            yield from _horizons(inner, f" models[{kind!r}] ({type(inner).__name__})")
+        return
+    yield from _whole(getattr(model, "horizon", None), name)
+
+
+def _whole(horizon: object, name: str) -> Iterator[tuple[str, int]]:
+    """(``name``, ``horizon``) where ``horizon`` is a whole number of iterations; nothing otherwise."""
+    if isinstance(horizon, (int, np.integer)) and not isinstance(horizon, bool):
+        yield name, int(horizon)
+
+
+def _check_outside_simulator(policy: Policy | None, config: JobConfig, *, warn: bool = True) -> None:
+    """A ConfigError for the oracle, which needs each coming iteration's true speeds, known only to the simulator (a
+    job's coordinator had failed every decision, the job left on the equal split), and (``warn``) a warning for
+    backup workers, whose dropped gradients no integration implements (a job had run them as plain BSP, unsaid).
+    Where a coordinator is made for a job, not where the simulator makes one (``Coordinator(..., simulated=True)``)."""
+    if isinstance(policy, OraclePolicy):
+        raise ConfigError(f"{type(policy).__name__} is the simulator's limit, not a policy a job can run: it decides "
+                          "from each coming iteration's true speeds, which only lbbsp.sim knows (`lbbsp simulate`, "
+                          "lbbsp.sim.compare); for a job, use LBBSPPolicy()", job=config.job)
+    if warn and isinstance(policy, BackupWorkersPolicy):
+        log.warning("job %s: backup workers drop the slowest %d gradient(s) of each iteration, which breaks "
+                    "exactness (each global batch's samples no longer all count); a job's workers aggregate every "
+                    "gradient, so this one runs as plain BSP, the equal split: lbbsp.sim runs backup workers as they "
+                    "are meant, to compare against", config.job, policy.backups)
 
 
 class GuardedPolicy:
@@ -272,6 +309,10 @@ class Coordinator:
     would run at the coordinator's pace. The coordinator then runs ahead (:attr:`ahead`): it decides from the
     newest iteration whose reports are all in and writes that split for the next ``ahead`` iterations, each
     still exactly once; ``max_ahead=1`` turns this off.
+
+    ``simulated=True`` is for the simulator (lbbsp.sim), which shows an :class:`~lbbsp.policies.OraclePolicy` the
+    truth before each decision and charges backup workers' dropped gradients: it lets the oracle through, which a
+    coordinator of a job refuses, and backup workers without the warning that a job runs them as plain BSP.
     """
 
     #: Each worker's status line (``lbbsp status``) is written at most this often, and at the first decision, when a
@@ -281,13 +322,15 @@ class Coordinator:
     STATUS_EVERY_S = 1.0
 
     def __init__(self, store: Store, config: JobConfig, policy: Policy | None = None, *,
-                 max_ahead: int = MAX_AHEAD) -> None:
+                 max_ahead: int = MAX_AHEAD, simulated: bool = False) -> None:
         config = _job_config(config)
         # CoordinatorProcess takes a URL, this a Store: an easy mix-up
         store = _store(store, config.job, "Store.from_url(url, job), or CoordinatorProcess(url, config)")
         self.max_ahead = checked_max_ahead(max_ahead, config.job)
         self.policy = policy if policy is not None else LBBSPPolicy(AutoCapacityModel(horizon=config.lag))
         self._guarded = GuardedPolicy(self.policy, config)  # checks the policy, before the job is registered
+        if not simulated:
+            _check_outside_simulator(self.policy, config)
         self.store = store
         self.config = store.register(config)
         self._renewed = time.monotonic()  # when this coordinator last renewed the job's TTL (register, each decision)
@@ -793,10 +836,12 @@ EXTERNAL_MAX_AHEAD = ("max_ahead= is the coordinator's: with an external one (co
 
 def checked_process_policy(policy: Policy | None, config: JobConfig) -> None:
     """The checks :class:`CoordinatorProcess` makes of ``policy`` before its child starts, for the integrations to
-    make on every worker: a ConfigError for a policy that is none, pins worker kinds outside the job, or cannot be
-    pickled to the child (on rank 0 alone, the other ranks had gone on and failed later, in gloo's words)."""
+    make on every worker: a ConfigError for a policy that is none, is the simulator's oracle, pins worker kinds
+    outside the job, or cannot be pickled to the child (on rank 0 alone, the other ranks had gone on and failed later,
+    in gloo's words)."""
     checked_policy(policy, config.job)
     _check_for_job(policy, config, warn=False)  # the child's coordinator warns
+    _check_outside_simulator(policy, config, warn=False)
     _refers_to_main(policy, config.job)
 
 
@@ -820,6 +865,7 @@ class CoordinatorProcess:
         max_ahead = checked_max_ahead(max_ahead, config.job)
         checked_policy(policy, config.job)
         _check_for_job(policy, config, warn=False)  # the child's coordinator warns; _spawn checks the pickling
+        _check_outside_simulator(policy, config, warn=False)
         if multiprocessing.current_process().daemon:
             raise LBBSPError("a daemonic process cannot start the coordinator process: start this worker with "
                              "daemon=False, or run Coordinator(store, config).start() in a thread", job=config.job)

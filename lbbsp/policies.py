@@ -19,7 +19,6 @@ from .allocation import (
     TimeModel,
     allocate_sitting_out,
     damp,
-    predicted_makespan,
     sit_out_share,
 )
 from .config import JobConfig, _integer, _real
@@ -95,8 +94,9 @@ class Policy:
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         """The split for ``iteration``, the iteration the decision is for (that of the newest reports observed
-        plus the job's lag); ``current`` is the split before it, kept where the policy fails."""
-        return Decision(tuple(int(s) for s in current), "static split")
+        plus the job's lag); ``current`` is the split before it, kept where the policy fails (one size per worker,
+        or a ConfigError: every policy checks it, as :func:`_split_of` does)."""
+        return Decision(tuple(_split_of(current, config).tolist()), "static split")
 
     def learn(self) -> None:
         """Finish learning from the observed reports after the split is written (the next ``observe`` does it
@@ -113,6 +113,7 @@ class BSPPolicy(Policy):
     name = "bsp"
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
+        _split_of(current, config)  # checked, as every policy checks it, though the equal split does not read it
         return Decision(config.initial_sizes(), "equal split (BSP)")
 
 
@@ -228,13 +229,15 @@ class LBBSPPolicy(Policy):
         return bool(self.sit_out) or not lower.all()
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
+        # a split of the wrong length is refused, as PerEpochPolicy refuses it: it had been decided on ("the current
+        # split does not fit the bounds")
+        current_arr = _split_of(current, config)
         if not self._seen:
-            return Decision(tuple(int(s) for s in current), "no measurements yet: keep the split")
+            return Decision(tuple(current_arr.tolist()), "no measurements yet: keep the split")
         workers = np.arange(config.num_workers)
         time_model = self.model.time_model(workers)
         throughput = predicted_throughput(self.model, workers)
         plan, factor = self.with_margins(iteration, time_model, throughput)
-        current_arr = np.asarray(current, dtype=np.int64)
         # the hooks' answers as arrays: a variant's that hands back lists had failed on a missing attribute
         lower, upper = (np.asarray(b) for b in self.bounds(workers, current_arr, config))
         proposed = np.asarray(self.propose(plan, config, lower, upper, time_model))
@@ -256,17 +259,17 @@ class LBBSPPolicy(Policy):
             self.risk.expect(iteration, workers, sized_throughput(time_model, sizes))
         predicted = time_model.time(sizes)
         slowest = int(np.argmin(np.where(np.isfinite(throughput), throughput, np.inf)))
-        finish = float(predicted.max()) if plan is time_model else predicted_makespan(plan, sizes)
+        finish = _finish(predicted if plan is time_model else plan.time(sizes))
         finish_label = "predicted finish" if plan is time_model else "finish with margins"
         if changed:
-            was = (f"was {predicted_makespan(plan, current_arr):.4g}s" if in_bounds
+            was = (f"was {_finish(plan.time(current_arr))}" if in_bounds
                    else "the current split does not fit the bounds")
-            reason = (f"rebalanced for equal {finish_label} {finish:.4g}s ({was}); slowest worker {slowest} "
+            reason = (f"rebalanced for equal {finish_label} {finish} ({was}); slowest worker {slowest} "
                       f"at {throughput[slowest]:.4g} samples/s")
         elif forced:
-            reason = f"kept: the bounds allow no other split ({finish_label} {finish:.4g}s)"
+            reason = f"kept: the bounds allow no other split ({finish_label} {finish})"
         else:
-            reason = f"kept: predicted gain under the {band:.1%} dead band ({finish_label} {finish:.4g}s)"
+            reason = f"kept: predicted gain under the {band:.1%} dead band ({finish_label} {finish})"
         if plan is not time_model:
             reason += f"; slowdown margins x{factor.min():.2f} to x{factor.max():.2f}"
         if may_idle:
@@ -284,6 +287,17 @@ class LBBSPPolicy(Policy):
                 log.warning("job %s: some workers are given more than their GPU memory is predicted to hold (%s)",
                             config.job, why)
         return Decision(tuple(sizes.tolist()), reason, tuple(predicted.tolist()), tuple(throughput.tolist()))
+
+
+def _finish(seconds: np.ndarray) -> str:
+    """The finish of a split whose workers take ``seconds``, for a decision's reason: the slowest worker's seconds,
+    and which workers never finish (given samples at a forecast of 0 samples/s), where some do not; an infinite
+    finish had read "infs"."""
+    never = np.flatnonzero(~np.isfinite(seconds))
+    if not never.size:
+        return f"{float(np.max(seconds)):.4g}s"
+    finite = np.delete(seconds, never)
+    return f"{f'{float(finite.max()):.4g}s, ' if finite.size else ''}never for worker(s) {never[:8].tolist()}"
 
 
 def _split_of(current: Sequence[int], config: JobConfig) -> np.ndarray:
@@ -375,7 +389,7 @@ class StaticProportionalPolicy(LBBSPPolicy):
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         if self._observed < self.profile_iterations:
-            return Decision(tuple(int(s) for s in current), "profiling")
+            return Decision(tuple(_split_of(current, config).tolist()), "profiling")
         if self._fixed is None or len(self._fixed.sizes) != config.num_workers:  # profiled for another job's size
             decision = super().decide(iteration, current, config)
             self._fixed = Decision(decision.sizes, "proportional to the speeds profiled at the start")
@@ -534,6 +548,7 @@ class OraclePolicy(LBBSPPolicy):
         self._truth, self._caps = truth, max_batch
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
+        current_arr = _split_of(current, config)
         if self._truth is None:
             raise ConfigError("the oracle needs reveal(truth) before each decision")
         lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
@@ -541,8 +556,8 @@ class OraclePolicy(LBBSPPolicy):
             upper = np.maximum(np.minimum(upper, self._caps), lower)
         plan = self._truth
         if self.risk is not None:  # margins learned from its own misses, for a truth that is not exact
-            current_arr = np.maximum(np.asarray(current, dtype=np.int64), 1)
-            plan, _ = self.with_margins(iteration, self._truth, current_arr / self._truth.time(current_arr))
+            ran = np.maximum(current_arr, 1)
+            plan, _ = self.with_margins(iteration, self._truth, ran / self._truth.time(ran))
         sizes = self.propose(plan, config, lower, upper, self._truth)
         if self.sit_out:
             self.rounds_out.record(range(config.num_workers), sizes)

@@ -219,7 +219,7 @@ class Stalled(EWMAThroughput):
         return predicted
 
 
-@pytest.mark.parametrize("speed", [0.0, -1.0, 1e-310])
+@pytest.mark.parametrize("speed", [0.0, 1e-310])  # a negative one is refused (test_policy_checks_s51)
 def test_a_worker_predicted_to_never_finish_gets_its_smallest_batch(speed: float) -> None:
     config = JobConfig("p", 3, 90)
     policy = LBBSPPolicy(Stalled(speed), hedge=None)

@@ -180,10 +180,12 @@ class AutoCapacityModel(CapacityModel):
             try:
                 check_contract(model)
                 model._check_params()
-                clone(model)  # as the first fit does: a model that cannot be cloned had failed every decision
             except ConfigError as exc:
                 raise ConfigError(f"models[{kind!r}]: {exc.message}") from None
-            except (RuntimeError, TypeError) as exc:  # scikit-learn's refusals
+            try:
+                clone(model)  # as the first fit does: a model that cannot be cloned had failed every decision
+            # scikit-learn's refusals, and get_params' AttributeError where __init__ stored a keyword under another name
+            except (AttributeError, RuntimeError, TypeError) as exc:
                 raise ConfigError(f"models[{kind!r}]: {type(model).__name__} cannot be cloned ({exc}); its __init__ "
                                   "must store each keyword argument as given (the scikit-learn contract)") from None
 

@@ -54,13 +54,23 @@ def worker_ids(workers: WorkerIds) -> np.ndarray:
     return ids
 
 
+#: What :func:`predicted_throughput` tells a model of one's own that ``predict`` must return.
+THROUGHPUT = "one throughput (samples/s) per worker asked, at least 0, NaN where unknown"
+
+
 def predicted_throughput(model: CapacityModel, workers: np.ndarray) -> np.ndarray:
     """``model.predict(workers)`` as one float per worker, or a ConfigError naming the model: a model of one's own that
     answered with the wrong length, or with no numbers, had failed deep inside each decision (a broadcast error,
-    ``isnan`` on strings); a list is taken as its array."""
-    values = numbers_per_worker(model.predict(workers), len(workers), f"{type(model).__name__}.predict",
-                                "one throughput (samples/s) per worker asked")
-    return values.astype(float, copy=False)
+    ``isnan`` on strings); one that answered inf had its worker given nearly the whole batch, and a negative
+    throughput was read as "never finishes". NaN is "unknown" (the median speed fills it); a list is taken as its
+    array."""
+    source = f"{type(model).__name__}.predict"
+    values = numbers_per_worker(model.predict(workers), len(workers), source, THROUGHPUT).astype(float, copy=False)
+    wrong = np.flatnonzero(np.isinf(values) | (values < 0))
+    if wrong.size:
+        raise ConfigError(f"{source} returned {values[wrong[0]]:.6g} for worker(s) "
+                          f"{np.asarray(workers)[wrong][:8].tolist()}: it must return {THROUGHPUT}")
+    return values
 
 
 class CheckedReports(list[Report]):
@@ -256,14 +266,14 @@ class CapacityModel(BaseEstimator):
 
     def time_model(self, workers: WorkerIds) -> TimeModel:
         """Predicted time as a function of batch size; linear in the size unless a model knows better. A worker
-        with no forecast (NaN) is taken at the median speed; one predicted at 0 or below never finishes."""
+        with no forecast (NaN) is taken at the median speed; one predicted at 0 never finishes."""
         speed = predicted_throughput(self, worker_ids(workers))
         unknown = np.isnan(speed)
         if not unknown.any():  # the usual case: no median to take (about 20 us at 1,024 workers)
-            return LinearTime(np.clip(speed, 0.0, None))
-        known = np.isfinite(speed) & (speed > 0)
+            return LinearTime(speed)
+        known = speed > 0
         fill = float(np.median(speed[known])) if known.any() else 1.0
-        return LinearTime(np.where(unknown, fill, np.clip(speed, 0.0, None)))
+        return LinearTime(np.where(unknown, fill, speed))
 
     def max_batch(self, workers: WorkerIds) -> np.ndarray | None:
         """The largest batch each worker can hold (GPU memory; NaN where unknown), or None when the model sets no cap."""

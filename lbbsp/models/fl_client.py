@@ -7,6 +7,7 @@ so a round of sizes b brings back sum_i a_i * b_i samples on average.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -17,6 +18,8 @@ from ..errors import ConfigError
 from ..protocol import MAX_SECONDS, MAX_WORKERS, Report
 from .base import CapacityModel, WorkerIds, as_reports, measured_throughput, smoothed, worker_ids
 
+log = logging.getLogger("lbbsp.models")
+
 #: Report features that tell a model transfer: a report with any of them comes from a federated client.
 TRANSFER_FEATURES = frozenset({"download_s", "upload_s", "bandwidth_down", "bandwidth_up"})
 
@@ -26,7 +29,8 @@ class FLClientModel(CapacityModel):
 
     Reports carry ``samples`` (local_steps * batch), ``compute_s`` (local compute only) and features
     ``download_s``/``upload_s``; without those, ``model_bytes`` over ``bandwidth_down``/``bandwidth_up``
-    gives the transfer time. Availability is learned from :meth:`record_outcomes` (exponentially weighted
+    gives the transfer time (a client that reports bandwidth alone, with ``model_bytes`` None, has no transfer time
+    to learn: a warning says so, once). Availability is learned from :meth:`record_outcomes` (exponentially weighted
     by ``availability_alpha``, starting from the availability of clients on similar hardware, or "available"
     where nothing is known). Clients never seen get the median of clients on
     similar hardware, for speed, transfer and availability alike.
@@ -48,6 +52,9 @@ class FLClientModel(CapacityModel):
         workers, measured = measured_throughput(reports)
         self.speed_ = smoothed(getattr(self, "speed_", None), workers, measured, self.alpha)
         transfers = [(r.worker, seconds) for r in reports if (seconds := self._transfer_seconds(r)) is not None]
+        warned = getattr(self, "_warned_model_bytes", False)
+        if len(transfers) < len(reports) and self.model_bytes is None and not warned:  # some told no transfer seconds
+            self._warn_bandwidth_alone(reports)
         ids = np.array([worker for worker, _ in transfers], dtype=np.int64)
         durations = np.array([seconds for _, seconds in transfers], dtype=float)
         self.transfer_s_ = smoothed(getattr(self, "transfer_s_", None), ids, durations, self.alpha)
@@ -104,6 +111,18 @@ class FLClientModel(CapacityModel):
             _real(getattr(self, name), name, 0.0, 1.0, "in (0, 1]", lo_open=True)
         if self.model_bytes is not None:
             _real(self.model_bytes, "model_bytes", 0.0, 1e15, "a positive number of bytes or None", lo_open=True)
+
+    def _warn_bandwidth_alone(self, reports: Sequence[Report]) -> None:
+        """Warn, once per model, of clients that report bandwidth but no transfer seconds while ``model_bytes`` is
+        None: their transfers had been planned as no time at all (0.32 s a round where 20.32 s was right), unsaid."""
+        alone = [r.worker for r in reports if not {"download_s", "upload_s"} & r.features.keys()
+                 and any(r.features.get(name, 0.0) > 0 for name in ("bandwidth_down", "bandwidth_up"))]
+        if alone:
+            self._warned_model_bytes = True
+            log.warning("FLClientModel: client(s) %s report bandwidth_down / bandwidth_up but no download_s / "
+                        "upload_s, and model_bytes is None, so their transfer time is unknown (taken from clients "
+                        "that report one, else 0 s): pass FLClientModel(model_bytes=<the model's size in bytes>), or "
+                        "report download_s and upload_s", sorted(set(alone))[:8])
 
     def _transfer_seconds(self, report: Report) -> float | None:
         """The report's transfer seconds; None where it does not tell them. A measurement with no transfer

@@ -235,7 +235,7 @@ class _ThroughRedis:
         try:
             # decided in lockstep with the simulated steps, whatever a decision's wall time against their
             # simulated seconds: one iteration a decision, as a coordinator that keeps up (Coordinator.ahead)
-            self.coordinator = Coordinator(self.store, self.config, policy, max_ahead=1)
+            self.coordinator = Coordinator(self.store, self.config, policy, max_ahead=1, simulated=True)
             for k in range(self.config.lag):  # the workers' initial split, agreed through the same write-once key
                 self.store.publish(self.config.initial_assignment(k))
         except BaseException:  # the caller gets no object to close: close the connection here
