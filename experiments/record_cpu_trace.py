@@ -1,6 +1,6 @@
 """Record a real CPU training trace under real co-located load, for the cpu-contention scenario and bench_models.
 
-A small MLP (numpy or torch) trains on one core. Beside it, "co-located jobs" (busy-loop processes pinned to
+A small model trains on one core: an MLP in numpy or a CNN in torch. Beside it, "co-located jobs" (busy-loop processes pinned to
 the same core with ``os.sched_setaffinity``) are switched on and off at random times, independently of the
 iterations, with exponentially distributed dwell times: level 0, 1 or 2 busy processes. After each
 iteration the recorder writes the measured throughput and the worker's :class:`lbbsp.ResourceMonitor`
@@ -37,10 +37,14 @@ from pathlib import Path
 import numpy as np
 
 from lbbsp import ResourceMonitor
+from lbbsp.sim.traces import MIN_LEVEL_ROWS
 
 _PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its parent ends
 FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util", "cores")
 COLUMNS = ("iteration", "t_s", "samples", "compute_s", "throughput", *FEATURES, "hog_level")
+#: Samples per iteration by backend, as the shipped traces were recorded: the numpy MLP's step at 256 takes about
+#: 8 ms, where a scheduler slice is a large share of an iteration (docs/simulator.md).
+DEFAULT_BATCH = {"numpy": 2048, "torch": 256}
 
 
 def busy_loop(core: int, parent: int) -> None:
@@ -177,8 +181,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("numpy", "torch"), default="numpy",
                         help="the training step: a numpy MLP or a torch CNN (default: numpy)")
-    parser.add_argument("--batch", type=int, default=256,
-                        help="samples per iteration (default: 256; the shipped numpy trace used 2048, the torch one 256)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help=f"samples per iteration (default: {DEFAULT_BATCH['numpy']} for numpy, "
+                             f"{DEFAULT_BATCH['torch']} for torch, as the shipped traces were recorded)")
     parser.add_argument("--seconds", type=float, default=180.0, help="how long to record (default: 180)")
     parser.add_argument("--core", type=int, default=0,
                         help="the core the worker and its co-located jobs share (default: 0)")
@@ -189,6 +194,8 @@ def main() -> int:
     parser.add_argument("--out", required=True,
                         help="trace file to write, NAME.json (lbbsp simulate --traces DIR reads every *.json in DIR)")
     args = parser.parse_args()
+    if args.batch is None:
+        args.batch = DEFAULT_BATCH[args.backend]
     # checked before recording: each of these failed only after it (or stopped the load switches unseen)
     for wrong, message in ((args.batch < 1, f"--batch must be at least 1, got {args.batch}"),
                            (args.max_level < 0, f"--max-level must be at least 0, got {args.max_level}"),
@@ -234,9 +241,16 @@ def main() -> int:
             "processor": platform.processor(), "cpu_count": os.cpu_count(), "recorded": time.strftime("%Y-%m-%d %H:%M:%S")}
     with open(out, "w") as f:
         json.dump({"meta": meta, "columns": list(COLUMNS), "rows": rows}, f, separators=(",", ":"))
-    throughput = np.array([r[4] for r in rows])
-    print(f"wrote {args.out}: {len(rows)} iterations, throughput p10/p50/p90 "
-          f"{np.percentile(throughput, 10):.0f}/{np.median(throughput):.0f}/{np.percentile(throughput, 90):.0f} samples/s")
+    throughput = np.array([r[COLUMNS.index("throughput")] for r in rows])
+    at_level = [sum(r[COLUMNS.index("hog_level")] == level for r in rows) for level in range(args.max_level + 1)]
+    print(f"wrote {args.out}: {len(rows)} iterations ("
+          + ", ".join(f"level {level}: {count} rows" for level, count in enumerate(at_level))
+          + f"), throughput p10/p50/p90 {np.percentile(throughput, 10):.0f}/{np.median(throughput):.0f}/"
+            f"{np.percentile(throughput, 90):.0f} samples/s")
+    for level, count in enumerate(at_level):
+        if 0 < count < MIN_LEVEL_ROWS:  # as lbbsp simulate and bench_models will warn when they load it
+            print(f"  level {level} has {count} rows, fewer than the {MIN_LEVEL_ROWS} a replay wants (its rows come "
+                  "round again and again): record longer (--seconds)")
     return 0
 
 

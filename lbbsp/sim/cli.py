@@ -17,6 +17,7 @@ import numpy as np
 
 from ..embedded import EmbeddedRedis
 from ..errors import ConfigError, StoreUnavailable
+from ..protocol import MAX_WORKERS
 from ..store import Store, redacted
 from .engine import PolicyRun, compare
 from .scenarios import LOOKAHEAD, MEAN_DWELL, SCENARIOS, Scenario
@@ -33,8 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cpu-contention: recorded CPU traces under co-located jobs; gpu-mix: GPU generations with "
                              "nonlinear curves and memory caps; fl-clients: federated clients; mixed: gpu-mix's GPUs and "
                              "cpu-contention's CPU workers in one job (docs/simulator.md)")
-    parser.add_argument("--workers", type=int, default=16, help="number of simulated workers")
-    parser.add_argument("--iterations", type=int, default=200, help="barriers to simulate per policy")
+    parser.add_argument("--workers", type=int, default=16,
+                        help=f"number of simulated workers, at most {MAX_WORKERS:,} (a job's most, "
+                             "lbbsp.protocol.MAX_WORKERS); at least 2, 4 on mixed")
+    parser.add_argument("--iterations", type=int, default=200,
+                        help="barriers to simulate per policy; the first --lag of them run the equal split in every "
+                             "policy, so give well more than --lag")
     parser.add_argument("--seed", type=int, default=0, help="seed of the scenario (same trace for every policy)")
     parser.add_argument("--lag", type=int, default=2,
                         help="iterations a decision runs ahead, as JobConfig.lag (default: 2, as in production)")
@@ -78,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--workers x --iterations is at most {MAX_CELLS:,} (a few GiB of trace; fewer than "
                           f"{LOOKAHEAD} iterations count as {LOOKAHEAD}, the look-ahead every scenario generates), got "
                           f"{args.workers:,} x {args.iterations:,}")
+    if args.workers > MAX_WORKERS:  # JobConfig's limit, named by its flag and before anything prints
+        raise ConfigError(f"--workers must be at most {MAX_WORKERS:,} (lbbsp.protocol.MAX_WORKERS, the most a job "
+                          f"may have), got {args.workers:,}")
     options, suffix = _scenario_options(args)
     redis = redis_for(args.redis)
     if redis is not None and redis[0]:  # a given Redis is reached before the scenario is built and the in-process pass
@@ -117,14 +125,18 @@ def _simulate(args: argparse.Namespace, options: dict[str, object], suffix: str,
         runs, check = _through_redis(scenario, args.iterations, url, runs, source=source)
     summary = summarise(runs)
     print(table(scenario, summary))
+    if args.iterations <= scenario.config.lag:  # no decision took effect: every ratio is the equal split's
+        print(f"warning: --iterations {args.iterations} is at most --lag {scenario.config.lag}: the first "
+              f"{scenario.config.lag} iterations of every policy, the oracle's too, run the equal split\n  (a decision "
+              "takes effect --lag iterations after the reports it reads), so no policy balanced here (backup workers "
+              "differ\n  only by the workers they drop): ratios to the oracle need --iterations well above --lag "
+              "(docs/simulator.md uses 150)")
     result = {"scenario": args.scenario, "workers": args.workers, "iterations": args.iterations, "seed": args.seed,
               "lag": scenario.config.lag, "global_batch": scenario.config.global_batch, "notes": scenario.notes,
               "policies": summary, "iteration_s": {name: r.iteration_s for name, r in runs.items()}}
     if check is not None:
         result["redis_check"] = check
-        print(f"through Redis ({check['redis']}): every policy decided the same sizes as in-process in all "
-              f"{check['iterations']} iterations: {all(check['identical'].values())}"
-              + "".join(f"\n  {name} differs" for name, same in check["identical"].items() if not same))
+        print(redis_check_line(check))
     with _writing(args.out):
         _write_pair(stem, json.dumps(_finite(result), indent=1, default=_plain),
                     lambda png: plot(scenario, runs, summary, png))
@@ -139,6 +151,10 @@ def _output_folder(out: Path) -> Iterator[None]:
     made: list[Path] = []
     try:
         with _writing(out):  # before simulating, so that a bad --out costs no run
+            nearest = next(folder for folder in (out, *out.parents) if folder.exists())  # "." or "/" at the latest
+            if not nearest.is_dir():  # mkdir's "[Errno 17] File exists" (20 under a file) had named no file
+                raise ConfigError(f"--out {out}: {nearest} is a file, not a folder; give a folder for the results "
+                                  "(made if missing)")
             made = [folder for folder in (out, *out.parents) if not folder.exists()]  # deepest first
             out.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=out).close()  # an existing folder may still refuse files
@@ -173,6 +189,14 @@ def _write_pair(stem: Path, text: str, draw: Callable[[Path], None]) -> None:
     finally:
         for path in hidden:
             path.unlink(missing_ok=True)
+
+
+def redis_check_line(check: dict[str, Any]) -> str:
+    """What ``--redis`` found, in words: whether every policy decided through Redis the sizes it decided in-process
+    in every iteration, and a line for each policy that did not (in the order they ran)."""
+    differ = [name for name, same in check["identical"].items() if not same]
+    return (f"through Redis ({check['redis']}): {'not every' if differ else 'every'} policy decided the same sizes as "
+            f"in-process in all {check['iterations']} iterations" + "".join(f"\n  {name} differs" for name in differ))
 
 
 def _reach(url: str, source: str) -> None:
@@ -243,11 +267,13 @@ def table(scenario: Scenario, summary: dict[str, dict[str, float]]) -> str:
     """The printed comparison: one line per policy, fastest first (those that overfilled a GPU's memory last)."""
     lines = [f"{scenario.name}: {scenario.config.num_workers} workers, global batch {scenario.config.global_batch}",
              f"{'policy':<24} {'s/iteration':>12} {'/ oracle':>9} {'idle':>7} {'decide ms':>10} {'over mem':>9}"]
-    for name, s in sorted(summary.items(), key=lambda item: _rank(item[1])):
+    ranked = sorted(summary, key=lambda name: _rank(summary[name]))
+    for name in ranked:
+        s = summary[name]
         lines.append(f"{name:<24} {s['mean_iteration_s']:>12.4g} {s['vs_oracle']:>9.3f} "
                      f"{s['idle_fraction']:>6.1%} {s['decision_ms_mean']:>10.2f} {s['over_memory_iterations']:>9d}")
-    if over := [name for name, s in summary.items() if s["over_memory_iterations"]]:
-        lines.append(f"listed last, whatever their time: {', '.join(sorted(over))} gave some GPU more than its memory "
+    if over := [name for name in ranked if summary[name]["over_memory_iterations"]]:  # in the table's order
+        lines.append(f"listed last, whatever their time: {', '.join(over)} gave some GPU more than its memory "
                      f"holds ('over mem' iterations),\n  where a real job fails (out of memory)")
     if failed := {name: s.get("failed_decisions", 0) for name, s in summary.items() if s.get("failed_decisions")}:
         lines.append("decisions that failed or broke the job's rules and kept the split in force (logged): " +

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,11 +11,15 @@ import numpy as np
 from ..errors import ConfigError
 from ..protocol import FEATURE_RANGES
 
+log = logging.getLogger(__name__)
 #: The resource features a trace carries, in the order of :attr:`CPUTrace.features`.
 TRACE_FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util", "cores")
 #: The shipped traces: experiments/traces in a checkout, which lbbsp/sim/recorded links to so that an
 #: installed wheel carries them too.
 DEFAULT_TRACE_DIR = (Path(__file__).parent / "recorded").resolve()
+#: Fewest rows a contention level of a trace should have: a worker at a level replays that level's rows in turn, so
+#: with fewer it replays the same handful over and over (the shipped traces have 303 or more at every level).
+MIN_LEVEL_ROWS = 30
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,8 @@ class CPUTrace:
 
 
 def load_traces(directory: str | Path = DEFAULT_TRACE_DIR) -> list[CPUTrace]:
-    """Every ``*.json`` trace in ``directory``, sorted by name."""
+    """Every ``*.json`` trace in ``directory``, sorted by name; a warning names each contention level of a trace with
+    fewer than :data:`MIN_LEVEL_ROWS` rows, which a replay would repeat over and over."""
     if not Path(directory).is_dir():
         raise ConfigError(f"{directory} is not a directory: traces are read from a directory of *.json files")
     paths = sorted(Path(directory).glob("*.json"))
@@ -80,4 +86,12 @@ def load_traces(directory: str | Path = DEFAULT_TRACE_DIR) -> list[CPUTrace]:
         holds = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         raise ConfigError(f"no CPU traces in {directory}: no *.json files directly in it (it holds {holds or 'nothing'}); "
                           f"record one with experiments/record_cpu_trace.py --out {Path(directory) / 'NAME.json'}")
-    return [CPUTrace.load(p) for p in paths]
+    traces = [CPUTrace.load(p) for p in paths]
+    for path, trace in zip(paths, traces):  # replayed all the same, but said: its few rows come round again and again
+        for level, rows in zip(*(values.tolist() for values in np.unique(trace.level, return_counts=True))):
+            if rows < MIN_LEVEL_ROWS:
+                log.warning("CPU trace %s (%s): level %d has %d row%s, where a replay wants at least %d (every worker "
+                            "at that level replays them in turn); record longer (experiments/record_cpu_trace.py "
+                            "--seconds)", trace.name, path, level, rows,
+                            "s" * (rows != 1), MIN_LEVEL_ROWS)
+    return traces
