@@ -12,9 +12,23 @@ def results_file(parser: argparse.ArgumentParser, out: Path) -> Path:
     take a file. Otherwise ``parser.error`` names ``--out``, where a bad one had cost the whole run (and its
     figures) to a traceback at the end."""
     path = out / Path(parser.get_default("out")).name if out.is_dir() or not out.suffix else out
+    _refuse_a_file_as_folder(parser, out, path.parent)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=path.parent).close()
     except OSError as exc:
         parser.error(f"--out {out}: cannot write results there ({exc.strerror or exc})")
     return path
+
+
+def _refuse_a_file_as_folder(parser: argparse.ArgumentParser, out: Path, folder: Path) -> None:
+    """``parser.error`` naming the file where ``--out`` needs ``folder`` (``out`` itself, or a folder above it): the
+    write's own error had said only 'File exists' or 'Not a directory'."""
+    try:
+        nearest = next(path for path in (folder, *folder.parents) if path.exists())  # "." or "/" at the latest
+    except OSError:  # a folder that may not be read, say: the write's error names it
+        return
+    if not nearest.is_dir():
+        parser.error(f"--out {out}: cannot write results there ({nearest} is a file, not a folder; a name without a "
+                     f"suffix is a folder to write {Path(parser.get_default('out')).name} in, a file to write is "
+                     "named with one, such as x.json)")

@@ -60,19 +60,6 @@ def table(figures: Figures) -> str:
     return "\n".join(lines)
 
 
-def refuse_a_file_as_folder(parser: argparse.ArgumentParser, out: Path) -> None:
-    """``parser.error`` naming the file where ``--out`` needs a folder (``out`` itself without a suffix, or one above
-    it): results_file had said only 'cannot write results there (File exists)', or 'Not a directory'."""
-    try:
-        folder = out if out.is_dir() or not out.suffix else out.parent
-        nearest = next(path for path in (folder, *folder.parents) if path.exists())  # "." or "/" at the latest
-    except OSError:  # a folder that may not be read, say: results_file names it
-        return
-    if not nearest.is_dir():
-        parser.error(f"--out {out}: cannot write results there ({nearest} is a file, not a folder; a name without a "
-                     f"suffix is a folder to write {OUT.name} in, a file to write is named with one, such as x.json)")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1 of each scenario (default: 5)")
@@ -94,7 +81,6 @@ def main() -> None:
                 SCENARIOS[scenario](workers, 1, 0)
             except ConfigError as exc:
                 parser.error(f"--workers {workers} with --scenarios {scenario}: {exc}")
-    refuse_a_file_as_folder(parser, args.out)
     out = results_file(parser, args.out)
     results: dict[str, dict[str, Figures]] = {}
     for scenario in args.scenarios:

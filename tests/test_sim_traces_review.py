@@ -122,3 +122,16 @@ def test_a_benchmarks_out_without_a_suffix_is_a_folder_as_lbbsp_simulates_is(tmp
     assert (tmp_path / "y").is_dir() and not (tmp_path / "y" / "mine.json").exists()
     (tmp_path / "z.d").mkdir()
     assert _results_file(tmp_path, tmp_path / "z.d") == tmp_path / "z.d" / "bench.json"  # a folder, as before
+
+
+@pytest.mark.parametrize("under", ["taken", "taken/x.json", "taken/deeper/x.json"])
+def test_every_benchmarks_out_under_a_file_names_the_file(under: str, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Every script's --out (experiments/_args.results_file), not only bench_policies': a file where a folder must be
+    is named, where the write's own error had said only "(File exists)" or "(Not a directory)"."""
+    (tmp_path / "taken").write_text("keep me")
+    with pytest.raises(SystemExit):
+        _results_file(tmp_path, tmp_path / under)
+    err = capsys.readouterr().err
+    assert f"({tmp_path / 'taken'} is a file, not a folder;" in err and "Errno" not in err, err
+    assert (tmp_path / "taken").read_text() == "keep me"
