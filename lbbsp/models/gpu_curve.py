@@ -13,7 +13,9 @@ mean as far as the group's spread allows. Memory: bytes = a + b * batch from the
 where the readings identify the line, else the line through the origin and the largest measurement
 (:func:`fit_memory_cap`), refitted whenever a reading changes. The cap extrapolates into at most
 (1 - memory_margin) of the memory not yet seen in use at the largest size measured, and never past
-(1 - memory_floor) of used + free: a worker nears its card's limit in steps that its measurements confirm.
+(1 - memory_floor) of used + free: a worker nears its card's limit in steps that its measurements confirm. Memory
+that other processes take or give back on the card later (a reading off what the slots predict at its size) is
+counted apart, so that readings taken before it still give the worker's own bytes and the cap what the card holds now.
 """
 from __future__ import annotations
 
@@ -233,6 +235,8 @@ class BatchTimeCurve(CapacityModel):
     read_size_: np.ndarray  # the size of the worker's latest memory reading (NaN before one)
     read_mem_: np.ndarray  # that reading
     mem_held_: np.ndarray  # a reading did not fall when the size did: held at a caching allocator's peak
+    mem_other_: np.ndarray  # bytes other processes took on the card since the slots' readings (kept net of it)
+    mem_doubt_: np.ndarray  # the part of mem_other_ that may be a caching allocator's peak instead (_watch_others)
     pending_: np.ndarray
 
     _STRUCTURAL = frozenset({"window"})
@@ -282,6 +286,7 @@ class BatchTimeCurve(CapacityModel):
         total = used + free
         new_total = np.isfinite(total) & (total != self.mem_total_[rows])
         self.mem_total_[rows] = np.where(np.isfinite(total), total, self.mem_total_[rows])
+        new_other = self._watch_others(every, size, used)
         new_size, new_mem, held = self._record(every, size, seconds, used)
         new_held = self._watch_readings(rows, size, used)
         self.latest_[rows] = size
@@ -300,7 +305,7 @@ class BatchTimeCurve(CapacityModel):
         self._know(every)
         self._line(every)
         # the cap follows every change of the memory readings, also another process's on the same card
-        refit = rows[new_size | new_mem | new_total | new_held]
+        refit = rows[new_size | new_mem | new_total | new_held | new_other]
         if refit.size:
             self._fit_memory(refit)
         self.pending_ = np.union1d(self.pending_, fresh)
@@ -424,9 +429,10 @@ class BatchTimeCurve(CapacityModel):
                 used: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Decay the rows' weights and add one measurement each to the slot of its size: a new slot, merging the
         two closest sizes when all are taken. A slot keeps the decayed mean of its times and its latest memory
-        reading (memory in use is a state, not a noisy sample). A GPU whose speed changed (:meth:`_shifted`) starts
-        from empty slots; a single measurement beyond the band is held out. Returns which rows changed their set
-        of sizes, which read memory other than their slot held, and which measurements were held out."""
+        reading (memory in use is a state, not a noisy sample), net of what other processes took since
+        (``mem_other_``, which a GPU that changed speed, :meth:`_shifted`, sets to none as it starts from empty
+        slots); a single measurement beyond the band is held out. Returns which rows changed their set of sizes,
+        which read memory other than their slot held, and which measurements were held out."""
         sizes, times, mem = self.slot_size_[rows], self.slot_time_[rows], self.slot_mem_[rows]
         weight = self.slot_weight_[rows] * self._decay
         match = (sizes == size[:, None]) & (weight > 0)
@@ -450,9 +456,19 @@ class BatchTimeCurve(CapacityModel):
         noisy = ~new & ~missed
         self._track_noise(seconds[noisy] / times[at][noisy] - 1.0, before[noisy])
         times[at] = np.where(held, times[at], (before * times[at] + seconds) / (before + 1.0))
-        reads = np.isfinite(used)
-        new_mem = reads & (mem[at] != used)
-        mem[at] = np.where(reads, used, mem[at])
+        other = np.where(shifted, 0.0, self.mem_other_[rows])  # forgotten slots: readings start afresh
+        self.mem_other_[rows] = other
+        self.mem_doubt_[rows] = np.where(shifted, 0.0, self.mem_doubt_[rows])
+        reads, net = np.isfinite(used), used - other
+        new_mem = reads & (mem[at] != net)
+        mem[at] = np.where(reads, net, mem[at])
+        # memory in use does not fall as the batch grows: a smaller size's reading above this one is stale (read with
+        # another process that has left since, unseen: it came as the worker first ran that size); bring it down
+        read = np.flatnonzero(new_mem | new)
+        stale = (weight[read] > 0) & (sizes[read] < size[read, None]) & (mem[read] > net[read, None] + _MIN_RISE)
+        if stale.any():
+            mem[read] = np.where(stale, net[read, None], mem[read])
+            new_mem[read] |= stale.any(1)
         weight[at] = before + ~held
         self.latest_weight_[rows] = weight[at]
         self.slot_size_[rows], self.slot_time_[rows], self.slot_mem_[rows] = sizes, times, mem
@@ -552,18 +568,73 @@ class BatchTimeCurve(CapacityModel):
         self.read_mem_[rows] = np.where(reads, used, self.read_mem_[rows])
         return held
 
+    def _watch_others(self, rows: np.ndarray | slice, size: np.ndarray, used: np.ndarray) -> np.ndarray:
+        """Follow ``mem_other_``, the bytes other processes have taken on each row's card since its slots' readings
+        (which are kept net of it): a reading above what the slots predict at its size (:func:`_expected_reading`:
+        as readings fall, or on a card seen holding its peak, ``mem_held_``, as they are held) by more than an
+        allocator's granule (``_MIN_RISE``) and a sample's bytes is another process arriving, one below it one
+        leaving (down to none); past the largest size only a departure shows (the worker's own bytes there are
+        unmeasured). The slots' readings at the larger sizes had predated a co-tenant that came while the worker ran
+        smaller, and the cap stayed where the card no longer held it (648 where 500 fit). A reading that first shows
+        a peak held, as the size fell, is ambiguous: a co-tenant that came just then reads the same (739 where 350
+        fit). It is taken for a co-tenant, in doubt (``mem_doubt_``: read as falling), until a later size below the
+        largest, far enough from it for the worker's own bytes to show: a reading that stayed put there is the
+        caching allocator's peak, and read as held, the card shows the doubt's bytes leave (kept, they had held a
+        nearly full card's cap at each smaller size it ran, down to 1 sample). A held card whose reading moves with
+        its size, by its own bytes, holds no peak (the first such reading came with a co-tenant): it is read as
+        falling again. Returns the rows whose ``mem_other_`` or ``mem_held_`` changed."""
+        changed = np.zeros(size.size, dtype=bool)
+        before_size, before = self.read_size_[rows], self.read_mem_[rows]
+        # a reading the same as the one before, at the same size, is what its slot predicts: nothing to follow
+        check = np.isfinite(used) & ((size != before_size) | (used != before))
+        if not check.any():
+            return changed
+        ids = np.arange(self.mem_other_.size)[rows][check]
+        size, used, before_size, before = size[check], used[check], before_size[check], before[check]
+        other, doubt, held = self.mem_other_[ids], self.mem_doubt_[ids], self.mem_held_[ids]
+        sizes, mem = self.slot_size_[ids], self.slot_mem_[ids]
+        valid = (self.slot_weight_[ids] > 0) & np.isfinite(mem)
+        falling, holding, per_sample, beyond = _expected_reading(sizes, mem, valid, size)
+        slack = _MIN_RISE + np.nan_to_num(per_sample)  # a granule, and a merged slot's rounding to a whole sample
+        step, rise = size - before_size, used - before
+        with np.errstate(invalid="ignore"):
+            moved = ~beyond & (per_sample * np.abs(step) > 2 * slack)  # far enough for its own bytes to show
+            flat = moved & (np.abs(rise) <= slack)
+            own = moved & (rise * step > 0) & (np.abs(rise) >= 0.5 * per_sample * np.abs(step))
+        unheld = held & own
+        doubt = np.where(flat | own, 0.0, doubt)
+        held &= ~own
+        expected = np.where(held & (doubt == 0), holding, falling) + other  # in doubt: as the co-tenant it is taken for
+        arrived = ~beyond & (used > expected + slack)
+        left = used < expected - slack
+        updated = np.maximum(other + np.where(arrived | left, used - expected, 0.0), 0.0)
+        ambiguous = arrived & ~held & (step < 0) & (rise >= 0)  # what newly marks a card held
+        doubt = np.minimum(np.where(ambiguous, used - expected, doubt), updated)
+        self.mem_other_[ids], self.mem_doubt_[ids], self.mem_held_[ids] = updated, doubt, held
+        changed[check] = (updated != other) | unheld
+        return changed
+
     def _fit_memory(self, rows: np.ndarray) -> None:
-        """Cache each row's memory cap and its bytes per sample through the origin at its largest size; a row
-        whose slots hold no reading keeps those it had (a GPU that changed speed forgets its slots, and the
-        report that showed it may lack a reading: the worker, alone on its hardware, had been left uncapped)."""
+        """Cache each row's memory cap and its bytes per sample through the origin at its largest size (both from
+        its own readings, net of ``mem_other_``, which the budget counts as in use); a row whose slots hold no
+        reading keeps those it had (a GPU that changed speed forgets its slots, and the report that showed it may
+        lack a reading: the worker, alone on its hardware, had been left uncapped). Where another process's memory
+        brings a cap below the largest size, on a card whose readings fall with its size (a held peak covers the
+        sizes below it), the cap is also held to what the latest reading leaves free at those bytes per sample: the
+        line through the origin predicts too little below the size it passes through."""
         sizes, mem = self.slot_size_[rows], self.slot_mem_[rows]
         valid = (self.slot_weight_[rows] > 0) & np.isfinite(mem)
         measured = valid.any(1)
         at = np.arange(rows.size), np.argmax(np.where(valid, sizes, -1.0), axis=1)
-        seen = np.where(measured, mem[at], 0.0)  # in use at the largest size
+        seen, other = np.where(measured, mem[at], 0.0), self.mem_other_[rows]  # own, in use at the largest size
         self.mem_rate_[rows] = np.where(measured, seen / np.maximum(sizes[at], 1.0), self.mem_rate_[rows])
-        budget = self._budget(self.mem_total_[rows], seen)
-        caps = fit_memory_cap(sizes, mem, valid, np.nan_to_num(budget), self.mem_held_[rows])
+        budget = self._budget(self.mem_total_[rows], seen + other)
+        caps = fit_memory_cap(sizes, mem, valid, np.nan_to_num(budget - other), self.mem_held_[rows])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            latest = self.read_size_[rows] + (budget - self.read_mem_[rows]) / self.mem_rate_[rows]
+        falling = ~self.mem_held_[rows] | (self.mem_doubt_[rows] > 0)  # a held peak covers the sizes below it
+        below = (caps < sizes[at]) & (other > 0) & falling & np.isfinite(latest)
+        caps[below] = np.minimum(caps[below], np.floor(np.clip(latest[below], 0, _NO_CAP))).astype(np.int64)
         self.cap_[rows] = np.where(np.isfinite(budget) & measured, caps, self.cap_[rows])
 
     def _grow(self, size: int) -> None:
@@ -579,7 +650,8 @@ class BatchTimeCurve(CapacityModel):
                                       ("latest_weight_", 0.0, float), ("group_", -1, np.int64), ("misses_", 0, np.int64),
                                       ("pooled_base_", 0.0, float), ("pooled_knee_", 0.0, float),
                                       ("pooled_slope_", 0.0, float), ("read_size_", np.nan, float),
-                                      ("read_mem_", np.nan, float), ("mem_held_", False, bool)):
+                                      ("read_mem_", np.nan, float), ("mem_held_", False, bool),
+                                      ("mem_other_", 0.0, float), ("mem_doubt_", 0.0, float)):
                 setattr(self, name, np.concatenate([getattr(self, name, np.zeros(0, dtype=dtype)),
                                                     np.full(extra, fill, dtype=dtype)]))
 
@@ -596,6 +668,36 @@ class BatchTimeCurve(CapacityModel):
 def _all_or(rows: np.ndarray, total: int) -> np.ndarray | slice:
     """``rows``, or the full slice when they are every row in order (plain views instead of copies)."""
     return slice(None) if rows.size == total and bool((rows == np.arange(total)).all()) else rows
+
+
+def _expected_reading(sizes: np.ndarray, mem: np.ndarray, valid: np.ndarray,
+                      size: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What each row's slots (``valid`` readings ``mem`` at ``sizes``) predict its reading at ``size`` to be, read
+    as they fall and as a caching allocator holds them. Falling: the slot's own at that size, else the straight line
+    between the slots on either side; past the largest size, the chord from the smallest size's reading to the
+    largest's, carried on (the line through the origin and the largest reading with one size); below the smallest,
+    that chord carried back. Held: the highest reading, up to the largest size; past it, the line through the origin
+    and its reading (which errs high there). Returns both (NaN where no slot reads, or below a single size), the
+    chord's bytes per sample (NaN with one size) and which sizes lie past the largest."""
+    s, rows = size[:, None], np.arange(sizes.shape[0])
+    below, above = valid & (sizes <= s), valid & (sizes >= s)
+    # slot sizes are at least 1 sample, so a product or a huge sum masks the others out (faster than np.where)
+    lo, hi = np.argmax(sizes * below, 1), np.argmin(sizes + ~above * 1e300, 1)
+    top, bottom = np.argmax(sizes * valid, 1), np.argmin(sizes + ~valid * 1e300, 1)
+    x_lo, m_lo, x_hi, m_hi = sizes[rows, lo], mem[rows, lo], sizes[rows, hi], mem[rows, hi]
+    x_top, m_top, x_bottom, m_bottom = sizes[rows, top], mem[rows, top], sizes[rows, bottom], mem[rows, bottom]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        chord = np.where(x_top > x_bottom, np.maximum((m_top - m_bottom) / (x_top - x_bottom), 0.0), np.nan)
+        between = np.where(x_hi > x_lo, m_lo + (m_hi - m_lo) * (size - x_lo) / (x_hi - x_lo), m_lo)
+        through_origin = m_top / np.maximum(x_top, 1.0) * size
+        onward = np.where(np.isnan(chord), through_origin, m_top + chord * (size - x_top))
+        back = m_bottom - chord * (x_bottom - size)
+    has_lo, has_hi = below[rows, lo], above[rows, hi]  # the slot picked is one of them, if any is
+    beyond = has_lo & ~has_hi
+    falling = np.where(has_lo & has_hi, between, np.where(has_hi, back, np.where(has_lo, onward, np.nan)))
+    peak = np.where(valid, mem, -np.inf).max(1)
+    held = np.where(beyond, through_origin, np.where(has_hi, peak, np.nan))
+    return falling, held, chord, beyond
 
 
 def _merge_closest(sizes: np.ndarray, times: np.ndarray, mem: np.ndarray, weight: np.ndarray,
