@@ -171,7 +171,8 @@ def test_help_shows_each_flags_default_once(capsys: pytest.CaptureFixture[str]) 
     with pytest.raises(SystemExit):
         main(["simulate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "number of simulated workers (default: 16)" in text and "(default: 0)" in text
+    assert "number of simulated workers, at most 100,000" in text and "4 on mixed (default: 16)" in text
+    assert "(default: 0)" in text
     assert "(default: None)" not in text and text.count("experiments/results") == 1
 
 

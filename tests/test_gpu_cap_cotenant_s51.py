@@ -174,3 +174,17 @@ def test_a_reading_with_an_unseen_cotenant_is_brought_down_by_a_later_larger_siz
         model.partial_fit(Report("cotenant", 0, k, size, 0.01 + 1e-4 * size, device="cuda:0",
                                  features={"gpu_mem_used": used, "gpu_mem_free": TOTAL - used}))
         assert FIXED + PER_SAMPLE * model.max_batch([0])[0] + other <= TOTAL, k
+
+
+def test_a_card_taken_for_holding_its_peak_reads_as_falling_once_its_readings_follow_its_size() -> None:
+    """The co-tenant that came as the size fell from 700 to 300 read exactly as a held peak would, which marks the
+    card held. Its next reading falls with its size, by the worker's own bytes: the card holds no peak, and its
+    readings are again compared with what they would be falling. Read as held, a later 0.5 GB co-tenant went unseen
+    (the reading it gave was below the one before) and the cap stayed at 739 where 725 fit."""
+    model = BatchTimeCurve()
+    steps = [(32, 0.0), (64, 0.0), (128, 0.0), (256, 0.0), (512, 0.0), (700, 0.0), (300, 8 * GB), (250, 8 * GB),
+             (250, 0.0), (400, 0.0), (350, 0.5 * GB), (350, 0.5 * GB)]
+    for k, (size, other) in enumerate(steps):
+        model.partial_fit(_report(k, size, 0.01 + 1e-4 * max(size - 64, 0), other))
+        assert model.max_batch([0])[0] <= _fits(other), k
+    assert not model.mem_held_[0]
