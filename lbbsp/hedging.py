@@ -18,7 +18,7 @@ from .allocation import HingeTime, LinearTime, TimeModel
 from .config import _integer, _real
 from .errors import ConfigError
 from .models.auto import KINDS, GroupedTime, grouped, model_moved, worker_kind
-from .models.base import Hardware, hardware_of
+from .models.base import Hardware, feature, field, hardware_of
 from .protocol import Report
 
 #: How many iterations after its own a forecast's split may still be in force, and is scored against their reports:
@@ -162,13 +162,11 @@ class ForecastRisk:
         reports against their iteration's recorded forecast; ``defer``: pool in :meth:`finish_learning`
         (the next :meth:`record` needs only the load). Reports that measured nothing are not pooled."""
         self.finish_learning()
-        count = len(reports)
-        if count == 0:
+        if not reports:
             return
-        ids = np.fromiter([r.worker for r in reports], np.int64, count)
+        ids = field(reports, "worker")
         self._remember_hardware(reports, ids)
-        load = np.fromiter([r.features.get("colocated_load", 0.0) for r in reports], float, count)
-        self.loaded_[ids] = load >= self.loaded_at
+        self.loaded_[ids] = feature(reports, "colocated_load", 0.0) >= self.loaded_at
         self._pending = (reports, ids)
         if not defer:
             self.finish_learning()
@@ -187,10 +185,7 @@ class ForecastRisk:
 
     def _pool_pending(self, reports: Sequence[Report], ids: np.ndarray) -> None:
         """Pool the slowdowns of ``reports`` (of workers ``ids``) against their iterations' recorded forecasts."""
-        count = len(reports)
-        iterations = np.fromiter([r.iteration for r in reports], np.int64, count)
-        samples = np.fromiter([r.samples for r in reports], float, count)
-        seconds = np.fromiter([r.compute_s for r in reports], float, count)
+        iterations, samples, seconds = field(reports, "iteration"), field(reports, "samples"), field(reports, "compute_s")
         measured = (samples > 0) & (seconds > 0)
         ids, iterations, speed = ids[measured], iterations[measured], samples[measured] / seconds[measured]
         if iterations.size and iterations[0] == iterations[-1] and (iterations == iterations[0]).all():

@@ -26,6 +26,8 @@ from .base import (
     WorkerIds,
     as_reports,
     check_contract,
+    feature,
+    field,
     hardware_of,
     predicted_throughput,
     worker_ids,
@@ -127,12 +129,39 @@ class AutoCapacityModel(CapacityModel):
             # same parameters, or one fitted again, do not learn into each other's state
             self.models_ = default_models(self.horizon) | {kind: clone(model) for kind, model in given.items()}
             self.kind_: dict[int, str] = {}
+            self._kind_codes = np.full(0, -1, dtype=np.int64)  # kind_ by worker id as KINDS indices, -1: none yet
             self.hardware_: dict[int, Hardware] = {}  # each worker's, from its first report
             self.fed_: set[str] = set()  # kinds whose model has had reports: the others cannot answer yet
             self.measured_: set[str] = set()  # kinds whose model has had a measurement, not just announcements
             self._groups_cache = None  # from before a refit, perhaps
-        by_kind: dict[str, list[Report]] = {kind: CheckedReports() for kind in KINDS}  # in order: not checked again
-        for report in reports:
+        by_kind = self._route(reports)
+        for kind, group in by_kind.items():
+            if group:
+                self.models_[kind].partial_fit(group, defer=defer)
+                if kind not in self.fed_:
+                    self.fed_.add(kind)
+                    self._groups_cache = None
+                if kind not in self.measured_ and any(r.samples > 0 and r.compute_s > 0 for r in group):
+                    self.measured_.add(kind)
+        return self
+
+    def _route(self, reports: CheckedReports) -> dict[str, CheckedReports]:
+        """Each kind's reports, in order, setting the kind of each worker from its first report that shows it. In
+        array operations where every report's worker has its kind and none shows its model moved (the usual case),
+        else report by report."""
+        ids = field(reports, "worker")
+        if ids.max() >= self._kind_codes.size:
+            self._kind_codes = np.concatenate([self._kind_codes, np.full(ids.max() + 1 - self._kind_codes.size, -1)])
+        kinds = self._kind_codes[ids]
+        gpu_memory = np.isfinite(feature(reports, "gpu_mem_used"))
+        # a GPU worker measuring with no GPU features may be on the CPU now: read its device
+        unsure = np.flatnonzero((kinds == 1) & ~gpu_memory & (field(reports, "samples") > 0))
+        on_cpu = any(reports[at].device == "cpu" for at in unsure.tolist())
+        if not (on_cpu or (kinds < 0).any() or ((kinds == 0) & gpu_memory).any()):
+            return {kind: reports.subset(np.flatnonzero(kinds == code)) if (kinds == code).any() else CheckedReports()
+                    for code, kind in enumerate(KINDS)}
+        positions: dict[str, list[int]] = {kind: [] for kind in KINDS}
+        for at, report in enumerate(reports):
             kind = self.kind_.get(report.worker)
             if model_moved(kind, report) and report.worker not in (self.kinds or {}):  # its kind, hardware set again
                 kind = None
@@ -146,21 +175,14 @@ class AutoCapacityModel(CapacityModel):
                 bare = pinned is None and report.samples == 0 and kind == "cpu"
                 if bare:  # an announcement with nothing measured and no accelerator or transfer features says only
                     # what the hardware is: every model learns that (for its cold-start prior), none claims it
-                    for group in by_kind.values():
-                        group.append(report)
+                    for group in positions.values():
+                        group.append(at)
                     continue
                 self.kind_[report.worker] = kind
+                self._kind_codes[report.worker] = KINDS.index(kind)
                 self._groups_cache = None
-            by_kind[kind].append(report)
-        for kind, group in by_kind.items():
-            if group:
-                self.models_[kind].partial_fit(group, defer=defer)
-                if kind not in self.fed_:
-                    self.fed_.add(kind)
-                    self._groups_cache = None
-                if kind not in self.measured_ and any(r.samples > 0 and r.compute_s > 0 for r in group):
-                    self.measured_.add(kind)
-        return self
+            positions[kind].append(at)
+        return {kind: reports.subset(group) for kind, group in positions.items()}
 
     def _check_params(self) -> None:
         _integer(self.horizon, "horizon (JobConfig.lag)", 1, 8)

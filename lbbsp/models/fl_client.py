@@ -16,7 +16,7 @@ from ..allocation import LinearTime
 from ..config import _integer, _real
 from ..errors import ConfigError
 from ..protocol import MAX_SECONDS, MAX_WORKERS, Report
-from .base import CapacityModel, WorkerIds, as_reports, measured_throughput, smoothed, worker_ids
+from .base import CapacityModel, WorkerIds, as_reports, feature, field, measured_throughput, smoothed, worker_ids
 
 log = logging.getLogger("lbbsp.models")
 
@@ -51,13 +51,13 @@ class FLClientModel(CapacityModel):
         self._remember_hardware(reports)
         workers, measured = measured_throughput(reports)
         self.speed_ = smoothed(getattr(self, "speed_", None), workers, measured, self.alpha)
-        transfers = [(r.worker, seconds) for r in reports if (seconds := self._transfer_seconds(r)) is not None]
+        seconds = self._transfer_seconds(reports)
+        told = ~np.isnan(seconds)
         warned = getattr(self, "_warned_model_bytes", False)
-        if len(transfers) < len(reports) and self.model_bytes is None and not warned:  # some told no transfer seconds
+        if not told.all() and self.model_bytes is None and not warned:  # some told no transfer seconds
             self._warn_bandwidth_alone(reports)
-        ids = np.array([worker for worker, _ in transfers], dtype=np.int64)
-        durations = np.array([seconds for _, seconds in transfers], dtype=float)
-        self.transfer_s_ = smoothed(getattr(self, "transfer_s_", None), ids, durations, self.alpha)
+        self.transfer_s_ = smoothed(getattr(self, "transfer_s_", None), field(reports, "worker")[told], seconds[told],
+                                    self.alpha)
         return self
 
     def record_outcomes(self, completed: Mapping[int, bool]) -> FLClientModel:
@@ -124,21 +124,20 @@ class FLClientModel(CapacityModel):
                         "that report one, else 0 s): pass FLClientModel(model_bytes=<the model's size in bytes>), or "
                         "report download_s and upload_s", sorted(set(alone))[:8])
 
-    def _transfer_seconds(self, report: Report) -> float | None:
-        """The report's transfer seconds; None where it does not tell them. A measurement with no transfer
-        feature at all transferred nothing: a worker that once claimed a transfer (a day of it, say) and then
-        reports like the training process it is does not keep that claim for good."""
-        features = report.features
-        if report.samples > 0 and not features.keys() & TRANSFER_FEATURES:
-            return 0.0
-        if "download_s" in features or "upload_s" in features:
-            return features.get("download_s", 0.0) + features.get("upload_s", 0.0)
-        if self.model_bytes is None:
-            return None
-        seconds = 0.0
-        for name in ("bandwidth_down", "bandwidth_up"):
-            if features.get(name, 0.0) > 0:
-                seconds += self.model_bytes / features[name]
-        # a bandwidth near 0 (a glitch) would give a time no average recovers from: at most what a Report
-        # carries as measured transfer times, a day each way
-        return min(seconds, 2 * MAX_SECONDS) if seconds > 0 else None
+    def _transfer_seconds(self, reports: Sequence[Report]) -> np.ndarray:
+        """Each report's transfer seconds, NaN where it does not tell them. A measurement with no transfer feature
+        at all transferred nothing: a worker that once claimed a transfer (a day of it, say) and then reports like
+        the training process it is does not keep that claim for good."""
+        down, up = feature(reports, "download_s"), feature(reports, "upload_s")
+        bandwidth_down, bandwidth_up = feature(reports, "bandwidth_down"), feature(reports, "bandwidth_up")
+        timed = ~np.isnan(down) | ~np.isnan(up)
+        silent = ~timed & np.isnan(bandwidth_down) & np.isnan(bandwidth_up) & (field(reports, "samples") > 0)
+        seconds = np.where(timed, np.nan_to_num(down) + np.nan_to_num(up), np.nan)
+        if self.model_bytes is not None:
+            with np.errstate(divide="ignore"):
+                from_bandwidth = (np.where(bandwidth_down > 0, self.model_bytes / bandwidth_down, 0.0)
+                                  + np.where(bandwidth_up > 0, self.model_bytes / bandwidth_up, 0.0))
+            # a bandwidth near 0 (a glitch) would give a time no average recovers from: at most what a Report
+            # carries as measured transfer times, a day each way
+            seconds = np.where(timed | (from_bandwidth <= 0), seconds, np.minimum(from_bandwidth, 2 * MAX_SECONDS))
+        return np.where(silent, 0.0, seconds)

@@ -27,7 +27,7 @@ from ..allocation import HingeTime
 from ..config import _integer, _real
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel, Hardware, WorkerIds, as_reports, feature_column, worker_ids
+from .base import CapacityModel, Hardware, WorkerIds, as_reports, feature, field, worker_ids
 
 _NO_CAP = np.iinfo(np.int64).max // 4
 #: The memory line counts only where it rises at least this many bytes across the sizes it was fitted on
@@ -268,12 +268,8 @@ class BatchTimeCurve(CapacityModel):
             self._grow(1)
         self.finish_learning()
         self._remember_hardware(reports)
-        count = len(reports)
-        size = np.fromiter([r.samples for r in reports], float, count)
-        seconds = np.fromiter([r.compute_s for r in reports], float, count)
-        rows = np.fromiter([r.worker for r in reports], np.int64, count)
-        features = [r.features for r in reports]
-        used, free = feature_column(features, "gpu_mem_used"), feature_column(features, "gpu_mem_free")
+        size, seconds, rows = field(reports, "samples"), field(reports, "compute_s"), field(reports, "worker")
+        used, free = feature(reports, "gpu_mem_used"), feature(reports, "gpu_mem_free")
         measured = (size > 0) & (seconds > 0)
         if not measured.all():
             self._announce(rows[~measured], used[~measured], free[~measured])

@@ -27,7 +27,7 @@ costs about 1 ms per update (mostly input checks), several times the arithmetic.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from numbers import Integral
 from typing import Any
 
@@ -36,7 +36,7 @@ import numpy as np
 from ..config import _integer, _real
 from ..errors import ConfigError
 from ..protocol import FEATURE_RANGES, Report
-from .base import CapacityModel, WorkerIds, as_reports, feature_column
+from .base import CapacityModel, WorkerIds, as_reports, feature, field
 
 DEFAULT_FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util")
 
@@ -85,15 +85,13 @@ class NARXThroughput(CapacityModel):
         if not hasattr(self, "weights_"):
             self._initialise()
         self.finish_learning()
-        n = len(reports)
-        if not n:
-            return self
-        workers = np.fromiter([r.worker for r in reports], dtype=np.int64, count=n)
+        workers = field(reports, "worker")
         self._grow(int(workers.max()) + 1)
         # hardware is recorded once per worker, so only workers with no measurement yet need a look
-        self._remember_hardware([reports[i] for i in np.flatnonzero(self.count_[workers] == 0).tolist()])
-        samples = np.fromiter([r.samples for r in reports], dtype=float, count=n)
-        seconds = np.fromiter([r.compute_s for r in reports], dtype=float, count=n)
+        unmeasured = np.flatnonzero(self.count_[workers] == 0)
+        if unmeasured.size:
+            self._remember_hardware(reports.subset(unmeasured))
+        samples, seconds = field(reports, "samples"), field(reports, "compute_s")
         measured = (samples > 0) & (seconds > 0)  # a report that computed nothing says nothing about speed
         if not measured.any():
             return self
@@ -102,7 +100,7 @@ class NARXThroughput(CapacityModel):
         if not kept.any():
             return self
         workers, log_thr = workers[measured][kept], log_thr[kept]
-        exog = self._exogenous([r.features for r in reports])[measured][kept]
+        exog = self._exogenous(reports)[measured][kept]
         count = self.count_[workers]
         # the row made ``horizon`` measurements ago, when it was full, now has its target
         due = count >= self.lags + self.horizon - 1
@@ -235,14 +233,14 @@ class NARXThroughput(CapacityModel):
             self.count_, self.rows_, self.bases_ = grown(self.count_), grown(self.rows_), grown(self.bases_)
             self.held_ = grown(self.held_)
 
-    def _exogenous(self, features: list[Mapping[str, float]]) -> np.ndarray:
+    def _exogenous(self, reports: Sequence[Report]) -> np.ndarray:
         """The ``features`` columns of each report, 0 where one is missing, with ``proc_cpu`` per core of the
         report's machine (as is when it reports no ``cores``)."""
-        out = np.empty((len(features), len(self.features)))
+        out = np.empty((len(reports), len(self.features)))
         for j, name in enumerate(self.features):
-            out[:, j] = feature_column(features, name, 0.0)
+            out[:, j] = feature(reports, name, 0.0)
             if name == "proc_cpu":
-                out[:, j] /= feature_column(features, "cores", 1.0)
+                out[:, j] /= feature(reports, "cores", 1.0)
         return out
 
     def _inputs(self, workers: np.ndarray) -> np.ndarray:
