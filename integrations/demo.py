@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from lbbsp.child_logging import ParentLogging
 from lbbsp.cli import whole_number
 from lbbsp.errors import ConfigError, LBBSPError
-from lbbsp.store import redacted
+from lbbsp.store import redacted, redis_url
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -273,11 +273,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def redis_for(given: str | None) -> tuple[str | None, str]:
     """The demo's Redis, as the other commands find theirs: ``--redis``, else $LBBSP_REDIS_URL, else None (an
     embedded redis-server; an empty flag or variable counts as none given), and how to name it (no password)."""
-    if given:
-        return given, f"{redacted(given)} (--redis)"
-    if variable := os.environ.get("LBBSP_REDIS_URL"):
-        return variable, f"{redacted(variable)} (from $LBBSP_REDIS_URL)"
-    return None, "an embedded redis-server"
+    url, source = redis_url(given)
+    if url is None:
+        return None, "an embedded redis-server"
+    return url, f"{redacted(url)} ({source if source == '--redis' else f'from {source}'})"
 
 
 @contextlib.contextmanager

@@ -55,7 +55,7 @@ from lbbsp.errors import ConfigError, LBBSPError
 from lbbsp.policies import Policy, checked_policy
 from lbbsp.protocol import Assignment, Report
 from lbbsp.sampling import GlobalBatchSampler
-from lbbsp.store import Store, agreed_config, worker_socket_timeout
+from lbbsp.store import Store, agreed_config, redis_url, worker_socket_timeout
 from lbbsp.telemetry import ResourceMonitor
 from lbbsp.worker import WorkerClient
 
@@ -166,7 +166,7 @@ class Balancer:
                               f"{min_batch} samples: use a global batch of at least {min_batch * world}, or "
                               "min_batch=0 to let some ranks sit steps out with empty slices")
         device = torch.device(device) if device is not None else _collective_device()
-        url = redis or os.environ.get("LBBSP_REDIS_URL") or None  # an empty variable names none
+        url, _ = redis_url(redis, "redis=")
         if not coordinator and (job is None or url is None):
             raise ConfigError("with an external coordinator (coordinator=False), pass the job name it serves and the "
                               "URL of its Redis (redis= or $LBBSP_REDIS_URL): an embedded server here would be one "

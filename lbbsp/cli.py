@@ -7,7 +7,6 @@ import importlib
 import json
 import logging
 import math
-import os
 import re
 import signal
 import sys
@@ -23,7 +22,7 @@ from .config import JobConfig, _job_name
 from .embedded import EmbeddedRedis
 from .errors import ConfigError, LBBSPError
 from .protocol import printable
-from .store import REDIS_ERRORS, Store, left_by_earlier_run
+from .store import REDIS_ERRORS, Store, left_by_earlier_run, redis_url
 
 # The coordinator, the models and the policies import scikit-learn, seconds on a loaded machine: `lbbsp --help`,
 # `status` and `forget` need none of them, so `coordinator` alone imports them, where it uses them.
@@ -43,7 +42,7 @@ _EXTERNAL = {
 
 def _redis_url(args: argparse.Namespace) -> str | None:
     """``--redis``, else $LBBSP_REDIS_URL; None where neither gives one (an empty variable gives none)."""
-    return args.redis or os.environ.get("LBBSP_REDIS_URL") or None
+    return redis_url(args.redis)[0]
 
 
 def _given_redis(args: argparse.Namespace) -> str:

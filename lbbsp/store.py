@@ -20,6 +20,7 @@ which every worker has finished, so none reads them again.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -73,6 +74,21 @@ def _queued(item: bytes | str) -> int | None:
         return int(item)
     except ValueError:
         return None
+
+
+#: The environment variable that names a job's Redis where no URL is given (set to "", it names none).
+REDIS_URL_VARIABLE = "LBBSP_REDIS_URL"
+
+
+def redis_url(given: str | None, source: str = "--redis") -> tuple[str | None, str]:
+    """The Redis URL that every command and integration uses: ``given``, else $LBBSP_REDIS_URL, else None (an empty
+    value counts as none), with where it came from: ``source`` (the flag or argument that gave it),
+    "$LBBSP_REDIS_URL", or "" for none."""
+    if given:
+        return given, source
+    if variable := os.environ.get(REDIS_URL_VARIABLE):
+        return variable, f"${REDIS_URL_VARIABLE}"
+    return None, ""
 
 
 def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:

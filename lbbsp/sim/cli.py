@@ -18,7 +18,7 @@ import numpy as np
 from ..embedded import EmbeddedRedis
 from ..errors import ConfigError, StoreUnavailable
 from ..protocol import MAX_WORKERS
-from ..store import Store, redacted
+from ..store import Store, redacted, redis_url
 from .engine import PolicyRun, compare
 from .scenarios import LOOKAHEAD, MEAN_DWELL, SCENARIOS, Scenario
 from .traces import DEFAULT_TRACE_DIR, load_traces
@@ -100,11 +100,8 @@ def redis_for(given: str | None) -> tuple[str, str] | None:
     variable counts as unset, as in the other commands), with where it came from."""
     if given is None:
         return None
-    if given:
-        return given, "--redis"
-    if variable := os.environ.get("LBBSP_REDIS_URL"):
-        return variable, "$LBBSP_REDIS_URL"
-    return "", "--redis"
+    url, source = redis_url(given)
+    return (url, source) if url is not None else ("", "--redis")
 
 
 def _simulate(args: argparse.Namespace, options: dict[str, object], suffix: str, started: float,
