@@ -147,7 +147,7 @@ class _Timed(Policy):
 MODELS: dict[str, tuple[Callable[[], CapacityModel], str, float | None]] = {
     "EWMA (baseline)": (EWMAThroughput, "cpu", 2.0),
     "NARX (cpu)": (NARXThroughput, "cpu", 2.0),
-    "NARX (cpu), hedge off": (NARXThroughput, "cpu", None),
+    "NARX (cpu), margins off": (NARXThroughput, "cpu", None),
     "batch-time curve (gpu)": (BatchTimeCurve, "gpu", 2.0),
     "FL client": (FLClientModel, "fl", 2.0),
     "auto (half gpu, half cpu)": (AutoCapacityModel, "mixed", 2.0),

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import __version__
 from ..embedded import EmbeddedRedis
 from ..errors import ConfigError, StoreUnavailable
 from ..protocol import MAX_WORKERS
@@ -130,7 +131,11 @@ def _simulate(args: argparse.Namespace, options: dict[str, object], suffix: str,
               "(docs/simulator.md uses 150)")
     result = {"scenario": args.scenario, "workers": args.workers, "iterations": args.iterations, "seed": args.seed,
               "lag": scenario.config.lag, "global_batch": scenario.config.global_batch, "notes": scenario.notes,
-              "policies": summary, "iteration_s": {name: r.iteration_s for name, r in runs.items()}}
+              "lbbsp_version": __version__, "policies": summary,
+              "iteration_s": {name: r.iteration_s for name, r in runs.items()}}
+    if args.scenario in TRACED:  # which recorded traces the CPU workers replayed, and which bytes they held
+        traces = (args.traces or DEFAULT_TRACE_DIR).resolve()
+        result["traces"] = {"folder": str(traces), "sha256_6": _digest(traces)}
     if check is not None:
         result["redis_check"] = check
         print(redis_check_line(check))
@@ -223,6 +228,10 @@ def _through_redis(scenario: Scenario, iterations: int, url: str, in_process: di
     return runs, {"redis": label, "iterations": iterations, "identical": identical}
 
 
+#: The scenarios whose CPU workers replay recorded traces (--traces, --mean-dwell and --no-noise apply to them).
+TRACED = ("cpu-contention", "mixed")
+
+
 def _scenario_options(args: argparse.Namespace) -> tuple[dict[str, object], str]:
     """The CPU workers' options given on the command line (cpu-contention and mixed), and a file-name suffix that names them (so a
     decomposition run never overwrites the default scenario's results)."""
@@ -231,7 +240,7 @@ def _scenario_options(args: argparse.Namespace) -> tuple[dict[str, object], str]
         options["mean_dwell"] = args.mean_dwell
     if args.no_noise:
         options["noise"] = False
-    if (options or args.traces is not None) and args.scenario not in ("cpu-contention", "mixed"):
+    if (options or args.traces is not None) and args.scenario not in TRACED:
         raise ConfigError("--mean-dwell, --traces and --no-noise apply to --scenario cpu-contention and mixed only")
     suffix = ""
     if args.traces is not None:
@@ -339,7 +348,7 @@ def plot(scenario: Scenario, runs: dict[str, PolicyRun], summary: dict[str, dict
     lines.yaxis.set_minor_locator(NullLocator())  # (where these ratios mostly are) with no label
     lines.yaxis.set_major_formatter(ScalarFormatter())
     lines.set_xlabel("iteration")
-    lines.set_ylabel(f"iteration time / oracle (rolling mean of {window})")
+    lines.set_ylabel(f"iteration time / oracle (rolling mean of {window}, log scale)")
     lines.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle(f"{scenario.name}, {scenario.config.num_workers} workers, B = {scenario.config.global_batch}")
     fig.tight_layout()
