@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -64,19 +65,20 @@ def hedged(model: TimeModel, factor: np.ndarray) -> TimeModel:
     return HedgedTime(model, factor)
 
 
-def sized_throughput(model: TimeModel, sizes: np.ndarray) -> np.ndarray:
+def sized_throughput(model: TimeModel, sizes: np.ndarray, seconds: np.ndarray | None = None) -> np.ndarray:
     """The throughput ``model`` predicts for each worker at its size in ``sizes``, where that depends on the size
     (a hinge curve: a GPU under its knee takes as long for fewer samples); NaN elsewhere, where the forecast
     throughput is the same at every size (a linear model's speed, a federated client's compute without its
-    transfers) and a worker given nothing."""
+    transfers) and a worker given nothing. ``seconds``: ``model.time(sizes)``, where the caller has it already (a
+    decision does), so the curves are not evaluated twice."""
     sizes = np.asarray(sizes, dtype=float)
     out = np.full(sizes.size, np.nan)
     if isinstance(model, GroupedTime):
         for positions, inner in model.groups:
-            out[positions] = sized_throughput(inner, sizes[positions])
+            out[positions] = sized_throughput(inner, sizes[positions], None if seconds is None else seconds[positions])
     elif isinstance(model, HingeTime):
         with np.errstate(divide="ignore", invalid="ignore"):
-            out = np.where(sizes > 0, sizes / model.time(sizes), np.nan)
+            out = np.where(sizes > 0, sizes / (model.time(sizes) if seconds is None else seconds), np.nan)
     return out
 
 
@@ -88,6 +90,61 @@ def _per_worker(workers: Sequence[int] | np.ndarray, throughput: np.ndarray) -> 
         raise ConfigError(f"a forecast must give one throughput per worker: {ids.size} workers, "
                           f"{forecast.size} throughputs")
     return ids, forecast
+
+
+class _Peers(NamedTuple):
+    """What :meth:`ForecastRisk._bucket` reads of a list of workers' hardware groups, kept while no worker's group or
+    group's kind changes (a decision asks for the same workers each time)."""
+
+    inside: np.ndarray | None  # which ids have an entry in the per-worker arrays; None: all of them
+    group: np.ndarray  # each worker's hardware group, -1 where unknown
+    seen: np.ndarray  # group >= 0
+    offset: np.ndarray  # each worker's kind's first bucket: 2 x buckets x its kind's index in KINDS
+    ranking: list[tuple[np.ndarray | None, np.ndarray]] | tuple[np.ndarray, np.ndarray, np.ndarray]  # _ranking's
+
+
+def _ranking(group: np.ndarray, known: np.ndarray, buckets: int
+             ) -> list[tuple[np.ndarray | None, np.ndarray]] | tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """How to rank the forecasts of the ``known`` positions among their ``group``'s: for a few groups, each one's
+    positions (None: every position) with the rank bucket of each place in its forecasts' order (:func:`_ranked`
+    sorts them); for many, one sort by group, then forecast: the known positions, their groups and the rank bucket
+    of each place in that order (the groups' order does not depend on the forecasts)."""
+    positions = np.flatnonzero(known)
+    of_known = group[positions]
+    peers = np.unique(of_known)
+    if peers.size <= 16:  # a few hardware groups: a sort each (where forecasts tie, the order the stored results had)
+        if peers.size == 1:
+            return [(None if positions.size == group.size else positions, _rank_buckets(positions.size, buckets))]
+        members = [positions[of_known == g] for g in peers.tolist()]
+        return [(at, _rank_buckets(at.size, buckets)) for at in members]
+    # many (clients that each name their device): one sort by group, then forecast; a loop had taken 9 ms at 1,024
+    # workers of 1,024 hardware keys
+    ordered = np.sort(of_known)
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    counts = np.diff(np.r_[starts, ordered.size])
+    rank = (np.arange(ordered.size) - np.repeat(starts, counts) + 0.5) / np.repeat(counts, counts)
+    return positions, of_known, np.minimum((rank * buckets).astype(np.int64), buckets - 1)
+
+
+def _rank_buckets(count: int, buckets: int) -> np.ndarray:
+    """The rank bucket of each place, slowest first, among ``count`` forecasts: its rank (place + 0.5) / count in
+    ``buckets`` equal parts."""
+    rank = (np.arange(count) + 0.5) / count
+    return np.minimum((rank * buckets).astype(np.int64), buckets - 1)
+
+
+def _ranked(into: np.ndarray, ranking: list[tuple[np.ndarray | None, np.ndarray]] | tuple[np.ndarray, np.ndarray,
+            np.ndarray], forecast: np.ndarray) -> None:
+    """Write each ranked position's rank bucket by its ``forecast`` (:func:`_ranking`) ``into`` the array of buckets."""
+    if isinstance(ranking, list):
+        for positions, buckets in ranking:
+            if positions is None:
+                into[np.argsort(forecast)] = buckets
+            else:
+                into[positions[np.argsort(forecast[positions])]] = buckets
+    else:
+        positions, group, buckets = ranking
+        into[positions[np.lexsort((forecast[positions], group))]] = buckets
 
 
 class ForecastRisk:
@@ -133,6 +190,7 @@ class ForecastRisk:
         self._quantiles: tuple[float, np.ndarray] | None = None  # (eps, per-bucket factor), until observe
         self._typical: float | None = None  # typical_miss, until observe
         self._pending: tuple[Sequence[Report], np.ndarray] | None = None  # reports observed, not yet pooled
+        self._peers: tuple[bytes, _Peers] | None = None  # (worker ids as bytes, their _Peers) until a group changes
 
     def record(self, iteration: int, workers: Sequence[int] | np.ndarray, throughput: np.ndarray) -> None:
         """Remember the forecast throughput of ``workers`` for ``iteration`` and the bucket each sits in."""
@@ -151,10 +209,13 @@ class ForecastRisk:
             return
         ids, predicted, bucket = recorded
         workers, throughput = _per_worker(workers, throughput)
-        position = np.full(int(max(workers.max(initial=-1), ids.max(initial=-1))) + 1, -1, dtype=np.int64)
-        position[workers] = np.arange(workers.size)
-        at = position[ids]
-        given = np.where(at >= 0, throughput[np.maximum(at, 0)], np.nan)
+        if workers.size == ids.size and (workers == ids).all() and (ids[1:] > ids[:-1]).all():
+            given = throughput  # the usual case: the workers recorded, each once, in the same order
+        else:
+            position = np.full(int(max(workers.max(initial=-1), ids.max(initial=-1))) + 1, -1, dtype=np.int64)
+            position[workers] = np.arange(workers.size)
+            at = position[ids]
+            given = np.where(at >= 0, throughput[np.maximum(at, 0)], np.nan)
         self.forecasts_[iteration] = (ids, np.where(np.isfinite(given), given, predicted), bucket)
 
     def observe(self, reports: Sequence[Report], *, defer: bool = False) -> None:
@@ -214,7 +275,7 @@ class ForecastRisk:
 
     def _eps(self, workers: int) -> float:
         """The share of ``workers`` expected to overrun the planned deadline: hedge / workers, within bounds."""
-        return float(np.clip(self.hedge / max(workers, 1), 1.0 / self.pool_size, 0.5))
+        return min(max(self.hedge / max(workers, 1), 1.0 / self.pool_size), 0.5)
 
     def _bucket_factors(self, eps: float) -> np.ndarray:
         """Each bucket's (1 - eps) quantile of its slowdowns (1 below ``min_samples``), cached until the pools change."""
@@ -244,40 +305,38 @@ class ForecastRisk:
     def _bucket(self, ids: np.ndarray, forecast: np.ndarray) -> np.ndarray:
         """Bucket of each forecast by its rank among its hardware peers' forecasts (the middle one for a worker
         whose hardware or forecast is unknown), plus ``buckets`` for a worker under co-located load."""
+        peers = self._peers_of(ids)
+        if peers.inside is None:
+            loaded = self.loaded_[ids]
+        else:
+            loaded = np.zeros(ids.size, dtype=bool)
+            loaded[peers.inside] = self.loaded_[ids[peers.inside]]
+        rank = np.full(ids.size, self.buckets // 2, dtype=np.int64)
+        finite = np.isfinite(forecast)
+        _ranked(rank, peers.ranking if finite.all() else _ranking(peers.group, peers.seen & finite, self.buckets),
+                forecast)
+        return rank + np.where(loaded, peers.offset + self.buckets, peers.offset)
+
+    def _peers_of(self, ids: np.ndarray) -> _Peers:
+        """The hardware groups and kinds of workers ``ids`` as :meth:`_bucket` reads them, cached until a worker's
+        group or a group's kind changes. A group whose workers only announced themselves, bare, counts as CPUs; a
+        worker never seen, as the workers' most common kind (in a job of one kind, its kind: it then shares its
+        peers' pools, as before kinds)."""
+        key = ids.tobytes()
+        if self._peers is not None and self._peers[0] == key:
+            return self._peers[1]
         group = np.full(ids.size, -1, dtype=np.int64)
         inside = (ids >= 0) & (ids < self.peer_group_.size)
         group[inside] = self.peer_group_[ids[inside]]
-        known = (group >= 0) & np.isfinite(forecast)
-        bucket = np.full(ids.size, self.buckets // 2, dtype=np.int64)
-        loaded = np.zeros(ids.size, dtype=bool)
-        loaded[inside] = self.loaded_[ids[inside]]
-        bucket += self.buckets * loaded
-        # a group whose workers only announced themselves, bare, counts as CPUs; a worker never seen, as the workers'
-        # most common kind (in a job of one kind, its kind: it then shares its peers' pools, as before kinds)
-        kind = np.zeros(ids.size, dtype=np.int64)
         seen = group >= 0
+        kind = np.zeros(ids.size, dtype=np.int64)
         kind[seen] = np.maximum(self.group_kind_[group[seen]], 0)
         if seen.any() and not seen.all():
             kind[~seen] = np.bincount(kind[seen]).argmax()
-        bucket += 2 * self.buckets * kind
-        if not known.any():
-            return bucket
-        group, values = group[known], forecast[known]
-        rank = np.empty(values.size)
-        peers = np.unique(group)
-        if peers.size <= 16:  # a few hardware groups: a sort each (where forecasts tie, the order the stored results had)
-            for g in peers.tolist():
-                members = np.flatnonzero(group == g) if peers.size > 1 else np.arange(values.size)
-                rank[members[np.argsort(values[members])]] = (np.arange(members.size) + 0.5) / members.size
-        else:  # many (clients that each name their device): one sort by group, then forecast; a loop had taken 9 ms
-            order = np.lexsort((values, group))  # at 1,024 workers of 1,024 hardware keys
-            ordered = group[order]
-            starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
-            counts = np.diff(np.r_[starts, order.size])
-            rank[order] = (np.arange(order.size) - np.repeat(starts, counts) + 0.5) / np.repeat(counts, counts)
-        bucket[known] = (np.minimum((rank * self.buckets).astype(np.int64), self.buckets - 1) + self.buckets * loaded[known]
-                         + 2 * self.buckets * kind[known])
-        return bucket
+        peers = _Peers(None if inside.all() else inside, group, seen, 2 * self.buckets * kind,
+                       _ranking(group, seen, self.buckets))
+        self._peers = (key, peers)
+        return peers
 
     def _pool(self, forecast: tuple[np.ndarray, np.ndarray, np.ndarray], ids: np.ndarray, speed: np.ndarray) -> None:
         recorded, predicted, bucket = forecast
@@ -308,15 +367,22 @@ class ForecastRisk:
         if size > self.peer_group_.size:
             self.loaded_ = np.concatenate([self.loaded_, np.zeros(size - self.peer_group_.size, dtype=bool)])
             self.peer_group_ = np.concatenate([self.peer_group_, np.full(size - self.peer_group_.size, -1)])
-        for at in np.flatnonzero(self.peer_group_[ids] < 0).tolist():
-            key = hardware_of(reports[at])
-            self.peer_group_[ids[at]] = self.groups_.setdefault(key, len(self.groups_))
+        groups = self.peer_group_[ids]
+        if groups.min() < 0:  # some worker seen for the first time (usually none)
+            for at in np.flatnonzero(groups < 0).tolist():
+                key = hardware_of(reports[at])
+                self.peer_group_[ids[at]] = self.groups_.setdefault(key, len(self.groups_))
+            groups = self.peer_group_[ids]
+            self._peers = None
         if len(self.groups_) > self.group_kind_.size:
             self.group_kind_ = np.concatenate([self.group_kind_, np.full(len(self.groups_) - self.group_kind_.size, -1)])
-        for at in np.flatnonzero(self.group_kind_[self.peer_group_[ids]] < 0).tolist():  # its first report showing it
+        if self.group_kind_.min() >= 0:  # every group's kind is known (usually)
+            return
+        for at in np.flatnonzero(self.group_kind_[groups] < 0).tolist():  # its first report showing it
             kind = worker_kind(reports[at])
             if reports[at].samples > 0 or kind != "cpu":
-                self.group_kind_[self.peer_group_[ids[at]]] = KINDS.index(kind)
+                self.group_kind_[groups[at]] = KINDS.index(kind)
+                self._peers = None
 
     def _regroup_moved(self, reports: Sequence[Report], ids: np.ndarray) -> None:
         """Put each worker whose model moved, as :class:`~lbbsp.models.AutoCapacityModel` reads it (a CPU worker that

@@ -167,6 +167,9 @@ class LBBSPPolicy(Policy):
         self.risk = ForecastRisk(hedge) if hedge else None
         self._seen = False
         self._warned_caps = False
+        self._job_bounds: tuple[tuple[object, ...], np.ndarray, np.ndarray] | None = None  # (job's shape, bounds)
+        self._caps_read: tuple[np.ndarray, np.ndarray | None] | None = None  # (upper bounds, caps) of bounds()
+        self._split: tuple[tuple[int, ...], np.ndarray] | None = None  # the last split decided, and its array
 
     def observe(self, reports: Sequence[Report]) -> None:
         """Update what the next forecast reads; training and the margins' bookkeeping wait for ``learn`` (or,
@@ -185,8 +188,39 @@ class LBBSPPolicy(Policy):
 
     def bounds(self, workers: WorkerIds, current: np.ndarray, config: JobConfig) -> tuple[np.ndarray, np.ndarray]:
         """The job's bounds, with each upper bound lowered to the model's memory cap where that is feasible."""
-        lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
-        return lower, _capped(lower, upper, _whole_caps(self.model, workers, upper), current, config.global_batch)
+        lower, upper = self._bounds_of(config)
+        caps = _whole_caps(self.model, workers, upper)
+        capped = _capped(lower, upper, caps, current, config.global_batch)
+        capped = upper.copy() if capped is upper else capped  # the kept arrays are never handed out
+        self._caps_read = (capped, caps)  # for the decision's reason: the model is not asked twice
+        return lower.copy(), capped
+
+    def _bounds_of(self, config: JobConfig) -> tuple[np.ndarray, np.ndarray]:
+        """The job's bounds as int64 arrays, kept while the job's sizes and bounds are the same (reading a thousand
+        ints into an array takes tens of microseconds a decision)."""
+        shape = (type(config), config.num_workers, config.global_batch, config.min_batch, config.max_batch)
+        if self._job_bounds is None or self._job_bounds[0] != shape:
+            lower, upper = (np.asarray(b, dtype=np.int64) for b in config.bounds())
+            self._job_bounds = (shape, lower, upper)
+        return self._job_bounds[1], self._job_bounds[2]
+
+    def _caps_for(self, workers: np.ndarray, upper: np.ndarray) -> np.ndarray | None:
+        """The memory caps of ``workers`` as :func:`_whole_caps` gives them for the upper bounds ``upper`` that this
+        decision's :meth:`bounds` returned: where this class's own :meth:`bounds` returned them, the caps it read
+        (the same numbers: those bounds are never under the caps, which are never over the job's bounds); else,
+        for a variant's bounds, asked of the model."""
+        read = self._caps_read
+        if type(self).bounds is LBBSPPolicy.bounds and read is not None and read[0] is upper:
+            return read[1]
+        return _whole_caps(self.model, workers, upper)
+
+    def _split_array(self, current: Sequence[int], config: JobConfig) -> np.ndarray:
+        """``current`` as :func:`_split_of` reads it; the array of the last split decided where it is that split
+        (the usual case), which saves reading a thousand ints again."""
+        if self._split is not None and isinstance(current, tuple) and current == self._split[0]:
+            if self._split[1].shape == (config.num_workers,):
+                return self._split[1].copy()
+        return _split_of(current, config)
 
     def with_margins(self, iteration: int, time_model: TimeModel,
                      throughput: np.ndarray) -> tuple[TimeModel, np.ndarray]:
@@ -231,7 +265,7 @@ class LBBSPPolicy(Policy):
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         # a split of the wrong length is refused, as PerEpochPolicy refuses it: it had been decided on ("the current
         # split does not fit the bounds")
-        current_arr = _split_of(current, config)
+        current_arr = self._split_array(current, config)
         if not self._seen:
             return Decision(tuple(current_arr.tolist()), "no measurements yet: keep the split")
         workers = np.arange(config.num_workers)
@@ -242,10 +276,9 @@ class LBBSPPolicy(Policy):
         lower, upper = (np.asarray(b) for b in self.bounds(workers, current_arr, config))
         proposed = np.asarray(self.propose(plan, config, lower, upper, time_model))
         may_idle = self._may_idle(lower)
-        sitting = (current_arr == 0) & bool(self.sit_out)  # a worker sitting out is within its bounds
-        in_bounds = current_arr.shape == proposed.shape and bool(
-            (((current_arr >= lower) | sitting) & (current_arr <= upper)).all()) and not (
-            may_idle and (current_arr[self.rounds_out.due(workers)] == 0).any())  # one due back may not stay out
+        # the split in force fits the bounds (a worker sitting out does), unless one due back would stay out
+        in_bounds = (current_arr.shape == proposed.shape and _within(current_arr, lower, upper, bool(self.sit_out))
+                     and not (may_idle and (current_arr[self.rounds_out.due(workers)] == 0).any()))
         band = self.band(time_model, current_arr)
         sizes, changed = damp(current_arr, proposed, plan, band) if in_bounds else (proposed, True)
         if not changed and ((proposed > current_arr) & (proposed >= upper)).any():
@@ -253,20 +286,25 @@ class LBBSPPolicy(Policy):
             # than the dead band a step on a nearly full card, so a damped split had kept it there for good (1.7x
             # slower than the split its card holds)
             sizes, changed = proposed, True
-        forced = lower.sum() == config.global_batch or upper.sum() == config.global_batch  # one split fits
         sizes = self.model.explore(workers, sizes, lower, upper)
-        if self.risk is not None:  # margins learn from misses at the sizes run, where the forecast depends on them
-            self.risk.expect(iteration, workers, sized_throughput(time_model, sizes))
         predicted = time_model.time(sizes)
-        slowest = int(np.argmin(np.where(np.isfinite(throughput), throughput, np.inf)))
-        finish = _finish(predicted if plan is time_model else plan.time(sizes))
+        if self.risk is not None:  # margins learn from misses at the sizes run, where the forecast depends on them
+            self.risk.expect(iteration, workers, sized_throughput(time_model, sizes, predicted))
+        if plan is time_model:
+            planned = predicted
+        elif type(self).with_margins is LBBSPPolicy.with_margins and _scales_per_worker(time_model):
+            planned = np.asarray(predicted, dtype=float) * factor  # plan is hedged(time_model, factor): its seconds
+        else:
+            planned = plan.time(sizes)
+        finish = _finish(planned)
         finish_label = "predicted finish" if plan is time_model else "finish with margins"
         if changed:
             was = (f"was {_finish(plan.time(current_arr))}" if in_bounds
                    else "the current split does not fit the bounds")
+            slowest = int(np.argmin(np.where(np.isfinite(throughput), throughput, np.inf)))
             reason = (f"rebalanced for equal {finish_label} {finish} ({was}); slowest worker {slowest} "
                       f"at {throughput[slowest]:.4g} samples/s")
-        elif forced:
+        elif lower.sum() == config.global_batch or upper.sum() == config.global_batch:  # one split fits
             reason = f"kept: the bounds allow no other split ({finish_label} {finish})"
         else:
             reason = f"kept: predicted gain under the {band:.1%} dead band ({finish_label} {finish})"
@@ -276,7 +314,7 @@ class LBBSPPolicy(Policy):
             self.rounds_out.record(workers, sizes)
         if self.sit_out and not sizes.all():
             reason += f"; {int((sizes == 0).sum())} sit out"
-        caps = _whole_caps(self.model, workers, upper)
+        caps = self._caps_for(workers, upper)
         if caps is not None and (over := np.flatnonzero(sizes > caps)).size:  # bounds() could not keep them
             held = int(np.minimum(caps, upper).sum())
             why = (f"the caps hold {held} samples, the global batch is {config.global_batch}"
@@ -286,7 +324,26 @@ class LBBSPPolicy(Policy):
                 self._warned_caps = True
                 log.warning("job %s: some workers are given more than their GPU memory is predicted to hold (%s)",
                             config.job, why)
-        return Decision(tuple(sizes.tolist()), reason, tuple(predicted.tolist()), tuple(throughput.tolist()))
+        split = tuple(sizes.tolist())
+        self._split = (split, sizes.copy()) if sizes.dtype == np.int64 else None
+        return Decision(split, reason, tuple(predicted.tolist()), tuple(throughput.tolist()))
+
+
+def _scales_per_worker(model: TimeModel) -> bool:
+    """Whether :func:`~lbbsp.hedging.hedged` scales ``model``'s seconds themselves, so that ``hedged(model,
+    factor).time(x)`` is ``model.time(x) * factor`` to the bit: any model but a grouped one whose ``time`` is not
+    its groups' own."""
+    if isinstance(model, GroupedTime):
+        return type(model).time is GroupedTime.time and all(_scales_per_worker(inner) for _, inner in model.groups)
+    return True
+
+
+def _within(sizes: np.ndarray, lower: np.ndarray, upper: np.ndarray, zero_fits: bool) -> bool:
+    """Whether every size is within its bounds, or 0 where ``zero_fits`` (a worker sitting out is within them)."""
+    fits = sizes >= lower
+    if zero_fits:
+        fits |= sizes == 0
+    return bool((fits & (sizes <= upper)).all())
 
 
 def _finish(seconds: np.ndarray) -> str:

@@ -82,9 +82,9 @@ class GroupedTime:
 
     def time(self, sizes: np.ndarray) -> np.ndarray:
         """Each worker's predicted seconds for its size in ``sizes``, from its group's model."""
-        out = np.empty(self.size)
+        sizes, out = np.asarray(sizes), np.empty(self.size)
         for positions, model in self.groups:
-            out[positions] = model.time(np.asarray(sizes)[positions])
+            out[positions] = model.time(sizes[positions])
         return out
 
 
@@ -109,7 +109,10 @@ class AutoCapacityModel(CapacityModel):
     GPU worker that reports a measurement from device "cpu" with no GPU features."""
 
     _STRUCTURAL = frozenset({"models", "kinds", "horizon"})
-    _groups_cache: tuple[bytes, dict[str, np.ndarray]] | None  # (worker ids as bytes, positions of each kind)
+    # (worker ids as bytes, each kind's positions in them and its workers' ids)
+    _groups_cache: tuple[bytes, dict[str, tuple[np.ndarray, np.ndarray]]] | None
+    # (worker ids of reports as bytes, each one's kind, see _known_kinds); None: made again at the next reports
+    _kinds_cache: tuple[bytes, tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]] | None] | None = None
 
     def __init__(self, models: Mapping[str, CapacityModel] | None = None,
                  kinds: Mapping[int, str] | None = None, *, horizon: int = 2) -> None:
@@ -133,7 +136,7 @@ class AutoCapacityModel(CapacityModel):
             self.hardware_: dict[int, Hardware] = {}  # each worker's, from its first report
             self.fed_: set[str] = set()  # kinds whose model has had reports: the others cannot answer yet
             self.measured_: set[str] = set()  # kinds whose model has had a measurement, not just announcements
-            self._groups_cache = None  # from before a refit, perhaps
+            self._groups_cache = self._kinds_cache = None  # from before a refit, perhaps
         by_kind = self._route(reports)
         for kind, group in by_kind.items():
             if group:
@@ -152,14 +155,17 @@ class AutoCapacityModel(CapacityModel):
         ids = field(reports, "worker")
         if ids.max() >= self._kind_codes.size:
             self._kind_codes = np.concatenate([self._kind_codes, np.full(ids.max() + 1 - self._kind_codes.size, -1)])
-        kinds = self._kind_codes[ids]
         gpu_memory = np.isfinite(feature(reports, "gpu_mem_used"))
-        # a GPU worker measuring with no GPU features may be on the CPU now: read its device
-        unsure = np.flatnonzero((kinds == 1) & ~gpu_memory & (field(reports, "samples") > 0))
-        on_cpu = any(reports[at].device == "cpu" for at in unsure.tolist())
-        if not (on_cpu or (kinds < 0).any() or ((kinds == 0) & gpu_memory).any()):
-            return {kind: reports.subset(np.flatnonzero(kinds == code)) if (kinds == code).any() else CheckedReports()
-                    for code, kind in enumerate(KINDS)}
+        known = self._known_kinds(ids)
+        # the usual case: the GPU workers read GPU memory and no other does. Else a CPU worker reading it has moved,
+        # and a GPU worker measuring with no GPU features may be on the CPU now: read its device
+        if known is not None and (gpu_memory != known[1]).any():
+            unsure = np.flatnonzero(known[1] & ~gpu_memory & (field(reports, "samples") > 0))
+            if any(reports[at].device == "cpu" for at in unsure.tolist()) or ((known[0] == 0) & gpu_memory).any():
+                known = None
+        if known is not None:
+            return {kind: reports.subset(at) if at.size else CheckedReports() for kind, at in known[2].items()}
+        self._kinds_cache = None  # kinds are set below
         positions: dict[str, list[int]] = {kind: [] for kind in KINDS}
         for at, report in enumerate(reports):
             kind = self.kind_.get(report.worker)
@@ -183,6 +189,19 @@ class AutoCapacityModel(CapacityModel):
                 self._groups_cache = None
             positions[kind].append(at)
         return {kind: reports.subset(group) for kind, group in positions.items()}
+
+    def _known_kinds(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]] | None:
+        """(The kind of each worker in ``ids`` as its index in KINDS, whether it is "gpu", the positions of each kind),
+        None where a worker's kind is not set: cached, as a job's reports come from the same workers each iteration,
+        until a kind is set (``_route`` forgets it)."""
+        key = ids.tobytes()
+        cached = self._kinds_cache
+        if cached is None or cached[0] != key:
+            kinds = self._kind_codes[ids]
+            known = None if (kinds < 0).any() else (
+                kinds, kinds == 1, {kind: np.flatnonzero(kinds == code) for code, kind in enumerate(KINDS)})
+            cached = self._kinds_cache = (key, known)
+        return cached[1]
 
     def _check_params(self) -> None:
         _integer(self.horizon, "horizon (JobConfig.lag)", 1, 8)
@@ -222,25 +241,24 @@ class AutoCapacityModel(CapacityModel):
         self._check_is_fitted("models_")
         ids = worker_ids(workers)
         out = self._per_kind(ids, predicted_throughput, np.nan)
-        unmeasured = [positions for kind, positions in self._groups(ids).items() if kind not in self.measured_]
+        unmeasured = [positions for kind, (positions, _) in self._groups(ids).items() if kind not in self.measured_]
         if unmeasured:
             out[np.concatenate(unmeasured)] = self._median_speed()
         return out
 
     def max_batch(self, workers: WorkerIds) -> np.ndarray | None:
         self._check_is_fitted("models_")
-        caps = self._per_kind(workers, lambda model, ids: _or_no_cap(model.max_batch(ids), len(ids)), np.inf)
+        caps = self._per_kind(worker_ids(workers), lambda model, ids: _or_no_cap(model.max_batch(ids)), np.inf)
         return None if np.isinf(caps).all() else np.minimum(caps, np.iinfo(np.int64).max // 4).astype(np.int64)
 
     def explore(self, workers: WorkerIds, sizes: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
         self._check_is_fitted("models_")
         out = np.asarray(sizes, dtype=np.int64).copy()
         ids = worker_ids(workers)
-        for kind, positions in self._groups(ids).items():
-            if kind not in self.fed_:
-                continue
-            out[positions] = self.models_[kind].explore(ids[positions], out[positions], np.asarray(lower)[positions],
-                                                        np.asarray(upper)[positions])
+        lower, upper = np.asarray(lower), np.asarray(upper)
+        for kind, (positions, members) in self._groups(ids).items():
+            if kind in self.fed_:
+                out[positions] = self.models_[kind].explore(members, out[positions], lower[positions], upper[positions])
         return out
 
     def time_model(self, workers: WorkerIds) -> TimeModel:
@@ -251,8 +269,8 @@ class AutoCapacityModel(CapacityModel):
         groups = self._groups(ids)
         if len(groups) == 1:
             return self._time_model(next(iter(groups)), ids)
-        return grouped(tuple((positions, self._time_model(kind, ids[positions]))
-                             for kind, positions in groups.items()), ids.size)
+        return grouped(tuple((positions, self._time_model(kind, members))
+                             for kind, (positions, members) in groups.items()), ids.size)
 
     def _time_model(self, kind: str, ids: np.ndarray) -> TimeModel:
         """The ``kind``'s model's time model; where that model has measured nothing yet, the median speed of the
@@ -271,13 +289,13 @@ class AutoCapacityModel(CapacityModel):
         speeds = speeds[np.isfinite(speeds) & (speeds > 0)]
         return float(np.median(speeds)) if speeds.size else np.nan
 
-    def _groups(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        """Positions of each kind in ``ids``; a worker whose kind is not set yet is of the kind ``kinds`` pins
-        (once that kind's model has had reports), else of the kind most common among workers of its hardware, then
-        of its device family (a CPU worker that only announced itself, in a job of mostly GPUs, had been routed to
-        the GPUs' model and given a GPU's share), else among ``ids`` (among all workers when none in ``ids`` has a
-        kind). Ties go to the first in KINDS: the same in every process. Cached until a worker or kind is new, since
-        a decision asks several times for the same workers."""
+    def _groups(self, ids: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Positions of each kind in ``ids``, with the ids at them (read-only: shared by the calls); a worker whose kind
+        is not set yet is of the kind ``kinds`` pins (once that kind's model has had reports), else of the kind most
+        common among workers of its hardware, then of its device family (a CPU worker that only announced itself, in a
+        job of mostly GPUs, had been routed to the GPUs' model and given a GPU's share), else among ``ids`` (among all
+        workers when none in ``ids`` has a kind). Ties go to the first in KINDS: the same in every process. Cached
+        until a worker or kind is new, since a decision asks several times for the same workers."""
         key = ids.tobytes()
         cached = getattr(self, "_groups_cache", None)
         if cached is not None and cached[0] == key:
@@ -298,24 +316,33 @@ class AutoCapacityModel(CapacityModel):
                 peers = by_hardware.get(hardware) or by_hardware.get(hardware[0]) if hardware else None
                 kinds[at] = max(KINDS, key=peers.count) if peers else common
         labels = np.array(kinds)
-        groups = {kind: np.flatnonzero(labels == kind) for kind in KINDS if (labels == kind).any()}
+        groups = {}
+        for kind in KINDS:
+            positions = np.flatnonzero(labels == kind)
+            if positions.size:
+                members = ids[positions]
+                members.flags.writeable = False
+                groups[kind] = (positions, members)
         self._groups_cache = (key, groups)
         return groups
 
-    def _per_kind(self, workers: WorkerIds, ask: Callable[[CapacityModel, np.ndarray], np.ndarray],
+    def _per_kind(self, ids: np.ndarray, ask: Callable[[CapacityModel, np.ndarray], np.ndarray | None],
                   fill: float) -> np.ndarray:
-        ids = worker_ids(workers)
+        """What ``ask`` answers each kind's model for its workers among ``ids`` (checked ids), ``fill`` where it answers
+        None or the kind's model has had no report."""
         out = np.full(ids.size, fill, dtype=float)
-        for kind, positions in self._groups(ids).items():
+        for kind, (positions, members) in self._groups(ids).items():
             if kind in self.fed_:  # a model with no report cannot answer: its workers keep ``fill``
-                out[positions] = ask(self.models_[kind], ids[positions])
+                answer = ask(self.models_[kind], members)
+                if answer is not None:
+                    out[positions] = answer
         return out
 
 
-def _or_no_cap(caps: np.ndarray | None, count: int) -> np.ndarray:
-    """A kind's caps as floats, inf where it sets none: None, or NaN (no cap known, as the policies read it; cast to
-    int64 it had become -2**63, a cap below every lower bound)."""
+def _or_no_cap(caps: np.ndarray | None) -> np.ndarray | None:
+    """A kind's caps as floats, inf where it sets none: NaN (no cap known, as the policies read it; cast to int64 it
+    had become -2**63, a cap below every lower bound); None (no caps) as it is."""
     if caps is None:
-        return np.full(count, np.inf)
+        return None
     caps = np.asarray(caps, dtype=float)
     return np.where(np.isnan(caps), np.inf, caps)

@@ -36,7 +36,7 @@ import numpy as np
 from ..config import _integer, _real
 from ..errors import ConfigError
 from ..protocol import FEATURE_RANGES, Report
-from .base import CapacityModel, WorkerIds, as_reports, feature, field
+from .base import CapacityModel, WorkerIds, as_reports, feature, field, worker_ids
 
 DEFAULT_FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util")
 
@@ -53,6 +53,8 @@ class NARXThroughput(CapacityModel):
     _STRUCTURAL = frozenset({"lags", "exog_lags", "features", "horizon", "hidden", "buffer_size", "random_state"})
     pending_: tuple[np.ndarray, np.ndarray] | None = None  # (rows, targets) not scored or trained on yet; fit forgets
     forecast_: np.ndarray | None = None  # every worker's forecast, computed on the first predict after an update
+    rows_: np.ndarray  # per worker, the input row made at each of the last ``horizon`` reports (C-contiguous)
+    bases_: np.ndarray  # the log-throughput each of those rows is relative to (C-contiguous)
 
     def __init__(self, lags: int = 4, exog_lags: int = 2, features: Sequence[str] = DEFAULT_FEATURES, *,
                  horizon: int = 2, hidden: tuple[int, ...] = (16, 16), alpha_ewma: float = 0.3,
@@ -87,39 +89,56 @@ class NARXThroughput(CapacityModel):
         self.finish_learning()
         workers = field(reports, "worker")
         self._grow(int(workers.max()) + 1)
+        count = self.count_[workers]
+        fewest = int(count.min())  # in the usual case every worker has full rows: no masks to take below
         # hardware is recorded once per worker, so only workers with no measurement yet need a look
-        unmeasured = np.flatnonzero(self.count_[workers] == 0)
-        if unmeasured.size:
-            self._remember_hardware(reports.subset(unmeasured))
+        if not fewest:
+            self._remember_hardware(reports.subset(np.flatnonzero(count == 0)))
         samples, seconds = field(reports, "samples"), field(reports, "compute_s")
         measured = (samples > 0) & (seconds > 0)  # a report that computed nothing says nothing about speed
-        if not measured.any():
-            return self
-        log_thr = np.log(samples[measured] / seconds[measured])
-        kept = self._unless_spike(workers[measured], log_thr)
-        if not kept.any():
-            return self
-        workers, log_thr = workers[measured][kept], log_thr[kept]
-        exog = self._exogenous(reports)[measured][kept]
-        count = self.count_[workers]
-        # the row made ``horizon`` measurements ago, when it was full, now has its target
-        due = count >= self.lags + self.horizon - 1
-        if due.any():
-            slot = count[due] % self.horizon
-            self.pending_ = (self.rows_[workers[due], slot], log_thr[due] - self.bases_[workers[due], slot])
-        # shift the new measurement into each worker's history
-        self.log_thr_[workers, :-1] = self.log_thr_[workers, 1:]
-        self.log_thr_[workers, -1] = log_thr
-        self.exog_[workers, :-1] = self.exog_[workers, 1:]
-        self.exog_[workers, -1] = exog
-        self.log_level_[workers] = np.where(
-            count == 0, log_thr, self.alpha_ewma * log_thr + (1 - self.alpha_ewma) * self.log_level_[workers])
+        taken = None  # positions of the reports learned from; None: all
+        if not measured.all():
+            if not measured.any():
+                return self
+            taken = np.flatnonzero(measured)
+            workers, count, samples, seconds = workers[taken], count[taken], samples[taken], seconds[taken]
+        log_thr = np.log(samples / seconds)
+        history, level = self.log_thr_[workers], self.log_level_[workers]  # as they were: the newest last
+        kept = self._unless_spike(workers, log_thr, count, history[:, -1], level)
+        if kept is not None:
+            if not kept.any():
+                return self
+            taken = np.flatnonzero(kept) if taken is None else taken[kept]
+            workers, count, log_thr = workers[kept], count[kept], log_thr[kept]
+            history, level = history[kept], level[kept]
+        exog = self._exogenous(reports)
+        if taken is not None:
+            exog = exog[taken]
+            fewest = int(count.min())
+        # each worker's rows and bases as one ring of ``horizon`` slots; the slot of this report held the row made
+        # ``horizon`` measurements ago, which now has its target (where it was full), and takes the row made now
+        if not (self.rows_.flags.c_contiguous and self.bases_.flags.c_contiguous):  # written through the flat views
+            self.rows_, self.bases_ = np.ascontiguousarray(self.rows_), np.ascontiguousarray(self.bases_)
+        rows, bases = self.rows_.reshape(-1, self.rows_.shape[-1]), self.bases_.reshape(-1)  # views of them
+        slot = workers * self.horizon + count % self.horizon
+        due = None if fewest >= self.lags + self.horizon - 1 else count >= self.lags + self.horizon - 1
+        if due is None:
+            self.pending_ = (rows[slot], log_thr - bases[slot])
+        elif due.any():
+            self.pending_ = (rows[slot[due]], log_thr[due] - bases[slot[due]])
+        # shift the new measurement into each worker's history; of a worker twice in ``reports``, the last stays
+        history = np.concatenate([history[:, 1:], log_thr[:, None]], axis=1)
+        exog = np.concatenate([self.exog_[workers, 1:], exog[:, None]], axis=1)
+        smoothed = self.alpha_ewma * log_thr + (1 - self.alpha_ewma) * level
+        level = smoothed if fewest else np.where(count == 0, log_thr, smoothed)
+        self.log_thr_[workers], self.exog_[workers], self.log_level_[workers] = history, exog, level
         self.count_[workers] = count + 1
-        full = count + 1 >= self.lags
-        if full.any():
-            slot = count[full] % self.horizon
-            self.rows_[workers[full], slot] = self._inputs(workers[full])
-            self.bases_[workers[full], slot] = log_thr[full]
+        full = None if fewest >= self.lags - 1 else count >= self.lags - 1
+        if full is None:
+            rows[slot], bases[slot] = self._inputs(history, level, exog), log_thr
+        elif full.any():
+            rows[slot[full]] = self._inputs(history[full], level[full], exog[full])
+            bases[slot[full]] = log_thr[full]
         if not defer:
             self.finish_learning()
         self.forecast_ = None  # predictions are computed once per update, on the first predict
@@ -139,17 +158,26 @@ class NARXThroughput(CapacityModel):
         self._check_is_fitted("weights_")
         if self.forecast_ is None:
             self.forecast_ = self._forecast_all()
-        return self._with_prior(self.forecast_, workers)
+        ids = worker_ids(workers)
+        if ids.size and ids.max() < self.forecast_.size:
+            forecast = self.forecast_[ids]
+            if np.isfinite(forecast).all():  # the usual case: every worker asked has one, no prior to take
+                return forecast
+        return self._with_prior(self.forecast_, ids)
 
     # -- helpers -----------------------------------------------------------------------------------------
-    def _unless_spike(self, workers: np.ndarray, log_thr: np.ndarray) -> np.ndarray:
-        """Which measurements to learn from: all but a first one over ``spike`` times the worker's expected
-        throughput, which is held back (``held_``) until the worker's next measurement confirms the jump."""
+    def _unless_spike(self, workers: np.ndarray, log_thr: np.ndarray, count: np.ndarray, latest: np.ndarray,
+                      level: np.ndarray) -> np.ndarray | None:
+        """Which measurements to learn from (None: all): all but a first one over ``spike`` times the worker's
+        expected throughput (the larger of its EWMA ``level`` and its ``latest`` measurement, as logs; ``count``: its
+        measurements so far), which is held back (``held_``) until the worker's next measurement confirms the jump."""
         if self.spike is None:
-            return np.ones(workers.size, dtype=bool)
-        expected = np.maximum(self.log_level_[workers], self.log_thr_[workers, -1])
-        high = (self.count_[workers] > 0) & (log_thr > expected + np.log(self.spike))
-        held = high & ~self.held_[workers]
+            return None
+        high = log_thr > np.maximum(level, latest) + np.log(self.spike)
+        if not high.any():  # the usual case: nothing to hold, and any held before is confirmed or not
+            self.held_[workers] = False
+            return None
+        held = high & (count > 0) & ~self.held_[workers]
         self.held_[workers] = held
         return ~held
 
@@ -236,31 +264,29 @@ class NARXThroughput(CapacityModel):
     def _exogenous(self, reports: Sequence[Report]) -> np.ndarray:
         """The ``features`` columns of each report, 0 where one is missing, with ``proc_cpu`` per core of the
         report's machine (as is when it reports no ``cores``)."""
-        out = np.empty((len(reports), len(self.features)))
-        for j, name in enumerate(self.features):
-            out[:, j] = feature(reports, name, 0.0)
-            if name == "proc_cpu":
-                out[:, j] /= feature(reports, "cores", 1.0)
-        return out
+        columns = [feature(reports, name, 0.0) / feature(reports, "cores", 1.0) if name == "proc_cpu"
+                   else feature(reports, name, 0.0) for name in self.features]
+        return np.array(columns, dtype=float).reshape(len(columns), len(reports)).T
 
-    def _inputs(self, workers: np.ndarray) -> np.ndarray:
-        """One input row per worker from its history: lagged log-ratios, EWMA gap, lagged features."""
-        history = self.log_thr_[workers]
-        last = history[:, -1:]
-        parts = [history[:, :-1] - last, self.log_level_[workers][:, None] - last]
+    def _inputs(self, history: np.ndarray, level: np.ndarray, exog: np.ndarray) -> np.ndarray:
+        """One input row per worker from its ``history`` of log-throughputs, EWMA ``level`` and ``exog`` features
+        (as ``log_thr_``, ``log_level_`` and ``exog_`` hold them): lagged log-ratios, EWMA gap, lagged features."""
+        parts = [history[:, :-1], level[:, None]]
         if self.exog_lags:
-            parts.append(self.exog_[workers, -self.exog_lags:].reshape(len(workers), -1))
-        return np.concatenate(parts, axis=1)
+            parts.append(exog[:, -self.exog_lags:].reshape(len(history), -1))
+        rows = np.concatenate(parts, axis=1)
+        rows[:, :self.lags] -= history[:, -1:]  # the log-throughputs and the level relative to the latest
+        return rows
 
     def _forecast_all(self) -> np.ndarray:
         """Every known worker's forecast (NaN for ids never seen): the network's once warm, else the EWMA level."""
         forecast = np.where(self.count_ > 0, np.exp(self.log_level_), np.nan)
-        full = np.flatnonzero(self.count_ >= self.lags)
-        trusted = self.updates_ >= self.warmup and self.recent_error_[0] < self.recent_error_[1]
-        if trusted and full.size:
-            slot = (self.count_[full] - 1) % self.horizon
-            delta = np.clip(self._net(self.rows_[full, slot])[-1][:, 0], -3.0, 3.0)
-            forecast[full] = np.exp(self.bases_[full, slot] + delta)
+        if self.updates_ >= self.warmup and self.recent_error_[0] < self.recent_error_[1]:  # the network is trusted
+            full = np.flatnonzero(self.count_ >= self.lags)
+            if full.size:
+                slot = full * self.horizon + (self.count_[full] - 1) % self.horizon  # the latest row's, as partial_fit
+                delta = np.clip(self._net(self.rows_.reshape(-1, self.rows_.shape[-1])[slot])[-1][:, 0], -3.0, 3.0)
+                forecast[full] = np.exp(self.bases_.reshape(-1)[slot] + delta)
         return forecast
 
     def _score(self, rows: np.ndarray, targets: np.ndarray, weight: float = 0.1) -> None:
