@@ -376,6 +376,10 @@ class CapacityModel(BaseEstimator):
         """``values`` (indexed by worker id, NaN where unknown) for ``workers``, the similar-hardware prior
         where a worker has none."""
         ids = worker_ids(workers)
+        if ids.size and ids.max() < values.size:
+            out = values[ids]
+            if np.isfinite(out).all():  # the usual case: every worker asked has a value, no prior to take
+                return out
         out = np.full(ids.size, np.nan)
         inside = ids < values.size
         out[inside] = values[ids[inside]]

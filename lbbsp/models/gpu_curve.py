@@ -19,6 +19,7 @@ counted apart, so that readings taken before it still give the worker's own byte
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -121,15 +122,26 @@ def line_from_sums(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     sum w z^2), which still passes through the well-measured sizes; where its slope is negative, or no point
     lies above the knee, the flat fit."""
     s_w, s_t, s_z, s_zz, s_zt, s_p = np.moveaxis(sums, -1, 0)
-    det = s_w * s_zz - s_z ** 2
-    determined = det > 1e-9 * np.maximum(s_w * s_zz, 1e-300)
+    base, slope, positive = _free_line(s_w, s_t, s_z, s_zz, s_zt)
+    return base, slope, s_p / positive
+
+
+def _free_line(s_w: np.ndarray, s_t: np.ndarray, s_z: np.ndarray, s_zz: np.ndarray,
+               s_zt: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`line_from_sums`' base and slope, and the sum of weights it divides by (1 where there is none)."""
+    spread = s_w * s_zz
+    det = spread - s_z ** 2
+    determined = det > 1e-9 * np.maximum(spread, 1e-300)
+    rising = s_zz > 0
     with np.errstate(divide="ignore", invalid="ignore"):
         slope = np.maximum(np.where(determined, (s_w * s_zt - s_z * s_t) / det, 0.0), 0.0)
         positive = np.where(s_w > 0, s_w, 1.0)
         base = (s_t - slope * s_z) / positive
-        through_zero = ((base < 0) | ~determined) & (s_zz > 0)
-        slope = np.where(through_zero, s_zt / np.where(s_zz > 0, s_zz, 1.0), slope)
-        return np.where(through_zero, 0.0, base), slope, s_p / positive
+        through_zero = ((base < 0) | ~determined) & rising
+        if through_zero.any():
+            slope = np.where(through_zero, s_zt / np.where(rising, s_zz, 1.0), slope)
+            base = np.where(through_zero, 0.0, base)
+        return base, slope, positive
 
 
 def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budget: np.ndarray,
@@ -280,31 +292,39 @@ class BatchTimeCurve(CapacityModel):
         self._assign_groups(rows)
         every = _all_or(rows, self.count_.size)
         total = used + free
-        new_total = np.isfinite(total) & (total != self.mem_total_[rows])
-        self.mem_total_[rows] = np.where(np.isfinite(total), total, self.mem_total_[rows])
-        new_other = self._watch_others(every, size, used)
+        finite, known_total = np.isfinite(total), self.mem_total_[every]
+        new_total = finite & (total != known_total)
+        if new_total.any():  # elsewhere the card's size is the one known, or not reported
+            self.mem_total_[every] = np.where(finite, total, known_total)
+        # a reading other than the one before, or at another size: the only ones that memory watching reads
+        moved = np.isfinite(used) & ((size != self.read_size_[every]) | (used != self.read_mem_[every]))
+        any_moved = bool(moved.any())
+        new_other = self._watch_others(every, size, used, moved) if any_moved else moved  # (all False)
         new_size, new_mem, held = self._record(every, size, seconds, used)
-        new_held = self._watch_readings(rows, size, used)
-        self.latest_[rows] = size
-        self.count_[rows] += 1
+        new_held = self._watch_readings(every, size, used) if any_moved else moved
+        self.latest_[every] = size
+        self.count_[every] += 1
         # A new size changes the slots: take the sums at the knee found so far from them (the knee is searched again
         # in finish_learning). Elsewhere the sizes are unchanged: decay the sums and add the measurement, O(1) each.
-        fresh = rows[new_size]
-        if fresh.size:
+        fresh = rows[new_size] if new_size.any() else None
+        if fresh is not None:
             self._sums_from_slots(fresh)
             self._largest_size(fresh)
-        rest, x, t, kept = rows[~new_size], size[~new_size], seconds[~new_size], ~held[~new_size]
-        rest = _all_or(rest, self.count_.size)
-        z = np.maximum(x - self.knee_[rest], 0.0)
-        added = np.column_stack([np.ones_like(z), t, z, z * z, z * t, t / x]) * kept[:, None]
-        self.sums_[rest] = self._decay * self.sums_[rest] + added
+            rest, x, t, held = rows[~new_size], size[~new_size], seconds[~new_size], held[~new_size]
+            rest = _all_or(rest, self.count_.size)
+        else:
+            rest, x, t = every, size, seconds
+        self._add_to_sums(rest, x, t, held)
         self._know(every)
         self._line(every)
         # the cap follows every change of the memory readings, also another process's on the same card
-        refit = rows[new_size | new_mem | new_total | new_held | new_other]
-        if refit.size:
-            self._fit_memory(refit)
-        self.pending_ = np.union1d(self.pending_, fresh)
+        refit = new_size | new_mem | new_total
+        if any_moved:
+            refit |= new_held | new_other
+        if refit.any():
+            self._fit_memory(rows[refit])
+        if fresh is not None:
+            self.pending_ = np.union1d(self.pending_, fresh)
         self._pool()
         return self if defer else self.finish_learning()
 
@@ -324,9 +344,15 @@ class BatchTimeCurve(CapacityModel):
     def predict(self, workers: WorkerIds) -> np.ndarray:
         """Throughput at each worker's latest batch size, as the curve predicts it."""
         self._check_is_fitted("slot_size_")
-        known = np.flatnonzero(self.count_ > 0)
+        known = _all_or(np.flatnonzero(self.count_ > 0), self.count_.size)
         throughput = np.full(self.count_.size, np.nan)  # per worker id; the prior fills workers never measured
-        throughput[known] = self.latest_[known] / self._curve(known).time(self.latest_[known])
+        latest, base, knee, slope = (self.latest_[known], self.pooled_base_[known], self.pooled_knee_[known],
+                                     self.pooled_slope_[known])
+        # HingeTime.time, where no worker's latest size lies past its largest measured (the usual case: it is in a slot)
+        seconds = base + slope * np.maximum(latest - knee, 0.0)
+        if (latest > self.observed_max_[known]).any():
+            seconds = HingeTime(base, knee, slope, self.observed_max_[known]).time(latest)
+        throughput[known] = latest / seconds
         return self._with_prior(throughput, workers)
 
     def time_model(self, workers: WorkerIds) -> HingeTime:
@@ -348,9 +374,12 @@ class BatchTimeCurve(CapacityModel):
         self._check_is_fitted("slot_size_")
         workers_arr = worker_ids(workers)
         inside = workers_arr < self.count_.size
-        safe = np.where(inside, workers_arr, 0)
-        caps = np.where(inside, self.cap_[safe], _NO_CAP)
-        cold = np.flatnonzero(~inside | ~np.isfinite(self.mem_rate_[safe]))
+        if inside.all():
+            caps, cold = self.cap_[workers_arr], np.flatnonzero(~np.isfinite(self.mem_rate_[workers_arr]))
+        else:
+            safe = np.where(inside, workers_arr, 0)
+            caps = np.where(inside, self.cap_[safe], _NO_CAP)
+            cold = np.flatnonzero(~inside | ~np.isfinite(self.mem_rate_[safe]))
         if cold.size and self.group_ids_:
             measured = np.isfinite(self.mem_rate_)
             smallest = np.full(len(self.group_ids_), _NO_CAP)
@@ -377,8 +406,12 @@ class BatchTimeCurve(CapacityModel):
             return sizes
         workers_arr = worker_ids(workers)
         inside = workers_arr < self.count_.size
-        ids = np.where(inside, workers_arr, 0)
-        unknown = np.flatnonzero(inside & (self.count_[ids] > 0) & ~self.known_[ids])
+        if inside.all():
+            ids = workers_arr
+            unknown = np.flatnonzero((self.count_[ids] > 0) & ~self.known_[ids])
+        else:
+            ids = np.where(inside, workers_arr, 0)
+            unknown = np.flatnonzero(inside & (self.count_[ids] > 0) & ~self.known_[ids])
         if unknown.size == 0:
             return sizes
         latest, coming = self.latest_[ids[unknown]], sizes[unknown]
@@ -429,13 +462,29 @@ class BatchTimeCurve(CapacityModel):
         (``mem_other_``, which a GPU that changed speed, :meth:`_shifted`, sets to none as it starts from empty
         slots); a single measurement beyond the band is held out. Returns which rows changed their set of sizes,
         which read memory other than their slot held, and which measurements were held out."""
+        # where rows is a slice, these are views: the slots change in place
         sizes, times, mem = self.slot_size_[rows], self.slot_time_[rows], self.slot_mem_[rows]
-        weight = self.slot_weight_[rows] * self._decay
+        weight = self.slot_weight_[rows]
+        weight *= self._decay
         match = (sizes == size[:, None]) & (weight > 0)
-        shifted, missed = self._shifted(rows, seconds, np.where(match, times, 0.0).sum(1), match.any(1))
-        weight[shifted], match[shifted] = 0.0, False
-        new = ~match.any(1)
-        if new.any():
+        at = np.arange(size.size), np.argmax(match, axis=1)  # a row's sizes are distinct: its one slot of that size
+        has, time_at = match[at], times[at]
+        timed = has & (time_at > 0)
+        every_timed = bool(timed.all())
+        if every_timed:
+            miss = seconds / time_at - 1.0
+        else:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                miss = np.where(timed, seconds / time_at - 1.0, 0.0)
+        shifted, missed = self._shifted(rows, miss)
+        any_missed = bool(missed.any())
+        any_shifted = any_missed and bool(shifted.any())
+        if any_shifted:
+            weight[shifted], match[shifted] = 0.0, False
+            has = has & ~shifted
+        new = ~has
+        any_new = (any_shifted or not every_timed) and bool(new.any())  # every row timed had its slot
+        if any_new:
             fresh = np.flatnonzero(new)
             full = fresh[(weight[fresh] > 0).all(1)]
             if full.size:
@@ -445,45 +494,77 @@ class BatchTimeCurve(CapacityModel):
             slot = np.argmin(weight[empty] > 0, axis=1)  # first empty slot
             sizes[empty, slot], times[empty, slot], mem[empty, slot] = size[empty], 0.0, np.nan
             match[empty, slot] = True
-        at = np.arange(size.size), np.argmax(match, axis=1)
+            at[1][fresh] = np.argmax(match[fresh], axis=1)
+            time_at = times[at]
         before = weight[at]
         # a miss beyond the band is a change (confirmed by the next) or an outlier: neither noise nor time to keep
-        held = missed & ~shifted
-        noisy = ~new & ~missed
-        self._track_noise(seconds[noisy] / times[at][noisy] - 1.0, before[noisy])
-        times[at] = np.where(held, times[at], (before * times[at] + seconds) / (before + 1.0))
-        other = np.where(shifted, 0.0, self.mem_other_[rows])  # forgotten slots: readings start afresh
-        self.mem_other_[rows] = other
-        self.mem_doubt_[rows] = np.where(shifted, 0.0, self.mem_doubt_[rows])
-        reads, net = np.isfinite(used), used - other
-        new_mem = reads & (mem[at] != net)
-        mem[at] = np.where(reads, net, mem[at])
+        held, noisy = (missed & ~shifted, ~new & ~missed) if any_missed else (missed, has)
+        if every_timed and not any_missed:  # the usual case: each measurement had its slot, and missed it by noise
+            self._track_noise(miss, before)
+        elif noisy.all():
+            self._track_noise(seconds / time_at - 1.0, before)
+        else:
+            self._track_noise(seconds[noisy] / time_at[noisy] - 1.0, before[noisy])
+        mean = (before * time_at + seconds) / (before + 1.0)
+        times[at] = np.where(held, time_at, mean) if any_missed and held.any() else mean
+        if any_shifted:  # forgotten slots: readings start afresh
+            other = np.where(shifted, 0.0, self.mem_other_[rows])
+            self.mem_other_[rows] = other
+            self.mem_doubt_[rows] = np.where(shifted, 0.0, self.mem_doubt_[rows])
+        else:
+            other = self.mem_other_[rows]
+        reads, net, mem_at = np.isfinite(used), used - other, mem[at]
+        if reads.all():
+            new_mem = mem_at != net
+            mem[at] = net
+        else:
+            new_mem = reads & (mem_at != net)
+            mem[at] = np.where(reads, net, mem_at)
         # memory in use does not fall as the batch grows: a smaller size's reading above this one is stale (read with
         # another process that has left since, unseen: it came as the worker first ran that size); bring it down
-        read = np.flatnonzero(new_mem | new)
-        stale = (weight[read] > 0) & (sizes[read] < size[read, None]) & (mem[read] > net[read, None] + _MIN_RISE)
-        if stale.any():
-            mem[read] = np.where(stale, net[read, None], mem[read])
-            new_mem[read] |= stale.any(1)
-        weight[at] = before + ~held
-        self.latest_weight_[rows] = weight[at]
-        self.slot_size_[rows], self.slot_time_[rows], self.slot_mem_[rows] = sizes, times, mem
-        self.slot_weight_[rows] = weight
+        if any_new or new_mem.any():
+            read = np.flatnonzero(new_mem | new)
+            stale = (weight[read] > 0) & (sizes[read] < size[read, None]) & (mem[read] > net[read, None] + _MIN_RISE)
+            if stale.any():
+                mem[read] = np.where(stale, net[read, None], mem[read])
+                new_mem[read] |= stale.any(1)
+        weight[at] = after = (before + ~held) if any_missed else (before + 1.0)
+        self.latest_weight_[rows] = after
+        if not isinstance(rows, slice):
+            self.slot_size_[rows], self.slot_time_[rows], self.slot_mem_[rows] = sizes, times, mem
+            self.slot_weight_[rows] = weight
         return new, new_mem, held
 
-    def _shifted(self, rows: np.ndarray | slice, seconds: np.ndarray, slot_time: np.ndarray,
-                 has_slot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _shifted(self, rows: np.ndarray | slice, miss: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(Which rows' GPUs changed speed, which rows missed): count each row's misses in a row against its size's
-        slot (signed by direction, reset by a measurement within the band or at a size without a slot)."""
-        band = max(_SHIFT, _SHIFT_SIGMAS * float(np.sqrt(self.noise_))) if np.isfinite(self.noise_) else _SHIFT
-        with np.errstate(divide="ignore", invalid="ignore"):
-            miss = np.where(has_slot & (slot_time > 0), seconds / slot_time - 1.0, 0.0)
+        slot, ``miss`` (relative; 0 at a size without a slot), signed by direction, reset by a measurement within the
+        band or at a size without a slot."""
+        band = max(_SHIFT, _SHIFT_SIGMAS * math.sqrt(self.noise_)) if math.isfinite(self.noise_) else _SHIFT
+        within = np.abs(miss) <= band
+        if within.all():  # the usual case: every streak ends
+            self.misses_[rows] = 0
+            return ~within, ~within
         direction = np.sign(miss) * (np.abs(miss) > band)
         streak = self.misses_[rows]
         streak = np.where((direction != 0) & (np.sign(streak) == direction), streak + direction, direction)
         shifted = np.abs(streak) >= _SHIFT_MISSES
         self.misses_[rows] = np.where(shifted, 0, streak)
         return shifted, direction != 0
+
+    def _add_to_sums(self, rows: np.ndarray | slice, x: np.ndarray, t: np.ndarray, held: np.ndarray) -> None:
+        """Decay the hinge sums of ``rows`` (sizes unchanged) and add one measurement each, ``t`` seconds at ``x``
+        samples, at the row's knee; a measurement ``held`` out adds nothing. In place, column by column."""
+        z = np.maximum(x - self.knee_[rows], 0.0)
+        if held.any():
+            added = np.column_stack([np.ones_like(z), t, z, z * z, z * t, t / x]) * ~held[:, None]
+            self.sums_[rows] = self._decay * self.sums_[rows] + added
+            return
+        sums = self.sums_[rows]  # a view where rows is a slice
+        sums *= self._decay
+        for column, value in enumerate((1.0, t, z, z * z, z * t, t / x)):
+            sums[:, column] += value
+        if not isinstance(rows, slice):
+            self.sums_[rows] = sums
 
     def _sums_from_slots(self, rows: np.ndarray) -> None:
         """The hinge sums of ``rows`` at their knee, taken afresh from their slots."""
@@ -509,10 +590,14 @@ class BatchTimeCurve(CapacityModel):
 
     def _line(self, rows: np.ndarray | slice) -> None:
         """base_ and slope_ of ``rows`` from their sums; the proportional line where the curve is not known."""
-        base, slope, proportional = line_from_sums(self.sums_[rows])
+        sums = self.sums_[rows]
+        base, slope, positive = _free_line(*(sums[:, column] for column in range(5)))
         known = self.known_[rows]
-        self.base_[rows] = np.where(known, np.maximum(base, 1e-9), 1e-9)
-        self.slope_[rows] = np.where(known, slope, proportional)
+        if known.all():
+            self.base_[rows], self.slope_[rows] = np.maximum(base, 1e-9), slope
+        else:
+            self.base_[rows] = np.where(known, np.maximum(base, 1e-9), 1e-9)
+            self.slope_[rows] = np.where(known, slope, sums[:, 5] / positive)
 
     def _assign_groups(self, rows: np.ndarray) -> None:
         """Number each new worker's hardware key (device, cores): workers that share one pool their curves."""
@@ -524,7 +609,7 @@ class BatchTimeCurve(CapacityModel):
         misses of repeated sizes against their slot's mean (itself off by 1 / weight of that variance);
         exponentially weighted over iterations."""
         if miss.size >= 2:
-            variance = float(np.mean(miss ** 2 / (1.0 + 1.0 / weight)))
+            variance = float(np.add.reduce(miss ** 2 / (1.0 + 1.0 / weight)) / miss.size)  # np.mean, less its checks
             self.noise_ = variance if np.isnan(self.noise_) else 0.9 * self.noise_ + 0.1 * variance
 
     def _pool(self) -> None:
@@ -533,28 +618,39 @@ class BatchTimeCurve(CapacityModel):
         size and tau^2 is how much the group's workers really differ (their spread beyond what the noise
         explains). Identical GPUs then share one precise curve from their first measurements; GPUs that
         differ, groups of under three and curves still unknown keep their own (the proportional line, knee 0)."""
-        self.pooled_base_, self.pooled_slope_ = self.base_.copy(), self.slope_.copy()
-        self.pooled_knee_ = np.where(self.known_, self.knee_, 0.0)
         own = self.known_ & (self.count_ > 0)
-        if not np.isfinite(self.noise_) or own.sum() < 3:
+        count = int(np.count_nonzero(own))
+        if not math.isfinite(self.noise_) or count < 3:
+            self.pooled_base_, self.pooled_slope_ = self.base_.copy(), self.slope_.copy()
+            self.pooled_knee_ = np.where(self.known_, self.knee_, 0.0)
             return
-        group, groups = self.group_[own], len(self.group_ids_)
+        whole = count == own.size
+        at = slice(None) if whole else _all_or(np.flatnonzero(own), own.size)  # views where a slice does
+        group, groups = self.group_[at], len(self.group_ids_)
         members = np.bincount(group, minlength=groups)
-        params = self.base_[own], self.knee_[own], self.slope_[own]
-        means = [(np.bincount(group, p, minlength=groups) / np.maximum(members, 1))[group] for p in params]
-        x = self.latest_[own]
+        params = self.base_[at], self.knee_[at], self.slope_[at]
+        per_member = np.maximum(members, 1)
+        means = [(np.bincount(group, p, minlength=groups) / per_member)[group] for p in params]
+        x = self.latest_[at]
         mine = params[0] + params[2] * np.maximum(x - params[1], 0.0)
         theirs = means[0] + means[2] * np.maximum(x - means[1], 0.0)
-        noise = self.noise_ / self.latest_weight_[own]
+        noise = self.noise_ / self.latest_weight_[at]
         beyond_noise = np.bincount(group, (mine / theirs - 1.0) ** 2 - noise, minlength=groups) / np.maximum(members - 1, 1)
         tau2 = np.where(members >= 3, np.maximum(beyond_noise, 0.0), np.inf)[group]
-        shrunk = np.isfinite(tau2) & (tau2 + noise > 0)  # with no noise and no spread, nothing to shrink
-        keep = np.ones(tau2.size)
-        keep[shrunk] = tau2[shrunk] / (tau2[shrunk] + noise[shrunk])
-        self.pooled_base_[own], self.pooled_knee_[own], self.pooled_slope_[own] = (
-            keep * p + (1 - keep) * m for p, m in zip(params, means))
+        total = tau2 + noise
+        shrunk = np.isfinite(tau2) & (total > 0)  # with no noise and no spread, nothing to shrink
+        with np.errstate(divide="ignore", invalid="ignore"):
+            keep = np.where(shrunk, tau2 / total, 1.0)
+        rest = 1 - keep
+        pooled = [keep * p + rest * m for p, m in zip(params, means)]
+        if whole:
+            self.pooled_base_, self.pooled_knee_, self.pooled_slope_ = pooled
+        else:
+            self.pooled_base_, self.pooled_slope_ = self.base_.copy(), self.slope_.copy()
+            self.pooled_knee_ = np.where(self.known_, self.knee_, 0.0)
+            self.pooled_base_[at], self.pooled_knee_[at], self.pooled_slope_[at] = pooled
 
-    def _watch_readings(self, rows: np.ndarray, size: np.ndarray, used: np.ndarray) -> np.ndarray:
+    def _watch_readings(self, rows: np.ndarray | slice, size: np.ndarray, used: np.ndarray) -> np.ndarray:
         """Mark the rows whose memory reading did not fall while their size did (held at a peak, as NVML's 'used'
         is under PyTorch's caching allocator, or another process grew meanwhile); returns the rows newly marked."""
         reads = np.isfinite(used)
@@ -564,7 +660,8 @@ class BatchTimeCurve(CapacityModel):
         self.read_mem_[rows] = np.where(reads, used, self.read_mem_[rows])
         return held
 
-    def _watch_others(self, rows: np.ndarray | slice, size: np.ndarray, used: np.ndarray) -> np.ndarray:
+    def _watch_others(self, rows: np.ndarray | slice, size: np.ndarray, used: np.ndarray,
+                      check: np.ndarray) -> np.ndarray:
         """Follow ``mem_other_``, the bytes other processes have taken on each row's card since its slots' readings
         (which are kept net of it): a reading above what the slots predict at its size (:func:`_expected_reading`:
         as readings fall, or on a card seen holding its peak, ``mem_held_``, as they are held) by more than an
@@ -578,15 +675,12 @@ class BatchTimeCurve(CapacityModel):
         caching allocator's peak, and read as held, the card shows the doubt's bytes leave (kept, they had held a
         nearly full card's cap at each smaller size it ran, down to 1 sample). A held card whose reading moves with
         its size, by its own bytes, holds no peak (the first such reading came with a co-tenant): it is read as
-        falling again. Returns the rows whose ``mem_other_`` or ``mem_held_`` changed."""
+        falling again. ``check``: the readings to follow, those other than the one before or at another size (the
+        same reading at the same size is what its slot predicts). Returns the rows whose ``mem_other_`` or
+        ``mem_held_`` changed."""
         changed = np.zeros(size.size, dtype=bool)
-        before_size, before = self.read_size_[rows], self.read_mem_[rows]
-        # a reading the same as the one before, at the same size, is what its slot predicts: nothing to follow
-        check = np.isfinite(used) & ((size != before_size) | (used != before))
-        if not check.any():
-            return changed
         ids = np.arange(self.mem_other_.size)[rows][check]
-        size, used, before_size, before = size[check], used[check], before_size[check], before[check]
+        size, used, before_size, before = size[check], used[check], self.read_size_[ids], self.read_mem_[ids]
         other, doubt, held = self.mem_other_[ids], self.mem_doubt_[ids], self.mem_held_[ids]
         sizes, mem = self.slot_size_[ids], self.slot_mem_[ids]
         valid = (self.slot_weight_[ids] > 0) & np.isfinite(mem)
@@ -662,8 +756,18 @@ class BatchTimeCurve(CapacityModel):
 
 
 def _all_or(rows: np.ndarray, total: int) -> np.ndarray | slice:
-    """``rows``, or the full slice when they are every row in order (plain views instead of copies)."""
-    return slice(None) if rows.size == total and bool((rows == np.arange(total)).all()) else rows
+    """``rows`` as a slice where they are evenly spaced in increasing order (plain views instead of copies): every row
+    of ``total``, or every other one, as a mixed job's GPU workers may be; else ``rows`` itself."""
+    if rows.size == total:
+        return slice(None) if bool((rows == np.arange(total)).all()) else rows
+    if not rows.size:
+        return rows
+    first = int(rows[0])
+    step = int(rows[1]) - first if rows.size > 1 else 1
+    if step < 1:
+        return rows
+    last = first + step * (rows.size - 1)
+    return slice(first, last + 1, step) if bool((rows == np.arange(first, last + 1, step)).all()) else rows
 
 
 def _expected_reading(sizes: np.ndarray, mem: np.ndarray, valid: np.ndarray,

@@ -36,7 +36,7 @@ import numpy as np
 from ..config import _integer, _real
 from ..errors import ConfigError
 from ..protocol import FEATURE_RANGES, Report
-from .base import CapacityModel, WorkerIds, as_reports, feature, field, worker_ids
+from .base import CapacityModel, WorkerIds, as_reports, feature, field
 
 DEFAULT_FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util")
 
@@ -158,12 +158,7 @@ class NARXThroughput(CapacityModel):
         self._check_is_fitted("weights_")
         if self.forecast_ is None:
             self.forecast_ = self._forecast_all()
-        ids = worker_ids(workers)
-        if ids.size and ids.max() < self.forecast_.size:
-            forecast = self.forecast_[ids]
-            if np.isfinite(forecast).all():  # the usual case: every worker asked has one, no prior to take
-                return forecast
-        return self._with_prior(self.forecast_, ids)
+        return self._with_prior(self.forecast_, workers)
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _unless_spike(self, workers: np.ndarray, log_thr: np.ndarray, count: np.ndarray, latest: np.ndarray,
