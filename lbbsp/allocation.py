@@ -437,7 +437,10 @@ class HingeTime:
         the line through the origin and the last measured point."""
         x = np.asarray(sizes, dtype=float)
         hinge = self.base + self.slope * np.maximum(x - self.knee, 0.0)
-        return np.where(x > self.observed_max, np.maximum(hinge, self._ratio * x), hinge)
+        beyond = x > self.observed_max
+        if not beyond.any():  # the usual case: every size within what was measured
+            return hinge
+        return np.where(beyond, np.maximum(hinge, self._ratio * x), hinge)
 
     def capacity(self, deadline: float | np.ndarray) -> np.ndarray:
         """How many samples each worker finishes by ``deadline`` seconds, one for all or one per worker (at most

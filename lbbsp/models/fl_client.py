@@ -131,7 +131,8 @@ class FLClientModel(CapacityModel):
         down, up = feature(reports, "download_s"), feature(reports, "upload_s")
         bandwidth_down, bandwidth_up = feature(reports, "bandwidth_down"), feature(reports, "bandwidth_up")
         timed = ~np.isnan(down) | ~np.isnan(up)
-        silent = ~timed & np.isnan(bandwidth_down) & np.isnan(bandwidth_up) & (field(reports, "samples") > 0)
+        silent = np.logical_and.reduce([np.isnan(feature(reports, name)) for name in TRANSFER_FEATURES]) & (
+            field(reports, "samples") > 0)
         seconds = np.where(timed, np.nan_to_num(down) + np.nan_to_num(up), np.nan)
         if self.model_bytes is not None:
             with np.errstate(divide="ignore"):

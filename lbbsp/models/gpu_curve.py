@@ -346,13 +346,10 @@ class BatchTimeCurve(CapacityModel):
         self._check_is_fitted("slot_size_")
         known = _all_or(np.flatnonzero(self.count_ > 0), self.count_.size)
         throughput = np.full(self.count_.size, np.nan)  # per worker id; the prior fills workers never measured
-        latest, base, knee, slope = (self.latest_[known], self.pooled_base_[known], self.pooled_knee_[known],
-                                     self.pooled_slope_[known])
-        # HingeTime.time, where no worker's latest size lies past its largest measured (the usual case: it is in a slot)
-        seconds = base + slope * np.maximum(latest - knee, 0.0)
-        if (latest > self.observed_max_[known]).any():
-            seconds = HingeTime(base, knee, slope, self.observed_max_[known]).time(latest)
-        throughput[known] = latest / seconds
+        latest = self.latest_[known]
+        curve = HingeTime(self.pooled_base_[known], self.pooled_knee_[known], self.pooled_slope_[known],
+                          self.observed_max_[known])
+        throughput[known] = latest / curve.time(latest)
         return self._with_prior(throughput, workers)
 
     def time_model(self, workers: WorkerIds) -> HingeTime:
@@ -501,8 +498,6 @@ class BatchTimeCurve(CapacityModel):
         held, noisy = (missed & ~shifted, ~new & ~missed) if any_missed else (missed, has)
         if every_timed and not any_missed:  # the usual case: each measurement had its slot, and missed it by noise
             self._track_noise(miss, before)
-        elif noisy.all():
-            self._track_noise(seconds / time_at - 1.0, before)
         else:
             self._track_noise(seconds[noisy] / time_at[noisy] - 1.0, before[noisy])
         mean = (before * time_at + seconds) / (before + 1.0)
@@ -621,8 +616,7 @@ class BatchTimeCurve(CapacityModel):
         own = self.known_ & (self.count_ > 0)
         count = int(np.count_nonzero(own))
         if not math.isfinite(self.noise_) or count < 3:
-            self.pooled_base_, self.pooled_slope_ = self.base_.copy(), self.slope_.copy()
-            self.pooled_knee_ = np.where(self.known_, self.knee_, 0.0)
+            self._own_curves()
             return
         whole = count == own.size
         at = slice(None) if whole else _all_or(np.flatnonzero(own), own.size)  # views where a slice does
@@ -646,9 +640,13 @@ class BatchTimeCurve(CapacityModel):
         if whole:
             self.pooled_base_, self.pooled_knee_, self.pooled_slope_ = pooled
         else:
-            self.pooled_base_, self.pooled_slope_ = self.base_.copy(), self.slope_.copy()
-            self.pooled_knee_ = np.where(self.known_, self.knee_, 0.0)
+            self._own_curves()
             self.pooled_base_[at], self.pooled_knee_[at], self.pooled_slope_[at] = pooled
+
+    def _own_curves(self) -> None:
+        """Every worker's pooled curve set to its own (the proportional line, knee 0, where its curve is unknown)."""
+        self.pooled_base_, self.pooled_slope_ = self.base_.copy(), self.slope_.copy()
+        self.pooled_knee_ = np.where(self.known_, self.knee_, 0.0)
 
     def _watch_readings(self, rows: np.ndarray | slice, size: np.ndarray, used: np.ndarray) -> np.ndarray:
         """Mark the rows whose memory reading did not fall while their size did (held at a peak, as NVML's 'used'
