@@ -33,6 +33,7 @@ from lbbsp.store import redacted, redis_url
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from lbbsp.coordinator import CoordinatorProcess
     from lbbsp.policies import Policy
 
 _PR_SET_PDEATHSIG = 1
@@ -170,12 +171,19 @@ def _worker(rank: int, config: DemoConfig, init: str, url: str, events: Any, log
         raise
 
 
+#: The coordinator process this worker started (rank 0, during a phase), stopped first when the launcher stops it.
+_running: CoordinatorProcess | None = None
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     """The launcher's stop (after Ctrl-C or a failed peer) as SystemExit: the worker's cleanup runs, so its load
-    processes and rank 0's coordinator process end with it instead of outliving the launcher. Its stderr goes
-    quiet first: a peer stopped at the same moment can make gloo abort this process mid-collective ("terminate
-    called after throwing an instance of 'gloo::IoException'"), noise under the launcher's own report."""
+    processes end with it instead of outliving the launcher. Its stderr goes quiet first: a peer stopped at the
+    same moment can make gloo abort this process mid-collective ("terminate called after throwing an instance of
+    'gloo::IoException'"), noise under the launcher's own report. Rank 0's coordinator process is stopped here,
+    before that abort can come: orphaned by it, the coordinator logged that its parent was gone."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    if _running is not None:
+        _running.stop(timeout_s=2.0)
     raise SystemExit(128 + signum)
 
 
@@ -217,6 +225,8 @@ def _train_phase(rank: int, config: DemoConfig, phase: str, policy: Policy, url:
     data, model = build(config.hidden)
     model = DDP(model)
     lb = Balancer.from_env(config.global_batch, redis=url, policy=policy)
+    global _running  # noqa: PLW0603  (read by the SIGTERM handler)
+    _running = lb.coordinator
     lb.attach(model)
     loader = lb.loader(data, seed=0, drop_last=True)
     opt = torch.optim.SGD(model.parameters(), lr=config.lr)
@@ -245,6 +255,7 @@ def _train_phase(rank: int, config: DemoConfig, phase: str, policy: Policy, url:
             if step == config.steps:
                 break
     lb.close()
+    _running = None
     if rank == 0:
         events.put(("phase", phase, time.perf_counter() - started, drift, len(reference)))
 

@@ -874,7 +874,9 @@ class CoordinatorProcess:
         self._args = (url, config.to_json(), policy, max_ahead, ParentLogging.of_this_process())
         self._job, self._start_timeout_s = config.job, start_timeout_s
         self._stopping = threading.Event()
-        self._lock = threading.Lock()  # a restart and stop() take turns: stop() never leaves a new child running
+        # a restart and stop() take turns: stop() never leaves a new child running. Reentrant: a signal handler may
+        # call stop() while the thread it interrupted is inside stop()
+        self._lock = threading.RLock()
         self.restarts = 0
         self._process = self._spawn()
         atexit.register(self._stopping.set)  # runs before multiprocessing ends its children: no restart then

@@ -58,6 +58,34 @@ def test_ctrl_c_in_the_demo_prints_no_traceback_and_leaves_nothing_running() -> 
     assert [line for line in rest.splitlines() if " step " not in line] == ["lbbsp: interrupted"], rest
 
 
+@pytest.mark.timeout(90)
+def test_a_demo_worker_stopped_then_aborted_leaves_its_coordinator_quiet(redis_url: str, job: str) -> None:
+    """The launcher's SIGTERM, then gloo aborting rank 0 before its cleanup ran (os._exit here): its coordinator
+    process, orphaned, logged that its parent was gone, under the demo's "lbbsp: interrupted" (one CI run)."""
+    worker = subprocess.Popen([sys.executable, "-c", (
+        "import os, signal, sys, time\n"
+        "from lbbsp.integrations import demo\n"
+        "from lbbsp import CoordinatorProcess, JobConfig\n"
+        "if __name__ == '__main__':\n"
+        f"    demo._running = CoordinatorProcess({redis_url!r}, JobConfig({job!r}, 2, 64))\n"
+        "    signal.signal(signal.SIGTERM, demo._exit_on_sigterm)\n"
+        "    print(demo._running._process.pid, flush=True)\n"
+        "    try:\n"
+        "        time.sleep(60)\n"
+        "    except SystemExit:\n"
+        "        os._exit(134)  # an abort: no cleanup of this process's own\n")],
+        text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert worker.stdout is not None and worker.stderr is not None
+    coordinator = int(worker.stdout.readline())
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 134
+    deadline = time.monotonic() + 10
+    while _running(coordinator):
+        assert time.monotonic() < deadline, "the coordinator outlived its worker"
+        time.sleep(0.05)
+    assert "is gone" not in worker.stderr.read()
+
+
 @pytest.mark.timeout(60)
 def test_ctrl_c_does_not_stop_the_embedded_server_before_its_owner_cleans_up() -> None:
     """The server shared the terminal's process group, so Ctrl-C stopped it at once, under the owner's cleanup
