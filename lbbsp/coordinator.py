@@ -749,8 +749,8 @@ class Coordinator:
         if now < self._next_heartbeat:
             return
         self._next_heartbeat = now + 1.0
-        if not self.store.has_config():
-            self._put_back(now)
+        if not self.store.has_config():  # judged by the time it was found gone: keys that expired just after `now`
+            self._put_back(time.monotonic())  # had been taken for a flush
         other = self.store.claim_coordinator(self._identity, ttl_s=CLAIM_S)
         # A claim found once may be a stopped coordinator's, left to expire (a crash leaves it up to 5 s); one
         # found again, at any later heartbeat, has overwritten this coordinator's claim in between, so it is alive.

@@ -135,6 +135,28 @@ def test_a_coordinator_left_idle_after_its_job_warns_once_that_its_keys_expired_
     assert len(quiet) == 2 and "2 times since the last decision" in quiet[0] and "3 times" in quiet[1], quiet
 
 
+def test_keys_that_expire_while_the_heartbeat_runs_are_called_expired_not_flushed(
+        store: Store, job: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The heartbeat read the clock, then found the keys gone: where they expired in between, it judged the idle time
+    by the reading before and warned of a flush (one CI run of the test above)."""
+    config = JobConfig(job, 2, 64, ttl_s=10)
+    clock = _Clock()
+    monkeypatch.setattr("lbbsp.coordinator.time", clock)
+    coordinator = Coordinator(store, config)
+    found = store.has_config
+
+    def expiring() -> bool:  # the TTL runs out just after the heartbeat read the clock
+        clock.ahead_s += config.ttl_s + 1
+        store.forget()
+        return found()
+
+    monkeypatch.setattr(store, "has_config", expiring)
+    with caplog.at_level(logging.WARNING, logger="lbbsp.coordinator"):
+        coordinator._heartbeat()
+    gone = [m for m in _messages(caplog, logging.WARNING) if "keys are gone" in m]
+    assert len(gone) == 1 and "expired: no decision for 11s" in gone[0], gone
+
+
 def test_the_coordinators_outage_lines_name_its_job(job: str, caplog: pytest.LogCaptureFixture,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """"Redis unavailable for 3s (...); retrying" named no job: many coordinators' logs gathered in one place could not
