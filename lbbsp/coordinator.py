@@ -749,8 +749,8 @@ class Coordinator:
         if now < self._next_heartbeat:
             return
         self._next_heartbeat = now + 1.0
-        if not self.store.has_config():  # judged by the time it was found gone: keys that expired just after `now`
-            self._put_back(time.monotonic())  # had been taken for a flush
+        if not self.store.has_config():
+            self._put_back()
         other = self.store.claim_coordinator(self._identity, ttl_s=CLAIM_S)
         # A claim found once may be a stopped coordinator's, left to expire (a crash leaves it up to 5 s); one
         # found again, at any later heartbeat, has overwritten this coordinator's claim in between, so it is alive.
@@ -765,12 +765,13 @@ class Coordinator:
         elif now - self._claim_seen_at > CLAIM_S:  # gone: warn again if it comes back
             self._claim_seen = self._warned_about = None
 
-    def _put_back(self, now: float) -> None:
+    def _put_back(self) -> None:
         """Register the job again and republish its latest splits, its keys gone from Redis; with a warning, but where
         they expire again before the next decision, at debug level only: a coordinator left running after its job had
         warned every ttl_s, for days. They are put back all the same: workers that paused for longer than ttl_s (an
         evaluation, a checkpoint) need the job's settings and splits when they come back, and a coordinator cannot
         tell such a pause from a job that is over."""
+        now = time.monotonic()  # when they were found gone: by an earlier reading, keys that expired since were a flush
         idle, ttl = now - self._renewed, self.config.ttl_s
         # expired, where nothing renewed the TTL for ttl_s (less a second: Redis started it a round trip earlier)
         expired = idle > ttl - 1

@@ -30,6 +30,14 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _gone_within(pid: int, what: str, timeout_s: float = 10.0) -> None:
+    """Wait until process ``pid`` has ended; fail with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while _running(pid):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
 @pytest.mark.timeout(180)
 def test_ctrl_c_in_the_demo_prints_no_traceback_and_leaves_nothing_running() -> None:
     """Ctrl-C (SIGINT to the terminal's process group) mid-demo printed the coordinator process's traceback,
@@ -63,7 +71,7 @@ def test_a_demo_worker_stopped_then_aborted_leaves_its_coordinator_quiet(redis_u
     """The launcher's SIGTERM, then gloo aborting rank 0 before its cleanup ran (os._exit here): its coordinator
     process, orphaned, logged that its parent was gone, under the demo's "lbbsp: interrupted" (one CI run)."""
     worker = subprocess.Popen([sys.executable, "-c", (
-        "import os, signal, sys, time\n"
+        "import os, signal, time\n"
         "from lbbsp.integrations import demo\n"
         "from lbbsp import CoordinatorProcess, JobConfig\n"
         "if __name__ == '__main__':\n"
@@ -79,10 +87,7 @@ def test_a_demo_worker_stopped_then_aborted_leaves_its_coordinator_quiet(redis_u
     coordinator = int(worker.stdout.readline())
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(timeout=30) == 134
-    deadline = time.monotonic() + 10
-    while _running(coordinator):
-        assert time.monotonic() < deadline, "the coordinator outlived its worker"
-        time.sleep(0.05)
+    _gone_within(coordinator, "the coordinator outlived its worker")
     assert "is gone" not in worker.stderr.read()
 
 
@@ -108,10 +113,7 @@ def test_ctrl_c_does_not_stop_the_embedded_server_before_its_owner_cleans_up() -
     os.killpg(owner.pid, signal.SIGINT)
     out, _ = owner.communicate(timeout=30)
     assert owner.returncode == 0 and "cleaned up with the server" in out, out
-    deadline = time.monotonic() + 10
-    while _running(redis_pid):  # and the server still goes when its owner closes it
-        assert time.monotonic() < deadline, "the embedded server outlived its owner"
-        time.sleep(0.05)
+    _gone_within(redis_pid, "the embedded server outlived its owner")  # and it still goes when its owner closes it
 
 
 def test_the_demo_without_torch_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch,
