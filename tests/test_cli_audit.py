@@ -77,8 +77,8 @@ def test_a_demo_worker_stopped_then_aborted_leaves_its_coordinator_quiet(redis_u
         "if __name__ == '__main__':\n"
         f"    demo._running = CoordinatorProcess({redis_url!r}, JobConfig({job!r}, 2, 64))\n"
         "    signal.signal(signal.SIGTERM, demo._exit_on_sigterm)\n"
-        "    print(demo._running._process.pid, flush=True)\n"
         "    try:\n"
+        "        print(demo._running._process.pid, flush=True)  # inside the try: SIGTERM may come once it is read\n"
         "        time.sleep(60)\n"
         "    except SystemExit:\n"
         "        os._exit(134)  # an abort: no cleanup of this process's own\n")],
