@@ -50,6 +50,7 @@ from lbbsp.policies import Decision, Policy
 FORK = mp.get_context("fork")
 WARM_UP = 5  # iterations of each critical-path run left out: process start, first connections
 BARRIER_TIMEOUT_S = 60.0  # a worker that died leaves the others here; they fail instead of waiting for ever
+GOAL_WORKERS, GOAL_MS = 1024, 5.0  # issue 4's goal: prediction + allocation under 5 ms (p50) at 1,024 workers
 
 
 def _worker(url: str, config_json: str, worker: int, iterations: int, compute_s: float, floor: bool, measured: bool,
@@ -285,6 +286,18 @@ def heap_pauses(url: str, workers: int, warmup: int, repeats: int, rounds: int) 
               f"{_ms(pooled, 50):>9} {_ms(pooled, 99):>9} {_ms(pooled, 100):>9}", flush=True)
 
 
+def goal_verdict(policy_p50_ms: Mapping[str, float]) -> str:
+    """One line on the decision-time goal from each model's policy p50 at GOAL_WORKERS: met by every model, or
+    which models missed it and by how much, so a run's outcome does not have to be read off the table."""
+    over = {name: ms for name, ms in policy_p50_ms.items() if not ms < GOAL_MS}
+    slowest = max(policy_p50_ms, key=policy_p50_ms.__getitem__)
+    head = f"goal: policy p50 under {GOAL_MS:g} ms at {GOAL_WORKERS:,} workers:"
+    if not over:
+        return f"{head} met by every model (slowest: {slowest.strip()}, {policy_p50_ms[slowest]:.2f} ms)"
+    missed = ", ".join(f"{name.strip()} {ms:.2f} ms" for name, ms in over.items())
+    return f"{head} missed by {len(over)} of {len(policy_p50_ms)} models ({missed})"
+
+
 def machine_speed_ms(repeats: int = 5) -> float:
     """Median ms of a fixed pure-Python and numpy workload; on a shared VM it drifts by 2x within minutes, so
     decision times are only comparable between runs at similar figures."""
@@ -412,10 +425,14 @@ def run(args: argparse.Namespace) -> None:
               "decision's path; cycle = step + learn + the decision log and status lines: the coordinator's pace)")
         for n in args.decision_workers:
             print(f"(this machine's speed just before: reference workload {machine_speed_ms():.1f} ms)")
+            p50_ms = {}
             for name, times in decision_times(url, n, args.warmup, args.repeats).items():
                 print(f"{name:<26} {n:>8} {_ms(times['policy'], 50):>11} {_ms(times['policy'], 99):>11} "
                       f"{_ms(times['policy_cpu'], 50):>8} {_ms(times['step'], 50):>9} {_ms(times['step'], 99):>9} "
                       f"{_ms(times['learn'], 50):>10} {_ms(times['cycle'], 50):>10}", flush=True)
+                p50_ms[name] = float(np.percentile(times["policy"], 50) * 1e3)
+            if n == GOAL_WORKERS:
+                print(goal_verdict(p50_ms), flush=True)
     finally:
         if server is not None:
             server.close()

@@ -120,6 +120,15 @@ def test_the_critical_path_benchmark_fails_when_a_worker_dies(redis_url: str, mo
     assert added.size == 10 - bench.WARM_UP and (added > 0).all()
 
 
+def test_the_coordinator_benchmark_says_whether_each_model_met_the_decision_time_goal() -> None:
+    bench = _experiment("bench_coordinator")
+    met = bench.goal_verdict({"EWMA (baseline)": 1.3, "auto (half gpu, half cpu)": 2.85})
+    assert met.endswith("met by every model (slowest: auto (half gpu, half cpu), 2.85 ms)"), met
+    missed = bench.goal_verdict({"EWMA (baseline)": 4.99, "NARX (cpu)": 5.0, "auto (half gpu, half cpu)": float("nan")})
+    assert missed.endswith("missed by 2 of 3 models (NARX (cpu) 5.00 ms, auto (half gpu, half cpu) nan ms)"), missed
+    assert "under 5 ms at 1,024 workers" in met
+
+
 def test_the_policy_benchmark_runs_each_seed_as_lbbsp_simulate_does_and_counts_the_seeds_lbbsp_leads() -> None:
     bench = _experiment("bench_policies")
     figures = bench.run("gpu-mix", 8, 20, range(3))
