@@ -139,7 +139,7 @@ def test_a_time_model_that_returns_a_list_is_named() -> None:
 
 def test_a_model_shared_by_two_policies_of_one_comparison_is_refused() -> None:
     scenario, model = CPUContention(4, 5, 0), EWMAThroughput()
-    with pytest.raises(ConfigError, match="policy 'b'.s model has run already"):
+    with pytest.raises(ConfigError, match="policies 'a' and 'b' hold one model object"):
         compare(scenario, 5, {"a": LBBSPPolicy(model), "b": LBBSPPolicy(model)})
 
 

@@ -10,9 +10,10 @@ from lbbsp.allocation import LinearTime
 from lbbsp.cli import main
 from lbbsp.config import JobConfig
 from lbbsp.errors import ConfigError
+from lbbsp.models import EWMAThroughput
 from lbbsp.policies import BSPPolicy, OraclePolicy
 from lbbsp.sim import cli
-from lbbsp.sim.engine import compare
+from lbbsp.sim.engine import compare, standard_policies
 from lbbsp.sim.scenarios import GPUMix, Scenario, Truth
 from test_sim import _parse
 
@@ -150,3 +151,50 @@ def test_result_files_are_named_as_printed_whatever_dots_the_name_holds(tmp_path
     stem = "simulate_cpu-contention_4w_3it_seed0_dwell2.5_nonoise"
     assert sorted(path.name for path in tmp_path.iterdir()) == [f"{stem}.json", f"{stem}.png"]
     assert f"wrote {tmp_path / stem}.json and {tmp_path / stem}.png" in capsys.readouterr().out
+
+
+class Counting(BSPPolicy):
+    """Counts its decisions: shows whether a comparison ran it before refusing a later entry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decided = 0
+
+    def decide(self, *args: object, **kwargs: object) -> object:
+        self.decided += 1
+        return super().decide(*args, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    (EWMAThroughput(), r"'bad' is a capacity model, not a policy: wrap it, LBBSPPolicy\(EWMAThroughput\(\)\)"),
+    (BSPPolicy, r"'bad' is the class BSPPolicy: give an instance, e.g. BSPPolicy\(\)"),
+    ("bsp", "'bad' is a str, not a Policy"),
+])
+def test_a_comparison_refuses_an_entry_that_is_not_a_policy_before_any_runs(entry: object, message: str) -> None:
+    """A model, a class or a string among the policies failed with AttributeError or TypeError, and only once
+    the entries before it had run (and used themselves up): now a ConfigError that says what to give, up front."""
+    first = Counting()
+    with pytest.raises(ConfigError, match=message):
+        compare(GPUMix(4, 3, 0), 3, {"first": first, "bad": entry})  # type: ignore[dict-item]
+    assert first.decided == 0
+    assert compare(GPUMix(4, 3, 0), 3, {"first": first})["first"].iteration_s  # still fresh
+
+
+def test_a_comparison_refuses_a_policy_given_twice_or_used_before_any_runs() -> None:
+    first, used, twice = Counting(), BSPPolicy(), BSPPolicy()
+    compare(GPUMix(4, 3, 0), 3, {"used": used})
+    with pytest.raises(ConfigError, match="policy 'again' has run already"):
+        compare(GPUMix(4, 3, 0), 3, {"first": first, "again": used})
+    with pytest.raises(ConfigError, match="policies 'a' and 'b' are one object"):
+        compare(GPUMix(4, 3, 0), 3, {"first": first, "a": twice, "b": twice})
+    with pytest.raises(ConfigError, match="mapping of name to Policy, got list"):
+        compare(GPUMix(4, 3, 0), 3, [first])  # type: ignore[arg-type]
+    assert first.decided == 0
+
+
+@pytest.mark.parametrize("scenario", ["gpu-mix", GPUMix])
+def test_a_scenario_name_or_class_is_refused_with_how_to_build_one(scenario: object) -> None:
+    """compare("gpu-mix", ...) and standard_policies(GPUMix) failed with AttributeError."""
+    for call in (lambda: compare(scenario, 3), lambda: standard_policies(scenario)):  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=r"must be a Scenario instance.*GPUMix\(num_workers, iterations, seed\)"):
+            call()

@@ -27,7 +27,7 @@ from ..policies import (
 )
 from ..protocol import Assignment, Report
 from ..store import Store
-from .scenarios import Scenario, Truth
+from .scenarios import SCENARIOS, Scenario, Truth
 
 Progress = Callable[[str], None]
 
@@ -68,13 +68,24 @@ class LevelOracle(OraclePolicy):
         self.delay = delay
 
 
+def _scenario(scenario: object) -> Scenario:
+    """``scenario`` if it is a built :class:`Scenario`; else a :class:`ConfigError` that says how to build one."""
+    if isinstance(scenario, Scenario):
+        return scenario
+    kinds = {name: kind.__name__ for name, kind in SCENARIOS.items()}
+    named = kinds.get(scenario) if isinstance(scenario, str) else getattr(scenario, "__name__", None)
+    hint = (f": build it first, e.g. {named}(num_workers, iterations, seed)" if named in kinds.values()
+            else f" (one of {', '.join(sorted(kinds.values()))}, built with (num_workers, iterations, seed))")
+    raise ConfigError(f"scenario must be a Scenario instance, got {scenario!r}{hint}")
+
+
 def standard_policies(scenario: Scenario) -> dict[str, Policy]:
     """Every policy of the comparison, fresh: the oracle first, LB-BSP with the scenario's automatic model;
     where the scenario separates noise from its slow process, the :class:`LevelOracle` references too (now,
     as late as LB-BSP's reports, and as late with LB-BSP's margins);
     where a worker given nothing is not asked (federated clients), LB-BSP letting as many sit out as backup
     workers drop, and the oracle doing the same as a reference."""
-    n = scenario.config.num_workers
+    n = _scenario(scenario).config.num_workers
     backups = max(1, n // 20)
     lbbsp = LBBSPPolicy(scenario.capacity_model())
     references: dict[str, Policy] = {}
@@ -111,23 +122,46 @@ _DRIVEN: dict[int, weakref.ref[object]] = {}
 PROGRESS_EVERY_S = 30.0
 
 
-def _fresh(name: str, policy: Policy) -> None:
-    """A :class:`ConfigError` if ``policy``, or the capacity model it holds, has been driven by a run already; else
-    remember them."""
-    _remember(policy, f"policy {name!r} has run already and keeps what it learned: give each run fresh policies "
-                      "(standard_policies(scenario) builds a new set)")
+def _check_policies(policies: object) -> dict[str, Policy]:
+    """``policies`` as a dict, once every entry is a name and a :class:`Policy` instance, none of which nor any of
+    whose models has run, and none given twice: a :class:`ConfigError` before any of them runs (and learns) if not."""
+    if not isinstance(policies, Mapping):
+        raise ConfigError(f"policies must be a mapping of name to Policy, got {type(policies).__name__}")
+    seen: dict[int, str] = {}
+    for name, policy in policies.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"policy names must be non-empty strings, got {name!r}")
+        if isinstance(policy, CapacityModel):
+            raise ConfigError(f"policy {name!r} is a capacity model, not a policy: wrap it, "
+                              f"LBBSPPolicy({type(policy).__name__}())")
+        if isinstance(policy, type):
+            raise ConfigError(f"policy {name!r} is the class {policy.__name__}: give an instance, e.g. "
+                              f"{policy.__name__}()")
+        if not isinstance(policy, Policy):
+            raise ConfigError(f"policy {name!r} is a {type(policy).__name__}, not a Policy")
+        for held, whose in _learners(name, policy):
+            if (known := _DRIVEN.get(id(held))) is not None and known() is held:
+                raise ConfigError(f"{whose} has run already and keeps what it learned: give each run fresh "
+                                  "policies (standard_policies(scenario) builds a new set)")
+            if (other := seen.get(id(held))) is not None:
+                shared = "are one object" if held is policy else "hold one model object"
+                raise ConfigError(f"policies {other!r} and {name!r} {shared}: the second would start with what "
+                                  "the first learned; give each its own")
+            seen[id(held)] = name
+    return dict(policies)
+
+
+def _learners(name: str, policy: Policy) -> list[tuple[object, str]]:
+    """What in ``policy`` keeps what a run taught it (the policy, and the capacity model it holds), each named."""
     model = getattr(policy, "model", None)
-    if isinstance(model, CapacityModel):
-        _remember(model, f"policy {name!r}'s model has run already, in this policy or another, and keeps what it "
-                         "learned: give each policy a model of its own")
+    held: list[tuple[object, str]] = [(policy, f"policy {name!r}")]
+    return held + [(model, f"the model of policy {name!r}")] if isinstance(model, CapacityModel) else held
 
 
-def _remember(driven: object, why: str) -> None:
-    """A :class:`ConfigError` saying ``why`` if ``driven`` is in :data:`_DRIVEN`; else add it (one of the user's own
-    that takes no weak reference, a class with ``__slots__``, has nothing to remember it by)."""
+def _remember(driven: object) -> None:
+    """Add ``driven`` to :data:`_DRIVEN` (one of the user's own that takes no weak reference, a class with
+    ``__slots__``, has nothing to remember it by)."""
     key = id(driven)
-    if (known := _DRIVEN.get(key)) is not None and known() is driven:
-        raise ConfigError(why)
     with contextlib.suppress(TypeError):
         _DRIVEN[key] = weakref.ref(driven, lambda ref: _DRIVEN.pop(key) if _DRIVEN.get(key) is ref else None)
 
@@ -141,9 +175,11 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
     real :class:`Coordinator` decides, as in a job: the sizes each iteration runs with are read back from
     its write-once assignment key. ``progress`` is told how far the run is every ``PROGRESS_EVERY_S`` seconds.
     """
-    n = scenario.config.num_workers
+    n = _scenario(scenario).config.num_workers
+    _check_policies({name: policy})
     aggregated = policy.aggregated(n)
-    _fresh(name, policy)
+    for held, _ in _learners(name, policy):
+        _remember(held)
     run = PolicyRun(name)
     decider = (_InProcess(policy, scenario.config, name) if redis_url is None
                else _ThroughRedis(policy, scenario.config, redis_url))
@@ -278,14 +314,15 @@ def compare(scenario: Scenario, iterations: int, policies: Mapping[str, Policy] 
             progress: Progress | None = None, redis_url: str | None = None) -> dict[str, PolicyRun]:
     """Run every policy on the same scenario, one after the other (through the Redis at ``redis_url``, if
     given: see :func:`run_policy`). Each policy must be fresh: one that has run already is a ConfigError."""
+    scenario = _scenario(scenario)
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise ConfigError(f"iterations must be an integer >= 1, got {iterations!r}")
     if scenario.iterations is not None and iterations > scenario.iterations:
         raise ConfigError(f"the {scenario.name} scenario was built for {scenario.iterations} iterations, not "
                           f"{iterations}: build it with at least as many")
-    policies = policies if policies is not None else standard_policies(scenario)
+    chosen = _check_policies(policies) if policies is not None else standard_policies(scenario)
     runs = {}
-    for name, policy in policies.items():
+    for name, policy in chosen.items():
         started = time.perf_counter()
         run = runs[name] = run_policy(scenario, name, policy, iterations, redis_url, progress)
         if progress is not None:
