@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 
@@ -201,12 +201,26 @@ def _host(url: str) -> str:
     return url.rpartition("@")[2].rpartition(":")[0]
 
 
+_Key = TypeVar("_Key", int, str)
+
+
+def _once(flag: str, given: list[tuple[_Key, str]] | None) -> dict[_Key, str]:
+    """A repeatable KEY=VALUE flag's pairs as a dict; a key given two different values is an error (not the last
+    silently winning)."""
+    pairs: dict[_Key, str] = {}
+    for key, value in given or ():
+        if pairs.setdefault(key, value) != value:
+            raise LBBSPError(f"{flag} {key}={pairs[key]} and {flag} {key}={value} contradict each other: give {key} "
+                             "one value")
+    return pairs
+
+
 def _policy(args: argparse.Namespace) -> Policy:
     """The policy the flags name; ``--model`` only where the policy predicts with one, ``--kind`` and
     ``--kind-model`` only with the auto model."""
     from .models import AutoCapacityModel  # noqa: PLC0415  (scikit-learn: see the imports above)
 
-    pins, kind_models = dict(args.kind or ()), dict(args.kind_model or ())
+    pins, kind_models = _once("--kind", args.kind), _once("--kind-model", args.kind_model)
     routed = " ".join([f"--kind {w}={k}" for w, k in pins.items()] + [f"--kind-model {k}={m}" for k, m in kind_models.items()])
     if args.model is not None and args.policy in ("bsp", "static-proportional"):
         raise LBBSPError(f"--policy {args.policy} uses no capacity model; drop --model {args.model}")

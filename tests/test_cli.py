@@ -110,9 +110,15 @@ def test_kind_flags_are_checked_and_build_the_auto_model_they_name(capsys: pytes
     assert isinstance(model.models["cpu"], EWMAThroughput)  # type: ignore[index]
     per_epoch = _policy(build_parser().parse_args([*job, "--policy", "per-epoch", "--kind", "1=gpu"]))
     assert isinstance(per_epoch.model, AutoCapacityModel)  # type: ignore[attr-defined]
+    twice = _policy(build_parser().parse_args([*job, "--kind", "1=gpu", "--kind", "1=gpu"]))
+    assert twice.model.kinds == {1: "gpu"}  # type: ignore[attr-defined]
     for flags, error in ((["--kind", "4=gpu"], "--kind: worker(s) [4] outside the job's workers 0..3"),
                          (["--policy", "bsp", "--kind", "1=gpu"], "--kind 1=gpu: only the auto model routes"),
-                         (["--model", "narx", "--kind-model", "gpu=ewma"], "with --model narx does not")):
+                         (["--model", "narx", "--kind-model", "gpu=ewma"], "with --model narx does not"),
+                         # the last of two no longer wins silently; the same value twice is no contradiction
+                         (["--kind", "3=gpu", "--kind", "3=cpu"], "--kind 3=gpu and --kind 3=cpu contradict"),
+                         (["--kind-model", "cpu=ewma", "--kind", "1=gpu", "--kind-model", "cpu=narx"],
+                          "--kind-model cpu=ewma and --kind-model cpu=narx contradict each other: give cpu one")):
         assert main([*job, *flags]) == 2
         assert error in capsys.readouterr().err
     for flag, value in (("--kind", "gpu=1"), ("--kind", "1=GPU"), ("--kind-model", "gpu=auto"),

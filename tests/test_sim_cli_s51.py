@@ -43,6 +43,10 @@ def test_more_workers_than_a_job_may_have_are_refused_by_the_flag_before_anythin
     assert "building" not in said and "num_workers" not in err, err
     assert f"--workers must be at most {MAX_WORKERS:,}" in err and f"got {MAX_WORKERS + 1:,}" in err, err
     assert not out.exists()
+    # over both caps: the flag's own is named, not only the product's (which named no 100,000)
+    assert _simulate("--workers", "200000", "--iterations", "300", "--out", str(out)) == 2
+    err = capsys.readouterr().err
+    assert f"--workers must be at most {MAX_WORKERS:,}" in err and "50,000,000" not in err, err
 
 
 def test_the_help_says_how_many_workers_a_run_may_have() -> None:

@@ -61,7 +61,7 @@ def test_a_huge_cluster_for_few_iterations_is_refused_before_it_is_built(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Every scenario generates 8 iterations past the last simulated one, so `--workers 50000000 --iterations 1`
     passed the 50-million cap and started building 9 x 50 million rows of trace (tens of GiB): the cap is
-    counted over at least those 8 iterations."""
+    counted over at least those 8 iterations. Since the flag's own cap is checked first, that names it."""
     class Built(GPUMix):
         def __init__(self, *args: object, **kwargs: object) -> None:
             raise AssertionError("the scenario was built")
@@ -69,7 +69,7 @@ def test_a_huge_cluster_for_few_iterations_is_refused_before_it_is_built(
     monkeypatch.setitem(cli.SCENARIOS, "gpu-mix", Built)
     assert main(["simulate", "--scenario", "gpu-mix", "--workers", "50000000", "--iterations", "1",
                  "--out", str(tmp_path)]) == 2
-    assert "at most 50,000,000" in capsys.readouterr().err
+    assert "--workers must be at most 100,000" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, RuntimeError])

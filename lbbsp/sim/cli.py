@@ -79,14 +79,14 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--lag must be in [1, 8], got {args.lag}")
     if args.mean_dwell is not None and not args.mean_dwell >= 1:
         raise ConfigError(f"--mean-dwell must be at least 1 iteration (inf: never), got {args.mean_dwell}")
+    if args.workers > MAX_WORKERS:  # JobConfig's limit, named by its flag before the product of the two
+        raise ConfigError(f"--workers must be at most {MAX_WORKERS:,} (lbbsp.protocol.MAX_WORKERS, the most a job "
+                          f"may have), got {args.workers:,}")
     # each scenario holds a few arrays of workers x (iterations + LOOKAHEAD) floats: a short run counts as LOOKAHEAD
     if args.workers * max(args.iterations, LOOKAHEAD) > MAX_CELLS:
         raise ConfigError(f"--workers x --iterations is at most {MAX_CELLS:,} (a few GiB of trace; fewer than "
                           f"{LOOKAHEAD} iterations count as {LOOKAHEAD}, the look-ahead every scenario generates), got "
                           f"{args.workers:,} x {args.iterations:,}")
-    if args.workers > MAX_WORKERS:  # JobConfig's limit, named by its flag and before anything prints
-        raise ConfigError(f"--workers must be at most {MAX_WORKERS:,} (lbbsp.protocol.MAX_WORKERS, the most a job "
-                          f"may have), got {args.workers:,}")
     options, suffix = _scenario_options(args)
     redis = redis_for(args.redis)
     if redis is not None and redis[0]:  # a given Redis is reached before the scenario is built and the in-process pass
