@@ -2,11 +2,23 @@
 sparse worker ids, many workers): each test fails on the code before its fix."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
 
 from lbbsp.errors import ConfigError
-from lbbsp.models import EWMAThroughput, FLClientModel, LastValue, NARXThroughput, base, similar_hardware_prior
+from lbbsp.models import (
+    AutoCapacityModel,
+    BatchTimeCurve,
+    EWMAThroughput,
+    FLClientModel,
+    LastValue,
+    NARXThroughput,
+    base,
+    similar_hardware_prior,
+)
 from lbbsp.models.base import _number_hardware
 from lbbsp.protocol import MAX_WORKERS, Report
 
@@ -99,3 +111,43 @@ def test_an_unsigned_id_above_the_int64_range_is_named_as_given(model: EWMAThrou
     for ids in (np.array([1, 2**64 - 1], dtype=np.uint64), [2**63]):
         with pytest.raises(ConfigError, match=f"got {max(ids)}"):
             model.predict(ids)
+
+
+def _history(iterations: int = 16, workers: int = 4) -> list[list[Report]]:
+    """A small mixed history: CPU workers with a load feature, a GPU worker whose time is flat then linear in its
+    size, speeds that drift, so that what a model keeps depends on every iteration it learnt."""
+    rng = np.random.default_rng(3)
+    out = []
+    for k in range(iterations):
+        reports = []
+        for w in range(workers):
+            samples = 24 + 8 * ((k + w) % 3)
+            speed = (100.0 + 30 * w) * (1.0 + 0.3 * np.sin(k / 3 + w)) * rng.uniform(0.95, 1.05)
+            gpu = w == workers - 1
+            seconds = (0.02 + max(samples - 16, 0) / 400.0) if gpu else samples / speed
+            features = {"gpu_mem_used": 1e9 + 5e6 * samples, "gpu_mem_free": 8e9} if gpu else {
+                "cpu_util": 0.5 + 0.1 * np.sin(k + w), "colocated_load": 0.2 * (k % 4)}
+            reports.append(Report("j", w, k, samples, seconds, features=features,
+                                  device="cuda:0" if gpu else "cpu"))
+        out.append(reports)
+    return out
+
+
+@pytest.mark.parametrize("build", [EWMAThroughput, LastValue, lambda: NARXThroughput(random_state=0),
+                                   BatchTimeCurve, FLClientModel, AutoCapacityModel])
+def test_reports_of_several_iterations_in_one_call_are_learnt_iteration_by_iteration(build: Callable[[], Any]) -> None:
+    """partial_fit given three iterations at once had kept only each worker's last report (an EWMA predicted
+    111.11 where feeding the iterations one by one gives 127.58): now it learns them in order, as fit replays a
+    history, whichever order they come in."""
+    history = _history()
+    one_by_one, at_once, shuffled = build(), build(), build()
+    for reports in history:
+        one_by_one.partial_fit(reports)
+    for start in range(0, len(history), 3):
+        chunk = [r for reports in history[start:start + 3] for r in reports]
+        at_once.partial_fit(chunk)
+        shuffled.partial_fit(chunk[::-1])
+    workers = [0, 1, 2, 3]
+    expected = one_by_one.predict(workers)
+    np.testing.assert_allclose(at_once.predict(workers), expected, rtol=1e-12)
+    np.testing.assert_allclose(shuffled.predict(workers), expected, rtol=1e-12)

@@ -25,6 +25,7 @@ from .base import (
     Hardware,
     WorkerIds,
     as_reports,
+    by_iteration,
     check_contract,
     feature,
     field,
@@ -120,6 +121,7 @@ class AutoCapacityModel(CapacityModel):
         self.kinds = kinds
         self.horizon = horizon
 
+    @by_iteration
     def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> AutoCapacityModel:
         reports = as_reports(reports)
         if not reports:  # an iteration nobody reported in: nothing to learn, and an unfitted model stays so

@@ -14,12 +14,13 @@ throughput history of its own is predicted from the median of workers on similar
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import repeat
 from operator import attrgetter, itemgetter
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 from sklearn import exceptions
@@ -142,8 +143,8 @@ def _read_only(values: np.ndarray) -> np.ndarray:
 
 def as_reports(reports: Sequence[Report] | Iterable[Report] | Report, caller: str = "partial_fit") -> CheckedReports:
     """One iteration's reports as a sequence: one report alone is a list of one, any other iterable a list;
-    reports of several iterations in iteration order (a stable sort where they were not: a model takes a
-    worker's last report as its latest). A TypeError, in ``caller``'s name, names the first item that is not a
+    reports of several iterations in iteration order (a stable sort where they were not: :func:`by_iteration`
+    learns them one iteration at a time; a model without it takes a worker's last report as its latest). A TypeError, in ``caller``'s name, names the first item that is not a
     :class:`Report` (a decoded dict, a report's JSON)."""
     if type(reports) is CheckedReports:
         return reports
@@ -162,6 +163,25 @@ def as_reports(reports: Sequence[Report] | Iterable[Report] | Report, caller: st
     if (iterations[1:] < iterations[:-1]).any():
         return CheckedReports(sorted(reports, key=attrgetter("iteration")))
     return checked
+
+
+_PartialFit = TypeVar("_PartialFit", bound=Callable[..., Any])
+
+
+def by_iteration(partial_fit: _PartialFit) -> _PartialFit:
+    """Decorates a model's ``partial_fit`` so that reports of several iterations given at once are learnt one
+    iteration at a time, in order, as :meth:`CapacityModel.fit` replays them (an EWMA given three iterations had
+    learnt only each worker's last one). One iteration's reports, the coordinator's every call, pass straight on."""
+    @functools.wraps(partial_fit)
+    def learn(self: CapacityModel, reports: Sequence[Report] | Report, *, defer: bool = False) -> Any:
+        checked = as_reports(reports)
+        iterations = field(checked, "iteration")  # in order, read once by as_reports already
+        if len(checked) < 2 or iterations[0] == iterations[-1]:
+            return partial_fit(self, checked, defer=defer)
+        for positions in np.split(np.arange(len(checked)), np.flatnonzero(np.diff(iterations)) + 1):
+            partial_fit(self, checked.subset(positions), defer=defer)
+        return self
+    return cast(_PartialFit, learn)
 
 
 class NotFittedError(LBBSPError, exceptions.NotFittedError):

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..config import _real
 from ..protocol import Report
-from .base import CapacityModel, WorkerIds, as_reports, measured_throughput, smoothed
+from .base import CapacityModel, WorkerIds, as_reports, by_iteration, measured_throughput, smoothed
 
 
 class EWMAThroughput(CapacityModel):
@@ -16,6 +16,7 @@ class EWMAThroughput(CapacityModel):
     def __init__(self, alpha: float = 0.5) -> None:
         self.alpha = alpha
 
+    @by_iteration
     def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> EWMAThroughput:
         reports = as_reports(reports)
         self._check_params()

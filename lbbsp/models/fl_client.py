@@ -16,7 +16,17 @@ from ..allocation import LinearTime
 from ..config import _integer, _real
 from ..errors import ConfigError
 from ..protocol import MAX_SECONDS, MAX_WORKERS, Report
-from .base import CapacityModel, WorkerIds, as_reports, feature, field, measured_throughput, smoothed, worker_ids
+from .base import (
+    CapacityModel,
+    WorkerIds,
+    as_reports,
+    by_iteration,
+    feature,
+    field,
+    measured_throughput,
+    smoothed,
+    worker_ids,
+)
 
 log = logging.getLogger("lbbsp.models")
 
@@ -43,6 +53,7 @@ class FLClientModel(CapacityModel):
         self.model_bytes = model_bytes
         self.availability_alpha = availability_alpha
 
+    @by_iteration
     def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> FLClientModel:
         reports = as_reports(reports)
         self._check_params()

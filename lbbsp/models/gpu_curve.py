@@ -28,7 +28,7 @@ from ..allocation import HingeTime
 from ..config import _integer, _real
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import CapacityModel, Hardware, WorkerIds, as_reports, feature, field, worker_ids
+from .base import CapacityModel, Hardware, WorkerIds, as_reports, by_iteration, feature, field, worker_ids
 
 _NO_CAP = np.iinfo(np.int64).max // 4
 #: The memory line counts only where it rises at least this many bytes across the sizes it was fitted on
@@ -261,6 +261,7 @@ class BatchTimeCurve(CapacityModel):
         self.explore_fraction = explore_fraction
         self.half_life = half_life
 
+    @by_iteration
     def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> BatchTimeCurve:
         reports = as_reports(reports)
         if not reports:  # an iteration nobody reported in: nothing to learn, and an unfitted model stays so

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..protocol import Report
-from .base import CapacityModel, WorkerIds, as_reports, measured_throughput, smoothed
+from .base import CapacityModel, WorkerIds, as_reports, by_iteration, measured_throughput, smoothed
 
 
 class LastValue(CapacityModel):
@@ -15,6 +15,7 @@ class LastValue(CapacityModel):
     def __init__(self) -> None:
         pass
 
+    @by_iteration
     def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> LastValue:
         reports = as_reports(reports)
         if not reports:  # an iteration nobody reported in: nothing to learn, and an unfitted model stays so

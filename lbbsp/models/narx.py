@@ -36,7 +36,7 @@ import numpy as np
 from ..config import _integer, _real
 from ..errors import ConfigError
 from ..protocol import FEATURE_RANGES, Report
-from .base import CapacityModel, WorkerIds, as_reports, feature, field
+from .base import CapacityModel, WorkerIds, as_reports, by_iteration, feature, field
 
 DEFAULT_FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util")
 
@@ -76,6 +76,7 @@ class NARXThroughput(CapacityModel):
         self.random_state = random_state
 
     # -- learning ----------------------------------------------------------------------------------------
+    @by_iteration
     def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> NARXThroughput:
         """Shift the reports into each worker's history and train on the pairs whose targets just arrived;
         ``defer``: score and train in :meth:`finish_learning` instead (the forecast then uses the network of
