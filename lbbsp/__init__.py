@@ -30,10 +30,12 @@ if TYPE_CHECKING:
         NARXThroughput,
     )
     from .policies import (
+        BackupWorkersPolicy,
         BSPPolicy,
         Decision,
         LBBSPPolicy,
         LeaderStragglerPolicy,
+        OraclePolicy,
         PerEpochPolicy,
         Policy,
         StaticProportionalPolicy,
@@ -44,8 +46,8 @@ if TYPE_CHECKING:
 _LAZY = {"Coordinator": ".coordinator", "CoordinatorProcess": ".coordinator",
          **dict.fromkeys(["AutoCapacityModel", "BatchTimeCurve", "CapacityModel", "EWMAThroughput", "FLClientModel",
                           "LastValue", "NARXThroughput"], ".models"),
-         **dict.fromkeys(["BSPPolicy", "Decision", "LBBSPPolicy", "LeaderStragglerPolicy", "PerEpochPolicy", "Policy",
-                          "StaticProportionalPolicy"], ".policies")}
+         **dict.fromkeys(["BSPPolicy", "BackupWorkersPolicy", "Decision", "LBBSPPolicy", "LeaderStragglerPolicy",
+                          "OraclePolicy", "PerEpochPolicy", "Policy", "StaticProportionalPolicy"], ".policies")}
 
 
 def __getattr__(name: str) -> Any:
@@ -64,9 +66,10 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
-    "AllocationError", "Assignment", "AutoCapacityModel", "BSPPolicy", "BatchTimeCurve", "CapacityModel", "ConfigError",
-    "Coordinator", "CoordinatorProcess", "Decision", "EWMAThroughput", "EmbeddedRedis", "FLClientModel",
-    "GlobalBatchSampler", "JobConfig", "LBBSPError", "LBBSPPolicy", "LastValue", "LeaderStragglerPolicy", "LinearTime",
-    "NARXThroughput", "PerEpochPolicy", "Policy", "PolicyError", "ProtocolError", "Report", "ResourceMonitor",
-    "StaticProportionalPolicy", "Store", "StoreUnavailable", "WorkerClient", "allocate", "equal_split", "scale_split",
+    "AllocationError", "Assignment", "AutoCapacityModel", "BSPPolicy", "BackupWorkersPolicy", "BatchTimeCurve",
+    "CapacityModel", "ConfigError", "Coordinator", "CoordinatorProcess", "Decision", "EWMAThroughput",
+    "EmbeddedRedis", "FLClientModel", "GlobalBatchSampler", "JobConfig", "LBBSPError", "LBBSPPolicy", "LastValue",
+    "LeaderStragglerPolicy", "LinearTime", "NARXThroughput", "OraclePolicy", "PerEpochPolicy", "Policy",
+    "PolicyError", "ProtocolError", "Report", "ResourceMonitor", "StaticProportionalPolicy", "Store",
+    "StoreUnavailable", "WorkerClient", "allocate", "equal_split", "scale_split",
 ]

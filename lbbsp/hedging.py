@@ -173,7 +173,7 @@ class ForecastRisk:
 
     def __init__(self, hedge: float = 2.0, *, buckets: int = 3, loaded_at: float = 0.1, pool_size: int = 4096,
                  min_samples: int = 50, keep: int = 16) -> None:
-        self.hedge = _real(hedge, "hedge", 1e-300, 1e6, "a positive number of workers")
+        self.hedge = _real(hedge, "hedge", 0.0, 1e6, "a positive number of workers", lo_open=True)
         self.loaded_at = _real(loaded_at, "loaded_at", 0.0, 1e6, "a number >= 0 (other processes' busy cores per core)")
         self.buckets = _integer(buckets, "buckets", 1, None)
         self.pool_size = _integer(pool_size, "pool_size", 2, None)

@@ -8,7 +8,7 @@ one of them (or one of LB-BSP's hooks: ``bounds``, ``propose``). Allocation math
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +27,7 @@ from .hedging import ForecastRisk, hedged, sized_throughput
 from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
 from .models.auto import GroupedTime
 from .models.base import WorkerIds, as_reports, check_contract, predicted_throughput
-from .protocol import Report
+from .protocol import Report, printable
 
 log = logging.getLogger("lbbsp.policies")
 
@@ -49,6 +49,13 @@ def _model(model: object) -> CapacityModel | None:
         return model
     raise ConfigError(f"model must be a CapacityModel instance (lbbsp.models: EWMAThroughput(), NARXThroughput(), "
                       f"FLClientModel(), ...), got {model!r}")
+
+
+def _model_or(model: object, default: Callable[[], CapacityModel]) -> CapacityModel:
+    """``model`` checked as :func:`_model` checks it, or ``default()`` where it is None (only then: a model of one's
+    own whose ``__len__`` is 0 before it learns had been swapped for the default without a word)."""
+    checked = _model(model)
+    return default() if checked is None else checked
 
 
 def checked_policy(policy: object, job: str | None = None) -> Policy | None:
@@ -159,7 +166,7 @@ class LBBSPPolicy(Policy):
 
     def __init__(self, model: CapacityModel | None = None, *, deadband: float = 0.03,
                  hedge: float | None = 2.0, sit_out: float = 0.0, rejoin_after: int | None = 10) -> None:
-        self.model: CapacityModel = _model(model) or AutoCapacityModel()
+        self.model: CapacityModel = _model_or(model, AutoCapacityModel)
         self.deadband = _real(deadband, "deadband", 0.0, 0.99, "a share of the predicted finish in [0, 0.99]")
         self.hedge = None if hedge is None else _real(hedge, "hedge", 0.0, 1e6, "None or a number of workers >= 0")
         self.sit_out = sit_out_share(sit_out)
@@ -358,11 +365,19 @@ def _finish(seconds: np.ndarray) -> str:
 
 
 def _split_of(current: Sequence[int], config: JobConfig) -> np.ndarray:
-    """``current`` as an int64 array of one size per worker of ``config``, or a ConfigError that says so."""
-    sizes = np.asarray(current, dtype=np.int64)
-    if sizes.shape != (config.num_workers,):
-        raise ConfigError(f"current must hold one size per worker ({config.num_workers}), got shape {sizes.shape}",
-                          job=config.job)
+    """``current`` as an int64 array, once it is a split of ``config``'s: one whole size per worker, none below 0,
+    adding up to the global batch; else a ConfigError that names the rule it breaks (a split of 40 samples where
+    the job's batch is 64 had come back from the leader/straggler search still short of it)."""
+    raw = np.asarray(None if isinstance(current, (str, bytes)) else current)
+    n, batch = config.num_workers, config.global_batch
+    if raw.shape != (n,):
+        raise ConfigError(f"current must hold one size per worker ({n}), got shape {raw.shape}", job=config.job)
+    if raw.dtype.kind not in "iu":
+        raise ConfigError(f"current must hold whole numbers of samples, got {raw.dtype} values", job=config.job)
+    sizes = raw.astype(np.int64, copy=False)
+    if (sizes < 0).any() or (sizes > batch).any() or int(sizes.sum()) != batch:
+        raise ConfigError(f"current must be sizes of 0 or more that add up to the global batch ({batch}), got "
+                          f"{printable(str(sizes.tolist()), 120)}", job=config.job)
     return sizes
 
 
@@ -464,7 +479,7 @@ class PerEpochPolicy(LBBSPPolicy):
     name = "per-epoch"
 
     def __init__(self, iterations_per_epoch: int = PER_EPOCH_ITERATIONS, model: CapacityModel | None = None) -> None:
-        super().__init__(_model(model) or EWMAThroughput(alpha=0.05), deadband=0.0, hedge=None)
+        super().__init__(_model_or(model, lambda: EWMAThroughput(alpha=0.05)), deadband=0.0, hedge=None)
         self.iterations_per_epoch = _integer(iterations_per_epoch, "iterations_per_epoch", 1, None)
         self._decided: int | None = None  # the iteration of the previous decision
 

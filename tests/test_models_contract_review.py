@@ -151,3 +151,42 @@ def test_reports_of_several_iterations_in_one_call_are_learnt_iteration_by_itera
     expected = one_by_one.predict(workers)
     np.testing.assert_allclose(at_once.predict(workers), expected, rtol=1e-12)
     np.testing.assert_allclose(shuffled.predict(workers), expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("features", [None, 5, True, (f for f in ["cpu_util"]), [["cpu_util"]]])
+def test_narx_features_of_the_wrong_type_are_a_config_error_and_set_params_keeps_the_old(features: object) -> None:
+    """features=None (or an int, a generator) was a bare TypeError from deep inside, and set_params left the bad
+    value in a fitted model, which then failed at every partial_fit."""
+    history = _history(6)
+    with pytest.raises(ConfigError, match="features must be a list or tuple of report features"):
+        NARXThroughput(features=features).partial_fit(history[0])
+    model = NARXThroughput().fit(history[:5])
+    with pytest.raises(ConfigError, match="features must be"):
+        model.set_params(features=features)
+    assert model.features == NARXThroughput().features
+    model.partial_fit(history[5])  # still learns
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"hidden": (10**5, 10**5)}, r"hidden must be a tuple of 1 to 8 layer widths, each in \[1, 1024\]"),
+    ({"hidden": (8,) * 9}, "hidden must be a tuple of 1 to 8"),
+    ({"lags": 10**400}, r"lags must be an integer in \[1, 256\]"),
+    ({"buffer_size": 10**400}, r"buffer_size x the input width \(lags \+ exog_lags x features: 12\)"),
+    ({"buffer_size": 10**7}, "must be at most 67,108,864 values"),
+])
+def test_narx_sizes_past_what_memory_holds_are_refused_by_name(params: dict[str, Any], message: str) -> None:
+    """hidden=(10**5, 10**5) was a MemoryError asking for 75 GiB, lags=10**400 numpy's 'maximum allowed dimension
+    exceeded': neither named the parameter."""
+    with pytest.raises(ConfigError, match=message):
+        NARXThroughput(**params).partial_fit(_history(1)[0])
+
+
+def test_an_auto_kind_that_is_not_a_name_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"unknown worker kind\(s\) \[\"\['gpu'\]\"\]"):
+        AutoCapacityModel(kinds={0: ["gpu"]}).partial_fit(_history(1)[0])  # was TypeError: unhashable type: 'list'
+
+
+def test_fl_local_steps_past_a_million_are_refused_where_every_time_would_overflow() -> None:
+    with pytest.raises(ConfigError, match=r"local_steps must be an integer in \[1, 1000000\]"):
+        FLClientModel(local_steps=10**400).partial_fit(_history(1)[0])  # was an OverflowError at time_model
+    assert FLClientModel(local_steps=10**6).partial_fit(_history(1)[0]).time_model([0]).time(np.array([4]))[0] > 0

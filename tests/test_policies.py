@@ -1,6 +1,8 @@
 """Balancing policies: each returns a valid split and behaves as its paper describes."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -396,7 +398,7 @@ def test_a_split_over_the_memory_caps_says_so(caplog: pytest.LogCaptureFixture) 
     assert caps is not None and caps.sum() < 760
     with caplog.at_level("WARNING", logger="lbbsp.policies"):
         for _ in range(2):
-            decision = policy.decide(2, (200, 200), JobConfig("j", 2, 760))
+            decision = policy.decide(2, (380, 380), JobConfig("j", 2, 760))
     assert decision.sizes == (380, 380) and "over the memory cap of worker(s) [0, 1]" in decision.reason
     held = f"the caps hold {int(caps.sum())} samples, the global batch is 760"
     assert len([r for r in caplog.records if held in r.message]) == 1
@@ -451,3 +453,55 @@ def test_every_policy_refuses_what_is_not_a_list_of_reports_alike(policy: Policy
 def test_fit_names_a_history_that_is_not_one() -> None:
     with pytest.raises(TypeError, match="fit takes a history: .* got NoneType"):
         EWMAThroughput().fit(None)  # type: ignore[arg-type]
+
+
+ALL_POLICIES = [BSPPolicy, lambda: BackupWorkersPolicy(backups=1), LBBSPPolicy, StaticProportionalPolicy,
+                PerEpochPolicy, LeaderStragglerPolicy, OraclePolicy]
+
+
+@pytest.mark.parametrize("build", ALL_POLICIES)
+@pytest.mark.parametrize(("current", "message"), [
+    ([10, 10, 10, 10], r"add up to the global batch \(64\), got \[10, 10, 10, 10\]"),
+    ([16, 16, 48, -16], r"sizes of 0 or more .* got \[16, 16, 48, -16\]"),
+    ([16.9, 16, 16, 15.1], "whole numbers of samples, got float64"),
+    (["16", "16", "16", "16"], "whole numbers of samples, got <U2"),
+    (None, r"one size per worker \(4\), got shape \(\)"),
+    ("16161616", r"one size per worker \(4\), got shape \(\)"),
+])
+def test_every_policy_refuses_a_current_split_that_is_not_one_of_the_job(build: Any, current: object,
+                                                                        message: str) -> None:
+    """The split in force is what a decision starts from: the leader/straggler search had returned (6, 14, 10, 10),
+    40 samples of a 64 batch, from a current of four 10s; floats were cut (16.9 read as 16) and a negative size passed
+    straight through LB-BSP's first decision."""
+    config, policy = JobConfig("j", 4, 64), build()
+    for k in range(5):
+        policy.observe([Report("j", w, k, 16, 0.16 * (1 + w)) for w in range(4)])
+    for split in (current, [16, 16, 16, 16]):
+        if isinstance(policy, OraclePolicy):
+            policy.reveal(LinearTime(np.array([100.0, 50.0, 33.0, 25.0])), None)
+        if split is current:
+            with pytest.raises(ConfigError, match=message):
+                policy.decide(7, current, config)
+        else:  # a split of the job is taken as before
+            assert sum(policy.decide(7, split, config).sizes) == 64
+
+
+class Empty(EWMAThroughput):
+    """A model of one's own that tests false until it has learned (a ``__len__`` of the workers it knows)."""
+
+    def __len__(self) -> int:
+        return len(getattr(self, "throughput_", ()))
+
+
+def test_a_model_that_tests_false_is_kept_not_swapped_for_the_default() -> None:
+    for policy in (LBBSPPolicy(Empty()), PerEpochPolicy(model=Empty()), LeaderStragglerPolicy(model=Empty())):
+        assert type(policy.model) is Empty, type(policy).__name__  # the first two had taken their default
+
+
+def test_every_policy_is_exported_from_the_package_and_a_tiny_hedge_is_taken() -> None:
+    import lbbsp  # noqa: PLC0415  (the package's own namespace is what is tested)
+
+    assert lbbsp.BackupWorkersPolicy is BackupWorkersPolicy and lbbsp.OraclePolicy is OraclePolicy
+    assert {"BackupWorkersPolicy", "OraclePolicy"} <= set(lbbsp.__all__)
+    # hedge is documented as >= 0; a positive value below 1e-300 was refused as not 'a positive number of workers'
+    assert LBBSPPolicy(hedge=1e-320).risk is not None

@@ -88,10 +88,10 @@ def test_new_job_bounds_bound_the_next_split() -> None:
     assert max(policy.decide(4, (25, 25, 25, 25), JobConfig("c", 4, 100, max_batch=30)).sizes) == 30
     caps = (40, 20, 20, 30)
     assert policy.decide(5, (25, 25, 25, 25), JobConfig("c", 4, 100, max_batch=caps)).sizes[1:] == (20, 20, 30)
-    assert sum(policy.decide(6, (25, 25, 25, 25), JobConfig("c", 4, 120, max_batch=(40, 20, 20, 40))).sizes) == 120
+    assert sum(policy.decide(6, (30, 30, 30, 30), JobConfig("c", 4, 120, max_batch=(40, 20, 20, 40))).sizes) == 120
     pair = _policy((100.0, 400.0))  # without max_batch, the global batch is every worker's upper bound
     assert pair.decide(2, (50, 50), JobConfig("c", 2, 100)).sizes == (20, 80)
-    assert pair.decide(3, (50, 50), JobConfig("c", 2, 400)).sizes == (80, 320)
+    assert pair.decide(3, (200, 200), JobConfig("c", 2, 400)).sizes == (80, 320)
     assert sum(pair.decide(4, (100, 100, 200), JobConfig("c", 3, 400)).sizes) == 400  # a worker joined
 
 

@@ -213,7 +213,9 @@ class AutoCapacityModel(CapacityModel):
         for worker in self.kinds or {}:
             _integer(worker, f"kinds' key {worker!r} (a worker id)", 0, None)
         given = dict(self.models or {})
-        unknown = set(given) - set(KINDS) | {k for k in (self.kinds or {}).values() if k not in KINDS}
+        # by name and type: a kind given as a list (unhashable) had been numpy's TypeError
+        unknown = set(given) - set(KINDS) | {repr(k) for k in (self.kinds or {}).values()
+                                             if not isinstance(k, str) or k not in KINDS}
         if unknown:
             raise ConfigError(f"unknown worker kind(s) {sorted(map(str, unknown))}; kinds are {KINDS}")
         wrong = sorted(kind for kind, model in given.items() if not isinstance(model, CapacityModel))

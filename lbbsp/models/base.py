@@ -297,7 +297,9 @@ class CapacityModel(BaseEstimator):
         try:
             super().set_params(**params)
             self._check_params()
-        except (ConfigError, ValueError):  # a bad value, or a misspelt nested name (scikit-learn sets the names before it)
+        # a bad value, a value of the wrong type that a check read as another (TypeError), or a misspelt nested name
+        # (scikit-learn sets the names before it): all put back, so a fitted model is left as it was
+        except (ConfigError, ValueError, TypeError):
             super().set_params(**{name: before[name] for name in params if name in before})
             raise
         changed = {name for name, value in params.items() if name in before and _changed(before[name], value)}

@@ -117,7 +117,7 @@ class FLClientModel(CapacityModel):
         return LinearTime(speed / self.local_steps, overhead=self.transfer_s(workers), idle_is_free=True)
 
     def _check_params(self) -> None:
-        _integer(self.local_steps, "local_steps", 1, None)
+        _integer(self.local_steps, "local_steps", 1, 10**6)  # a bound, so that every time stays a float
         for name in ("alpha", "availability_alpha"):
             _real(getattr(self, name), name, 0.0, 1.0, "in (0, 1]", lo_open=True)
         if self.model_bytes is not None:

@@ -39,6 +39,10 @@ from ..protocol import FEATURE_RANGES, Report
 from .base import CapacityModel, WorkerIds, as_reports, by_iteration, feature, field
 
 DEFAULT_FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util")
+#: Bounds on the network's size, so that an absurd value is a ConfigError naming it, not a MemoryError or numpy's
+#: "maximum allowed dimension exceeded" (a hidden=(10**5, 10**5) asked for 75 GiB of weights).
+MAX_LAGS, MAX_LAYERS, MAX_WIDTH = 256, 8, 1024
+MAX_BUFFER_VALUES = 2**26  # float64 values in the replay buffer: 512 MiB
 
 
 class NARXThroughput(CapacityModel):
@@ -178,25 +182,34 @@ class NARXThroughput(CapacityModel):
         return ~held
 
     def _check_params(self) -> None:
-        lags = _integer(self.lags, "lags", 1, None)
-        _integer(self.exog_lags, "exog_lags", 0, lags)
+        lags = _integer(self.lags, "lags", 1, MAX_LAGS)
+        exog_lags = _integer(self.exog_lags, "exog_lags", 0, lags)
         _integer(self.horizon, "horizon (JobConfig.lag)", 1, 8)
         _real(self.alpha_ewma, "alpha_ewma", 0.0, 1.0, "in (0, 1]", lo_open=True)
         for name in ("huber_delta", "learning_rate"):
             _real(getattr(self, name), name, 0.0, np.inf, "a positive number", lo_open=True, hi_open=True)
-        if not (isinstance(self.hidden, (tuple, list))
-                and all(not isinstance(h, bool) and isinstance(h, Integral) and h >= 1 for h in self.hidden)):
-            raise ConfigError(f"hidden must be a tuple of layer widths >= 1, got {self.hidden!r}")
-        for name in ("buffer_size", "rows_per_update", "warmup"):
+        if not (isinstance(self.hidden, (tuple, list)) and 1 <= len(self.hidden) <= MAX_LAYERS
+                and all(not isinstance(h, bool) and isinstance(h, Integral) and 1 <= h <= MAX_WIDTH
+                        for h in self.hidden)):
+            raise ConfigError(f"hidden must be a tuple of 1 to {MAX_LAYERS} layer widths, each in [1, {MAX_WIDTH}], "
+                              f"got {self.hidden!r}")
+        buffer_size = _integer(self.buffer_size, "buffer_size", 1, None)
+        for name in ("rows_per_update", "warmup"):
             _integer(getattr(self, name), name, 1 if name != "warmup" else 0, None)
         if self.spike is not None:
             _real(self.spike, "spike", 1.0, np.inf, "None or a factor above 1", lo_open=True, hi_open=True)
         if self.random_state is not None:
             _integer(self.random_state, "random_state", 0, None)
-        # a string would be read as its letters, and a name reports never carry as a column of zeros
-        if isinstance(self.features, str) or not set(self.features) <= set(FEATURE_RANGES):
-            raise ConfigError(f"features must be a sequence of report features {sorted(FEATURE_RANGES)}, "
+        # a string would be read as its letters, a generator used up by the first look, and a name reports never
+        # carry as a column of zeros
+        if not (isinstance(self.features, (tuple, list)) and all(isinstance(f, str) for f in self.features)
+                and set(self.features) <= set(FEATURE_RANGES)):
+            raise ConfigError(f"features must be a list or tuple of report features {sorted(FEATURE_RANGES)}, "
                               f"got {self.features!r}")
+        width = lags + exog_lags * len(self.features)
+        if buffer_size * width > MAX_BUFFER_VALUES:  # the replay buffer is allocated whole at the first report
+            raise ConfigError(f"buffer_size x the input width (lags + exog_lags x features: {width}) must be at most "
+                              f"{MAX_BUFFER_VALUES:,} values (512 MiB), got {buffer_size:,} x {width}")
 
     def _initialise(self) -> None:
         self._check_params()
