@@ -140,6 +140,12 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
                               f"times for {lower.size} workers: it must give one per worker of the bounds")
     if np.isnan(t_lower).any() or np.isnan(t_upper).any() or np.isneginf(t_lower).any():
         raise AllocationError("the time model predicted a non-finite time")
+    # a negative time, or one that falls as the batch grows, would be planned on as a faster worker (a model of
+    # one's own answering -size had kept the equal split at a "predicted finish -16s", unsaid)
+    if (t_lower < 0).any() or (t_upper < t_lower).any():
+        wrong = np.flatnonzero((t_lower < 0) | (t_upper < t_lower))
+        raise AllocationError(f"the time model predicted a time below 0, or one that falls as the batch grows, for "
+                              f"worker(s) {wrong[:8].tolist()}: seconds must be at least 0 and grow with the batch")
     free = upper > lower
     stalled = free & np.isposinf(t_upper)
     if stalled.any():

@@ -26,6 +26,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from .allocation import sit_out_share
 from .child_logging import ParentLogging
 from .config import JobConfig, _integer, _job_config, _real
 from .embedded import RestartBudget, release_cpu_pinning
@@ -210,6 +211,12 @@ class GuardedPolicy:
         _check_for_job(policy, config)
         self.policy, self.config = policy, config
         self.name = str(policy.name) if name is None else name
+        # how many workers a decision may leave at 0 below their lower bound: a policy of one's own that let
+        # workers sit out (any true sit_out) had been let leave all but one at 0
+        try:
+            self._may_sit_out = int(sit_out_share(policy.sit_out) * config.num_workers + 1e-9)
+        except ConfigError as exc:
+            raise ConfigError(f"policy {self.name}'s {exc.message}", job=config.job) from None
         self._bounds = tuple(np.asarray(b, dtype=np.int64) for b in config.bounds())
         # an assignment holds a name and a reason of bounded length: longer ones are cut, not refused (a policy
         # error's long message made even the split kept in force invalid, and nothing was written)
@@ -273,6 +280,8 @@ class GuardedPolicy:
 
         if not isinstance(decision, Decision):  # the bare sizes, say: it had failed on a missing attribute
             raise refuse(f"decide must return a Decision(sizes, reason), got {type(decision).__name__}")
+        if not isinstance(decision.reason, str):  # it had failed on len() with no word of the reason
+            raise refuse(f"the reason must be a string, got {type(decision.reason).__name__}")
         try:
             raw = np.asarray(decision.sizes)
         except (TypeError, ValueError) as exc:
@@ -281,13 +290,20 @@ class GuardedPolicy:
             what = f"{raw.size} sizes" if raw.ndim == 1 else f"sizes of shape {raw.shape}"
             raise refuse(f"{what} for {self.config.num_workers} workers")
         whole = raw.dtype.kind in "iu" or (raw.dtype.kind == "f" and np.array_equal(raw, np.round(raw)))
-        if not whole:
-            raise refuse(f"sizes must be integers, got {raw[:8].tolist()}")
+        if not whole:  # an int past int64 (10**30) makes an object array: integers, but no size a batch holds
+            kind = "at most the global batch" if raw.dtype.kind == "O" else "integers"
+            raise refuse(f"sizes must be {kind}, got {raw[:8].tolist()}")
+        if raw.dtype.kind == "u" and (raw > self.config.global_batch).any():  # 2**63 had wrapped to a negative
+            raise refuse(f"sizes must be at most the global batch, got {raw[:8].tolist()}")
         sizes = raw.astype(np.int64)
         lower, upper = self._bounds
         outside = (sizes < lower) | (sizes > upper)
-        if self.policy.sit_out:  # such a policy gives a worker sitting out 0
-            outside &= sizes != 0
+        if self._may_sit_out:  # such a policy gives a worker sitting out 0, up to its share of the workers
+            sitting = outside & (sizes == 0)
+            if int(sitting.sum()) > self._may_sit_out:
+                raise refuse(f"{int(sitting.sum())} workers given 0 samples, where its sit_out of "
+                             f"{self.policy.sit_out:g} lets at most {self._may_sit_out} of {sizes.size} sit out")
+            outside &= ~sitting
         if outside.any():
             w = int(np.argmax(outside))
             raise refuse(f"worker {w} got {sizes[w]} samples, outside its bounds [{lower[w]}, {upper[w]}] "

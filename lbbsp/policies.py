@@ -19,6 +19,7 @@ from .allocation import (
     TimeModel,
     allocate_sitting_out,
     damp,
+    numbers_per_worker,
     sit_out_share,
 )
 from .config import JobConfig, _integer, _real
@@ -281,7 +282,8 @@ class LBBSPPolicy(Policy):
         plan, factor = self.with_margins(iteration, time_model, throughput)
         # the hooks' answers as arrays: a variant's that hands back lists had failed on a missing attribute
         lower, upper = (np.asarray(b) for b in self.bounds(workers, current_arr, config))
-        proposed = np.asarray(self.propose(plan, config, lower, upper, time_model))
+        proposed = numbers_per_worker(self.propose(plan, config, lower, upper, time_model), config.num_workers,
+                                      f"{type(self).__name__}.propose", "one size per worker")
         may_idle = self._may_idle(lower)
         # the split in force fits the bounds (a worker sitting out does), unless one due back would stay out
         in_bounds = (current_arr.shape == proposed.shape and _within(current_arr, lower, upper, bool(self.sit_out))
@@ -293,7 +295,9 @@ class LBBSPPolicy(Policy):
             # than the dead band a step on a nearly full card, so a damped split had kept it there for good (1.7x
             # slower than the split its card holds)
             sizes, changed = proposed, True
-        sizes = self.model.explore(workers, sizes, lower, upper)
+        # a list is taken as its array, as predict's answer is; the wrong length or no numbers name the model
+        sizes = numbers_per_worker(self.model.explore(workers, sizes, lower, upper), config.num_workers,
+                                   f"{type(self.model).__name__}.explore", "one size per worker")
         predicted = time_model.time(sizes)
         if self.risk is not None:  # margins learn from misses at the sizes run, where the forecast depends on them
             self.risk.expect(iteration, workers, sized_throughput(time_model, sizes, predicted))
@@ -388,6 +392,9 @@ def _whole_caps(model: CapacityModel, workers: WorkerIds, upper: np.ndarray) -> 
     answer = model.max_batch(workers)
     if answer is None:
         return None
+    if np.asarray(answer).dtype.kind == "b":  # True had been read as a cap of 1 sample on every worker
+        raise ConfigError(f"{type(model).__name__}.max_batch returned {str(answer)[:80]}: it must return one cap "
+                          "(samples; NaN where unknown) per worker asked, or None, not booleans")
     try:
         caps: np.ndarray | None = np.asarray(answer, dtype=float)
     except (TypeError, ValueError):  # ragged, or not numbers

@@ -14,7 +14,8 @@ from lbbsp.models import EWMAThroughput
 from lbbsp.policies import BSPPolicy, OraclePolicy
 from lbbsp.sim import cli
 from lbbsp.sim.engine import compare, standard_policies
-from lbbsp.sim.scenarios import GPUMix, Scenario, Truth
+from lbbsp.sim.scenarios import FLClients, GPUMix, Scenario, Truth
+from lbbsp.sim.traces import load_traces
 from test_sim import _parse
 
 SMALL = ("--workers", "4", "--iterations", "3")
@@ -198,3 +199,32 @@ def test_a_scenario_name_or_class_is_refused_with_how_to_build_one(scenario: obj
     for call in (lambda: compare(scenario, 3), lambda: standard_policies(scenario)):  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match=r"must be a Scenario instance.*GPUMix\(num_workers, iterations, seed\)"):
             call()
+
+
+def test_a_seed_too_long_for_a_file_name_is_refused_before_the_run(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A 300-digit --seed ran every policy, then failed to write its results ('File name too long'), blamed on --out."""
+    out = tmp_path / "results"
+    assert main(["simulate", "--scenario", "gpu-mix", *SMALL, "--seed", str(10**300), "--out", str(out)]) == 2
+    said, err = capsys.readouterr()
+    assert "building" not in said and f"--seed must be in [0, {2**64 - 1}], got 1000" in err, err
+    assert not out.exists()
+
+
+def test_a_long_traces_folder_name_is_cut_in_the_result_files_name(tmp_path: Path) -> None:
+    """A --traces folder of 230 characters made the result files' names too long to write, after the whole run."""
+    folder = tmp_path / ("t" * 230)
+    folder.mkdir()
+    shipped = sorted(cli.DEFAULT_TRACE_DIR.glob("*.json"))[0]
+    (folder / shipped.name).write_bytes(shipped.read_bytes())
+    suffix = cli._scenario_options(_parse("--scenario", "cpu-contention", "--traces", str(folder)))[1]
+    assert suffix.startswith("_" + "t" * 40 + "-") and len(suffix) < 60, suffix
+
+
+def test_sim_inputs_a_new_user_tries_are_named() -> None:
+    with pytest.raises(ConfigError, match=r"dropout must be a chance per client and round in \[0, 1\)"):
+        FLClients(4, 3, 0, dropout=1.0)  # no client ever reported, and the ratios printed meant nothing
+    assert compare(GPUMix(4, 3, 0), np.int64(3), {"bsp": BSPPolicy()})["bsp"].iteration_s  # as the scenarios take it
+    for folder in ("", None, 5):  # '' had read the current folder, the others a bare TypeError
+        with pytest.raises(ConfigError, match="is not a directory"):
+            load_traces(folder)  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ import numpy as np
 from .. import __version__
 from ..embedded import EmbeddedRedis
 from ..errors import ConfigError, StoreUnavailable
-from ..protocol import MAX_WORKERS
+from ..protocol import MAX_WORKERS, printable
 from ..store import Store, redacted, redis_url
 from .engine import PolicyRun, compare
 from .scenarios import LOOKAHEAD, MEAN_DWELL, SCENARIOS, Scenario
@@ -27,6 +27,8 @@ from .traces import DEFAULT_TRACE_DIR, load_traces
 DEFAULT_OUT = Path("experiments") / "results"
 #: Largest workers x iterations a run may ask for: 10,000 workers for 5,000 iterations.
 MAX_CELLS = 50_000_000
+#: The largest --seed (2**64 - 1, what numpy's generators are usually seeded with).
+MAX_SEED = 2**64 - 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
                           f"{args.workers}")
     if args.iterations < 1:
         raise ConfigError(f"--iterations must be at least 1, got {args.iterations}")
-    if args.seed < 0:
-        raise ConfigError(f"--seed must be at least 0, got {args.seed}")
+    if not 0 <= args.seed <= MAX_SEED:  # the seed is in the result files' names: 300 digits made one too long to write
+        raise ConfigError(f"--seed must be in [0, {MAX_SEED}], got {printable(str(args.seed), 40)}")
     if not 1 <= args.lag <= 8:  # JobConfig's range, named by its flag and before the scenario is built
         raise ConfigError(f"--lag must be in [1, 8], got {args.lag}")
     if args.mean_dwell is not None and not args.mean_dwell >= 1:
@@ -246,7 +248,9 @@ def _scenario_options(args: argparse.Namespace) -> tuple[dict[str, object], str]
     if args.traces is not None:
         options["traces"] = load_traces(args.traces)
         if args.traces.resolve() != DEFAULT_TRACE_DIR:
-            suffix += f"_{args.traces.resolve().name}-{_digest(args.traces)}"
+            # the folder's name cut to 40 characters (the digest tells folders apart): a long one had made the result
+            # files' names too long to write, after the whole run
+            suffix += f"_{args.traces.resolve().name[:40]}-{_digest(args.traces)}"
     if args.mean_dwell is not None and args.mean_dwell != MEAN_DWELL:
         short = f"{args.mean_dwell:g}"  # where it is exact: :g alone named 1e6 and 1e6 + 1 alike
         suffix += f"_dwell{short if float(short) == args.mean_dwell else repr(args.mean_dwell)}"

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import JobConfig
+from ..config import JobConfig, _integer
 from ..coordinator import Coordinator, GuardedPolicy
 from ..errors import ConfigError, LBBSPError
 from ..models import CapacityModel, EWMAThroughput
@@ -177,7 +177,8 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
     """
     n = _scenario(scenario).config.num_workers
     _check_policies({name: policy})
-    aggregated = policy.aggregated(n)
+    # a policy of one's own answering 0 had been timed by its fastest worker alone, a win from nothing
+    aggregated = _integer(policy.aggregated(n), f"policy {name!r}: aggregated({n}), the gradients waited for,", 1, n)
     for held, _ in _learners(name, policy):
         _remember(held)
     run = PolicyRun(name)
@@ -315,8 +316,7 @@ def compare(scenario: Scenario, iterations: int, policies: Mapping[str, Policy] 
     """Run every policy on the same scenario, one after the other (through the Redis at ``redis_url``, if
     given: see :func:`run_policy`). Each policy must be fresh: one that has run already is a ConfigError."""
     scenario = _scenario(scenario)
-    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
-        raise ConfigError(f"iterations must be an integer >= 1, got {iterations!r}")
+    iterations = _integer(iterations, "iterations", 1, None)  # numpy's integers too, as the scenarios take them
     if scenario.iterations is not None and iterations > scenario.iterations:
         raise ConfigError(f"the {scenario.name} scenario was built for {scenario.iterations} iterations, not "
                           f"{iterations}: build it with at least as many")

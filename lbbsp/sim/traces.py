@@ -78,8 +78,10 @@ class CPUTrace:
 def load_traces(directory: str | Path = DEFAULT_TRACE_DIR) -> list[CPUTrace]:
     """Every ``*.json`` trace in ``directory``, sorted by name; a warning names each contention level of a trace with
     fewer than :data:`MIN_LEVEL_ROWS` rows, which a replay would repeat over and over."""
-    if not Path(directory).is_dir():
-        raise ConfigError(f"{directory} is not a directory: traces are read from a directory of *.json files")
+    # a path of no text ('' reads as the current folder) or not a path at all (a bare TypeError) says so too
+    if not isinstance(directory, (str, Path)) or not str(directory) or not Path(directory).is_dir():
+        shown = directory if isinstance(directory, (str, Path)) and str(directory) else repr(directory)
+        raise ConfigError(f"{shown} is not a directory: traces are read from a directory of *.json files")
     paths = sorted(Path(directory).glob("*.json"))
     if not paths:  # a trace saved without .json, or in a subfolder, is not read: say what is there
         names = sorted(p.name + "/" * p.is_dir() for p in Path(directory).iterdir())
