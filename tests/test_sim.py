@@ -523,7 +523,7 @@ def test_the_python_example_in_the_docs_runs(capsys: pytest.CaptureFixture[str])
 
 
 @pytest.mark.parametrize(("build", "words"), [
-    (lambda: FLClients(8, 20, 0, local_steps=0), r"local_steps must be an integer in \[1, inf\], got 0"),
+    (lambda: FLClients(8, 20, 0, local_steps=0), r"local_steps must be an integer in \[1, 1000000\], got 0"),
     (lambda: FLClients(8, 20, 0, model_mb=-4), "model_mb must be a finite number >= 0, got -4"),
     (lambda: FLClients(8, 20, 0, dropout=1.5), r"dropout must be a chance per client and round in \[0, 1\]"),
     (lambda: FLClients(8, 20, 0, compute_spread=-1), "compute_spread must be a finite number >= 0"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from lbbsp.models import EWMAThroughput
 from lbbsp.policies import BSPPolicy, OraclePolicy
 from lbbsp.sim import cli
 from lbbsp.sim.engine import compare, standard_policies
-from lbbsp.sim.scenarios import FLClients, GPUMix, Scenario, Truth
+from lbbsp.sim.scenarios import FLClients, GPUMix, MixedCluster, Scenario, Truth
 from lbbsp.sim.traces import load_traces
 from test_sim import _parse
 
@@ -222,9 +223,32 @@ def test_a_long_traces_folder_name_is_cut_in_the_result_files_name(tmp_path: Pat
 
 
 def test_sim_inputs_a_new_user_tries_are_named() -> None:
-    with pytest.raises(ConfigError, match=r"dropout must be a chance per client and round in \[0, 1\)"):
-        FLClients(4, 3, 0, dropout=1.0)  # no client ever reported, and the ratios printed meant nothing
     assert compare(GPUMix(4, 3, 0), np.int64(3), {"bsp": BSPPolicy()})["bsp"].iteration_s  # as the scenarios take it
     for folder in ("", None, 5):  # '' had read the current folder, the others a bare TypeError
         with pytest.raises(ConfigError, match="is not a directory"):
             load_traces(folder)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: GPUMix(4, 5, 0, fixed_gb=11), "its 12 GB hold 11 samples of gb_per_sample 0.085 beside fixed_gb 11"),
+    (lambda: MixedCluster(4, 3, 0, gpu_batch=200), "mixed cluster of 4 workers, its GPUs .gpu_batch as their "
+                                                    "batch_per_worker.: batch_per_worker 200 does not fit"),
+    (lambda: MixedCluster(4, 3, 0, cpu_batch=10**7), "its CPU workers .cpu_batch as their batch_per_worker.: "),
+    (lambda: MixedCluster(10**6, 3, 0), r"num_workers must be an integer in \[2, 100000\], got 1000000$"),
+    (lambda: GPUMix(4, 10**9, 0), "num_workers x iterations must be at most 50,000,000"),
+    (lambda: FLClients(4, 3, 0, local_steps=10**400), r"local_steps must be an integer in \[1, 1000000\]"),
+])
+def test_scenario_options_are_named_as_the_user_gave_them(build: Any, message: str) -> None:
+    """A fixed_gb of 11 blamed batch_per_worker; a mixed cluster's errors named its halves' options and halved its
+    workers; 10**9 iterations were a MemoryError and 10**400 local steps an OverflowError."""
+    with pytest.raises(ConfigError, match=message):
+        build()
+
+
+@pytest.mark.parametrize("scenario", [lambda: GPUMix(4, 3, 0, jitter=1e3), lambda: FLClients(4, 3, 0, model_mb=1e308),
+                                      lambda: MixedCluster(4, 3, 0, cpu_images_per_s=1e-300)])
+def test_options_that_make_times_no_report_can_carry_are_blamed_not_a_worker(scenario: Any) -> None:
+    """They had failed as one worker's report: 'compute_s: must be finite, got inf [worker=0]'."""
+    with np.errstate(all="ignore"), pytest.raises(ConfigError, match=r"past the 86,400 s a report may carry: check "
+                                                                    r"the magnitudes of its options \("):
+        compare(scenario(), 3, {"bsp": BSPPolicy()})

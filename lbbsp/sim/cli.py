@@ -21,12 +21,10 @@ from ..errors import ConfigError, StoreUnavailable
 from ..protocol import MAX_WORKERS, printable
 from ..store import Store, redacted, redis_url
 from .engine import PolicyRun, compare
-from .scenarios import LOOKAHEAD, MEAN_DWELL, SCENARIOS, Scenario
+from .scenarios import LOOKAHEAD, MAX_CELLS, MEAN_DWELL, SCENARIOS, Scenario
 from .traces import DEFAULT_TRACE_DIR, load_traces
 
 DEFAULT_OUT = Path("experiments") / "results"
-#: Largest workers x iterations a run may ask for: 10,000 workers for 5,000 iterations.
-MAX_CELLS = 50_000_000
 #: The largest --seed (2**64 - 1, what numpy's generators are usually seeded with).
 MAX_SEED = 2**64 - 1
 

@@ -19,12 +19,14 @@ from ..allocation import HingeTime, LinearTime
 from ..config import JobConfig, _integer, _real
 from ..errors import ConfigError
 from ..models import AutoCapacityModel, CapacityModel, FLClientModel, MixedTime
-from ..protocol import _is_integer
+from ..protocol import MAX_BATCH, MAX_WORKERS, _is_integer, printable
 from .traces import TRACE_FEATURES, CPUTrace, load_traces
 
 #: Iterations past the last simulated one that a scenario generates: decisions run up to ``lag`` (at most 8)
 #: iterations ahead, and the oracle is shown the truth of the iteration it decides.
 LOOKAHEAD = 8
+#: Largest workers x iterations a scenario may be built for: 10,000 workers for 5,000 iterations.
+MAX_CELLS = 50_000_000
 
 
 def _run(num_workers: object, iterations: object, seed: object, batch: object, batch_name: str) -> None:
@@ -32,8 +34,14 @@ def _run(num_workers: object, iterations: object, seed: object, batch: object, b
     if _is_integer(num_workers) and num_workers < Scenario.min_workers:  # the bound and why (0 had said [1, inf])
         raise ConfigError(f"num_workers must be at least {Scenario.min_workers} (backup workers, one of the policies "
                           f"compared, drop one), got {num_workers!r}")
-    _integer(num_workers, "num_workers", Scenario.min_workers, None)  # not an integer
+    _integer(num_workers, "num_workers", Scenario.min_workers, MAX_WORKERS)  # not an integer, or past a job's
     _integer(iterations, "iterations", 1, None)
+    # each scenario draws a few workers x (iterations + LOOKAHEAD) arrays: numpy's MemoryError or "maximum allowed
+    # dimension exceeded" had named neither argument
+    if int(num_workers) * max(int(iterations), LOOKAHEAD) > MAX_CELLS:  # type: ignore[call-overload]
+        raise ConfigError(f"num_workers x iterations must be at most {MAX_CELLS:,} (a few GiB of trace; fewer than "
+                          f"{LOOKAHEAD} iterations count as {LOOKAHEAD}), got {num_workers} x "
+                          f"{printable(str(iterations), 40)}")
     _integer(seed, "seed", 0, None)
     _integer(batch, batch_name, 1, None)
 
@@ -236,10 +244,14 @@ class GPUMix(Scenario):
         self.total_bytes = table["memory_gb"] * 1e9
         self.fixed_bytes = np.full(num_workers, fixed_gb * 1e9)
         self.bytes_per_sample = np.full(num_workers, gb_per_sample * 1e9)
-        self.cap = np.floor((self.total_bytes - self.fixed_bytes) / self.bytes_per_sample).astype(np.int64)
+        holds = np.floor((self.total_bytes - self.fixed_bytes) / self.bytes_per_sample)
+        if (holds < batch_per_worker).any():  # named by all three options (a fixed_gb of 11 had blamed the batch)
+            smallest = int(np.argmin(holds))
+            raise ConfigError(f"batch_per_worker {batch_per_worker} does not fit the smallest GPU: its "
+                              f"{table['memory_gb'][smallest]:g} GB hold {max(0, int(holds[smallest]))} samples of "
+                              f"gb_per_sample {gb_per_sample:g} beside fixed_gb {fixed_gb:g}")
+        self.cap = np.minimum(holds, MAX_BATCH).astype(np.int64)  # a tiny gb_per_sample: no cap past any batch
         global_batch = batch_per_worker * num_workers
-        if (self.cap < batch_per_worker).any():
-            raise ConfigError(f"batch_per_worker {batch_per_worker} does not fit the smallest GPU (cap {self.cap.min()})")
         super().__init__("gpu-mix", JobConfig("sim-gpu", num_workers, global_batch),
                          [f"cuda:{names[k]}" for k in kind],
                          {"generations": GPU_GENERATIONS, "overhead_s": overhead_s, "fixed_gb": fixed_gb,
@@ -275,15 +287,14 @@ class FLClients(Scenario):
                  compute_spread: float = 1.0, median_kbps_down: float = 5000.0, median_kbps_up: float = 2000.0,
                  link_spread: float = 1.0, round_noise: float = 0.05, dropout: float = 0.05) -> None:
         _run(num_workers, iterations, seed, batch_per_client, "batch_per_client")
-        _integer(local_steps, "local_steps", 1, None)
+        _integer(local_steps, "local_steps", 1, 10**6)  # as FLClientModel bounds it
         for name, value in (("model_mb", model_mb), ("compute_spread", compute_spread), ("link_spread", link_spread),
                             ("round_noise", round_noise)):
             _at_least_zero(name, value)
         for name, value in (("median_ms_per_sample", median_ms_per_sample), ("median_kbps_down", median_kbps_down),
                             ("median_kbps_up", median_kbps_up)):
             _above_zero(name, value)
-        # below 1: at 1 no client ever reports, and the ratios a comparison printed meant nothing
-        _real(dropout, "dropout", 0.0, 1.0, "a chance per client and round in [0, 1)", hi_open=True)
+        _real(dropout, "dropout", 0.0, 1.0, "a chance per client and round in [0, 1]")
         rng, presence = _streams(seed, 2)
         super().__init__("fl-clients", JobConfig("sim-fl", num_workers, batch_per_client * num_workers),
                          ["phone"] * num_workers,
@@ -334,9 +345,14 @@ class MixedCluster(Scenario):
         _integer(cpu_batch, "cpu_batch", 1, None)
         _above_zero("cpu_images_per_s", cpu_images_per_s)
         self.gpus_at, self.cpus_at = np.arange(0, num_workers, 2), np.arange(1, num_workers, 2)
-        self.gpus = GPUMix(self.gpus_at.size, iterations, seed, batch_per_worker=gpu_batch)
-        self.cpus = CPUContention(self.cpus_at.size, iterations, seed, traces=traces, batch_per_worker=cpu_batch,
-                                  mean_dwell=mean_dwell, noise=noise)
+        try:  # its two halves' errors name their own options: say which half, under the mixed cluster's names
+            self.gpus = GPUMix(self.gpus_at.size, iterations, seed, batch_per_worker=gpu_batch)
+            self.cpus = CPUContention(self.cpus_at.size, iterations, seed, traces=traces, batch_per_worker=cpu_batch,
+                                      mean_dwell=mean_dwell, noise=noise)
+        except ConfigError as exc:
+            half = "GPUs (gpu_batch as their batch_per_worker)" if not hasattr(self, "gpus") else \
+                "CPU workers (cpu_batch as their batch_per_worker)"
+            raise ConfigError(f"mixed cluster of {num_workers} workers, its {half}: {exc.message}") from None
         scale = cpu_images_per_s / 1000.0  # cpu-contention's uncontended median is 1,000 samples/s
         self.cpus.speed, self.cpus.level_speed = self.cpus.speed * scale, self.cpus.level_speed * scale
         devices = np.empty(num_workers, dtype=object)
