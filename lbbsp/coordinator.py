@@ -300,8 +300,8 @@ class GuardedPolicy:
         outside = (sizes < lower) | (sizes > upper)
         if self._may_sit_out:  # such a policy gives a worker sitting out 0, up to its share of the workers
             sitting = outside & (sizes == 0)
-            if int(sitting.sum()) > self._may_sit_out:
-                raise refuse(f"{int(sitting.sum())} workers given 0 samples, where its sit_out of "
+            if (count := int(sitting.sum())) > self._may_sit_out:
+                raise refuse(f"{count} workers given 0 samples, where its sit_out of "
                              f"{self.policy.sit_out:g} lets at most {self._may_sit_out} of {sizes.size} sit out")
             outside &= ~sitting
         if outside.any():

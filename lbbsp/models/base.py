@@ -144,8 +144,9 @@ def _read_only(values: np.ndarray) -> np.ndarray:
 def as_reports(reports: Sequence[Report] | Iterable[Report] | Report, caller: str = "partial_fit") -> CheckedReports:
     """One iteration's reports as a sequence: one report alone is a list of one, any other iterable a list;
     reports of several iterations in iteration order (a stable sort where they were not: :func:`by_iteration`
-    learns them one iteration at a time; a model without it takes a worker's last report as its latest). A TypeError, in ``caller``'s name, names the first item that is not a
-    :class:`Report` (a decoded dict, a report's JSON)."""
+    learns them one iteration at a time; a model without it takes a worker's last report as its latest). A
+    TypeError, in ``caller``'s name, names the first item that is not a :class:`Report` (a decoded dict, a
+    report's JSON)."""
     if type(reports) is CheckedReports:
         return reports
     if isinstance(reports, Report):

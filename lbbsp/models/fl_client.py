@@ -29,6 +29,8 @@ from .base import (
 )
 
 log = logging.getLogger("lbbsp.models")
+#: The most local steps a round may take: a bound, so that every round time stays a float (10**400 had overflowed).
+MAX_LOCAL_STEPS = 10**6
 
 #: Report features that tell a model transfer: a report with any of them comes from a federated client.
 TRANSFER_FEATURES = frozenset({"download_s", "upload_s", "bandwidth_down", "bandwidth_up"})
@@ -117,7 +119,7 @@ class FLClientModel(CapacityModel):
         return LinearTime(speed / self.local_steps, overhead=self.transfer_s(workers), idle_is_free=True)
 
     def _check_params(self) -> None:
-        _integer(self.local_steps, "local_steps", 1, 10**6)  # a bound, so that every time stays a float
+        _integer(self.local_steps, "local_steps", 1, MAX_LOCAL_STEPS)
         for name in ("alpha", "availability_alpha"):
             _real(getattr(self, name), name, 0.0, 1.0, "in (0, 1]", lo_open=True)
         if self.model_bytes is not None:

@@ -183,7 +183,7 @@ class NARXThroughput(CapacityModel):
 
     def _check_params(self) -> None:
         lags = _integer(self.lags, "lags", 1, MAX_LAGS)
-        exog_lags = _integer(self.exog_lags, "exog_lags", 0, lags)
+        _integer(self.exog_lags, "exog_lags", 0, lags)
         _integer(self.horizon, "horizon (JobConfig.lag)", 1, 8)
         _real(self.alpha_ewma, "alpha_ewma", 0.0, 1.0, "in (0, 1]", lo_open=True)
         for name in ("huber_delta", "learning_rate"):
@@ -206,15 +206,19 @@ class NARXThroughput(CapacityModel):
                 and set(self.features) <= set(FEATURE_RANGES)):
             raise ConfigError(f"features must be a list or tuple of report features {sorted(FEATURE_RANGES)}, "
                               f"got {self.features!r}")
-        width = lags + exog_lags * len(self.features)
+        width = self._input_width()
         if buffer_size * width > MAX_BUFFER_VALUES:  # the replay buffer is allocated whole at the first report
             raise ConfigError(f"buffer_size x the input width (lags + exog_lags x features: {width}) must be at most "
                               f"{MAX_BUFFER_VALUES:,} values (512 MiB), got {buffer_size:,} x {width}")
 
+    def _input_width(self) -> int:
+        """Inputs per row: ``lags`` log-throughput ratios and ``exog_lags`` rows of the resource features."""
+        return int(self.lags) + int(self.exog_lags) * len(self.features)
+
     def _initialise(self) -> None:
         self._check_params()
         self.rng_ = np.random.default_rng(self.random_state)
-        width = self.lags + self.exog_lags * len(self.features)
+        width = self._input_width()
         # all weights and biases in one flat vector (Adam then updates it in a few array operations);
         # weights_ holds (W, b) views into it. Glorot-uniform weights and zero biases, as MLPRegressor.
         self.params_ = np.zeros(sum(a * b + b for a, b in self._shapes()))
@@ -241,7 +245,7 @@ class NARXThroughput(CapacityModel):
 
     def _shapes(self) -> list[tuple[int, int]]:
         """(fan in, fan out) of each layer."""
-        width = self.lags + self.exog_lags * len(self.features)
+        width = self._input_width()
         return list(zip([width, *self.hidden], [*self.hidden, 1]))
 
     def _views(self) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -201,8 +201,8 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
             sizes = decider.sizes(k)
             truth = scenario.truth(k)
             seconds = truth.time_model.time(sizes)
-            if not (np.isfinite(seconds) & (seconds <= MAX_SECONDS)).all():  # else a worker's report fails on it
-                _out_of_range(scenario, k, seconds)
+            if not (carried := np.isfinite(seconds) & (seconds <= MAX_SECONDS)).all():  # else a report fails on it
+                _out_of_range(scenario, k, seconds, int(np.argmin(carried)))
             asked = np.ones(n, dtype=bool)
             if getattr(truth.time_model, "idle_is_free", False):  # a client given nothing is not asked
                 asked = sizes > 0
@@ -303,10 +303,9 @@ class _ThroughRedis:
             self.store.close()
 
 
-def _out_of_range(scenario: Scenario, iteration: int, seconds: np.ndarray) -> None:
-    """A :class:`ConfigError` for times no report can carry: the scenario's options, not a worker, are to blame (a
-    jitter of 1,000 had been a worker's report refused for a compute_s of inf)."""
-    worker = int(np.flatnonzero(~(np.isfinite(seconds) & (seconds <= MAX_SECONDS)))[0])
+def _out_of_range(scenario: Scenario, iteration: int, seconds: np.ndarray, worker: int) -> None:
+    """A :class:`ConfigError` for ``worker``'s time, which no report can carry: the scenario's options, not a worker,
+    are to blame (a jitter of 1,000 had been a worker's report refused for a compute_s of inf)."""
     options = ", ".join(f"{key}={value!r}" for key, value in scenario.notes.items() if isinstance(value, (int, float)))
     raise ConfigError(f"scenario {scenario.name} gives worker {worker} {seconds[worker]:.4g} s in iteration {iteration}, "
                       f"past the {MAX_SECONDS:,.0f} s a report may carry: check the magnitudes of its options "

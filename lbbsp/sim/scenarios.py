@@ -19,6 +19,7 @@ from ..allocation import HingeTime, LinearTime
 from ..config import JobConfig, _integer, _real
 from ..errors import ConfigError
 from ..models import AutoCapacityModel, CapacityModel, FLClientModel, MixedTime
+from ..models.fl_client import MAX_LOCAL_STEPS
 from ..protocol import MAX_BATCH, MAX_WORKERS, _is_integer, printable
 from .traces import TRACE_FEATURES, CPUTrace, load_traces
 
@@ -287,7 +288,7 @@ class FLClients(Scenario):
                  compute_spread: float = 1.0, median_kbps_down: float = 5000.0, median_kbps_up: float = 2000.0,
                  link_spread: float = 1.0, round_noise: float = 0.05, dropout: float = 0.05) -> None:
         _run(num_workers, iterations, seed, batch_per_client, "batch_per_client")
-        _integer(local_steps, "local_steps", 1, 10**6)  # as FLClientModel bounds it
+        _integer(local_steps, "local_steps", 1, MAX_LOCAL_STEPS)  # as FLClientModel bounds it
         for name, value in (("model_mb", model_mb), ("compute_spread", compute_spread), ("link_spread", link_spread),
                             ("round_noise", round_noise)):
             _at_least_zero(name, value)
