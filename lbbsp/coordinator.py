@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import multiprocessing
+import numbers
 import os
 import pickle
 import signal
@@ -153,7 +154,8 @@ def _check_for_job(policy: Policy | None, config: JobConfig, *, warn: bool = Tru
         policy.aggregated(config.num_workers)
     model = getattr(policy, "model", None)
     pinned = getattr(model, "kinds", None) if isinstance(model, AutoCapacityModel) else None
-    outside = sorted(w for w in pinned or {} if isinstance(w, int) and not 0 <= w < config.num_workers)
+    # numpy's integers too (a pin map built from np.flatnonzero had gone unchecked)
+    outside = sorted(w for w in map(_as_int, pinned or {}) if w is not None and not 0 <= w < config.num_workers)
     if outside:
         raise ConfigError(f"AutoCapacityModel's kinds pin worker(s) {outside[:8]}, outside the job's workers "
                           f"0..{config.num_workers - 1}", job=config.job)
@@ -162,6 +164,11 @@ def _check_for_job(policy: Policy | None, config: JobConfig, *, warn: bool = Tru
             log.warning("job %s: the model%s forecasts %d iteration(s) ahead (horizon=%d), but each split is decided "
                         "%d ahead (lag=%d): give it horizon=%d", config.job, name, horizon, horizon, config.lag,
                         config.lag, config.lag)
+
+
+def _as_int(value: object) -> int | None:
+    """``value`` as an int where it is an integer (numpy's too) and not a bool, else None."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else None
 
 
 def _horizons(model: object, name: str = "") -> Iterator[tuple[str, int]]:
@@ -668,8 +675,10 @@ class Coordinator:
         by_worker = {r.worker: r for r in reports}
         predicted = decision.predicted_throughput
         model = getattr(self.policy, "model", None)
-        # the kind the automatic model set for each worker (one of KINDS, plain names): what routes it, shown by status
-        kinds: dict[int, str] = getattr(model, "kind_", {}) if isinstance(model, AutoCapacityModel) else {}
+        # the kind the automatic model routes each worker as (one of KINDS, plain names; a worker whose kind is still
+        # open, by its pin or peers, had shown none), shown by status
+        routed = model.routed_kinds(range(len(assignment.sizes))) if isinstance(model, AutoCapacityModel) else []
+        kinds = dict(enumerate(routed))
         statuses = {}
         for worker, size in enumerate(assignment.sizes):  # a template: json.dumps per worker costs 6 ms at 1,024
             report = by_worker.get(worker)

@@ -9,7 +9,7 @@ to overrun instead of about half of them.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -182,6 +182,7 @@ class ForecastRisk:
         self.peer_group_ = np.zeros(0, dtype=np.int64)  # per worker id: hardware group, -1 until it reports
         self.group_kind_ = np.zeros(0, dtype=np.int64)  # per hardware group: index in KINDS, -1 until one measures
         self.groups_: dict[Hardware, int] = {}
+        self.pinned_: Mapping[int, str] = {}  # workers' pinned kinds, as the last observe was given them
         self.loaded_ = np.zeros(0, dtype=bool)  # per worker id: its last report had co-located load
         # per bucket: rank, + buckets if loaded, + 2 x buckets x the kind's index in KINDS
         self.pool_ = np.zeros((2 * buckets * len(KINDS), pool_size))
@@ -218,13 +219,16 @@ class ForecastRisk:
             given = np.where(at >= 0, throughput[np.maximum(at, 0)], np.nan)
         self.forecasts_[iteration] = (ids, np.where(np.isfinite(given), given, predicted), bucket)
 
-    def observe(self, reports: Sequence[Report], *, defer: bool = False) -> None:
+    def observe(self, reports: Sequence[Report], *, defer: bool = False, pinned: Mapping[int, str] | None = None) -> None:
         """Learn each new worker's hardware and each worker's co-located load, and pool the slowdowns of the
         reports against their iteration's recorded forecast; ``defer``: pool in :meth:`finish_learning`
-        (the next :meth:`record` needs only the load). Reports that measured nothing are not pooled."""
+        (the next :meth:`record` needs only the load). Reports that measured nothing are not pooled. ``pinned``:
+        workers' kinds as an :class:`~lbbsp.models.AutoCapacityModel`'s ``kinds`` pin them, so that such a worker is
+        planned with the margins of the kind its model is, not of the kind its reports show."""
         self.finish_learning()
         if not reports:
             return
+        self.pinned_ = pinned or {}
         ids = field(reports, "worker")
         self._remember_hardware(reports, ids)
         self.loaded_[ids] = feature(reports, "colocated_load", 0.0) >= self.loaded_at
@@ -371,6 +375,8 @@ class ForecastRisk:
         if groups.min() < 0:  # some worker seen for the first time (usually none)
             for at in np.flatnonzero(groups < 0).tolist():
                 key = hardware_of(reports[at])
+                if (pin := self.pinned_.get(int(ids[at]))) is not None:  # a group of its own, of the pinned kind
+                    key = (f"{key[0]} pinned {pin}", key[1])
                 self.peer_group_[ids[at]] = self.groups_.setdefault(key, len(self.groups_))
             groups = self.peer_group_[ids]
             self._peers = None
@@ -379,8 +385,9 @@ class ForecastRisk:
         if self.group_kind_.min() >= 0:  # every group's kind is known (usually)
             return
         for at in np.flatnonzero(self.group_kind_[groups] < 0).tolist():  # its first report showing it
-            kind = worker_kind(reports[at])
-            if reports[at].samples > 0 or kind != "cpu":
+            pin = self.pinned_.get(int(ids[at]))
+            kind = pin or worker_kind(reports[at])
+            if reports[at].samples > 0 or kind != "cpu" or pin:
                 self.group_kind_[groups[at]] = KINDS.index(kind)
                 self._peers = None
 
@@ -391,7 +398,8 @@ class ForecastRisk:
         it among the CPUs for good, planned with their margins (a mixed job 12-14% slower). After the split is written:
         the next decision is the first to need it."""
         kinds = [KINDS[k] if k >= 0 else None for k in self.group_kind_[self.peer_group_[ids]].tolist()]
-        moved = [at for at, (report, kind) in enumerate(zip(reports, kinds)) if model_moved(kind, report)]
+        moved = [at for at, (report, kind) in enumerate(zip(reports, kinds))
+                 if model_moved(kind, report) and report.worker not in self.pinned_]
         if moved:
             self.peer_group_[ids[moved]] = -1
             self._remember_hardware(reports, ids)

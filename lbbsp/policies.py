@@ -8,7 +8,7 @@ one of them (or one of LB-BSP's hooks: ``bounds``, ``propose``). Allocation math
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -186,7 +186,8 @@ class LBBSPPolicy(Policy):
         if reports:
             self.model.partial_fit(reports, defer=True)
             if self.risk is not None:
-                self.risk.observe(reports, defer=True)
+                pinned = self.model.kinds if isinstance(self.model, AutoCapacityModel) else None
+                self.risk.observe(reports, defer=True, pinned=pinned if isinstance(pinned, Mapping) else None)
             self._seen = True
 
     def learn(self) -> None:

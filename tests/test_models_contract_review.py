@@ -182,7 +182,7 @@ def test_narx_sizes_past_what_memory_holds_are_refused_by_name(params: dict[str,
 
 
 def test_an_auto_kind_that_is_not_a_name_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match=r"unknown worker kind\(s\) \[\"\['gpu'\]\"\]"):
+    with pytest.raises(ConfigError, match=r"unknown worker kind: kinds\[0\] = \['gpu'\]; a worker kind is one of"):
         AutoCapacityModel(kinds={0: ["gpu"]}).partial_fit(_history(1)[0])  # was TypeError: unhashable type: 'list'
 
 

@@ -27,6 +27,7 @@ from .base import (
     as_reports,
     by_iteration,
     check_contract,
+    device_family,
     feature,
     field,
     hardware_of,
@@ -38,15 +39,18 @@ from .gpu_curve import BatchTimeCurve
 from .narx import NARXThroughput
 
 KINDS = ("cpu", "gpu", "fl")
-_GPU_DEVICES = ("cuda", "gpu", "rocm", "hip", "mps", "xpu", "tpu")
+#: Device family prefixes of accelerators: a report from such a device is a GPU worker's.
+GPU_DEVICES = ("cuda", "gpu", "rocm", "hip", "mps", "xpu", "tpu")
 
 
 def worker_kind(report: Report) -> str:
-    """'fl' for a report with model-transfer features, 'gpu' for an accelerator device or GPU features, else 'cpu'."""
+    """'fl' for a report with model-transfer features (``TRANSFER_FEATURES``), 'gpu' for an accelerator device (one whose
+    family, see :func:`device_family`, starts with one of ``GPU_DEVICES``, in any case) or GPU memory features, else
+    'cpu'."""
     features = report.features
     if not TRANSFER_FEATURES.isdisjoint(features):
         return "fl"
-    if report.device.strip().lower().startswith(_GPU_DEVICES) or "gpu_mem_used" in features:
+    if "gpu_mem_used" in features or device_family(report.device).startswith(GPU_DEVICES):
         return "gpu"
     return "cpu"
 
@@ -57,7 +61,8 @@ def model_moved(kind: str | None, report: Report) -> bool:
     was known). Cheap tests first: it runs for every report."""
     if kind == "cpu":
         return "gpu_mem_used" in report.features
-    return kind == "gpu" and report.device == "cpu" and report.samples > 0 and worker_kind(report) == "cpu"
+    return (kind == "gpu" and report.samples > 0 and "gpu_mem_used" not in report.features
+            and device_family(report.device) == "cpu" and worker_kind(report) == "cpu")
 
 
 def grouped(groups: tuple[tuple[np.ndarray, TimeModel], ...], size: int) -> GroupedTime:
@@ -163,7 +168,7 @@ class AutoCapacityModel(CapacityModel):
         # and a GPU worker measuring with no GPU features may be on the CPU now: read its device
         if known is not None and (gpu_memory != known[1]).any():
             unsure = np.flatnonzero(known[1] & ~gpu_memory & (field(reports, "samples") > 0))
-            if any(reports[at].device == "cpu" for at in unsure.tolist()) or ((known[0] == 0) & gpu_memory).any():
+            if any(device_family(reports[at].device) == "cpu" for at in unsure.tolist()) or ((known[0] == 0) & gpu_memory).any():
                 known = None
         if known is not None:
             return {kind: reports.subset(at) if at.size else CheckedReports() for kind, at in known[2].items()}
@@ -213,11 +218,13 @@ class AutoCapacityModel(CapacityModel):
         for worker in self.kinds or {}:
             _integer(worker, f"kinds' key {worker!r} (a worker id)", 0, None)
         given = dict(self.models or {})
-        # by name and type: a kind given as a list (unhashable) had been numpy's TypeError
-        unknown = set(given) - set(KINDS) | {repr(k) for k in (self.kinds or {}).values()
-                                             if not isinstance(k, str) or k not in KINDS}
+        # each named where it was given (a kind given as a list, unhashable, had been numpy's TypeError)
+        unknown = [f"models' key {kind!r}" for kind in given if not (isinstance(kind, str) and kind in KINDS)]
+        unknown += [f"kinds[{worker!r}] = {kind!r}" for worker, kind in (self.kinds or {}).items()
+                    if not (isinstance(kind, str) and kind in KINDS)]
         if unknown:
-            raise ConfigError(f"unknown worker kind(s) {sorted(map(str, unknown))}; kinds are {KINDS}")
+            raise ConfigError(f"unknown worker kind: {', '.join(unknown[:4])}; a worker kind is one of "
+                              f"{', '.join(map(repr, KINDS))} (lower case)")
         wrong = sorted(kind for kind, model in given.items() if not isinstance(model, CapacityModel))
         if wrong:
             raise ConfigError(f"models for {wrong} are not CapacityModel instances")
@@ -260,9 +267,25 @@ class AutoCapacityModel(CapacityModel):
         out = np.asarray(sizes, dtype=np.int64).copy()
         ids = worker_ids(workers)
         lower, upper = np.asarray(lower), np.asarray(upper)
+        for name, given in (("sizes", out), ("lower", lower), ("upper", upper)):
+            if given.shape != ids.shape:
+                raise ConfigError(f"explore's {name} must hold one value per worker ({ids.size}), got shape "
+                                  f"{given.shape}")
         for kind, (positions, members) in self._groups(ids).items():
             if kind in self.fed_:
                 out[positions] = self.models_[kind].explore(members, out[positions], lower[positions], upper[positions])
+        return out
+
+    def routed_kinds(self, workers: WorkerIds) -> list[str]:
+        """The kind each of ``workers`` is answered as: its own once a report set it, else its pin, else its peers'
+        (what ``lbbsp status`` shows); [] before any report."""
+        if not hasattr(self, "models_"):
+            return []
+        ids = worker_ids(workers)
+        out = [""] * ids.size
+        for kind, (positions, _) in self._groups(ids).items():
+            for at in positions.tolist():
+                out[at] = kind
         return out
 
     def time_model(self, workers: WorkerIds) -> TimeModel:
@@ -297,9 +320,9 @@ class AutoCapacityModel(CapacityModel):
         """Positions of each kind in ``ids``, with the ids at them (read-only: shared by the calls); a worker whose kind
         is not set yet is of the kind ``kinds`` pins (once that kind's model has had reports), else of the kind most
         common among workers of its hardware, then of its device family (a CPU worker that only announced itself, in a
-        job of mostly GPUs, had been routed to the GPUs' model and given a GPU's share), else among ``ids`` (among all
-        workers when none in ``ids`` has a kind). Ties go to the first in KINDS: the same in every process. Cached
-        until a worker or kind is new, since a decision asks several times for the same workers."""
+        job of mostly GPUs, had been routed to the GPUs' model and given a GPU's share), else among all workers (the
+        kinds whose models have had reports before any is set). Ties go to the first in KINDS: the same in every
+        process. Cached until a worker or kind is new, since a decision asks several times for the same workers."""
         key = ids.tobytes()
         cached = getattr(self, "_groups_cache", None)
         if cached is not None and cached[0] == key:
@@ -307,7 +330,8 @@ class AutoCapacityModel(CapacityModel):
         pinned = self.kinds or {}
         kinds = [self.kind_.get(w) or (kind if (kind := pinned.get(w)) in self.fed_ else None) for w in ids.tolist()]
         if None in kinds:
-            seen = [k for k in kinds if k is not None] or list(self.kind_.values()) or sorted(self.fed_)
+            # among all workers, not those asked: a worker's answer had depended on which others were asked with it
+            seen = list(self.kind_.values()) or sorted(self.fed_)
             common = max(KINDS, key=seen.count)
             by_hardware: dict[Hardware | str, list[str]] = {}
             for worker, kind in self.kind_.items():

@@ -189,6 +189,16 @@ class NotFittedError(LBBSPError, exceptions.NotFittedError):
     """A model was asked to predict before it saw any report (also scikit-learn's NotFittedError)."""
 
 
+def device_family(device: str) -> str:
+    """A report's device as a lower-case family name, so that every kind test reads devices alike: "cuda:3" and
+    "CUDA:A100" -> "cuda", TensorFlow's "/device:GPU:0" (and its longer "/job:.../device:GPU:0") -> "gpu", "" -> "cpu"
+    (a GPU worker falling back to "CPU" or "cpu:0" had not been seen to move off the GPU curve)."""
+    name = device.strip().lower()
+    if "device:" in name:
+        name = name[name.rfind("device:") + len("device:"):]
+    return name.split(":", 1)[0].strip() or "cpu"
+
+
 def hardware_of(report: Report) -> Hardware:
     """The hardware key of a report: its device without a trailing index ("cuda:3" -> "cuda"), and cores."""
     device = _DEVICE_INDEX.sub("", report.device.strip().lower()) or "cpu"
