@@ -297,8 +297,9 @@ class LBBSPPolicy(Policy):
             # slower than the split its card holds)
             sizes, changed = proposed, True
         # a list is taken as its array, as predict's answer is; the wrong length or no numbers name the model
-        sizes = numbers_per_worker(self.model.explore(workers, sizes, lower, upper), config.num_workers,
-                                   f"{type(self.model).__name__}.explore", "one size per worker")
+        damped, sizes = sizes, numbers_per_worker(self.model.explore(workers, sizes, lower, upper), config.num_workers,
+                                                  f"{type(self.model).__name__}.explore", "one size per worker")
+        explored = int(np.abs(sizes - damped).sum()) // 2  # said in the reason: a "kept" split had been changed
         predicted = time_model.time(sizes)
         if self.risk is not None:  # margins learn from misses at the sizes run, where the forecast depends on them
             self.risk.expect(iteration, workers, sized_throughput(time_model, sizes, predicted))
@@ -322,6 +323,8 @@ class LBBSPPolicy(Policy):
             reason = f"kept: predicted gain under the {band:.1%} dead band ({finish_label} {finish})"
         if plan is not time_model:
             reason += f"; slowdown margins x{factor.min():.2f} to x{factor.max():.2f}"
+        if explored:
+            reason += f"; then {explored} sample(s) moved to learn the workers' batch-time curves (explore)"
         if may_idle:
             self.rounds_out.record(workers, sizes)
         if self.sit_out and not sizes.all():

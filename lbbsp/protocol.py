@@ -177,7 +177,7 @@ def _plain(job: Any, worker: Any, iteration: Any, samples: Any, compute_s: Any, 
         bounds = FEATURE_RANGES.get(name)
         if bounds is None or type(value) not in (int, float) or not bounds[0] <= value <= bounds[1]:
             return False
-    return True
+    return "gpu_mem_free" not in features or features["gpu_mem_used"] + features["gpu_mem_free"] > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +246,9 @@ class Report:
             raise _fail(f"{given} without {missing}: report both (NVML's memory info, or torch.cuda.mem_get_info's "
                         "free and total - free), or neither; from one alone no memory cap can be set",
                         f"features.{missing}", **where)
+        if "gpu_mem_free" in self.features and self.features["gpu_mem_used"] + self.features["gpu_mem_free"] <= 0:
+            raise _fail("gpu_mem_used and gpu_mem_free are both 0, a card of no memory, which would cap the worker at 0 "
+                        "samples: leave both out where the reading failed", "features.gpu_mem_free", **where)
         _str(self.device, "device", MAX_DEVICE_CHARS, **where)
         return self
 

@@ -1,5 +1,5 @@
-"""A fresh-eyes review of the automatic model's choice per worker kind: pins, open kinds, devices, and what
-status shows."""
+"""Fresh-eyes reviews of the automatic model's choice per worker kind (pins, open kinds, devices, what status
+shows) and of the GPU and federated-client models' inputs."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from lbbsp import Coordinator, JobConfig, LBBSPPolicy, Report, Store
-from lbbsp.errors import ConfigError
-from lbbsp.models import KINDS, AutoCapacityModel, EWMAThroughput, worker_kind
+from lbbsp.errors import ConfigError, ProtocolError
+from lbbsp.models import KINDS, AutoCapacityModel, BatchTimeCurve, EWMAThroughput, FLClientModel, worker_kind
 from lbbsp.models.auto import model_moved
 from lbbsp.models.base import device_family
 
@@ -101,3 +101,31 @@ def test_auto_explore_with_arrays_of_another_length_names_the_argument() -> None
     with pytest.raises(ConfigError, match=r"explore's sizes must hold one value per worker \(2\), got shape \(1,\)"):
         model.explore([0, 1], np.array([5]), np.array([1, 1]), np.array([100, 100]))
     assert model.explore([0, 1], np.array([100, 100]), np.array([1, 1]), np.array([190, 190])).sum() == 200
+
+
+@pytest.mark.parametrize("outcome", [None, 1 + 0j, "1", float("nan"), 2])
+def test_an_fl_outcome_that_is_not_a_yes_or_no_is_refused_and_changes_nothing(outcome: object) -> None:
+    """{0: None} had been taken, and wiped what client 0 had learnt (its availability back to the prior); 1+0j was
+    numpy's bare TypeError."""
+    model = FLClientModel().record_outcomes({0: True, 1: False})
+    before = model.availability([0, 1])
+    with pytest.raises(ConfigError, match=r"record_outcomes takes True or False \(or 1 or 0\) per client"):
+        model.record_outcomes({0: outcome})
+    np.testing.assert_array_equal(model.availability([0, 1]), before)
+
+
+def test_a_card_of_no_memory_is_refused_where_it_would_cap_the_worker_at_nothing() -> None:
+    with pytest.raises(ProtocolError, match="gpu_mem_used and gpu_mem_free are both 0"):
+        Report("job", 0, 0, 100, 0.1, features={"gpu_mem_used": 0.0, "gpu_mem_free": 0.0}, device="cuda:0")
+    Report("job", 0, 0, 100, 0.1, features={"gpu_mem_used": 0.0, "gpu_mem_free": 8e9}, device="cuda:0")
+
+
+def test_a_split_that_explore_moved_says_so_in_its_reason() -> None:
+    """Four equal GPUs, curves unknown: the split came back (95, 105, 95, 105) with the reason 'kept: predicted gain
+    under the dead band'."""
+    policy, config = LBBSPPolicy(BatchTimeCurve()), JobConfig("job", 4, 400)
+    policy.observe([Report("job", w, 0, 100, 0.265, device="cuda:0") for w in range(4)])
+    decision = policy.decide(2, (100, 100, 100, 100), config)
+    assert decision.sizes != (100, 100, 100, 100) and sum(decision.sizes) == 400
+    moved = sum(abs(s - 100) for s in decision.sizes) // 2
+    assert f"then {moved} sample(s) moved to learn the workers' batch-time curves (explore)" in decision.reason

@@ -8,6 +8,7 @@ so a round of sizes b brings back sum_i a_i * b_i samples on average.
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -85,10 +86,13 @@ class FLClientModel(CapacityModel):
                               f"reports carry them), got {int(ids.max())}: number the clients from 0, as the Flower "
                               "plugin does, rather than passing their node ids")
         outcomes = list(completed.values())
-        wrong = next((v for v in outcomes if not isinstance(v, (bool, np.bool_)) and v not in (0, 1)), None)
-        if wrong is not None:  # NaN too: it is not in (0, 1)
+        # a list, not next(..., None): None is itself wrong (it had been taken, and wiped what the client had learnt);
+        # NaN is not in (0, 1), and 1+0j, equal to 1, is no real number
+        wrong = [v for v in outcomes if not isinstance(v, (bool, np.bool_))
+                 and not (isinstance(v, numbers.Real) and v in (0, 1))]
+        if wrong:
             raise ConfigError(f"record_outcomes takes True or False (or 1 or 0) per client, whether it completed "
-                              f"the round, got {wrong!r}")
+                              f"the round, got {wrong[0]!r}")
         done = np.array(outcomes, dtype=float)
         # a client's first outcome is blended into what similar clients do (available, where nothing is known):
         # blended into 1 instead, a new client on hardware that completes 70% of rounds would rise on its first miss
