@@ -53,9 +53,9 @@ def _given_redis(args: argparse.Namespace) -> str:
     return url
 
 
-def _models() -> dict[str, Callable[[int], CapacityModel]]:
+def _models() -> dict[str, Callable[[int, int], CapacityModel]]:
     """``lbbsp coordinator --model``: the capacity model each name builds, given the job's lag (the forecast
-    horizon)."""
+    horizon) and the federated clients' local steps per round (the client model's)."""
     from .models import (  # noqa: PLC0415  (scikit-learn: see the imports above)
         AutoCapacityModel,
         BatchTimeCurve,
@@ -66,9 +66,10 @@ def _models() -> dict[str, Callable[[int], CapacityModel]]:
     )
 
     return {
-        "auto": lambda lag: AutoCapacityModel(horizon=lag), "narx": lambda lag: NARXThroughput(horizon=lag),
-        "ewma": lambda lag: EWMAThroughput(), "last-value": lambda lag: LastValue(),
-        "gpu-curve": lambda lag: BatchTimeCurve(), "fl-client": lambda lag: FLClientModel(),
+        "auto": lambda lag, steps: AutoCapacityModel({"fl": FLClientModel(steps)} if steps > 1 else None, horizon=lag),
+        "narx": lambda lag, steps: NARXThroughput(horizon=lag), "ewma": lambda lag, steps: EWMAThroughput(),
+        "last-value": lambda lag, steps: LastValue(), "gpu-curve": lambda lag, steps: BatchTimeCurve(),
+        "fl-client": lambda lag, steps: FLClientModel(steps),
     }
 
 
@@ -231,15 +232,23 @@ def _policy(args: argparse.Namespace) -> Policy:
         raise LBBSPError(f"--kind: worker(s) {outside} outside the job's workers 0..{args.workers - 1}")
     if args.epoch_iterations is not None and args.policy != "per-epoch":
         raise LBBSPError(f"--epoch-iterations is per-epoch's; --policy {args.policy} decides every iteration")
+    fl_model = (kind_models.get("fl", "fl-client") if args.model in (None, "auto") else args.model) == "fl-client"
+    if args.local_steps is not None and (not fl_model or args.policy in ("bsp", "static-proportional")):
+        raise LBBSPError(f"--local-steps is the fl-client model's (the clients' steps per round), and --policy "
+                         f"{args.policy}" + (f" with --model {args.model}" if args.model else "")
+                         + (" with --kind-model fl=" + kind_models["fl"] if "fl" in kind_models else "")
+                         + " has none")
+    steps = args.local_steps or 1
     own_average = args.model is None and args.policy == "per-epoch" and not routed  # its slow average of speed
     models, policies = _models(), _policies()
     if own_average:
         return policies[args.policy](None, args)
     if routed:
-        model: CapacityModel = AutoCapacityModel({kind: models[name](args.lag) for kind, name in kind_models.items()},
+        given = {"fl": "fl-client"} | kind_models if steps > 1 else kind_models
+        model: CapacityModel = AutoCapacityModel({kind: models[name](args.lag, steps) for kind, name in given.items()},
                                                  pins, horizon=args.lag)
     else:
-        model = models[args.model or "auto"](args.lag)
+        model = models[args.model or "auto"](args.lag, steps)
     return policies[args.policy](model, args)
 
 
@@ -715,6 +724,7 @@ def _coordinator_flags(coordinator: argparse.ArgumentParser) -> None:
     """The flags of ``lbbsp coordinator``."""
     from .coordinator import AHEAD_LIMIT, MAX_AHEAD  # noqa: PLC0415  (scikit-learn: see the imports above)
     from .models import KINDS  # noqa: PLC0415
+    from .models.fl_client import MAX_LOCAL_STEPS  # noqa: PLC0415
     from .policies import PER_EPOCH_ITERATIONS  # noqa: PLC0415
 
     coordinator.add_argument("--redis", help="Redis URL (redis://, rediss://, unix://); default: $LBBSP_REDIS_URL, "
@@ -744,6 +754,9 @@ def _coordinator_flags(coordinator: argparse.ArgumentParser) -> None:
     coordinator.add_argument("--kind-model", type=kind_model, action="append", metavar="KIND=MODEL",
                              help="with the auto model: the model of one kind's workers, e.g. --kind-model cpu=ewma "
                                   "(defaults: cpu=narx, gpu=gpu-curve, fl=fl-client); repeatable")
+    coordinator.add_argument("--local-steps", type=whole_number(1, MAX_LOCAL_STEPS), default=None, metavar="N",
+                             help="federated clients: local steps each client runs per round, which the fl-client "
+                                  "model (also auto's for fl workers) weighs compute by (default 1)")
     coordinator.add_argument("--epoch-iterations", type=whole_number(1), default=None, metavar="N",
                              help=f"--policy per-epoch: iterations between rebalancings, as an epoch's (default "
                                   f"{PER_EPOCH_ITERATIONS})")

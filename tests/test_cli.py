@@ -101,6 +101,25 @@ def test_a_model_for_a_policy_without_one_is_refused(capsys: pytest.CaptureFixtu
     assert "--epoch-iterations is per-epoch's; --policy lbbsp decides every iteration" in capsys.readouterr().err
 
 
+def test_local_steps_reach_the_client_model_and_are_refused_where_there_is_none(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The fl-client model was always built with local_steps=1: clients running 5 steps had their compute weighed
+    a fifth of what it is against their transfers."""
+    job = ["coordinator", "--workers", "4", "--global-batch", "8", "--local-steps", "5"]
+    assert _policy(build_parser().parse_args([*job, "--model", "fl-client"])).model.local_steps == 5  # type: ignore[attr-defined]
+    for flags in ([], ["--kind-model", "cpu=ewma"]):  # the auto model's client model, also beside other kinds' own
+        model = _policy(build_parser().parse_args([*job, *flags])).model  # type: ignore[attr-defined]
+        assert model.models["fl"].local_steps == 5
+    for flags, error in ((["--model", "narx"], "with --model narx has none"),
+                         (["--kind-model", "fl=ewma"], "with --kind-model fl=ewma has none"),
+                         (["--policy", "bsp"], "--policy bsp has none")):
+        assert main([*job, *flags]) == 2
+        assert "--local-steps is the fl-client model's" in (err := capsys.readouterr().err) and error in err
+    with pytest.raises(SystemExit):  # argparse's own exit, naming the flag
+        main([*job[:-1], "0"])
+    assert "--local-steps: must be in [1, 1000000], got 0" in capsys.readouterr().err
+
+
 def test_kind_flags_are_checked_and_build_the_auto_model_they_name(capsys: pytest.CaptureFixture[str]) -> None:
     job = ["coordinator", "--workers", "4", "--global-batch", "8"]
     policy = _policy(build_parser().parse_args([*job, "--kind", "3=gpu", "--kind", "0=fl", "--kind-model", "cpu=ewma",

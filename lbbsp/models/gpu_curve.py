@@ -145,7 +145,7 @@ def _free_line(s_w: np.ndarray, s_t: np.ndarray, s_z: np.ndarray, s_zz: np.ndarr
 
 
 def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budget: np.ndarray,
-                   held: np.ndarray | None = None) -> np.ndarray:
+                   held: np.ndarray | None = None, first: np.ndarray | None = None) -> np.ndarray:
     """Largest batch whose predicted bytes stay within ``budget``, per row. Pure function.
 
     Bytes are predicted by the least-squares line a + b * batch where the readings identify it: two or more
@@ -164,27 +164,48 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
     good as the readings are over that span); beyond, the origin line's cap, where that reaches further.
     ``held``: rows whose readings were seen not to fall when the size did (a caching allocator's peak, which
     slots merged from several sizes can hide from the first test); they get the line through the origin.
-    A ConfigError for arrays not of those shapes ((workers, points), budget and held (workers,)), or a valid
+    ``first``: each row's size at its first reading (NaN for none); readings at that size and below are left out of
+    the line, not out of the line through the origin: the first may be held at a peak set before it (cuDNN's
+    benchmark trying workspaces, a warm-up), and with one reading above it the line passed every test above (202
+    where 170 fit; a first step 0.5-2 GB above its need went past the card in every run of a sweep).
+    A ConfigError for arrays not of those shapes ((workers, points), budget, held and first (workers,)), or a valid
     reading that is not finite.
     """
     sizes, used, budget = (np.asarray(a, dtype=float) for a in (sizes, used, budget))
     valid = np.asarray(valid, dtype=bool)
     held = None if held is None else np.asarray(held, dtype=bool)
+    first = None if first is None else np.asarray(first, dtype=float)
     if (sizes.ndim != 2 or used.shape != sizes.shape or valid.shape != sizes.shape or 0 in sizes.shape
-            or budget.shape != sizes.shape[:1] or (held is not None and held.shape != sizes.shape[:1])):
+            or budget.shape != sizes.shape[:1] or (held is not None and held.shape != sizes.shape[:1])
+            or (first is not None and first.shape != sizes.shape[:1])):
         raise ConfigError(f"fit_memory_cap takes sizes, used and valid as (workers, points) arrays of one shape, at "
-                          f"least one of each, and budget (and held) as (workers,), got {sizes.shape}, {used.shape}, "
-                          f"{valid.shape}, {budget.shape}" + ("" if held is None else f" and {held.shape}"))
+                          f"least one of each, and budget (held, first) as (workers,), got {sizes.shape}, {used.shape}, "
+                          f"{valid.shape}, {budget.shape}" + ("" if held is None else f", held {held.shape}")
+                          + ("" if first is None else f", first {first.shape}"))
     if not np.isfinite(np.where(valid, sizes + used, 0.0)).all():
         raise ConfigError("fit_memory_cap takes finite sizes and readings where valid (an invalid one may hold "
                           "anything)")
-    weight = valid.astype(float)
+    if first is not None:  # the line's readings: those above the first size (NaN: no first reading, all of them)
+        above = valid & ~(sizes <= np.where(np.isnan(first), -np.inf, first)[:, None])
+        caps = _memory_cap(sizes, used, valid, valid, budget, held)
+        # fewer than two above it: the lower of that cap and the line through the origin (all readings at or below
+        # the first size, a worker that shrank: the origin's line predicts too little below the size it passes)
+        caps_above = _memory_cap(sizes, used, valid, above, budget, held)
+        return np.where(above.sum(1) >= 2, caps_above, np.minimum(caps, caps_above))
+    return _memory_cap(sizes, used, valid, valid, budget, held)
+
+
+def _memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, line: np.ndarray, budget: np.ndarray,
+                held: np.ndarray | None) -> np.ndarray:
+    """:func:`fit_memory_cap` on checked arrays: its line fitted on the readings ``line``, its line through the origin
+    on the largest size ``valid``."""
+    weight = line.astype(float)
     count = weight.sum(1)
-    x, y = np.where(valid, sizes, 0.0), np.where(valid, used, 0.0)
-    order = np.argsort(np.where(valid, sizes, np.inf), axis=1)
+    x, y = np.where(line, sizes, 0.0), np.where(line, used, 0.0)
+    order = np.argsort(np.where(line, sizes, np.inf), axis=1)
     by_size, read_by_size = np.take_along_axis(x, order, axis=1), np.take_along_axis(y, order, axis=1)
     rising, step = np.diff(read_by_size, axis=1), np.diff(by_size, axis=1)  # by size, the invalid ones last
-    pair = np.take_along_axis(valid, order, axis=1)[:, 1:]
+    pair = np.take_along_axis(line, order, axis=1)[:, 1:]
     with np.errstate(divide="ignore", invalid="ignore"):
         mean_x, mean_y = x.sum(1) / count, y.sum(1) / count
         dx = (x - mean_x[:, None]) * weight
@@ -204,7 +225,7 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
         expected = np.fmax(b, np.where(count >= 2, top_slope, np.nan))[:, None]
         from_smallest = read_by_size - read_by_size[:, :1] >= 0.5 * expected * (by_size - by_size[:, :1]) - _MIN_RISE
         consistent = (~pair | ((rising >= 0.5 * expected * step - _MIN_RISE) & from_smallest[:, 1:])).all(1)
-        top, bottom = sizes[rows, largest], np.where(valid, sizes, np.inf).min(1)
+        top, bottom = sizes[rows, largest], np.where(line, sizes, np.inf).min(1)
         linear = np.isfinite(b) & (b * (top - bottom) >= _MIN_RISE) & consistent
         if held is not None:
             linear &= ~held
@@ -213,7 +234,7 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
         reach = top + _LINE_REACH * (top - bottom)
         reached = np.where(line_cap <= reach, line_cap, np.maximum(reach, origin_cap))
         cap = np.where(linear, np.where(a < 0, np.minimum(line_cap, origin_cap), reached), origin_cap)
-    cap = np.where(count > 0, cap, np.inf)
+    cap = np.where(valid.any(1), cap, np.inf)
     return np.floor(np.clip(np.nan_to_num(cap, nan=0.0, posinf=_NO_CAP), 0, _NO_CAP)).astype(np.int64)
 
 
@@ -246,6 +267,7 @@ class BatchTimeCurve(CapacityModel):
     misses_: np.ndarray  # large misses in a row against the slot of the size measured, signed by direction
     read_size_: np.ndarray  # the size of the worker's latest memory reading (NaN before one)
     read_mem_: np.ndarray  # that reading
+    mem_first_size_: np.ndarray  # the size of the first measured step with a reading, NaN until one
     mem_held_: np.ndarray  # a reading did not fall when the size did: held at a caching allocator's peak
     mem_other_: np.ndarray  # bytes other processes took on the card since the slots' readings (kept net of it)
     mem_doubt_: np.ndarray  # the part of mem_other_ that may be a caching allocator's peak instead (_watch_others)
@@ -302,6 +324,9 @@ class BatchTimeCurve(CapacityModel):
         any_moved = bool(moved.any())
         new_other = self._watch_others(every, size, used, moved) if any_moved else moved  # (all False)
         new_size, new_mem, held = self._record(every, size, seconds, used)
+        first = np.isnan(self.mem_first_size_[every]) & np.isfinite(used)
+        if first.any():  # the line leaves out readings at this size and below (fit_memory_cap)
+            self.mem_first_size_[every] = np.where(first, size, self.mem_first_size_[every])
         new_held = self._watch_readings(every, size, used) if any_moved else moved
         self.latest_[every] = size
         self.count_[every] += 1
@@ -718,7 +743,8 @@ class BatchTimeCurve(CapacityModel):
         seen, other = np.where(measured, mem[at], 0.0), self.mem_other_[rows]  # own, in use at the largest size
         self.mem_rate_[rows] = np.where(measured, seen / np.maximum(sizes[at], 1.0), self.mem_rate_[rows])
         budget = self._budget(self.mem_total_[rows], seen + other)
-        caps = fit_memory_cap(sizes, mem, valid, np.nan_to_num(budget - other), self.mem_held_[rows])
+        caps = fit_memory_cap(sizes, mem, valid, np.nan_to_num(budget - other), self.mem_held_[rows],
+                              self.mem_first_size_[rows])
         with np.errstate(divide="ignore", invalid="ignore"):
             latest = self.read_size_[rows] + (budget - self.read_mem_[rows]) / self.mem_rate_[rows]
         falling = ~self.mem_held_[rows] | (self.mem_doubt_[rows] > 0)  # a held peak covers the sizes below it
@@ -739,7 +765,8 @@ class BatchTimeCurve(CapacityModel):
                                       ("latest_weight_", 0.0, float), ("group_", -1, np.int64), ("misses_", 0, np.int64),
                                       ("pooled_base_", 0.0, float), ("pooled_knee_", 0.0, float),
                                       ("pooled_slope_", 0.0, float), ("read_size_", np.nan, float),
-                                      ("read_mem_", np.nan, float), ("mem_held_", False, bool),
+                                      ("read_mem_", np.nan, float), ("mem_first_size_", np.nan, float),
+                                      ("mem_held_", False, bool),
                                       ("mem_other_", 0.0, float), ("mem_doubt_", 0.0, float)):
                 setattr(self, name, np.concatenate([getattr(self, name, np.zeros(0, dtype=dtype)),
                                                     np.full(extra, fill, dtype=dtype)]))
