@@ -129,3 +129,14 @@ def test_a_split_that_explore_moved_says_so_in_its_reason() -> None:
     assert decision.sizes != (100, 100, 100, 100) and sum(decision.sizes) == 400
     moved = sum(abs(s - 100) for s in decision.sizes) // 2
     assert f"then {moved} sample(s) moved to learn the workers' batch-time curves (explore)" in decision.reason
+
+
+def test_a_bandwidth_measured_at_zero_tells_no_transfer_time() -> None:
+    """bandwidth_down 0 beside bandwidth_up 1e6, model 4 MB: 4 s a round (the download free), where 1e-6 gave two
+    days and 1e6 gave 8 s."""
+    def transfer(down: float) -> float:
+        model = FLClientModel(model_bytes=4e6)
+        model.partial_fit([Report("job", 0, 0, 10, 1.0, features={"bandwidth_down": 1e6, "bandwidth_up": 1e6}),
+                           Report("job", 1, 0, 10, 1.0, features={"bandwidth_down": down, "bandwidth_up": 1e6})])
+        return float(model.transfer_s([1])[0])
+    assert transfer(1e6) == 8.0 and transfer(0.0) == 8.0  # unknown: the other clients' time

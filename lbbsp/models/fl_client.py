@@ -155,6 +155,8 @@ class FLClientModel(CapacityModel):
             with np.errstate(divide="ignore"):
                 from_bandwidth = (np.where(bandwidth_down > 0, self.model_bytes / bandwidth_down, 0.0)
                                   + np.where(bandwidth_up > 0, self.model_bytes / bandwidth_up, 0.0))
+            # a direction measured at 0 (a failed reading) tells nothing: it had counted as free, 4 s where 8 s was right
+            from_bandwidth[(bandwidth_down == 0) | (bandwidth_up == 0)] = np.nan
             # a bandwidth near 0 (a glitch) would give a time no average recovers from: at most what a Report
             # carries as measured transfer times, a day each way
             seconds = np.where(timed | (from_bandwidth <= 0), seconds, np.minimum(from_bandwidth, 2 * MAX_SECONDS))
