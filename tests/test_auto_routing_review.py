@@ -140,3 +140,23 @@ def test_a_bandwidth_measured_at_zero_tells_no_transfer_time() -> None:
                            Report("job", 1, 0, 10, 1.0, features={"bandwidth_down": down, "bandwidth_up": 1e6})])
         return float(model.transfer_s([1])[0])
     assert transfer(1e6) == 8.0 and transfer(0.0) == 8.0  # unknown: the other clients' time
+
+
+def test_one_glitched_fast_measurement_does_not_hand_an_fl_client_the_batch() -> None:
+    """Four equal clients; client 0's compute timer read a microsecond once: it was given 397 of 400 samples for the
+    11 rounds after, rounds of 5.97 s where 3 s was right. The jump is held back until a second measurement confirms
+    it, and one that does is learnt."""
+    policy, config, sizes = LBBSPPolicy(FLClientModel()), JobConfig("job", 4, 400), (100, 100, 100, 100)
+    for k in range(8):
+        glitch = k == 3
+        policy.observe([Report("job", w, k, sizes[w], 1e-6 if glitch and w == 0 else sizes[w] / 100.0,
+                               features={"download_s": 1.0, "upload_s": 1.0}) for w in range(4)])
+        sizes = policy.decide(k + 1, sizes, config).sizes
+        policy.learn()
+        assert sizes == (100, 100, 100, 100), (k, sizes)
+    model = FLClientModel()
+    for k in range(3):  # a client that did become 10x faster is learnt at its second measurement
+        model.partial_fit([Report("job", 0, k, 100, 1.0 if k == 0 else 0.1)])
+    assert model.predict([0])[0] == pytest.approx(550.0)  # 100, then 1,000 held, then confirmed: 0.5 x 1,000 + 0.5 x 100
+    with pytest.raises(ConfigError, match="spike must be None or a factor above 1"):
+        FLClientModel(spike=1.0).partial_fit(Report("job", 0, 0, 100, 1.0))

@@ -46,15 +46,18 @@ class FLClientModel(CapacityModel):
     to learn: a warning says so, once). Availability is learned from :meth:`record_outcomes` (exponentially weighted
     by ``availability_alpha``, starting from the availability of clients on similar hardware, or "available"
     where nothing is known). Clients never seen get the median of clients on
-    similar hardware, for speed, transfer and availability alike.
+    similar hardware, for speed, transfer and availability alike. A speed more than ``spike`` times a client's level
+    is held back until its next measurement confirms it (None: none is), as NARX's: one glitched compute time of a
+    microsecond had given a client nearly the whole batch for some 20 rounds. A client's first is taken as it is.
     """
 
     def __init__(self, local_steps: int = 1, *, alpha: float = 0.5, model_bytes: float | None = None,
-                 availability_alpha: float = 0.2) -> None:
+                 availability_alpha: float = 0.2, spike: float | None = 4.0) -> None:
         self.local_steps = local_steps
         self.alpha = alpha
         self.model_bytes = model_bytes
         self.availability_alpha = availability_alpha
+        self.spike = spike
 
     @by_iteration
     def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> FLClientModel:
@@ -64,6 +67,8 @@ class FLClientModel(CapacityModel):
             return self
         self._remember_hardware(reports)
         workers, measured = measured_throughput(reports)
+        if (kept := self._unless_spike(workers, measured)) is not None:
+            workers, measured = workers[kept], measured[kept]
         self.speed_ = smoothed(getattr(self, "speed_", None), workers, measured, self.alpha)
         seconds = self._transfer_seconds(reports)
         told = ~np.isnan(seconds)
@@ -122,8 +127,30 @@ class FLClientModel(CapacityModel):
         speed = np.where(np.isfinite(speed) & (speed > 0), speed, 1.0)
         return LinearTime(speed / self.local_steps, overhead=self.transfer_s(workers), idle_is_free=True)
 
+    def _unless_spike(self, workers: np.ndarray, speed: np.ndarray) -> np.ndarray | None:
+        """Which measurements to learn from (None: all): all but a first one over ``spike`` times the client's level,
+        which is held back (``held_``) until the client's next measurement confirms the jump."""
+        size = int(workers.max()) + 1 if workers.size else 0
+        held = getattr(self, "held_", np.zeros(0, dtype=bool))
+        if held.size < size:
+            held = self.held_ = np.concatenate([held, np.zeros(size - held.size, dtype=bool)])
+        if self.spike is None or not workers.size:
+            return None
+        # the client's own level: a first measurement is taken as it is (peers on other hardware, or of another
+        # spread, tell too little: a fast server among phones had been held back)
+        table = getattr(self, "speed_", None)
+        if table is None or not table.size:
+            return None
+        level = np.where(workers < table.size, table[np.minimum(workers, table.size - 1)], np.nan)
+        high = speed > self.spike * level  # False where the level is unknown (NaN)
+        hold = high & ~held[workers]
+        held[workers] = hold
+        return ~hold if hold.any() else None
+
     def _check_params(self) -> None:
         _integer(self.local_steps, "local_steps", 1, MAX_LOCAL_STEPS)
+        if self.spike is not None:
+            _real(self.spike, "spike", 1.0, np.inf, "None or a factor above 1", lo_open=True, hi_open=True)
         for name in ("alpha", "availability_alpha"):
             _real(getattr(self, name), name, 0.0, 1.0, "in (0, 1]", lo_open=True)
         if self.model_bytes is not None:
