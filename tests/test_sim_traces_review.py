@@ -66,10 +66,11 @@ def test_the_recorder_refuses_an_out_that_lbbsp_would_not_read_before_recording(
 
 @pytest.mark.parametrize(("column", "value", "said"), [
     (1, "NaN", "cpu_util must be in [0.0, 1.0], row 4 has nan"),
-    (0, "0.0", "throughput must be in (0, 1e12] samples/s, row 4 has 0"),
-    (0, "-5.0", "throughput must be in (0, 1e12] samples/s, row 4 has -5"),
-    (0, "1e400", "throughput must be in (0, 1e12] samples/s, row 4 has inf"),
-    (0, "1e308", "throughput must be in (0, 1e12] samples/s, row 4 has 1e+308"),  # a level's median overflowed
+    (0, "0.0", "throughput must be in [0.1, 1e12] samples/s, row 4 has 0"),
+    (0, "-5.0", "throughput must be in [0.1, 1e12] samples/s, row 4 has -5"),
+    (0, "1e400", "throughput must be in [0.1, 1e12] samples/s, row 4 has inf"),
+    (0, "1e308", "throughput must be in [0.1, 1e12] samples/s, row 4 has 1e+308"),  # a level's median overflowed
+    (0, "1e-06", "throughput must be in [0.1, 1e12] samples/s, row 4 has 1e-06"),  # a day's time, blamed on options
     (6, "1.5", "hog_level must be a whole number in [0, 2**53), row 4 has 1.5"),
 ])
 def test_a_bad_value_in_a_trace_is_located_by_row_and_column(tmp_path: Path, column: int, value: str, said: str) -> None:
