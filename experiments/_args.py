@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -32,3 +34,25 @@ def _refuse_a_file_as_folder(parser: argparse.ArgumentParser, out: Path, folder:
         parser.error(f"--out {out}: cannot write results there ({nearest} is a file, not a folder; a name without a "
                      f"suffix is a folder to write {Path(parser.get_default('out')).name} in, a file to write is "
                      "named with one, such as x.json)")
+
+
+@contextlib.contextmanager
+def empty_folders_removed_on_failure(out: Path) -> Iterator[None]:
+    """Around a run that writes ``out`` last: when it ends otherwise (Ctrl-C, ``parser.error``, an error), the folders
+    of ``out`` that did not exist before are removed again if they are empty, deepest first (a refused or
+    interrupted run had left an empty results folder of its own making behind)."""
+    try:
+        new = [path for path in (out, *out.parents) if not path.exists()]
+    except OSError:  # a folder that may not be read: results_file refuses it
+        new = []
+    try:
+        yield
+    except BaseException:
+        for folder in new:
+            try:
+                folder.rmdir()
+            except FileNotFoundError:  # never made (a file's name, or a run that stopped early)
+                continue
+            except OSError:  # not empty, or not a folder: neither it nor those above are this run's to remove
+                break
+        raise

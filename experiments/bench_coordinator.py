@@ -46,6 +46,7 @@ from lbbsp.coordinator import MAX_AHEAD, freeze_heap
 from lbbsp.errors import ConfigError, StoreUnavailable
 from lbbsp.models import AutoCapacityModel, BatchTimeCurve, CapacityModel, EWMAThroughput, FLClientModel, NARXThroughput
 from lbbsp.policies import Decision, Policy
+from lbbsp.protocol import MAX_WORKERS
 
 FORK = mp.get_context("fork")
 WARM_UP = 5  # iterations of each critical-path run left out: process start, first connections
@@ -56,6 +57,7 @@ GOAL_WORKERS, GOAL_MS = 1024, 5.0  # issue 4's goal: prediction + allocation und
 def _worker(url: str, config_json: str, worker: int, iterations: int, compute_s: float, floor: bool, measured: bool,
             barrier: Barrier, times: MutableSequence[float]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it ends these (one traceback each, else)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's _interrupted, which a fork copies
     config = JobConfig.from_json(config_json)
     client = WorkerClient(Store.from_url(url, config.job), config, worker)
     rng = np.random.default_rng(worker)
@@ -99,10 +101,11 @@ def critical_path(url: str, workers: int, iterations: int, lag: int, compute_s: 
                 p.join()
             if pace is not None:
                 pace.append((time.perf_counter() - started) / iterations)
-        except BaseException:  # Ctrl-C: the workers ignore it, and would wait at the barrier
-            for p in procs:
+        except BaseException:  # Ctrl-C or SIGTERM: the workers ignore them, and would wait at the barrier
+            for p in procs:  # SIGKILL: one just forked may still hold the parent's SIGTERM handler
                 if p.pid is not None:
-                    p.terminate()
+                    p.kill()
+                    p.join()
             raise
         finally:
             coordinator.stop()
@@ -343,6 +346,12 @@ def short_steps(url: str, args: argparse.Namespace) -> None:
               f"{ratio:>10}", flush=True)
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    """SIGTERM ends the benchmark as Ctrl-C does: its worker processes and its redis-server are stopped (a plain
+    `kill` had left the workers running, each ending in tracebacks)."""
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=100,
@@ -372,8 +381,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.iterations <= WARM_UP or args.rounds < 1:
         parser.error(f"--iterations must be more than {WARM_UP} (the warm-up left out) and --rounds at least 1")
-    if min(args.workers + args.decision_workers + args.short_workers) < 1:
-        parser.error("--workers, --decision-workers and --short-workers must be at least 1")
+    for flag, sizes in (("--workers", args.workers), ("--decision-workers", args.decision_workers),
+                        ("--short-workers", args.short_workers)):
+        if bad := [n for n in sizes if not 1 <= n <= MAX_WORKERS]:  # JobConfig's bound had failed as its traceback
+            parser.error(f"{flag} must be at least 1 and at most {MAX_WORKERS:,} (lbbsp.protocol.MAX_WORKERS, the "
+                         f"most a job takes), got {' '.join(map(str, bad))}")
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be at least 1 and --warmup at least 0")
     if not (0 <= args.compute_ms < 1e6 and 0 <= args.short_compute_ms < 1e6):  # NaN too
@@ -384,6 +396,7 @@ def main() -> None:
                 store.ping()
         except (ConfigError, StoreUnavailable) as exc:
             parser.error(f"--redis: {exc}")
+    signal.signal(signal.SIGTERM, _interrupted)
     try:
         run(args)
     except KeyboardInterrupt:

@@ -13,6 +13,7 @@ The decision time of LB-BSP with each real model is printed by experiments/bench
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -93,6 +94,16 @@ def _relative(value: float, reference: float) -> str:
 
 
 def main() -> int:
+    """The benchmark, with Ctrl-C as one line and exit status 130 (it had printed the traceback of a model's fit)."""
+    try:
+        return benchmark()
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+def benchmark() -> int:
+    """Parse the command line, score every model on every trace, print the tables."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", default=str(DEFAULT_TRACE_DIR),
                         help="folder of recorded CPU traces to score on (default: the shipped ones)")
@@ -109,10 +120,11 @@ def main() -> int:
     if short := [t.name for t in traces if t.throughput.size <= shortest]:
         parser.error(f"traces {', '.join(short)} have no more than {shortest} iterations (--skip {args.skip}, "
                      "and the offline ceiling's lags): nothing to score")
+    width = max([16, *(len(t.name) for t in traces)])  # a longer name had pushed its row out of line
     for horizon in HORIZONS:
         print(f"\n{horizon} iteration{'s' * (horizon > 1)} ahead"
               + (" (production: JobConfig.lag = 2)" if horizon == 2 else ""))
-        print(f"{'trace':<16} {'iterations':>10} " + " ".join(f"{name + ' MAPE%':>18}" for name in MODELS))
+        print(f"{'trace':<{width}} {'iterations':>10} " + " ".join(f"{name + ' MAPE%':>18}" for name in MODELS))
         scores: dict[str, list[float]] = {name: [] for name in MODELS}
         halves: dict[str, list[float]] = {name: [] for name in (*MODELS, "offline ceiling")}
         for trace in traces:
@@ -123,10 +135,10 @@ def main() -> int:
                 halves[name].append(float(np.mean(e[half:])))
                 row.append(f"{scores[name][-1]:>18.2f}")
             halves["offline ceiling"].append(float(np.mean(offline_ceiling(trace, horizon)[half:])))
-            print(f"{trace.name:<16} {trace.throughput.size:>10} " + " ".join(row), flush=True)
+            print(f"{trace.name:<{width}} {trace.throughput.size:>10} " + " ".join(row), flush=True)
         mean = {name: float(np.mean(v)) for name, v in scores.items()}
         best_baseline = min(mean["EWMA"], mean["LastValue"])
-        print(f"{'mean':<16} {'':>10} " + " ".join(f"{mean[n]:>18.2f}" for n in MODELS))
+        print(f"{'mean':<{width}} {'':>10} " + " ".join(f"{mean[n]:>18.2f}" for n in MODELS))
         print(f"NARX vs best baseline: MAPE {_relative(mean['NARX'], best_baseline)} "
               f"(goal: >= 20% lower, i.e. NARX mean <= {0.8 * best_baseline:.2f}); "
               f"without the resource features {_relative(mean['NARX no-feat'], best_baseline)}")

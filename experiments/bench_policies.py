@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from _args import results_file
+from _args import empty_folders_removed_on_failure, results_file
 
 from lbbsp.errors import ConfigError
 from lbbsp.sim.cli import summarise
 from lbbsp.sim.engine import compare
-from lbbsp.sim.scenarios import SCENARIOS
+from lbbsp.sim.scenarios import LOOKAHEAD, MAX_CELLS, SCENARIOS
 
 OUT = Path(__file__).resolve().parent / "results" / "bench_policies.json"
 
@@ -60,6 +61,20 @@ def table(figures: Figures) -> str:
     return "\n".join(lines)
 
 
+def check_sizes(parser: argparse.ArgumentParser, scenarios: list[str], workers: list[int], iterations: int) -> None:
+    """``parser.error`` for a size a scenario cannot take, before any run: a size refused late (mixed: 4 workers at
+    least; workers x iterations past a scenario's MAX_CELLS) had ended the run in a traceback."""
+    for n in workers:
+        for scenario in scenarios:
+            try:
+                SCENARIOS[scenario](n, 1, 0)  # one iteration: quick to build; the iterations are counted below
+            except ConfigError as exc:
+                parser.error(f"--workers {n} with --scenarios {scenario}: {exc}")
+        if n * max(iterations, LOOKAHEAD) > MAX_CELLS:  # as the scenarios count it
+            parser.error(f"--workers x --iterations must be at most {MAX_CELLS:,} (a few GiB of trace; fewer than "
+                         f"{LOOKAHEAD} iterations count as {LOOKAHEAD}), got {n} x {iterations}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1 of each scenario (default: 5)")
@@ -75,22 +90,24 @@ def main() -> None:
     args = parser.parse_args()
     if args.seeds < 1 or args.iterations < 1 or min(args.workers) < 2:
         parser.error("--seeds and --iterations must be at least 1, --workers at least 2")
-    for scenario in args.scenarios:  # a size a scenario cannot take (mixed: 4 workers) had ended the run late
-        for workers in args.workers:
-            try:
-                SCENARIOS[scenario](workers, 1, 0)
-            except ConfigError as exc:
-                parser.error(f"--workers {workers} with --scenarios {scenario}: {exc}")
-    out = results_file(parser, args.out)
-    results: dict[str, dict[str, Figures]] = {}
-    for scenario in args.scenarios:
-        for workers in args.workers:
-            print(f"{scenario}, {workers} workers, {args.iterations} iterations, seeds 0-{args.seeds - 1}", flush=True)
-            figures = run(scenario, workers, args.iterations, range(args.seeds))
-            results.setdefault(scenario, {})[str(workers)] = figures
-            print(table(figures), flush=True)
-    out.write_text(json.dumps({"iterations": args.iterations, "seeds": args.seeds, "policies": results}, indent=1))
-    print(f"wrote {out}")
+    try:
+        with empty_folders_removed_on_failure(args.out):
+            check_sizes(parser, args.scenarios, args.workers, args.iterations)
+            out = results_file(parser, args.out)
+            results: dict[str, dict[str, Figures]] = {}
+            for scenario in args.scenarios:
+                for workers in args.workers:
+                    print(f"{scenario}, {workers} workers, {args.iterations} iterations, seeds 0-{args.seeds - 1}",
+                          flush=True)
+                    figures = run(scenario, workers, args.iterations, range(args.seeds))
+                    results.setdefault(scenario, {})[str(workers)] = figures
+                    print(table(figures), flush=True)
+            out.write_text(json.dumps({"iterations": args.iterations, "seeds": args.seeds, "policies": results},
+                                      indent=1))
+            print(f"wrote {out}")
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

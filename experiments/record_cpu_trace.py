@@ -32,11 +32,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import numpy as np
 
 from lbbsp import ResourceMonitor
+from lbbsp.sim.cli import MAX_SEED
 from lbbsp.sim.traces import MIN_LEVEL_ROWS
 
 _PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its parent ends
@@ -45,16 +48,28 @@ COLUMNS = ("iteration", "t_s", "samples", "compute_s", "throughput", *FEATURES, 
 #: Samples per iteration by backend, as the shipped traces were recorded: the numpy MLP's step at 256 takes about
 #: 8 ms, where a scheduler slice is a large share of an iteration (docs/simulator.md).
 DEFAULT_BATCH = {"numpy": 2048, "torch": 256}
+#: Most samples per iteration: a step then takes about 0.6 s and 0.4 GiB with numpy, 3 s and 2.5 GiB with torch (a
+#: batch of 10**11 had failed with numpy's traceback for 570 TiB).
+MAX_BATCH = 16_384
+#: Most co-located busy loops per core of the machine (--max-level 100000 had forked for 11 minutes).
+LOOPS_PER_CORE = 4
+READY_TIMEOUT_S = 30.0  # for a busy loop to tie its end to the recorder's
+FORK = mp.get_context("fork")  # busy_loop ties itself to its parent: this process, not a forkserver
 
 
-def busy_loop(core: int, parent: int) -> None:
+def busy_loop(core: int, parent: int, ready: Connection | None = None) -> None:
     """A co-located CPU-bound job on ``core`` (this recorder's, and bench_keras's); Ctrl-C is its parent's to handle
-    (it stops these itself), and it ends with its parent however that ends: a plain `kill` had left it spinning."""
+    (it stops these itself), and it ends with its parent however that ends: a plain `kill` had left it spinning.
+    It sends a byte on ``ready`` once it will end with its parent: a loop the parent stopped (SIGSTOP) before then,
+    and never continued, had outlived a `kill -9` of the parent, stopped, holding its stdout open."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler, which a fork copies
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # Linux, as sched_setaffinity
     if os.getppid() != parent:  # it ended before the line above
         return
+    if ready is not None:
+        ready.send_bytes(b"1")
+        ready.close()
     os.sched_setaffinity(0, {core})
     x = 0
     while True:
@@ -108,16 +123,34 @@ class ContentionSchedule:
         self.level = 0
         self._rng = np.random.default_rng(seed)
         self._mean_dwell_s = mean_dwell_s
-        self._procs = [mp.Process(target=busy_loop, args=(core, os.getpid()), daemon=True) for _ in range(max_level)]
+        self._procs: list[BaseProcess] = []
         self._pids: list[int] = []
-        for proc in self._procs:
-            proc.start()
-            if proc.pid is None:  # start() sets it; None would mean the process never started
-                raise RuntimeError("a co-located busy loop did not start")
-            self._pids.append(proc.pid)
-            os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            for _ in range(max_level):
+                self._pids.append(self._start_stopped(core))
+        except BaseException:  # Ctrl-C, SIGTERM or a loop that did not start: none is left behind
+            self._kill()
+            raise
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _start_stopped(self, core: int) -> int:
+        """Start one busy loop and stop it (SIGSTOP) once it is tied to this process's end; its pid."""
+        ready, tell = FORK.Pipe(duplex=False)
+        proc = FORK.Process(target=busy_loop, args=(core, os.getpid(), tell), daemon=True)
+        self._procs.append(proc)
+        proc.start()
+        tell.close()  # the loop's copy is the only one left: an end before it is ready reads as an end of file
+        with ready:
+            try:
+                said = ready.poll(READY_TIMEOUT_S) and ready.recv_bytes()
+            except EOFError:  # it ended before it was ready
+                said = b""
+        if not said:
+            raise RuntimeError(f"a co-located busy loop ended, or was not ready within {READY_TIMEOUT_S:g}s")
+        assert proc.pid is not None  # start() set it
+        os.kill(proc.pid, signal.SIGSTOP)
+        return proc.pid
 
     def start(self) -> ContentionSchedule:
         self._thread.start()
@@ -135,13 +168,17 @@ class ContentionSchedule:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
-        for proc, pid in zip(self._procs, self._pids):
-            os.kill(pid, signal.SIGCONT)
-            # SIGKILL, not SIGTERM: a loop stopped before it set SIGTERM's default (SIGSTOPped at once above) caught
-            # the SIGTERM with the handler a fork copies, then set the default before Python ran that handler: the
-            # signal was lost and join() waited for good (2 of 8 Ctrl-Cs on a loaded machine)
-            proc.kill()
-            proc.join()
+        self._kill()
+
+    def _kill(self) -> None:
+        """End every busy loop started. SIGKILL, not SIGTERM: a loop stopped before it set SIGTERM's default had
+        caught the SIGTERM with the handler a fork copies, then set the default before Python ran that handler: the
+        signal was lost and join() waited for good (2 of 8 Ctrl-Cs on a loaded machine). SIGKILL ends a stopped
+        process too."""
+        for proc in self._procs:
+            if proc.pid is not None:
+                proc.kill()
+                proc.join()
 
 
 def record(step: Callable[[], None], batch: int, seconds: float, schedule: ContentionSchedule,
@@ -182,15 +219,19 @@ def main() -> int:
     parser.add_argument("--backend", choices=("numpy", "torch"), default="numpy",
                         help="the training step: a numpy MLP or a torch CNN (default: numpy)")
     parser.add_argument("--batch", type=int, default=None,
-                        help=f"samples per iteration (default: {DEFAULT_BATCH['numpy']} for numpy, "
-                             f"{DEFAULT_BATCH['torch']} for torch, as the shipped traces were recorded)")
+                        help=f"samples per iteration, at most {MAX_BATCH:,} (default: {DEFAULT_BATCH['numpy']} for "
+                             f"numpy, {DEFAULT_BATCH['torch']} for torch, as the shipped traces were recorded)")
     parser.add_argument("--seconds", type=float, default=180.0, help="how long to record (default: 180)")
     parser.add_argument("--core", type=int, default=0,
                         help="the core the worker and its co-located jobs share (default: 0)")
-    parser.add_argument("--max-level", type=int, default=2, help="most co-located busy loops at once (default: 2)")
+    most_loops = LOOPS_PER_CORE * (os.cpu_count() or 1)
+    parser.add_argument("--max-level", type=int, default=2,
+                        help=f"most co-located busy loops at once, at most {most_loops} ({LOOPS_PER_CORE} per core of "
+                             "this machine) (default: 2)")
     parser.add_argument("--mean-dwell-s", type=float, default=3.0,
                         help="mean seconds between load switches (default: 3)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the model, its data and the load switches (default: 0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help=f"seeds the model, its data and the load switches, 0 to {MAX_SEED} (default: 0)")
     parser.add_argument("--out", required=True,
                         help="trace file to write, NAME.json (lbbsp simulate --traces DIR reads every *.json in DIR)")
     args = parser.parse_args()
@@ -198,7 +239,11 @@ def main() -> int:
         args.batch = DEFAULT_BATCH[args.backend]
     # checked before recording: each of these failed only after it (or stopped the load switches unseen)
     for wrong, message in ((args.batch < 1, f"--batch must be at least 1, got {args.batch}"),
+                           (args.batch > MAX_BATCH, f"--batch must be at most {MAX_BATCH:,}, got {args.batch}"),
                            (args.max_level < 0, f"--max-level must be at least 0, got {args.max_level}"),
+                           (args.max_level > most_loops, f"--max-level must be at most {most_loops} ({LOOPS_PER_CORE} "
+                                                        f"busy loops per core of this machine), got {args.max_level}"),
+                           (not 0 <= args.seed <= MAX_SEED, f"--seed must be in [0, {MAX_SEED}], got {args.seed}"),
                            (not 0 < args.mean_dwell_s < 1e6,  # inf stopped the switches
                             f"--mean-dwell-s must be positive and below a million seconds, got {args.mean_dwell_s:g}"),
                            (not 0 < args.seconds < 1e6, f"--seconds must be positive and below a million, got "
