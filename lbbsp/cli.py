@@ -232,14 +232,14 @@ def _policy(args: argparse.Namespace) -> Policy:
         raise LBBSPError(f"--kind: worker(s) {outside} outside the job's workers 0..{args.workers - 1}")
     if args.epoch_iterations is not None and args.policy != "per-epoch":
         raise LBBSPError(f"--epoch-iterations is per-epoch's; --policy {args.policy} decides every iteration")
+    own_average = args.model is None and args.policy == "per-epoch" and not routed  # its slow average of speed
     fl_model = (kind_models.get("fl", "fl-client") if args.model in (None, "auto") else args.model) == "fl-client"
-    if args.local_steps is not None and (not fl_model or args.policy in ("bsp", "static-proportional")):
+    if args.local_steps is not None and (not fl_model or own_average or args.policy in ("bsp", "static-proportional")):
         raise LBBSPError(f"--local-steps is the fl-client model's (the clients' steps per round), and --policy "
                          f"{args.policy}" + (f" with --model {args.model}" if args.model else "")
                          + (" with --kind-model fl=" + kind_models["fl"] if "fl" in kind_models else "")
                          + " has none")
     steps = args.local_steps or 1
-    own_average = args.model is None and args.policy == "per-epoch" and not routed  # its slow average of speed
     models, policies = _models(), _policies()
     if own_average:
         return policies[args.policy](None, args)

@@ -112,7 +112,8 @@ def test_local_steps_reach_the_client_model_and_are_refused_where_there_is_none(
         assert model.models["fl"].local_steps == 5
     for flags, error in ((["--model", "narx"], "with --model narx has none"),
                          (["--kind-model", "fl=ewma"], "with --kind-model fl=ewma has none"),
-                         (["--policy", "bsp"], "--policy bsp has none")):
+                         (["--policy", "bsp"], "--policy bsp has none"),
+                         (["--policy", "per-epoch"], "--policy per-epoch has none")):  # its own average, no model
         assert main([*job, *flags]) == 2
         assert "--local-steps is the fl-client model's" in (err := capsys.readouterr().err) and error in err
     with pytest.raises(SystemExit):  # argparse's own exit, naming the flag
