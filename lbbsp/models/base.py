@@ -189,6 +189,15 @@ class NotFittedError(LBBSPError, exceptions.NotFittedError):
     """A model was asked to predict before it saw any report (also scikit-learn's NotFittedError)."""
 
 
+def held_back(held: np.ndarray, workers: np.ndarray, high: np.ndarray) -> np.ndarray | None:
+    """Which of ``workers``' measurements to learn from (None: all): all but each worker's first that is ``high`` (past
+    a model's spike factor), held back until its next measurement confirms the jump. ``held`` (per worker id: whose
+    latest was held back) is updated in place. Shared by the models that guard against one glitched measurement."""
+    hold = high & ~held[workers]
+    held[workers] = hold
+    return ~hold if hold.any() else None
+
+
 def device_family(device: str) -> str:
     """A report's device as a lower-case family name, so that every kind test reads devices alike: "cuda:3" and
     "CUDA:A100" -> "cuda", TensorFlow's "/device:GPU:0" (and its longer "/job:.../device:GPU:0") -> "gpu", "" -> "cpu"

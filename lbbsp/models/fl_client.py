@@ -24,6 +24,7 @@ from .base import (
     by_iteration,
     feature,
     field,
+    held_back,
     measured_throughput,
     smoothed,
     worker_ids,
@@ -130,22 +131,16 @@ class FLClientModel(CapacityModel):
     def _unless_spike(self, workers: np.ndarray, speed: np.ndarray) -> np.ndarray | None:
         """Which measurements to learn from (None: all): all but a first one over ``spike`` times the client's level,
         which is held back (``held_``) until the client's next measurement confirms the jump."""
-        size = int(workers.max()) + 1 if workers.size else 0
-        held = getattr(self, "held_", np.zeros(0, dtype=bool))
-        if held.size < size:
-            held = self.held_ = np.concatenate([held, np.zeros(size - held.size, dtype=bool)])
-        if self.spike is None or not workers.size:
-            return None
         # the client's own level: a first measurement is taken as it is (peers on other hardware, or of another
         # spread, tell too little: a fast server among phones had been held back)
         table = getattr(self, "speed_", None)
-        if table is None or not table.size:
+        if self.spike is None or not workers.size or table is None or not table.size:
             return None
+        held, size = getattr(self, "held_", np.zeros(0, dtype=bool)), int(workers.max()) + 1
+        if held.size < size:
+            held = self.held_ = np.concatenate([held, np.zeros(size - held.size, dtype=bool)])
         level = np.where(workers < table.size, table[np.minimum(workers, table.size - 1)], np.nan)
-        high = speed > self.spike * level  # False where the level is unknown (NaN)
-        hold = high & ~held[workers]
-        held[workers] = hold
-        return ~hold if hold.any() else None
+        return held_back(held, workers, speed > self.spike * level)  # not high where the level is unknown (NaN)
 
     def _check_params(self) -> None:
         _integer(self.local_steps, "local_steps", 1, MAX_LOCAL_STEPS)

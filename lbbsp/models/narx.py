@@ -36,7 +36,7 @@ import numpy as np
 from ..config import _integer, _real
 from ..errors import ConfigError
 from ..protocol import FEATURE_RANGES, Report
-from .base import CapacityModel, WorkerIds, as_reports, by_iteration, feature, field
+from .base import CapacityModel, WorkerIds, as_reports, by_iteration, feature, field, held_back
 
 DEFAULT_FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util")
 #: Bounds on the network's size, so that an absurd value is a ConfigError naming it, not a MemoryError or numpy's
@@ -173,13 +173,7 @@ class NARXThroughput(CapacityModel):
         measurements so far), which is held back (``held_``) until the worker's next measurement confirms the jump."""
         if self.spike is None:
             return None
-        high = log_thr > np.maximum(level, latest) + np.log(self.spike)
-        if not high.any():  # the usual case: nothing to hold, and any held before is confirmed or not
-            self.held_[workers] = False
-            return None
-        held = high & (count > 0) & ~self.held_[workers]
-        self.held_[workers] = held
-        return ~held
+        return held_back(self.held_, workers, (log_thr > np.maximum(level, latest) + np.log(self.spike)) & (count > 0))
 
     def _check_params(self) -> None:
         lags = _integer(self.lags, "lags", 1, MAX_LAGS)
