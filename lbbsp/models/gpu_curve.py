@@ -187,11 +187,15 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
                           "anything)")
     if first is not None:  # the line's readings: those above the first size (NaN: no first reading, all of them)
         above = valid & ~(sizes <= np.where(np.isnan(first), -np.inf, first)[:, None])
-        caps = _memory_cap(sizes, used, valid, valid, budget, held)
-        # fewer than two above it: the lower of that cap and the line through the origin (all readings at or below
-        # the first size, a worker that shrank: the origin's line predicts too little below the size it passes)
-        caps_above = _memory_cap(sizes, used, valid, above, budget, held)
-        return np.where(above.sum(1) >= 2, caps_above, np.minimum(caps, caps_above))
+        caps = _memory_cap(sizes, used, valid, above, budget, held)
+        # fewer than two above it: the lower of that cap (the line through the origin) and the cap of all readings
+        # (all at or below the first size, a worker that shrank: the origin's line predicts too little below the size
+        # it passes); fitted for those rows alone, as the rest (once a worker has grown) need no second fit
+        few = np.flatnonzero(above.sum(1) < 2)
+        if few.size:
+            caps[few] = np.minimum(caps[few], _memory_cap(sizes[few], used[few], valid[few], valid[few], budget[few],
+                                                          None if held is None else held[few]))
+        return caps
     return _memory_cap(sizes, used, valid, valid, budget, held)
 
 
