@@ -227,7 +227,8 @@ class LBBSPPolicy(Policy):
         """``current`` as :func:`_split_of` reads it; the array of the last split decided where it is that split
         (the usual case), which saves reading a thousand ints again."""
         if self._split is not None and isinstance(current, tuple) and current == self._split[0]:
-            if self._split[1].shape == (config.num_workers,):
+            # the same job's split: a config whose batch changed has it checked (and refused) as any other
+            if self._split[1].shape == (config.num_workers,) and int(self._split[1].sum()) == config.global_batch:
                 return self._split[1].copy()
         return _split_of(current, config)
 
@@ -287,8 +288,10 @@ class LBBSPPolicy(Policy):
                                       f"{type(self).__name__}.propose", "one size per worker")
         may_idle = self._may_idle(lower)
         # the split in force fits the bounds (a worker sitting out does), unless one due back would stay out
+        back = (np.flatnonzero(self.rounds_out.due(workers) & (current_arr == 0)) if may_idle
+                else np.zeros(0, dtype=np.int64))
         in_bounds = (current_arr.shape == proposed.shape and _within(current_arr, lower, upper, bool(self.sit_out))
-                     and not (may_idle and (current_arr[self.rounds_out.due(workers)] == 0).any()))
+                     and not back.size)
         band = self.band(time_model, current_arr)
         sizes, changed = damp(current_arr, proposed, plan, band) if in_bounds else (proposed, True)
         if not changed and ((proposed > current_arr) & (proposed >= upper)).any():
@@ -313,7 +316,8 @@ class LBBSPPolicy(Policy):
         finish_label = "predicted finish" if plan is time_model else "finish with margins"
         if changed:
             was = (f"was {_finish(plan.time(current_arr))}" if in_bounds
-                   else "the current split does not fit the bounds")
+                   else f"worker(s) {back[:8].tolist()} due back after {self.rounds_out.rejoin_after} iteration(s) "
+                        "given nothing" if back.size else "the current split does not fit the bounds")
             slowest = int(np.argmin(np.where(np.isfinite(throughput), throughput, np.inf)))
             reason = (f"rebalanced for equal {finish_label} {finish} ({was}); slowest worker {slowest} "
                       f"at {throughput[slowest]:.4g} samples/s")
@@ -454,7 +458,10 @@ def _overhead(time_model: TimeModel, count: int) -> np.ndarray | None:
 
 class StaticProportionalPolicy(LBBSPPolicy):
     """Sizes proportional to each worker's speed, profiled over the first ``profile_iterations`` (an EWMA with
-    alpha 0.5: the latest counts most) and then fixed."""
+    alpha 0.5: the latest counts most) and then fixed. A worker first measured after that (one that joined late)
+    is profiled from that measurement, and the split fixed again, as it is when the job's batch or bounds change:
+    its share had stayed the median speed's for good, and a split fixed for a batch of 64 had been handed to a job
+    of 128. A worker never measured is planned at the median speed."""
 
     name = "static-proportional"
 
@@ -462,21 +469,29 @@ class StaticProportionalPolicy(LBBSPPolicy):
         super().__init__(EWMAThroughput(alpha=0.5), deadband=0.0, hedge=None)
         self.profile_iterations = _integer(profile_iterations, "profile_iterations", 1, None)
         self._observed = 0
-        self._fixed: Decision | None = None
+        self._measured: set[int] = set()  # the workers with a measurement
+        self._fixed: tuple[tuple[object, ...], Decision] | None = None  # (the job's shape, the split fixed for it)
 
     def observe(self, reports: Sequence[Report]) -> None:
         reports = as_reports(reports, "observe")
+        timed = [report for report in reports if report.throughput]  # announcements alone profile nothing
         if self._observed < self.profile_iterations and reports:
-            self._observed += any(report.throughput for report in reports)  # announcements alone profile nothing
+            self._observed += bool(timed)
             super().observe(reports)
+        elif late := [report for report in timed if report.worker not in self._measured]:
+            super().observe(late)
+            self._fixed = None
+        self._measured.update(report.worker for report in timed)
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
+        checked = tuple(_split_of(current, config).tolist())
         if self._observed < self.profile_iterations:
-            return Decision(tuple(_split_of(current, config).tolist()), "profiling")
-        if self._fixed is None or len(self._fixed.sizes) != config.num_workers:  # profiled for another job's size
-            decision = super().decide(iteration, current, config)
-            self._fixed = Decision(decision.sizes, "proportional to the speeds profiled at the start")
-        return self._fixed
+            return Decision(checked, "profiling")
+        shape = (config.num_workers, config.global_batch, config.min_batch, config.max_batch)
+        if self._fixed is None or self._fixed[0] != shape:
+            decision = super().decide(iteration, checked, config)
+            self._fixed = (shape, Decision(decision.sizes, "proportional to the speeds profiled at the start"))
+        return self._fixed[1]
 
 
 #: PerEpochPolicy's iterations between rebalancings where none is given (``lbbsp coordinator --epoch-iterations``).
@@ -493,6 +508,7 @@ class PerEpochPolicy(LBBSPPolicy):
         super().__init__(_model_or(model, lambda: EWMAThroughput(alpha=0.05)), deadband=0.0, hedge=None)
         self.iterations_per_epoch = _integer(iterations_per_epoch, "iterations_per_epoch", 1, None)
         self._decided: int | None = None  # the iteration of the previous decision
+        self._probed = False  # whether the previous decision brought back workers due after rejoin_after epochs out
 
     def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
         current_arr = _split_of(current, config)
@@ -503,9 +519,17 @@ class PerEpochPolicy(LBBSPPolicy):
         # iterations that went back (a new job, a run resumed from an earlier checkpoint) start afresh
         n, previous, self._decided = self.iterations_per_epoch, self._decided, iteration
         starts = iteration % n == 0 if previous is None or iteration < previous else iteration // n > previous // n
-        if not starts and not over_caps:
+        # workers due back (a job whose min_batch is 0) are given samples for one iteration, to be measured, and the
+        # next iteration decides again without them: the split that brought them back had been kept a whole epoch
+        probed, self._probed = self._probed, False
+        if not starts and not over_caps and not probed:
             return Decision(tuple(int(s) for s in current), "within the epoch: keep the split")
-        return super().decide(iteration, current, config)
+        self._probed = bool((self.rounds_out.due(np.arange(config.num_workers)) & (current_arr == 0)).any())
+        decision = super().decide(iteration, current, config)
+        if probed and not starts:
+            return Decision(decision.sizes, f"after the workers due back were measured: {decision.reason}",
+                            decision.predicted_s, decision.predicted_throughput)
+        return decision
 
 
 class LeaderStragglerPolicy(Policy):
@@ -571,6 +595,9 @@ class LeaderStragglerPolicy(Policy):
         # it is neither the straggler nor the leader, and does not hold up the search of the others.
         mean_time = np.array([np.mean(self._times[w][-self.window:]) if w in self._times else np.nan
                               for w in range(config.num_workers)])
+        # a worker given nothing (a job whose min_batch is 0) finishes at once: a leader, as it has no report to
+        # make it one, and had been left out of the search for good however fast it became
+        mean_time[sizes == 0] = 0.0
         if (over := sizes > upper).any():  # a memory cap that shrank comes first, window or not
             return self._moved(iteration, self._shed(sizes, upper, over, mean_time))
         if self._observed < self.window or not self._times:
@@ -588,6 +615,8 @@ class LeaderStragglerPolicy(Policy):
         if has_room.size == 0:
             return Decision(tuple(int(s) for s in sizes), "no worker has memory to spare")
         leader = int(has_room[np.argmin(mean_time[has_room])])
+        if mean_time[straggler] <= mean_time[leader]:  # workers equally fast: a move only makes one the straggler
+            return Decision(tuple(int(s) for s in sizes), "balanced: the slowest worker is as fast as the leader")
         moved = int(min(self._step, sizes[straggler] - lower[straggler], upper[leader] - sizes[leader]))
         sizes[straggler] -= moved
         sizes[leader] += moved
@@ -642,7 +671,7 @@ class OraclePolicy(LBBSPPolicy):
             ran = np.maximum(current_arr, 1)
             plan, _ = self.with_margins(iteration, self._truth, ran / self._truth.time(ran))
         sizes = self.propose(plan, config, lower, upper, self._truth)
-        if self.sit_out:
+        if self._may_idle(lower):  # as LB-BSP records them: rejoin_after binds the limit as it binds LB-BSP
             self.rounds_out.record(range(config.num_workers), sizes)
         return Decision(tuple(sizes.tolist()), "true speeds of the coming iteration",
                         tuple(self._truth.time(sizes).tolist()))

@@ -129,11 +129,21 @@ def test_per_epoch_rebalances_for_an_epoch_that_began_between_two_decisions() ->
 
 
 def test_leader_straggler_search_converges_and_halves_its_step() -> None:
-    policy = LeaderStragglerPolicy(window=1, initial_step_fraction=0.5)
+    policy = LeaderStragglerPolicy(window=1, initial_step_fraction=0.75)  # steps of 150: it overshoots
     final = _drive(policy, 120)[-1]
     times = final / SPEEDS
     assert times.max() / times.min() < 1.3
-    assert policy._step is not None and policy._step < 100  # halved at least once on oscillation
+    assert policy._step is not None and policy._step < 150  # halved at least once on oscillation
+
+
+def test_leader_straggler_search_stops_where_the_workers_are_equally_fast() -> None:
+    """A search that lands on equal times moves nothing more: it had moved a step off the balance at every window
+    and swung about it for good (+25% on four equal workers)."""
+    policy = LeaderStragglerPolicy(window=1, initial_step_fraction=0.5)  # steps of 100 land on the balance
+    history = _drive(policy, 30)
+    assert all(sizes.tolist() == [100, 200, 400, 100] for sizes in history[3:])
+    policy.observe(_reports(31, history[-1]))
+    assert policy.decide(32, (100, 200, 400, 100), CONFIG).reason.startswith("balanced")
 
 
 def test_only_lbbsp_itself_hedges_by_default() -> None:
