@@ -18,8 +18,9 @@ from sklearn.base import clone
 from ..allocation import InvertibleTimeModel, LinearTime, TimeModel
 from ..config import _integer
 from ..errors import ConfigError
-from ..protocol import Report
+from ..protocol import Report, printable
 from .base import (
+    NO_CAP,
     CapacityModel,
     CheckedReports,
     Hardware,
@@ -227,7 +228,10 @@ class AutoCapacityModel(CapacityModel):
                               f"{', '.join(map(repr, KINDS))} (lower case)")
         wrong = sorted(kind for kind, model in given.items() if not isinstance(model, CapacityModel))
         if wrong:
-            raise ConfigError(f"models for {wrong} are not CapacityModel instances")
+            model = given[wrong[0]]
+            hint = f" (did you mean {model.__name__}()?)" if isinstance(model, type) else ""
+            raise ConfigError(f"models for {wrong} are not CapacityModel instances: models[{wrong[0]!r}] is "
+                              f"{printable(repr(model), 80)}{hint}")
         for kind, model in given.items():  # here, not at the first report of its kind (a decision of a running job)
             try:
                 check_contract(model)
@@ -260,7 +264,12 @@ class AutoCapacityModel(CapacityModel):
     def max_batch(self, workers: WorkerIds) -> np.ndarray | None:
         self._check_is_fitted("models_")
         caps = self._per_kind(worker_ids(workers), lambda model, ids: _or_no_cap(model.max_batch(ids)), np.inf)
-        return None if np.isinf(caps).all() else np.minimum(caps, np.iinfo(np.int64).max // 4).astype(np.int64)
+        if np.isinf(caps).all():
+            return None
+        out = np.full(caps.shape, NO_CAP, dtype=np.int64)  # as BatchTimeCurve answers (as a float it had read 1 more)
+        below = caps < NO_CAP
+        out[below] = caps[below]
+        return out
 
     def explore(self, workers: WorkerIds, sizes: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
         self._check_is_fitted("models_")

@@ -55,6 +55,10 @@ def worker_ids(workers: WorkerIds) -> np.ndarray:
     return ids
 
 
+#: What a model's ``max_batch`` answers for a worker it sets no memory cap for, where it caps others (an int64
+#: array holds no NaN or inf; a quarter of int64's range, so that sums of a few caps do not wrap).
+NO_CAP = int(np.iinfo(np.int64).max // 4)
+
 #: What :func:`predicted_throughput` tells a model of one's own that ``predict`` must return.
 THROUGHPUT = "one throughput (samples/s) per worker asked, at least 0, NaN where unknown"
 
@@ -287,7 +291,7 @@ def check_contract(model: CapacityModel) -> None:
         inspect.signature(model.partial_fit).bind([], defer=True)
     except TypeError:
         raise ConfigError(f"{name}.partial_fit must take the keyword defer: {CONTRACT['partial_fit']} (or **kwargs; "
-                          "a model with nothing to defer ignores it): LBBSPPolicy calls partial_fit(reports, "
+                          "a model with nothing to defer ignores it): the policies call partial_fit(reports, "
                           "defer=True)") from None
     except ValueError:  # no signature to read (a callable written in C): trusted
         pass
@@ -299,6 +303,7 @@ class CapacityModel(BaseEstimator):
 
     #: Parameters that shape what a model learns (array widths, a network's layers): see :meth:`set_params`.
     _STRUCTURAL: frozenset[str] = frozenset()
+    _forgotten_for: list[str] | None = None  # the parameters whose new values made the model forget, until it relearns
     hardware_codes_: tuple[np.ndarray, np.ndarray] | None  # the cold-start prior's numbering (_hardware_codes)
 
     def set_params(self, **params: Any) -> CapacityModel:
@@ -325,6 +330,7 @@ class CapacityModel(BaseEstimator):
         changed = {name for name, value in params.items() if name in before and _changed(before[name], value)}
         if changed & self._STRUCTURAL:
             self._forget()
+            self._forgotten_for = sorted(changed & self._STRUCTURAL)  # said where it is asked before it relearns
         elif changed:
             self._parameters_changed(changed)
         return self
@@ -333,9 +339,13 @@ class CapacityModel(BaseEstimator):
         """Apply new values of ``names`` (none structural) to what was learned, where a model caches what they
         shape; otherwise they apply from the next update."""
 
-    def fit(self, history: Iterable[Sequence[Report]] | Iterable[Report]) -> CapacityModel:
+    def fit(self, history: Iterable[Sequence[Report]] | Iterable[Report], y: None = None) -> CapacityModel:
         """Forget what was learned, then learn from each iteration's reports in order: ``history`` holds one
-        list of reports per iteration, or is one flat list of reports, taken iteration by iteration."""
+        list of reports per iteration, or is one flat list of reports, taken iteration by iteration. ``y`` is
+        scikit-learn's place for targets, which reports carry themselves: a TypeError if given."""
+        if y is not None:
+            raise TypeError("fit takes the workers' reports alone, fit(history), not fit(X, y): each lbbsp.Report "
+                            "carries its samples and seconds (docs/models.md)")
         if isinstance(history, (str, bytes, Mapping, Report)) or not isinstance(history, Iterable):
             raise TypeError(f"fit takes a history: one list of reports per iteration, or one flat list of reports, "
                             f"got {type(history).__name__}")
@@ -349,8 +359,9 @@ class CapacityModel(BaseEstimator):
             for report in iterations:
                 by_iteration.setdefault(report.iteration, []).append(report)
             iterations = [by_iteration[k] for k in sorted(by_iteration)]
+        checked = [as_reports(reports, "fit") for reports in iterations]  # in fit's name: partial_fit was not called
         self._forget()
-        for reports in iterations:
+        for reports in checked:
             self.partial_fit(reports)
         return self
 
@@ -381,7 +392,8 @@ class CapacityModel(BaseEstimator):
         return LinearTime(np.where(unknown, fill, speed))
 
     def max_batch(self, workers: WorkerIds) -> np.ndarray | None:
-        """The largest batch each worker can hold (GPU memory; NaN where unknown), or None when the model sets no cap."""
+        """The largest batch each worker can hold (GPU memory; ``NO_CAP`` or NaN where it sets none), or None when
+        the model caps no worker."""
         worker_ids(workers)  # a bad id is an error here too, as in every model that sets a cap
         return None
 
@@ -396,9 +408,13 @@ class CapacityModel(BaseEstimator):
         """Drop everything learned (the attributes ending in ``_``): the next ``partial_fit`` starts afresh."""
         for name in [n for n in vars(self) if n.endswith("_") and not n.startswith("_")]:
             delattr(self, name)
+        self._forgotten_for = None
 
     def _check_is_fitted(self, attribute: str) -> None:
         if not hasattr(self, attribute):
+            if changed := self._forgotten_for:
+                raise NotFittedError(f"{type(self).__name__} forgot what it had learned when set_params changed "
+                                     f"{', '.join(changed)}; call fit or partial_fit again")
             raise NotFittedError(f"{type(self).__name__} has seen no report yet; call partial_fit first")
 
     def _remember_hardware(self, reports: Sequence[Report]) -> None:

@@ -28,9 +28,9 @@ from ..allocation import HingeTime
 from ..config import _integer, _real
 from ..errors import ConfigError
 from ..protocol import Report
+from .base import NO_CAP as _NO_CAP
 from .base import CapacityModel, Hardware, WorkerIds, as_reports, by_iteration, feature, field, worker_ids
 
-_NO_CAP = np.iinfo(np.int64).max // 4
 #: The memory line counts only where it rises at least this many bytes across the sizes it was fitted on
 #: (fit_memory_cap): less is within a reading's noise and an allocator's rounding (PyTorch rounds to 2 MB blocks).
 _MIN_RISE = 32 * 2**20

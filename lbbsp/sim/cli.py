@@ -342,7 +342,8 @@ def plot(scenario: Scenario, runs: dict[str, PolicyRun], summary: dict[str, dict
         smooth = np.convolve(ratio, np.ones(window) / window, mode="valid")
         line_colour = "tab:blue" if n == "lbbsp" else next(shades[colour(n)], "tab:green")
         lines.plot(np.arange(smooth.size) + window - 1, smooth, label=n, color=line_colour,
-                   linewidth=1.8 if n == "lbbsp" else 1, linestyle=":" if n.startswith("oracle") else "-")
+                   linewidth=1.8 if n == "lbbsp" else 1, linestyle=":" if n.startswith("oracle") else "-",
+                   marker="o" if smooth.size == 1 else None)  # one iteration: a line of one point draws nothing
     lines.axhline(1.0, color="black", linewidth=0.8)
     lines.set_yscale("log")
     low, high = lines.get_ylim()

@@ -47,6 +47,16 @@ def _run(num_workers: object, iterations: object, seed: object, batch: object, b
     _integer(batch, batch_name, 1, None)
 
 
+def _job(job: str, num_workers: int, global_batch: int, batch: str) -> JobConfig:
+    """The scenario's job; a ConfigError naming the workers and their batch where together they take the global batch
+    past a job's most (JobConfig's message had named global_batch, which no option of a scenario sets)."""
+    if global_batch > MAX_BATCH:
+        raise ConfigError(f"{num_workers:,} workers at {batch} make a global batch of {global_batch:,}, past a job's "
+                          f"most ({MAX_BATCH:,}, lbbsp.protocol.MAX_BATCH): at most "
+                          f"{num_workers * MAX_BATCH // global_batch:,} workers at that batch")
+    return JobConfig(job, num_workers, global_batch)
+
+
 def _at_least_zero(name: str, value: object) -> float:
     return _real(value, name, 0.0, math.inf, "a finite number >= 0", hi_open=True)
 
@@ -135,7 +145,8 @@ class CPUContention(Scenario):
         if not isinstance(noise, bool):
             raise ConfigError(f"noise must be True or False, got {noise!r}")
         rng, *replay_rngs = _streams(seed, 1 + len(traces))
-        super().__init__("cpu-contention", JobConfig("sim-cpu", num_workers, batch_per_worker * num_workers),
+        super().__init__("cpu-contention", _job("sim-cpu", num_workers, batch_per_worker * num_workers,
+                                                   f"batch_per_worker {batch_per_worker}"),
                          ["cpu"] * num_workers,
                          {"traces": [t.name for t in traces], "mean_dwell_iterations": mean_dwell,
                           "machine_spread": machine_spread, "noise": noise}, iterations)
@@ -253,7 +264,7 @@ class GPUMix(Scenario):
                               f"gb_per_sample {gb_per_sample:g} beside fixed_gb {fixed_gb:g}")
         self.cap = np.minimum(holds, MAX_BATCH).astype(np.int64)  # a tiny gb_per_sample: no cap past any batch
         global_batch = batch_per_worker * num_workers
-        super().__init__("gpu-mix", JobConfig("sim-gpu", num_workers, global_batch),
+        super().__init__("gpu-mix", _job("sim-gpu", num_workers, global_batch, f"batch_per_worker {batch_per_worker}"),
                          [f"cuda:{names[k]}" for k in kind],
                          {"generations": GPU_GENERATIONS, "overhead_s": overhead_s, "fixed_gb": fixed_gb,
                           "gb_per_sample": gb_per_sample, "jitter": jitter}, iterations)
@@ -297,7 +308,8 @@ class FLClients(Scenario):
             _above_zero(name, value)
         _real(dropout, "dropout", 0.0, 1.0, "a chance per client and round in [0, 1]")
         rng, presence = _streams(seed, 2)
-        super().__init__("fl-clients", JobConfig("sim-fl", num_workers, batch_per_client * num_workers),
+        super().__init__("fl-clients", _job("sim-fl", num_workers, batch_per_client * num_workers,
+                                                 f"batch_per_client {batch_per_client}"),
                          ["phone"] * num_workers,
                          {"local_steps": local_steps, "model_mb": model_mb, "median_ms_per_sample": median_ms_per_sample,
                           "compute_spread": compute_spread, "median_kbps_down": median_kbps_down,
@@ -359,7 +371,8 @@ class MixedCluster(Scenario):
         devices = np.empty(num_workers, dtype=object)
         devices[self.gpus_at], devices[self.cpus_at] = list(self.gpus.devices), list(self.cpus.devices)
         global_batch = gpu_batch * self.gpus_at.size + cpu_batch * self.cpus_at.size
-        super().__init__("mixed", JobConfig("sim-mixed", num_workers, global_batch), devices.tolist(),
+        super().__init__("mixed", _job("sim-mixed", num_workers, global_batch,
+                                              f"gpu_batch {gpu_batch} / cpu_batch {cpu_batch}"), devices.tolist(),
                          {"gpus": self.gpus.notes, "cpus": self.cpus.notes, "cpu_images_per_s": cpu_images_per_s,
                           "gpu_batch": gpu_batch, "cpu_batch": cpu_batch}, iterations)
         self.cap = np.full(num_workers, global_batch, dtype=np.int64)  # a CPU worker's memory holds the batch

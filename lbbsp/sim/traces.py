@@ -30,6 +30,7 @@ class CPUTrace:
     throughput: np.ndarray  # (iterations,)
     features: np.ndarray  # (iterations, len(TRACE_FEATURES))
     level: np.ndarray  # (iterations,) co-located busy loops at the end of each iteration (ground truth)
+    max_level: int | None = None  # the most busy loops the recorder ran (its meta), where it says
 
     @classmethod
     def load(cls, path: str | Path) -> CPUTrace:
@@ -75,7 +76,10 @@ class CPUTrace:
             raise ConfigError(f"cannot read CPU trace {path}: {name} must be {wanted[name][0]}, row {row} has "
                               f"{rows[row, columns[name]]:g} ({bad[name].size} row{'s' * (bad[name].size > 1)} "
                               "out of range)")
-        return cls(path.stem, throughput, features, level.astype(int))
+        meta = data.get("meta")
+        most = meta.get("max_level") if isinstance(meta, dict) else None
+        most = most if type(most) is int and 0 <= most <= 64 else None  # the recorder runs a handful at most
+        return cls(path.stem, throughput, features, level.astype(int), most)
 
 
 def load_traces(directory: str | Path = DEFAULT_TRACE_DIR) -> list[CPUTrace]:
@@ -93,8 +97,11 @@ def load_traces(directory: str | Path = DEFAULT_TRACE_DIR) -> list[CPUTrace]:
                           f"record one with experiments/record_cpu_trace.py --out {Path(directory) / 'NAME.json'}")
     traces = [CPUTrace.load(p) for p in paths]
     for path, trace in zip(paths, traces):  # replayed all the same, but said: its few rows come round again and again
-        for level, rows in zip(*(values.tolist() for values in np.unique(trace.level, return_counts=True))):
-            if rows < MIN_LEVEL_ROWS:
+        counts = dict(zip(*(values.tolist() for values in np.unique(trace.level, return_counts=True))))
+        # a level the recorder ran but never measured at is said too: the scenario then never visits it (a short
+        # recording with no row at levels 1 and 2 had made a cpu-contention run with no contention, unsaid)
+        for level in sorted(set(counts).union(range(0 if trace.max_level is None else trace.max_level + 1))):
+            if (rows := counts.get(level, 0)) < MIN_LEVEL_ROWS:
                 log.warning("CPU trace %s (%s): level %d has %d row%s, where a replay wants at least %d (every worker "
                             "at that level replays them in turn); record longer (experiments/record_cpu_trace.py "
                             "--seconds)", trace.name, path, level, rows,
