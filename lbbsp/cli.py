@@ -252,6 +252,19 @@ def _policy(args: argparse.Namespace) -> Policy:
     return policies[args.policy](model, args)
 
 
+def _model_said(args: argparse.Namespace, policy: Policy) -> str:
+    """The model the policy predicts with, as the start-up line says it, with the kinds pinned and the models of
+    kinds given (they had gone unsaid, so that a user could not tell they were taken); "" for a policy without."""
+    if getattr(policy, "model", None) is None or args.policy == "static-proportional":  # the latter: its own profile
+        return ""
+    own = args.model is None and args.policy == "per-epoch" and not (args.kind or args.kind_model)
+    said = " with its own slow EWMA" if own else f" with the {args.model or 'auto'} model"
+    given = [f"--kind {w}={k}" for w, k in _once("--kind", args.kind).items()]
+    given += [f"--kind-model {k}={m}" for k, m in _once("--kind-model", args.kind_model).items()]
+    steps = [f"--local-steps {args.local_steps}"] if args.local_steps else []
+    return said + (f" ({', '.join(given + steps)})" if given or steps else "")
+
+
 def _coordinator(args: argparse.Namespace) -> int:
     from .coordinator import Coordinator, freeze_heap  # noqa: PLC0415  (scikit-learn: see the imports above)
 
@@ -280,7 +293,7 @@ def _coordinator(args: argparse.Namespace) -> int:
             store = Store.from_url(url, args.job)
             coordinator = stop.serving(Coordinator(store, config, policy, max_ahead=args.max_ahead))
             print(f"coordinating job {args.job!r}: {args.workers} workers, global batch {args.global_batch}, policy "
-                  f"{policy.name}" + (f" with the {args.model} model" if args.model else ""), flush=True)
+                  f"{policy.name}{_model_said(args, policy)}", flush=True)
             freeze_heap()
             coordinator.run(max_decisions=args.max_decisions)
         made = coordinator.decisions_made

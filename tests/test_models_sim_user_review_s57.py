@@ -1,6 +1,6 @@
 """What a new user of the models and the simulator met in a fresh-eyes walk: one "no cap" value, scikit-learn's
 fit(X, y) refused with a message, the reason a model forgot, a model class given for an instance, a trace level
-never recorded, and a worker count past a job's global batch."""
+never recorded, a worker count past a job's global batch, and the model a coordinator starts with."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from lbbsp import ConfigError, Report
+from lbbsp.cli import _model_said, _policy, build_parser
 from lbbsp.models import NO_CAP, AutoCapacityModel, BatchTimeCurve, EWMAThroughput, NotFittedError
 from lbbsp.sim.scenarios import GPUMix, MixedCluster
 from lbbsp.sim.traces import DEFAULT_TRACE_DIR, load_traces
@@ -69,3 +70,17 @@ def test_a_worker_count_past_a_jobs_global_batch_is_named_with_the_most_that_fit
     with pytest.raises(ConfigError, match="at most 89,285 workers at that batch"):
         GPUMix(100_000, 1, 0)
     assert MixedCluster(100_000, 1, 0).config.global_batch == 112 * 50_000 + 16 * 50_000  # fits: not refused
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    ([], " with the auto model"),
+    (["--model", "ewma"], " with the ewma model"),
+    (["--kind", "3=gpu", "--kind-model", "cpu=ewma"], " with the auto model (--kind 3=gpu, --kind-model cpu=ewma)"),
+    (["--policy", "per-epoch"], " with its own slow EWMA"),
+    (["--policy", "static-proportional"], ""),
+    (["--policy", "bsp"], ""),
+])
+def test_the_coordinators_start_line_names_the_model_and_what_routes_it(flags: list[str], said: str) -> None:
+    """`lbbsp coordinator` said the model only where --model was given, and never the kinds pinned."""
+    args = build_parser().parse_args(["coordinator", "--job", "j", "--workers", "4", "--global-batch", "64", *flags])
+    assert _model_said(args, _policy(args)) == said
