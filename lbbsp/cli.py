@@ -216,13 +216,22 @@ def _once(flag: str, given: list[tuple[_Key, str]] | None) -> dict[_Key, str]:
     return pairs
 
 
+def _routing(args: argparse.Namespace) -> tuple[dict[int, str], dict[str, str], list[str], bool]:
+    """The kinds pinned (``--kind``), the models of kinds (``--kind-model``), the two as flags, and whether the
+    policy keeps its own average of speed (per-epoch given no model): what :func:`_policy` builds from, and what the
+    start-up line says."""
+    pins, kind_models = _once("--kind", args.kind), _once("--kind-model", args.kind_model)
+    flags = [f"--kind {w}={k}" for w, k in pins.items()] + [f"--kind-model {k}={m}" for k, m in kind_models.items()]
+    return pins, kind_models, flags, args.model is None and args.policy == "per-epoch" and not flags
+
+
 def _policy(args: argparse.Namespace) -> Policy:
     """The policy the flags name; ``--model`` only where the policy predicts with one, ``--kind`` and
     ``--kind-model`` only with the auto model."""
     from .models import AutoCapacityModel  # noqa: PLC0415  (scikit-learn: see the imports above)
 
-    pins, kind_models = _once("--kind", args.kind), _once("--kind-model", args.kind_model)
-    routed = " ".join([f"--kind {w}={k}" for w, k in pins.items()] + [f"--kind-model {k}={m}" for k, m in kind_models.items()])
+    pins, kind_models, flags, own_average = _routing(args)
+    routed = " ".join(flags)
     if args.model is not None and args.policy in ("bsp", "static-proportional"):
         raise LBBSPError(f"--policy {args.policy} uses no capacity model; drop --model {args.model}")
     if routed and (args.policy in ("bsp", "static-proportional") or args.model not in (None, "auto")):
@@ -232,7 +241,6 @@ def _policy(args: argparse.Namespace) -> Policy:
         raise LBBSPError(f"--kind: worker(s) {outside} outside the job's workers 0..{args.workers - 1}")
     if args.epoch_iterations is not None and args.policy != "per-epoch":
         raise LBBSPError(f"--epoch-iterations is per-epoch's; --policy {args.policy} decides every iteration")
-    own_average = args.model is None and args.policy == "per-epoch" and not routed  # its slow average of speed
     fl_model = (kind_models.get("fl", "fl-client") if args.model in (None, "auto") else args.model) == "fl-client"
     if args.local_steps is not None and (not fl_model or own_average or args.policy in ("bsp", "static-proportional")):
         raise LBBSPError(f"--local-steps is the fl-client model's (the clients' steps per round), and --policy "
@@ -257,12 +265,10 @@ def _model_said(args: argparse.Namespace, policy: Policy) -> str:
     kinds given (they had gone unsaid, so that a user could not tell they were taken); "" for a policy without."""
     if getattr(policy, "model", None) is None or args.policy == "static-proportional":  # the latter: its own profile
         return ""
-    own = args.model is None and args.policy == "per-epoch" and not (args.kind or args.kind_model)
-    said = " with its own slow EWMA" if own else f" with the {args.model or 'auto'} model"
-    given = [f"--kind {w}={k}" for w, k in _once("--kind", args.kind).items()]
-    given += [f"--kind-model {k}={m}" for k, m in _once("--kind-model", args.kind_model).items()]
-    steps = [f"--local-steps {args.local_steps}"] if args.local_steps else []
-    return said + (f" ({', '.join(given + steps)})" if given or steps else "")
+    _, _, flags, own_average = _routing(args)
+    said = " with its own slow EWMA" if own_average else f" with the {args.model or 'auto'} model"
+    given = flags + ([f"--local-steps {args.local_steps}"] if args.local_steps else [])
+    return said + (f" ({', '.join(given)})" if given else "")
 
 
 def _coordinator(args: argparse.Namespace) -> int:

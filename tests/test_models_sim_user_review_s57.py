@@ -12,7 +12,7 @@ import pytest
 
 from lbbsp import ConfigError, Report
 from lbbsp.cli import _model_said, _policy, build_parser
-from lbbsp.models import NO_CAP, AutoCapacityModel, BatchTimeCurve, EWMAThroughput, NotFittedError
+from lbbsp.models import NO_CAP, AutoCapacityModel, BatchTimeCurve, EWMAThroughput, NotFittedError, fit_memory_cap
 from lbbsp.sim.scenarios import GPUMix, MixedCluster
 from lbbsp.sim.traces import DEFAULT_TRACE_DIR, load_traces
 
@@ -27,6 +27,9 @@ def test_every_model_answers_one_no_cap_value() -> None:
     assert caps is not None and caps[0] == caps[2] == NO_CAP and caps[1] < NO_CAP
     curve = BatchTimeCurve().fit([Report("j", 1, 0, 8, 0.1, device="cuda:0")])
     assert curve.max_batch([7]).tolist() == [NO_CAP]
+    nothing_read = fit_memory_cap(np.array([[8.0, 16.0]]), np.array([[1e9, 2e9]]), np.zeros((1, 2), bool),
+                                  np.array([1e10]))
+    assert nothing_read.tolist() == [NO_CAP]  # through a float it had read 2**61
 
 
 def test_fit_refuses_scikit_learns_x_and_y_in_its_own_name() -> None:

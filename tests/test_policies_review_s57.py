@@ -23,18 +23,20 @@ from lbbsp.policies import (
 
 def _run(policy: Policy, speeds: Callable[[int], list[float]], iterations: int, config: JobConfig,
          reports_from: Callable[[int], list[int]] | None = None) -> list[tuple[tuple[int, ...], str]]:
-    """Each iteration's split and the reason it was decided for, with the job's lag of 1: the reports of k decide
-    k + 1. Only the workers ``reports_from(k)`` report (all by default); a worker given nothing reports 0 s."""
-    sizes, history = tuple(config.initial_sizes()), []
+    """Each iteration's split and the reason it was decided for, as a coordinator runs them: the reports of k decide
+    k + the job's lag. Only the workers ``reports_from(k)`` report (all by default); a worker given nothing reports
+    0 s."""
+    lag = config.lag
+    planned = {k: tuple(config.initial_sizes()) for k in range(lag)}
+    reasons = {k: "initial" for k in range(lag)}
     for k in range(iterations):
-        speed = np.asarray(speeds(k), dtype=float)
+        speed, sizes = np.asarray(speeds(k), dtype=float), planned[k]
         reporting = range(config.num_workers) if reports_from is None else reports_from(k)
         policy.observe([Report(config.job, w, k, sizes[w], sizes[w] / speed[w]) for w in reporting])
-        decision = policy.decide(k + 1, sizes, config)
+        decision = policy.decide(k + lag, planned[k + lag - 1], config)
         policy.learn()
-        sizes = decision.sizes
-        history.append((sizes, decision.reason))
-    return history
+        planned[k + lag], reasons[k + lag] = decision.sizes, decision.reason
+    return [(planned[k], reasons[k]) for k in range(iterations)]
 
 
 def test_static_proportional_profiles_a_worker_first_measured_after_the_others() -> None:
@@ -55,6 +57,9 @@ def test_static_proportional_follows_a_change_of_the_jobs_batch_and_checks_the_s
     assert max(policy.decide(4, (32,) * 4, JobConfig("s", 4, 128, max_batch=40)).sizes) <= 40
     with pytest.raises(ConfigError, match="add up to the global batch"):
         policy.decide(5, (99, 0, 0, 0), small)
+    policy.decide(6, (16,) * 4, small)  # fixed again for this job: the next call checks its split all the same
+    with pytest.raises(ConfigError, match="add up to the global batch"):
+        policy.decide(7, (99, 0, 0, 0), small)
 
 
 def test_leader_straggler_search_brings_back_a_worker_given_nothing() -> None:
@@ -66,12 +71,28 @@ def test_leader_straggler_search_brings_back_a_worker_given_nothing() -> None:
     assert history[-1][0][0] >= 8
 
 
-def test_per_epoch_gives_a_worker_due_back_samples_for_one_iteration() -> None:
-    config = JobConfig("e", 3, 16, min_batch=0)
-    history = _run(PerEpochPolicy(iterations_per_epoch=5), lambda k: [100, 1, 1], 80, config)
+def test_leader_straggler_search_brings_back_a_slow_worker_only_now_and_then() -> None:
+    """Worker 0 stays slow: it is given samples again after rejoin_after windows at 0, not at every other window
+    (155 of 300 iterations, 1.9x slower than leaving it out)."""
+    config = JobConfig("l", 4, 16, min_batch=0)
+    history = _run(LeaderStragglerPolicy(), lambda k: [10, 200, 200, 200], 300, config)
+    assert 10 < sum(sizes[0] > 0 for sizes, _ in history) < 60
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_per_epoch_gives_a_worker_due_back_samples_until_it_is_measured(lag: int) -> None:
+    """A slow worker due back runs for ``lag`` iterations (the split that brought it back had been kept a whole
+    epoch), and a worker found fast by its probe is kept, not set back to 0 for the rest of the epoch (decided
+    again the next iteration, at lag 2 its probe was not measured yet)."""
+    config = JobConfig("e", 3, 16, min_batch=0, lag=lag)
+    history = _run(PerEpochPolicy(iterations_per_epoch=5), lambda k: [100, 1, 1], 130, config)
     probes = [k for k, (sizes, _) in enumerate(history) if k >= 5 and (sizes[1] or sizes[2])]  # after the first epoch
-    assert probes and all(k - 1 not in probes for k in probes)  # never two iterations in a row (it had been 5)
-    assert any("due back" in reason for _, reason in history)
+    runs = np.split(np.array(probes), np.flatnonzero(np.diff(probes) > 1) + 1)
+    assert len(runs) >= 2 and all(run.size == lag for run in runs), probes
+    assert any("due back after 10 epoch(s)" in reason for _, reason in history)
+    became_fast = _run(PerEpochPolicy(iterations_per_epoch=5), lambda k: [100, 1 if k < 40 else 400, 1], 80, config)
+    first = next(k for k, (sizes, _) in enumerate(became_fast) if k >= 40 and sizes[1])
+    assert all(sizes[1] > 0 for sizes, _ in became_fast[first:first + 5]), became_fast[first:first + 5]
 
 
 def test_lbbsp_says_which_workers_are_due_back() -> None:

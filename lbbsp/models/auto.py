@@ -33,6 +33,7 @@ from .base import (
     field,
     hardware_of,
     predicted_throughput,
+    whole_caps,
     worker_ids,
 )
 from .fl_client import TRANSFER_FEATURES, FLClientModel
@@ -266,10 +267,7 @@ class AutoCapacityModel(CapacityModel):
         caps = self._per_kind(worker_ids(workers), lambda model, ids: _or_no_cap(model.max_batch(ids)), np.inf)
         if np.isinf(caps).all():
             return None
-        out = np.full(caps.shape, NO_CAP, dtype=np.int64)  # as BatchTimeCurve answers (as a float it had read 1 more)
-        below = caps < NO_CAP
-        out[below] = caps[below]
-        return out
+        return whole_caps(caps, nan=NO_CAP)
 
     def explore(self, workers: WorkerIds, sizes: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
         self._check_is_fitted("models_")

@@ -29,7 +29,17 @@ from ..config import _integer, _real
 from ..errors import ConfigError
 from ..protocol import Report
 from .base import NO_CAP as _NO_CAP
-from .base import CapacityModel, Hardware, WorkerIds, as_reports, by_iteration, feature, field, worker_ids
+from .base import (
+    CapacityModel,
+    Hardware,
+    WorkerIds,
+    as_reports,
+    by_iteration,
+    feature,
+    field,
+    whole_caps,
+    worker_ids,
+)
 
 #: The memory line counts only where it rises at least this many bytes across the sizes it was fitted on
 #: (fit_memory_cap): less is within a reading's noise and an allocator's rounding (PyTorch rounds to 2 MB blocks).
@@ -239,7 +249,7 @@ def _memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, line: np
         reached = np.where(line_cap <= reach, line_cap, np.maximum(reach, origin_cap))
         cap = np.where(linear, np.where(a < 0, np.minimum(line_cap, origin_cap), reached), origin_cap)
     cap = np.where(valid.any(1), cap, np.inf)
-    return np.floor(np.clip(np.nan_to_num(cap, nan=0.0, posinf=_NO_CAP), 0, _NO_CAP)).astype(np.int64)
+    return whole_caps(cap)
 
 
 class BatchTimeCurve(CapacityModel):
@@ -419,8 +429,8 @@ class BatchTimeCurve(CapacityModel):
                 cold_safe = np.where(inside[cold], workers_arr[cold], 0)
                 in_use = self.mem_announced_[cold_safe]  # another process's, or this worker's loaded model
                 budget = self._budget(self.mem_total_[cold_safe], in_use) - in_use
-                announced = np.floor(np.clip(np.nan_to_num(budget / rates.max(), nan=_NO_CAP), 0, _NO_CAP))
-                caps[cold] = np.where(inside[cold], np.minimum(caps[cold], announced.astype(np.int64)), caps[cold])
+                announced = whole_caps(budget / rates.max(), nan=_NO_CAP)
+                caps[cold] = np.where(inside[cold], np.minimum(caps[cold], announced), caps[cold])
         return caps
 
     def explore(self, workers: WorkerIds, sizes: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
@@ -753,7 +763,7 @@ class BatchTimeCurve(CapacityModel):
             latest = self.read_size_[rows] + (budget - self.read_mem_[rows]) / self.mem_rate_[rows]
         falling = ~self.mem_held_[rows] | (self.mem_doubt_[rows] > 0)  # a held peak covers the sizes below it
         below = (caps < sizes[at]) & (other > 0) & falling & np.isfinite(latest)
-        caps[below] = np.minimum(caps[below], np.floor(np.clip(latest[below], 0, _NO_CAP))).astype(np.int64)
+        caps[below] = np.minimum(caps[below], whole_caps(latest[below]))
         self.cap_[rows] = np.where(np.isfinite(budget) & measured, caps, self.cap_[rows])
 
     def _grow(self, size: int) -> None:

@@ -16,8 +16,8 @@ until ``warmup`` updates have run and for as long as the network's recent error,
 before it is trained on, is not below the EWMA level's: a small job with little data never gets a worse
 forecast than the smoothed speed.
 
-A measurement more than ``spike`` times what the worker was expected to do (the larger of its EWMA level and its
-latest measurement) is held back until its next one confirms it: a timing glitch that claims a hundredfold
+A measurement more than ``spike`` times what the worker was expected to do (the largest of its EWMA level and its
+last ``lags`` measurements) is held back until its next one confirms it: a timing glitch that claims a hundredfold
 speed would otherwise hand that worker most of the batch for several iterations, while a real speed-up is
 followed one report late. Slowdowns are taken at once: they must be, and a false one costs only that
 worker's share. The shipped traces' largest real jump up is 3.0x, the held-out ones' 3.5x (a co-located job leaving).
