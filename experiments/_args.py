@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,17 @@ def _refuse_a_file_as_folder(parser: argparse.ArgumentParser, out: Path, folder:
         parser.error(f"--out {out}: cannot write results there ({nearest} is a file, not a folder; a name without a "
                      f"suffix is a folder to write {Path(parser.get_default('out')).name} in, a file to write is "
                      "named with one, such as x.json)")
+
+
+@contextlib.contextmanager
+def interrupted_as_exit() -> Iterator[None]:
+    """Around a benchmark's run: Ctrl-C (or a SIGTERM raised as it) ends it with one line and exit status 130, not a
+    traceback from whatever it was running."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 @contextlib.contextmanager

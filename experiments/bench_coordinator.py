@@ -34,12 +34,12 @@ import contextlib
 import gc
 import multiprocessing as mp
 import signal
-import sys
 import time
 from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from multiprocessing.synchronize import Barrier
 
 import numpy as np
+from _args import interrupted_as_exit
 
 from lbbsp import Coordinator, EmbeddedRedis, JobConfig, LBBSPPolicy, Report, Store, WorkerClient
 from lbbsp.coordinator import MAX_AHEAD, freeze_heap
@@ -397,11 +397,8 @@ def main() -> None:
         except (ConfigError, StoreUnavailable) as exc:
             parser.error(f"--redis: {exc}")
     signal.signal(signal.SIGTERM, _interrupted)
-    try:
+    with interrupted_as_exit():
         run(args)
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        sys.exit(130)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -13,10 +13,10 @@ The decision time of LB-BSP with each real model is printed by experiments/bench
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 
 import numpy as np
+from _args import interrupted_as_exit
 
 from lbbsp import Report
 from lbbsp.errors import ConfigError
@@ -95,11 +95,8 @@ def _relative(value: float, reference: float) -> str:
 
 def main() -> int:
     """The benchmark, with Ctrl-C as one line and exit status 130 (it had printed the traceback of a model's fit)."""
-    try:
+    with interrupted_as_exit():
         return benchmark()
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
 
 
 def benchmark() -> int:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from _args import empty_folders_removed_on_failure, results_file
+from _args import empty_folders_removed_on_failure, interrupted_as_exit, results_file
 
 from lbbsp.errors import ConfigError
 from lbbsp.sim.cli import summarise
@@ -90,24 +89,20 @@ def main() -> None:
     args = parser.parse_args()
     if args.seeds < 1 or args.iterations < 1 or min(args.workers) < 2:
         parser.error("--seeds and --iterations must be at least 1, --workers at least 2")
-    try:
-        with empty_folders_removed_on_failure(args.out):
-            check_sizes(parser, args.scenarios, args.workers, args.iterations)
-            out = results_file(parser, args.out)
-            results: dict[str, dict[str, Figures]] = {}
-            for scenario in args.scenarios:
-                for workers in args.workers:
-                    print(f"{scenario}, {workers} workers, {args.iterations} iterations, seeds 0-{args.seeds - 1}",
-                          flush=True)
-                    figures = run(scenario, workers, args.iterations, range(args.seeds))
-                    results.setdefault(scenario, {})[str(workers)] = figures
-                    print(table(figures), flush=True)
-            out.write_text(json.dumps({"iterations": args.iterations, "seeds": args.seeds, "policies": results},
-                                      indent=1))
-            print(f"wrote {out}")
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        sys.exit(130)
+    with interrupted_as_exit(), empty_folders_removed_on_failure(args.out):
+        check_sizes(parser, args.scenarios, args.workers, args.iterations)
+        out = results_file(parser, args.out)
+        results: dict[str, dict[str, Figures]] = {}
+        for scenario in args.scenarios:
+            for workers in args.workers:
+                print(f"{scenario}, {workers} workers, {args.iterations} iterations, seeds 0-{args.seeds - 1}",
+                      flush=True)
+                figures = run(scenario, workers, args.iterations, range(args.seeds))
+                results.setdefault(scenario, {})[str(workers)] = figures
+                print(table(figures), flush=True)
+        out.write_text(json.dumps({"iterations": args.iterations, "seeds": args.seeds, "policies": results},
+                                  indent=1))
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":
