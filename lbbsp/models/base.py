@@ -63,11 +63,12 @@ NO_CAP = int(np.iinfo(np.int64).max // 4)
 def whole_caps(caps: np.ndarray, nan: int = 0) -> np.ndarray:
     """Caps in samples as whole int64s: rounded down, none below 0, and ``NO_CAP`` at or past it (inf included),
     ``nan`` for NaN. Exact at the top, where a float's clip to ``NO_CAP`` (2**61 - 1) had read 2**61."""
-    values = np.floor(np.nan_to_num(np.asarray(caps, dtype=float), nan=float(nan), posinf=np.inf))
+    values = np.floor(np.nan_to_num(np.asarray(caps, dtype=float), nan=float(nan)))  # inf: the largest float
     out = np.full(values.shape, NO_CAP, dtype=np.int64)
     below = values < NO_CAP
     out[below] = np.maximum(values[below], 0)
     return out
+
 
 #: What :func:`predicted_throughput` tells a model of one's own that ``predict`` must return.
 THROUGHPUT = "one throughput (samples/s) per worker asked, at least 0, NaN where unknown"

@@ -28,8 +28,8 @@ from ..allocation import HingeTime
 from ..config import _integer, _real
 from ..errors import ConfigError
 from ..protocol import Report
-from .base import NO_CAP as _NO_CAP
 from .base import (
+    NO_CAP,
     CapacityModel,
     Hardware,
     WorkerIds,
@@ -415,21 +415,21 @@ class BatchTimeCurve(CapacityModel):
             caps, cold = self.cap_[workers_arr], np.flatnonzero(~np.isfinite(self.mem_rate_[workers_arr]))
         else:
             safe = np.where(inside, workers_arr, 0)
-            caps = np.where(inside, self.cap_[safe], _NO_CAP)
+            caps = np.where(inside, self.cap_[safe], NO_CAP)
             cold = np.flatnonzero(~inside | ~np.isfinite(self.mem_rate_[safe]))
         if cold.size and self.group_ids_:
             measured = np.isfinite(self.mem_rate_)
-            smallest = np.full(len(self.group_ids_), _NO_CAP)
+            smallest = np.full(len(self.group_ids_), NO_CAP)
             np.minimum.at(smallest, self.group_[measured], self.cap_[measured])
             keys = [self.hardware_.get(worker) for worker in workers_arr[cold].tolist()]
             group = np.array([-1 if key is None else self.group_ids_.get(key, -1) for key in keys], dtype=np.int64)
-            caps[cold] = np.where(group >= 0, smallest[np.maximum(group, 0)], _NO_CAP)
+            caps[cold] = np.where(group >= 0, smallest[np.maximum(group, 0)], NO_CAP)
             rates = self.mem_rate_[measured & (self.mem_rate_ > 0)]
             if rates.size:
                 cold_safe = np.where(inside[cold], workers_arr[cold], 0)
                 in_use = self.mem_announced_[cold_safe]  # another process's, or this worker's loaded model
                 budget = self._budget(self.mem_total_[cold_safe], in_use) - in_use
-                announced = whole_caps(budget / rates.max(), nan=_NO_CAP)
+                announced = whole_caps(budget / rates.max(), nan=NO_CAP)
                 caps[cold] = np.where(inside[cold], np.minimum(caps[cold], announced), caps[cold])
         return caps
 
@@ -775,7 +775,7 @@ class BatchTimeCurve(CapacityModel):
             for name, fill, dtype in (("mem_total_", np.nan, float), ("mem_announced_", np.nan, float),
                                       ("mem_rate_", np.nan, float), ("count_", 0, np.int64), ("latest_", 0.0, float),
                                       ("base_", 0.0, float), ("knee_", 0.0, float), ("slope_", 0.0, float),
-                                      ("observed_max_", 0.0, float), ("known_", False, bool), ("cap_", _NO_CAP, np.int64),
+                                      ("observed_max_", 0.0, float), ("known_", False, bool), ("cap_", NO_CAP, np.int64),
                                       ("latest_weight_", 0.0, float), ("group_", -1, np.int64), ("misses_", 0, np.int64),
                                       ("pooled_base_", 0.0, float), ("pooled_knee_", 0.0, float),
                                       ("pooled_slope_", 0.0, float), ("read_size_", np.nan, float),
