@@ -148,9 +148,10 @@ def test_brief_gives_one_line_per_job(served_and_stopped: tuple[str, str], redis
                                       capsys: pytest.CaptureFixture[str]) -> None:
     """A line per job, whatever else is on this Redis: its name, workers, coordinator and the last decision's age."""
     served, stopped = served_and_stopped
+    with Store.from_url(redis_url, "") as probe:  # read before: another test's job may expire while status runs
+        jobs = set(probe.jobs())
     code, out = _run(["status", "--redis", redis_url, "--brief"], capsys)
     with Store.from_url(redis_url, "") as probe:
-        jobs = set(probe.jobs())
         identity = Store(probe.client, served).coordinator()
     lines = out.splitlines()
     names = [line.split(":", 1)[0] for line in lines]
