@@ -346,6 +346,8 @@ def _claim_lapsed(store: Store, claim: str, stop: _StopSignals) -> None:
 #: call to a Redis that stopped answering waits out a 5 s socket timeout, three times (29 s in all), and `docker stop`
 #: kills at 10 s.
 STOP_GRACE_S = 3.0
+#: A repeat of the first stop signal this soon after it is the same stop, not a second one that cuts the stop short.
+_SAME_SIGNAL_S = 0.2
 
 
 class _CutShort(KeyboardInterrupt):
@@ -355,7 +357,8 @@ class _CutShort(KeyboardInterrupt):
 
 class _StopSignals:
     """While in use: SIGTERM, SIGINT and SIGHUP stop ``coordinator`` after its current step, which then releases its
-    claim on the job; a second signal, or :data:`STOP_GRACE_S` later, raises :class:`_CutShort` in the main thread,
+    claim on the job; a second signal (not the first's repeat within :data:`_SAME_SIGNAL_S`), or :data:`STOP_GRACE_S`
+    later, raises :class:`_CutShort` in the main thread,
     and again every 0.25 s (the step's clean-up makes Redis calls of its own, each of which would wait 15 s).
     A signal ignored when the command started (SIGHUP under nohup, SIGINT in a background job) stays ignored."""
 
@@ -363,6 +366,7 @@ class _StopSignals:
         self.coordinator: Coordinator | None = None
         self.received: str | None = None  # the first signal's name
         self.signum = 0
+        self._first_at = 0.0  # when the first signal came (time.monotonic)
         self._cut: tuple[str, str] | None = None  # what _CutShort says
         self._previous: dict[int, Any] = {}
 
@@ -387,10 +391,12 @@ class _StopSignals:
 
     def _stop(self, signum: int, frame: object) -> None:
         if self.received is None:
-            self.received, self.signum = signal.Signals(signum).name, signum
+            self.received, self.signum, self._first_at = signal.Signals(signum).name, signum, time.monotonic()
             if self.coordinator is not None:
                 self.coordinator.stop(timeout_s=0)
             signal.setitimer(signal.ITIMER_REAL, STOP_GRACE_S, 0.25)
+        elif signum == self.signum and time.monotonic() - self._first_at < _SAME_SIGNAL_S:
+            return  # one stop sent twice: GNU timeout signals the process, then its group, microseconds apart
         elif self._cut is None:
             self._cut = (f"at a second {signal.Signals(signum).name}", "")
             signal.setitimer(signal.ITIMER_REAL, 0.25, 0.25)
@@ -766,7 +772,8 @@ def _coordinator_flags(coordinator: argparse.ArgumentParser) -> None:
                              help="how sizes are chosen (docs/simulator.md compares them)")
     coordinator.add_argument("--model", choices=sorted(_models()), default=None,
                              help="the capacity model of lbbsp, per-epoch or leader-straggler (default: auto, which "
-                                  "picks NARX, the GPU curve or the client model from each worker's reports)")
+                                  "picks NARX, the GPU curve or the client model from each worker's reports; per-epoch's "
+                                  "is its own slow EWMA, which sets no memory caps: give GPU jobs --model auto)")
     coordinator.add_argument("--kind", type=kind_pin, action="append", metavar="WORKER=KIND",
                              help=f"with the auto model: pin a worker's kind ({', '.join(KINDS)}) instead of reading "
                                   "it from its reports, e.g. --kind 3=gpu; repeatable")

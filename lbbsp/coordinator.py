@@ -32,8 +32,8 @@ from .child_logging import ParentLogging
 from .config import JobConfig, _integer, _job_config, _real
 from .embedded import RestartBudget, release_cpu_pinning
 from .errors import ConfigError, LBBSPError, PolicyError, ProtocolError
-from .models import AutoCapacityModel, worker_kind
-from .policies import BackupWorkersPolicy, Decision, LBBSPPolicy, OraclePolicy, Policy, checked_policy
+from .models import AutoCapacityModel, CapacityModel, FLClientModel, worker_kind
+from .policies import BackupWorkersPolicy, BSPPolicy, Decision, LBBSPPolicy, OraclePolicy, Policy, checked_policy
 from .protocol import MAX_POLICY_NAME_CHARS, MAX_REASON_CHARS, Assignment, Report
 from .store import ITERATIONS_KEPT, REDIS_ERRORS, REDIS_FAILURES, Store, _store
 
@@ -322,6 +322,26 @@ class GuardedPolicy:
             raise refuse(exc.message) from exc
 
 
+def _warn_uncapped(job: str, policy: Policy, reports: list[Report]) -> bool:
+    """Warn, and say True, where ``reports`` read GPU memory but ``policy``'s model sets no memory caps (it has no
+    ``max_batch`` of its own): their workers' sizes are then not held below what their cards fit (per-epoch's own slow
+    EWMA had given GPUs that held 716 samples 787-932, unsaid). A policy of one's own without a ``model`` is not asked."""
+    if not hasattr(policy, "model"):
+        return True
+    model = policy.model
+    if isinstance(model, CapacityModel) and type(model).max_batch is not CapacityModel.max_batch:
+        return True
+    gpus = sorted({report.worker for report in reports if "gpu_mem_used" in report.features})
+    if gpus:
+        name = getattr(policy, "name", type(policy).__name__)
+        why = ("has no model to set memory caps" if model is None
+               else f"has a model, {type(model).__name__}, that sets no memory caps")
+        log.warning("job %s: worker(s) %s report GPU memory, but the %s policy %s, so their sizes are not held below "
+                    "what their cards fit: give it AutoCapacityModel() or BatchTimeCurve() (lbbsp coordinator --model "
+                    "auto, with a policy that takes one)", job, gpus[:8], name, why)
+    return bool(gpus)
+
+
 class Coordinator:
     """Collect the reports of each iteration, ask the policy, write the next assignment exactly once.
 
@@ -354,6 +374,8 @@ class Coordinator:
         self._guarded = GuardedPolicy(self.policy, config)  # checks the policy, before the job is registered
         if not simulated:
             _check_outside_simulator(self.policy, config)
+        # whether GPU workers' reports were seen by a policy whose model sets no memory caps (the equal split needs none)
+        self._told_uncapped = simulated or isinstance(self.policy, BSPPolicy)
         self.store = store
         self.config = store.register(config)
         self._renewed = time.monotonic()  # when this coordinator last renewed the job's TTL (register, each decision)
@@ -450,6 +472,8 @@ class Coordinator:
             self._went_back(self._previous[0], iteration)
         targets = self._targets(iteration)
         reports, rejected = self._parse_reports(iteration)
+        if not self._told_uncapped:
+            self._told_uncapped = _warn_uncapped(self.config.job, self.policy, reports)
         decision, assignment = self._guarded.decide(targets[0], self._in_force(targets[0] - 1).sizes, reports)
         covered = [assignment, *(dataclasses.replace(assignment, iteration=t) for t in targets[1:])]
         written = self.store.publish_all(covered, decided_from=iteration)
@@ -598,17 +622,39 @@ class Coordinator:
         assignment is not known), or had in one of the latest splits (workers that could not reach Redis fall
         back, agreed, to the split they last had): one report of 10M samples in a global batch of 400 gave its
         worker nearly the whole batch for 20 iterations under EWMA. A federated client's samples count its
-        local steps, so only the protocol's bound holds for those."""
+        local steps, so its bound is that many times larger; only the protocol's holds where no model says how many."""
         known = assigned is not None
         most = assigned[report.worker] if assigned is not None else self.config.global_batch
-        if report.samples <= most or worker_kind(report) == "fl":
+        if report.samples <= most:
+            return
+        steps = self._local_steps(report)
+        if steps is None or report.samples <= steps * most:
             return
         lately = max(sizes[report.worker] for sizes in self._recent)
-        if report.samples > lately:
+        if report.samples > steps * lately:
             bound = (f"the {most} assigned to worker {report.worker} (or its {lately} in the splits of the last "
                      f"{len(self._recent)} iterations, which a fallback uses)" if known else f"the global batch {most}")
+            if steps > 1 or worker_kind(report) == "fl":
+                bound = (f"{steps} local step(s) x {bound}: where the clients take more local steps, give the model "
+                         "local_steps (lbbsp coordinator --local-steps N, or FLClientModel(local_steps=N))")
             raise ProtocolError(f"{report.samples} samples, more than {bound}", field="samples", job=self.config.job,
                                 worker=report.worker, iteration=report.iteration)
+
+    def _local_steps(self, report: Report) -> int | None:
+        """How many samples ``report`` may count per sample assigned: a federated client's local steps, as the
+        policy's client model takes them, None where no model says (a policy without one, or a model of the user's
+        own), and 1 for any other worker."""
+        model = getattr(self.policy, "model", None)
+        if isinstance(model, FLClientModel):
+            return model.local_steps
+        if not isinstance(model, AutoCapacityModel):
+            return None if worker_kind(report) == "fl" else 1
+        kind = ((model.kinds or {}).get(report.worker) or getattr(model, "kind_", {}).get(report.worker)
+                or worker_kind(report))
+        if kind != "fl":
+            return 1
+        client = getattr(model, "models_", model.models or {}).get("fl", FLClientModel())  # unfitted: the default's
+        return client.local_steps if isinstance(client, FLClientModel) else None
 
     def _assignment(self, iteration: int) -> Assignment:
         """The stored assignment of ``iteration`` (validated), or the initial split if none is stored."""

@@ -649,7 +649,7 @@ class LeaderStragglerPolicy(Policy):
         sizes[straggler] -= moved
         sizes[leader] += moved
         self._last_leader = leader
-        return Decision(tuple(int(s) for s in sizes), f"moved {moved} samples from straggler {straggler} to leader "
+        return Decision(tuple(int(s) for s in sizes), f"moved {moved} sample{'s' * (moved != 1)} from straggler {straggler} to leader "
                         f"{leader} (step {self._step})"), True
 
     @staticmethod

@@ -155,8 +155,8 @@ def test_one_glitched_fast_measurement_does_not_hand_an_fl_client_the_batch() ->
         policy.learn()
         assert sizes == (100, 100, 100, 100), (k, sizes)
     model = FLClientModel()
-    for k in range(3):  # a client that did become 10x faster is learnt at its second measurement
-        model.partial_fit([Report("job", 0, k, 100, 1.0 if k == 0 else 0.1)])
+    for k in range(4):  # a settled client that did become 10x faster is learnt at its second fast measurement
+        model.partial_fit([Report("job", 0, k, 100, 1.0 if k < 2 else 0.1)])
     assert model.predict([0])[0] == pytest.approx(550.0)  # 100, then 1,000 held, then confirmed: 0.5 x 1,000 + 0.5 x 100
     with pytest.raises(ConfigError, match="spike must be None or a factor above 1"):
         FLClientModel(spike=1.0).partial_fit(Report("job", 0, 0, 100, 1.0))

@@ -18,7 +18,7 @@ from lbbsp import Coordinator, JobConfig, LBBSPError, ProtocolError, Report, Res
 from lbbsp.cli import main
 from lbbsp.coordinator import GuardedPolicy
 from lbbsp.errors import ConfigError
-from lbbsp.models import EWMAThroughput
+from lbbsp.models import AutoCapacityModel, EWMAThroughput, FLClientModel
 from lbbsp.policies import Decision, LBBSPPolicy, Policy
 from lbbsp.sim.traces import CPUTrace
 
@@ -74,8 +74,9 @@ def test_without_a_known_assignment_samples_are_bounded_by_the_global_batch(stor
 
 def test_a_federated_clients_samples_count_its_local_steps(store: Store, job: str) -> None:
     """A federated client reports local_steps x its batch (the simulator's fl-clients through Redis does): the
-    assigned size bounds one step, not the round."""
-    coordinator = Coordinator(store, JobConfig(job, 2, 40, lag=1))
+    assigned size bounds one step, not the round: the client model's local_steps steps of it."""
+    model = AutoCapacityModel(models={"fl": FLClientModel(local_steps=5)}, horizon=1)
+    coordinator = Coordinator(store, JobConfig(job, 2, 40, lag=1), LBBSPPolicy(model))
     for worker in (0, 1):
         store.post_report(Report(job, worker, 0, 5 * 20, 1.0, features={"download_s": 1.0, "upload_s": 2.0}), 2)
     assert coordinator.decide(0).rejected == []

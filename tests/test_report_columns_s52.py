@@ -62,6 +62,9 @@ def test_federated_transfer_seconds_per_report() -> None:
                Report("cols", 2, 0, 10, 1.0, device="phone"),
                Report("cols", 3, 0, 0, 0.0, device="phone", features={"bandwidth_up": 1e3})]
     model = FLClientModel(model_bytes=1e6).partial_fit(reports)
-    assert model.transfer_s_.tolist() == pytest.approx([2.0, 3.0, 0.0, 1000.0])
+    np.testing.assert_allclose(model.download_s_, [2.0, 1.0, 0.0])  # each direction learned where it is told
+    np.testing.assert_allclose(model.upload_s_, [np.nan, 2.0, 0.0, 1000.0])
+    # a direction a client never told is its peers' median there, not free: 2 + 2 s and 1 + 1,000 s
+    np.testing.assert_allclose(model.transfer_s([0, 3]), [4.0, 1001.0])
     bare = FLClientModel().partial_fit(reports[:3])  # no model size: bandwidth alone tells no seconds
-    assert bare.transfer_s_[:3].tolist()[::2] == pytest.approx([2.0, 0.0]) and np.isnan(bare.transfer_s_[1])
+    np.testing.assert_allclose(bare.download_s_, [2.0, np.nan, 0.0])

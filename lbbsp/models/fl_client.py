@@ -24,7 +24,6 @@ from .base import (
     by_iteration,
     feature,
     field,
-    held_back,
     measured_throughput,
     smoothed,
     worker_ids,
@@ -36,20 +35,25 @@ MAX_LOCAL_STEPS = 10**6
 
 #: Report features that tell a model transfer: a report with any of them comes from a federated client.
 TRANSFER_FEATURES = frozenset({"download_s", "upload_s", "bandwidth_down", "bandwidth_up"})
+#: Each transfer direction: the table it is learned in, its measured-seconds feature and its bandwidth feature.
+DIRECTIONS = (("download_s_", "download_s", "bandwidth_down"), ("upload_s_", "upload_s", "bandwidth_up"))
 
 
 class FLClientModel(CapacityModel):
     """Learns each client's compute throughput and model-transfer seconds (exponentially weighted).
 
     Reports carry ``samples`` (local_steps * batch), ``compute_s`` (local compute only) and features
-    ``download_s``/``upload_s``; without those, ``model_bytes`` over ``bandwidth_down``/``bandwidth_up``
-    gives the transfer time (a client that reports bandwidth alone, with ``model_bytes`` None, has no transfer time
-    to learn: a warning says so, once). Availability is learned from :meth:`record_outcomes` (exponentially weighted
-    by ``availability_alpha``, starting from the availability of clients on similar hardware, or "available"
-    where nothing is known). Clients never seen get the median of clients on
-    similar hardware, for speed, transfer and availability alike. A speed more than ``spike`` times a client's level
-    is held back until its next measurement confirms it (None: none is), as NARX's: one glitched compute time of a
-    microsecond had given a client nearly the whole batch for some 20 rounds. A client's first is taken as it is.
+    ``download_s``/``upload_s``; without those, ``model_bytes`` over ``bandwidth_down``/``bandwidth_up`` (bytes per
+    second) gives each direction's seconds (a client that reports bandwidth alone, with ``model_bytes`` None, has no
+    transfer time to learn: a warning says so, once). Each direction is learned from the reports that tell it; one
+    never told is planned from the client's other direction, with a warning, where no client on similar hardware
+    told it either. Availability is learned from :meth:`record_outcomes` (exponentially weighted by
+    ``availability_alpha``, starting from the availability of clients on similar hardware, or "available" where
+    nothing is known). Clients never seen get the median of clients on similar hardware, for speed, transfer and
+    availability alike. Glitches: a client's level stays provisional until a measurement agrees with it within a
+    factor ``spike``, and one that does not replaces it (a first compute time of a millisecond had given a client
+    nearly the whole batch for 10 rounds); after that, a speed or transfer time more than ``spike`` times the level
+    is held back until the client's next measurement confirms it (None: no guard), as NARX's.
     """
 
     def __init__(self, local_steps: int = 1, *, alpha: float = 0.5, model_bytes: float | None = None,
@@ -68,16 +72,16 @@ class FLClientModel(CapacityModel):
             return self
         self._remember_hardware(reports)
         workers, measured = measured_throughput(reports)
-        if (kept := self._unless_spike(workers, measured)) is not None:
-            workers, measured = workers[kept], measured[kept]
-        self.speed_ = smoothed(getattr(self, "speed_", None), workers, measured, self.alpha)
-        seconds = self._transfer_seconds(reports)
-        told = ~np.isnan(seconds)
-        warned = getattr(self, "_warned_model_bytes", False)
-        if not told.all() and self.model_bytes is None and not warned:  # some told no transfer seconds
+        self._learn("speed_", workers, measured)
+        if self.model_bytes is None and not getattr(self, "_warned_model_bytes", False):
             self._warn_bandwidth_alone(reports)
-        self.transfer_s_ = smoothed(getattr(self, "transfer_s_", None), field(reports, "worker")[told], seconds[told],
-                                    self.alpha)
+        clients = field(reports, "worker")
+        silent = np.logical_and.reduce([np.isnan(feature(reports, name)) for name in TRANSFER_FEATURES]) & (
+            field(reports, "samples") > 0)
+        for table, timed, bandwidth in DIRECTIONS:
+            seconds = np.where(silent, 0.0, self._direction_seconds(reports, timed, bandwidth))
+            told = ~np.isnan(seconds)
+            self._learn(table, clients[told], seconds[told])
         return self
 
     def record_outcomes(self, completed: Mapping[int, bool]) -> FLClientModel:
@@ -117,9 +121,18 @@ class FLClientModel(CapacityModel):
         return self._with_prior(self.speed_, workers)
 
     def transfer_s(self, workers: WorkerIds) -> np.ndarray:
-        """Predicted download + upload seconds per round; 0 when no client ever reported a transfer."""
-        self._check_is_fitted("transfer_s_")
-        return np.nan_to_num(self._with_prior(self.transfer_s_, workers), nan=0.0)
+        """Predicted download + upload seconds per round; a direction no client on similar hardware told is planned
+        as the client's other direction (with a warning, once), and 0 when no client ever reported a transfer."""
+        self._check_is_fitted("download_s_")
+        down, up = self._with_prior(self.download_s_, workers), self._with_prior(self.upload_s_, workers)
+        one = np.isnan(down) != np.isnan(up)
+        if one.any() and not getattr(self, "_warned_one_direction", False):
+            self._warned_one_direction = True
+            log.warning("FLClientModel: no %s time is known for client(s) %s, nor for clients on similar hardware: "
+                        "planned as long as the other direction; report download_s and upload_s (or bandwidth_down "
+                        "and bandwidth_up)", "download" if np.isnan(down[one]).any() else "upload",
+                        worker_ids(workers)[one][:8].tolist())
+        return np.nan_to_num(np.where(np.isnan(down), up, down) + np.where(np.isnan(up), down, up), nan=0.0)
 
     def time_model(self, workers: WorkerIds) -> LinearTime:
         """Round seconds as a function of the client's batch size, local steps fixed; a client given nothing
@@ -128,19 +141,30 @@ class FLClientModel(CapacityModel):
         speed = np.where(np.isfinite(speed) & (speed > 0), speed, 1.0)
         return LinearTime(speed / self.local_steps, overhead=self.transfer_s(workers), idle_is_free=True)
 
-    def _unless_spike(self, workers: np.ndarray, speed: np.ndarray) -> np.ndarray | None:
-        """Which measurements to learn from (None: all): all but a first one over ``spike`` times the client's level,
-        which is held back (``held_``) until the client's next measurement confirms the jump."""
-        # the client's own level: a first measurement is taken as it is (peers on other hardware, or of another
-        # spread, tell too little: a fast server among phones had been held back)
-        table = getattr(self, "speed_", None)
-        if self.spike is None or not workers.size or table is None or not table.size:
-            return None
-        held, size = getattr(self, "held_", np.zeros(0, dtype=bool)), int(workers.max()) + 1
-        if held.size < size:
-            held = self.held_ = np.concatenate([held, np.zeros(size - held.size, dtype=bool)])
-        level = np.where(workers < table.size, table[np.minimum(workers, table.size - 1)], np.nan)
-        return held_back(held, workers, speed > self.spike * level)  # not high where the level is unknown (NaN)
+    def _learn(self, table: str, workers: np.ndarray, values: np.ndarray) -> None:
+        """Blend ``values`` into the per-client table ``table`` (``speed_``, ``download_s_`` or ``upload_s_``), guarded
+        against one glitched measurement (see the class docstring). Its guard's state, per client: ``<table>held_``,
+        whose latest was held back, and ``<table>settled_``, whose level a measurement agreed with."""
+        old = getattr(self, table, None)
+        if self.spike is None or not workers.size:
+            setattr(self, table, smoothed(old, workers, values, self.alpha))
+            return
+        old = np.zeros(0) if old is None else old
+        size = max(old.size, int(workers.max()) + 1)
+        level = np.concatenate([old, np.full(size - old.size, np.nan)])
+        held = _grown(getattr(self, table + "held_", None), size)
+        settled = _grown(getattr(self, table + "settled_", None), size)
+        now, was_settled = level[workers], settled[workers]
+        known = ~np.isnan(now)
+        agrees = known & (values <= self.spike * now) & (values * self.spike >= now)
+        hold = known & was_settled & (values > self.spike * now) & ~held[workers]
+        held[workers] = hold
+        settled[workers] = np.where(was_settled, True, agrees)
+        take = ~known | ~(was_settled | agrees)  # a first measurement, or one that replaces a provisional level
+        level[workers] = np.where(hold, now, np.where(take, values, self.alpha * values + (1 - self.alpha) * now))
+        setattr(self, table, level)
+        setattr(self, table + "held_", held)
+        setattr(self, table + "settled_", settled)
 
     def _check_params(self) -> None:
         _integer(self.local_steps, "local_steps", 1, MAX_LOCAL_STEPS)
@@ -154,32 +178,29 @@ class FLClientModel(CapacityModel):
     def _warn_bandwidth_alone(self, reports: Sequence[Report]) -> None:
         """Warn, once per model, of clients that report bandwidth but no transfer seconds while ``model_bytes`` is
         None: their transfers had been planned as no time at all (0.32 s a round where 20.32 s was right), unsaid."""
-        alone = [r.worker for r in reports if not {"download_s", "upload_s"} & r.features.keys()
-                 and any(r.features.get(name, 0.0) > 0 for name in ("bandwidth_down", "bandwidth_up"))]
-        if alone:
+        alone = (np.isnan(feature(reports, "download_s")) & np.isnan(feature(reports, "upload_s"))
+                 & ((feature(reports, "bandwidth_down") > 0) | (feature(reports, "bandwidth_up") > 0)))
+        if alone.any():
             self._warned_model_bytes = True
             log.warning("FLClientModel: client(s) %s report bandwidth_down / bandwidth_up but no download_s / "
                         "upload_s, and model_bytes is None, so their transfer time is unknown (taken from clients "
                         "that report one, else 0 s): pass FLClientModel(model_bytes=<the model's size in bytes>), or "
-                        "report download_s and upload_s", sorted(set(alone))[:8])
+                        "report download_s and upload_s", sorted(set(field(reports, "worker")[alone].tolist()))[:8])
 
-    def _transfer_seconds(self, reports: Sequence[Report]) -> np.ndarray:
-        """Each report's transfer seconds, NaN where it does not tell them. A measurement with no transfer feature
-        at all transferred nothing: a worker that once claimed a transfer (a day of it, say) and then reports like
-        the training process it is does not keep that claim for good."""
-        down, up = feature(reports, "download_s"), feature(reports, "upload_s")
-        bandwidth_down, bandwidth_up = feature(reports, "bandwidth_down"), feature(reports, "bandwidth_up")
-        timed = ~np.isnan(down) | ~np.isnan(up)
-        silent = np.logical_and.reduce([np.isnan(feature(reports, name)) for name in TRANSFER_FEATURES]) & (
-            field(reports, "samples") > 0)
-        seconds = np.where(timed, np.nan_to_num(down) + np.nan_to_num(up), np.nan)
-        if self.model_bytes is not None:
-            with np.errstate(divide="ignore"):
-                from_bandwidth = (np.where(bandwidth_down > 0, self.model_bytes / bandwidth_down, 0.0)
-                                  + np.where(bandwidth_up > 0, self.model_bytes / bandwidth_up, 0.0))
-            # a direction measured at 0 (a failed reading) tells nothing: it had counted as free, 4 s where 8 s was right
-            from_bandwidth[(bandwidth_down == 0) | (bandwidth_up == 0)] = np.nan
-            # a bandwidth near 0 (a glitch) would give a time no average recovers from: at most what a Report
-            # carries as measured transfer times, a day each way
-            seconds = np.where(timed | (from_bandwidth <= 0), seconds, np.minimum(from_bandwidth, 2 * MAX_SECONDS))
-        return np.where(silent, 0.0, seconds)
+    def _direction_seconds(self, reports: Sequence[Report], timed: str, bandwidth: str) -> np.ndarray:
+        """Each report's seconds in one direction, NaN where it does not tell them: the measured ``timed`` seconds,
+        else ``model_bytes`` / ``bandwidth`` (a bandwidth of 0, a failed reading, tells nothing; a glitch near 0
+        gives at most two days, what a Report carries as measured times: one of 1e308 s had stayed for good)."""
+        seconds = feature(reports, timed)
+        if self.model_bytes is None:
+            return seconds
+        rate = feature(reports, bandwidth)
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            from_rate = np.where(rate > 0, np.minimum(self.model_bytes / rate, 2 * MAX_SECONDS), np.nan)
+        return np.where(np.isnan(seconds), from_rate, seconds)
+
+
+def _grown(flags: np.ndarray | None, size: int) -> np.ndarray:
+    """Per-client flags (False where none yet) grown to ``size`` clients, as a new array."""
+    flags = np.zeros(0, dtype=bool) if flags is None else flags
+    return np.concatenate([flags, np.zeros(max(size - flags.size, 0), dtype=bool)])
