@@ -11,8 +11,9 @@ hinge whose knee is 0, one of the slot sizes or between two of them (non-negativ
 monotone). Workers with the same hardware key share what they learn: each curve is shrunk toward its group's
 mean as far as the group's spread allows. Memory: bytes = a + b * batch from the slots' ``gpu_mem_used``
 where the readings identify the line, else the line through the origin and the largest measurement
-(:func:`fit_memory_cap`), refitted whenever a reading changes. The cap extrapolates into at most
-(1 - memory_margin) of the memory not yet seen in use at the largest size measured, and never past
+(:func:`fit_memory_cap`), refitted whenever a reading changes; where readings at an unchanged size differ (a
+noisy telemetry path), the line must rise out of that noise and the cap follows its upper band. The cap extrapolates
+into at most (1 - memory_margin) of the memory not yet seen in use at the largest size measured, and never past
 (1 - memory_floor) of used + free: a worker nears its card's limit in steps that its measurements confirm. Memory
 that other processes take or give back on the card later (a reading off what the slots predict at its size) is
 counted apart, so that readings taken before it still give the worker's own bytes and the cap what the card holds now.
@@ -48,6 +49,16 @@ _MIN_RISE = 32 * 2**20
 #: a slope fitted on close sizes (an exploration's 5%) is off by what the readings' noise is over that span.
 #: Further on, the line through the origin (which errs low) sets the cap, and the cap grows as sizes spread.
 _LINE_REACH = 2.0
+#: Noisy memory readings (fit_memory_cap's ``noise``): the line counts only where its rise exceeds _MIN_RISE plus this
+#: many standard errors of that rise, and the cap follows the line with its level and slope each this many standard
+#: errors up. A slope fitted on readings held flat at a peak is noise alone, and it had passed the line's tests: with
+#: 20 MB of noise on the readings, 41 runs of 260 (50 MB: 65) of a sweep of 4-GPU jobs (warm-ups, first steps above
+#: their need, plain runs) were given a batch past the card; at 3 sigmas, 3 (50 MB: 3); at 4, none. Exact readings are
+#: not affected: their noise is 0.
+_NOISE_SIGMAS = 4.0
+#: How many of the latest changes between a worker's consecutive readings at one size (job-wide) estimate the
+#: readings' noise (BatchTimeCurve._track_memory_noise).
+_NOISE_PAIRS = 256
 #: A known curve becomes unknown (and is explored again) when its weighted spread of sizes has decayed to this
 #: share of the spread that made it known.
 _STILL_KNOWN = 1e-3
@@ -155,7 +166,8 @@ def _free_line(s_w: np.ndarray, s_t: np.ndarray, s_z: np.ndarray, s_zz: np.ndarr
 
 
 def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budget: np.ndarray,
-                   held: np.ndarray | None = None, first: np.ndarray | None = None) -> np.ndarray:
+                   held: np.ndarray | None = None, first: np.ndarray | None = None,
+                   noise: np.ndarray | None = None) -> np.ndarray:
     """Largest batch whose predicted bytes stay within ``budget``, per row. Pure function.
 
     Bytes are predicted by the least-squares line a + b * batch where the readings identify it: two or more
@@ -178,39 +190,47 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
     the line, not out of the line through the origin: the first may be held at a peak set before it (cuDNN's
     benchmark trying workspaces, a warm-up), and with one reading above it the line passed every test above (202
     where 170 fit; a first step 0.5-2 GB above its need went past the card in every run of a sweep).
-    A ConfigError for arrays not of those shapes ((workers, points), budget, held and first (workers,)), or a valid
-    reading that is not finite.
+    ``noise``: each row's standard deviation of one reading in bytes (None: exact readings, as 0): the line counts only
+    where its rise across its sizes also exceeds ``_NOISE_SIGMAS`` standard errors of that rise (readings held flat
+    at a peak rise by noise alone), and its cap is where the line with its level and slope each ``_NOISE_SIGMAS``
+    standard errors up meets the budget (the slope's error grows with the distance from the sizes fitted).
+    A ConfigError for arrays not of those shapes ((workers, points), budget, held, first and noise (workers,)), a valid
+    reading that is not finite, or a noise that is negative or not finite.
     """
     sizes, used, budget = (np.asarray(a, dtype=float) for a in (sizes, used, budget))
     valid = np.asarray(valid, dtype=bool)
     held = None if held is None else np.asarray(held, dtype=bool)
     first = None if first is None else np.asarray(first, dtype=float)
+    noise = np.zeros(sizes.shape[:1]) if noise is None else np.asarray(noise, dtype=float)
     if (sizes.ndim != 2 or used.shape != sizes.shape or valid.shape != sizes.shape or 0 in sizes.shape
             or budget.shape != sizes.shape[:1] or (held is not None and held.shape != sizes.shape[:1])
-            or (first is not None and first.shape != sizes.shape[:1])):
+            or (first is not None and first.shape != sizes.shape[:1]) or noise.shape != sizes.shape[:1]):
         raise ConfigError(f"fit_memory_cap takes sizes, used and valid as (workers, points) arrays of one shape, at "
-                          f"least one of each, and budget (held, first) as (workers,), got {sizes.shape}, {used.shape}, "
-                          f"{valid.shape}, {budget.shape}" + ("" if held is None else f", held {held.shape}")
-                          + ("" if first is None else f", first {first.shape}"))
+                          f"least one of each, and budget (held, first, noise) as (workers,), got {sizes.shape}, "
+                          f"{used.shape}, {valid.shape}, {budget.shape}"
+                          + ("" if held is None else f", held {held.shape}")
+                          + ("" if first is None else f", first {first.shape}") + f", noise {noise.shape}")
     if not np.isfinite(np.where(valid, sizes + used, 0.0)).all():
         raise ConfigError("fit_memory_cap takes finite sizes and readings where valid (an invalid one may hold "
                           "anything)")
+    if not (np.isfinite(noise) & (noise >= 0)).all():
+        raise ConfigError(f"fit_memory_cap takes a finite noise >= 0 per row, got {noise}")
     if first is not None:  # the line's readings: those above the first size (NaN: no first reading, all of them)
         above = valid & ~(sizes <= np.where(np.isnan(first), -np.inf, first)[:, None])
-        caps = _memory_cap(sizes, used, valid, above, budget, held)
+        caps = _memory_cap(sizes, used, valid, above, budget, held, noise)
         # fewer than two above it: the lower of that cap (the line through the origin) and the cap of all readings
         # (all at or below the first size, a worker that shrank: the origin's line predicts too little below the size
         # it passes); fitted for those rows alone, as the rest (once a worker has grown) need no second fit
         few = np.flatnonzero(above.sum(1) < 2)
         if few.size:
             caps[few] = np.minimum(caps[few], _memory_cap(sizes[few], used[few], valid[few], valid[few], budget[few],
-                                                          None if held is None else held[few]))
+                                                          None if held is None else held[few], noise[few]))
         return caps
-    return _memory_cap(sizes, used, valid, valid, budget, held)
+    return _memory_cap(sizes, used, valid, valid, budget, held, noise)
 
 
 def _memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, line: np.ndarray, budget: np.ndarray,
-                held: np.ndarray | None) -> np.ndarray:
+                held: np.ndarray | None, noise: np.ndarray) -> np.ndarray:
     """:func:`fit_memory_cap` on checked arrays: its line fitted on the readings ``line``, its line through the origin
     on the largest size ``valid``."""
     weight = line.astype(float)
@@ -240,11 +260,15 @@ def _memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, line: np
         from_smallest = read_by_size - read_by_size[:, :1] >= 0.5 * expected * (by_size - by_size[:, :1]) - _MIN_RISE
         consistent = (~pair | ((rising >= 0.5 * expected * step - _MIN_RISE) & from_smallest[:, 1:])).all(1)
         top, bottom = sizes[rows, largest], np.where(line, sizes, np.inf).min(1)
-        linear = np.isfinite(b) & (b * (top - bottom) >= _MIN_RISE) & consistent
+        slope_error = _NOISE_SIGMAS * noise / np.sqrt(var)  # 0 for exact readings
+        linear = np.isfinite(b) & ((b - slope_error) * (top - bottom) >= _MIN_RISE) & consistent
         if held is not None:
             linear &= ~held
         origin_cap = budget / through_origin
-        line_cap = (budget - np.where(linear, a, 0.0)) / np.where(linear, b, 1.0)
+        # the line's upper band: its level at the mean size and its slope, each _NOISE_SIGMAS standard errors up
+        upper = b + slope_error
+        level = mean_y + _NOISE_SIGMAS * noise / np.sqrt(count) - upper * mean_x
+        line_cap = (budget - np.where(linear, level, 0.0)) / np.where(linear, upper, 1.0)
         reach = top + _LINE_REACH * (top - bottom)
         reached = np.where(line_cap <= reach, line_cap, np.maximum(reach, origin_cap))
         cap = np.where(linear, np.where(a < 0, np.minimum(line_cap, origin_cap), reached), origin_cap)
@@ -258,7 +282,7 @@ class BatchTimeCurve(CapacityModel):
     ``half_life``: iterations after which a measurement counts half, so a curve follows a GPU that slows
     down. A worker's curve is *known* while its slots hold as much information on the slope (the weighted
     spread of their sizes) as two measurements ``explore_fraction`` / 2 of its largest size apart (at least
-    one sample). Until then, and again once a long run at one size has decayed the other sizes that far, the
+    one sample; the older one's weight decays, so two sizes one sample apart take a third measurement). Until then, and again once a long run at one size has decayed the other sizes that far, the
     curve is the proportional line through the origin and ``explore`` moves ``explore_fraction`` of a batch
     between such workers. ``partial_fit(..., defer=True)`` leaves the knee search of the workers whose set of
     sizes changed to :meth:`finish_learning`; the decision in between reads their line at the knee found before.
@@ -285,6 +309,9 @@ class BatchTimeCurve(CapacityModel):
     mem_held_: np.ndarray  # a reading did not fall when the size did: held at a caching allocator's peak
     mem_other_: np.ndarray  # bytes other processes took on the card since the slots' readings (kept net of it)
     mem_doubt_: np.ndarray  # the part of mem_other_ that may be a caching allocator's peak instead (_watch_others)
+    mem_noise_: float  # standard deviation of one memory reading, job-wide (_track_memory_noise); 0 for exact ones
+    mem_changes_: np.ndarray  # the latest |changes| between consecutive readings at one size, a ring
+    mem_changes_seen_: int  # how many changes the ring has taken, all told
     pending_: np.ndarray
 
     _STRUCTURAL = frozenset({"window"})
@@ -310,6 +337,7 @@ class BatchTimeCurve(CapacityModel):
             self.slot_mem_ = np.full((0, self.window), np.nan)
             self.slot_weight_ = np.zeros((0, self.window))
             self.noise_ = np.nan
+            self.mem_noise_, self.mem_changes_, self.mem_changes_seen_ = 0.0, np.zeros(_NOISE_PAIRS), 0
             self.group_ids_: dict[Hardware, int] = {}
             self.pending_ = np.zeros(0, dtype=np.int64)
             # every table from the start, so a model that has seen only announcements answers from priors; one row
@@ -337,6 +365,9 @@ class BatchTimeCurve(CapacityModel):
         moved = np.isfinite(used) & ((size != self.read_size_[every]) | (used != self.read_mem_[every]))
         any_moved = bool(moved.any())
         new_other = self._watch_others(every, size, used, moved) if any_moved else moved  # (all False)
+        again = np.isfinite(used) & (size == self.read_size_[every])  # read at the size of the worker's reading before
+        if again.any():
+            self._track_memory_noise((used - self.read_mem_[every])[again])
         new_size, new_mem, held = self._record(every, size, seconds, used)
         first = np.isnan(self.mem_first_size_[every]) & np.isfinite(used)
         if first.any():  # the line leaves out readings at this size and below (fit_memory_cap)
@@ -647,6 +678,21 @@ class BatchTimeCurve(CapacityModel):
             variance = float(np.add.reduce(miss ** 2 / (1.0 + 1.0 / weight)) / miss.size)  # np.mean, less its checks
             self.noise_ = variance if np.isnan(self.noise_) else 0.9 * self.noise_ + 0.1 * variance
 
+    def _track_memory_noise(self, change: np.ndarray) -> None:
+        """Update mem_noise_, the standard deviation of one memory reading, from ``change``, the differences between
+        workers' consecutive readings at an unchanged size, kept with the latest ``_NOISE_PAIRS`` before them: their
+        root mean square over sqrt 2. A change beyond _MIN_RISE and _SHIFT_SIGMAS times the median's estimate of their
+        spread is a state that changed (another process arriving or leaving, a cache released), not noise: kept, a
+        co-tenant of 3 GB arriving had held a worker's cap at 451 where 600 fit. Readings that repeat exactly keep
+        it 0."""
+        change = change[-_NOISE_PAIRS:]
+        self.mem_changes_[(self.mem_changes_seen_ + np.arange(change.size)) % _NOISE_PAIRS] = np.abs(change)
+        self.mem_changes_seen_ += change.size
+        seen = self.mem_changes_[: min(self.mem_changes_seen_, _NOISE_PAIRS)]
+        spread = float(np.median(seen)) / 0.6745  # a normal change's standard deviation, from the median of |change|
+        noise = seen[seen <= max(_MIN_RISE, _SHIFT_SIGMAS * spread)]
+        self.mem_noise_ = math.sqrt(float(np.mean(noise * noise)) / 2) if noise.size else 0.0
+
     def _pool(self) -> None:
         """Shrink each known curve toward its hardware group's mean curve (empirical Bayes): a worker keeps
         the share tau^2 / (tau^2 + noise_ / n) of its own curve, where n counts its measurements at its latest
@@ -758,7 +804,7 @@ class BatchTimeCurve(CapacityModel):
         self.mem_rate_[rows] = np.where(measured, seen / np.maximum(sizes[at], 1.0), self.mem_rate_[rows])
         budget = self._budget(self.mem_total_[rows], seen + other)
         caps = fit_memory_cap(sizes, mem, valid, np.nan_to_num(budget - other), self.mem_held_[rows],
-                              self.mem_first_size_[rows])
+                              self.mem_first_size_[rows], np.full(rows.size, self.mem_noise_))
         with np.errstate(divide="ignore", invalid="ignore"):
             latest = self.read_size_[rows] + (budget - self.read_mem_[rows]) / self.mem_rate_[rows]
         falling = ~self.mem_held_[rows] | (self.mem_doubt_[rows] > 0)  # a held peak covers the sizes below it
