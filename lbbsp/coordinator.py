@@ -33,7 +33,16 @@ from .config import JobConfig, _integer, _job_config, _real
 from .embedded import RestartBudget, release_cpu_pinning
 from .errors import ConfigError, LBBSPError, PolicyError, ProtocolError
 from .models import AutoCapacityModel, CapacityModel, FLClientModel, worker_kind
-from .policies import BackupWorkersPolicy, BSPPolicy, Decision, LBBSPPolicy, OraclePolicy, Policy, checked_policy
+from .policies import (
+    BackupWorkersPolicy,
+    BSPPolicy,
+    Decision,
+    LBBSPPolicy,
+    OraclePolicy,
+    Policy,
+    StaticProportionalPolicy,
+    checked_policy,
+)
 from .protocol import MAX_POLICY_NAME_CHARS, MAX_REASON_CHARS, Assignment, Report
 from .store import ITERATIONS_KEPT, REDIS_ERRORS, REDIS_FAILURES, Store, _store
 
@@ -336,9 +345,11 @@ def _warn_uncapped(job: str, policy: Policy, reports: list[Report]) -> bool:
         name = getattr(policy, "name", type(policy).__name__)
         why = ("has no model to set memory caps" if model is None
                else f"has a model, {type(model).__name__}, that sets no memory caps")
+        remedy = ("use a policy that takes a model, with AutoCapacityModel() (lbbsp coordinator --policy lbbsp)"
+                  if isinstance(policy, StaticProportionalPolicy) else
+                  "give it AutoCapacityModel() or BatchTimeCurve() (lbbsp coordinator --model auto)")
         log.warning("job %s: worker(s) %s report GPU memory, but the %s policy %s, so their sizes are not held below "
-                    "what their cards fit: give it AutoCapacityModel() or BatchTimeCurve() (lbbsp coordinator --model "
-                    "auto, with a policy that takes one)", job, gpus[:8], name, why)
+                    "what their cards fit: %s", job, gpus[:8], name, why, remedy)
     return bool(gpus)
 
 

@@ -18,6 +18,7 @@ from lbbsp import (
     LeaderStragglerPolicy,
     PerEpochPolicy,
     Report,
+    StaticProportionalPolicy,
     Store,
 )
 from lbbsp.models import AutoCapacityModel, BatchTimeCurve, EWMAThroughput
@@ -95,3 +96,10 @@ def test_leader_straggler_says_one_sample_in_the_singular() -> None:
         if decision.sizes != sizes:
             break
     assert decision.reason.startswith("moved 1 sample from straggler 0 to leader 1"), decision.reason
+
+
+def test_static_proportional_is_told_of_a_policy_that_takes_a_model(redis_url: str, job: str,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    # it takes no model (the command line refuses --model with it), yet it had been told to take AutoCapacityModel()
+    (said,) = _warnings(redis_url, job, StaticProportionalPolicy(), caplog)
+    assert "use a policy that takes a model" in said and "--policy lbbsp" in said

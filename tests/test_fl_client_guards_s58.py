@@ -132,3 +132,20 @@ def test_the_coordinator_refuses_local_steps_its_model_does_not_take_and_says_ho
     assert len(errors) == 2 and "1 local step(s) x the 20 assigned" in errors[0]
     assert "--local-steps N" in errors[0]
     assert _rejected(BSPPolicy(), {"download_s": 1.0, "upload_s": 1.0}) == []  # no model: the protocol's bound
+
+
+def test_measurements_that_keep_alternating_past_spike_are_smoothed_after_three() -> None:
+    # a provisional level replaced at every disagreement had planned a client at 100, 20, 100, 20 samples/s for good
+    model, predicted = FLClientModel(), []
+    for k in range(6):
+        model.partial_fit([Report("fl", 0, k, 100, 1.0 if k % 2 == 0 else 5.0)])
+        predicted.append(float(model.predict([0])[0]))
+    assert predicted == pytest.approx([100.0, 20.0, 100.0, 60.0, 80.0, 50.0])
+
+
+def test_levels_learned_without_the_guard_count_as_settled_when_it_is_switched_on() -> None:
+    model = FLClientModel(spike=None)
+    model.partial_fit([Report("fl", 0, 0, 100, 1.0)])
+    model.set_params(spike=4.0)
+    model.partial_fit([Report("fl", 0, 1, 100, 1e-3)])  # a glitch: held back, not taken as a provisional level's
+    assert model.predict([0])[0] == pytest.approx(100.0)

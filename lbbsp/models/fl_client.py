@@ -35,6 +35,8 @@ MAX_LOCAL_STEPS = 10**6
 
 #: Report features that tell a model transfer: a report with any of them comes from a federated client.
 TRANSFER_FEATURES = frozenset({"download_s", "upload_s", "bandwidth_down", "bandwidth_up"})
+#: Measurements in a row that may disagree with a client's provisional level (each replacing it) before one is blended.
+_DOUBTS = 3
 #: Each transfer direction: the table it is learned in, its measured-seconds feature and its bandwidth feature.
 DIRECTIONS = (("download_s_", "download_s", "bandwidth_down"), ("upload_s_", "upload_s", "bandwidth_up"))
 
@@ -45,15 +47,16 @@ class FLClientModel(CapacityModel):
     Reports carry ``samples`` (local_steps * batch), ``compute_s`` (local compute only) and features
     ``download_s``/``upload_s``; without those, ``model_bytes`` over ``bandwidth_down``/``bandwidth_up`` (bytes per
     second) gives each direction's seconds (a client that reports bandwidth alone, with ``model_bytes`` None, has no
-    transfer time to learn: a warning says so, once). Each direction is learned from the reports that tell it; one
-    never told is planned from the client's other direction, with a warning, where no client on similar hardware
-    told it either. Availability is learned from :meth:`record_outcomes` (exponentially weighted by
+    transfer time to learn: a warning says so, once). Each direction is learned from the reports that tell it; a
+    direction a client never told is its peers' (on similar hardware first), else, with a warning, its other one.
+    Availability is learned from :meth:`record_outcomes` (exponentially weighted by
     ``availability_alpha``, starting from the availability of clients on similar hardware, or "available" where
     nothing is known). Clients never seen get the median of clients on similar hardware, for speed, transfer and
     availability alike. Glitches: a client's level stays provisional until a measurement agrees with it within a
     factor ``spike``, and one that does not replaces it (a first compute time of a millisecond had given a client
-    nearly the whole batch for 10 rounds); after that, a speed or transfer time more than ``spike`` times the level
-    is held back until the client's next measurement confirms it (None: no guard), as NARX's.
+    nearly the whole batch for 10 rounds), up to ``_DOUBTS`` in a row, when the level is blended; after that, a speed
+    or transfer time more than ``spike`` times the level is held back until the client's next measurement confirms
+    it (None: no guard), as NARX's.
     """
 
     def __init__(self, local_steps: int = 1, *, alpha: float = 0.5, model_bytes: float | None = None,
@@ -121,16 +124,16 @@ class FLClientModel(CapacityModel):
         return self._with_prior(self.speed_, workers)
 
     def transfer_s(self, workers: WorkerIds) -> np.ndarray:
-        """Predicted download + upload seconds per round; a direction no client on similar hardware told is planned
-        as the client's other direction (with a warning, once), and 0 when no client ever reported a transfer."""
+        """Predicted download + upload seconds per round; a direction no client told is planned as the client's other
+        direction (with a warning, once), and 0 when no client ever reported a transfer."""
         self._check_is_fitted("download_s_")
         down, up = self._with_prior(self.download_s_, workers), self._with_prior(self.upload_s_, workers)
         one = np.isnan(down) != np.isnan(up)
         if one.any() and not getattr(self, "_warned_one_direction", False):
             self._warned_one_direction = True
-            log.warning("FLClientModel: no %s time is known for client(s) %s, nor for clients on similar hardware: "
-                        "planned as long as the other direction; report download_s and upload_s (or bandwidth_down "
-                        "and bandwidth_up)", "download" if np.isnan(down[one]).any() else "upload",
+            log.warning("FLClientModel: no %s time is known for client(s) %s, nor for any other client: planned as "
+                        "long as the other direction; report download_s and upload_s (or bandwidth_down and "
+                        "bandwidth_up)", "download" if np.isnan(down[one]).any() else "upload",
                         worker_ids(workers)[one][:8].tolist())
         return np.nan_to_num(np.where(np.isnan(down), up, down) + np.where(np.isnan(up), down, up), nan=0.0)
 
@@ -144,7 +147,10 @@ class FLClientModel(CapacityModel):
     def _learn(self, table: str, workers: np.ndarray, values: np.ndarray) -> None:
         """Blend ``values`` into the per-client table ``table`` (``speed_``, ``download_s_`` or ``upload_s_``), guarded
         against one glitched measurement (see the class docstring). Its guard's state, per client: ``<table>held_``,
-        whose latest was held back, and ``<table>settled_``, whose level a measurement agreed with."""
+        whose latest was held back; ``<table>settled_``, whose level a measurement agreed with (levels learned with
+        ``spike`` None count as settled); ``<table>doubts_``, how many measurements in a row a provisional level
+        disagreed with, each replacing it: at ``_DOUBTS`` the level is blended and settled, so that a client whose
+        measurements keep alternating past ``spike`` is smoothed, not planned at its latest."""
         old = getattr(self, table, None)
         if self.spike is None or not workers.size:
             setattr(self, table, smoothed(old, workers, values, self.alpha))
@@ -153,18 +159,23 @@ class FLClientModel(CapacityModel):
         size = max(old.size, int(workers.max()) + 1)
         level = np.concatenate([old, np.full(size - old.size, np.nan)])
         held = _grown(getattr(self, table + "held_", None), size)
-        settled = _grown(getattr(self, table + "settled_", None), size)
+        settled = _grown(getattr(self, table + "settled_", ~np.isnan(old)), size)
+        doubts = _grown(getattr(self, table + "doubts_", None), size, np.int64)
         now, was_settled = level[workers], settled[workers]
         known = ~np.isnan(now)
         agrees = known & (values <= self.spike * now) & (values * self.spike >= now)
+        disagrees = known & ~was_settled & ~agrees
+        settles = known & ~was_settled & (agrees | (doubts[workers] + 1 >= _DOUBTS))
         hold = known & was_settled & (values > self.spike * now) & ~held[workers]
         held[workers] = hold
-        settled[workers] = np.where(was_settled, True, agrees)
-        take = ~known | ~(was_settled | agrees)  # a first measurement, or one that replaces a provisional level
+        settled[workers] = was_settled | settles
+        doubts[workers] = np.where(disagrees & ~settles, doubts[workers] + 1, 0)
+        take = ~known | (disagrees & ~settles)  # a first measurement, or one that replaces a provisional level
         level[workers] = np.where(hold, now, np.where(take, values, self.alpha * values + (1 - self.alpha) * now))
         setattr(self, table, level)
         setattr(self, table + "held_", held)
         setattr(self, table + "settled_", settled)
+        setattr(self, table + "doubts_", doubts)
 
     def _check_params(self) -> None:
         _integer(self.local_steps, "local_steps", 1, MAX_LOCAL_STEPS)
@@ -200,7 +211,7 @@ class FLClientModel(CapacityModel):
         return np.where(np.isnan(seconds), from_rate, seconds)
 
 
-def _grown(flags: np.ndarray | None, size: int) -> np.ndarray:
-    """Per-client flags (False where none yet) grown to ``size`` clients, as a new array."""
-    flags = np.zeros(0, dtype=bool) if flags is None else flags
-    return np.concatenate([flags, np.zeros(max(size - flags.size, 0), dtype=bool)])
+def _grown(values: np.ndarray | None, size: int, dtype: type = bool) -> np.ndarray:
+    """Per-client values (False, or 0, where none yet) grown to ``size`` clients, as a new array."""
+    values = np.zeros(0, dtype=dtype) if values is None else values
+    return np.concatenate([values, np.zeros(max(size - values.size, 0), dtype=dtype)])
