@@ -24,6 +24,7 @@ from .base import (
     by_iteration,
     feature,
     field,
+    held_back,
     measured_throughput,
     smoothed,
     worker_ids,
@@ -166,8 +167,8 @@ class FLClientModel(CapacityModel):
         agrees = known & (values <= self.spike * now) & (values * self.spike >= now)
         disagrees = known & ~was_settled & ~agrees
         settles = known & ~was_settled & (agrees | (doubts[workers] + 1 >= _DOUBTS))
-        hold = known & was_settled & (values > self.spike * now) & ~held[workers]
-        held[workers] = hold
+        kept = held_back(held, workers, known & was_settled & (values > self.spike * now))
+        hold = np.zeros(workers.size, dtype=bool) if kept is None else ~kept
         settled[workers] = was_settled | settles
         doubts[workers] = np.where(disagrees & ~settles, doubts[workers] + 1, 0)
         take = ~known | (disagrees & ~settles)  # a first measurement, or one that replaces a provisional level
