@@ -189,7 +189,9 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
     ``first``: each row's size at its first reading (NaN for none); readings at that size and below are left out of
     the line, not out of the line through the origin: the first may be held at a peak set before it (cuDNN's
     benchmark trying workspaces, a warm-up), and with one reading above it the line passed every test above (202
-    where 170 fit; a first step 0.5-2 GB above its need went past the card in every run of a sweep).
+    where 170 fit; a first step 0.5-2 GB above its need went past the card in every run of a sweep). So are the
+    readings above it that read no higher than it, where they span more sizes than ``_MIN_RISE`` does at the least
+    slope the rise past them shows: held at the same peak (a granule's rounding keeps sizes a few apart flat).
     ``noise``: each row's standard deviation of one reading in bytes (None: exact readings, as 0): the line counts only
     where its rise across its sizes also exceeds ``_NOISE_SIGMAS`` standard errors of that rise (readings held flat
     at a peak rise by noise alone), and its cap is where the line with its level and slope each ``_NOISE_SIGMAS``
@@ -216,7 +218,20 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
     if not (np.isfinite(noise) & (noise >= 0)).all():
         raise ConfigError(f"fit_memory_cap takes a finite noise >= 0 per row, got {noise}")
     if first is not None:  # the line's readings: those above the first size (NaN: no first reading, all of them)
-        above = valid & ~(sizes <= np.where(np.isnan(first), -np.inf, first)[:, None])
+        at_or_below = valid & (sizes <= np.where(np.isnan(first), -np.inf, first)[:, None])
+        # nor those read no higher than it, where they span more sizes above it than a granule (_MIN_RISE) does at
+        # the least slope the rise past them shows: held at the same peak, with which the line was too shallow (28 MB
+        # a sample where 95 were: 154 where 146 fit, in 5 runs of 150 with warm-ups and exact readings); a granule's
+        # rounding, which reads sizes a few samples apart the same, keeps them
+        rows, margin = np.arange(sizes.shape[0]), _NOISE_SIGMAS * noise
+        peak = np.where(at_or_below, used, -np.inf).max(1)
+        flat = valid & ~at_or_below & (used <= (peak + margin)[:, None])
+        plateau = np.where(flat | at_or_below, sizes, -np.inf).max(1)
+        top = np.argmax(np.where(valid, sizes, -np.inf), axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):  # no reading at the first size, or none above its
+            least = (used[rows, top] - peak - _MIN_RISE - margin) / (sizes[rows, top] - plateau)  # plateau: NaN
+            held_flat = flat & (least * (plateau - first) > _MIN_RISE)[:, None]
+        above = valid & ~at_or_below & ~held_flat
         caps = _memory_cap(sizes, used, valid, above, budget, held, noise)
         # fewer than two above it: the lower of that cap (the line through the origin) and the cap of all readings
         # (all at or below the first size, a worker that shrank: the origin's line predicts too little below the size
