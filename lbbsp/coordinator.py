@@ -33,6 +33,7 @@ from .config import JobConfig, _integer, _job_config, _real
 from .embedded import RestartBudget, release_cpu_pinning
 from .errors import ConfigError, LBBSPError, PolicyError, ProtocolError
 from .models import AutoCapacityModel, CapacityModel, FLClientModel, worker_kind
+from .models.auto import default_models
 from .policies import (
     BackupWorkersPolicy,
     BSPPolicy,
@@ -338,7 +339,9 @@ def _warn_uncapped(job: str, policy: Policy, reports: list[Report]) -> bool:
     if not hasattr(policy, "model"):
         return True
     model = policy.model
-    if isinstance(model, CapacityModel) and type(model).max_batch is not CapacityModel.max_batch:
+    if isinstance(model, AutoCapacityModel):  # a kind's model of the user's own, or a GPU worker pinned to another kind
+        return _warn_uncapped_kinds(job, policy, model, reports)
+    if _sets_caps(model):
         return True
     gpus = sorted({report.worker for report in reports if "gpu_mem_used" in report.features})
     if gpus:
@@ -351,6 +354,37 @@ def _warn_uncapped(job: str, policy: Policy, reports: list[Report]) -> bool:
         log.warning("job %s: worker(s) %s report GPU memory, but the %s policy %s, so their sizes are not held below "
                     "what their cards fit: %s", job, gpus[:8], name, why, remedy)
     return bool(gpus)
+
+
+def _sets_caps(model: object) -> bool:
+    """Whether ``model`` has a ``max_batch`` of its own, and so can hold workers below what their cards fit."""
+    return isinstance(model, CapacityModel) and type(model).max_batch is not CapacityModel.max_batch
+
+
+def _warn_uncapped_kinds(job: str, policy: Policy, model: AutoCapacityModel, reports: list[Report]) -> bool:
+    """:func:`_warn_uncapped` for an :class:`AutoCapacityModel`: the workers that read GPU memory and go (by their pin,
+    else by their report) to a kind whose model sets no caps."""
+    gpus = [report for report in reports if "gpu_mem_used" in report.features]
+    if not gpus:
+        return False
+    pins, given = dict(model.kinds or {}), dict(model.models or {})
+    capping = {kind: _sets_caps(kind_model) for kind, kind_model in (default_models(1) | given).items()}
+    uncapped: dict[str, list[int]] = {}
+    for report in gpus:
+        kind = pins.get(report.worker, worker_kind(report))
+        if not capping.get(kind, True):  # a kind the model does not know: it refuses that itself
+            uncapped.setdefault(kind, []).append(report.worker)
+    for kind, workers in sorted(uncapped.items()):
+        pinned = [w for w in workers if w in pins]
+        why = f"to kind {kind!r}" + (" (pinned there)" if pinned else "") + (
+            f", whose model, {type(given[kind]).__name__}, sets no memory caps" if kind in given
+            else ", whose default model sets no memory caps")
+        remedy = ("pin them to 'gpu', or leave them unpinned" if pinned
+                  else "give that kind BatchTimeCurve(), the default for 'gpu'")
+        log.warning("job %s: worker(s) %s report GPU memory, but the %s policy's AutoCapacityModel routes them %s, so "
+                    "their sizes are not held below what their cards fit: %s", job, sorted(set(workers))[:8],
+                    getattr(policy, "name", type(policy).__name__), why, remedy)
+    return True
 
 
 class Coordinator:
