@@ -140,7 +140,7 @@ def test_federated_clients_sitting_out_beat_backup_workers_that_drop_as_many() -
     assert mean["oracle-sit-out"] <= mean["lbbsp-sit-out"] < min(mean["backup"], mean["lbbsp"])
 
 
-@pytest.mark.parametrize("dropout", [0.1, 1.0])
+@pytest.mark.parametrize("dropout", [0.1, 0.99])  # 0.99: most rounds reached by nobody (1, all of them, is refused)
 def test_backup_workers_aggregate_the_first_n_minus_b_and_dropouts_are_among_the_b(dropout: float) -> None:
     """Each round is charged the (N - b)-th finisher among the clients that came (all that came, if fewer), per B
     samples trained; a round nobody reaches as if all had come. Backup dropped round(b x present / N) instead,
@@ -525,7 +525,7 @@ def test_the_python_example_in_the_docs_runs(capsys: pytest.CaptureFixture[str])
 @pytest.mark.parametrize(("build", "words"), [
     (lambda: FLClients(8, 20, 0, local_steps=0), r"local_steps must be an integer in \[1, 1000000\], got 0"),
     (lambda: FLClients(8, 20, 0, model_mb=-4), "model_mb must be a finite number >= 0, got -4"),
-    (lambda: FLClients(8, 20, 0, dropout=1.5), r"dropout must be a chance per client and round in \[0, 1\]"),
+    (lambda: FLClients(8, 20, 0, dropout=1.5), r"dropout must be a chance per client and round in \[0, 1\)"),
     (lambda: FLClients(8, 20, 0, compute_spread=-1), "compute_spread must be a finite number >= 0"),
     (lambda: FLClients(8, 20, 0, median_kbps_up=0), "median_kbps_up must be a finite number > 0"),
     (lambda: GPUMix(4, -1, 0), r"iterations must be an integer in \[1, inf\], got -1"),

@@ -18,6 +18,7 @@ import numpy as np
 from .. import __version__
 from ..embedded import EmbeddedRedis
 from ..errors import ConfigError, StoreUnavailable
+from ..policies import PER_EPOCH_ITERATIONS
 from ..protocol import MAX_WORKERS, printable
 from ..store import Store, redacted, redis_url
 from .engine import PolicyRun, compare
@@ -54,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-noise", action="store_true",
                         help="cpu-contention and mixed only: replay each level's median throughput instead of the recorded "
                              "per-iteration noise")
+    fl = parser.add_argument_group("fl-clients only (defaults: FLClients's, docs/simulator.md)")
+    for flag, (kind, default, what) in FL_FLAGS.items():
+        fl.add_argument(f"--{flag}", type=kind, default=None, help=f"{what} (default {default:g})")
     parser.add_argument("--redis", nargs="?", const="", default=None, metavar="URL",
                         help="run every policy through Redis as in a job (reports posted, a real Coordinator "
                              "deciding, sizes read back) and check each decides exactly as in-process: on the Redis "
@@ -129,6 +133,10 @@ def _simulate(args: argparse.Namespace, options: dict[str, object], suffix: str,
               "takes effect --lag iterations after the reports it reads), so no policy balanced here (backup workers "
               "differ\n  only by the workers they drop): ratios to the oracle need --iterations well above --lag "
               "(docs/simulator.md uses 150)")
+    elif "per-epoch" in runs and args.iterations <= PER_EPOCH_ITERATIONS:
+        print(f"note: per-epoch resizes at each epoch's start, every {PER_EPOCH_ITERATIONS} iterations, first at iteration "
+              f"{PER_EPOCH_ITERATIONS} (counting from 0): with --iterations {args.iterations} it ran the equal split "
+              "throughout, as bsp")
     result = {"scenario": args.scenario, "workers": args.workers, "iterations": args.iterations, "seed": args.seed,
               "lag": scenario.config.lag, "global_batch": scenario.config.global_batch, "notes": scenario.notes,
               "lbbsp_version": __version__, "policies": summary,
@@ -230,11 +238,20 @@ def _through_redis(scenario: Scenario, iterations: int, url: str, in_process: di
 
 #: The scenarios whose CPU workers replay recorded traces (--traces, --mean-dwell and --no-noise apply to them).
 TRACED = ("cpu-contention", "mixed")
+#: fl-clients' flags: FLClients's argument of the same name (dashes as underscores), its type, default, and meaning.
+FL_FLAGS: dict[str, tuple[type, float, str]] = {
+    "dropout": (float, 0.05, "each client's chance of dropping out of a round, in [0, 1)"),
+    "compute-spread": (float, 1.0, "sigma of the lognormal ms per sample across clients"),
+    "link-spread": (float, 1.0, "sigma of the lognormal down and up kbps across clients"),
+    "local-steps": (int, 5, "local steps per round, fixed; the batch per step is what is balanced"),
+    "batch-per-client": (int, 20, "samples per client and step, on average: the global batch over the clients"),
+}
 
 
 def _scenario_options(args: argparse.Namespace) -> tuple[dict[str, object], str]:
-    """The CPU workers' options given on the command line (cpu-contention and mixed), and a file-name suffix that names them (so a
-    decomposition run never overwrites the default scenario's results)."""
+    """The scenario's options given on the command line (the CPU workers' on cpu-contention and mixed, the clients' on
+    fl-clients), and a file-name suffix that names them (so such a run never overwrites the default scenario's
+    results)."""
     options: dict[str, object] = {}
     if args.mean_dwell is not None:
         options["mean_dwell"] = args.mean_dwell
@@ -253,6 +270,22 @@ def _scenario_options(args: argparse.Namespace) -> tuple[dict[str, object], str]
         short = f"{args.mean_dwell:g}"  # where it is exact: :g alone named 1e6 and 1e6 + 1 alike
         suffix += f"_dwell{short if float(short) == args.mean_dwell else repr(args.mean_dwell)}"
     suffix += "_nonoise" if args.no_noise else ""
+    given = {flag: getattr(args, flag.replace("-", "_")) for flag in FL_FLAGS}
+    given = {flag: value for flag, value in given.items() if value is not None}
+    if given and args.scenario != "fl-clients":
+        raise ConfigError(f"{', '.join('--' + flag for flag in given)} "
+                          f"{'applies' if len(given) == 1 else 'apply'} to --scenario fl-clients only")
+    clients = {flag.replace("-", "_"): value for flag, value in given.items()}
+    try:  # checked by FLClients itself on two clients, before the run is built, and named as the flag
+        SCENARIOS["fl-clients"](2, 1, 0, **clients)
+    except ConfigError as exc:
+        name = exc.message.split(" ", 1)[0]
+        raise ConfigError(f"--{name.replace('_', '-')} {exc.message[len(name) + 1:]}" if name in clients
+                          else exc.message) from None
+    options |= clients
+    for flag, value in given.items():
+        if value != FL_FLAGS[flag][1]:  # the flag and its value in the file names: other settings, other results
+            suffix += f"_{flag.replace('-', '')}{value:g}"
     return options, suffix
 
 

@@ -306,7 +306,8 @@ class FLClients(Scenario):
         for name, value in (("median_ms_per_sample", median_ms_per_sample), ("median_kbps_down", median_kbps_down),
                             ("median_kbps_up", median_kbps_up)):
             _above_zero(name, value)
-        _real(dropout, "dropout", 0.0, 1.0, "a chance per client and round in [0, 1]")
+        # 1 had run: no client ever reported, and every policy was charged as if all had come
+        _real(dropout, "dropout", 0.0, 1.0, "a chance per client and round in [0, 1)", hi_open=True)
         rng, presence = _streams(seed, 2)
         super().__init__("fl-clients", _job("sim-fl", num_workers, batch_per_client * num_workers,
                                                  f"batch_per_client {batch_per_client}"),

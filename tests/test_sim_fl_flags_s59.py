@@ -1,0 +1,68 @@
+"""`lbbsp simulate`'s fl-clients flags (a new user's review, s59): the clients' dropout, spreads, local steps and batch
+had been reachable only through FLClients in Python; a dropout of 1 ran (no client ever reported); and a per-epoch
+row equal to bsp's in a run of 50 iterations or fewer went unexplained."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lbbsp.cli import main
+from lbbsp.errors import ConfigError
+from lbbsp.sim.scenarios import FLClients
+
+
+def _simulate(scenario: str, out: Path, *argv: str) -> int:
+    return main(["simulate", "--scenario", scenario, "--workers", "8", "--iterations", "12", "--out", str(out), *argv])
+
+
+def test_the_flags_reach_the_clients_and_name_the_result_files(tmp_path: Path) -> None:
+    assert _simulate("fl-clients", tmp_path, "--dropout", "0", "--compute-spread", "2", "--link-spread", "0.5",
+                     "--local-steps", "3", "--batch-per-client", "30") == 0
+    (path,) = tmp_path.glob("*.json")
+    assert path.name == ("simulate_fl-clients_8w_12it_seed0_dropout0_computespread2_linkspread0.5_localsteps3"
+                         "_batchperclient30.json")
+    result = json.loads(path.read_text())
+    assert result["global_batch"] == 8 * 30
+    notes = result["notes"]
+    assert (notes["dropout"], notes["compute_spread"], notes["link_spread"], notes["local_steps"]) == (0, 2, 0.5, 3)
+
+
+def test_a_default_given_as_a_flag_keeps_the_default_file_names(tmp_path: Path) -> None:
+    assert _simulate("fl-clients", tmp_path, "--dropout", "0.05", "--local-steps", "5") == 0
+    assert [p.name for p in tmp_path.glob("*.json")] == ["simulate_fl-clients_8w_12it_seed0.json"]
+
+
+@pytest.mark.parametrize(("flag", "value", "said"), [
+    ("--dropout", "1", "--dropout must be a chance per client and round in [0, 1), got 1.0"),
+    ("--local-steps", "0", "--local-steps must be an integer in [1, "),
+    ("--compute-spread", "-1", "--compute-spread must be a finite number >= 0"),
+])
+def test_a_bad_value_is_named_as_its_flag_before_the_run_is_built(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                   flag: str, value: str, said: str) -> None:
+    assert _simulate("fl-clients", tmp_path / "out", flag, value) == 2
+    printed, err = capsys.readouterr()
+    assert said in err and "building" not in printed, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_flags_are_refused_on_other_scenarios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _simulate("gpu-mix", tmp_path, "--dropout", "0.1") == 2
+    assert "--dropout applies to --scenario fl-clients only" in capsys.readouterr().err
+
+
+def test_a_client_that_always_drops_out_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"dropout must be .* \[0, 1\), got 1"):
+        FLClients(4, 10, 0, dropout=1.0)
+
+
+@pytest.mark.parametrize(("iterations", "noted"), [("50", True), ("51", False)])
+def test_a_run_too_short_for_per_epoch_to_resize_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        iterations: str, noted: bool) -> None:
+    assert main(["simulate", "--scenario", "gpu-mix", "--workers", "4", "--iterations", iterations,
+                 "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1] for line in printed.splitlines() if line.startswith(("bsp ", "per-epoch "))}
+    assert (rows["per-epoch"] == rows["bsp"]) is noted
+    assert ("note: per-epoch resizes at each epoch's start, every 50 iterations" in printed) is noted
