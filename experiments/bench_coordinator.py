@@ -37,6 +37,7 @@ import signal
 import time
 from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from multiprocessing.synchronize import Barrier
+from typing import cast
 
 import numpy as np
 from _args import interrupted_as_exit
@@ -154,6 +155,7 @@ MODELS: dict[str, tuple[Callable[[], CapacityModel], str, float | None]] = {
     "NARX (cpu), margins off": (NARXThroughput, "cpu", None),
     "batch-time curve (gpu)": (BatchTimeCurve, "gpu", 2.0),
     "FL client": (FLClientModel, "fl", 2.0),
+    "FL client, 5% missed": (FLClientModel, "fl-missed", 2.0),  # availability learned: the split weighs dropouts
     "auto (half gpu, half cpu)": (AutoCapacityModel, "mixed", 2.0),
 }
 
@@ -167,7 +169,7 @@ def _reports(job: str, kind: str, k: int, sizes: Sequence[int], speed: np.ndarra
         if kind == "gpu" or (kind == "mixed" and i % 2 == 0):
             out.append(Report(job, i, k, size, 0.01 + max(size, 32) / s, device="cuda:0",
                               features={"gpu_mem_used": 2e9 + 5e7 * size, "gpu_mem_free": 3e10 - 5e7 * size}))
-        elif kind == "fl":
+        elif kind.startswith("fl"):
             out.append(Report(job, i, k, size, size / s, device="phone", features={"download_s": 1.0, "upload_s": 2.0}))
         else:
             out.append(Report(job, i, k, size, size / s, features={
@@ -208,6 +210,10 @@ def decision_times(url: str, workers: int, warmup: int, repeats: int, status_eve
                 for report in _reports(config.job, kind, k, sizes.pop(k, config.initial_sizes()), speed, rng):
                     pipe.hset(store.key("reports", k), str(report.worker), report.to_json())
                 pipe.execute()
+                if kind == "fl-missed":  # each client misses 5% of rounds, as its model is told (the Flower plugin does)
+                    missed = rng.random(config.num_workers) < 0.05
+                    model = cast(FLClientModel, cast(LBBSPPolicy, timed.inner).model)
+                    model.record_outcomes({i: not bool(m) for i, m in enumerate(missed)})
                 timed.seconds = timed.cpu_seconds = timed.learn_seconds = 0.0
                 started = time.perf_counter()
                 outcome = coordinator.decide(k)

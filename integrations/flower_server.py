@@ -40,6 +40,7 @@ from lbbsp.allocation import (
     sit_out_share,
 )
 from lbbsp.client_history import ClientHistory, ClientStatus
+from lbbsp.dropouts import dropout_bounds, weighed_dropout
 from lbbsp.errors import ConfigError, ProtocolError, StoreUnavailable
 from lbbsp.fedagg import fednova_scales, rescale_update
 from lbbsp.models import FLClientModel, NotFittedError
@@ -169,7 +170,8 @@ class LoadBalanced(Strategy):
     A data size cannot be checked: one over ``DATA_SIZE_LEAP`` (100) times the client's previous one in this run, or
     the median of the round's other clients, is warned about, once a client, and still weighs what it claims.
     The model learns each client's availability from the round outcomes; the plan logs the share of the
-    round total expected back. ``compensate_dropouts=True`` raises the total (at most ``MAX_COMPENSATION``
+    round total expected back, and caps the largest workloads where a client's absence would cost more than the
+    later finish does (:func:`lbbsp.dropouts.dropout_bounds`). ``compensate_dropouts=True`` raises the total (at most ``MAX_COMPENSATION``
     times, and within ``max_size``) so that the samples expected back make the nominal total: dropouts then
     cost time, not samples.
     ``sit_out`` (a share, e.g. 0.05) lets that many of the sampled clients, those predicted slowest even with
@@ -289,7 +291,7 @@ class LoadBalanced(Strategy):
         total = unit * len(nodes)
         stay = self.rounds_out.due(workers)
         self._check_sit_out(len(nodes))
-        sizes, reason = self._split(time_model, total, stay)
+        sizes, reason = self._split(time_model, total, stay, weighed_dropout(available))
         if self.compensate_dropouts and total < MAX_BATCH and available @ sizes < total:
             sizes, reason = self._compensated(time_model, total, available, stay)
         reason += f"; {available @ sizes / total:.0%} of {total} expected back"
@@ -322,9 +324,11 @@ class LoadBalanced(Strategy):
                 low = middle + 1
         return self._split(time_model, low, stay)
 
-    def _split(self, time_model: LinearTime | None, total: int, stay: np.ndarray) -> tuple[np.ndarray, str]:
+    def _split(self, time_model: LinearTime | None, total: int, stay: np.ndarray,
+               dropout: np.ndarray | None = None) -> tuple[np.ndarray, str]:
         """``total`` (which the bounds hold) split over the clients for equal predicted finish, within the
-        bounds; those in ``stay`` do not sit out. Equal before any measurement."""
+        bounds; those in ``stay`` do not sit out; with each client's ``dropout`` chance, the largest shares capped
+        where that pays (:func:`lbbsp.dropouts.dropout_bounds`). Equal before any measurement."""
         count = stay.size
         if time_model is None:
             return np.array(equal_split(total, count)), "equal split (no measurements yet)"
@@ -335,9 +339,11 @@ class LoadBalanced(Strategy):
                              "round or a smaller %s keeps rounds balanced", f"{MAX_BATCH:,}", f"{total:,}",
                     "batch_size" if self.adapt == "batch" else "local_steps")
             return np.array(equal_split(total, count)), f"equal split (round total over {MAX_BATCH:,})"
-        upper = self._largest(total)
-        sizes = allocate_sitting_out(time_model, total, [self.min_size] * count, [upper] * count, self.sit_out,
-                                     MIN_GAIN, stay=stay)
+        lower, upper = np.full(count, self.min_size), np.full(count, self._largest(total))
+        if dropout is not None:
+            upper = dropout_bounds(time_model, total, lower, upper, dropout, lambda bounds: allocate_sitting_out(
+                time_model, total, lower, bounds, self.sit_out, MIN_GAIN, stay=stay))
+        sizes = allocate_sitting_out(time_model, total, lower, upper, self.sit_out, MIN_GAIN, stay=stay)
         chosen, balanced = damp(equal_split(total, count), sizes, time_model, MIN_GAIN)
         predicted = predicted_makespan(time_model, chosen)
         if not balanced:

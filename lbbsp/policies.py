@@ -23,6 +23,7 @@ from .allocation import (
     sit_out_share,
 )
 from .config import JobConfig, _integer, _real
+from .dropouts import dropout_bounds, weighed_dropout
 from .errors import ConfigError
 from .hedging import ForecastRisk, hedged, sized_throughput
 from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
@@ -204,6 +205,15 @@ class LBBSPPolicy(Policy):
         self._caps_read = (capped, caps)  # for the decision's reason: the model is not asked twice
         return lower.copy(), capped
 
+    def dropout(self, workers: np.ndarray) -> np.ndarray | None:
+        """Each worker's chance of not completing its round (:func:`~lbbsp.dropouts.weighed_dropout`), where the model
+        learns availability and some worker has missed one; None: none to weigh."""
+        learnt = getattr(self.model, "availability", None)
+        if learnt is None:
+            return None
+        available = np.asarray(learnt(workers), dtype=float)
+        return weighed_dropout(available) if available.shape == workers.shape else None
+
     def _bounds_of(self, config: JobConfig) -> tuple[np.ndarray, np.ndarray]:
         """The job's bounds as int64 arrays, kept while the job's sizes and bounds are the same (reading a thousand
         ints into an array takes tens of microseconds a decision)."""
@@ -293,6 +303,10 @@ class LBBSPPolicy(Policy):
         plan, factor = self.with_margins(iteration, time_model, throughput)
         # the hooks' answers as arrays: a variant's that hands back lists had failed on a missing attribute
         lower, upper = (np.asarray(b) for b in self.bounds(workers, current_arr, config))
+        dropout = self.dropout(workers)
+        if dropout is not None:  # clients that may not come back: the largest shares capped where that pays
+            upper = dropout_bounds(plan, config.global_batch, lower, upper, dropout,
+                                   lambda bounds: self.propose(plan, config, lower, bounds, time_model))
         proposed = numbers_per_worker(self.propose(plan, config, lower, upper, time_model), config.num_workers,
                                       f"{type(self).__name__}.propose", "one size per worker")
         may_idle = self._may_idle(lower)

@@ -283,6 +283,29 @@ class AutoCapacityModel(CapacityModel):
                 out[positions] = self.models_[kind].explore(members, out[positions], lower[positions], upper[positions])
         return out
 
+    def availability(self, workers: WorkerIds) -> np.ndarray:
+        """The chance each worker completes a round it is asked to do, as its kind's model learns it (federated
+        clients: :meth:`FLClientModel.availability`); 1 for a kind whose model learns none, and before any report."""
+        ids = worker_ids(workers)
+        if not hasattr(self, "models_"):
+            return np.ones(ids.size)
+        return self._per_kind(ids, _availability, 1.0)
+
+    def record_outcomes(self, completed: Mapping[int, bool]) -> AutoCapacityModel:
+        """Learn availability from one round (see :meth:`FLClientModel.record_outcomes`): each outcome goes to the
+        model of its worker's kind, where that model learns availability; workers of no kind yet are left out."""
+        if not isinstance(completed, Mapping):
+            raise TypeError(f"record_outcomes takes a mapping {{worker id: completed}}, got {type(completed).__name__}")
+        if hasattr(self, "models_"):
+            by_kind: dict[str, dict[int, bool]] = {}
+            for worker, done in completed.items():
+                kind = self.kind_.get(int(worker))
+                if kind is not None and hasattr(self.models_[kind], "record_outcomes"):
+                    by_kind.setdefault(kind, {})[int(worker)] = done
+            for kind, outcomes in by_kind.items():
+                self.models_[kind].record_outcomes(outcomes)
+        return self
+
     def routed_kinds(self, workers: WorkerIds) -> list[str]:
         """The kind each of ``workers`` is answered as: its own once a report set it, else its pin, else its peers'
         (what ``lbbsp status`` shows); [] before any report."""
@@ -372,6 +395,12 @@ class AutoCapacityModel(CapacityModel):
                 if answer is not None:
                     out[positions] = answer
         return out
+
+
+def _availability(model: CapacityModel, workers: np.ndarray) -> np.ndarray | None:
+    """``model``'s availability of ``workers``, where it learns one (None: it does not)."""
+    learnt = getattr(model, "availability", None)
+    return None if learnt is None else np.asarray(learnt(workers), dtype=float)
 
 
 def _or_no_cap(caps: np.ndarray | None) -> np.ndarray | None:

@@ -226,11 +226,20 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
             features = scenario.features(k, sizes)
             reports = [Report(config.job, int(i), k, int(samples[i]), float(compute_s[i]), features=features[i],
                               device=scenario.devices[int(i)]) for i in np.flatnonzero(present)]
+            if truth.present is not None:  # who came back of those asked, as the Flower plugin tells its model
+                _record_outcomes(policy, asked, present)
             run.decision_s.append(decider.decide(k, sizes, reports, reveal))
         run.failed_decisions = decider.failures()
     finally:
         decider.close()
     return run
+
+
+def _record_outcomes(policy: Policy, asked: np.ndarray, present: np.ndarray) -> None:
+    """Tell ``policy``'s model, where it learns availability, which of the workers ``asked`` completed the round."""
+    record = getattr(getattr(policy, "model", None), "record_outcomes", None)
+    if record is not None:
+        record({int(w): bool(present[w]) for w in np.flatnonzero(asked)})
 
 
 class _InProcess:
