@@ -66,3 +66,10 @@ def test_a_run_too_short_for_per_epoch_to_resize_says_so(tmp_path: Path, capsys:
     rows = {line.split()[0]: line.split()[1] for line in printed.splitlines() if line.startswith(("bsp ", "per-epoch "))}
     assert (rows["per-epoch"] == rows["bsp"]) is noted
     assert ("note: per-epoch resizes at each epoch's start, every 50 iterations" in printed) is noted
+
+
+@pytest.mark.parametrize(("dropout", "said"), [("0.05", True), ("0", False)])
+def test_the_table_says_why_a_policy_may_beat_the_oracle_where_clients_drop_out(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], dropout: str, said: bool) -> None:
+    assert _simulate("fl-clients", tmp_path, "--dropout", dropout) == 0
+    assert ("the oracle does not know who will drop out" in capsys.readouterr().out) is said

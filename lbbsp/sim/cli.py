@@ -327,6 +327,10 @@ def table(scenario: Scenario, summary: dict[str, dict[str, float]]) -> str:
     if "oracle-sit-out" in summary:
         lines.append("reference, not a policy: oracle-sit-out knows every client's true speed and transfer for the "
                      "coming round and lets as many sit out as lbbsp-sit-out may (and backup drops)")
+    if scenario.notes.get("dropout"):
+        lines.append("the oracle does not know who will drop out (a round is charged B / the samples that came back), so "
+                     "a policy may come out under 1;\n  lbbsp weighs the availability its model learns "
+                     "(docs/simulator.md, fl-clients)")
     return "\n".join(lines)
 
 
