@@ -61,3 +61,32 @@ def test_a_job_warmed_up_at_a_larger_batch_never_passes_the_card(seed: int) -> N
     past, fits, caps = _job_after_warm_up(seed)
     assert not past, f"sizes {past} where {fits} fit"
     assert max(caps) <= fits
+
+
+def test_a_held_reading_a_rounding_above_the_others_is_still_flat() -> None:
+    """A merged slot's mean of two equal readings can exceed them by 2e-6 bytes: that one reading had stayed in the
+    line while the flat ones beside it were left out, and with the first that rose it fitted one far too shallow
+    (140 where 130 fit; from a review of the change, s59)."""
+    peak, top = 16148070400.0, 16756244480.0
+    sizes = np.array([[78.0, 84, 92, 99, 104, 112, 120, 126]])
+    used = np.array([[peak] * 7 + [top]])
+    used[0, 2] = (1.0 * peak + 1.9330329915368074 * peak) / 2.9330329915368074  # merged, weights 1 and 1.93
+    valid, budget, first = np.ones(sizes.shape, dtype=bool), np.array([17008070492.16]), np.array([78.0])
+    assert fit_memory_cap(sizes, used, valid, budget, None, first)[0] <= 130
+
+
+@pytest.mark.parametrize(("total", "fixed", "per_sample", "warm", "sizes", "offsets", "noise", "fits"), [
+    # 24 GiB, warmed up at 683: the reading at 125 is 61 MiB over the peak, just past the 4-sigma band (2,120)
+    (24 * GiB, 1.5 * GiB, 20 * MiB, 683, [32, 50, 79, 125, 198, 314, 498, 790], [0, 0, 36, 61, 36, 41, 31, 0],
+     15.9e6, 1139),
+    # 16 GiB, warmed up at 85: the last held reading 68 MiB over it (161)
+    (16 * GiB, 2.5 * GiB, 95 * MiB, 85, [32, 48, 72, 108], [0, 0, 68, 0], 17.7e6, 143),
+])
+def test_one_noisy_held_reading_past_the_band_does_not_make_a_line(total: float, fixed: float, per_sample: float,
+                                                                    warm: int, sizes: list[int], offsets: list[int],
+                                                                    noise: float, fits: int) -> None:
+    need = fixed + per_sample * np.array([sizes], dtype=float)
+    used = np.maximum(need, fixed + per_sample * warm) + np.array([offsets]) * MiB
+    cap = fit_memory_cap(np.array([sizes], dtype=float), used, np.ones(need.shape, dtype=bool),
+                         np.array([0.99 * total]), np.array([False]), np.array([float(sizes[0])]), np.array([noise]))
+    assert cap[0] <= fits

@@ -225,12 +225,18 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
         # rounding, which reads sizes a few samples apart the same, keeps them
         rows, margin = np.arange(sizes.shape[0]), _NOISE_SIGMAS * noise
         peak = np.where(at_or_below, used, -np.inf).max(1)
-        flat = valid & ~at_or_below & (used <= (peak + margin)[:, None])
+        # within a byte (a merged slot's mean of two equal readings may exceed them by a rounding) and sqrt 2 bands of
+        # noise (the peak is a noisy reading too): a held reading just above had formed a line alone with the first
+        # that rose (140 where 130 fit; with 20 MB of noise, 1,580 where 1,152 fit)
+        flat = valid & ~at_or_below & (used <= (peak + np.sqrt(2) * margin + 1.0)[:, None])
         plateau = np.where(flat | at_or_below, sizes, -np.inf).max(1)
         top = np.argmax(np.where(valid, sizes, -np.inf), axis=1)
         with np.errstate(divide="ignore", invalid="ignore"):  # no reading at the first size, or none above its
             least = (used[rows, top] - peak - _MIN_RISE - margin) / (sizes[rows, top] - plateau)  # plateau: NaN
-            held_flat = flat & (least * (plateau - first) > _MIN_RISE)[:, None]
+            # all readings up to the plateau's largest size: one above a flat reading at a larger size is noise or
+            # another process, not the worker's own line
+            held_flat = (valid & ~at_or_below & (sizes <= plateau[:, None])
+                         & (least * (plateau - first) > _MIN_RISE)[:, None])
         above = valid & ~at_or_below & ~held_flat
         caps = _memory_cap(sizes, used, valid, above, budget, held, noise)
         # fewer than two above it: the lower of that cap (the line through the origin) and the cap of all readings
