@@ -291,9 +291,10 @@ class LoadBalanced(Strategy):
         total = unit * len(nodes)
         stay = self.rounds_out.due(workers)
         self._check_sit_out(len(nodes))
-        sizes, reason = self._split(time_model, total, stay, weighed_dropout(available))
+        dropout = weighed_dropout(available)
+        sizes, reason = self._split(time_model, total, stay, dropout)
         if self.compensate_dropouts and total < MAX_BATCH and available @ sizes < total:
-            sizes, reason = self._compensated(time_model, total, available, stay)
+            sizes, reason = self._compensated(time_model, total, available, stay, dropout)
         reason += f"; {available @ sizes / total:.0%} of {total} expected back"
         self.rounds_out.record(workers, sizes)
         deadlines: list[float | None] = [None] * len(nodes)
@@ -309,8 +310,8 @@ class LoadBalanced(Strategy):
             return {n: Workload(s, self.local_steps, d) for n, s, d in asked}
         return {n: Workload(self.batch_size, s, d) for n, s, d in asked}
 
-    def _compensated(self, time_model: LinearTime | None, total: int, available: np.ndarray,
-                     stay: np.ndarray) -> tuple[np.ndarray, str]:
+    def _compensated(self, time_model: LinearTime | None, total: int, available: np.ndarray, stay: np.ndarray,
+                     dropout: np.ndarray | None) -> tuple[np.ndarray, str]:
         """The split of the smallest total (at most ``MAX_COMPENSATION`` x ``total``, and what ``max_size``
         holds) whose samples expected back reach ``total``: a bisection, since more in total never brings less
         back."""
@@ -318,11 +319,11 @@ class LoadBalanced(Strategy):
                                MAX_BATCH)
         while low < high:
             middle = (low + high) // 2
-            if available @ self._split(time_model, middle, stay)[0] >= total:
+            if available @ self._split(time_model, middle, stay, dropout)[0] >= total:
                 high = middle
             else:
                 low = middle + 1
-        return self._split(time_model, low, stay)
+        return self._split(time_model, low, stay, dropout)
 
     def _split(self, time_model: LinearTime | None, total: int, stay: np.ndarray,
                dropout: np.ndarray | None = None) -> tuple[np.ndarray, str]:
@@ -340,10 +341,11 @@ class LoadBalanced(Strategy):
                     "batch_size" if self.adapt == "batch" else "local_steps")
             return np.array(equal_split(total, count)), f"equal split (round total over {MAX_BATCH:,})"
         lower, upper = np.full(count, self.min_size), np.full(count, self._largest(total))
-        if dropout is not None:
-            upper = dropout_bounds(time_model, total, lower, upper, dropout, lambda bounds: allocate_sitting_out(
-                time_model, total, lower, bounds, self.sit_out, MIN_GAIN, stay=stay))
-        sizes = allocate_sitting_out(time_model, total, lower, upper, self.sit_out, MIN_GAIN, stay=stay)
+
+        def split(bounds: np.ndarray) -> np.ndarray:
+            return allocate_sitting_out(time_model, total, lower, bounds, self.sit_out, MIN_GAIN, stay=stay)
+
+        sizes = split(upper) if dropout is None else dropout_bounds(time_model, total, lower, upper, dropout, split)[1]
         chosen, balanced = damp(equal_split(total, count), sizes, time_model, MIN_GAIN)
         predicted = predicted_makespan(time_model, chosen)
         if not balanced:

@@ -285,25 +285,25 @@ class AutoCapacityModel(CapacityModel):
 
     def availability(self, workers: WorkerIds) -> np.ndarray:
         """The chance each worker completes a round it is asked to do, as its kind's model learns it (federated
-        clients: :meth:`FLClientModel.availability`); 1 for a kind whose model learns none, and before any report."""
+        clients: :meth:`FLClientModel.availability`); NaN for a kind whose model learns none (a GPU worker is not
+        a client that may miss a round), 1 before any report."""
         ids = worker_ids(workers)
         if not hasattr(self, "models_"):
             return np.ones(ids.size)
-        return self._per_kind(ids, _availability, 1.0)
+        return self._per_kind(ids, _availability, np.nan)
 
     def record_outcomes(self, completed: Mapping[int, bool]) -> AutoCapacityModel:
         """Learn availability from one round (see :meth:`FLClientModel.record_outcomes`): each outcome goes to the
-        model of its worker's kind, where that model learns availability; workers of no kind yet are left out."""
+        model of its worker's kind (a worker that never reported: its pin's or its peers', as :meth:`availability`
+        answers it), where that model learns availability; nothing before any report."""
         if not isinstance(completed, Mapping):
             raise TypeError(f"record_outcomes takes a mapping {{worker id: completed}}, got {type(completed).__name__}")
-        if hasattr(self, "models_"):
-            by_kind: dict[str, dict[int, bool]] = {}
-            for worker, done in completed.items():
-                kind = self.kind_.get(int(worker))
-                if kind is not None and hasattr(self.models_[kind], "record_outcomes"):
-                    by_kind.setdefault(kind, {})[int(worker)] = done
-            for kind, outcomes in by_kind.items():
-                self.models_[kind].record_outcomes(outcomes)
+        if hasattr(self, "models_") and completed:
+            ids, outcomes = worker_ids(list(completed)), list(completed.values())
+            for kind, (positions, members) in self._groups(ids).items():  # routed as availability() answers them
+                learner = getattr(self.models_[kind], "record_outcomes", None)
+                if learner is not None:
+                    learner({int(w): outcomes[at] for w, at in zip(members.tolist(), positions.tolist())})
         return self
 
     def routed_kinds(self, workers: WorkerIds) -> list[str]:
