@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import matplotlib.figure
 import pytest
 
 from lbbsp.cli import main
@@ -73,3 +74,22 @@ def test_the_table_says_why_a_policy_may_beat_the_oracle_where_clients_drop_out(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], dropout: str, said: bool) -> None:
     assert _simulate("fl-clients", tmp_path, "--dropout", dropout) == 0
     assert ("the oracle does not know who will drop out" in capsys.readouterr().out) is said
+
+
+def test_the_plot_marks_policies_over_memory_and_names_no_window_of_one(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over-memory policies' lines had been drawn like the others (only their bars were hatched), and 15 iterations
+    read "rolling mean of 1"."""
+    figures: list[matplotlib.figure.Figure] = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda self, *args, **kwargs: (figures.append(self), save(self, *args, **kwargs))[1])
+    assert main(["simulate", "--scenario", "mixed", "--workers", "5", "--iterations", "15", "--out", str(tmp_path)]) == 0
+    result = json.loads(next(tmp_path.glob("*.json")).read_text())
+    over = {name for name, figures_of in result["policies"].items() if figures_of["over_memory_iterations"]}
+    assert over  # mixed at 5 workers: some policy overfills a GPU
+    lines = figures[0].axes[1]
+    assert "rolling mean" not in lines.get_ylabel()
+    for line in lines.get_lines()[:-1]:  # the last is the oracle's line at 1
+        name = line.get_label().removesuffix(" (over GPU memory)")
+        assert (line.get_linestyle() == "--") is (name in over) is line.get_label().endswith("(over GPU memory)")

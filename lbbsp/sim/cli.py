@@ -378,8 +378,11 @@ def plot(scenario: Scenario, runs: dict[str, PolicyRun], summary: dict[str, dict
         ratio = np.asarray(runs[n].iteration_s) / oracle
         smooth = np.convolve(ratio, np.ones(window) / window, mode="valid")
         line_colour = "tab:blue" if n == "lbbsp" else next(shades[colour(n)], "tab:green")
-        lines.plot(np.arange(smooth.size) + window - 1, smooth, label=n, color=line_colour,
-                   linewidth=1.8 if n == "lbbsp" else 1, linestyle=":" if n.startswith("oracle") else "-",
+        label = n + (" (over GPU memory)" if summary[n]["over_memory_iterations"] else "")
+        lines.plot(np.arange(smooth.size) + window - 1, smooth, label=label, color=line_colour,
+                   linewidth=1.8 if n == "lbbsp" else 1,
+                   # dotted: a reference; dashed: a policy that overfilled a GPU (hatched among the bars)
+                   linestyle=":" if n.startswith("oracle") else "--" if summary[n]["over_memory_iterations"] else "-",
                    marker="o" if smooth.size == 1 else None)  # one iteration: a line of one point draws nothing
     lines.axhline(1.0, color="black", linewidth=0.8)
     lines.set_yscale("log")
@@ -388,7 +391,8 @@ def plot(scenario: Scenario, runs: dict[str, PolicyRun], summary: dict[str, dict
     lines.yaxis.set_minor_locator(NullLocator())  # (where these ratios mostly are) with no label
     lines.yaxis.set_major_formatter(ScalarFormatter())
     lines.set_xlabel("iteration")
-    lines.set_ylabel(f"iteration time / oracle (rolling mean of {window}, log scale)")
+    smoothed = f"rolling mean of {window} iterations, " if window > 1 else ""  # "of 1" had read as a mistake
+    lines.set_ylabel(f"iteration time / oracle ({smoothed}log scale)")
     lines.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle(f"{scenario.name}, {scenario.config.num_workers} workers, B = {scenario.config.global_batch}")
     fig.tight_layout()
