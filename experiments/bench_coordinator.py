@@ -187,7 +187,7 @@ def decision_times(url: str, workers: int, warmup: int, repeats: int, status_eve
     this machine's speed hits all alike. ``status_every``: one coordinator per model and value, writing its
     workers' status lines at most every that many seconds (0: at every decision), named "model @ value"; ``models``:
     a part of MODELS."""
-    rng = np.random.default_rng(0)
+    rng, misses = np.random.default_rng(0), np.random.default_rng(1)
     speed = rng.uniform(500, 5000, workers)
     # per run: name, worker kind, job, store, timed policy, coordinator, times, the split of each iteration
     runs: list[tuple[str, str, JobConfig, Store, _Timed, Coordinator,
@@ -210,8 +210,10 @@ def decision_times(url: str, workers: int, warmup: int, repeats: int, status_eve
                 for report in _reports(config.job, kind, k, sizes.pop(k, config.initial_sizes()), speed, rng):
                     pipe.hset(store.key("reports", k), str(report.worker), report.to_json())
                 pipe.execute()
-                if kind == "fl-missed":  # each client misses 5% of rounds, as its model is told (the Flower plugin does)
-                    missed = rng.random(config.num_workers) < 0.05
+                if kind == "fl-missed":  # each client misses 5% of rounds, as its model is told (the Flower plugin
+                    # does); they still report, as the row times the decision, and draw from a generator of their
+                    # own, so that the other rows see the same reports as without this one
+                    missed = misses.random(config.num_workers) < 0.05
                     model = cast(FLClientModel, cast(LBBSPPolicy, timed.inner).model)
                     model.record_outcomes({i: not bool(m) for i, m in enumerate(missed)})
                 timed.seconds = timed.cpu_seconds = timed.learn_seconds = 0.0

@@ -50,7 +50,9 @@ def expected_shortfall(sizes: np.ndarray, dropout: np.ndarray) -> float:
     """E[B / the samples of the workers that come back], each worker with ``sizes[i]`` samples absent with chance
     ``dropout[i]``, independently (B = sum(sizes)): 1 where nobody drops out. Exact for up to ``_EXACT + _FEW``
     workers; for more, exact over the absences of the ``_EXACT`` largest shares and the rest's loss as a normal of its
-    mean and variance (Gauss-Hermite, within what they hold). A round nobody comes back from counts 1, as if all had come (it trains nothing, and costs no sample)."""
+    mean and variance (Gauss-Hermite, within what they hold): within 2% where at most half drop out, but high where
+    most of 15 or more workers do (22 where 8.2 at 90% dropout), which only makes a cap more likely. A round nobody
+    comes back from counts 1, as if all had come (it trains nothing, and costs no sample)."""
     shares = np.asarray(sizes, dtype=float) / max(float(np.sum(sizes)), 1.0)
     dropout = np.asarray(dropout, dtype=float)
     order = np.argsort(-shares, kind="stable")

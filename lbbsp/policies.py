@@ -29,7 +29,7 @@ from .errors import ConfigError
 from .hedging import ForecastRisk, hedged, sized_throughput
 from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
 from .models.auto import GroupedTime
-from .models.base import WorkerIds, as_reports, check_contract, predicted_throughput
+from .models.base import WorkerIds, as_reports, check_contract, learnt_availability, predicted_throughput
 from .protocol import Report, printable
 
 log = logging.getLogger("lbbsp.policies")
@@ -208,12 +208,10 @@ class LBBSPPolicy(Policy):
 
     def dropout(self, workers: np.ndarray) -> np.ndarray | None:
         """Each worker's chance of not completing its round (:func:`~lbbsp.dropouts.weighed_dropout`), where the model
-        learns availability and some worker has missed one; None: none to weigh."""
-        learnt = getattr(self.model, "availability", None)
-        if learnt is None:
-            return None
-        available = np.asarray(learnt(workers), dtype=float)
-        return weighed_dropout(available) if available.shape == workers.shape else None
+        learns availability (:func:`~lbbsp.models.base.learnt_availability`) and some worker has missed one; None: none
+        to weigh."""
+        available = learnt_availability(self.model, workers)
+        return None if available is None else weighed_dropout(available)
 
     def _bounds_of(self, config: JobConfig) -> tuple[np.ndarray, np.ndarray]:
         """The job's bounds as int64 arrays, kept while the job's sizes and bounds are the same (reading a thousand
@@ -314,6 +312,7 @@ class LBBSPPolicy(Policy):
             proposed = split_within(upper)
         else:  # clients that may not come back: the largest shares capped where that pays
             upper, proposed = dropout_bounds(plan, config.global_batch, lower, upper, dropout, split_within)
+        capped_for_dropouts = int(upper.max()) if upper is not job_upper else None
         may_idle = self._may_idle(lower)
         # the split in force fits the bounds (a worker sitting out does), unless one due back would stay out
         back = self._due_back(current_arr, lower)
@@ -364,6 +363,8 @@ class LBBSPPolicy(Policy):
             reason = f"kept: predicted gain under the {band:.1%} dead band ({finish_label} {finish})"
         if plan is not time_model:
             reason += f"; slowdown margins x{factor.min():.2f} to x{factor.max():.2f}"
+        if changed and capped_for_dropouts is not None:  # its finish is then later than an equal one's would be
+            reason += f"; the largest shares capped at {capped_for_dropouts} for clients that may drop out"
         if explored:
             reason += f"; then {explored} sample(s) moved to learn the workers' batch-time curves (explore)"
         if may_idle:

@@ -9,7 +9,8 @@ import pytest
 
 from lbbsp import JobConfig, LBBSPPolicy, LinearTime, Report, allocate
 from lbbsp.dropouts import MIN_SAVING, dropout_bounds, expected_shortfall, weighed_dropout
-from lbbsp.models import AutoCapacityModel, FLClientModel
+from lbbsp.errors import ConfigError
+from lbbsp.models import AutoCapacityModel, EWMAThroughput, FLClientModel
 from lbbsp.sim import FLClients, compare, standard_policies
 
 
@@ -199,3 +200,41 @@ def test_a_client_that_never_replied_learns_its_availability_through_the_auto_mo
                        for i in range(3)])
     model.record_outcomes({5: False})  # routed as its peers are: a client
     assert model.availability([5])[0] < 1.0
+
+
+class _WithAvailabilityParameter(EWMAThroughput):
+    """A model of one's own with a parameter named ``availability``, kept on the instance as scikit-learn asks."""
+
+    def __init__(self, alpha: float = 0.3, availability: float = 0.95) -> None:
+        super().__init__(alpha)
+        self.availability = availability
+
+
+class _FreeCores(EWMAThroughput):
+    """An ``availability()`` that means something else (the share of cores free), with no outcomes to learn from."""
+
+    def availability(self, workers: object) -> np.ndarray:
+        return np.full(len(workers), 0.5)  # type: ignore[arg-type]
+
+
+class _ShortAvailability(FLClientModel):
+    def availability(self, workers: object) -> np.ndarray:
+        return np.ones(2)
+
+
+def _decide_with(model: object) -> tuple[int, ...]:
+    policy, config = LBBSPPolicy(model, hedge=None), JobConfig("own", 4, 400)  # type: ignore[arg-type]
+    policy.observe([Report("own", i, 0, 100, 100 / (100.0 * (i + 1))) for i in range(4)])
+    return policy.decide(1, config.initial_sizes(), config).sizes
+
+
+def test_models_that_do_not_learn_availability_are_not_weighed() -> None:
+    """A parameter named availability had made every decision raise (a float is not callable), and an availability()
+    of another meaning had capped the fastest worker."""
+    plain = _decide_with(EWMAThroughput(0.3))
+    assert _decide_with(_WithAvailabilityParameter()) == plain == _decide_with(_FreeCores(0.3))
+
+
+def test_an_availability_of_the_wrong_length_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"_ShortAvailability.availability returned 2 values for 4 workers"):
+        LBBSPPolicy(_ShortAvailability(local_steps=1)).dropout(np.arange(4))

@@ -3,6 +3,7 @@ had been reachable only through FLClients in Python; a dropout of 1 ran (no clie
 row equal to bsp's in a run of 50 iterations or fewer went unexplained."""
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from lbbsp.cli import main
 from lbbsp.errors import ConfigError
+from lbbsp.sim import cli
 from lbbsp.sim.scenarios import FLClients
 
 
@@ -93,3 +95,24 @@ def test_the_plot_marks_policies_over_memory_and_names_no_window_of_one(tmp_path
     for line in lines.get_lines()[:-1]:  # the last is the oracle's line at 1
         name = line.get_label().removesuffix(" (over GPU memory)")
         assert (line.get_linestyle() == "--") is (name in over) is line.get_label().endswith("(over GPU memory)")
+
+
+def test_values_a_short_name_would_round_alike_get_files_of_their_own(tmp_path: Path) -> None:
+    assert _simulate("fl-clients", tmp_path, "--dropout", "0.1234567") == 0
+    assert _simulate("fl-clients", tmp_path, "--dropout", "0.12345671") == 0
+    assert len(list(tmp_path.glob("*.json"))) == 2  # :g had named both _dropout0.123457
+
+
+def test_a_batch_too_large_for_the_workers_is_named_as_its_flag_before_the_build(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--scenario", "fl-clients", "--workers", "100000", "--iterations", "8",
+                 "--batch-per-client", "200", "--out", str(tmp_path / "out")]) == 2
+    printed, err = capsys.readouterr()
+    assert "at --batch-per-client 200 make a global batch" in err and "building" not in printed, err
+
+
+def test_the_help_gives_the_clients_defaults() -> None:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    assert "(default 0.05)" in text and "(default 5)" in text and "(default 20)" in text

@@ -32,6 +32,8 @@ from .base import (
     feature,
     field,
     hardware_of,
+    learns_availability,
+    learnt_availability,
     predicted_throughput,
     whole_caps,
     worker_ids,
@@ -290,7 +292,7 @@ class AutoCapacityModel(CapacityModel):
         ids = worker_ids(workers)
         if not hasattr(self, "models_"):
             return np.ones(ids.size)
-        return self._per_kind(ids, _availability, np.nan)
+        return self._per_kind(ids, learnt_availability, np.nan)
 
     def record_outcomes(self, completed: Mapping[int, bool]) -> AutoCapacityModel:
         """Learn availability from one round (see :meth:`FLClientModel.record_outcomes`): each outcome goes to the
@@ -301,9 +303,9 @@ class AutoCapacityModel(CapacityModel):
         if hasattr(self, "models_") and completed:
             ids, outcomes = worker_ids(list(completed)), list(completed.values())
             for kind, (positions, members) in self._groups(ids).items():  # routed as availability() answers them
-                learner = getattr(self.models_[kind], "record_outcomes", None)
-                if learner is not None:
-                    learner({int(w): outcomes[at] for w, at in zip(members.tolist(), positions.tolist())})
+                model = self.models_[kind]
+                if learns_availability(model):
+                    model.record_outcomes({int(w): outcomes[at] for w, at in zip(members.tolist(), positions.tolist())})
         return self
 
     def routed_kinds(self, workers: WorkerIds) -> list[str]:
@@ -395,12 +397,6 @@ class AutoCapacityModel(CapacityModel):
                 if answer is not None:
                     out[positions] = answer
         return out
-
-
-def _availability(model: CapacityModel, workers: np.ndarray) -> np.ndarray | None:
-    """``model``'s availability of ``workers``, where it learns one (None: it does not)."""
-    learnt = getattr(model, "availability", None)
-    return None if learnt is None else np.asarray(learnt(workers), dtype=float)
 
 
 def _or_no_cap(caps: np.ndarray | None) -> np.ndarray | None:

@@ -204,6 +204,23 @@ class NotFittedError(LBBSPError, exceptions.NotFittedError):
     """A model was asked to predict before it saw any report (also scikit-learn's NotFittedError)."""
 
 
+def learnt_availability(model: object, workers: np.ndarray) -> np.ndarray | None:
+    """Each of ``workers``' chance of completing a round it is asked to do, where ``model`` learns availability (an
+    ``availability(workers)`` method and ``record_outcomes``, as :class:`FLClientModel` and
+    :class:`AutoCapacityModel` have); None where it does not (an ``availability`` that is a parameter, or a method
+    without outcomes to learn from, means something else). A ConfigError naming the model where the answer is not one
+    number per worker."""
+    if not learns_availability(model):
+        return None
+    return numbers_per_worker(model.availability(workers), workers.size,  # type: ignore[attr-defined]
+                              f"{type(model).__name__}.availability", "one chance per worker").astype(float)
+
+
+def learns_availability(model: object) -> bool:
+    """Whether ``model`` learns availability: an ``availability(workers)`` method and ``record_outcomes``."""
+    return callable(getattr(model, "availability", None)) and callable(getattr(model, "record_outcomes", None))
+
+
 def held_back(held: np.ndarray, workers: np.ndarray, high: np.ndarray) -> np.ndarray | None:
     """Which of ``workers``' measurements to learn from (None: all): all but each worker's first that is ``high`` (past
     a model's spike factor), held back until its next measurement confirms the jump. ``held`` (per worker id: whose

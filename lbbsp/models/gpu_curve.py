@@ -190,8 +190,9 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
     the line, not out of the line through the origin: the first may be held at a peak set before it (cuDNN's
     benchmark trying workspaces, a warm-up), and with one reading above it the line passed every test above (202
     where 170 fit; a first step 0.5-2 GB above its need went past the card in every run of a sweep). So are the
-    readings above it that read no higher than it, where they span more sizes than ``_MIN_RISE`` does at the least
-    slope the rise past them shows: held at the same peak (a granule's rounding keeps sizes a few apart flat).
+    readings above it up to the largest size that reads no higher than it (within a byte, and sqrt 2 times the noise
+    bands: the first is a noisy reading too), where they span more sizes than ``_MIN_RISE`` does at the least slope
+    the rise past them shows: held at the same peak (a granule's rounding keeps sizes a few apart flat).
     ``noise``: each row's standard deviation of one reading in bytes (None: exact readings, as 0): the line counts only
     where its rise across its sizes also exceeds ``_NOISE_SIGMAS`` standard errors of that rise (readings held flat
     at a peak rise by noise alone), and its cap is where the line with its level and slope each ``_NOISE_SIGMAS``

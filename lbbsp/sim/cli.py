@@ -5,8 +5,10 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +24,7 @@ from ..policies import PER_EPOCH_ITERATIONS
 from ..protocol import MAX_WORKERS, printable
 from ..store import Store, redacted, redis_url
 from .engine import PolicyRun, compare
-from .scenarios import LOOKAHEAD, MAX_CELLS, MEAN_DWELL, SCENARIOS, Scenario
+from .scenarios import LOOKAHEAD, MAX_CELLS, MEAN_DWELL, SCENARIOS, FLClients, Scenario
 from .traces import DEFAULT_TRACE_DIR, load_traces
 
 DEFAULT_OUT = Path("experiments") / "results"
@@ -56,8 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cpu-contention and mixed only: replay each level's median throughput instead of the recorded "
                              "per-iteration noise")
     fl = parser.add_argument_group("fl-clients only (defaults: FLClients's, docs/simulator.md)")
-    for flag, (kind, default, what) in FL_FLAGS.items():
-        fl.add_argument(f"--{flag}", type=kind, default=None, help=f"{what} (default {default:g})")
+    for flag, (kind, what) in FL_FLAGS.items():
+        fl.add_argument(f"--{flag}", type=kind, default=None, help=f"{what} (default {_fl_default(flag):g})")
     parser.add_argument("--redis", nargs="?", const="", default=None, metavar="URL",
                         help="run every policy through Redis as in a job (reports posted, a real Coordinator "
                              "deciding, sizes read back) and check each decides exactly as in-process: on the Redis "
@@ -238,14 +240,26 @@ def _through_redis(scenario: Scenario, iterations: int, url: str, in_process: di
 
 #: The scenarios whose CPU workers replay recorded traces (--traces, --mean-dwell and --no-noise apply to them).
 TRACED = ("cpu-contention", "mixed")
-#: fl-clients' flags: FLClients's argument of the same name (dashes as underscores), its type, default, and meaning.
-FL_FLAGS: dict[str, tuple[type, float, str]] = {
-    "dropout": (float, 0.05, "each client's chance of dropping out of a round, in [0, 1)"),
-    "compute-spread": (float, 1.0, "sigma of the lognormal ms per sample across clients"),
-    "link-spread": (float, 1.0, "sigma of the lognormal down and up kbps across clients"),
-    "local-steps": (int, 5, "local steps per round, fixed; the batch per step is what is balanced"),
-    "batch-per-client": (int, 20, "samples per client and step, on average: the global batch over the clients"),
+#: fl-clients' flags: FLClients's argument of the same name (dashes as underscores), its type, and meaning; the
+#: defaults are read from FLClients itself (_fl_default).
+FL_FLAGS: dict[str, tuple[type, str]] = {
+    "dropout": (float, "each client's chance of dropping out of a round, in [0, 1)"),
+    "compute-spread": (float, "sigma of the lognormal ms per sample across clients"),
+    "link-spread": (float, "sigma of the lognormal down and up kbps across clients"),
+    "local-steps": (int, "local steps per round, fixed; the batch per step is what is balanced"),
+    "batch-per-client": (int, "samples per client and step, on average: the global batch over the clients"),
 }
+
+
+def _fl_default(flag: str) -> float:
+    """FLClients's default for ``flag``."""
+    return float(inspect.signature(FLClients).parameters[flag.replace("-", "_")].default)
+
+
+def _exact(value: float) -> str:
+    """``value`` for a file name: :g where that is exact (it named 1e6 and 1e6 + 1 alike), else repr."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
 
 
 def _scenario_options(args: argparse.Namespace) -> tuple[dict[str, object], str]:
@@ -267,8 +281,7 @@ def _scenario_options(args: argparse.Namespace) -> tuple[dict[str, object], str]
             # files' names too long to write, after the whole run
             suffix += f"_{args.traces.resolve().name[:40]}-{_digest(args.traces)}"
     if args.mean_dwell is not None and args.mean_dwell != MEAN_DWELL:
-        short = f"{args.mean_dwell:g}"  # where it is exact: :g alone named 1e6 and 1e6 + 1 alike
-        suffix += f"_dwell{short if float(short) == args.mean_dwell else repr(args.mean_dwell)}"
+        suffix += f"_dwell{_exact(args.mean_dwell)}"
     suffix += "_nonoise" if args.no_noise else ""
     given = {flag: getattr(args, flag.replace("-", "_")) for flag in FL_FLAGS}
     given = {flag: value for flag, value in given.items() if value is not None}
@@ -276,16 +289,16 @@ def _scenario_options(args: argparse.Namespace) -> tuple[dict[str, object], str]
         raise ConfigError(f"{', '.join('--' + flag for flag in given)} "
                           f"{'applies' if len(given) == 1 else 'apply'} to --scenario fl-clients only")
     clients = {flag.replace("-", "_"): value for flag, value in given.items()}
-    try:  # checked by FLClients itself on two clients, before the run is built, and named as the flag
-        SCENARIOS["fl-clients"](2, 1, 0, **clients)
-    except ConfigError as exc:
-        name = exc.message.split(" ", 1)[0]
-        raise ConfigError(f"--{name.replace('_', '-')} {exc.message[len(name) + 1:]}" if name in clients
-                          else exc.message) from None
+    try:  # checked by FLClients itself for one iteration, before the run is built, and named as the flag
+        if clients:
+            FLClients(args.workers, 1, 0, **clients)
+    except ConfigError as exc:  # FLClients's argument names in its message, as the flags that gave them
+        raise ConfigError(re.sub(r"\b(" + "|".join(clients) + r")\b",
+                                 lambda name: "--" + name.group(1).replace("_", "-"), exc.message)) from None
     options |= clients
     for flag, value in given.items():
-        if value != FL_FLAGS[flag][1]:  # the flag and its value in the file names: other settings, other results
-            suffix += f"_{flag.replace('-', '')}{value:g}"
+        if value != _fl_default(flag):  # the flag and its value in the file names: other settings, other results
+            suffix += f"_{flag.replace('-', '')}{_exact(value)}"
     return options, suffix
 
 
