@@ -391,11 +391,11 @@ def plot(scenario: Scenario, runs: dict[str, PolicyRun], summary: dict[str, dict
         ratio = np.asarray(runs[n].iteration_s) / oracle
         smooth = np.convolve(ratio, np.ones(window) / window, mode="valid")
         line_colour = "tab:blue" if n == "lbbsp" else next(shades[colour(n)], "tab:green")
-        label = n + (" (over GPU memory)" if summary[n]["over_memory_iterations"] else "")
-        lines.plot(np.arange(smooth.size) + window - 1, smooth, label=label, color=line_colour,
-                   linewidth=1.8 if n == "lbbsp" else 1,
+        over = bool(summary[n]["over_memory_iterations"])
+        lines.plot(np.arange(smooth.size) + window - 1, smooth, label=n + (" (over GPU memory)" if over else ""),
+                   color=line_colour, linewidth=1.8 if n == "lbbsp" else 1,
                    # dotted: a reference; dashed: a policy that overfilled a GPU (hatched among the bars)
-                   linestyle=":" if n.startswith("oracle") else "--" if summary[n]["over_memory_iterations"] else "-",
+                   linestyle=":" if n.startswith("oracle") else "--" if over else "-",
                    marker="o" if smooth.size == 1 else None)  # one iteration: a line of one point draws nothing
     lines.axhline(1.0, color="black", linewidth=0.8)
     lines.set_yscale("log")

@@ -15,6 +15,7 @@ from ..config import JobConfig, _integer
 from ..coordinator import Coordinator, GuardedPolicy
 from ..errors import ConfigError, LBBSPError
 from ..models import CapacityModel, EWMAThroughput
+from ..models.base import learns_availability
 from ..policies import (
     BackupWorkersPolicy,
     BSPPolicy,
@@ -237,9 +238,9 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
 
 def _record_outcomes(policy: Policy, asked: np.ndarray, present: np.ndarray) -> None:
     """Tell ``policy``'s model, where it learns availability, which of the workers ``asked`` completed the round."""
-    record = getattr(getattr(policy, "model", None), "record_outcomes", None)
-    if record is not None:
-        record({int(w): bool(present[w]) for w in np.flatnonzero(asked)})
+    model = getattr(policy, "model", None)
+    if learns_availability(model):
+        model.record_outcomes({int(w): bool(present[w]) for w in np.flatnonzero(asked)})  # type: ignore[union-attr]
 
 
 class _InProcess:
