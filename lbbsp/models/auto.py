@@ -38,11 +38,13 @@ from .base import (
     whole_caps,
     worker_ids,
 )
-from .fl_client import TRANSFER_FEATURES, FLClientModel
+from .fl_client import TRANSFER_FEATURES, FLClientModel, checked_outcomes
 from .gpu_curve import BatchTimeCurve
 from .narx import NARXThroughput
 
 KINDS = ("cpu", "gpu", "fl")
+#: The most rounds of outcomes kept from before any report (availability forgets older ones anyway: alpha 0.2).
+MAX_EARLY_ROUNDS = 64
 #: Device family prefixes of accelerators: a report from such a device is a GPU worker's.
 GPU_DEVICES = ("cuda", "gpu", "rocm", "hip", "mps", "xpu", "tpu")
 
@@ -123,6 +125,7 @@ class AutoCapacityModel(CapacityModel):
     _groups_cache: tuple[bytes, dict[str, tuple[np.ndarray, np.ndarray]]] | None
     # (worker ids of reports as bytes, each one's kind, see _known_kinds); None: made again at the next reports
     _kinds_cache: tuple[bytes, tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]] | None] | None = None
+    _early_outcomes: list[dict[int, bool]] = []  # rounds' outcomes recorded before any report (record_outcomes)
 
     def __init__(self, models: Mapping[str, CapacityModel] | None = None,
                  kinds: Mapping[int, str] | None = None, *, horizon: int = 2) -> None:
@@ -157,7 +160,14 @@ class AutoCapacityModel(CapacityModel):
                     self._groups_cache = None
                 if kind not in self.measured_ and any(r.samples > 0 and r.compute_s > 0 for r in group):
                     self.measured_.add(kind)
+        early, self._early_outcomes = self._early_outcomes, []
+        for completed in early:  # rounds whose outcomes came before any report, routed now that kinds are known
+            self.record_outcomes(completed)
         return self
+
+    def _forget(self) -> None:
+        super()._forget()
+        self._early_outcomes = []
 
     def _route(self, reports: CheckedReports) -> dict[str, CheckedReports]:
         """Each kind's reports, in order, setting the kind of each worker from its first report that shows it. In
@@ -297,10 +307,16 @@ class AutoCapacityModel(CapacityModel):
     def record_outcomes(self, completed: Mapping[int, bool]) -> AutoCapacityModel:
         """Learn availability from one round (see :meth:`FLClientModel.record_outcomes`): each outcome goes to the
         model of its worker's kind (a worker that never reported: its pin's or its peers', as :meth:`availability`
-        answers it), where that model learns availability; nothing before any report."""
+        answers it), where that model learns availability. Rounds before any report (a federated job's first, whose
+        clients have not reported yet) are kept, the latest ``MAX_EARLY_ROUNDS``, and learned at the first report."""
         if not isinstance(completed, Mapping):
             raise TypeError(f"record_outcomes takes a mapping {{worker id: completed}}, got {type(completed).__name__}")
-        if hasattr(self, "models_") and completed:
+        if not hasattr(self, "models_"):
+            if completed:
+                checked_outcomes(completed)  # refused now, as the model would refuse it later
+                self._early_outcomes = [*self._early_outcomes[1 - MAX_EARLY_ROUNDS:], dict(completed)]
+            return self
+        if completed:
             ids, outcomes = worker_ids(list(completed)), list(completed.values())
             for kind, (positions, members) in self._groups(ids).items():  # routed as availability() answers them
                 model = self.models_[kind]

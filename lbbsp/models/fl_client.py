@@ -92,22 +92,7 @@ class FLClientModel(CapacityModel):
         """Learn availability from one round: for each client asked, whether it completed (False: it sent no
         reply in time, or an error)."""
         self._check_params()
-        if not isinstance(completed, Mapping):
-            raise TypeError(f"record_outcomes takes a mapping {{client id: completed}}, got {type(completed).__name__}")
-        ids = worker_ids(list(completed.keys()))
-        if ids.size and ids.max() >= MAX_WORKERS:  # the table has a row per id up to the largest
-            raise ConfigError(f"record_outcomes takes client ids in [0, {MAX_WORKERS - 1}] (MAX_WORKERS - 1, as "
-                              f"reports carry them), got {int(ids.max())}: number the clients from 0, as the Flower "
-                              "plugin does, rather than passing their node ids")
-        outcomes = list(completed.values())
-        # a list, not next(..., None): None is itself wrong (it had been taken, and wiped what the client had learnt);
-        # NaN is not in (0, 1), and 1+0j, equal to 1, is no real number
-        wrong = [v for v in outcomes if not isinstance(v, (bool, np.bool_))
-                 and not (isinstance(v, numbers.Real) and v in (0, 1))]
-        if wrong:
-            raise ConfigError(f"record_outcomes takes True or False (or 1 or 0) per client, whether it completed "
-                              f"the round, got {wrong[0]!r}")
-        done = np.array(outcomes, dtype=float)
+        ids, done = checked_outcomes(completed)
         # a client's first outcome is blended into what similar clients do (available, where nothing is known):
         # blended into 1 instead, a new client on hardware that completes 70% of rounds would rise on its first miss
         self.availability_ = smoothed(getattr(self, "availability_", None), ids, done, self.availability_alpha,
@@ -210,6 +195,27 @@ class FLClientModel(CapacityModel):
         with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
             from_rate = np.where(rate > 0, np.minimum(self.model_bytes / rate, 2 * MAX_SECONDS), np.nan)
         return np.where(np.isnan(seconds), from_rate, seconds)
+
+
+def checked_outcomes(completed: Mapping[int, bool]) -> tuple[np.ndarray, np.ndarray]:
+    """One round's outcomes, ``{client id: completed}``, as (client ids, 1.0 or 0.0 each); a TypeError or
+    ConfigError for anything ``record_outcomes`` cannot learn from."""
+    if not isinstance(completed, Mapping):
+        raise TypeError(f"record_outcomes takes a mapping {{client id: completed}}, got {type(completed).__name__}")
+    ids = worker_ids(list(completed.keys()))
+    if ids.size and ids.max() >= MAX_WORKERS:  # the table has a row per id up to the largest
+        raise ConfigError(f"record_outcomes takes client ids in [0, {MAX_WORKERS - 1}] (MAX_WORKERS - 1, as "
+                          f"reports carry them), got {int(ids.max())}: number the clients from 0, as the Flower "
+                          "plugin does, rather than passing their node ids")
+    outcomes = list(completed.values())
+    # a list, not next(..., None): None is itself wrong (it had been taken, and wiped what the client had learnt);
+    # NaN is not in (0, 1), and 1+0j, equal to 1, is no real number
+    wrong = [v for v in outcomes if not isinstance(v, (bool, np.bool_))
+             and not (isinstance(v, numbers.Real) and v in (0, 1))]
+    if wrong:
+        raise ConfigError(f"record_outcomes takes True or False (or 1 or 0) per client, whether it completed "
+                          f"the round, got {wrong[0]!r}")
+    return ids, np.array(outcomes, dtype=float)
 
 
 def _grown(values: np.ndarray | None, size: int, dtype: type = bool) -> np.ndarray:
