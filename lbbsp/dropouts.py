@@ -35,6 +35,10 @@ _STEP, _T_LOW = 0.5, 1e-7
 #: The caps tried on the largest size, as shares of the largest size of the split that ignores dropouts; the search
 #: stops after two in a row that do worse than the best (smaller caps only finish later).
 CAP_STEPS = (0.8, 0.6, 0.4, 0.25, 0.1)
+#: The shares of an even split (over the workers asked) mixed into the best split the caps give, tried after them:
+#: where most clients drop out, a round that only clients given a few samples come back from costs B / those few, which
+#: no cap on the largest shares helps (at 16 clients with 90% dropout, LB-BSP had been 1.31x BSP with the caps alone).
+EVEN_MIX = (0.25, 0.5, 0.75, 1.0)
 #: Below this predicted saving (a share of the round's cost) the split that ignores dropouts is kept: the search's
 #: own figures are no more precise than the availabilities they come from.
 MIN_SAVING = 0.005
@@ -106,16 +110,17 @@ def dropout_bounds(model: TimeModel, global_batch: int, lower: np.ndarray, upper
     """The upper bounds to split within, and the split made within them: ``upper``, or ``upper`` capped at one size
     for every worker where that split's predicted finish times :func:`expected_shortfall` beats the split that
     ignores dropouts by more than ``MIN_SAVING`` (the cap spreads the largest shares over more workers, at the price
-    of a later finish). The caps tried are ``CAP_STEPS`` of the largest size that split gives; the best is kept.
-    ``split``: the split a policy makes within given upper bounds (default: :func:`~lbbsp.allocation.allocate`'s; a
+    of a later finish). The caps tried are ``CAP_STEPS`` of the largest size that split gives; then the best split so
+    far mixed with the even split over the workers it asks (``EVEN_MIX``), whose bounds returned are its largest size;
+    the best is kept. ``split``: the split a policy makes within given upper bounds (default: :func:`~lbbsp.allocation.allocate`'s; a
     policy that lets workers sit out makes another)."""
     if split is None:
         split = lambda bounds: allocate(model, global_batch, lower, bounds)  # noqa: E731
     balanced = split(upper)
     shortfall = expected_shortfall(balanced, dropout)
-    # no split finishes sooner than the balanced one, nor brings back more than the most reliable worker would
-    # (Jensen): where even that saves under MIN_SAVING, there is nothing to search
-    if not np.isfinite(shortfall) or shortfall * (1.0 - float(dropout.min())) < 1.0 + MIN_SAVING:
+    # no split finishes sooner than the balanced one, nor has a shortfall under _least_shortfall's: where even that
+    # saves under MIN_SAVING, there is nothing to search
+    if not np.isfinite(shortfall) or shortfall < (1.0 + MIN_SAVING) * _least_shortfall(balanced, dropout):
         return upper, balanced
     best = (upper, balanced, predicted_makespan(model, balanced) * shortfall * (1 - MIN_SAVING))
     worse = 0
@@ -132,4 +137,39 @@ def dropout_bounds(model: TimeModel, global_batch: int, lower: np.ndarray, upper
             best, worse = (capped, sizes, cost), 0
         elif (worse := worse + 1) == 2:
             break
+    capped_best = best[1]
+    asked = capped_best > 0
+    even = np.zeros(capped_best.size)
+    even[asked] = global_batch / asked.sum()
+    for mix in EVEN_MIX:
+        sizes = _whole((1.0 - mix) * capped_best + mix * even, global_batch)
+        if (sizes < lower).any() or (sizes > upper).any():
+            break  # further toward the even split stays out of the bounds
+        cost = predicted_makespan(model, sizes) * expected_shortfall(sizes, dropout)
+        if cost >= best[2]:
+            break  # the cost along the way is near convex: one step that does worse ends it
+        best = (np.minimum(upper, sizes.max()), sizes, cost)
     return best[0], best[1]
+
+
+def _whole(shares: np.ndarray, total: int) -> np.ndarray:
+    """``shares`` (summing to ``total``) as whole numbers summing to it: rounded down, the largest remainders up."""
+    sizes = np.floor(shares + 1e-9).astype(np.int64)
+    short = total - int(sizes.sum())
+    if short > 0:
+        sizes[np.argsort(-(shares - sizes), kind="stable")[:short]] += 1
+    return sizes
+
+
+def _least_shortfall(sizes: np.ndarray, dropout: np.ndarray) -> float:
+    """A floor under :func:`expected_shortfall` for every split that asks at least the workers ``sizes`` asks: with
+    P0 the chance that none of them comes back (a round counted 1) and the samples back at most the most reliable
+    worker's share, Jensen's inequality gives P0 + (1 - P0)^2 / (1 - its dropout), which falls as P0 grows up to
+    1 - (1 - its dropout) / 2 (asking more workers only lowers P0); past that, the least it takes. Jensen's bound alone,
+    1 / (1 - the least dropout), had stood above the shortfall where most drop out (10 where 8 at 16 clients with 90%
+    dropout), and the search was skipped where capping paid most."""
+    best_back = 1.0 - float(dropout.min())
+    none_back = float(np.prod(dropout[np.asarray(sizes) > 0]))
+    if none_back > 1.0 - best_back / 2:
+        return 1.0 - best_back / 4
+    return none_back + (1.0 - none_back) ** 2 / best_back
