@@ -241,9 +241,13 @@ def device_family(device: str) -> str:
 
 
 def hardware_of(report: Report) -> Hardware:
-    """The hardware key of a report: its device without a trailing index ("cuda:3" -> "cuda"), and cores."""
-    device = _DEVICE_INDEX.sub("", report.device.strip().lower()) or "cpu"
-    return device, int(report.features.get("cores", 0))
+    """The hardware key of a report: its device without a trailing index ("cuda:3" -> "cuda", "cuda:A100" kept) or
+    TensorFlow's task path ("/job:worker/replica:0/task:1/device:GPU:0" -> "gpu": it had made each task's GPU
+    hardware of its own, so a new one got no peers' prior), and cores."""
+    name = report.device.strip().lower()
+    if "device:" in name:
+        name = name[name.rfind("device:") + len("device:"):]
+    return _DEVICE_INDEX.sub("", name) or "cpu", int(report.features.get("cores", 0))
 
 
 def similar_hardware_prior(values: Mapping[int, float], hardware: Mapping[int, Hardware],
