@@ -30,7 +30,7 @@ from .hedging import ForecastRisk, hedged, sized_throughput
 from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
 from .models.auto import GroupedTime
 from .models.base import WorkerIds, as_reports, check_contract, learnt_availability, predicted_throughput
-from .protocol import Report, printable
+from .protocol import Report, equal_split, printable
 
 log = logging.getLogger("lbbsp.policies")
 
@@ -259,12 +259,14 @@ class LBBSPPolicy(Policy):
         their median miss (at least ``MIN_BAND``): a predicted gain several times what forecasts usually miss by
         is real, and keeping a split that far off would cost it in every iteration. Given the ``time_model``
         and the ``current`` split, it is a share of what the forecast covers of the slowest worker's time (at
-        least ``MIN_BAND``): a federated client's transfers are part of its time but not of the misses."""
+        least ``MIN_BAND``): a federated client's transfers are part of its time but not of the misses. ``deadband``
+        caps the band in the round's terms, after that share is taken: capped before it, a forecast missing by 5% (a
+        band of 15% of the compute) made 0.5% of a round whose transfers took 85%, and LB-BSP chased the noise of
+        identical clients in 144 of 149 rounds, 1.1% slower than the even split."""
         miss = self.risk.typical_miss() if self.risk is not None else None
-        band = self.deadband if miss is None else min(self.deadband, max(MIN_BAND, BAND_PER_MISS * miss))
-        if time_model is None or current is None:
-            return band
-        return min(band, max(MIN_BAND, band * _forecast_share(time_model, current)))
+        wide = self.deadband if miss is None else BAND_PER_MISS * miss  # a share of what the forecast covers
+        share = 1.0 if time_model is None or current is None else _forecast_share(time_model, current)
+        return min(self.deadband, max(MIN_BAND, wide * share))
 
     def propose(self, time_model: TimeModel, config: JobConfig, lower: np.ndarray, upper: np.ndarray,
                 forecast: TimeModel | None = None) -> np.ndarray:
@@ -330,6 +332,15 @@ class LBBSPPolicy(Policy):
                 sizes, changed = (proposed, True) if cost[0] * (1 + band) < cost[1] else (current_arr, False)
             else:  # no dropouts, or a worker predicted never to finish (damp weighs what it is given)
                 sizes, changed = damp(current_arr, proposed, plan, band)
+        even = np.asarray(equal_split(config.global_batch, config.num_workers), dtype=np.int64)
+        if changed and not np.array_equal(sizes, even) and _within(even, lower, job_upper, False):
+            # balancing that the forecasts cannot tell from their noise: the even split, where it is within the band
+            # of the split chosen (identical federated clients had their split follow the noise of their
+            # forecasts, 1.1% slower than the even split)
+            cost = [predicted_makespan(plan, s) * (1.0 if dropout is None else expected_shortfall(s, dropout))
+                    for s in (even, sizes)]
+            if np.isfinite(cost).all() and cost[0] <= cost[1] * (1 + band):
+                sizes, changed = even, not np.array_equal(even, current_arr)
         if not changed and ((proposed > current_arr) & (proposed >= job_upper)).any():
             # a worker held by its memory cap: the cap grows only once it is measured at a larger size, by less
             # than the dead band a step on a nearly full card, so a damped split had kept it there for good (1.7x
