@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from lbbsp import LBBSPPolicy, LinearTime, Report
+from lbbsp.errors import ConfigError
 from lbbsp.models import BatchTimeCurve, EWMAThroughput, FLClientModel, hardware_of
 from lbbsp.sim import FLClients, compare, standard_policies
 
@@ -62,3 +63,9 @@ def test_the_band_caps_in_the_rounds_terms() -> None:
     mostly_transfers = LinearTime(np.full(4, 100.0), overhead=np.full(4, 9.0))  # 1 s of compute at 100 samples
     assert policy.band(mostly_transfers, np.full(4, 100)) == pytest.approx(0.015)
     assert policy.band() == pytest.approx(0.03)  # no time model: capped at the dead band
+
+
+def test_a_batch_past_the_jobs_most_with_two_workers_names_what_fits() -> None:
+    """With 2 workers the message had offered "at most 1 workers at that batch", which no scenario runs."""
+    with pytest.raises(ConfigError, match=r"2 workers take at most 5,000,000 samples each$"):
+        FLClients(2, 1, 0, batch_per_client=10_000_000)

@@ -51,9 +51,11 @@ def _job(job: str, num_workers: int, global_batch: int, batch: str) -> JobConfig
     """The scenario's job; a ConfigError naming the workers and their batch where together they take the global batch
     past a job's most (JobConfig's message had named global_batch, which no option of a scenario sets)."""
     if global_batch > MAX_BATCH:
+        fewer = num_workers * MAX_BATCH // global_batch  # under 2, no scenario's job: only a smaller batch does
         raise ConfigError(f"{num_workers:,} workers at {batch} make a global batch of {global_batch:,}, past a job's "
-                          f"most ({MAX_BATCH:,}, lbbsp.protocol.MAX_BATCH): at most "
-                          f"{num_workers * MAX_BATCH // global_batch:,} workers at that batch")
+                          f"most ({MAX_BATCH:,}, lbbsp.protocol.MAX_BATCH): {num_workers:,} workers take at most "
+                          f"{MAX_BATCH // num_workers:,} samples each"
+                          + (f", or at most {fewer:,} workers at that batch" if fewer >= 2 else ""))
     return JobConfig(job, num_workers, global_batch)
 
 
