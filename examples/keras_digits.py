@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -74,7 +75,44 @@ def launch(args: argparse.Namespace) -> int:
 
     procs = [subprocess.Popen([sys.executable, __file__, *passthrough, *own_result(i), "--index", str(i), "--ports",
                                ",".join(ports), "--job", job], env=env) for i in range(args.workers)]
-    return max(p.wait() for p in procs)
+    try:
+        return _wait(procs)
+    finally:  # the launcher stopped (Ctrl-C, SIGTERM) or a worker failed: no worker outlives it
+        _stop(procs)
+
+
+def _wait(procs: list[subprocess.Popen[bytes]]) -> int:
+    """The workers' exit code: the first failure's (the others are stopped: under MultiWorkerMirroredStrategy they
+    would wait for the failed one's collectives), else 0. SIGTERM and SIGHUP end the wait as Ctrl-C does."""
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, stop)
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            worker, code = failed[0]
+            print(f"worker {worker} exited with {code}: stopping the others", file=sys.stderr)
+            return 128 - code if code < 0 else code  # killed by signal N: the shell's 128 + N
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(0.2)
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
+    """SIGTERM to the workers still running, then SIGKILL to those left after ``grace_s`` (TensorFlow's coordination
+    service catches SIGTERM, and such a worker had kept running after its launcher was killed)."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in running:
+        try:
+            p.wait(max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def train(args: argparse.Namespace) -> None:
