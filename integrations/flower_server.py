@@ -5,7 +5,8 @@ wrapped strategy still samples the clients and aggregates; around it, each round
 
 1. ``configure_train`` asks the wrapped strategy for its messages, then ``plan`` gives every sampled client
    a :class:`Workload` from the FL capacity model and :func:`lbbsp.allocate` (equal predicted finish,
-   fixed total), and each message gets its *own* ConfigRecord (never one object shared by all clients).
+   fixed total), and each message gets its *own* ConfigRecord (never one object shared by all clients) and is
+   stamped as created once planned (a client's MessageClock counts none of the plan's wait for Redis).
 2. ``aggregate_train`` partitions out failed and missing replies (logged, recorded as such, never raised),
    and those that claim more work than they were sent or return arrays unlike the model's (which would
    otherwise carry their claimed weight or FedNova scale); ``observe`` records the rest in Redis and teaches
@@ -235,6 +236,7 @@ class LoadBalanced(Strategy):
         self._told: set[tuple[str, int]] = set()  # (what, node) already logged once
         self._data_sizes: dict[int, int] = {}  # node -> the data size of its last measured reply in this run
         self._told_sit_out = False
+        self._planned_indices: dict[int, int] = {}  # node -> worker index, as the latest plan() looked them up
         try:
             stored = history.rounds()
             last = history.statuses()  # each client's last outcome: a start for its availability after a restart
@@ -269,13 +271,23 @@ class LoadBalanced(Strategy):
         if isinstance(grid, LocalGrid):
             grid.check_enough_nodes(self.strategy, "train")
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        self._planned_indices = {}
         plan = self.plan(server_round, [m.metadata.dst_node_id for m in messages])
         messages = [m for m in messages if m.metadata.dst_node_id in plan]  # the others sit this round out
-        workers = dict(zip(plan, self._worker_indices(list(plan))))
+        # Redis is asked once a round, by plan(): a second lookup would wait out a stalled Redis twice
+        missing = [node for node in plan if node not in self._planned_indices]  # a plan() override's own nodes
+        if missing:
+            self._planned_indices.update(zip(missing, self._worker_indices(missing)))
+        workers = {node: self._planned_indices[node] for node in plan}
         self._pending[server_round] = _Round(arrays, plan, workers, self._predicted_s(plan, workers),
                                              time.monotonic())
+        sent_at = time.time()
         for message in messages:
             self._personalise(message, plan[message.metadata.dst_node_id])
+            # The wrapped strategy stamped the message before the plan was made: a client's MessageClock would
+            # count the plan (a Redis that stalls holds it seconds) as its download, and the model would learn it
+            # as that client's overhead. The message is made now, as it is handed to Flower.
+            message.metadata.created_at = max(message.metadata.created_at, sent_at)
         return messages
 
     def plan(self, server_round: int, nodes: list[int]) -> dict[int, Workload]:
@@ -286,6 +298,7 @@ class LoadBalanced(Strategy):
             return {}
         unit = self.batch_size if self.adapt == "batch" else self.local_steps
         workers = self._worker_indices(nodes)
+        self._planned_indices = dict(zip(nodes, workers))  # configure_train sends the plan under these
         time_model = self._time_model(workers)
         available = self.model.availability(workers)
         total = unit * len(nodes)
