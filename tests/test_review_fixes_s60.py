@@ -8,7 +8,7 @@ import pytest
 
 from lbbsp import LBBSPPolicy, LinearTime, Report
 from lbbsp.errors import ConfigError
-from lbbsp.models import BatchTimeCurve, EWMAThroughput, FLClientModel, hardware_of
+from lbbsp.models import BatchTimeCurve, EWMAThroughput, FLClientModel, NARXThroughput, hardware_of
 from lbbsp.sim import FLClients, compare, standard_policies
 
 
@@ -69,3 +69,9 @@ def test_a_batch_past_the_jobs_most_with_two_workers_names_what_fits() -> None:
     """With 2 workers the message had offered "at most 1 workers at that batch", which no scenario runs."""
     with pytest.raises(ConfigError, match=r"2 workers take at most 5,000,000 samples each$"):
         FLClients(2, 1, 0, batch_per_client=10_000_000)
+
+
+def test_narx_refuses_a_learning_rate_past_one() -> None:
+    with pytest.raises(ConfigError, match=r"learning_rate must be in \(0, 1\]"):
+        NARXThroughput(learning_rate=1e300).partial_fit([Report("j", 0, 0, 10, 1.0)])
+    NARXThroughput(learning_rate=1.0).partial_fit([Report("j", 0, 0, 10, 1.0)])

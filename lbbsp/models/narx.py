@@ -193,8 +193,9 @@ class NARXThroughput(CapacityModel):
         _integer(self.exog_lags, "exog_lags", 0, lags)
         _integer(self.horizon, "horizon (JobConfig.lag)", 1, 8)
         _real(self.alpha_ewma, "alpha_ewma", 0.0, 1.0, "in (0, 1]", lo_open=True)
-        for name in ("huber_delta", "learning_rate"):
-            _real(getattr(self, name), name, 0.0, np.inf, "a positive number", lo_open=True, hi_open=True)
+        _real(self.huber_delta, "huber_delta", 0.0, np.inf, "a positive number", lo_open=True, hi_open=True)
+        # Adam's step: past 1 the weights overflow (1e300 had been taken, and numpy warned of overflow every update)
+        _real(self.learning_rate, "learning_rate", 0.0, 1.0, "in (0, 1]", lo_open=True)
         if not (isinstance(self.hidden, (tuple, list)) and 1 <= len(self.hidden) <= MAX_LAYERS
                 and all(not isinstance(h, bool) and isinstance(h, Integral) and 1 <= h <= MAX_WIDTH
                         for h in self.hidden)):
