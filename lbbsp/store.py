@@ -91,10 +91,10 @@ def redis_url(given: str | None, source: str = "--redis") -> tuple[str | None, s
     return None, ""
 
 
-def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
+def connect(url: str, *, socket_timeout_s: float = 5.0, retries: int = 2) -> redis.Redis:
     """A client from one URL (redis://, rediss:// for TLS, unix://; password and db in the URL).
 
-    Retries a failed command briefly with backoff, and never blocks longer than ``socket_timeout_s``.
+    Retries a failed command ``retries`` times, briefly, with backoff; each try blocks at most ``socket_timeout_s``.
     """
     expected = "expected redis://host:port/db, rediss://... (TLS) or unix:///path/to/socket"
     if not isinstance(url, str):
@@ -102,7 +102,7 @@ def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
     try:
         client = redis.Redis.from_url(
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=min(socket_timeout_s, 2.0),
-            retry=Retry(ExponentialBackoff(cap=0.1, base=0.005), 2),
+            retry=Retry(ExponentialBackoff(cap=0.1, base=0.005), retries),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError], health_check_interval=0,
         )
     except ValueError as exc:  # its text may quote the URL's host part, password included
@@ -642,17 +642,24 @@ def _store(store: object, job: str, for_url: str = "Store.from_url(url, job)") -
 
 
 def wait_for_redis(url: str, timeout_s: float, *, socket_timeout_s: float = 5.0) -> redis.Redis:
-    """Connect and ping until Redis answers or ``timeout_s`` passes."""
+    """Connect and ping until Redis answers or ``timeout_s`` passes; a client with ``socket_timeout_s`` and the usual
+    retries. Each ping is one try, bounded by the time left, so a server that accepts but never answers is given up on
+    after about ``timeout_s``: a ping with the client's own retries had waited three socket timeouts (10 s for 1)."""
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
     hint = ""
-    while time.monotonic() < deadline:
-        client = connect(url, socket_timeout_s=socket_timeout_s)
+    while True:
+        left = deadline - time.monotonic()
+        if last is not None and left <= 0:
+            break
+        probe = connect(url, socket_timeout_s=min(socket_timeout_s, max(left, 0.05)), retries=0)
         try:
-            client.ping()
-            return client
+            probe.ping()
         except REDIS_ERRORS as exc:
-            last, hint = exc, _tls_hint(client, exc)
-            client.close()
-            time.sleep(0.05)
-    raise StoreUnavailable(f"Redis at {redacted(url)} did not answer within {timeout_s}s: {last}{hint}")
+            last, hint = exc, _tls_hint(probe, exc)
+            time.sleep(min(0.05, max(deadline - time.monotonic(), 0.0)))
+            continue
+        finally:
+            probe.close()
+        return connect(url, socket_timeout_s=socket_timeout_s)
+    raise StoreUnavailable(f"Redis at {redacted(url)} did not answer within {timeout_s:g}s: {last}{hint}")
