@@ -143,7 +143,8 @@ class WorkerSession:
     ``coordinator=False``: an external ``lbbsp coordinator`` serves the job on ``url`` instead of worker 0's; the
     session takes its lag and key TTL (``self.config``) and refuses a ``config`` whose other settings differ.
     A Redis that stays unusable is waited for up to ``outage_s``, then fit stops with StoreUnavailable (there
-    is no agreed fallback under MWMS: see docs/keras.md, Agreement). ``max_ahead`` (16 by default) is worker 0's
+    is no agreed fallback under MWMS: see docs/keras.md, Agreement); the job's only worker trains on with its split
+    meanwhile, without asking Redis until it answers again. ``max_ahead`` (16 by default) is worker 0's
     coordinator's: how many steps one decision may cover when deciding takes longer than a step; 1 decides every step.
     """
 

@@ -4,7 +4,7 @@ Agreement rule (GUIDE step 5): the assignment of iteration k lives in a write-on
 writes it when all reports of k - lag are in (``JobConfig.lag``). A worker that has waited ``assignment_timeout_s`` writes its
 fallback (the vector of k-1) with the same write-once operation and then uses whatever the key holds, so
 every worker ends up with the same vector. If Redis itself cannot be reached within the bound, the worker
-falls back to the vector of k-1 only when the integration gives an ``agree`` function (a broadcast over the
+falls back to the vector of k-1 only when the integration gives an ``agree`` function, or it is the job's only worker (a broadcast over the
 training framework's own process group), which makes every worker use the same one. Without it a worker
 that cannot reach Redis keeps trying, up to ``outage_s``, and then raises: another worker may have read the
 decision just before the outage, and a fallback of its own would split from it. A stored assignment that is not
@@ -87,6 +87,10 @@ class WorkerClient:
         self._unwritten: dict[int, Assignment] = {}
         self._unwritten_cap = 2 * (self.config.lag + 16)
         self._unwritten_lock = threading.Lock()
+        # The iterations whose vectors were dropped from _unwritten (never to be written): their reports are not sent,
+        # since the coordinator refuses an iteration with no assignment, warning of each ("queued as complete ... but
+        # have no assignment"): hundreds once the job's only worker trains on through an outage without waiting
+        self._lost: set[int] = set()
         self._outbox: queue.Queue[Report | None] = queue.Queue()
         self._sender = threading.Thread(target=self._send_loop, name=f"lbbsp-report-{worker}", daemon=True)
         self._sender.start()
@@ -102,6 +106,13 @@ class WorkerClient:
         # Whether the last assignment fell back on an unusable Redis: the next one, still failing, falls back at once
         # (each step of an outage had waited assignment_timeout_s, for as long as Redis stayed away)
         self._fell_back_unusable = False
+        # The job's only worker, in an outage: when the assignment that first found Redis unusable began (None: no
+        # outage), when this thread last found it unusable, and when the sender thread last found it answering. Its
+        # steps use its split without asking Redis while Redis has not answered since it last failed: each had paid
+        # the stalled Redis's socket timeouts (5-10 s a step of 15 ms), for as long as the stall lasted
+        self._outage_since: float | None = None
+        self._failed_at = 0.0
+        self._answered_at = 0.0
         self._duplicates = _EveryMinute()  # reports Redis ignored: this worker had reported their iteration already
         self._dropped = _EveryMinute()  # reports Redis did not take within the bound
         self._closed = False
@@ -123,19 +134,24 @@ class WorkerClient:
 
     def _send_loop(self) -> None:
         while True:
-            report = self._outbox.get()
+            try:
+                report = self._outbox.get(timeout=0.5)
+            except queue.Empty:  # idle: in a lone worker's outage, find out whether Redis answers again
+                self._probe()
+                continue
             if report is None:
                 self._outbox.task_done()
                 return
             deadline = time.monotonic() + self.config.assignment_timeout_s
             retried = False
-            while True:
+            while not (self._lost and self._is_lost(report.iteration)):  # (dropped while Redis did not take it)
                 try:
                     if self._unwritten:  # before the report that may complete their iteration
                         self._write_unwritten()
                     # a retry that finds the report stored found this report's own first try, whose answer was lost
                     if not self.store.post_report(report, self.config.num_workers) and not retried:
                         self._warn_duplicate(report.iteration)
+                    self._answered_at = time.monotonic()
                     break
                 except REDIS_FAILURES as exc:  # the thread must outlive any one report, or every later one is lost
                     if time.monotonic() > deadline:
@@ -148,6 +164,17 @@ class WorkerClient:
                     retried = True
                     time.sleep(0.05)
             self._outbox.task_done()
+
+    def _probe(self) -> None:
+        """In a lone worker's outage with no report to send, ping Redis (on this thread: the steps do not wait), and
+        note when it answers, for :meth:`assignment` to ask it again."""
+        if self._outage_since is None or self._answered_at > self._failed_at:
+            return
+        try:
+            self.store.client.ping()
+        except REDIS_FAILURES:
+            return
+        self._answered_at = time.monotonic()
 
     def _write_unwritten(self) -> None:
         """Write the vectors used where Redis was unusable to their keys, write-once (one that holds another, the
@@ -173,6 +200,17 @@ class WorkerClient:
             self._unwritten[assignment.iteration] = assignment
             for old in sorted(self._unwritten)[:-self._unwritten_cap]:
                 del self._unwritten[old]
+                self._lost.add(old)
+
+    def _is_lost(self, iteration: int) -> bool:
+        """Whether ``iteration`` ran on a vector dropped from those to write (its report is not sent); forgets the
+        lost iterations before it, whose reports are past."""
+        with self._unwritten_lock:
+            self._lost = {k for k in self._lost if k >= iteration}
+            if iteration not in self._lost:
+                return False
+            self._lost.discard(iteration)
+            return True
 
     def _warn_duplicate(self, iteration: int) -> None:
         """Say, at most once a minute, that a report was ignored because the first one of its iteration counts: an
@@ -196,7 +234,9 @@ class WorkerClient:
         that stalls, add up to three of the store's socket timeouts (a call and its two retries): connect with
         :func:`~lbbsp.store.worker_socket_timeout` (a third of the timeout) as the integrations do. Without
         ``agree`` (and more than one worker), an unusable Redis is waited for up to ``outage_s`` instead, then
-        :class:`StoreUnavailable` is raised: only an agreed fallback is safe. With ``agree``, once an assignment has
+        :class:`StoreUnavailable` is raised: only an agreed fallback is safe. The job's only worker falls back past the
+        bound, and its next steps do not ask Redis until it answers again (its report thread tells), without ``agree``
+        up to ``outage_s`` after the outage began, then it raises likewise. With ``agree``, once an assignment has
         fallen back on an unusable Redis, the next ones fall back at their first failure, until Redis answers: an
         outage costs one wait, not one per step (a Redis that stalls still costs its socket timeouts each step); the
         vectors so used are written to their keys (write-once) before this worker's next report reaches Redis.
@@ -208,22 +248,32 @@ class WorkerClient:
         known = self._known.get(iteration)
         if known is not None:
             return known
-        deadline = wait_until = time.monotonic() + self.config.assignment_timeout_s
+        started = time.monotonic()
+        deadline = wait_until = started + self.config.assignment_timeout_s
         unusable = False  # whether this worker falls back, Redis being unusable: nothing stores what it uses
         while True:
+            if self._riding_out(iteration):  # the only worker, Redis silent since it last failed: not asked
+                agreed = self._fallback(iteration, "Redis unusable (not asked: no answer since the last failure)")
+                unusable = True
+                break
             try:
                 agreed = self._fetch(iteration, wait_until)
                 self._fell_back_unusable = False
+                self._outage_since = None
                 break
             except ProtocolError as exc:  # _parse: what assign:{k} holds is no assignment of this job
+                self._outage_since = None  # Redis answered
                 agreed = self._invalid_stored(iteration, exc)
                 break
             except REDIS_FAILURES as exc:  # retry within the bound: Redis may be restarting (not again once it has
                 self._drop_subscription()  # stayed away a whole bound: an outage's steps then fall back at once)
-                if ((self._fell_back_unusable or time.monotonic() >= deadline)
-                        and self._unusable_past_bound(iteration, exc, deadline)):
+                self._failed_at = time.monotonic()
+                if ((self._fell_back_unusable or self._failed_at >= deadline)
+                        and self._unusable_past_bound(iteration, exc, started)):
                     agreed = self._fallback(iteration, f"Redis unusable ({type(exc).__name__})")
                     self._fell_back_unusable = unusable = True
+                    if self.config.num_workers == 1 and self._outage_since is None:
+                        self._outage_since = started
                     break
                 time.sleep(0.05)
                 # once Redis answers, a whole wait: one restarted without its data gets the decision back from the
@@ -284,16 +334,46 @@ class WorkerClient:
         why = f"the stored assignment at key {key} is invalid"
         return dataclasses.replace(self._fallback(iteration, why), policy="fallback", reason=why, fallback=True)
 
-    def _unusable_past_bound(self, iteration: int, exc: Exception, deadline: float) -> bool:
+    def _riding_out(self, iteration: int) -> bool:
+        """True if this worker, the job's only one, uses its split at ``iteration`` without asking Redis: Redis has not
+        answered since it last failed (the sender's reports and pings tell), within ``outage_s`` of the outage's start
+        (with ``agree``, for as long as it lasts). At ``outage_s`` without ``agree`` Redis is asked once more, and
+        :meth:`_unusable_past_bound` raises if it still fails."""
+        if self._outage_since is None or self._answered_at > self._failed_at:
+            return False
+        if self.agree is None and time.monotonic() - self._outage_since >= self.outage_s:
+            return False
+        if self._unusable.due():
+            log.warning("job %s, worker %d, iteration %d: Redis still unusable; the job's only worker trains on with "
+                        "its split without asking Redis until it answers again%s (%d step(s) so far)", self.config.job,
+                        self.worker, iteration, "" if self.agree is not None else
+                        f", up to outage_s ({self.outage_s:g}s) after the outage began", self._unusable.count)
+        return True
+
+    def _unusable_past_bound(self, iteration: int, exc: Exception, started: float) -> bool:
         """True if this worker may fall back, Redis being unusable past the bound: with ``agree`` every worker
-        then uses one vector (alone, it has no one to split from). Otherwise another worker may have read the
-        decision of ``iteration`` before the outage, so this one waits for Redis, and raises after ``outage_s``."""
-        if self.agree is not None or self.config.num_workers == 1:
+        then uses one vector; alone, it has no one to split from, so it trains on up to ``outage_s`` after the outage
+        began (with ``agree``, for as long as it lasts), then raises. Otherwise another worker may have read the
+        decision of ``iteration`` before the outage, so this one waits for Redis, and raises after ``outage_s``.
+        ``started``: when this assignment began to wait."""
+        alone = self.config.num_workers == 1
+        if self.agree is not None or alone:
+            since = self._outage_since if self._outage_since is not None else started
+            waited = time.monotonic() - since
+            if self.agree is None and waited >= self.outage_s:
+                hint = "bring Redis back, or give WorkerClient a longer outage_s="
+                raise StoreUnavailable(f"Redis unusable for {waited:.0f}s ({type(exc).__name__}: {exc}); the job's only "
+                                       "worker trains on without Redis (its split is the whole global batch) for up to "
+                                       f"outage_s ({self.outage_s:g}s), so it stops: {hint}", job=self.config.job,
+                                       worker=self.worker, iteration=iteration) from exc
             if self._unusable.due():
                 log.warning("worker %d, iteration %d: Redis unusable (%s: %s); using the previous vector, agreed "
-                            "(%d time(s) so far)", self.worker, iteration, type(exc).__name__, exc, self._unusable.count)
+                            "(%d time(s) so far)%s", self.worker, iteration, type(exc).__name__, exc,
+                            self._unusable.count, "" if not alone else
+                            "; the job's only worker: its next steps do not ask Redis until it answers again"
+                            + ("" if self.agree is not None else f", up to outage_s ({self.outage_s:g}s)"))
             return True
-        waited = time.monotonic() - deadline + self.config.assignment_timeout_s
+        waited = time.monotonic() - started
         if waited >= self.outage_s:
             raise StoreUnavailable(f"Redis unusable for {waited:.0f}s ({type(exc).__name__}: {exc}); without an agree "
                                    "function a worker cannot fall back safely (another may have read the decision), "

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from lbbsp import EmbeddedRedis
+from lbbsp import Assignment, EmbeddedRedis, JobConfig, Store, WorkerClient
 from lbbsp.errors import StoreUnavailable
 from lbbsp.store import wait_for_redis, worker_socket_timeout
 
@@ -25,6 +25,125 @@ def server() -> Iterator[EmbeddedRedis]:
         yield own
         if own.pid is not None:
             os.kill(own.pid, signal.SIGCONT)
+
+
+def _client(server: EmbeddedRedis, config: JobConfig, worker: int = 0, **kwargs: object) -> WorkerClient:
+    """A worker connected as the integrations connect: a socket timeout of a third of assignment_timeout_s."""
+    store = Store.from_url(server.url, config.job, socket_timeout_s=worker_socket_timeout(config.assignment_timeout_s))
+    return WorkerClient(store, config, worker, **kwargs)  # type: ignore[arg-type]
+
+
+def _stall(server: EmbeddedRedis, sig: signal.Signals = signal.SIGSTOP) -> None:
+    assert server.pid is not None
+    os.kill(server.pid, sig)
+
+
+def _close(client: WorkerClient) -> None:
+    client.close()
+    client.store.close()
+
+
+def _steps(client: WorkerClient, first: int, until: float, sizes: list[int]) -> tuple[list[float], list[Assignment],
+                                                                                        StoreUnavailable | None]:
+    """Run steps from ``first`` (a 10 ms step, its report, the next assignment) until ``until`` or an error: each
+    assignment's time, what it returned, and the StoreUnavailable that ended them, if one did."""
+    took: list[float] = []
+    used: list[Assignment] = []
+    k = first
+    while time.monotonic() < until:
+        time.sleep(0.01)
+        client.report(k - 1, sizes[0], 0.01)
+        began = time.monotonic()
+        try:
+            used.append(client.assignment(k))
+        except StoreUnavailable as exc:
+            return took, used, exc
+        took.append(time.monotonic() - began)
+        k += 1
+    return took, used, None
+
+
+def test_the_only_worker_trains_on_through_a_stall_without_its_timeouts_and_stops_at_outage_s(
+        server: EmbeddedRedis, job: str) -> None:
+    """Before: a lone worker fell back at every step, but each step paid the stalled Redis's socket timeouts (three of
+    them: 10 s with the default assignment_timeout_s, here 0.6 s) and outage_s did nothing: it never stopped (in Keras,
+    5-10 s a step of 15 ms, for ever). Now the first step waits its bound, the next ones do not ask Redis, and about
+    outage_s after the stall began the worker asks once more and raises StoreUnavailable."""
+    config = JobConfig(job, 1, 8, assignment_timeout_s=0.6, lag=1)
+    client = _client(server, config, outage_s=3.0)
+    try:
+        assert [client.assignment(k).sizes for k in range(3)] == [(8,)] * 3
+        _stall(server)
+        stalled = time.monotonic()
+        took, used, error = _steps(client, 3, stalled + 12.0, [8])
+        ended = time.monotonic() - stalled
+    finally:
+        _stall(server, signal.SIGCONT)
+        _close(client)
+    assert error is not None, f"no StoreUnavailable {ended:.1f}s into the stall (outage_s 3); steps took {took[-5:]}"
+    assert 3.0 <= ended <= 5.5, ended
+    slow = [t for t in took if t > 0.1]
+    assert len(slow) <= 1, f"{len(slow)} of {len(took)} steps asked the stalled Redis: {slow}"
+    assert len(used) >= 50, len(used)  # steps of about 10 ms for most of 3 s
+    assert all(a.sizes == (8,) and a.fallback for a in used), used[:3]
+    assert [a.iteration for a in used] == list(range(3, 3 + len(used)))  # one vector per iteration, none skipped
+    assert "only worker" in str(error) and "outage_s=" in str(error), error
+
+
+def test_the_only_worker_asks_redis_again_once_it_answers(server: EmbeddedRedis, job: str) -> None:
+    """The steps that do not ask Redis end once it answers (the reports that reach it, or the sender's ping, tell):
+    the worker reads Redis again, and the latest vectors it used meanwhile are written to their keys. The reports of
+    the iterations whose vectors were too old to keep are not sent (hundreds, with steps that no longer wait)."""
+    config = JobConfig(job, 1, 8, assignment_timeout_s=0.6, lag=1)
+    client = _client(server, config, outage_s=60.0)
+    try:
+        assert [client.assignment(k).sizes for k in range(3)] == [(8,)] * 3
+        _stall(server)
+        took, during, error = _steps(client, 3, time.monotonic() + 2.5, [8])
+        assert error is None
+        _stall(server, signal.SIGCONT)
+        resumed = time.monotonic()
+        after: list[Assignment] = []
+        k = during[-1].iteration + 1
+        while time.monotonic() < resumed + 3.0:
+            time.sleep(0.01)
+            client.report(k - 1, 8, 0.01)
+            after.append(client.assignment(k))
+            if not after[-1].reason.startswith("Redis unusable"):
+                break
+            k += 1
+        back = time.monotonic() - resumed
+        client.flush()
+        with Store.from_url(server.url, job) as store:
+            stored = [store.get_assignment(a.iteration) for a in during[-3:]]
+            dropped = [a.iteration for a in during[:-2 * (config.lag + 16)]]  # the vectors too old to be written
+            # a report with no assignment stored (one in flight as Redis came back wrote its vector first)
+            reported = [k for k in dropped if store.reports(k) and store.get_assignment(k) is None]
+    finally:
+        _close(client)
+    assert len([t for t in took if t > 0.1]) <= 1, took
+    assert not after[-1].reason.startswith("Redis unusable"), after[-3:]
+    assert back < 2.0, back
+    assert [None if raw is None else Assignment.from_json(raw) for raw in stored] == during[-3:]
+    # their iterations are not reported: the coordinator refused each as having no assignment, with a warning
+    assert len(dropped) >= 50 and not reported, (len(dropped), reported[:5])
+
+
+def test_the_only_worker_with_agree_rides_out_a_stall_without_its_timeouts(server: EmbeddedRedis, job: str) -> None:
+    """With agree (the PyTorch Balancer of one rank), the steps of a stall do not ask Redis either, and outage_s does
+    not stop it (an agreed fallback is safe for as long as the outage lasts)."""
+    config = JobConfig(job, 1, 8, assignment_timeout_s=0.6, lag=1)
+    client = _client(server, config, agree=lambda a: a, outage_s=0.6)
+    try:
+        assert client.assignment(1).sizes == (8,)
+        _stall(server)
+        took, used, error = _steps(client, 2, time.monotonic() + 2.5, [8])
+    finally:
+        _stall(server, signal.SIGCONT)
+        _close(client)
+    assert error is None
+    assert len([t for t in took if t > 0.1]) <= 1, took
+    assert len(used) >= 50, len(used)
 
 
 @pytest.fixture
