@@ -132,6 +132,12 @@ def device_label() -> str:
     return f"gpu:{name}"[:64] if name else "gpu"
 
 
+#: What the StoreUnavailable of a Redis unusable past ``outage_s`` tells a Keras user to do (WorkerSession takes no
+#: ``agree=``, which the core's message names).
+_OUTAGE_HINT = ("bring Redis back (without url=, worker 0's embedded redis-server), or give WorkerSession a longer "
+               "outage_s= (up to 86400 s) to ride out a longer outage")
+
+
 class WorkerSession:
     """One worker's connection to its job: Redis, the coordinator (on worker 0) and a :class:`WorkerClient`.
 
@@ -188,7 +194,8 @@ class WorkerSession:
                 config = self.config = config.joined(stored, caller="WorkerSession's JobConfig", warn=worker == 0)
             elif worker == 0:
                 self.coordinator = CoordinatorProcess(self.url, config, policy, max_ahead=checked_max_ahead(max_ahead))
-            self.client = WorkerClient(store, config, worker, device=device_label(), outage_s=outage_s)
+            self.client = WorkerClient(store, config, worker, device=device_label(), outage_s=outage_s,
+                                       outage_hint=_OUTAGE_HINT)
         except BaseException:
             self.close()
             raise

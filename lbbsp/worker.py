@@ -64,7 +64,7 @@ class WorkerClient:
     """One worker's connection to the job: ``report`` after computing, ``assignment`` before the next step."""
 
     def __init__(self, store: Store, config: JobConfig, worker: int, *, agree: Agree | None = None,
-                 device: str = "cpu", outage_s: float | None = None) -> None:
+                 device: str = "cpu", outage_s: float | None = None, outage_hint: str | None = None) -> None:
         config = _job_config(config)
         store = _store(store, config.job)
         if agree is not None and not callable(agree):
@@ -74,7 +74,10 @@ class WorkerClient:
             raise ConfigError(f"device must be a string of at most {MAX_DEVICE_CHARS} characters ('cpu', "
                               f"'cuda:A100', ...), got {device!r:.80}", job=config.job)
         worker = _integer(worker, "worker", 0, config.num_workers - 1, config.job)  # True is not worker 1
+        if outage_hint is not None and not isinstance(outage_hint, str):
+            raise ConfigError(f"outage_hint must be None or a string, got {outage_hint!r:.80}", job=config.job)
         self.outage_s = checked_outage(outage_s, config)
+        self.outage_hint = outage_hint
         self.store = store
         self.config = store.register(config)
         self.worker = worker
@@ -361,7 +364,7 @@ class WorkerClient:
             since = self._outage_since if self._outage_since is not None else started
             waited = time.monotonic() - since
             if self.agree is None and waited >= self.outage_s:
-                hint = "bring Redis back, or give WorkerClient a longer outage_s="
+                hint = self.outage_hint or "bring Redis back, or give WorkerClient a longer outage_s="
                 raise StoreUnavailable(f"Redis unusable for {waited:.0f}s ({type(exc).__name__}: {exc}); the job's only "
                                        "worker trains on without Redis (its split is the whole global batch) for up to "
                                        f"outage_s ({self.outage_s:g}s), so it stops: {hint}", job=self.config.job,
@@ -375,13 +378,15 @@ class WorkerClient:
             return True
         waited = time.monotonic() - started
         if waited >= self.outage_s:
-            raise StoreUnavailable(f"Redis unusable for {waited:.0f}s ({type(exc).__name__}: {exc}); without an agree "
-                                   "function a worker cannot fall back safely (another may have read the decision), "
-                                   "so it stops: bring Redis back, or give WorkerClient agree=",
+            # the caller's hint where it gives one: a WorkerSession takes no agree=
+            who, hint = (("without an agree function a worker", "bring Redis back, or give WorkerClient agree=")
+                         if self.outage_hint is None else ("a worker alone", self.outage_hint))
+            raise StoreUnavailable(f"Redis unusable for {waited:.0f}s ({type(exc).__name__}: {exc}); {who} cannot fall "
+                                   f"back safely (another may have read the decision), so it stops: {hint}",
                                    job=self.config.job, worker=self.worker, iteration=iteration) from exc
         if self._unusable.due():
-            log.warning("worker %d, iteration %d: Redis unusable (%s: %s); waiting for it, up to %gs (no agree "
-                        "function, so no fallback)", self.worker, iteration, type(exc).__name__, exc, self.outage_s)
+            log.warning("worker %d, iteration %d: Redis unusable (%s: %s); waiting for it, up to %gs (no agreed "
+                        "fallback)", self.worker, iteration, type(exc).__name__, exc, self.outage_s)
         return False
 
     def _iteration(self, value: object) -> int:

@@ -84,7 +84,7 @@ def test_one_worker_trains_on_through_a_stalled_redis_and_fit_ends_at_outage_s(s
     """Before: the lone worker fell back at every step but asked the stalled Redis each time (three socket timeouts,
     1 s a step here, 5-10 s with the defaults, where a step takes 15 ms), and WorkerSession(outage_s=...) did nothing:
     fit never ended. Now the steps after the first do not ask Redis, and fit ends with StoreUnavailable about outage_s
-    into the stall."""
+    into the stall, with a hint a Keras user can follow (WorkerSession takes no agree=)."""
     x, y = _data(160)
     assert session.client is not None
     source = BalancedSource(x, y, session.config, session.worker, seed=0)
@@ -99,7 +99,7 @@ def test_one_worker_trains_on_through_a_stalled_redis_and_fit_ends_at_outage_s(s
     ended = time.monotonic() - stall.stalled
     message = str(caught.value)
     assert 4.0 <= ended <= 7.0, (ended, time.monotonic() - began, message)
-    assert "only worker" in message and "outage_s" in message, message
+    assert "WorkerSession a longer outage_s=" in message and "agree=" not in message, message
     slow = [t for t in stall.steps if t > 0.2]
     assert len(slow) <= 1, f"{len(slow)} of {len(stall.steps)} steps waited on the stalled Redis: {slow[:5]}"
     assert len(stall.steps) >= 20, stall.steps
@@ -128,6 +128,28 @@ def test_one_worker_rides_out_a_short_stall_and_trains_every_sample_once(session
     assert iterations == list(range(len(iterations)))
     last = session.client.assignment(iterations[-1])  # from Redis again, not this worker's fallback
     assert not last.reason.startswith("Redis unusable"), last
+
+
+def test_the_multi_worker_error_names_what_a_keras_user_can_do(job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: with several workers, the StoreUnavailable raised after outage_s ended 'bring Redis back, or give
+    WorkerClient agree=', which a WorkerSession user cannot give. Now it names WorkerSession's outage_s, and no agree."""
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    config = JobConfig(job, num_workers=2, global_batch=16, assignment_timeout_s=1.0)
+    with WorkerSession(config, 0, outage_s=1.0) as two:
+        assert two.client is not None and two.server is not None and two.server.pid is not None
+        pid = two.server.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            with pytest.raises(StoreUnavailable) as caught:
+                two.client.assignment(5)
+            waited = time.monotonic() - began
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    message = str(caught.value)
+    assert waited < 4.0, waited
+    assert "cannot fall back safely" in message and "WorkerSession a longer outage_s=" in message, message
+    assert "agree" not in message, message
 
 
 def test_connect_timeout_s_holds_against_a_server_that_never_answers(job: str, monkeypatch: pytest.MonkeyPatch) -> None:

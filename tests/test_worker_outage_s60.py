@@ -87,7 +87,7 @@ def test_the_only_worker_trains_on_through_a_stall_without_its_timeouts_and_stop
     assert len(used) >= 50, len(used)  # steps of about 10 ms for most of 3 s
     assert all(a.sizes == (8,) and a.fallback for a in used), used[:3]
     assert [a.iteration for a in used] == list(range(3, 3 + len(used)))  # one vector per iteration, none skipped
-    assert "only worker" in str(error) and "outage_s=" in str(error), error
+    assert "only worker" in str(error) and "outage_s=" in str(error) and "agree=" not in str(error), error
 
 
 def test_the_only_worker_asks_redis_again_once_it_answers(server: EmbeddedRedis, job: str) -> None:
@@ -144,6 +144,32 @@ def test_the_only_worker_with_agree_rides_out_a_stall_without_its_timeouts(serve
     assert error is None
     assert len([t for t in took if t > 0.1]) <= 1, took
     assert len(used) >= 50, len(used)
+
+
+def test_several_workers_still_wait_and_the_error_names_the_callers_way_out(server: EmbeddedRedis, job: str) -> None:
+    """Several workers without agree wait for Redis up to outage_s, as before; the error ends with the caller's
+    hint where it gives one (WorkerSession takes no agree=, which the core's own hint names)."""
+    config = JobConfig(job, 2, 8, assignment_timeout_s=0.6, lag=1)
+    plain = _client(server, config, 0, outage_s=0.6)
+    hinted = _client(server, config, 1, outage_s=0.6, outage_hint="bring Redis back, or call us")
+    try:
+        _stall(server)
+        errors = []
+        for client in (plain, hinted):
+            began = time.monotonic()
+            with pytest.raises(StoreUnavailable) as caught:
+                client.assignment(4)
+            assert time.monotonic() - began < 3.0
+            errors.append(str(caught.value))
+    finally:
+        _stall(server, signal.SIGCONT)
+        _close(plain)
+        _close(hinted)
+    assert "give WorkerClient agree=" in errors[0] and "without an agree function" in errors[0], errors[0]
+    assert "cannot fall back safely" in errors[1] and "so it stops: bring Redis back, or call us [" in errors[1]
+    assert "agree" not in errors[1], errors[1]
+    with pytest.raises(Exception, match="outage_hint must be None or a string"):
+        _client(server, config, 0, outage_hint=3)
 
 
 @pytest.fixture
