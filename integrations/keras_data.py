@@ -601,7 +601,7 @@ def _arrays(value: Any, name: str, job: str) -> Arrays:
     if isinstance(value, (tuple, list)):
         if not value:
             raise ConfigError(f"{name} is an empty {type(value).__name__}: it needs at least one array", job=job)
-        if all(np.ndim(part) == 0 for part in value[:1000]):  # no part has a sample axis: meant as one array
+        if not any(map(_streams, value)) and all(np.ndim(part) == 0 for part in value[:1000]):  # meant as one array
             raise ConfigError(f"{name} is a {type(value).__name__} of {len(value):,} single values; a "
                               f"{type(value).__name__} is read as one array per model input or output: pass "
                               f"np.asarray({name}) for one array of {len(value):,} samples", job=job)
@@ -613,7 +613,7 @@ def _array(value: Any, name: str, job: str) -> np.ndarray:
     if isinstance(value, (Mapping, tuple, list)):
         raise ConfigError(f"{name} must be an array (np.asarray it), got a {type(value).__name__}: a source takes "
                           "one level of dict, tuple or list of arrays", job=job)
-    if hasattr(value, "element_spec") or hasattr(value, "__next__"):  # a tf.data.Dataset, an iterator, a generator
+    if _streams(value):
         raise ConfigError(f"{name} must be in-memory arrays (numpy or tensors), got a {type(value).__name__}: a "
                           "source splits each global batch by sample index, so it needs the samples themselves; "
                           "load them into arrays (a small tf.data.Dataset: x, y = map(np.stack, zip(*ds.as_numpy_"
@@ -623,6 +623,11 @@ def _array(value: Any, name: str, job: str) -> np.ndarray:
         raise ConfigError(f"{name} must be a numeric array with a sample axis, got shape {array.shape} and dtype "
                           f"{array.dtype}", job=job)
     return array
+
+
+def _streams(value: Any) -> bool:
+    """Whether ``value`` yields its samples rather than holding them: a tf.data.Dataset, an iterator, a generator."""
+    return hasattr(value, "element_spec") or hasattr(value, "__next__")
 
 
 def _named_leaves(value: Arrays) -> list[tuple[str, np.ndarray]]:

@@ -4,10 +4,11 @@ Agreement rule (GUIDE step 5): the assignment of iteration k lives in a write-on
 writes it when all reports of k - lag are in (``JobConfig.lag``). A worker that has waited ``assignment_timeout_s`` writes its
 fallback (the vector of k-1) with the same write-once operation and then uses whatever the key holds, so
 every worker ends up with the same vector. If Redis itself cannot be reached within the bound, the worker
-falls back to the vector of k-1 only when the integration gives an ``agree`` function, or it is the job's only worker (a broadcast over the
-training framework's own process group), which makes every worker use the same one. Without it a worker
-that cannot reach Redis keeps trying, up to ``outage_s``, and then raises: another worker may have read the
-decision just before the outage, and a fallback of its own would split from it. A stored assignment that is not
+falls back to the vector of k-1 only when the integration gives an ``agree`` function (a broadcast over the
+training framework's own process group), which makes every worker use the same one, or when it is the job's only
+worker, which has nobody to split from. Without either, a worker that cannot reach Redis keeps trying, up to
+``outage_s``, and then raises: another worker may have read the decision just before the outage, and a fallback of
+its own would split from it. A stored assignment that is not
 valid (something else wrote the key) is fallen back from the same way: with ``agree``, else an error naming the key.
 """
 from __future__ import annotations
@@ -168,10 +169,14 @@ class WorkerClient:
                     time.sleep(0.05)
             self._outbox.task_done()
 
+    def _silent(self) -> bool:
+        """Whether this worker, the job's only one, is in an outage and Redis has not answered since it last failed."""
+        return self._outage_since is not None and self._answered_at <= self._failed_at
+
     def _probe(self) -> None:
         """In a lone worker's outage with no report to send, ping Redis (on this thread: the steps do not wait), and
         note when it answers, for :meth:`assignment` to ask it again."""
-        if self._outage_since is None or self._answered_at > self._failed_at:
+        if not self._silent():
             return
         try:
             self.store.client.ping()
@@ -313,6 +318,8 @@ class WorkerClient:
             return known
         if iteration < self.config.lag:  # the initial split: what every worker writes there
             return self.config.initial_assignment(iteration)
+        if self._silent():  # not asked: each peek had waited out the stalled Redis on a thread of its own, and a lone
+            return None  # rank's prefetch threads piled up to the pool's 100 connections
         try:
             return self._read(iteration)
         except (*REDIS_FAILURES, LBBSPError):
@@ -342,9 +349,10 @@ class WorkerClient:
         answered since it last failed (the sender's reports and pings tell), within ``outage_s`` of the outage's start
         (with ``agree``, for as long as it lasts). At ``outage_s`` without ``agree`` Redis is asked once more, and
         :meth:`_unusable_past_bound` raises if it still fails."""
-        if self._outage_since is None or self._answered_at > self._failed_at:
+        since = self._outage_since
+        if since is None or not self._silent():
             return False
-        if self.agree is None and time.monotonic() - self._outage_since >= self.outage_s:
+        if self.agree is None and time.monotonic() - since >= self.outage_s:
             return False
         if self._unusable.due():
             log.warning("job %s, worker %d, iteration %d: Redis still unusable; the job's only worker trains on with "

@@ -9,10 +9,11 @@ import itertools
 import numpy as np
 import pytest
 
-from lbbsp import Report
-from lbbsp.dropouts import _least_shortfall, expected_shortfall
+from lbbsp import JobConfig, LBBSPPolicy, LinearTime, Report
+from lbbsp.allocation import allocate_sitting_out
+from lbbsp.dropouts import _least_shortfall, dropout_bounds, expected_shortfall
 from lbbsp.errors import ConfigError
-from lbbsp.models import AutoCapacityModel
+from lbbsp.models import AutoCapacityModel, FLClientModel
 from lbbsp.models.auto import MAX_EARLY_ROUNDS
 from lbbsp.sim import FLClients, compare, standard_policies
 
@@ -106,3 +107,33 @@ def test_where_most_clients_drop_out_the_split_moves_toward_the_even_one() -> No
     policies = {name: policy for name, policy in standard_policies(scenario).items() if name in ("lbbsp", "bsp")}
     runs = compare(scenario, 150, policies)
     assert np.mean(runs["lbbsp"].iteration_s) < 1.1 * np.mean(runs["bsp"].iteration_s)
+
+
+def test_clients_that_never_come_back_leave_the_split_as_it_is() -> None:
+    """Every client's availability at 0 (after ~165 missed rounds at availability_alpha 0.2): the search's floor
+    divided by the most reliable client's chance of coming back, 0, and decide raised ZeroDivisionError (review)."""
+    model = LinearTime(np.full(4, 10.0), overhead=np.full(4, 0.5))
+    lower, upper = np.ones(4, dtype=np.int64), np.full(4, 40, dtype=np.int64)
+    bounds, sizes = dropout_bounds(model, 40, lower, upper, np.ones(4))
+    assert bounds is upper and sizes.tolist() == [10, 10, 10, 10]
+    policy, config = LBBSPPolicy(FLClientModel(availability_alpha=1.0), hedge=None), JobConfig("fl", 4, 40)
+    policy.observe([Report("fl", i, 0, 10, 1.0, features={"download_s": 0.5, "upload_s": 0.5}) for i in range(4)])
+    policy.model.record_outcomes({i: False for i in range(4)})
+    assert policy.decide(1, (10, 10, 10, 10), config).sizes == (10, 10, 10, 10)
+
+
+def test_the_even_mix_keeps_a_client_that_sits_out_at_zero() -> None:
+    """With a client sitting out (0 where the lower bound is 1), the mix toward the even split had stopped at its first
+    step, out of bounds, and was never costed (review). Now it is, and the client stays out."""
+    speed = np.r_[np.linspace(20.0, 80.0, 15), 0.02]  # rounds mostly transfers: evening the split costs little
+    model = LinearTime(speed, overhead=np.full(16, 30.0))
+    lower, upper = np.ones(16, dtype=np.int64), np.full(16, 320, dtype=np.int64)
+
+    def split(bounds: np.ndarray) -> np.ndarray:
+        return allocate_sitting_out(model, 320, lower, bounds, 0.1, 0.03)
+
+    balanced = split(upper)
+    assert balanced[15] == 0
+    _, sizes = dropout_bounds(model, 320, lower, upper, np.full(16, 0.9), split)
+    assert sizes[15] == 0 and sizes.sum() == 320
+    assert sizes[:15].min() >= 15  # the mix: capping alone had left the slowest client 9 of 320

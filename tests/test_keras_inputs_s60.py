@@ -28,3 +28,9 @@ def test_a_list_of_labels_is_told_to_be_one_array() -> None:
     with pytest.raises(ConfigError, match=r"y is a list of 100 single values.*np.asarray\(y\)"):
         BalancedSource(X, list(Y), CONFIG, 0)
     assert len(BalancedSource(X, [Y], CONFIG, 0)) == 4  # a list of arrays: one per output, as before
+
+
+def test_a_tuple_of_generators_is_named_as_generators() -> None:
+    """Each part a generator had read as a single value ("a tuple of 2 single values ... pass np.asarray(x)")."""
+    with pytest.raises(ConfigError, match=r"x\[0\] must be in-memory arrays .* got a generator"):
+        BalancedSource(((row for row in X), (row for row in X)), Y, CONFIG, 0)

@@ -221,3 +221,24 @@ def test_wait_for_redis_returns_a_client_with_its_socket_timeout_and_retries(ser
         assert kwargs["retry"]._retries == 2
     finally:
         client.close()
+
+
+def test_a_peek_in_the_only_workers_outage_does_not_ask_the_stalled_redis(server: EmbeddedRedis, job: str) -> None:
+    """The torch integration's prefetch peeks at the next iteration on a thread of its own each step: riding out the
+    stall, each peek had waited out three socket timeouts, and a lone rank's prefetch threads piled up to the pool's
+    100 connections (review of this pass). A peek now returns None at once while Redis has not answered since it
+    last failed."""
+    config = JobConfig(job, 1, 8, assignment_timeout_s=0.6, lag=2)
+    client = _client(server, config, agree=lambda a: a, outage_s=60.0)
+    try:
+        for k in range(4):
+            client.assignment(k)
+            client.report(k, 8, 0.01)
+        _stall(server)
+        client.assignment(4)  # waits its bound, falls back: the outage begins
+        began = time.monotonic()
+        assert client.peek(6) is None
+        assert time.monotonic() - began < 0.1
+    finally:
+        _stall(server, signal.SIGCONT)
+        _close(client)
