@@ -26,8 +26,9 @@ _PATTERNS = np.array(list(itertools.product((0.0, 1.0), repeat=_EXACT + _FEW)))
 _NODES, _WEIGHTS = np.polynomial.hermite_e.hermegauss(8)
 _WEIGHTS = _WEIGHTS / _WEIGHTS.sum()
 #: The normal serves where the rest's share back has a spread of at most this share of its mean (within 0.5% of
-#: the exact value over 1,600 random draws, always above it); beyond it, few of the rest come back and the normal was far off both ways
-#: (31 where 11 at 16 workers with 90% dropout, 12 where 25 at 40), so the Laplace transform is integrated instead.
+#: the exact value over 1,600 random draws, always above it); beyond it, few of the rest come back and the normal was
+#: far off both ways (31 where 11 at 16 workers with 90% dropout, 12 where 25 at 40), so the Laplace transform is
+#: integrated instead.
 _NORMAL_SPREAD = 0.15
 #: That integral's grid: t = exp(v), v in steps of _STEP from log(_T_LOW) to log(40 / the smallest share), by the
 #: trapezoid rule, whose error for this integrand falls as exp(-pi^2 / _STEP): within 1e-4 of a grid 4x finer.
@@ -112,8 +113,9 @@ def dropout_bounds(model: TimeModel, global_batch: int, lower: np.ndarray, upper
     ``upper`` capped at one size for every worker, and the split made within it (the cap spreads the largest shares
     over more workers, at the price of a later finish), the caps tried being ``CAP_STEPS`` of the largest size that
     split gives; or the best of those mixed with the even split over the workers it asks (``EVEN_MIX``), with its
-    largest size as the bounds' cap (such a split is no split made within bounds). The best is kept. ``split``: the split a policy makes within given upper bounds (default: :func:`~lbbsp.allocation.allocate`'s; a
-    policy that lets workers sit out makes another)."""
+    largest size as the bounds' cap (such a split is no split made within bounds). The best is kept. ``split``: the
+    split a policy makes within given upper bounds (default: :func:`~lbbsp.allocation.allocate`'s; a policy that
+    lets workers sit out makes another)."""
     if split is None:
         split = lambda bounds: allocate(model, global_batch, lower, bounds)  # noqa: E731
     balanced = split(upper)

@@ -710,10 +710,10 @@ class BatchTimeCurve(CapacityModel):
         spread is a state that changed (another process arriving or leaving, a cache released), not noise: kept, a
         co-tenant of 3 GB arriving had held a worker's cap at 451 where 600 fit. Readings that repeat exactly keep
         it 0. Each worker of ``rows`` (one per change) has its own estimate too, the median's over its latest
-        ``_OWN_NOISE_PAIRS`` changes, and its cap follows the larger: one noisy worker among exact ones had the job's estimate near 0, its changes
-        past 32 MiB taken for changed states, and in 6 of 65 jobs of 4 GPUs (20 MB of noise; 50 MB: 10) it had been
-        given a batch past its card. Whether each worker's own estimate moved (its cap then moves too: a state that
-        changed and then left the median had left it lower)."""
+        ``_OWN_NOISE_PAIRS`` changes, and its cap follows the larger: one noisy worker among exact ones had the
+        job's estimate near 0, its changes past 32 MiB taken for changed states, and in 6 of 65 jobs of 4 GPUs (20
+        MB of noise; 50 MB: 10) it had been given a batch past its card. Whether each worker's own estimate moved
+        (its cap then moves too: a state that changed and then left the median had left it lower)."""
         change = np.abs(change)
         recent = change[-_NOISE_PAIRS:]
         self.mem_changes_[(self.mem_changes_seen_ + np.arange(recent.size)) % _NOISE_PAIRS] = recent
