@@ -106,6 +106,13 @@ def _mean_inverse(top_back: np.ndarray, rest: np.ndarray, rest_dropout: np.ndarr
     return value
 
 
+def expected_cost(model: TimeModel, sizes: np.ndarray, dropout: np.ndarray | None) -> float:
+    """What a split costs a round: its predicted finish times :func:`expected_shortfall` (the finish alone where
+    ``dropout`` is None, nobody weighed as dropping out)."""
+    finish = predicted_makespan(model, sizes)
+    return finish if dropout is None else finish * expected_shortfall(sizes, dropout)
+
+
 def dropout_bounds(model: TimeModel, global_batch: int, lower: np.ndarray, upper: np.ndarray, dropout: np.ndarray,
                    split: Callable[[np.ndarray], np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The upper bounds to split within, and the split chosen within them: ``upper`` and the split that ignores
@@ -134,7 +141,7 @@ def dropout_bounds(model: TimeModel, global_batch: int, lower: np.ndarray, upper
             sizes = split(capped)
         except AllocationError:  # the room left is with workers predicted never to finish
             break
-        cost = predicted_makespan(model, sizes) * expected_shortfall(sizes, dropout)
+        cost = expected_cost(model, sizes, dropout)
         if cost < best[2]:
             best, worse = (capped, sizes, cost), 0
         elif (worse := worse + 1) == 2:
@@ -147,7 +154,7 @@ def dropout_bounds(model: TimeModel, global_batch: int, lower: np.ndarray, upper
         sizes = _whole((1.0 - mix) * capped_best + mix * even, global_batch)
         if ((sizes < lower) & asked).any() or (sizes > upper).any():  # (a worker sitting out stays out, at 0)
             break  # further toward the even split stays out of the bounds
-        cost = predicted_makespan(model, sizes) * expected_shortfall(sizes, dropout)
+        cost = expected_cost(model, sizes, dropout)
         if cost >= best[2]:
             break  # the cost along the way is near convex: one step that does worse ends it
         best = (np.minimum(upper, sizes.max()), sizes, cost)

@@ -20,11 +20,10 @@ from .allocation import (
     allocate_sitting_out,
     damp,
     numbers_per_worker,
-    predicted_makespan,
     sit_out_share,
 )
 from .config import JobConfig, _integer, _real
-from .dropouts import dropout_bounds, expected_shortfall, weighed_dropout
+from .dropouts import dropout_bounds, expected_cost, weighed_dropout
 from .errors import ConfigError
 from .hedging import ForecastRisk, hedged, sized_throughput
 from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
@@ -326,8 +325,7 @@ class LBBSPPolicy(Policy):
         else:
             # with dropouts, the samples expected back weighed too: the cap chosen moves with noise, and had moved
             # the split in 138 of 149 rounds where the finish alone was damped
-            cost = [np.inf] if dropout is None else [predicted_makespan(plan, s) * expected_shortfall(s, dropout)
-                                                     for s in (proposed, current_arr)]
+            cost = [np.inf] if dropout is None else [expected_cost(plan, s, dropout) for s in (proposed, current_arr)]
             if np.isfinite(cost).all():
                 sizes, changed = (proposed, True) if cost[0] * (1 + band) < cost[1] else (current_arr, False)
             else:  # no dropouts, or a worker predicted never to finish (damp weighs what it is given)
@@ -340,8 +338,7 @@ class LBBSPPolicy(Policy):
             # forecasts, 1.1% slower than the even split); not where a worker is held at its upper bound, whose
             # memory cap grows only as it is measured larger (back at even, a worker 4x faster than the others grew
             # to 861 samples in 120 iterations, where the best split its card holds gives it 914)
-            cost = [predicted_makespan(plan, s) * (1.0 if dropout is None else expected_shortfall(s, dropout))
-                    for s in (even, sizes)]
+            cost = [expected_cost(plan, s, dropout) for s in (even, sizes)]
             if np.isfinite(cost).all() and cost[0] <= cost[1] * (1 + band):
                 sizes, changed = even, not np.array_equal(even, current_arr)
         if not changed and ((proposed > current_arr) & (proposed >= job_upper)).any():

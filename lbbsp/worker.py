@@ -388,7 +388,7 @@ class WorkerClient:
         if waited >= self.outage_s:
             # the caller's hint where it gives one: a WorkerSession takes no agree=
             who, hint = (("without an agree function a worker", "bring Redis back, or give WorkerClient agree=")
-                         if self.outage_hint is None else ("a worker alone", self.outage_hint))
+                         if self.outage_hint is None else ("a worker on its own", self.outage_hint))
             raise StoreUnavailable(f"Redis unusable for {waited:.0f}s ({type(exc).__name__}: {exc}); {who} cannot fall "
                                    f"back safely (another may have read the decision), so it stops: {hint}",
                                    job=self.config.job, worker=self.worker, iteration=iteration) from exc
