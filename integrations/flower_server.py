@@ -360,7 +360,9 @@ class LoadBalanced(Strategy):
         def split(bounds: np.ndarray) -> np.ndarray:
             return allocate_sitting_out(time_model, total, lower, bounds, self.sit_out, MIN_GAIN, stay=stay)
 
-        sizes = split(upper) if dropout is None else dropout_bounds(time_model, total, lower, upper, dropout, split)[1]
+        # a client that sends no reply is waited on until the round's timeout: the round ends with every client asked
+        sizes = split(upper) if dropout is None else dropout_bounds(time_model, total, lower, upper, dropout, split,
+                                                                    waits_for_all=True)[1]
         chosen, balanced = damp(equal_split(total, count), sizes, time_model, MIN_GAIN)
         predicted = predicted_makespan(time_model, chosen)
         if not balanced:

