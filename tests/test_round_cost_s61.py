@@ -69,3 +69,28 @@ def test_a_slow_client_that_seems_surest_to_miss_is_not_counted_on_to_miss() -> 
         dropout = np.random.default_rng(seed).uniform(0.3, 0.99, 16)
         cost = expected_cost(model, even, dropout)
         assert _charged(model, even, dropout) * 0.99 <= cost <= expected_cost(model, even, dropout, waits_for_all=True)
+
+
+def test_a_worker_sure_to_come_counts_only_where_it_is_among_the_slowest() -> None:
+    """A worker whose kind learns no availability is weighed as always coming (dropout 0): where it is among the
+    slowest, the round waits for it; where it is fast, the clients slower than it still save by missing (it had
+    cancelled their saving, and a GPU among phones gave an even split no credit at all)."""
+    model, _, even = _clients(1)
+    order = np.argsort(-model.time(even))
+    fast_sure, slow_sure = np.full(16, 0.9), np.full(16, 0.9)
+    fast_sure[order[-1]] = 0.0
+    slow_sure[order[0]] = 0.0
+    assert expected_cost(model, even, fast_sure) == pytest.approx(_charged(model, even, fast_sure), rel=0.015)
+    assert expected_cost(model, even, slow_sure) == pytest.approx(
+        expected_cost(model, even, slow_sure, waits_for_all=True))  # the slowest always comes: nothing saved
+
+
+def test_a_chance_that_is_no_number_leaves_the_cost_no_number_and_a_list_is_taken() -> None:
+    """A policy's dropout hook that hands back NaN: the cost is NaN, and LB-BSP falls back to damping by the finish,
+    as before the cost counted early finishes (that had raised from int(nan), failing every decision)."""
+    model, _, even = _clients(1)
+    dropout = np.full(16, 0.9)
+    dropout[3] = np.nan
+    assert np.isnan(expected_cost(model, even, dropout))
+    listed = [0.5] * 16
+    assert expected_cost(model, even, listed) == expected_cost(model, even, np.array(listed))  # type: ignore[arg-type]
