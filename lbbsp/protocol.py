@@ -5,6 +5,7 @@ rejection is a :class:`~lbbsp.errors.ProtocolError` that names the field.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import time
@@ -50,6 +51,14 @@ FEATURE_RANGES: dict[str, tuple[float, float]] = {
 _REPORT_FIELDS = {"v", "job", "worker", "iteration", "samples", "compute_s", "comm_s", "wait_s",
                   "features", "device"}
 _ASSIGNMENT_FIELDS = {"v", "job", "iteration", "sizes", "policy", "reason", "fallback", "created"}
+
+
+def _known_features(name: object) -> str:
+    """The feature names a report may carry, for an unknown one's message, the closest first where one is close (a
+    misspelt 'downlod_s' had been refused without a word of what was meant)."""
+    close = difflib.get_close_matches(str(name)[:MAX_NAME_SHOWN], FEATURE_RANGES, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{hint} (known: {', '.join(FEATURE_RANGES)})"
 
 
 def _fail(message: str, field_name: str, **where: Any) -> ProtocolError:
@@ -236,8 +245,8 @@ class Report:
         for name, value in self.features.items():
             bounds = FEATURE_RANGES.get(name)
             if bounds is None:
-                raise _fail(f"unknown feature {name!r:.{MAX_NAME_SHOWN}}", f"features.{str(name)[:MAX_NAME_SHOWN]}",
-                            **where)
+                raise _fail(f"unknown feature {name!r:.{MAX_NAME_SHOWN}}{_known_features(name)}",
+                            f"features.{str(name)[:MAX_NAME_SHOWN]}", **where)
             if not _in_range(value, *bounds):
                 _float(value, f"features.{name}", *bounds, **where)
         if ("gpu_mem_used" in self.features) != ("gpu_mem_free" in self.features):  # a cap needs the card's size
