@@ -31,6 +31,8 @@ log = logging.getLogger("lbbsp.worker")
 
 Agree = Callable[[Assignment], Assignment]
 _KEEP_ASSIGNMENTS = 8
+#: Seconds the job's only worker, closed in an outage, gives its report thread (see :meth:`WorkerClient.close`).
+_SILENT_CLOSE_S = 0.5
 #: Seconds a worker waits out an unusable Redis before it raises, unless told otherwise (or the job's
 #: assignment_timeout_s is longer).
 DEFAULT_OUTAGE_S = 60.0
@@ -534,11 +536,22 @@ class WorkerClient:
             self._pubsub, self._listening = None, False
 
     def close(self) -> None:
-        """Send what is queued, stop the sender thread and the subscription; safe to call twice."""
+        """Send what is queued, stop the sender thread and the subscription; safe to call twice. The job's only worker
+        in an outage, which Redis has not answered since, does not wait for what it cannot send (logged)."""
         self._closed = True
         if self._sender.is_alive():
+            queued = self._outbox.qsize()
             self._outbox.put(None)
-            self._sender.join(self.config.assignment_timeout_s + 1)
+            if self._silent():
+                # the job's only worker in an outage: Redis has not answered since it last failed, so what is queued
+                # cannot go, and waiting out its retries had held close for assignment_timeout_s + 1 (11 s)
+                self._sender.join(_SILENT_CLOSE_S)
+                if self._sender.is_alive():
+                    log.info("job %s, worker %d: closed in a Redis outage: the reports Redis has not taken are not "
+                             "sent (%d queued; the job's only worker: nothing waits for them)", self.config.job,
+                             self.worker, queued)
+            else:
+                self._sender.join(self.config.assignment_timeout_s + 1)
         self._drop_subscription()
 
     def __enter__(self) -> WorkerClient:
