@@ -320,10 +320,13 @@ class FLClients(Scenario):
                           "dropout": dropout}, iterations)
         self.local_steps = local_steps
         ms_per_sample = rng.lognormal(np.log(median_ms_per_sample), compute_spread, num_workers)
-        self.samples_per_s = 1000.0 / (3.0 * ms_per_sample)  # FedScale counts forward + backward as 3x
         bits = model_mb * 8e6
-        self.download_s = bits / (1e3 * rng.lognormal(np.log(median_kbps_down), link_spread, num_workers))
-        self.upload_s = bits / (1e3 * rng.lognormal(np.log(median_kbps_up), link_spread, num_workers))
+        # a huge spread draws 0 (and inf): numpy's bare "divide by zero" warning had come before the engine's error,
+        # which names the options, for the time of inf that follows
+        with np.errstate(divide="ignore", over="ignore"):
+            self.samples_per_s = 1000.0 / (3.0 * ms_per_sample)  # FedScale counts forward + backward as 3x
+            self.download_s = bits / (1e3 * rng.lognormal(np.log(median_kbps_down), link_spread, num_workers))
+            self.upload_s = bits / (1e3 * rng.lognormal(np.log(median_kbps_up), link_spread, num_workers))
         self.noise = rng.lognormal(0.0, round_noise, (iterations + LOOKAHEAD, num_workers))
         self.present = presence.random((iterations + LOOKAHEAD, num_workers)) >= dropout
 
