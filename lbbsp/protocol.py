@@ -245,8 +245,9 @@ class Report:
         for name, value in self.features.items():
             bounds = FEATURE_RANGES.get(name)
             if bounds is None:
-                raise _fail(f"unknown feature {name!r:.{MAX_NAME_SHOWN}}{_known_features(name)}",
-                            f"features.{str(name)[:MAX_NAME_SHOWN]}", **where)
+                # (the name once, in the field: a hostile report's error is kept in the decision log)
+                raise _fail(f"unknown feature{_known_features(name)}", f"features.{str(name)[:MAX_NAME_SHOWN]}",
+                            **where)
             if not _in_range(value, *bounds):
                 _float(value, f"features.{name}", *bounds, **where)
         if ("gpu_mem_used" in self.features) != ("gpu_mem_free" in self.features):  # a cap needs the card's size

@@ -10,12 +10,13 @@ from lbbsp.protocol import FEATURE_RANGES
 
 
 def test_a_misspelt_feature_is_refused_with_the_name_meant_and_the_known_ones() -> None:
-    with pytest.raises(ProtocolError, match=r"unknown feature 'downlod_s'; did you mean 'download_s'\?") as caught:
+    meant = r"features\.downlod_s: unknown feature; did you mean 'download_s'\?"
+    with pytest.raises(ProtocolError, match=meant) as caught:
         Report("fl", 0, 0, 10, 1.0, features={"downlod_s": 3.0})
     assert all(name in str(caught.value) for name in FEATURE_RANGES)
 
 
 def test_a_feature_like_none_known_is_refused_with_the_known_ones_only() -> None:
-    with pytest.raises(ProtocolError, match=r"unknown feature 'temperature' \(known: cpu_util, ") as caught:
+    with pytest.raises(ProtocolError, match=r"features\.temperature: unknown feature \(known: cpu_util, ") as caught:
         Report("w", 0, 0, 10, 1.0, features={"temperature": 60.0})
     assert "did you mean" not in str(caught.value)
