@@ -5,7 +5,7 @@ iteration k is the one the model gives after the report of k - h: h = 2 is what 
 (``JobConfig.lag`` = 2: the vector of iteration k is decided from the reports of k - 2), h = 1 is the
 one-step-ahead figure. NARX is built with ``horizon=h``; EWMA and LastValue forecast a flat line. "NARX
 no-feat" is the same network without the resource features (``exog_lags=0``), to show what they add. The
-first ``--skip`` iterations (warm-up) are not scored.
+first ``--skip`` iterations (warm-up) are not scored: each table gives a trace's rows and the iterations scored.
 The decision time of LB-BSP with each real model is printed by experiments/bench_coordinator.py.
 
     python experiments/bench_models.py [--traces experiments/traces]
@@ -121,7 +121,7 @@ def benchmark() -> int:
     for horizon in HORIZONS:
         print(f"\n{horizon} iteration{'s' * (horizon > 1)} ahead"
               + (" (production: JobConfig.lag = 2)" if horizon == 2 else ""))
-        print(f"{'trace':<{width}} {'iterations':>10} " + " ".join(f"{name + ' MAPE%':>18}" for name in MODELS))
+        print(f"{'trace':<{width}} {'rows':>6} {'scored':>6} " + " ".join(f"{name + ' MAPE%':>18}" for name in MODELS))
         scores: dict[str, list[float]] = {name: [] for name in MODELS}
         halves: dict[str, list[float]] = {name: [] for name in (*MODELS, "offline ceiling")}
         for trace in traces:
@@ -132,10 +132,11 @@ def benchmark() -> int:
                 halves[name].append(float(np.mean(e[half:])))
                 row.append(f"{scores[name][-1]:>18.2f}")
             halves["offline ceiling"].append(float(np.mean(offline_ceiling(trace, horizon)[half:])))
-            print(f"{trace.name:<{width}} {trace.throughput.size:>10} " + " ".join(row), flush=True)
+            scored = trace.throughput.size - max(args.skip, horizon)  # the iterations each model's MAPE is over
+            print(f"{trace.name:<{width}} {trace.throughput.size:>6} {scored:>6} " + " ".join(row), flush=True)
         mean = {name: float(np.mean(v)) for name, v in scores.items()}
         best_baseline = min(mean["EWMA"], mean["LastValue"])
-        print(f"{'mean':<{width}} {'':>10} " + " ".join(f"{mean[n]:>18.2f}" for n in MODELS))
+        print(f"{'mean':<{width}} {'':>13} " + " ".join(f"{mean[n]:>18.2f}" for n in MODELS))
         print(f"NARX vs best baseline: MAPE {_relative(mean['NARX'], best_baseline)} "
               f"(goal: >= 20% lower, i.e. NARX mean <= {0.8 * best_baseline:.2f}); "
               f"without the resource features {_relative(mean['NARX no-feat'], best_baseline)}")

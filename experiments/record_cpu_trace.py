@@ -4,7 +4,9 @@ A small model trains on one core: an MLP in numpy or a CNN in torch. Beside it, 
 the same core with ``os.sched_setaffinity``) are switched on and off at random times, independently of the
 iterations, with exponentially distributed dwell times: level 0, 1 or 2 busy processes. After each
 iteration the recorder writes the measured throughput and the worker's :class:`lbbsp.ResourceMonitor`
-features, exactly as a worker would report them, plus the true contention level (for analysis only).
+features, as a worker reports them except sampled fresh every iteration (a worker reuses a sample for 0.2 s) and
+without this process's children (the busy loops, which stand for other jobs), plus the true contention level (for
+analysis only).
 
     python experiments/record_cpu_trace.py --backend numpy --seconds 180 --out my_traces/cpu_numpy.json
     lbbsp simulate --scenario cpu-contention --traces my_traces
@@ -293,9 +295,10 @@ def main() -> int:
           + f"), throughput p10/p50/p90 {np.percentile(throughput, 10):.0f}/{np.median(throughput):.0f}/"
             f"{np.percentile(throughput, 90):.0f} samples/s")
     for level, count in enumerate(at_level):
-        if 0 < count < MIN_LEVEL_ROWS:  # as lbbsp simulate and bench_models will warn when they load it
-            print(f"  level {level} has {count} rows, fewer than the {MIN_LEVEL_ROWS} a replay wants (its rows come "
-                  "round again and again): record longer (--seconds)")
+        if count < MIN_LEVEL_ROWS:  # 0 included: as lbbsp simulate and bench_models will warn when they load it
+            why = ("a replay never visits it" if count == 0 else f"fewer than the {MIN_LEVEL_ROWS} a replay wants (its "
+                   "rows come round again and again)")
+            print(f"  level {level} has {count} rows, {why}: record longer (--seconds)")
     return 0
 
 

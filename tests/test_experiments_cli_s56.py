@@ -218,5 +218,6 @@ def test_the_model_benchmarks_table_fits_its_longest_trace_name(tmp_path: Path) 
     for start in (i for i, line in enumerate(lines) if line.startswith("trace ")):
         table = lines[start:start + 4]  # the header, a row per trace, the mean
         assert table[-1].startswith("mean ") and len({len(line) for line in table}) == 1, "\n".join(table)
-        for row in table[1:3]:  # each trace's 80 iterations right under the header's "iterations"
-            assert row.index(" 80 ") + 3 == table[0].index("iterations") + len("iterations"), "\n".join(table)
+        for row in table[1:3]:  # each trace's 80 rows, 70 scored, right under the header's "rows" and "scored"
+            assert row.index(" 80 ") + 3 == table[0].index("rows") + len("rows"), "\n".join(table)
+            assert row.index(" 70 ") + 3 == table[0].index("scored") + len("scored"), "\n".join(table)

@@ -93,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--workers x --iterations is at most {MAX_CELLS:,} (a few GiB of trace; fewer than "
                           f"{LOOKAHEAD} iterations count as {LOOKAHEAD}, the look-ahead every scenario generates), got "
                           f"{args.workers:,} x {args.iterations:,}")
+    # before the traces are read: the results of a run that wrote them there had been read as traces by the next
+    if args.scenario in TRACED and args.out.resolve() == (args.traces or DEFAULT_TRACE_DIR).resolve():
+        raise ConfigError(f"--out {args.out} is the folder the traces are read from: the next run would read the "
+                          "results there as traces; give another folder")
     options, suffix = _scenario_options(args)
     redis = redis_for(args.redis)
     if redis is not None and redis[0]:  # a given Redis is reached before the scenario is built and the in-process pass

@@ -80,6 +80,11 @@ class CPUTrace:
         most = meta.get("max_level") if isinstance(meta, dict) else None
         # the recorder runs up to 4 per core; a bound keeps a corrupt meta from asking for a warning per level
         most = most if type(most) is int and 0 <= most <= 10_000 else None
+        # rows above the recorder's most busy loops are another recording's, or edited: the warnings would name its
+        # own levels as empty (0 rows at levels 0-2 for rows at level 7) and the replay would use the rows all the same
+        if most is not None and (above := np.flatnonzero(level > most)).size:
+            raise ConfigError(f"cannot read CPU trace {path}: hog_level must be at most meta's max_level {most}, row "
+                              f"{above[0]} has {level[above[0]]:g} ({above.size} row{'s' * (above.size > 1)} above it)")
         return cls(path.stem, throughput, features, level.astype(int), most)
 
 
@@ -103,8 +108,8 @@ def load_traces(directory: str | Path = DEFAULT_TRACE_DIR) -> list[CPUTrace]:
         # recording with no row at levels 1 and 2 had made a cpu-contention run with no contention, unsaid)
         for level in sorted(set(counts).union(range(0 if trace.max_level is None else trace.max_level + 1))):
             if (rows := counts.get(level, 0)) < MIN_LEVEL_ROWS:
-                log.warning("CPU trace %s (%s): level %d has %d row%s, where a replay wants at least %d (every worker "
-                            "at that level replays them in turn); record longer (experiments/record_cpu_trace.py "
-                            "--seconds)", trace.name, path, level, rows,
-                            "s" * (rows != 1), MIN_LEVEL_ROWS)
+                why = (f"where a replay wants at least {MIN_LEVEL_ROWS} (every worker at that level replays them in "
+                       "turn)" if rows else "so a replay never visits it (workers switch among the levels with rows)")
+                log.warning("CPU trace %s (%s): level %d has %d row%s, %s; record longer (experiments/record_cpu_trace.py "
+                            "--seconds)", trace.name, path, level, rows, "s" * (rows != 1), why)
     return traces
