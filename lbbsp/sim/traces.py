@@ -110,6 +110,7 @@ def load_traces(directory: str | Path = DEFAULT_TRACE_DIR) -> list[CPUTrace]:
             if (rows := counts.get(level, 0)) < MIN_LEVEL_ROWS:
                 why = (f"where a replay wants at least {MIN_LEVEL_ROWS} (every worker at that level replays them in "
                        "turn)" if rows else "so a replay never visits it (workers switch among the levels with rows)")
-                log.warning("CPU trace %s (%s): level %d has %d row%s, %s; record longer (experiments/record_cpu_trace.py "
-                            "--seconds)", trace.name, path, level, rows, "s" * (rows != 1), why)
+                log.warning("CPU trace %s (%s): level %d has %d row%s, %s; record longer "
+                            "(experiments/record_cpu_trace.py --seconds)", trace.name, path, level, rows,
+                            "s" * (rows != 1), why)
     return traces
