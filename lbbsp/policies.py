@@ -309,6 +309,8 @@ class LBBSPPolicy(Policy):
                                       f"{type(self).__name__}.propose", "one size per worker")
 
         dropout, job_upper = self.dropout(workers), upper  # the job's bounds and memory caps, without dropouts
+        if dropout is not None:  # a hook's list, as the bounds' (it had failed every decision on list.min)
+            dropout = np.asarray(dropout, dtype=float)
         if dropout is None:
             proposed = split_within(upper)
         else:  # clients that may not come back: the largest shares capped where that pays

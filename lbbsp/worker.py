@@ -98,6 +98,10 @@ class WorkerClient:
         # have no assignment"): hundreds once the job's only worker trains on through an outage without waiting
         self._lost: set[int] = set()
         self._outbox: queue.Queue[Report | None] = queue.Queue()
+        # Set where the job's only worker closes in an outage: the sender drops what it has not sent, and ends after
+        # the attempt in progress (close does not wait for it, nor does a report reach Redis after close has said so)
+        self._abandoned = False
+        self._sending = False
         self._sender = threading.Thread(target=self._send_loop, name=f"lbbsp-report-{worker}", daemon=True)
         self._sender.start()
         self._pubsub: redis.client.PubSub | None = None
@@ -150,7 +154,9 @@ class WorkerClient:
                 return
             deadline = time.monotonic() + self.config.assignment_timeout_s
             retried = False
-            while not (self._lost and self._is_lost(report.iteration)):  # (dropped while Redis did not take it)
+            self._sending = True
+            # (dropped while Redis did not take it, or as the job's only worker closed in an outage)
+            while not (self._abandoned or self._lost and self._is_lost(report.iteration)):
                 try:
                     if self._unwritten:  # before the report that may complete their iteration
                         self._write_unwritten()
@@ -169,6 +175,7 @@ class WorkerClient:
                         break
                     retried = True
                     time.sleep(0.05)
+            self._sending = False
             self._outbox.task_done()
 
     def _silent(self) -> bool:
@@ -540,17 +547,19 @@ class WorkerClient:
         in an outage, which Redis has not answered since, does not wait for what it cannot send (logged)."""
         self._closed = True
         if self._sender.is_alive():
-            queued = self._outbox.qsize()
-            self._outbox.put(None)
             if self._silent():
-                # the job's only worker in an outage: Redis has not answered since it last failed, so what is queued
-                # cannot go, and waiting out its retries had held close for assignment_timeout_s + 1 (11 s)
+                # the job's only worker in an outage: Redis has not answered since it last failed, and waiting out
+                # the retries of what is queued had held close for assignment_timeout_s + 1 (11 s)
+                unsent = self._outbox.qsize() + self._sending
+                self._abandoned = True
+                self._outbox.put(None)
                 self._sender.join(_SILENT_CLOSE_S)
-                if self._sender.is_alive():
-                    log.info("job %s, worker %d: closed in a Redis outage: the reports Redis has not taken are not "
-                             "sent (%d queued; the job's only worker: nothing waits for them)", self.config.job,
-                             self.worker, queued)
+                if unsent:
+                    log.info("job %s, worker %d: closed in a Redis outage: %d report(s) Redis had not taken are "
+                             "dropped, but for one it may yet take (the job's only worker: nothing waits for them)",
+                             self.config.job, self.worker, unsent)
             else:
+                self._outbox.put(None)
                 self._sender.join(self.config.assignment_timeout_s + 1)
         self._drop_subscription()
 

@@ -9,6 +9,10 @@ import pytest
 
 from lbbsp.allocation import LinearTime, allocate
 from lbbsp.dropouts import dropout_bounds, expected_cost, expected_shortfall
+from lbbsp.models import FLClientModel
+from lbbsp.policies import LBBSPPolicy
+from lbbsp.sim import FLClients
+from lbbsp.sim.engine import run_policy
 
 
 def _charged(model: LinearTime, sizes: np.ndarray, dropout: np.ndarray, draws: int = 100_000) -> float:
@@ -94,3 +98,26 @@ def test_a_chance_that_is_no_number_leaves_the_cost_no_number_and_a_list_is_take
     assert np.isnan(expected_cost(model, even, dropout))
     listed = [0.5] * 16
     assert expected_cost(model, even, listed) == expected_cost(model, even, np.array(listed))  # type: ignore[arg-type]
+
+
+class _HookedDropout(LBBSPPolicy):
+    """A variant whose dropout hook hands back a list, or a NaN where a worker's chance is unknown."""
+
+    def __init__(self, nan: bool) -> None:
+        super().__init__(FLClientModel(local_steps=5))
+        self.nan = nan
+
+    def dropout(self, workers: np.ndarray) -> np.ndarray | None:
+        chances = [0.3] * workers.size
+        if self.nan:
+            chances[0] = float("nan")
+        return chances  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_a_dropout_hooks_list_or_nan_fails_no_decision(nan: bool) -> None:
+    """A list had failed every decision (list.min in the search's early exit); a NaN, once the cost counted early
+    finishes, too (int(nan)): 20 of 20. With a NaN the cost is no number, and the finish alone is damped."""
+    run = run_policy(FLClients(16, 20, 0, dropout=0.3), "hooked", _HookedDropout(nan), 20)
+    assert run.failed_decisions == 0
+    assert any(len(set(sizes)) > 1 for sizes in run.sizes)  # it balanced: the decisions took effect

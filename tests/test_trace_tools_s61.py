@@ -53,7 +53,7 @@ def test_a_trace_with_rows_above_its_max_level_is_refused(tmp_path: Path) -> Non
         CPUTrace.load(path)
     said = str(refused.value)
     assert "\n" not in said and str(path) in said, said
-    assert "hog_level must be at most meta's max_level 2, row 0 has 7 (40 rows above it)" in said, said
+    assert "hog_level must be at most meta's max_level 2, row 0 has 7 (40 rows above max_level)" in said, said
 
 
 def test_simulate_refuses_an_out_that_is_its_traces_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -69,6 +69,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"directory for the JSON and PNG results (default: {DEFAULT_OUT})")
 
 
+def _same_folder(one: Path, other: Path) -> bool:
+    """Whether two paths name one folder; False where either cannot be resolved (a symlink loop: the checks that
+    follow refuse it with their own message)."""
+    try:
+        return one.resolve() == other.resolve()
+    except (OSError, RuntimeError):
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``lbbsp simulate``: check the flags, simulate every policy on one scenario, print the table and write
     the JSON and PNG under ``--out``; 0 when done."""
@@ -94,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
                           f"{LOOKAHEAD} iterations count as {LOOKAHEAD}, the look-ahead every scenario generates), got "
                           f"{args.workers:,} x {args.iterations:,}")
     # before the traces are read: the results of a run that wrote them there had been read as traces by the next
-    if args.scenario in TRACED and args.out.resolve() == (args.traces or DEFAULT_TRACE_DIR).resolve():
+    if args.scenario in TRACED and _same_folder(args.out, args.traces or DEFAULT_TRACE_DIR):
         raise ConfigError(f"--out {args.out} is the folder the traces are read from: the next run would read the "
                           "results there as traces; give another folder")
     options, suffix = _scenario_options(args)

@@ -391,8 +391,9 @@ def _warn_local_steps(scenario: Scenario, policies: Mapping[str, Policy]) -> Non
         planned = _planned_local_steps(getattr(policy, "model", None))
         if planned is not None and planned != steps:
             log.warning("policy %r plans federated clients with local_steps=%s, but scenario %s runs %s local steps a "
-                        "round: give it the scenario's model, LBBSPPolicy(scenario.capacity_model()), or "
-                        "FLClientModel(local_steps=%s) (in AutoCapacityModel(models={'fl': ...}))",
+                        "round: give it the scenario's model (model=scenario.capacity_model(), as in "
+                        "LBBSPPolicy(scenario.capacity_model())), or FLClientModel(local_steps=%s) (in "
+                        "AutoCapacityModel(models={'fl': ...}))",
                         name, planned, scenario.name, steps, steps)
 
 
