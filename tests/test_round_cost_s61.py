@@ -4,6 +4,8 @@ LB-BSP kept splits BSP beat), unless the round waits for every client asked (the
 timeout for a client that sends no reply)."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -121,3 +123,16 @@ def test_a_dropout_hooks_list_or_nan_fails_no_decision(nan: bool) -> None:
     run = run_policy(FLClients(16, 20, 0, dropout=0.3), "hooked", _HookedDropout(nan), 20)
     assert run.failed_decisions == 0
     assert any(len(set(sizes)) > 1 for sizes in run.sizes)  # it balanced: the decisions took effect
+
+
+def test_the_rounds_only_a_tiny_share_comes_back_from_are_counted_however_rare() -> None:
+    """Three slow workers of 1,000 samples and a fast one of 1: the rounds all three miss are rare (0.05^3) but cost
+    B / 1 sample each, and leaving them out by their chance alone had put the cost 33% over; here it is exact."""
+    model = LinearTime(np.array([1.0, 1.1, 1.2, 100.0]), overhead=np.full(4, 1.0))
+    sizes, dropout = np.array([1000, 1000, 1000, 1]), np.full(4, 0.05)
+    times, exact = model.time(sizes), 0.0
+    for pattern in itertools.product((False, True), repeat=4):
+        back = np.array(pattern)
+        chance = float(np.prod(np.where(back, 0.95, 0.05)))
+        exact += chance * (times[back].max() * sizes.sum() / sizes[back].sum() if back.any() else times.max())
+    assert expected_cost(model, sizes, dropout) == pytest.approx(exact, rel=1e-9)
