@@ -34,7 +34,8 @@ _NORMAL_SPREAD = 0.15
 #: trapezoid rule, whose error for this integrand falls as exp(-pi^2 / _STEP): within 1e-4 of a grid 4x finer.
 _STEP, _T_LOW = 0.5, 1e-7
 #: Finishes within this share of the slowest are one level in :func:`_early_finish`, charged its top; at most
-#: _MAX_LEVELS levels below the slowest are counted, and none where all above are absent with a chance under _TAIL.
+#: _MAX_LEVELS levels below the slowest are counted, and none where all above are absent with a chance under _TAIL
+#: times the share the others hold.
 _LEVEL, _MAX_LEVELS, _TAIL = 0.002, 24, 1e-3
 #: The caps tried on the largest size, as shares of the largest size of the split that ignores dropouts; the search
 #: stops after two in a row that do worse than the best (smaller caps only finish later).
@@ -141,7 +142,7 @@ def _early_finish(times: np.ndarray, sizes: np.ndarray, dropout: np.ndarray) -> 
     been chosen at 64 clients with 90% dropout for the slow clients that their few rounds had made look surest to stay
     away (about 16% dearer a round than the split it replaced). Finishes within ``_LEVEL`` of the slowest share a
     level, charged its top; levels past ``_MAX_LEVELS`` or whose workers above are all absent with a chance under
-    ``_TAIL`` are charged the last level's: each only ever counts a round dearer than it is (for an even split at
+    ``_TAIL`` times the share the others hold are charged the last level's: each only ever counts a round dearer than it is (for an even split at
     99% dropout, where more than _MAX_LEVELS levels count, by 7-9% at 64 clients and 40-70% at 128-256: a search
     there prefers a balanced split more than it should). 0 where no chance is a number."""
     asked = np.flatnonzero(sizes > 0)
