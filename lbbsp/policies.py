@@ -316,6 +316,16 @@ class LBBSPPolicy(Policy):
         else:  # clients that may not come back: the largest shares capped where that pays
             upper, proposed = dropout_bounds(plan, config.global_batch, lower, upper, dropout, split_within)
         capped_for_dropouts = int(upper.max()) if upper is not job_upper else None
+        costs: dict[bytes, float] = {}
+
+        def cost_of(split: np.ndarray) -> float:
+            """:func:`expected_cost` of ``split`` under this decision's plan, each split once (the proposal's is asked
+            twice where it is taken: 0.3 ms at 1,024 clients)."""
+            key = np.asarray(split, dtype=np.int64).tobytes()
+            if key not in costs:
+                costs[key] = expected_cost(plan, split, dropout)
+            return costs[key]
+
         may_idle = self._may_idle(lower)
         # the split in force fits the bounds (a worker sitting out does), unless one due back would stay out
         back = self._due_back(current_arr, lower)
@@ -327,7 +337,7 @@ class LBBSPPolicy(Policy):
         else:
             # with dropouts, the samples expected back weighed too: the cap chosen moves with noise, and had moved
             # the split in 138 of 149 rounds where the finish alone was damped
-            cost = [np.inf] if dropout is None else [expected_cost(plan, s, dropout) for s in (proposed, current_arr)]
+            cost = [np.inf] if dropout is None else [cost_of(s) for s in (proposed, current_arr)]
             if np.isfinite(cost).all():
                 sizes, changed = (proposed, True) if cost[0] * (1 + band) < cost[1] else (current_arr, False)
             else:  # no dropouts, or a worker predicted never to finish (damp weighs what it is given)
@@ -340,7 +350,7 @@ class LBBSPPolicy(Policy):
             # forecasts, 1.1% slower than the even split); not where a worker is held at its upper bound, whose
             # memory cap grows only as it is measured larger (back at even, a worker 4x faster than the others grew
             # to 861 samples in 120 iterations, where the best split its card holds gives it 914)
-            cost = [expected_cost(plan, s, dropout) for s in (even, sizes)]
+            cost = [cost_of(s) for s in (even, sizes)]
             if np.isfinite(cost).all() and cost[0] <= cost[1] * (1 + band):
                 sizes, changed = even, not np.array_equal(even, current_arr)
         if not changed and ((proposed > current_arr) & (proposed >= job_upper)).any():
