@@ -143,7 +143,7 @@ def _early_finish(times: np.ndarray, sizes: np.ndarray, dropout: np.ndarray) -> 
     away (about 16% dearer a round than the split it replaced). Finishes within ``_LEVEL`` of the slowest share a
     level, charged its top; levels past ``_MAX_LEVELS`` or whose workers above are all absent with a chance under
     ``_TAIL`` times the share the others hold are charged the last level's: each only ever counts a round dearer than it is (for an even split at
-    99% dropout, where more than _MAX_LEVELS levels count, by 7-9% at 64 clients and 40-70% at 128-256: a search
+    99% dropout, where more than _MAX_LEVELS levels count, by 7-9% at 64 clients and 38-69% at 128-256: a search
     there prefers a balanced split more than it should). 0 where no chance is a number."""
     asked = np.flatnonzero(sizes > 0)
     may_miss = asked[dropout[asked] > 0]  # (a NaN is not > 0)
