@@ -142,9 +142,9 @@ def _early_finish(times: np.ndarray, sizes: np.ndarray, dropout: np.ndarray) -> 
     been chosen at 64 clients with 90% dropout for the slow clients that their few rounds had made look surest to stay
     away (about 16% dearer a round than the split it replaced). Finishes within ``_LEVEL`` of the slowest share a
     level, charged its top; levels past ``_MAX_LEVELS`` or whose workers above are all absent with a chance under
-    ``_TAIL`` times the share the others hold are charged the last level's: each only ever counts a round dearer than it is (for an even split at
-    99% dropout, where more than _MAX_LEVELS levels count, by 7-9% at 64 clients and 38-69% at 128-256: a search
-    there prefers a balanced split more than it should). 0 where no chance is a number."""
+    ``_TAIL`` times the share the others hold are charged the last level's: each only ever counts a round dearer than
+    it is (for an even split at 99% dropout, where more than _MAX_LEVELS levels count, by 7-9% at 64 clients and
+    38-69% at 128-256: a search there prefers a balanced split more than it should). 0 where no chance is a number."""
     asked = np.flatnonzero(sizes > 0)
     may_miss = asked[dropout[asked] > 0]  # (a NaN is not > 0)
     least = float(dropout[may_miss].min()) if may_miss.size else 0.0

@@ -101,7 +101,6 @@ class WorkerClient:
         # Set where the job's only worker closes in an outage: the sender drops what it has not sent, and ends after
         # the attempt in progress (close does not wait for it, nor does a report reach Redis after close has said so)
         self._abandoned = False
-        self._sending = False
         self._sender = threading.Thread(target=self._send_loop, name=f"lbbsp-report-{worker}", daemon=True)
         self._sender.start()
         self._pubsub: redis.client.PubSub | None = None
@@ -154,7 +153,6 @@ class WorkerClient:
                 return
             deadline = time.monotonic() + self.config.assignment_timeout_s
             retried = False
-            self._sending = True
             # (dropped while Redis did not take it, or as the job's only worker closed in an outage)
             while not (self._abandoned or self._lost and self._is_lost(report.iteration)):
                 try:
@@ -175,7 +173,6 @@ class WorkerClient:
                         break
                     retried = True
                     time.sleep(0.05)
-            self._sending = False
             self._outbox.task_done()
 
     def _silent(self) -> bool:
@@ -547,20 +544,16 @@ class WorkerClient:
         in an outage, which Redis has not answered since, does not wait for what it cannot send (logged)."""
         self._closed = True
         if self._sender.is_alive():
-            if self._silent():
-                # the job's only worker in an outage: Redis has not answered since it last failed, and waiting out
-                # the retries of what is queued had held close for assignment_timeout_s + 1 (11 s)
-                unsent = self._outbox.qsize() + self._sending
-                self._abandoned = True
-                self._outbox.put(None)
-                self._sender.join(_SILENT_CLOSE_S)
-                if unsent:
-                    log.info("job %s, worker %d: closed in a Redis outage: %d report(s) Redis had not taken are "
-                             "dropped, but for one it may yet take (the job's only worker: nothing waits for them)",
-                             self.config.job, self.worker, unsent)
-            else:
-                self._outbox.put(None)
-                self._sender.join(self.config.assignment_timeout_s + 1)
+            # the job's only worker in an outage: Redis has not answered since it last failed, and waiting out the
+            # retries of what is queued had held close for assignment_timeout_s + 1 (11 s)
+            self._abandoned = self._silent()
+            unsent = self._outbox.unfinished_tasks  # those queued and the one being sent
+            self._outbox.put(None)
+            self._sender.join(_SILENT_CLOSE_S if self._abandoned else self.config.assignment_timeout_s + 1)
+            if self._abandoned and unsent:
+                log.info("job %s, worker %d: closed in a Redis outage: %d report(s) Redis had not taken are dropped, "
+                         "but for one it may yet take (the job's only worker: nothing waits for them)",
+                         self.config.job, self.worker, unsent)
         self._drop_subscription()
 
     def __enter__(self) -> WorkerClient:

@@ -84,7 +84,8 @@ class CPUTrace:
         # own levels as empty (0 rows at levels 0-2 for rows at level 7) and the replay would use the rows all the same
         if most is not None and (above := np.flatnonzero(level > most)).size:
             raise ConfigError(f"cannot read CPU trace {path}: hog_level must be at most meta's max_level {most}, row "
-                              f"{above[0]} has {level[above[0]]:g} ({above.size} row{'s' * (above.size > 1)} above max_level)")
+                              f"{above[0]} has {level[above[0]]:g} ({above.size} row{'s' * (above.size > 1)} "
+                              "above max_level)")
         return cls(path.stem, throughput, features, level.astype(int), most)
 
 
