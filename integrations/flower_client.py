@@ -13,6 +13,7 @@ since the server created the message (delivery and start-up included) as the dow
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -21,12 +22,13 @@ from dataclasses import dataclass
 from logging import WARNING
 from typing import Any, Protocol
 
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 
 from lbbsp.config import _integer, _real
 from lbbsp.errors import ConfigError, ProtocolError
-from lbbsp.protocol import MAX_BATCH, MAX_SECONDS
+from lbbsp.protocol import FEATURE_RANGES, MAX_BATCH, MAX_DEVICE_CHARS, MAX_SECONDS
+from lbbsp.telemetry import available_cores
 
 #: Keys of the per-client ConfigRecord entries the server sends.
 BATCH_SIZE = "lbbsp-batch-size"
@@ -35,6 +37,8 @@ DEADLINE_S = "lbbsp-deadline-s"
 #: Keys of the reply metrics the client sends back (besides the strategy's weight key, "num-examples").
 SAMPLES, STEPS, DATA_SIZE = "lbbsp-samples", "lbbsp-steps", "lbbsp-data-size"
 COMPUTE_S, DOWNLOAD_S, UPLOAD_S = "lbbsp-compute-s", "lbbsp-download-s", "lbbsp-upload-s"
+#: The reply's ConfigRecord with the client's hardware (a MetricRecord holds numbers only, and the device is a name).
+HARDWARE = "lbbsp-hardware"
 MAX_LOCAL_STEPS = 1_000_000
 #: The prefix of every key lbbsp adds to a ConfigRecord or a reply's MetricRecord.
 LBBSP_PREFIX = "lbbsp-"
@@ -100,6 +104,64 @@ class Workload:
                                 field=str(exc.args[0])) from None
         except ConfigError as exc:
             raise ProtocolError(exc.message, field="config") from None
+
+
+@dataclass(frozen=True)
+class ClientHardware:
+    """What a client runs on: a ``device`` name ("cpu", "cuda", a phone model) and its ``cores``. The server gives a
+    client it has not measured yet the speed of clients with the same hardware (the cold-start prior)."""
+
+    device: str
+    cores: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not 0 < len(self.device) <= MAX_DEVICE_CHARS or (
+                not self.device.isprintable()):
+            raise ConfigError(f"device must be a printable name of 1 to {MAX_DEVICE_CHARS} characters, such as 'cpu', "
+                              f"'cuda' or a phone model, got {self.device!r:.80}")
+        lo, hi = FEATURE_RANGES["cores"]
+        object.__setattr__(self, "cores", _integer(self.cores, "cores", int(lo), int(hi)))
+
+    @classmethod
+    def here(cls, device: str = "cpu") -> ClientHardware:
+        """This process's hardware: ``device`` as given and the cores it may use (cgroup limits included)."""
+        return cls(device, _cores())
+
+    def to_config(self) -> ConfigRecord:
+        """The hardware as the reply's ConfigRecord (under :data:`HARDWARE`), read back by :meth:`from_content`."""
+        return ConfigRecord({"device": self.device, "cores": self.cores})
+
+    @classmethod
+    def from_content(cls, content: RecordDict) -> ClientHardware | None:
+        """A reply's hardware; None where it sends none (a client before hardware was sent). A ProtocolError naming
+        the field for a record that is not a device name and a whole number of cores, or holds anything else."""
+        if HARDWARE not in content.config_records:
+            return None
+        record: Mapping[str, Any] = content.config_records[HARDWARE]  # checked below, by the dataclass
+        unknown = sorted(set(record.keys()) - {"device", "cores"})
+        if unknown:
+            raise ProtocolError(f"unknown key(s) {', '.join(repr(k[:32]) for k in unknown[:4])} (known: device, cores)",
+                                field=HARDWARE)
+        for key in ("device", "cores"):
+            if key not in record:
+                raise ProtocolError("is missing", field=f"{HARDWARE}.{key}")
+        try:
+            return cls(record["device"], record["cores"])
+        except ConfigError as exc:
+            key = "cores" if exc.message.startswith("cores") else "device"
+            raise ProtocolError(exc.message.removeprefix(f"{key} "), field=f"{HARDWARE}.{key}") from None
+
+
+@functools.cache
+def _cores() -> int:
+    """:func:`lbbsp.telemetry.available_cores`, read once a process (a round need not read the cgroup files again)."""
+    return available_cores()
+
+
+def hardware_reply(msg: Message, device: str = "cpu") -> Message:
+    """The reply to LoadBalanced's hardware query (``ask_hardware_s``), for a ClientApp's ``@app.query()``: the
+    client's hardware, so that its first round is sized like its peers' on the same hardware."""
+    return Message(RecordDict({HARDWARE: ClientHardware.here(device).to_config()}), reply_to=msg)
 
 
 class Link(Protocol):
@@ -189,12 +251,13 @@ class LocalRound:
     ``break`` before a step's work, as ``zip(rnd.batches(), loader)`` does when the data runs out; a step
     broken out of after its work is not counted. A step whose batch came out short (the data ran out within it)
     says so with :meth:`last_batch`, and is the round's last. ``config_key`` None (the default) reads the workload from
-    whichever ConfigRecord holds it (the strategy's ``configrecord_key``), else from "config".
+    whichever ConfigRecord holds it (the strategy's ``configrecord_key``), else from "config". The reply carries the
+    client's hardware (:class:`ClientHardware`): ``device`` names it ("cuda", a phone model; "cpu" by default).
     """
 
     def __init__(self, msg: Message, *, link: Link | None = None, default: Workload | None = None,
                  data_size: int | None = None, config_key: str | None = None,
-                 weighted_by_key: str = "num-examples") -> None:
+                 weighted_by_key: str = "num-examples", device: str = "cpu") -> None:
         if not isinstance(msg, Message):
             raise ConfigError(f"msg must be the Message the ClientApp's train function receives first, as in "
                               f"train(msg, context), got {type(msg).__name__}")
@@ -211,6 +274,7 @@ class LocalRound:
                               f"got {weighted_by_key!r}")
         if config_key is not None and not isinstance(config_key, str):
             raise ConfigError(f"config_key must be None or the name of a ConfigRecord, got {config_key!r}")
+        self.hardware = ClientHardware.here(device)
         self.msg = msg
         self.data_size = data_size
         self.link = link if link is not None else MessageClock()
@@ -277,10 +341,10 @@ class LocalRound:
 
     def reply(self, arrays: ArrayRecord, metrics: Mapping[str, int | float] | None = None,
               array_key: str = "arrays", metric_key: str = "metrics") -> Message:
-        """The train reply: the arrays, samples processed (the default weight), local data size if given, and
-        the round's timings (an emulated upload happens here). ``metrics`` must set none of these: a weight of its
-        own (``num-examples`` = the data size, as a plain ClientApp sends) would be overwritten, so the data size
-        goes in ``LocalRound(data_size=...)`` instead."""
+        """The train reply: the arrays, samples processed (the default weight), local data size if given, the
+        round's timings (an emulated upload happens here) and the client's hardware. ``metrics`` must set none of
+        these: a weight of its own (``num-examples`` = the data size, as a plain ClientApp sends) would be
+        overwritten, so the data size goes in ``LocalRound(data_size=...)`` instead."""
         if not isinstance(arrays, ArrayRecord):
             raise ConfigError(f"arrays must be an ArrayRecord, e.g. ArrayRecord(list_of_ndarrays) or "
                               f"ArrayRecord(model.state_dict()), got {type(arrays).__name__}")
@@ -302,4 +366,5 @@ class LocalRound:
         record[STEPS] = self.steps
         if self.data_size is not None:
             record[DATA_SIZE] = int(self.data_size)
-        return Message(RecordDict({array_key: arrays, metric_key: record}), reply_to=self.msg)
+        return Message(RecordDict({array_key: arrays, metric_key: record, HARDWARE: self.hardware.to_config()}),
+                       reply_to=self.msg)

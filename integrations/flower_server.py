@@ -27,7 +27,7 @@ from numbers import Integral, Real
 from typing import Literal
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -51,11 +51,13 @@ from .flower_client import (
     COMPUTE_S,
     DATA_SIZE,
     DOWNLOAD_S,
+    HARDWARE,
     LBBSP_PREFIX,
     MAX_LOCAL_STEPS,
     SAMPLES,
     STEPS,
     UPLOAD_S,
+    ClientHardware,
     Workload,
 )
 from .flower_local import LocalGrid, strategy_attribute
@@ -182,13 +184,18 @@ class LoadBalanced(Strategy):
     sit out round after round, so their data is trained on less: keep the share small. A client that sat out
     ``rejoin_after`` of the rounds it was sampled for in a row is asked in the next (None: no limit), which
     also renews its estimate. This count is kept in memory and starts again after a restart.
+    Each reply carries the client's hardware (:class:`ClientHardware`), and a client not measured yet is planned at
+    the speed of clients with the same device and cores. ``ask_hardware_s`` (seconds) asks a node whose hardware is
+    not known yet for it before its first round, with a query message (its ClientApp answers with
+    :func:`hardware_reply`), waiting at most that long: its first workload is then sized like its peers'. None (the
+    default) asks nothing, and a new client's first round is planned at the median of all clients.
     """
 
     def __init__(self, strategy: Strategy, history: ClientHistory, *, batch_size: int = 32, local_steps: int = 1,
                  adapt: Literal["batch", "steps"] = "batch", min_size: int = 1, max_size: int | None = None,
                  deadline_slack: float | None = None, weight_by: Literal["auto", "samples", "data"] = "auto",
                  compensate_dropouts: bool = False, sit_out: float = 0.0, rejoin_after: int | None = 10,
-                 model: FLClientModel | None = None) -> None:
+                 model: FLClientModel | None = None, ask_hardware_s: float | None = None) -> None:
         if not isinstance(strategy, Strategy):
             raise ConfigError(f"strategy must be a Flower message-API strategy instance, e.g. "
                               f"flwr.serverapp.strategy.FedAvg(...), got {strategy!r}{_why_not(strategy)}")
@@ -212,6 +219,9 @@ class LoadBalanced(Strategy):
             raise ConfigError(f"deadline_slack must be None or a finite number of at least 1, got {deadline_slack!r}")
         if not isinstance(compensate_dropouts, bool):
             raise ConfigError(f"compensate_dropouts must be True or False, got {compensate_dropouts!r}")
+        if ask_hardware_s is not None and (isinstance(ask_hardware_s, bool) or not isinstance(ask_hardware_s, Real)
+                                           or not 0 < ask_hardware_s <= MAX_SECONDS):
+            raise ConfigError(f"ask_hardware_s must be None or seconds in (0, {MAX_SECONDS:g}], got {ask_hardware_s!r}")
         self.strategy = strategy
         self.history = history
         self.batch_size = batch_size
@@ -228,6 +238,9 @@ class LoadBalanced(Strategy):
             raise ConfigError(f"model must be an FLClientModel (lbbsp.models): the plan needs each client's transfer "
                               f"time and availability, which only it learns; got {model!r}")
         self.model = model or FLClientModel(local_steps)
+        self.ask_hardware_s = None if ask_hardware_s is None else float(ask_hardware_s)
+        self._asked_hardware: set[int] = set()  # nodes asked for their hardware in this run
+        self._announced: dict[int, ClientHardware] = {}  # node -> hardware it answered, until plan() teaches the model
         self.weighted_by_key: str = strategy_attribute(strategy, "weighted_by_key", "num-examples")
         self.configrecord_key: str = strategy_attribute(strategy, "configrecord_key", "config")
         self._pending: dict[int, _Round] = {}
@@ -271,6 +284,8 @@ class LoadBalanced(Strategy):
         if isinstance(grid, LocalGrid):
             grid.check_enough_nodes(self.strategy, "train")
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        if self.ask_hardware_s is not None:
+            self._ask_hardware(server_round, grid, [m.metadata.dst_node_id for m in messages])
         self._planned_indices = {}
         plan = self.plan(server_round, [m.metadata.dst_node_id for m in messages])
         messages = [m for m in messages if m.metadata.dst_node_id in plan]  # the others sit this round out
@@ -299,6 +314,7 @@ class LoadBalanced(Strategy):
         unit = self.batch_size if self.adapt == "batch" else self.local_steps
         workers = self._worker_indices(nodes)
         self._planned_indices = dict(zip(nodes, workers))  # configure_train sends the plan under these
+        self._learn_hardware(self._round_base + server_round, nodes, workers)
         time_model = self._time_model(workers)
         available = self.model.availability(workers)
         total = unit * len(nodes)
@@ -322,6 +338,40 @@ class LoadBalanced(Strategy):
         if self.adapt == "batch":
             return {n: Workload(s, self.local_steps, d) for n, s, d in asked}
         return {n: Workload(self.batch_size, s, d) for n, s, d in asked}
+
+    def _ask_hardware(self, server_round: int, grid: Grid, nodes: list[int]) -> None:
+        """Ask each of ``nodes`` whose hardware is not known for it (once a run), waiting at most ``ask_hardware_s``.
+        A node that answers with an error (no ``@app.query()``), not in time, or with a bad record, is planned as
+        before (logged): it still gets its round."""
+        hardware = getattr(self.model, "hardware_", {})
+        new = [n for n in nodes if n not in self._asked_hardware and self.history.known_index(n) not in hardware]
+        if not new:
+            return
+        self._asked_hardware.update(new)
+        queries = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY, group_id=str(server_round))
+                   for node in new]
+        for reply in grid.send_and_receive(queries, timeout=self.ask_hardware_s):
+            node = reply.metadata.src_node_id
+            try:
+                if reply.has_error():
+                    raise ProtocolError(printable(reply.error.reason or "error reply", MAX_CLIENT_REASON_CHARS),
+                                        field="query")
+                answer = ClientHardware.from_content(reply.content)
+            except ProtocolError as exc:
+                log(WARNING, "lbbsp round %d: node %d gave no hardware (%s): planned as a typical client", server_round,
+                    node, printable(str(exc), MAX_REASON_CHARS))
+            else:
+                if node in new and answer is not None:
+                    self._announced[node] = answer
+
+    def _learn_hardware(self, iteration: int, nodes: list[int], workers: list[int]) -> None:
+        """Teach the model the hardware that ``nodes`` answered with, as reports of no sample (announcements, which
+        measure nothing), so that the cold-start prior sizes them like their peers."""
+        announcements = [Report(self.history.job, worker, iteration, 0, 0.0, features={"cores": hardware.cores},
+                                device=hardware.device)
+                         for node, worker in zip(nodes, workers) if (hardware := self._announced.pop(node, None))]
+        if announcements:
+            self.model.partial_fit(announcements)
 
     def _compensated(self, time_model: LinearTime | None, total: int, available: np.ndarray, stay: np.ndarray,
                      dropout: np.ndarray | None) -> tuple[np.ndarray, str]:
@@ -470,11 +520,15 @@ class LoadBalanced(Strategy):
         if result.weight(self.weight_by) == 0:
             raise ProtocolError(f"is 0, and with weight_by={self.weight_by!r} the reply would weigh nothing",
                                 field=DATA_SIZE)
+        hardware = ClientHardware.from_content(message.content)
         if worker is None:
             return result, None
+        features = {"download_s": result.download_s, "upload_s": result.upload_s}
+        if hardware is not None:  # the models' cold-start prior groups clients by device and cores
+            features["cores"] = hardware.cores
         try:
             return result, Report(self.history.job, worker, iteration, result.samples, result.compute_s,
-                                  features={"download_s": result.download_s, "upload_s": result.upload_s})
+                                  features=features, device=hardware.device if hardware is not None else "cpu")
         except ProtocolError as exc:  # name the metric the client sent; the log line names its node
             metric = REPORT_METRICS.get(exc.field or "")
             if metric is None:
@@ -604,11 +658,11 @@ class LoadBalanced(Strategy):
         message.content = content
 
     def _without_lbbsp_metrics(self, message: Message) -> Message:
-        """The reply with lbbsp's own ``lbbsp-*`` metrics removed (the weight key kept), so that replies with and
-        without optional ones (a data size) or without any (a plain ClientApp) aggregate together."""
+        """The reply with lbbsp's own ``lbbsp-*`` metrics and hardware record removed (the weight key kept), so that
+        replies with and without optional ones (a data size) or without any (a plain ClientApp) aggregate together."""
         if message.has_error():
             return message
-        content = RecordDict(dict(message.content.items()))
+        content = RecordDict({name: record for name, record in message.content.items() if name != HARDWARE})
         for key, record in message.content.metric_records.items():
             content[key] = MetricRecord({name: value for name, value in record.items()
                                          if not name.startswith(LBBSP_PREFIX) or name == self.weighted_by_key})

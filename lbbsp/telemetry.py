@@ -60,9 +60,7 @@ class ResourceMonitor:
         # (OMP_PROC_BIND) pins the main thread to one core of those its threads use, which had read as a 1-core
         # worker; a cgroup's cpuset is the process's, whatever its threads are pinned to.
         self._host_cores = psutil.cpu_count() or 1
-        quota, cpuset = _cgroup_cpu_quota(), _cgroup_cpuset_size()
-        self._cores = float(max(min(self._host_cores, math.ceil(quota) if quota is not None else math.inf,
-                                    cpuset if cpuset is not None else math.inf), 1))
+        self._cores = float(available_cores())
         self._process = self._read("process CPU", psutil.Process)
         self._process_cpu()  # the baseline of this monitor's own Process object
         # The CPU-seconds at the previous reading of each descendant (its own and its reaped descendants') and of this
@@ -207,6 +205,14 @@ class ResourceMonitor:
         if what not in self._failed:
             self._failed.add(what)
             log.warning("the %s %s: reports go without it", what, why)
+
+
+def available_cores() -> int:
+    """The machine's cores capped by this process's cgroup CPU quota and cpuset, at least 1: the cores a worker (or a
+    Flower client) reports as its hardware. A container limited to 2 CPUs on a 64-core host has 2."""
+    quota, cpuset = _cgroup_cpu_quota(), _cgroup_cpuset_size()
+    return int(max(min(psutil.cpu_count() or 1, math.ceil(quota) if quota is not None else math.inf,
+                       cpuset if cpuset is not None else math.inf), 1))
 
 
 def _cgroup_cpu_quota() -> float | None:
