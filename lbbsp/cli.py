@@ -114,9 +114,22 @@ def kind_pin(text: str) -> tuple[int, str]:
 
     worker, _, kind = text.partition("=")
     if not worker.strip().isdigit() or kind not in KINDS:
-        raise argparse.ArgumentTypeError(f"expected WORKER=KIND with KIND one of {', '.join(KINDS)} (e.g. 3=gpu), "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected WORKER=KIND with WORKER a worker id (0 and up) and KIND one of "
+                                         f"{', '.join(KINDS)} (e.g. 3=gpu), got {text!r}")
     return int(worker), kind
+
+
+def _kind_values_joined(argv: list[str]) -> list[str]:
+    """``argv`` with each ``--kind VALUE`` whose VALUE starts as a negative number does (``-1=gpu``) given as
+    ``--kind=VALUE``: argparse takes such a VALUE for an option and said only "expected one argument", where
+    :func:`kind_pin` says what is wrong with it. Nothing after ``--`` is touched."""
+    joined: list[str] = []
+    for arg in argv:
+        if joined and joined[-1] == "--kind" and re.match(r"-\d", arg) and "--" not in joined:
+            joined[-1] = f"--kind={arg}"
+        else:
+            joined.append(arg)
+    return joined
 
 
 def kind_model(text: str) -> tuple[str, str]:
@@ -877,7 +890,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = external.parse_args(argv[1:])
         runner = module.run
     else:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(_kind_values_joined(argv) if argv[:1] == ["coordinator"] else argv)
         runner = args.handler
     logging.basicConfig(level=logging.INFO if verbose or getattr(args, "verbose", False) else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
