@@ -520,8 +520,9 @@ def _print_status(status: _JobStatus, decisions_shown: int) -> None:
     for worker in sorted(statuses):
         s = statuses[worker]
         kind = (_shown(str(s.get("kind") or "-")[:8]),) * kinds
-        table.add_row(str(worker), str(s["size"]), _fmt(s["predicted_throughput"]), _fmt(s["measured_throughput"]),
-                      _fmt(s["compute_s"]), _fmt(s["wait_s"]), *kind)
+        predicted = "no model" if _predicts(s) is False else _fmt(s["predicted_throughput"])
+        table.add_row(str(worker), str(s["size"]), predicted, _fmt(s["measured_throughput"]), _fmt(s["compute_s"]),
+                      _fmt(s["wait_s"]), *kind)
     console.print(table)
     if decisions_shown and not decisions:
         console.print(f"no decisions yet for job {job}", soft_wrap=True, markup=False, highlight=False)
@@ -574,7 +575,7 @@ def _json_status(status: _JobStatus, decisions_shown: int) -> dict[str, Any]:
             "policy": last["policy"], "reason": last["reason"]},
         "workers": [{"index": worker, "iteration": _whole(s["iteration"]), "size": _whole(s["size"]),
                      **{name: _finite(s[name]) for name in ("predicted_throughput", "measured_throughput", "compute_s",
-                                                            "wait_s")},
+                                                            "wait_s")}, "predicts": _predicts(s),
                      "kind": _text(s.get("kind")) or None}
                     for worker, s in sorted(status.statuses.items())],
     }
@@ -736,6 +737,13 @@ def _rejected_count(decision: dict[str, Any]) -> int:
     """How many reports a decision rejected: those its record lists, and those beyond (``rejected_more``: a
     coordinator records 20 at most)."""
     return len(_rejections(decision)) + (_count(decision.get("rejected_more")) or 0)
+
+
+def _predicts(status: dict[str, Any]) -> bool | None:
+    """Whether a worker's status says its coordinator's policy predicts speeds (False: it has no model, as BSP);
+    None where it does not say (a coordinator before the field)."""
+    predicts = status.get("predicts")
+    return predicts if isinstance(predicts, bool) else None
 
 
 def _text(value: object) -> str | None:

@@ -34,6 +34,7 @@ from .embedded import RestartBudget, release_cpu_pinning
 from .errors import ConfigError, LBBSPError, PolicyError, ProtocolError
 from .models import AutoCapacityModel, CapacityModel, FLClientModel, worker_kind
 from .models.auto import default_models
+from .models.base import predicted_throughput
 from .policies import (
     BackupWorkersPolicy,
     BSPPolicy,
@@ -80,7 +81,7 @@ _REJECTED_AGAIN = " ({} earlier ones like it, logged at most every 10 s)"  # a r
 _RECORDED_REJECTIONS = 20
 
 #: One worker's status in the ``workers`` hash, as JSON (``lbbsp status`` reads it).
-_STATUS = ('{"iteration": %d, "size": %d, "predicted_throughput": %s, "measured_throughput": %s, '
+_STATUS = ('{"iteration": %d, "size": %d, "predicted_throughput": %s, "predicts": %s, "measured_throughput": %s, '
            '"compute_s": %s, "wait_s": %s, "kind": %s}')
 
 
@@ -457,6 +458,7 @@ class Coordinator:
         self._drops, self._next_drop_log = 0, 0.0  # reports far below their worker's previous one (_warn_dropped)
         self._next_status = 0.0  # when the workers' status lines are next written (_record)
         self._unwritten: tuple[Assignment, Decision, list[Report]] | None = None  # the latest ones not written
+        self._predicted: tuple[float, ...] | None = None  # the latest predictions a decision carried (_record)
         stored = store.decision_count()
         if stored:
             log.warning("job %s already has %d decisions in this Redis: resuming it, and reusing its stored "
@@ -752,6 +754,7 @@ class Coordinator:
         }
         self.store.record_decision(json.dumps(record))
         self._renewed = time.monotonic()
+        self._predicted = decision.predicted_throughput or self._predicted
         self._unwritten = (assignment, decision, reports)
         if self._renewed >= self._next_status:
             self._write_statuses()
@@ -760,7 +763,10 @@ class Coordinator:
 
     def _write_statuses(self) -> None:
         """Write each worker's status line (its size, predicted and measured throughput, times, kind) from the
-        latest decision, if not written yet; none past 4,096 workers."""
+        latest decision, if not written yet; none past 4,096 workers. The prediction is the latest the coordinator
+        holds: the decision's, else its policy's model's now (per-epoch within an epoch, leader-straggler: their
+        decisions carry none, and every row had shown none), else an earlier decision's; ``predicts`` is false
+        where the policy has no model and made none, so that ``lbbsp status`` says so rather than show it missing."""
         if self._unwritten is None:
             return
         assignment, decision, reports = self._unwritten
@@ -768,8 +774,9 @@ class Coordinator:
         if self.config.num_workers > 4096:
             return
         by_worker = {r.worker: r for r in reports}
-        predicted = decision.predicted_throughput
         model = getattr(self.policy, "model", None)
+        predicted = decision.predicted_throughput or self._model_predictions(model) or self._predicted
+        predicts = "true" if predicted is not None or isinstance(model, CapacityModel) else "false"
         # the kind the automatic model routes each worker as (one of KINDS, plain names; a worker whose kind is still
         # open, by its pin or peers, had shown none), shown by status
         routed = model.routed_kinds(range(len(assignment.sizes))) if isinstance(model, AutoCapacityModel) else []
@@ -778,11 +785,21 @@ class Coordinator:
         for worker, size in enumerate(assignment.sizes):  # a template: json.dumps per worker costs 6 ms at 1,024
             report = by_worker.get(worker)
             statuses[worker] = _STATUS % (
-                assignment.iteration, size, _number(predicted[worker] if predicted is not None else None),
+                assignment.iteration, size, _number(predicted[worker] if predicted is not None else None), predicts,
                 _number(report.throughput if report is not None else None),
                 _number(report.compute_s if report else None),
                 _number(report.wait_s if report else None), f'"{kinds[worker]}"' if worker in kinds else "null")
         self.store.record_statuses(statuses)
+
+    def _model_predictions(self, model: object) -> tuple[float, ...] | None:
+        """``model``'s predicted throughput of each worker now, for the status lines; None where it is no capacity
+        model, has seen no report yet, or fails (a decision that asks it logs that: the status lines do not)."""
+        if not isinstance(model, CapacityModel):
+            return None
+        try:
+            return tuple(predicted_throughput(model, np.arange(self.config.num_workers)).tolist())
+        except Exception:  # noqa: BLE001  (the status lines are written after the split, and must not fail on it)
+            return None
 
     def _warn_dropped(self, iteration: int, dropped: list[tuple[int, float, float]]) -> None:
         """Say, at most once a minute, which workers measured under 1/_DROP of their previous throughput: valid

@@ -86,9 +86,9 @@ def test_json_gives_each_jobs_coordinator_last_decision_and_workers(
     assert 0 <= decision["seconds_ago"] < 30 and decision["time"] == last["time"]
     assert job["workers"] == [
         {"index": 0, "iteration": last["iteration"], "size": 5, "predicted_throughput": None,
-         "measured_throughput": 50.0, "compute_s": 0.1, "wait_s": 0.02, "kind": None},
+         "predicts": False, "measured_throughput": 50.0, "compute_s": 0.1, "wait_s": 0.02, "kind": None},
         {"index": 1, "iteration": last["iteration"], "size": 5, "predicted_throughput": None,
-         "measured_throughput": 20.0, "compute_s": 0.25, "wait_s": 0.02, "kind": None}]
+         "predicts": False, "measured_throughput": 20.0, "compute_s": 0.25, "wait_s": 0.02, "kind": None}]
     assert "decisions" not in job  # only with --decisions N
     assert jobs[stopped]["served_by"] is None and jobs[stopped]["last_decision"]["policy"] == "bsp"
     assert len(jobs[stopped]["workers"]) == 2
@@ -118,8 +118,8 @@ def test_json_carries_stored_values_checked_and_text_escaped(
                 "iteration": 4, "sizes": [5, _HOSTILE, 10**400], "policy": _HOSTILE, "written_by_coordinator": True,
                 "reason": _HOSTILE, "rejected": [{"worker": _HOSTILE, "error": 3}, "junk"], "time": "yesterday"}))
             store.client.hset(store.key("workers"), mapping={
-                "0": json.dumps({"iteration": 4, "size": 5, "predicted_throughput": 10**400, "measured_throughput": -1,
-                                 "compute_s": None, "wait_s": 0.5, "kind": _HOSTILE}),
+                "0": json.dumps({"iteration": 4, "size": 5, "predicted_throughput": 10**400, "predicts": 0,
+                                 "measured_throughput": -1, "compute_s": None, "wait_s": 0.5, "kind": _HOSTILE}),
                 "1": b'{"iteration": 4, "size": true, "predicted_throughput": NaN, "measured_throughput": Infinity, '
                      b'"compute_s": -Infinity, "wait_s": null, "kind": 7}',
                 "2": b"not json"})
@@ -137,10 +137,10 @@ def test_json_carries_stored_values_checked_and_text_escaped(
     assert status["decisions"][0]["sizes"] == [5, None, None]
     assert status["decisions"][0]["rejected"] == [{"worker": _HOSTILE, "error": None}]
     assert status["workers"] == [
-        {"index": 0, "iteration": 4, "size": 5, "predicted_throughput": None, "measured_throughput": -1.0,
-         "compute_s": None, "wait_s": 0.5, "kind": _HOSTILE},
-        {"index": 1, "iteration": 4, "size": None, "predicted_throughput": None, "measured_throughput": None,
-         "compute_s": None, "wait_s": None, "kind": None}]
+        {"index": 0, "iteration": 4, "size": 5, "predicted_throughput": None, "predicts": None,
+         "measured_throughput": -1.0, "compute_s": None, "wait_s": 0.5, "kind": _HOSTILE},
+        {"index": 1, "iteration": 4, "size": None, "predicted_throughput": None, "predicts": None,
+         "measured_throughput": None, "compute_s": None, "wait_s": None, "kind": None}]
 
 
 @pytest.mark.timeout(60)
