@@ -293,8 +293,10 @@ def _coordinator(args: argparse.Namespace) -> int:
     if url is not None and args.listen is not None:
         raise LBBSPError("--listen serves the embedded Redis on TCP: drop it, or drop --redis (and $LBBSP_REDIS_URL)")
     server, store, stop = None, None, _StopSignals()
-    try:
-        with stop:  # from here on, so that a stop during start-up (as PID 1, a SIGTERM had been ignored) is one too
+    # from here on, so that a stop during start-up (as PID 1, a SIGTERM had been ignored) is one too; and to the end,
+    # so that one during the final clean-up (the claim released) changes nothing (_StopSignals.closing)
+    with stop:
+        try:
             if url is None:
                 server = EmbeddedRedis(listen=args.listen)
                 url = server.url
@@ -315,20 +317,22 @@ def _coordinator(args: argparse.Namespace) -> int:
                   f"{policy.name}{_model_said(args, policy)}", flush=True)
             freeze_heap()
             coordinator.run(max_decisions=args.max_decisions)
+        except _CutShort as exc:
+            stop.closing()
+            when, hint = exc.args
+            left = ("without releasing the coordinator's claim on it (which expires within 5 s)"
+                    if stop.coordinator is not None else "before serving it")
+            print(f"lbbsp: job {args.job!r}: stopped {when}, {left}{hint}", file=sys.stderr)
+            return 128 + stop.signum
+        finally:
+            stop.closing()
+            if store is not None:
+                store.close()
+            if server is not None:
+                server.close()
         made = coordinator.decisions_made
         print(f"stopped serving job {args.job!r} after {made} decision{'s' * (made != 1)} "
               f"({stop.received or '--max-decisions'})", flush=True)
-    except _CutShort as exc:
-        when, hint = exc.args
-        left = ("without releasing the coordinator's claim on it (which expires within 5 s)"
-                if stop.coordinator is not None else "before serving it")
-        print(f"lbbsp: job {args.job!r}: stopped {when}, {left}{hint}", file=sys.stderr)
-        return 128 + stop.signum
-    finally:
-        if store is not None:
-            store.close()
-        if server is not None:
-            server.close()
     return 0
 
 
@@ -381,6 +385,7 @@ class _StopSignals:
         self.signum = 0
         self._first_at = 0.0  # when the first signal came (time.monotonic)
         self._cut: tuple[str, str] | None = None  # what _CutShort says
+        self._closing = False  # whether only the clean-up is left (closing)
         self._previous: dict[int, Any] = {}
 
     def serving(self, coordinator: Coordinator) -> Coordinator:
@@ -402,7 +407,16 @@ class _StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
+    def closing(self) -> None:
+        """From here on only the command's clean-up is left (closing its Redis, the embedded server; the coordinator's
+        claim released or given up): a signal changes nothing, where it had killed the process (-15) and left the
+        embedded server's files behind. No :data:`STOP_GRACE_S` either: the clean-up takes no Redis call."""
+        self._closing = True
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
     def _stop(self, signum: int, frame: object) -> None:
+        if self._closing:
+            return
         if self.received is None:
             self.received, self.signum, self._first_at = signal.Signals(signum).name, signum, time.monotonic()
             if self.coordinator is not None:
@@ -416,6 +430,8 @@ class _StopSignals:
             raise _CutShort(*self._cut)
 
     def _again(self, signum: int, frame: object) -> None:
+        if self._closing:
+            return
         self._cut = self._cut or (f"{STOP_GRACE_S:g} s after {self.received}", ": does Redis answer?")
         raise _CutShort(*self._cut)
 

@@ -3,7 +3,12 @@ and a late SIGTERM that killed a coordinator on its way out."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +78,47 @@ def test_status_shows_each_workers_latest_prediction_or_says_the_policy_makes_no
     assert len(worker_rows) == 2 and all(("no model" in row) != predicted for row in worker_rows), table
     with Store.from_url(redis_url, job) as store:
         store.forget()
+
+
+#: A coordinator whose final clean-up (closing its embedded server) gets a SIGTERM, 0.3 s after the first: later
+#: than the repeat of one stop (_SAME_SIGNAL_S), sent by the process itself so that it comes exactly there.
+_LATE_SIGTERM = textwrap.dedent("""
+    import os, signal, sys, time
+    from lbbsp.cli import main
+    from lbbsp.embedded import EmbeddedRedis
+
+    close = EmbeddedRedis.close
+
+    def late_sigterm(self):
+        print("closing", self.directory, flush=True)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGTERM)
+        close(self)
+
+    EmbeddedRedis.close = late_sigterm
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.timeout(60)
+def test_a_sigterm_during_the_final_exit_ends_the_coordinator_as_the_first_did(job: str) -> None:
+    """A second SIGTERM after the stop signals' handlers were put back, as the command closed its embedded server,
+    killed it: -15, and the server's files left behind (its claim on the job was released by then)."""
+    env = {k: v for k, v in os.environ.items() if k != "LBBSP_REDIS_URL"}
+    coordinator = subprocess.Popen([sys.executable, "-c", _LATE_SIGTERM, "coordinator", "--job", job, "--workers",
+                                    "2", "--global-batch", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env=env)
+    try:
+        assert coordinator.stdout is not None
+        started = coordinator.stdout.readline()
+        assert started.startswith("started an embedded redis-server"), started
+        serving = coordinator.stdout.readline()
+        assert serving.startswith(f"coordinating job '{job}'"), serving
+        coordinator.send_signal(signal.SIGTERM)
+        out, err = coordinator.communicate(timeout=30)
+    finally:
+        coordinator.kill()
+    assert coordinator.returncode == 0, (out, err)  # as a SIGTERM alone ends it
+    closing, stopped = out.splitlines()
+    assert f"stopped serving job '{job}' after 0 decisions (SIGTERM)" in stopped and "Traceback" not in err, err
+    assert not Path(closing.split(maxsplit=1)[1]).exists()  # the embedded server's directory is gone
