@@ -174,9 +174,9 @@ class LoadBalanced(Strategy):
     the median of the round's other clients, is warned about, once a client, and still weighs what it claims.
     The model learns each client's availability from the round outcomes; the plan logs the share of the
     round total expected back, and caps the largest workloads where a client's absence would cost more than the
-    later finish does (:func:`lbbsp.dropouts.dropout_bounds`). ``compensate_dropouts=True`` raises the total (at most ``MAX_COMPENSATION``
-    times, and within ``max_size``) so that the samples expected back make the nominal total: dropouts then
-    cost time, not samples.
+    later finish does (:func:`lbbsp.dropouts.dropout_bounds`). ``compensate_dropouts=True`` raises the total (at
+    most ``MAX_COMPENSATION`` times, and within ``max_size``) so that the samples expected back make the nominal
+    total: dropouts then cost time, not samples.
     ``sit_out`` (a share, e.g. 0.05) lets that many of the sampled clients, those predicted slowest even with
     the smallest workload, sit the round out when the others then finish sooner (by over
     ``MIN_GAIN``, 3%): they are not sent the
