@@ -350,19 +350,28 @@ class LoadBalanced(Strategy):
         self._asked_hardware.update(new)
         queries = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY, group_id=str(server_round))
                    for node in new]
+        unanswered = set(new)
+        failed: dict[str, list[int]] = {}  # why -> the nodes that gave no hardware for it: a line each, not a node
         for reply in grid.send_and_receive(queries, timeout=self.ask_hardware_s):
             node = reply.metadata.src_node_id
+            unanswered.discard(node)
             try:
                 if reply.has_error():
                     raise ProtocolError(printable(reply.error.reason or "error reply", MAX_CLIENT_REASON_CHARS),
                                         field="query")
                 answer = ClientHardware.from_content(reply.content)
+                if answer is None:
+                    raise ProtocolError("is missing from the answer", field=HARDWARE)
             except ProtocolError as exc:
-                log(WARNING, "lbbsp round %d: node %d gave no hardware (%s): planned as a typical client", server_round,
-                    node, printable(str(exc), MAX_REASON_CHARS))
+                failed.setdefault(printable(str(exc), MAX_REASON_CHARS), []).append(node)
             else:
-                if node in new and answer is not None:
+                if node in new:
                     self._announced[node] = answer
+        if unanswered:  # (it had gone unsaid: the round waited ask_hardware_s, and the log did not say why)
+            failed[f"no answer within ask_hardware_s={self.ask_hardware_s:g} s"] = list(unanswered)
+        for why, silent in failed.items():
+            log(WARNING, "lbbsp round %d: nodes %s gave no hardware (%s): planned as typical clients", server_round,
+                sorted(silent), why)
 
     def _learn_hardware(self, iteration: int, nodes: list[int], workers: list[int]) -> None:
         """Teach the model the hardware that ``nodes`` answered with, as reports of no sample (announcements, which

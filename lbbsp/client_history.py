@@ -258,6 +258,7 @@ class ClientHistory:
                 out[name.decode() if isinstance(name, bytes) else name] = _index(index)
             except (UnicodeDecodeError, ValueError):
                 log.warning("skipping a bad client id entry in job %s", self.job)
+        self._known.update(out)  # what known_index serves: a restarted server knows its clients before their round
         return out
 
     def rounds(self) -> list[list[Report]]:
