@@ -44,7 +44,7 @@ from lbbsp.client_history import ClientHistory, ClientStatus
 from lbbsp.dropouts import dropout_bounds, weighed_dropout
 from lbbsp.errors import ConfigError, ProtocolError, StoreUnavailable
 from lbbsp.fedagg import fednova_scales, rescale_update
-from lbbsp.models import FLClientModel, NotFittedError
+from lbbsp.models import FLClientModel, NotFittedError, hardware_of
 from lbbsp.protocol import MAX_BATCH, MAX_REASON_CHARS, MAX_SECONDS, MAX_WORKERS, Report, equal_split, printable
 
 from .flower_client import (
@@ -241,6 +241,7 @@ class LoadBalanced(Strategy):
         self.ask_hardware_s = None if ask_hardware_s is None else float(ask_hardware_s)
         self._asked_hardware: set[int] = set()  # nodes asked for their hardware in this run
         self._announced: dict[int, ClientHardware] = {}  # node -> hardware it answered, until plan() teaches the model
+        self._said: dict[int, tuple[str, int]] = {}  # worker -> the hardware key it answered, until it is measured
         self.weighted_by_key: str = strategy_attribute(strategy, "weighted_by_key", "num-examples")
         self.configrecord_key: str = strategy_attribute(strategy, "configrecord_key", "config")
         self._pending: dict[int, _Round] = {}
@@ -381,6 +382,27 @@ class LoadBalanced(Strategy):
                          for node, worker in zip(nodes, workers) if (hardware := self._announced.pop(node, None))]
         if announcements:
             self.model.partial_fit(announcements)
+            self._said.update((report.worker, hardware_of(report)) for report in announcements)
+
+    def _measured_hardware(self, server_round: int, reports: list[Report], workers: dict[int, int]) -> None:
+        """Let each client's first measured reply set its hardware where its answer to the query named other hardware
+        (``hardware_reply`` and ``LocalRound`` given different devices; the model keeps a worker's first hardware, and
+        had kept the answer's for the run, while the history stores the replies'), warning once a node."""
+        hardware = getattr(self.model, "hardware_", None)
+        if not self._said or hardware is None:
+            return
+        node_of = {worker: node for node, worker in workers.items()}
+        moved: dict[int, tuple[tuple[str, int], tuple[str, int]]] = {}  # node -> (answered, replied)
+        for report in reports:
+            said = self._said.pop(report.worker, None)
+            if said is not None and (measured := hardware_of(report)) != said:
+                hardware.pop(report.worker, None)  # partial_fit records the reply's
+                moved[node_of.get(report.worker, -1)] = (said, measured)
+        if moved:
+            first = min(moved)
+            log(WARNING, "lbbsp round %d: nodes %s answered the hardware query with other hardware than their replies "
+                         "say (node %d: %s, then %s): the replies' counts; give hardware_reply the device LocalRound "
+                         "gets", server_round, sorted(moved), first, *map(_hardware_said, moved[first]))
 
     def _compensated(self, time_model: LinearTime | None, total: int, available: np.ndarray, stay: np.ndarray,
                      dropout: np.ndarray | None) -> tuple[np.ndarray, str]:
@@ -488,6 +510,7 @@ class LoadBalanced(Strategy):
         self._tell_once("plain", [n for n, result in results.items() if result is None], WARNING,
                         "lbbsp: nodes %s reply without lbbsp's metrics (a ClientApp without LocalRound?): their "
                         "updates are aggregated as they are, and nothing is learned of their speed")
+        self._measured_hardware(server_round, reports, workers)
         self.model.partial_fit(reports)
         self.model.record_outcomes({worker: outcome.status == "ok" for worker, outcome in outcomes.items()})
         try:  # a temporary index (above _next_temporary) means nothing to Redis
@@ -723,6 +746,12 @@ class LoadBalanced(Strategy):
         if new:
             self._told.update((what, n) for n in new)
             log(level, message, new)
+
+
+def _hardware_said(hardware: tuple[str, int]) -> str:
+    """A hardware key as a log line says it: the device and its cores."""
+    device, cores = hardware
+    return f"device {printable(device, 64)!r} ({cores} cores)" if cores else f"device {printable(device, 64)!r}"
 
 
 def _check_arrays(model: ArrayRecord, content: RecordDict) -> None:

@@ -78,3 +78,35 @@ def test_a_node_that_does_not_answer_in_time_is_logged_once_in_one_line(
     logged = warnings_like(caplog, r"gave no hardware")
     assert logged == ["lbbsp round 1: nodes [1, 2] gave no hardware (no answer within ask_hardware_s=0.2 s): planned "
                       "as typical clients"], logged
+
+
+@pytest.mark.timeout(60)
+def test_a_reply_on_other_hardware_than_the_query_answer_sets_the_clients_hardware(
+        redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    """``hardware_reply(msg)`` says "cpu" unless told, and ``LocalRound(msg, device="cuda")`` trains on "cuda": the
+    model kept the answer's hardware for the run (a worker's first), so these clients counted as "cpu" peers while the
+    history stored "cuda". The replies' hardware counts, with a warning."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        local = LocalRound(msg, link=EmulatedLink(1e9, 1e9), device="cuda")
+        for _ in local.batches():
+            pass
+        return local.reply(ArrayRecord([msg.content["arrays"].to_numpy_ndarrays()[0] + 1.0]))
+
+    @app.query()
+    def query(msg: Message, context: Context) -> Message:
+        return hardware_reply(msg)  # the device forgotten
+
+    grid = LocalGrid(app, [{}, {}])
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = LoadBalanced(FedAvg(fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2), history,
+                                batch_size=8, ask_hardware_s=5.0)
+        strategy.start(grid=grid, initial_arrays=ArrayRecord([np.zeros(2)]), num_rounds=2, timeout=30.0)
+        stored = {history.reports(worker)[0].device for worker in history.workers().values()}
+    grid.close()
+    assert stored == {"cuda"}
+    assert {device for device, _ in strategy.model.hardware_.values()} == {"cuda"}
+    logged = warnings_like(caplog, r"answered the hardware query with other hardware")
+    assert len(logged) == 1 and "nodes [1, 2]" in logged[0] and "device 'cpu'" in logged[0], logged
