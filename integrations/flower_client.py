@@ -116,9 +116,9 @@ class ClientHardware:
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not 0 < len(self.device) <= MAX_DEVICE_CHARS or (
-                not self.device.isprintable()):
-            raise ConfigError(f"device must be a printable name of 1 to {MAX_DEVICE_CHARS} characters, such as 'cpu', "
-                              f"'cuda' or a phone model, got {self.device!r:.80}")
+                not self.device.isprintable()) or not self.device.strip():  # blank: it would be read as "cpu"
+            raise ConfigError(f"device must be a printable name of 1 to {MAX_DEVICE_CHARS} characters, not all blank, "
+                              f"such as 'cpu', 'cuda' or a phone model, got {self.device!r:.80}")
         lo, hi = FEATURE_RANGES["cores"]
         object.__setattr__(self, "cores", _integer(self.cores, "cores", int(lo), int(hi)))
 

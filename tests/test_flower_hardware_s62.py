@@ -116,6 +116,7 @@ def test_a_new_client_starts_at_the_share_of_clients_on_its_hardware(redis_url: 
     ({"device": 5, "cores": 4}, "lbbsp-hardware.device", "printable name"),
     ({"device": "x" * 65, "cores": 4}, "lbbsp-hardware.device", "1 to 64 characters"),
     ({"device": "cpu\x1b[2J", "cores": 4}, "lbbsp-hardware.device", "printable name"),
+    ({"device": " \t", "cores": 4}, "lbbsp-hardware.device", "not all blank"),
     ({"device": "cpu", "cores": 10**9}, "lbbsp-hardware.cores", "[1, 100000]"),
     ({"device": "cpu", "cores": 2.5}, "lbbsp-hardware.cores", "must be an integer"),
     ({"device": "cpu", "cores": True}, "lbbsp-hardware.cores", "must be an integer"),
@@ -191,7 +192,7 @@ def test_a_client_that_cannot_answer_the_hardware_query_still_trains(redis_url: 
     assert set(strategy.plans[2]) == {1, 2}
 
 
-@pytest.mark.parametrize("device", ["", "x" * 65, 5])
+@pytest.mark.parametrize("device", ["", "   ", "x" * 65, 5])
 def test_a_bad_device_name_is_a_config_error_on_the_client(device: object) -> None:
     LocalGrid(make_app(), [{}])  # sets Flower's task identity so that messages can be built here
     content = RecordDict({"arrays": ArrayRecord([np.zeros(2)]), "config": ConfigRecord(Workload(2, 1).to_config())})
