@@ -19,9 +19,9 @@ from lbbsp.integrations.flower_local import LocalGrid
 from test_flower_port import warnings_like
 
 
-def make_app(asked: list[int], answer_after_s: float = 0.0) -> ClientApp:
-    """A ClientApp that trains on "cuda" and answers the hardware query after ``answer_after_s``, noting each node
-    asked in ``asked``."""
+def make_app(asked: list[int], answer_after_s: float = 0.0, answer: str | None = "cuda") -> ClientApp:
+    """A ClientApp that trains on "cuda" and answers the hardware query after ``answer_after_s`` with ``answer`` (None:
+    ``hardware_reply``'s default device), noting each node asked in ``asked``."""
     app = ClientApp()
     lock = threading.Lock()
 
@@ -37,7 +37,7 @@ def make_app(asked: list[int], answer_after_s: float = 0.0) -> ClientApp:
         with lock:
             asked.append(context.node_id)
         time.sleep(answer_after_s)
-        return hardware_reply(msg, device="cuda")
+        return hardware_reply(msg) if answer is None else hardware_reply(msg, device=answer)
 
     return app
 
@@ -86,20 +86,7 @@ def test_a_reply_on_other_hardware_than_the_query_answer_sets_the_clients_hardwa
     """``hardware_reply(msg)`` says "cpu" unless told, and ``LocalRound(msg, device="cuda")`` trains on "cuda": the
     model kept the answer's hardware for the run (a worker's first), so these clients counted as "cpu" peers while the
     history stored "cuda". The replies' hardware counts, with a warning."""
-    app = ClientApp()
-
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        local = LocalRound(msg, link=EmulatedLink(1e9, 1e9), device="cuda")
-        for _ in local.batches():
-            pass
-        return local.reply(ArrayRecord([msg.content["arrays"].to_numpy_ndarrays()[0] + 1.0]))
-
-    @app.query()
-    def query(msg: Message, context: Context) -> Message:
-        return hardware_reply(msg)  # the device forgotten
-
-    grid = LocalGrid(app, [{}, {}])
+    grid = LocalGrid(make_app([], answer=None), [{}, {}])  # the device forgotten in the query's answer
     with ClientHistory.from_url(redis_url, job) as history:
         strategy = LoadBalanced(FedAvg(fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2), history,
                                 batch_size=8, ask_hardware_s=5.0)
