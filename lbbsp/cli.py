@@ -113,7 +113,7 @@ def kind_pin(text: str) -> tuple[int, str]:
     from .models import KINDS  # noqa: PLC0415  (scikit-learn: see the imports above)
 
     worker, _, kind = text.partition("=")
-    if not worker.strip().isdigit() or kind not in KINDS:
+    if not (worker.strip().isascii() and worker.strip().isdigit()) or kind not in KINDS:  # "١" and "²" are digits
         raise argparse.ArgumentTypeError(f"expected WORKER=KIND with WORKER a worker id (0 and up) and KIND one of "
                                          f"{', '.join(KINDS)} (e.g. 3=gpu), got {text!r}")
     return int(worker), kind

@@ -18,16 +18,18 @@ from lbbsp.cli import main
 from test_cli import LBBSP, two_iterations
 
 
-@pytest.mark.parametrize("separated", [True, False])
-def test_a_negative_worker_of_kind_gets_the_flags_own_message(separated: bool,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("given", "value"), [(["--kind", "-1=gpu"], "-1=gpu"), (["--kind=-1=gpu"], "-1=gpu"),
+                                              (["--kind", "\u0661=gpu"], "\u0661=gpu"),
+                                              (["--kind", "\u00b2=gpu"], "\u00b2=gpu")])
+def test_a_bad_worker_of_kind_gets_the_flags_own_message(given: list[str], value: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
     """`--kind -1=gpu` got argparse's "expected one argument" (it took -1=gpu for an option), where `--kind=-1=gpu`
-    said what WORKER=KIND takes."""
-    given = ["--kind", "-1=gpu"] if separated else ["--kind=-1=gpu"]
+    said what WORKER=KIND takes. A digit that is not ASCII was taken as a worker id (an Arabic-Indic one as worker 1) or
+    got "invalid kind_pin value" (a superscript, which int refuses)."""
     with pytest.raises(SystemExit):
         main(["coordinator", "--workers", "2", "--global-batch", "8", *given])
     err = capsys.readouterr().err
-    assert "argument --kind: expected WORKER=KIND with WORKER a worker id (0 and up)" in err and "'-1=gpu'" in err, err
+    assert "argument --kind: expected WORKER=KIND with WORKER a worker id (0 and up)" in err and repr(value) in err, err
 
 
 def test_joining_kinds_values_leaves_the_other_flags_as_they_were(capsys: pytest.CaptureFixture[str]) -> None:
