@@ -190,8 +190,9 @@ class LoadBalanced(Strategy):
     Each reply carries the client's hardware (:class:`ClientHardware`), and a client not measured yet is planned at
     the speed of clients with the same device and cores. ``ask_hardware_s`` (seconds) asks a node whose hardware is
     not known yet for it before its first round, with a query message (its ClientApp answers with
-    :func:`hardware_reply`), waiting at most that long: its first workload is then sized like its peers'. None (the
-    default) asks nothing, and a new client's first round is planned at the median of all clients.
+    :func:`hardware_reply`), waiting at most that long (allow for a ClientApp's start-up: a query is a message): its
+    first workload is then sized like its peers'. None (the default) asks nothing, and a new client's first round is
+    planned at the median of all clients.
     """
 
     def __init__(self, strategy: Strategy, history: ClientHistory, *, batch_size: int = 32, local_steps: int = 1,
@@ -372,7 +373,8 @@ class LoadBalanced(Strategy):
                 if node in new:
                     self._announced[node] = answer
         if unanswered:  # (it had gone unsaid: the round waited ask_hardware_s, and the log did not say why)
-            failed[f"no answer within ask_hardware_s={self.ask_hardware_s:g} s"] = list(unanswered)
+            failed[f"no answer within ask_hardware_s={self.ask_hardware_s:g} s; a SuperNode that starts a ClientApp "
+                   "for each message needs its start-up too"] = list(unanswered)
         for why, silent in failed.items():
             log(WARNING, "lbbsp round %d: nodes %s gave no hardware (%s): planned as typical clients", server_round,
                 sorted(silent), why)

@@ -1,7 +1,10 @@
 """Flower clients send their hardware, so a new client's first workload follows clients on the same hardware."""
 from __future__ import annotations
 
+import shutil
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +28,7 @@ from lbbsp.integrations.flower import (
 from lbbsp.integrations.flower_local import LocalGrid
 from lbbsp.models.base import hardware_of
 from lbbsp.telemetry import available_cores
+from test_flower_deployment import load_launcher
 
 FAST, SLOW = 0.0001, 0.001  # seconds a sample: the "cuda" clients are 10x the "cpu" ones
 GOOD = {"lbbsp-samples": 2, "lbbsp-steps": 1, "lbbsp-compute-s": 0.1, "lbbsp-download-s": 0.0,
@@ -205,3 +209,21 @@ def test_a_bad_device_name_is_a_config_error_on_the_client(device: object) -> No
 def test_a_bad_query_wait_is_a_config_error(redis_url: str, job: str, seconds: object) -> None:
     with ClientHistory.from_url(redis_url, job) as history, pytest.raises(ConfigError, match="ask_hardware_s must"):
         LoadBalanced(FedAvg(), history, ask_hardware_s=seconds)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(shutil.which("flower-superlink", path=str(Path(sys.executable).parent)) is None,
+                    reason="flower-superlink is not installed next to this Python")
+def test_the_example_answers_the_hardware_query_on_a_real_deployment(redis_url: str, job: str,
+                                                                      tmp_path: Path) -> None:
+    """examples/flower_digits answers LoadBalanced's query with its ClientApp's ``@app.query()``, through a real
+    SuperLink and SuperNodes (each query starts a ClientApp process, which 5 s did not cover on this VM)."""
+    result = load_launcher().run_deployment(
+        2, {"num-server-rounds": 1, "mode": "lbbsp", "job": job, "round-timeout": 120.0, "ask-hardware-s": 120.0},
+        timeout_s=280, workdir=tmp_path, redis_url=redis_url)
+    plans = result["plans"]
+    assert isinstance(plans, list) and plans and not [line for line in plans if "gave no hardware" in line], plans
+    with ClientHistory.from_url(redis_url, job) as history:
+        devices = {hardware_of(history.reports(worker)[0]) for worker in history.workers().values()}
+    assert devices == {("cpu", available_cores())}

@@ -7,7 +7,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
 
-from lbbsp.integrations.flower import EmulatedLink, LocalRound, Workload
+from lbbsp.integrations.flower import EmulatedLink, LocalRound, Workload, hardware_reply
 
 from . import task
 
@@ -46,3 +46,9 @@ def train(msg: Message, context: Context) -> Message:
     if task.drops_out(pid, server_round, float(cfg.get("dropout", 0.0)), seed):
         raise RuntimeError("emulated dropout: the device left before replying")
     return rnd.reply(ArrayRecord(params), {"train-loss": loss})
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """The hardware LoadBalanced asks a new node for (ask-hardware-s), so its first round follows its peers'."""
+    return hardware_reply(msg)

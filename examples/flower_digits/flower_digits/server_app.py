@@ -51,7 +51,8 @@ def build_strategy(cfg: Config, history: ClientHistory | None) -> Strategy:
                         min_size=int(cfg["min-size"]), deadline_slack=slack if slack > 0 else None,
                         weight_by=weight_by,  # type: ignore[arg-type]
                         compensate_dropouts=bool(cfg.get("compensate-dropouts", False)),
-                        sit_out=float(cfg.get("sit-out", 0.0)))
+                        sit_out=float(cfg.get("sit-out", 0.0)),
+                        ask_hardware_s=float(cfg.get("ask-hardware-s", 0.0)) or None)
 
 
 def run(grid: Grid, cfg: Config, history: ClientHistory | None) -> Summary:
