@@ -76,8 +76,9 @@ def test_a_node_that_does_not_answer_in_time_is_logged_once_in_one_line(
         start(history, grid, 0.2)
     grid.close()
     logged = warnings_like(caplog, r"gave no hardware")
-    assert logged == ["lbbsp round 1: nodes [1, 2] gave no hardware (no answer within ask_hardware_s=0.2 s; a SuperNode "
-                      "that starts a ClientApp for each message needs its start-up too): planned as typical clients"], logged
+    assert logged == ["lbbsp round 1: nodes [1, 2] gave no hardware (no answer within ask_hardware_s=0.2 s; a "
+                      "SuperNode that starts a ClientApp for each message needs its start-up too): planned as "
+                      "typical clients"], logged
 
 
 @pytest.mark.timeout(60)
