@@ -3,7 +3,8 @@
 The server sends each client its own :class:`Workload` in the train message's ConfigRecord. A ClientApp
 wraps its local loop in a :class:`LocalRound`, which yields the batch size once per local step, times only
 the loop body (local compute), stops early if the round's compute deadline would pass, and builds the reply
-with the samples actually processed and the download, compute and upload seconds.
+with the samples actually processed, the download, compute and upload seconds, and the client's hardware
+(:class:`ClientHardware`, a ConfigRecord :data:`HARDWARE`; :func:`hardware_reply` answers the server's query for it).
 
 Inside a ClientApp the model has already arrived and the reply leaves after it returns, so transfer time is
 not directly observable. A :class:`Link` says what it was: :class:`MessageClock` (the default) reports the time

@@ -3,7 +3,8 @@
 ``LoadBalanced(strategy, history)`` wraps any message-API strategy (FedAvg, FedProx, FedAdam, ...). The
 wrapped strategy still samples the clients and aggregates; around it, each round:
 
-1. ``configure_train`` asks the wrapped strategy for its messages, then ``plan`` gives every sampled client
+1. ``configure_train`` asks the wrapped strategy for its messages (with ``ask_hardware_s``, first asks each new
+   node for its hardware with a query message), then ``plan`` gives every sampled client
    a :class:`Workload` from the FL capacity model and :func:`lbbsp.allocate` (equal predicted finish,
    fixed total), and each message gets its *own* ConfigRecord (never one object shared by all clients) and is
    stamped as created once planned (a client's MessageClock counts none of the plan's wait for Redis).
@@ -11,7 +12,7 @@ wrapped strategy still samples the clients and aggregates; around it, each round
    and those that claim more work than they were sent or return arrays unlike the model's (which would
    otherwise carry their claimed weight or FedNova scale); ``observe`` records the rest in Redis and teaches
    the model, and ``normalise`` sets each reply's weight (``weight_by``) and, when step counts differ, applies
-   the FedNova rescaling; lbbsp's own ``lbbsp-*`` metrics are then removed and the wrapped strategy
+   the FedNova rescaling; lbbsp's own ``lbbsp-*`` metrics and hardware record are then removed and the wrapped strategy
    aggregates. A reply without lbbsp's metrics (a plain Flower ClientApp) is aggregated as it is: it teaches
    the capacity model nothing.
 """
