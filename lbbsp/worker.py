@@ -155,13 +155,14 @@ class WorkerClient:
             retried = False
             # (dropped while Redis did not take it, or as the job's only worker closed in an outage)
             while not (self._abandoned or self._lost and self._is_lost(report.iteration)):
+                tried = time.monotonic()  # an answer proves Redis up since the request was sent, not since it came
                 try:
                     if self._unwritten:  # before the report that may complete their iteration
                         self._write_unwritten()
                     # a retry that finds the report stored found this report's own first try, whose answer was lost
                     if not self.store.post_report(report, self.config.num_workers) and not retried:
                         self._warn_duplicate(report.iteration)
-                    self._answered_at = time.monotonic()
+                    self._answered_at = tried
                     break
                 except REDIS_FAILURES as exc:  # the thread must outlive any one report, or every later one is lost
                     if time.monotonic() > deadline:
@@ -176,7 +177,8 @@ class WorkerClient:
             self._outbox.task_done()
 
     def _silent(self) -> bool:
-        """Whether this worker, the job's only one, is in an outage and Redis has not answered since it last failed."""
+        """Whether this worker, the job's only one, is in an outage and Redis has answered no request sent since it last
+        failed."""
         return self._outage_since is not None and self._answered_at <= self._failed_at
 
     def _probe(self) -> None:
@@ -184,11 +186,12 @@ class WorkerClient:
         note when it answers, for :meth:`assignment` to ask it again."""
         if not self._silent():
             return
+        pinged = time.monotonic()
         try:
             self.store.client.ping()
         except REDIS_FAILURES:
             return
-        self._answered_at = time.monotonic()
+        self._answered_at = pinged
 
     def _write_unwritten(self) -> None:
         """Write the vectors used where Redis was unusable to their keys, write-once (one that holds another, the

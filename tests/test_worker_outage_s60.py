@@ -147,6 +147,43 @@ def test_the_only_worker_with_agree_rides_out_a_stall_without_its_timeouts(serve
     assert len(used) >= 50, len(used)
 
 
+def test_a_report_answered_before_the_stall_but_noted_after_it_does_not_end_the_ride_out(
+        server: EmbeddedRedis, job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender noted Redis as answering when a report's answer reached it, not when the report was sent: a report
+    answered just before the stall, its thread scheduled late, told the next step that Redis answered again, and that
+    step waited out the stalled Redis's socket timeout (a Keras test saw a second slow step of 0.5 s). An answer now
+    counts from the time its request was sent."""
+    config = JobConfig(job, 1, 8, assignment_timeout_s=0.6, lag=1)
+    client = _client(server, config, outage_s=60.0)
+    posted, failed, answered = threading.Event(), threading.Event(), threading.Event()
+    post = client.store.post_report
+
+    def late(*args: object, **kwargs: object) -> bool:
+        stored = post(*args, **kwargs)  # type: ignore[arg-type]
+        posted.set()
+        failed.wait(10.0)  # the answer came before the stall; the thread goes on only after the step has failed
+        answered.set()
+        return stored
+
+    try:
+        assert client.assignment(1).sizes == (8,)
+        monkeypatch.setattr(client.store, "post_report", late)
+        client.report(1, 8, 0.01)
+        assert posted.wait(10.0)
+        _stall(server)
+        first = client.assignment(2)
+        failed.set()
+        assert answered.wait(10.0)
+        time.sleep(0.05)  # the sender notes the answer
+        after = client.assignment(3)
+    finally:
+        failed.set()
+        _stall(server, signal.SIGCONT)
+        _close(client)
+    assert first.fallback and first.reason == "Redis unusable (TimeoutError)", first
+    assert after.fallback and after.reason == "Redis unusable (not asked: no answer since the last failure)", after
+
+
 def test_several_workers_still_wait_and_the_error_names_the_callers_way_out(server: EmbeddedRedis, job: str) -> None:
     """Several workers without agree wait for Redis up to outage_s, as before; the error ends with the caller's
     hint where it gives one (WorkerSession takes no agree=, which the core's own hint names)."""
