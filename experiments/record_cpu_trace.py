@@ -276,7 +276,7 @@ def main() -> int:
     step()  # warm up caches and allocators outside the trace
     signal.signal(signal.SIGTERM, _stop_recording)  # a plain `kill` keeps the rows recorded, as Ctrl-C does
     schedule = ContentionSchedule(args.core, args.max_level, args.mean_dwell_s, args.seed).start()
-    print(f"recording {args.backend} on core {args.core} for {args.seconds:.0f}s", flush=True)
+    print(f"recording {args.backend} on core {args.core} for {args.seconds:g}s", flush=True)
     try:
         rows = record(step, args.batch, args.seconds, schedule)
     finally:

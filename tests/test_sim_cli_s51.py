@@ -101,15 +101,16 @@ def test_the_recorder_uses_its_backends_batch_and_counts_rows_per_level(tmp_path
     with a handful of rows."""
     out = tmp_path / "t.json"
     result = subprocess.run([sys.executable, str(EXPERIMENTS / "record_cpu_trace.py"), "--backend", "numpy",
-                             "--seconds", "1", "--max-level", "1", "--mean-dwell-s", "1e5", "--core",
+                             "--seconds", "0.3", "--max-level", "1", "--mean-dwell-s", "1e5", "--core",
                              str(min(os.sched_getaffinity(0))), "--out", str(out)],
                             capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     trace = json.loads(out.read_text())
     assert trace["meta"]["batch"] == 2048
     rows = len(trace["rows"])
-    assert rows < 30  # a second of 2048-sample steps: fewer rows than a replay should rely on
+    assert rows < 30  # 0.3 s of 2048-sample steps (about 11 here): fewer rows than a replay should rely on
     summary = " ".join(result.stdout.split())
+    assert "for 0.3s" in summary, summary  # (it said "for 0s")
     assert f"{rows} iterations (level 0: {rows} rows, level 1: 0 rows)" in summary, summary
     assert f"level 0 has {rows} rows" in summary and "--seconds" in summary, summary
 
