@@ -4,8 +4,10 @@ it needs Redis then, the example's launcher shows each round as it comes and pas
 the benchmark's table says "not reached" where it had printed None."""
 from __future__ import annotations
 
+import logging
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -95,6 +97,17 @@ def test_the_flower_launcher_passes_a_run_config_through(monkeypatch: pytest.Mon
     assert "--run-config must not set num-clients: use --clients" in capsys.readouterr().err
 
 
+@pytest.fixture
+def flwr_level() -> Iterator[None]:
+    """Give the "flwr" logger its level back after a script's main() quietens it (bench_flower sets ERROR): left so,
+    the later tests that check Flower's warnings found none."""
+    flwr = logging.getLogger("flwr")
+    level = flwr.level
+    yield
+    flwr.setLevel(level)  # (setLevel, not the attribute: it clears the loggers' cache of enabled levels)
+
+
+@pytest.mark.usefixtures("flwr_level")
 def test_the_flower_benchmark_table_says_not_reached_instead_of_none(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The rows whose run never reached the target had printed None under "to target s" and "rounds"."""
