@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -97,20 +96,11 @@ def test_the_flower_launcher_passes_a_run_config_through(monkeypatch: pytest.Mon
     assert "--run-config must not set num-clients: use --clients" in capsys.readouterr().err
 
 
-@pytest.fixture
-def flwr_level() -> Iterator[None]:
-    """Give the "flwr" logger its level back after a script's main() quietens it (bench_flower sets ERROR): left so,
-    the later tests that check Flower's warnings found none."""
-    flwr = logging.getLogger("flwr")
-    level = flwr.level
-    yield
-    flwr.setLevel(level)  # (setLevel, not the attribute: it clears the loggers' cache of enabled levels)
-
-
-@pytest.mark.usefixtures("flwr_level")
 def test_the_flower_benchmark_table_says_not_reached_instead_of_none(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """The rows whose run never reached the target had printed None under "to target s" and "rounds"."""
+    """The rows whose run never reached the target had printed None under "to target s" and "rounds". The benchmark
+    quietens Flower's warnings while it runs, and gives the "flwr" logger its level back: it had left it at ERROR, and
+    the later tests that check Flower's warnings found none."""
     bench = _experiment("bench_flower")
 
     def run_one(mode: str, *args: object) -> tuple[list[dict[str, float]], float | None]:
@@ -120,7 +110,9 @@ def test_the_flower_benchmark_table_says_not_reached_instead_of_none(
 
     monkeypatch.setattr(bench, "run_one", run_one)
     monkeypatch.setattr(sys, "argv", ["bench_flower.py", "--rounds", "2", "--out", str(tmp_path / "b.json")])
+    level = logging.getLogger("flwr").level
     bench.main()
+    assert logging.getLogger("flwr").level == level
     table = capsys.readouterr().out.split("emulated times", 1)[1]
     assert "None" not in table
     fedavg_row = next(line for line in table.splitlines() if line.startswith("fedavg (weight by data)"))
