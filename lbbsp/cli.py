@@ -343,8 +343,9 @@ def _claim_lapsed(store: Store, claim: str, stop: _StopSignals) -> None:
     job take turns at its iterations, and each model learns from only part of them."""
     from .coordinator import CLAIM_S  # noqa: PLC0415  (scikit-learn: see the imports above)
 
-    print(f"job {store.job!r}: waiting up to {CLAIM_S} s for the claim of coordinator {claim} to lapse (a "
-          "coordinator that stopped without releasing it)", flush=True)
+    # neutral: the claim may be a live coordinator's (then refused below, within about a second) or a crashed one's
+    print(f"job {store.job!r}: coordinator {claim} holds a claim on this job: waiting up to {CLAIM_S} s for it to "
+          "lapse (a coordinator that stopped without releasing it) or be renewed (one that serves the job)", flush=True)
     deadline = time.monotonic() + CLAIM_S
     before_ms: int | None = None  # the claim's lifetime left at the read before
     while stop.received is None:

@@ -385,7 +385,8 @@ def _warn_uncapped_kinds(job: str, policy: Policy, model: AutoCapacityModel, rep
             f", whose model, {type(given[kind]).__name__}, sets no memory caps" if kind in given
             else ", whose default model sets no memory caps")
         remedy = ("pin them to 'gpu', or leave them unpinned" if pinned
-                  else "give that kind BatchTimeCurve(), the default for 'gpu'")
+                  else f"give that kind BatchTimeCurve(), the default for 'gpu' (lbbsp coordinator: --kind-model "
+                       f"{kind}=gpu-curve)")
         log.warning("job %s: worker(s) %s report GPU memory, but the %s policy's AutoCapacityModel routes them %s, so "
                     "their sizes are not held below what their cards fit: %s", job, sorted(set(workers))[:8],
                     getattr(policy, "name", type(policy).__name__), why, remedy)

@@ -112,6 +112,9 @@ def test_a_minimal_model_of_ones_own_balances_in_the_simulator() -> None:
     assert len({tuple(sizes) for sizes in runs["mine"].sizes}) > 1  # it moved the split
     summary = runs["mine"].summary(np.mean(runs["oracle"].iteration_s))  # np.float64, as the docs' snippet passes
     assert all(type(value) in (float, int) for value in summary.values()), summary  # printed np.float64(...)
+    alone = runs["mine"].summary()  # a comparison without the oracle: its other figures, no ratio (a TypeError had)
+    assert np.isnan(alone["vs_oracle"]) and {k: v for k, v in alone.items() if k != "vs_oracle"} == {
+        k: v for k, v in summary.items() if k != "vs_oracle"}
 
 
 def test_a_run_whose_decisions_fail_says_so_in_its_progress_line_and_log(caplog: pytest.LogCaptureFixture) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import signal
@@ -571,3 +572,13 @@ def test_a_long_policy_run_says_how_far_it_is(monkeypatch: pytest.MonkeyPatch) -
     compare(GPUMix(4, 5, 0), 5, {"bsp": BSPPolicy()}, progress=lines.append)
     assert [line.split()[1:] for line in lines[:-1]] == [["at", "iteration", str(k), "of", "5"] for k in range(5)]
     assert "s/iteration" in lines[-1]
+
+
+@pytest.mark.parametrize(("lag", "said"), [(1, "(1 iteration late, as LB-BSP)"), (2, "(2 iterations late, as LB-BSP)")])
+def test_the_level_references_note_gives_the_lag_in_words_that_agree(lag: int, said: str) -> None:
+    """`--lag 1` had printed "1 iterations late"."""
+    scenario = CPUContention(4, 10, seed=0)
+    scenario.config = dataclasses.replace(scenario.config, lag=lag)
+    row = {"mean_iteration_s": 1.0, "vs_oracle": 1.0, "idle_fraction": 0.0, "decision_ms_mean": 0.1,
+           "decision_ms_p99": 0.1, "over_memory_iterations": 0, "failed_decisions": 0}
+    assert said in cli.table(scenario, {"oracle": row, "oracle-level": row})

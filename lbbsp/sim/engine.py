@@ -50,11 +50,13 @@ class PolicyRun:
     over_memory: int = 0  # iterations in which some worker was given more than its GPU memory holds
     failed_decisions: int = 0  # decisions that failed or broke the job's rules: the split in force was kept
 
-    def summary(self, oracle_mean_s: float) -> dict[str, float]:
+    def summary(self, oracle_mean_s: float | None = None) -> dict[str, float]:
         """The run's figures for the table and the JSON: mean seconds per iteration, that over the oracle's
-        ``oracle_mean_s``, idle share, decision times, iterations over a GPU's memory and failed decisions."""
+        ``oracle_mean_s`` (NaN without it: a comparison run without the oracle), idle share, decision times,
+        iterations over a GPU's memory and failed decisions."""
         mean = float(np.mean(self.iteration_s))
-        return {"mean_iteration_s": mean, "vs_oracle": float(mean / oracle_mean_s),
+        ratio = float("nan") if oracle_mean_s is None else float(mean / oracle_mean_s)
+        return {"mean_iteration_s": mean, "vs_oracle": ratio,
                 "idle_fraction": float(np.mean(self.idle_fraction)),
                 "decision_ms_mean": 1e3 * float(np.mean(self.decision_s)),
                 "decision_ms_p99": 1e3 * float(np.percentile(self.decision_s, 99)),
