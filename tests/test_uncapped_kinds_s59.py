@@ -18,6 +18,7 @@ def test_a_gpu_kind_given_a_model_without_caps_is_named(redis_url: str, job: str
     (said,) = _warnings(redis_url, job, LBBSPPolicy(AutoCapacityModel(models={"gpu": EWMAThroughput()})), caplog)
     assert "worker(s) [0, 1]" in said and "to kind 'gpu', whose model, EWMAThroughput, sets no memory caps" in said
     assert "BatchTimeCurve()" in said
+    assert "(lbbsp coordinator: --kind-model gpu=gpu-curve)" in said  # the fix for a user of the command, too
 
 
 def test_a_gpu_worker_pinned_to_cpu_is_named_alone(redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
