@@ -281,8 +281,15 @@ class LocalRound:
         self.link = link if link is not None else MessageClock()
         self.weighted_by_key = weighted_by_key
         records = msg.content.config_records
+        holding = next((name for name, record in records.items() if BATCH_SIZE in record), None)
+        if config_key is not None and (config_key not in records or (holding is not None and config_key != holding)):
+            # a misnamed key had read as "wrap the server's strategy in LoadBalanced", or ran the default workload
+            where = (f"lbbsp's workload is in ConfigRecord {holding!r}: pass config_key={holding!r}, or leave it None"
+                     if holding is not None else f"the message's ConfigRecords are {sorted(records)}")
+            raise ConfigError(f"config_key {config_key!r} names no ConfigRecord of the train message that holds "
+                              f"lbbsp's workload: {where}")
         if config_key is None:
-            config_key = next((name for name, record in records.items() if BATCH_SIZE in record), "config")
+            config_key = holding if holding is not None else "config"
         config: Mapping[str, Any] = records.get(config_key, {})
         if BATCH_SIZE not in config and default is not None:
             _log_once("no workload", WARNING,
@@ -352,10 +359,13 @@ class LocalRound:
         if metrics is not None and not (isinstance(metrics, Mapping) and all(isinstance(k, str) for k in metrics)):
             raise ConfigError(f"metrics must be None or a mapping of names to numbers, such as "
                               f"{{'train-loss': 0.5}}, got {metrics!r:.60}")
-        own = sorted(k for k in (metrics or {}) if k == self.weighted_by_key or k.startswith(LBBSP_PREFIX))
-        if own:
-            raise ConfigError(f"metrics must not set {own}: LocalRound sets {self.weighted_by_key!r} to the samples "
-                              f"processed and the server weights each reply by the data size passed as "
+        own = sorted(k for k in (metrics or {}) if k.startswith(LBBSP_PREFIX))
+        if own:  # lbbsp's own keys: the data size advice below would not apply to them
+            raise ConfigError(f"metrics must not set {own}: keys that start with {LBBSP_PREFIX!r} are lbbsp's own "
+                              f"(the round's timings and samples, which reply() sets); rename yours")
+        if self.weighted_by_key in (metrics or {}):
+            raise ConfigError(f"metrics must not set {[self.weighted_by_key]}: LocalRound sets {self.weighted_by_key!r} "
+                              f"to the samples processed and the server weights each reply by the data size passed as "
                               f"LocalRound(data_size=...); pass yours there and leave these keys out")
         upload_s = self.link.upload(arrays.count_bytes())
         record = MetricRecord(dict(metrics or {}))

@@ -144,8 +144,12 @@ class _Round:
     started: float  # time.monotonic() when the messages were handed to Flower
 
 
-#: The most characters of a client's error reason that are logged, stored and passed on, once escaped.
-MAX_CLIENT_REASON_CHARS = 200
+#: The most characters of a client's error reason that are logged, stored and passed on, once escaped: room for
+#: lbbsp's own client errors whole, whose fix comes last (at 200, "... pass yours there and leave these keys out" was
+#: cut off), within what a client's stored status keeps (:data:`lbbsp.protocol.MAX_REASON_CHARS`).
+MAX_CLIENT_REASON_CHARS = 500
+#: What Flower's legacy client adapter fails with when a Message API strategy's train message reaches it.
+LEGACY_CLIENT = "'fitins.parameters'"
 #: ``compensate_dropouts`` raises a round's total at most this many times.
 MAX_COMPENSATION = 2
 #: After its bisection, ``compensate_dropouts`` tries this many totals below the one found: the samples expected back
@@ -204,6 +208,9 @@ class LoadBalanced(Strategy):
         if not isinstance(strategy, Strategy):
             raise ConfigError(f"strategy must be a Flower message-API strategy instance, e.g. "
                               f"flwr.serverapp.strategy.FedAvg(...), got {strategy!r}{_why_not(strategy)}")
+        if isinstance(strategy, LoadBalanced):  # the outer one had planned equal splits for good, and blamed the clients
+            raise ConfigError("strategy is a LoadBalanced already: wrap the Flower strategy itself once, "
+                              "LoadBalanced(FedAvg(...), history, ...)")
         if not isinstance(history, ClientHistory):
             raise ConfigError(f"history must be a ClientHistory, e.g. ClientHistory.from_url(url, job), "
                               f"got {history!r}")
@@ -520,6 +527,9 @@ class LoadBalanced(Strategy):
                         reports.append(report)
             if reason:  # a bad reply's may quote the sender's words (a dtype label)
                 reason = printable(reason, MAX_REASON_CHARS)
+                if LEGACY_CLIENT in reason:  # Flower's own KeyError, from a NumPyClient given a Message API round
+                    reason += (" (a legacy NumPyClient or client_fn ClientApp: LoadBalanced sends Message API rounds; "
+                               "move the ClientApp to @app.train() with LocalRound, docs/flower.md)")
                 log(WARNING, "lbbsp round %d: node %d failed and is left out: %s", server_round, node, reason)
             if worker is not None:
                 outcomes[worker] = ClientStatus(iteration, "failed" if reason else "ok", reason, now)

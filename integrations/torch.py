@@ -104,8 +104,10 @@ class Balancer:
     """
 
     def __init__(self, client: WorkerClient, *, group: Any = None, device: torch.device | None = None,
-                 coordinator: CoordinatorProcess | None = None, owned: Sequence[Any] = ()) -> None:
+                 coordinator: CoordinatorProcess | None = None, owned: Sequence[Any] = (),
+                 redis_url: str | None = None) -> None:
         self.client = client
+        self.redis_url = redis_url  # what `lbbsp status --redis` takes to watch the job (from_env sets it)
         self.config = client.config
         self.group = group
         self.rank = dist.get_rank(group)
@@ -167,10 +169,13 @@ class Balancer:
                               "min_batch=0 to let some ranks sit steps out with empty slices")
         device = torch.device(device) if device is not None else _collective_device()
         url, _ = redis_url(redis, "redis=")
-        if not coordinator and (job is None or url is None):
-            raise ConfigError("with an external coordinator (coordinator=False), pass the job name it serves and the "
-                              "URL of its Redis (redis= or $LBBSP_REDIS_URL): an embedded server here would be one "
-                              "it cannot see")
+        if not coordinator and (job is None or url is None):  # each part of the message only where it applies
+            missing = " and ".join(part for part, absent in (("the job name it serves (job=)", job is None),
+                                                             ("the URL of its Redis (redis= or $LBBSP_REDIS_URL)",
+                                                              url is None)) if absent)
+            why = (": an embedded server here would be one it cannot see" if url is None
+                   else ": the name its `lbbsp coordinator --job` was given")
+            raise ConfigError(f"with an external coordinator (coordinator=False), pass {missing}{why}")
         if not coordinator and policy is not None:
             raise ConfigError(EXTERNAL_POLICY, job=job)
         if not coordinator and lag is not None:
@@ -213,7 +218,7 @@ class Balancer:
             for resource in reversed(owned):
                 resource.close()
             raise
-        return cls(client, device=device, coordinator=running, owned=owned)
+        return cls(client, device=device, coordinator=running, owned=owned, redis_url=url)
 
     # -- the data side --------------------------------------------------------------------------------------
     def loader(self, dataset: Any, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,

@@ -325,7 +325,8 @@ class RoundsOut:
     def __init__(self, rejoin_after: int | None = 10) -> None:
         if rejoin_after is not None and (isinstance(rejoin_after, bool) or not isinstance(rejoin_after, Integral)
                                          or rejoin_after < 1):
-            raise ConfigError(f"rejoin_after must be a positive number of iterations or None, got {rejoin_after!r}")
+            raise ConfigError(f"rejoin_after must be a positive number of iterations (a federated job's rounds) or "
+                              f"None, got {rejoin_after!r}")
         self.rejoin_after = None if rejoin_after is None else int(rejoin_after)
         self._streak = np.zeros(0, dtype=np.int64)  # by worker index
 

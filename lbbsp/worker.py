@@ -234,8 +234,9 @@ class WorkerClient:
         iteration counter that restarts each epoch silently replays the first epoch's splits and stops learning."""
         if self._duplicates.due():
             log.warning("job %s, worker %d: iteration %d was reported already, so this report is ignored (%d time(s) "
-                        "so far): an earlier run used this job name in this Redis (give each run a new one; the "
-                        "PyTorch Balancer picks one with job=None), or the iteration number restarts each epoch "
+                        "so far): an earlier run used this job name in this Redis (give each run a new one: the "
+                        "PyTorch Balancer picks one with job=None; an external `lbbsp coordinator` serves one job, "
+                        "so start one with a new --job for each run), or the iteration number restarts each epoch "
                         "(it must count across epochs)", self.config.job,
                         self.worker, iteration, self._duplicates.count)
 

@@ -17,6 +17,7 @@ from lbbsp import ConfigError, Report
 from lbbsp.client_history import ClientStatus
 from lbbsp.integrations.flower import ClientHistory, LoadBalanced
 from lbbsp.integrations.flower_local import LocalGrid
+from lbbsp.integrations.flower_server import MAX_CLIENT_REASON_CHARS
 from lbbsp.protocol import MAX_ITERATION, MAX_WORKERS
 from test_flower_port import app, fedavg, start, trains, warnings_like
 
@@ -129,7 +130,7 @@ def test_a_client_error_reason_is_logged_and_stored_escaped_and_clipped(redis_ur
     grid.close()
     assert arrays is not None  # the good reply is aggregated
     escaped = r"oom\n\x1b[32mINFO\x1b[0m :      lbbsp round 1: all 2 nodes ok\r\u2028AAA"
-    assert stored.startswith(escaped) and len(stored) == 200 and stored.endswith("\u2026")
+    assert stored.startswith(escaped) and len(stored) == MAX_CLIENT_REASON_CHARS and stored.endswith("\u2026")
     logged = [r.getMessage() for r in caplog.records if "oom" in r.getMessage()]
     assert len(logged) == 2  # LoadBalanced's warning and FedAvg's own line
     assert all(escaped in m and not re.search(r"[\x00-\x1f\x7f\u2028]", m.replace("\t> ", "")) for m in logged)

@@ -167,6 +167,10 @@ def external_coordinator(url: str, job: str) -> dict:
         Balancer.from_env(GLOBAL_BATCH, job=job, coordinator=False)
     except ConfigError as exc:
         result["no_redis"] = str(exc)
+    try:  # no job named: the Redis is given, so the embedded server is beside the point (it had been said)
+        Balancer.from_env(GLOBAL_BATCH, redis=url, coordinator=False)
+    except ConfigError as exc:
+        result["no_job"] = str(exc)
     try:  # a policy here would never run: the external coordinator's flags name its policy
         Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, coordinator=False, policy=BSPPolicy())
     except ConfigError as exc:
@@ -188,6 +192,7 @@ def external_coordinator(url: str, job: str) -> dict:
             train(x, y)
             result["assignments"].append([lb.step.assignment.policy, lb.step.assignment.fallback])
         result["lag"], result["ttl_s"] = lb.config.lag, lb.config.ttl_s
+        result["redis_url_kept"] = lb.redis_url == url  # what `lbbsp status --redis` takes
     return result
 
 
@@ -487,10 +492,13 @@ def test_an_external_coordinators_lag_and_ttl_are_adopted(outcomes: list[dict]) 
     result = both(outcomes, "external_coordinator")
     assert "global_batch=8" in result["mismatch"] and "global_batch=16" in result["mismatch"]
     assert "the URL of its Redis (redis= or $LBBSP_REDIS_URL)" in result["no_redis"]
+    assert "an embedded server here would be one it cannot see" in result["no_redis"]
+    assert result["no_job"] == ("with an external coordinator (coordinator=False), pass the job name it serves (job=): "
+                                "the name its `lbbsp coordinator --job` was given")
     assert result["policy"].startswith("policy= is the coordinator's")
     assert "set its --lag" in result["lag_refused"]
     assert "set its --max-ahead" in result["max_ahead_refused"]
-    assert (result["lag"], result["ttl_s"]) == (1, 600)
+    assert (result["lag"], result["ttl_s"]) == (1, 600) and result["redis_url_kept"]
     assert [policy for policy, _ in result["assignments"][:1]] == ["initial"]
     assert all(policy != "initial" and not fallback for policy, fallback in result["assignments"][1:])
 
