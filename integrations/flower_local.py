@@ -13,12 +13,15 @@ import copy
 import itertools
 import threading
 import time
+import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, wait
+from logging import ERROR
 from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common import log
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
@@ -108,6 +111,9 @@ class LocalGrid(Grid):
             # replies CLIENT_APP_CRASHED for a ClientApp process that is gone
             code = ErrorCode.CLIENT_APP_RAISED_EXCEPTION if isinstance(exc, Exception) else ErrorCode.CLIENT_APP_CRASHED
             reply = Message(Error(code=code, reason=f"{type(exc).__name__}: {exc}"), reply_to=message)
+            # the traceback, as a SuperNode logs it: the server's one line had said what, but not where
+            log(ERROR, "LocalGrid: the ClientApp of node %d raised:\n%s", message.metadata.dst_node_id,
+                traceback.format_exc().rstrip())
         future.set_result(reply)
 
     def check_enough_nodes(self, strategy: object, purpose: str) -> None:

@@ -17,6 +17,7 @@ from flwr.clientapp import ClientApp
 from lbbsp.errors import ConfigError
 from lbbsp.integrations.flower import ClientHistory, LoadBalanced, LocalRound, Workload
 from lbbsp.integrations.flower_local import LocalGrid
+from test_flower_client_review import send_one
 from test_flower_port import fedavg
 
 
@@ -105,3 +106,20 @@ def test_a_legacy_client_s_key_error_says_to_move_to_the_message_api(
     assert logged.endswith("KeyError: 'fitins.parameters' (a legacy NumPyClient or client_fn ClientApp: LoadBalanced "
                            "sends Message API rounds; move the ClientApp to @app.train() with LocalRound, "
                            "docs/flower.md)"), logged
+
+
+@pytest.mark.timeout(60)
+def test_local_grid_logs_a_raising_client_apps_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """A SuperNode logs it; LocalGrid had left only the server's one line, which says what, not where."""
+    client = ClientApp()
+
+    @client.train()
+    def _train(msg: Message, context: object) -> Message:
+        raise ValueError("the client's data is gone")
+
+    with caplog.at_level(logging.ERROR, logger="flwr"):
+        replies, _ = send_one(client, timeout=30)
+    assert replies[0].has_error()
+    (logged,) = [r.getMessage() for r in caplog.records if "LocalGrid: the ClientApp of node" in r.getMessage()]
+    assert "Traceback (most recent call last)" in logged and "in _train" in logged, logged
+    assert logged.endswith("ValueError: the client's data is gone"), logged
