@@ -285,7 +285,8 @@ def _gatherer(strategy: Any, config: JobConfig, worker: int,
     if config.num_workers == 1:
         return None
     does_not_span = ConfigError(f"the strategy given does not span the job's {config.num_workers} workers: pass the "
-                                "MultiWorkerMirroredStrategy that TF_CONFIG describes (or url=)", job=config.job)
+                                "MultiWorkerMirroredStrategy that TF_CONFIG describes (or url=), or, for one process, "
+                                "JobConfig(num_workers=1)", job=config.job)
     replicas = _replicas_per_worker(strategy)
     if replicas is None:
         raise does_not_span

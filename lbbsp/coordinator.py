@@ -462,8 +462,10 @@ class Coordinator:
         self._predicted: tuple[float, ...] | None = None  # the latest predictions a decision carried (_record)
         stored = store.decision_count()
         if stored:
+            # said for a restart within the run too (CoordinatorProcess's after a crash, an operator's): carry on
             log.warning("job %s already has %d decisions in this Redis: resuming it, and reusing its stored "
-                        "assignments; for a new run, use a new job name", self.config.job, stored)
+                        "assignments (right for a coordinator restarted during the run); for a new run, use a new job "
+                        "name, or `lbbsp forget` the old one", self.config.job, stored)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 

@@ -236,8 +236,9 @@ class WorkerClient:
             log.warning("job %s, worker %d: iteration %d was reported already, so this report is ignored (%d time(s) "
                         "so far): an earlier run used this job name in this Redis (give each run a new one: the "
                         "PyTorch Balancer picks one with job=None; an external `lbbsp coordinator` serves one job, "
-                        "so start one with a new --job for each run), or the iteration number restarts each epoch "
-                        "(it must count across epochs)", self.config.job,
+                        "so start one with a new --job for each run), the iteration number restarts each epoch "
+                        "(it must count across epochs), or this worker reported the iteration twice (report(k) "
+                        "called twice for one k, or a worker restarted from an earlier iteration)", self.config.job,
                         self.worker, iteration, self._duplicates.count)
 
     def flush(self, timeout_s: float = 5.0) -> None:
@@ -473,9 +474,9 @@ class WorkerClient:
             return
         job = self.config.job
         if claim is None:
-            ask = (f"; no coordinator serves the job (none has claimed it for 5 s: is a coordinator running for this "
-                   f"job? lbbsp status), so its steps fall back without waiting until one starts (`lbbsp coordinator "
-                   f"--job {job} ...`)")
+            ask = (f"; no coordinator serves the job (no live claim on it: its coordinator stopped, or never started; "
+                   f"is a coordinator running for this job? lbbsp status), so its steps fall back without waiting "
+                   f"until one starts (`lbbsp coordinator --job {job} ...`)")
         else:
             ask = (f"; a coordinator ({claim}) claimed the job in the last 5 s but decided late (slow, or stopped: "
                    "lbbsp status)")

@@ -496,6 +496,8 @@ def test_a_second_coordinator_and_a_reused_job_name_are_warned_about(redis_url: 
         with caplog.at_level("WARNING", logger="lbbsp.coordinator"):
             Coordinator(store, config)
         assert "already has 1 decisions" in caplog.text and "new job name" in caplog.text
+        # a coordinator restarted during the run (CoordinatorProcess's after a crash) had been told to rename the job
+        assert "right for a coordinator restarted during the run" in caplog.text
 
 
 def test_a_crashed_coordinators_claim_is_not_taken_for_a_live_one(redis_url: str, job: str,

@@ -141,6 +141,7 @@ def test_a_report_of_an_iteration_already_reported_is_warned_about(redis_url: st
         worker.report(1, 4, 0.2)
         worker.flush()
         assert caplog.text.count("iteration 0 was reported already") == 1  # once a minute, not per report
+        assert "or this worker reported the iteration twice" in caplog.text  # the cause here, which it had not named
         worker.store.close()
 
 

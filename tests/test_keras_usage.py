@@ -43,8 +43,9 @@ def test_session_refuses_a_strategy_that_does_not_span_the_workers(job: str) -> 
 
     config = JobConfig(job, num_workers=2, global_batch=32)
     for strategy in (tf.distribute.get_strategy(), "mwms"):  # the default strategy: one process
-        with pytest.raises(ConfigError, match="the strategy given does not span the job's 2 workers"):
+        with pytest.raises(ConfigError, match="the strategy given does not span the job's 2 workers") as refused:
             WorkerSession(config, 0, strategy=strategy)
+        assert "for one process, JobConfig(num_workers=1)" in str(refused.value)  # the README's 2, run alone
 
 
 @pytest.mark.parametrize("worker", [-1, 2, True, 1.0])

@@ -127,6 +127,8 @@ def test_a_job_no_coordinator_serves_falls_back_without_waiting_until_one_claims
         assert [a.sizes for a, _ in unserved] == [(7, 3)] * 5
         warned = [r.getMessage() for r in caplog.records if "no coordinator serves" in r.getMessage()]
         assert len(warned) == 1 and f"lbbsp coordinator --job {job}" in warned[0], warned
+        # its coordinator stopped and released the claim: not "none has claimed it for 5 s", which it had said
+        assert "its coordinator stopped, or never started" in warned[0] and "for 5 s" not in warned[0], warned
         second.start()
         _until(lambda: store.coordinator() is not None, "the second coordinator's claim")
         resumed = [step(k)[0] for k in range(11, 14)]
