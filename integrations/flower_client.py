@@ -364,9 +364,10 @@ class LocalRound:
             raise ConfigError(f"metrics must not set {own}: keys that start with {LBBSP_PREFIX!r} are lbbsp's own "
                               f"(the round's timings and samples, which reply() sets); rename yours")
         if self.weighted_by_key in (metrics or {}):
-            raise ConfigError(f"metrics must not set {[self.weighted_by_key]}: LocalRound sets {self.weighted_by_key!r} "
-                              f"to the samples processed and the server weights each reply by the data size passed as "
-                              f"LocalRound(data_size=...); pass yours there and leave these keys out")
+            raise ConfigError(f"metrics must not set {[self.weighted_by_key]}: LocalRound sets "
+                              f"{self.weighted_by_key!r} to the samples processed and the server weights each reply "
+                              f"by the data size passed as LocalRound(data_size=...); pass yours there and leave these "
+                              f"keys out")
         upload_s = self.link.upload(arrays.count_bytes())
         record = MetricRecord(dict(metrics or {}))
         timings = {COMPUTE_S: self.compute_s, DOWNLOAD_S: self.download_s, UPLOAD_S: upload_s}

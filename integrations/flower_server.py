@@ -208,7 +208,7 @@ class LoadBalanced(Strategy):
         if not isinstance(strategy, Strategy):
             raise ConfigError(f"strategy must be a Flower message-API strategy instance, e.g. "
                               f"flwr.serverapp.strategy.FedAvg(...), got {strategy!r}{_why_not(strategy)}")
-        if isinstance(strategy, LoadBalanced):  # the outer one had planned equal splits for good, and blamed the clients
+        if isinstance(strategy, LoadBalanced):  # the outer one had planned equal splits for good, blaming the clients
             raise ConfigError("strategy is a LoadBalanced already: wrap the Flower strategy itself once, "
                               "LoadBalanced(FedAvg(...), history, ...)")
         if not isinstance(history, ClientHistory):

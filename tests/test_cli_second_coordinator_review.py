@@ -108,7 +108,8 @@ def test_a_signal_while_waiting_for_a_claim_to_lapse_stops_the_command_at_once(r
         try:
             assert process.stdout is not None
             line = process.stdout.readline()
-            assert line.startswith(f"job {job!r}: coordinator {CRASHED} holds a claim on this job: waiting up to 5 s"), line
+            assert line.startswith(f"job {job!r}: coordinator {CRASHED} holds a claim on this job: "
+                                   "waiting up to 5 s"), line
             process.send_signal(signal.SIGTERM)
             started = time.monotonic()
             out, err = process.communicate(timeout=10)

@@ -111,12 +111,9 @@ def test_a_lost_counter_restarts_above_the_stored_indices_with_one_scan(redis_ur
 FORGED = "oom\n\x1b[32mINFO\x1b[0m :      lbbsp round 1: all 2 nodes ok\r\u2028"
 
 
-@pytest.mark.timeout(60)
-def test_a_client_error_reason_is_logged_and_stored_escaped_and_clipped(redis_url: str, job: str,
-                                                                        caplog: pytest.LogCaptureFixture) -> None:
-    """A reason with a newline and ESC sequences had been logged as sent, by LoadBalanced and by the wrapped
-    FedAvg, forging a log line ("INFO : lbbsp round 1: all 2 nodes ok"), and stored so in the history."""
-    caplog.set_level(logging.INFO)
+def error_reply_round(redis_url: str, job: str, reason: str) -> tuple[ArrayRecord | None, str]:
+    """One round of LoadBalanced over FedAvg in which node 1 replies well and node 2 with an error reply of
+    ``reason``: the aggregated arrays, and the reason the history stores for node 2."""
     grid = LocalGrid(client_app=None, node_configs=[{}, {}])  # type: ignore[arg-type]  # no ClientApp is called
     with ClientHistory.from_url(redis_url, job) as history:
         strategy = LoadBalanced(fedavg(), history, batch_size=8, local_steps=5)
@@ -124,10 +121,19 @@ def test_a_client_error_reason_is_logged_and_stored_escaped_and_clipped(redis_ur
                                                                              ConfigRecord(), grid)}
         ok = Message(RecordDict({"arrays": ArrayRecord([np.ones(1)]), "metrics": MetricRecord({"num-examples": 10})}),
                      reply_to=sent[1])
-        bad = Message(Error(code=0, reason=FORGED + "A" * 10_000), reply_to=sent[2])
-        arrays, _ = strategy.aggregate_train(1, [ok, bad])
+        arrays, _ = strategy.aggregate_train(1, [ok, Message(Error(code=0, reason=reason), reply_to=sent[2])])
         stored = history.statuses()[history.worker_index(2)].reason
     grid.close()
+    return arrays, stored
+
+
+@pytest.mark.timeout(60)
+def test_a_client_error_reason_is_logged_and_stored_escaped_and_clipped(redis_url: str, job: str,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A reason with a newline and ESC sequences had been logged as sent, by LoadBalanced and by the wrapped
+    FedAvg, forging a log line ("INFO : lbbsp round 1: all 2 nodes ok"), and stored so in the history."""
+    caplog.set_level(logging.INFO)
+    arrays, stored = error_reply_round(redis_url, job, FORGED + "A" * 10_000)
     assert arrays is not None  # the good reply is aggregated
     escaped = r"oom\n\x1b[32mINFO\x1b[0m :      lbbsp round 1: all 2 nodes ok\r\u2028AAA"
     assert stored.startswith(escaped) and len(stored) == MAX_CLIENT_REASON_CHARS and stored.endswith("\u2026")

@@ -11,13 +11,14 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 
 from lbbsp.errors import ConfigError
 from lbbsp.integrations.flower import ClientHistory, LoadBalanced, LocalRound, Workload
 from lbbsp.integrations.flower_local import LocalGrid
 from test_flower_client_review import send_one
+from test_flower_history_hardening_review import error_reply_round
 from test_flower_port import fedavg
 
 
@@ -77,16 +78,7 @@ def _failed_round(redis_url: str, job: str, reason: str, caplog: pytest.LogCaptu
     """Node 2's error reply with ``reason`` beside node 1's good one: the warning LoadBalanced logs for node 2, and
     the reason the history stores."""
     caplog.set_level(logging.INFO)
-    grid = LocalGrid(client_app=None, node_configs=[{}, {}])  # type: ignore[arg-type]  # no ClientApp is called
-    with ClientHistory.from_url(redis_url, job) as history:
-        strategy = LoadBalanced(fedavg(), history, batch_size=8, local_steps=5)
-        sent = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord([np.zeros(1)]),
-                                                                             ConfigRecord(), grid)}
-        ok = Message(RecordDict({"arrays": ArrayRecord([np.ones(1)]), "metrics": MetricRecord({"num-examples": 10})}),
-                     reply_to=sent[1])
-        strategy.aggregate_train(1, [ok, Message(Error(code=0, reason=reason), reply_to=sent[2])])
-        stored = history.statuses()[history.worker_index(2)].reason
-    grid.close()
+    _, stored = error_reply_round(redis_url, job, reason)
     (logged,) = [r.getMessage() for r in caplog.records if "node 2 failed" in r.getMessage()]
     return logged, stored
 

@@ -348,8 +348,9 @@ def table(scenario: Scenario, summary: dict[str, dict[str, float]]) -> str:
     if "oracle-level" in summary:
         lines.append(f"references, not policies: oracle-level knows each worker's speed without its per-iteration "
                      f"noise for the coming iteration;\n  oracle-level-late knows the same, but only as of the "
-                     f"latest reports ({scenario.config.lag} iteration{'s' * (scenario.config.lag != 1)} late, as LB-BSP);\n  oracle-level-late-hedged "
-                     f"plans that with LB-BSP's margins: what LB-BSP's own forecast could be worth at best")
+                     f"latest reports ({scenario.config.lag} iteration{'s' * (scenario.config.lag != 1)} late, as "
+                     f"LB-BSP);\n  oracle-level-late-hedged plans that with LB-BSP's margins: what LB-BSP's own "
+                     f"forecast could be worth at best")
     if "oracle-sit-out" in summary:
         lines.append("reference, not a policy: oracle-sit-out knows every client's true speed and transfer for the "
                      "coming round and lets as many sit out as lbbsp-sit-out may (and backup drops)")
