@@ -123,8 +123,32 @@ def test_the_flower_launcher_stops_at_once_when_the_superlink_exits(tmp_path: Pa
     submitting `flwr run` every 2 s until its 600 s deadline, then showing flwr's "connection refused", not why."""
     superlink = ('echo "flower-superlink: error: unrecognized arguments: --disable-runtime-dependency-installation"'
                  " >&2; exit 2")
-    launch_ends_with(tmp_path, monkeypatch, redis_url, superlink, 'echo "cannot connect to the SuperLink"; exit 1',
+    not_listening = 'echo "Connection to the SuperLink is unavailable."; exit 1'  # flwr 1.42's words
+    launch_ends_with(tmp_path, monkeypatch, redis_url, superlink, not_listening,
                      r"flower-superlink exited with code 2.*unrecognized arguments")
+
+
+@pytest.mark.timeout(90)
+def test_the_flower_launcher_stops_at_once_when_the_superlink_refuses_the_run(tmp_path: Path, redis_url: str,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run the SuperLink refused (a run-config key the app lacks) had been submitted every 2 s until the 600 s
+    deadline, printing nothing; only a SuperLink not listening yet is waited for."""
+    refused = ("echo '{\"success\": false, \"error-message\": \"Could not start run: Key min_size is not present\"}'")
+    launch_ends_with(tmp_path, monkeypatch, redis_url, "exec sleep 60", refused,
+                     r"flwr run failed: Could not start run: Key min_size is not present")
+
+
+def test_the_flower_launcher_refuses_a_key_the_app_does_not_have(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """--run-config min_size=8 (the key is min-size) is refused before anything starts, naming the key meant."""
+    launcher = flower_launcher()
+    monkeypatch.setattr(launcher, "run_deployment", lambda *a, **k: pytest.fail("a deployment started"))
+    monkeypatch.setattr(sys, "argv", ["run.py", "--run-config", "min_size=8"])
+    with pytest.raises(SystemExit) as raised:
+        launcher.main()
+    error = capsys.readouterr().err
+    assert raised.value.code == 2 and "the app has no key 'min_size': did you mean min-size?" in error, error
+    assert "sit-out" in error and "num-clients" not in error, error
 
 
 def launch_ends_with(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_url: str, superlink: str, flwr: str,

@@ -15,6 +15,7 @@ report them (``count_delivery=True``), so lbbsp's plans mostly keep the equal sp
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import re
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -43,6 +45,22 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 #: Keys of the run config that run.py sets itself, and the flag that sets each.
 OWN_KEYS = {"num-clients": "use --clients", "num-server-rounds": "use --rounds", "mode": "use --mode",
             "weight-by": "use --weight-by", "out": "run.py reads the ServerApp's result from a file of its own"}
+#: What `flwr run` answers while the SuperLink is not listening yet: the one refusal worth submitting again.
+NOT_LISTENING = "Connection to the SuperLink is unavailable"
+
+
+def app_config_keys() -> list[str]:
+    """The keys of the app's run config, as its pyproject.toml declares them: `flwr run` refuses any other."""
+    with open(APP_DIR / "pyproject.toml", "rb") as f:
+        return list(tomllib.load(f)["tool"]["flwr"]["app"]["config"])
+
+
+def unknown_key_message(key: str, known: list[str]) -> str:
+    """Why ``key`` cannot be set, with the nearest known key ('min_size' is 'min-size')."""
+    near = difflib.get_close_matches(key.replace("_", "-"), known, n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]}? " if near else ""
+    settable = ", ".join(k for k in known if k not in OWN_KEYS)
+    return f"--run-config: the app has no key {key!r}: {hint}its keys are {settable}"
 
 
 def flower_command(name: str) -> str:
@@ -157,11 +175,15 @@ def run_deployment(clients: int, run_config: Mapping[str, object], *, timeout_s:
         deadline = time.monotonic() + timeout_s
         while True:  # the SuperLink takes a few seconds to listen
             submit = flwr_json(flwr, ["run", str(APP_DIR), "local", "--run-config", overrides], env)
-            if submit.get("success") is True or time.monotonic() > deadline:
+            if submit.get("success") is True:
                 break
             if processes[0].poll() is not None:  # the SuperLink will never listen: say why, not flwr's refusal
                 log = (work / "superlink.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"flower-superlink exited with code {processes[0].returncode}: {log}")
+            # only a SuperLink not listening yet is worth waiting for: a refused run (a run-config key the app does
+            # not have) had been submitted every 2 s until the deadline, silently
+            if NOT_LISTENING not in str(submit.get("error-message", "")) or time.monotonic() > deadline:
+                break
             time.sleep(2)
         if submit.get("success") is not True:
             raise RuntimeError(f"flwr run failed: {submit.get('error-message', submit)}")
@@ -213,6 +235,9 @@ def main() -> None:
         parser.error(f"--run-config {args.run_config!r}: {exc.format_message()}")
     for key in sorted(OWN_KEYS.keys() & extra.keys()):
         parser.error(f"--run-config must not set {key}: {OWN_KEYS[key]}")
+    known = app_config_keys()
+    for key in sorted(extra.keys() - set(known)):
+        parser.error(unknown_key_message(key, known))
     redis_url = extra.pop("redis-url", None) or None
     result = run_deployment(args.clients, {"num-server-rounds": args.rounds, "mode": args.mode,
                                            "weight-by": args.weight_by, **extra}, redis_url=redis_url)
