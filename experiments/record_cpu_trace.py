@@ -42,7 +42,7 @@ import numpy as np
 
 from lbbsp import ResourceMonitor
 from lbbsp.sim.cli import MAX_SEED
-from lbbsp.sim.traces import MIN_LEVEL_ROWS
+from lbbsp.sim.traces import MIN_LEVEL_ROWS, CPUTrace, rows_said
 
 _PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its parent ends
 FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util", "cores")
@@ -294,11 +294,12 @@ def main() -> int:
           + ", ".join(f"level {level}: {count} rows" for level, count in enumerate(at_level))
           + f"), throughput p10/p50/p90 {np.percentile(throughput, 10):.0f}/{np.median(throughput):.0f}/"
             f"{np.percentile(throughput, 90):.0f} samples/s")
-    for level, count in enumerate(at_level):
-        if count < MIN_LEVEL_ROWS:  # 0 included: as lbbsp simulate and bench_models will warn when they load it
-            why = ("a replay never visits it" if count == 0 else f"fewer than the {MIN_LEVEL_ROWS} a replay wants (its "
+    # the rows a replay uses, as lbbsp simulate and bench_models count them when they load it and warn (0 included)
+    for level, (used, left_out) in CPUTrace.load(out).level_rows().items():
+        if used < MIN_LEVEL_ROWS:
+            why = ("a replay never visits it" if used == 0 else f"fewer than the {MIN_LEVEL_ROWS} a replay wants (its "
                    "rows come round again and again)")
-            print(f"  level {level} has {count} rows, {why}: record longer (--seconds)")
+            print(f"  level {level} has {rows_said(used, left_out)}, {why}: record longer (--seconds)")
     return 0
 
 

@@ -196,7 +196,8 @@ def test_ewma_blends_at_its_alpha() -> None:
 def test_a_trace_warns_of_the_levels_short_of_rows_and_only_those(tmp_path: Path,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     columns = ["throughput", "hog_level", "cpu_util", "proc_cpu", "colocated_load", "mem_util", "cores"]
-    rows = [[1000.0, 0, 0.5, 0.5, 0.0, 0.3, 8]] * 30 + [[500.0, 1, 0.9, 0.5, 1.0, 0.3, 8]] * 30
+    # level 1: 30 rows a replay uses, the first of 31 ran partly at level 0
+    rows = [[1000.0, 0, 0.5, 0.5, 0.0, 0.3, 8]] * 30 + [[500.0, 1, 0.9, 0.5, 1.0, 0.3, 8]] * 31
     (tmp_path / "a.json").write_text(json.dumps({"columns": columns, "rows": rows, "meta": {"max_level": 2}}))
     with caplog.at_level(logging.WARNING, logger="lbbsp.sim.traces"):
         load_traces(tmp_path)

@@ -93,3 +93,22 @@ def test_the_recorders_help_says_how_its_features_differ_from_a_workers() -> Non
                             capture_output=True, text=True, timeout=60, check=True)
     said = " ".join(result.stdout.split())
     assert "exactly as a worker" not in said and "0.2 s" in said and "without this process's children" in said, said
+
+
+def test_a_level_is_counted_by_the_rows_a_replay_uses(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A level of 30 rows, the first run partly at the level before, replays 29 (the scenario leaves out rows across
+    a switch) and was said to have enough; the recorder's summary counted the same way."""
+    _write_trace(tmp_path / "edge.json", [0] * 40 + [1] * 30 + [0] * 40)
+    trace = CPUTrace.load(tmp_path / "edge.json")
+    assert trace.level_rows() == {0: (79, 1), 1: (29, 1)}
+    assert trace.steady_rows().sum() == 108 and not trace.steady_rows()[[40, 70]].any()
+    with caplog.at_level(logging.WARNING, logger="lbbsp.sim.traces"):
+        load_traces(tmp_path)
+    assert len(caplog.messages) == 1, caplog.messages
+    assert "level 1 has 29 rows a replay uses (1 more ran partly at the level before)" in caplog.messages[0]
+
+
+def test_a_level_seen_only_across_switches_keeps_those_rows(tmp_path: Path) -> None:
+    """Its rows are all it has: left out, a replay would never visit the level."""
+    _write_trace(tmp_path / "flicker.json", [0] * 40 + [1] + [0] * 40 + [1] + [0] * 40)
+    assert CPUTrace.load(tmp_path / "flicker.json").level_rows() == {0: (118, 2), 1: (2, 0)}

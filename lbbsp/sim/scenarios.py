@@ -154,7 +154,7 @@ class CPUContention(Scenario):
                           "machine_spread": machine_spread, "noise": noise}, iterations)
         which = np.arange(num_workers) % len(traces)
         machine = rng.lognormal(0.0, machine_spread, num_workers)
-        steady = [_steady(trace) for trace in traces]
+        steady = [trace.steady_rows() for trace in traces]
         rows = np.empty((iterations + LOOKAHEAD, num_workers), dtype=np.int64)
         for t, trace in enumerate(traces):
             members = np.flatnonzero(which == t)
@@ -185,19 +185,6 @@ class CPUContention(Scenario):
 def _streams(seed: int, count: int) -> list[np.random.Generator]:
     """``count`` independent generators from one seed: one per random process of a scenario."""
     return [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(count)]
-
-
-def _steady(trace: CPUTrace) -> np.ndarray:
-    """The rows measured at one contention level: not those whose level differs from the row before. The
-    recorder labels a row with the level at its end, so such a row ran partly at the level before (0.41 to
-    2.25 times its label's median): filed under one level, it would replay a switch at the recorder's rate
-    (every 3 s, about one row in 45 to 90) where the simulation switches levels at its own. A level seen
-    only across switches keeps those rows: they are all it has."""
-    steady = np.r_[True, trace.level[1:] == trace.level[:-1]]
-    for level in np.unique(trace.level[~steady]):
-        if not steady[trace.level == level].any():
-            steady |= trace.level == level
-    return steady
 
 
 def _level_medians(trace: CPUTrace, steady: np.ndarray) -> np.ndarray:

@@ -88,6 +88,26 @@ class CPUTrace:
                               "above max_level)")
         return cls(path.stem, throughput, features, level.astype(int), most)
 
+    def steady_rows(self) -> np.ndarray:
+        """Which rows a replay uses: those measured at one contention level, not those whose level differs from the
+        row before. The recorder labels a row with the level at its end, so such a row ran partly at the level
+        before (0.41 to 2.25 times its label's median): filed under one level, it would replay a switch at the
+        recorder's rate (every 3 s, about one row in 45 to 90) where the simulation switches levels at its own. A
+        level seen only across switches keeps those rows: they are all it has."""
+        steady = np.r_[True, self.level[1:] == self.level[:-1]]
+        for level in np.unique(self.level[~steady]):
+            if not steady[self.level == level].any():
+                steady |= self.level == level
+        return steady
+
+    def level_rows(self) -> dict[int, tuple[int, int]]:
+        """Per contention level (each seen, and each the recorder ran where its meta says): the rows a replay
+        uses (:meth:`steady_rows`) and the rows it leaves out, run partly at the level before."""
+        steady = self.steady_rows()
+        levels = sorted(set(self.level.tolist()).union(range(0 if self.max_level is None else self.max_level + 1)))
+        return {level: (int((steady & (self.level == level)).sum()), int((~steady & (self.level == level)).sum()))
+                for level in levels}
+
 
 def load_traces(directory: str | Path = DEFAULT_TRACE_DIR) -> list[CPUTrace]:
     """Every ``*.json`` trace in ``directory``, sorted by name; a warning names each contention level of a trace with
@@ -104,14 +124,25 @@ def load_traces(directory: str | Path = DEFAULT_TRACE_DIR) -> list[CPUTrace]:
                           f"record one with experiments/record_cpu_trace.py --out {Path(directory) / 'NAME.json'}")
     traces = [CPUTrace.load(p) for p in paths]
     for path, trace in zip(paths, traces):  # replayed all the same, but said: its few rows come round again and again
-        counts = dict(zip(*(values.tolist() for values in np.unique(trace.level, return_counts=True))))
         # a level the recorder ran but never measured at is said too: the scenario then never visits it (a short
-        # recording with no row at levels 1 and 2 had made a cpu-contention run with no contention, unsaid)
-        for level in sorted(set(counts).union(range(0 if trace.max_level is None else trace.max_level + 1))):
-            if (rows := counts.get(level, 0)) < MIN_LEVEL_ROWS:
-                why = (f"where a replay wants at least {MIN_LEVEL_ROWS} (every worker at that level replays them in "
-                       "turn)" if rows else "so a replay never visits it (workers switch among the levels with rows)")
-                log.warning("CPU trace %s (%s): level %d has %d row%s, %s; record longer "
-                            "(experiments/record_cpu_trace.py --seconds)", trace.name, path, level, rows,
-                            "s" * (rows != 1), why)
+        # recording with no row at levels 1 and 2 had made a cpu-contention run with no contention, unsaid); the rows
+        # counted are those a replay uses (a level of 31 rows, 3 of them across a switch, replays 28)
+        for level, (used, left_out) in trace.level_rows().items():
+            if used < MIN_LEVEL_ROWS:
+                log.warning("CPU trace %s (%s): level %d has %s, %s; record longer "
+                            "(experiments/record_cpu_trace.py --seconds)", trace.name, path, level,
+                            rows_said(used, left_out), thin_level_why(used))
     return traces
+
+
+def rows_said(used: int, left_out: int) -> str:
+    """A level's rows as a replay sees them: '28 rows a replay uses (3 more ran partly at the level before)'."""
+    more = f" ({left_out} more ran partly at the level before)" if left_out else ""
+    return f"{used} row{'s' * (used != 1)}{' a replay uses' if left_out else ''}{more}"
+
+
+def thin_level_why(used: int) -> str:
+    """Why a level with ``used`` rows (fewer than :data:`MIN_LEVEL_ROWS`) is worth recording longer."""
+    if used:
+        return f"where a replay wants at least {MIN_LEVEL_ROWS} (every worker at that level replays them in turn)"
+    return "so a replay never visits it (workers switch among the levels with rows)"
