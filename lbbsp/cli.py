@@ -3,10 +3,13 @@ simulator."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
 import json
 import logging
 import math
+import os
 import re
 import signal
 import sys
@@ -27,6 +30,8 @@ from .store import REDIS_ERRORS, Store, left_by_earlier_run, redis_url
 # The coordinator, the models and the policies import scikit-learn, seconds on a loaded machine: `lbbsp --help`,
 # `status` and `forget` need none of them, so `coordinator` alone imports them, where it uses them.
 if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
     from rich.text import Text
 
     from .coordinator import Coordinator
@@ -40,17 +45,42 @@ _EXTERNAL = {
 }
 
 
-def _redis_url(args: argparse.Namespace) -> str | None:
-    """``--redis``, else $LBBSP_REDIS_URL; None where neither gives one (an empty variable gives none)."""
-    return redis_url(args.redis)[0]
+def _redis_url(args: argparse.Namespace) -> tuple[str | None, str]:
+    """``--redis``, else $LBBSP_REDIS_URL; None where neither gives one (an empty variable gives none); with where it
+    came from, for :func:`_probe` to name."""
+    return redis_url(args.redis)
 
 
-def _given_redis(args: argparse.Namespace) -> str:
-    """The Redis URL of ``--redis`` or $LBBSP_REDIS_URL: `status` and `forget` work on a job's Redis, and start none."""
-    url = _redis_url(args)
+def _given_redis(args: argparse.Namespace) -> tuple[str, str]:
+    """The Redis URL of ``--redis`` or $LBBSP_REDIS_URL, and which gave it: `status` and `forget` work on a job's
+    Redis, and start none."""
+    url, source = _redis_url(args)
     if url is None:
         raise LBBSPError("no Redis to read: pass --redis URL or set LBBSP_REDIS_URL (the coordinator prints it)")
-    return url
+    return url, source
+
+
+def _probe(url: str, job: str, source: str) -> Store:
+    """A store of ``job`` on a short timeout, whose Redis answered; an error that names $LBBSP_REDIS_URL where the
+    URL is the variable's (a user who had not typed it was told "cannot reach Redis at ..." of a URL they had set
+    and forgotten, or not at all)."""
+    try:
+        store = Store.from_url(url, job, socket_timeout_s=_PROBE_TIMEOUT_S)
+    except ConfigError as exc:  # a URL it cannot use
+        raise _from_variable(exc, source) from None
+    try:
+        store.ping()
+    except LBBSPError as exc:
+        store.close()
+        raise _from_variable(exc, source) from None
+    return store
+
+
+def _from_variable(exc: LBBSPError, source: str) -> LBBSPError:
+    """``exc`` with ``source`` before its message where that is $LBBSP_REDIS_URL (the flag's user typed the URL)."""
+    if source == "--redis":
+        return exc
+    return type(exc)(f"{source}: {exc.message}", job=exc.job)
 
 
 def _models() -> dict[str, Callable[[int, int], CapacityModel]]:
@@ -289,7 +319,7 @@ def _coordinator(args: argparse.Namespace) -> int:
 
     config = _job_config(args)  # bad flags: no server
     policy = _policy(args)
-    url = _redis_url(args)
+    url, source = _redis_url(args)
     if url is not None and args.listen is not None:
         raise LBBSPError("--listen serves the embedded Redis on TCP: drop it, or drop --redis (and $LBBSP_REDIS_URL)")
     server, store, stop = None, None, _StopSignals()
@@ -306,8 +336,7 @@ def _coordinator(args: argparse.Namespace) -> int:
                     also = f" (or the same at {', '.join(_host(u) for u in others)})" if others else ""
                     print(f"workers on other machines: --redis {first}{also}", flush=True)
             # checked on a short timeout, as `lbbsp status` does: a Redis that never answers is an error in seconds
-            with Store.from_url(url, args.job, socket_timeout_s=_PROBE_TIMEOUT_S) as probe:
-                probe.ping()
+            with _probe(url, args.job, source) as probe:
                 _same_settings(probe, config)
                 if (serving := probe.coordinator()) is not None:
                     _claim_lapsed(probe, serving, stop)
@@ -452,14 +481,13 @@ class _JobStatus:
 def _status(args: argparse.Namespace) -> int:
     """Show each job (or --job): a sentence and a table, one line (--brief) or one JSON document (--json); 1 with
     --check where a job listed has no coordinator or could not be read."""
-    url = _given_redis(args)
+    url, source = _given_redis(args)
     if args.job is not None:
         _job_flag(args.job)
     if args.brief and args.decisions:
         raise LBBSPError(f"--brief shows one line per job, without decisions: drop --decisions {args.decisions}, or "
                          "--brief for the tables")
-    with Store.from_url(url, args.job or "", socket_timeout_s=_PROBE_TIMEOUT_S) as probe:
-        probe.ping()
+    with _probe(url, args.job or "", source) as probe:
         jobs = [args.job] if args.job else sorted(probe.jobs())
     if not jobs and not args.json:
         print("no lbbsp jobs on this Redis")
@@ -510,10 +538,9 @@ def _read_job(url: str, job: str, args: argparse.Namespace) -> _JobStatus | None
 
 def _print_status(status: _JobStatus, decisions_shown: int) -> None:
     """The job's sentence, its workers' table and, for ``decisions_shown``, its latest decisions."""
-    from rich.console import Console  # noqa: PLC0415  (only this view draws tables)
-    from rich.table import Table  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415  (only this view draws tables)
 
-    console = Console()
+    console = _console()
     job, config, serving, decisions, statuses = (status.job, status.config, status.serving, status.decisions,
                                                  status.statuses)
     last = decisions[0] if decisions else {}
@@ -544,18 +571,60 @@ def _print_status(status: _JobStatus, decisions_shown: int) -> None:
     if decisions_shown and not decisions:
         console.print(f"no decisions yet for job {job}", soft_wrap=True, markup=False, highlight=False)
     elif decisions_shown:
-        log = Table(title=f"last {len(decisions)} decisions of job {job}, newest first" if len(decisions) > 1 else
-                    f"last decision of job {job}")
-        for column in ("iteration", "sizes", "policy", "by", "reason", "rejected"):
-            log.add_column(column)
-        for d in decisions:
-            sizes = " ".join(map(str, d["sizes"][:16])) + (" ..." if len(d["sizes"]) > 16 else "")
-            rejected = [f"worker {r.get('worker')}: {r.get('error')}" for r in _rejections(d)]
-            if more := _count(d.get("rejected_more")):
-                rejected.append(f"and {more} more rejected" if rejected else f"{more} rejected")
-            log.add_row(_iterations(d), _shown(sizes), _shown(d["policy"]), _written_by(d), _shown(d["reason"]),
-                        _shown("; ".join(rejected)))
-        console.print(log)
+        console.print(_decision_log(console, job, decisions))
+
+
+def _console() -> Console:
+    """A rich Console whose reader closing the pipe (``lbbsp status | head``) raises BrokenPipeError, which
+    :func:`main` ends on as for every command's output; rich's own exit, 1, is what ``--check`` means by a job
+    unserved."""
+    from rich.console import Console  # noqa: PLC0415
+
+    class _PipedConsole(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+    return _PipedConsole()
+
+
+#: Under this many columns, a decision log too wide for the terminal is folded (:func:`_decision_log`).
+_FOLD_BELOW = 100
+
+
+def _decision_log(console: Console, job: str, decisions: list[dict[str, Any]]) -> Table:
+    """The table of `lbbsp status --decisions`: a column each for the iteration, sizes, policy, writer, reason and
+    rejected reports; folded, where that is wider than a terminal of under :data:`_FOLD_BELOW` columns, into two:
+    the iteration, and a cell of lines (sizes with policy and writer; reason; rejected). At 80 columns the six
+    columns had left the reason 10-20 characters, a word a line."""
+    from rich.table import Table  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
+
+    title = (f"last {len(decisions)} decisions of job {job}, newest first" if len(decisions) > 1 else
+             f"last decision of job {job}")
+    rows: list[tuple[str, str, str, str, str, str]] = []
+    for d in decisions:
+        sizes = " ".join(map(str, d["sizes"][:16])) + (" ..." if len(d["sizes"]) > 16 else "")
+        errors = [f"worker {r.get('worker')}: {r.get('error')}" for r in _rejections(d)]
+        if more := _count(d.get("rejected_more")):
+            errors.append(f"and {more} more rejected" if errors else f"{more} rejected")
+        rows.append((_iterations(d), sizes, d["policy"], _written_by(d), d["reason"], "; ".join(errors)))
+    log = Table(title=title)
+    for column in ("iteration", "sizes", "policy", "by", "reason", "rejected"):
+        log.add_column(column)
+    for iteration, sizes, policy, by, reason, rejected in rows:
+        log.add_row(iteration, _shown(sizes), _shown(policy), by, _shown(reason), _shown(rejected))
+    unbounded = console.options.update_width(1 << 16)  # its natural width: measured at the console's, it fits
+    if console.width >= _FOLD_BELOW or console.measure(log, options=unbounded).maximum <= console.width:
+        return log
+    folded = Table(title=title, show_lines=True)
+    folded.add_column("iteration")
+    folded.add_column("sizes (policy, by), reason, rejected")
+    for iteration, sizes, policy, by, reason, rejected in rows:
+        lines = [_shown(f"{sizes} ({policy}, by {by})"), _shown(reason)]
+        lines += [_shown(f"rejected: {rejected}")] * bool(rejected)
+        folded.add_row(iteration, Text("\n").join(lines))
+    return folded
 
 
 def _brief_status(status: _JobStatus) -> str:
@@ -611,9 +680,8 @@ def _forget(args: argparse.Namespace) -> int:
     """Delete a finished job's keys now, not ttl_s after its last decision: a rerun under its name then starts
     afresh, with any settings, where it would resume the old run or be refused for settings that differ. Refused
     while a coordinator serves the job, whose workers would lose their settings and splits."""
-    url = _given_redis(args)
-    with Store.from_url(url, _job_flag(args.job), socket_timeout_s=_PROBE_TIMEOUT_S) as store:
-        store.ping()
+    url, source = _given_redis(args)
+    with _probe(url, _job_flag(args.job), source) as store:
         try:  # whether a coordinator claims the job is checked in the script that deletes: also one that just did
             deleted = store.forget(unless_claimed=True)
         except ConfigError as exc:
@@ -920,10 +988,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if verbose or getattr(args, "verbose", False) else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        return int(runner(args) or 0)
+        code = int(runner(args) or 0)
+        sys.stdout.flush()  # here, not at exit: a reader gone by then (`| head`) had Python print a traceback
+        return code
     except LBBSPError as exc:
         print(f"lbbsp: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of stdout stopped (`| head`): no "cannot reach Redis", no traceback
+        return _reader_gone()
     except REDIS_ERRORS as exc:
         print(f"lbbsp: error: cannot reach Redis ({exc}); check --redis or LBBSP_REDIS_URL", file=sys.stderr)
         return 2
@@ -933,6 +1005,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: what was running stops, without a traceback
         print("lbbsp: interrupted", file=sys.stderr)
         return 130
+
+
+def _reader_gone() -> int:
+    """End quietly after stdout's reader closed the pipe, with 141 (128 + SIGPIPE), as a tool that SIGPIPE ends:
+    stdout now writes to /dev/null, where Python's flush at exit had failed again."""
+    with contextlib.suppress(OSError, ValueError):  # a stdout without a descriptor (pytest's capture)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

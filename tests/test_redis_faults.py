@@ -230,10 +230,13 @@ def test_status_skips_a_job_whose_stored_settings_are_broken_and_names_the_key(
             each.close()
 
 
+@pytest.mark.parametrize("columns", [200, 80])  # six columns; folded, "by ..." on each decision's first line
 def test_status_tells_a_split_an_earlier_decision_wrote_from_a_fallback(
-        redis_url: str, job: str, capsys: pytest.CaptureFixture[str]) -> None:
+        redis_url: str, job: str, columns: int, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A coordinator whose earlier decision, running ahead, had covered an iteration records the next decision
     for it as not written by itself: `lbbsp status` had shown that as a worker's fallback."""
+    monkeypatch.setenv("COLUMNS", str(columns))
     config = JobConfig(job, 2, 20)
     with Store.from_url(redis_url, job) as store, worker_clients(redis_url, config) as clients:
         coordinator = Coordinator(store, config)
@@ -253,7 +256,8 @@ def test_status_tells_a_split_an_earlier_decision_wrote_from_a_fallback(
         lost = coordinator.decide(4)  # a worker's fallback stands at 6
         assert not lost.written and lost.assignment.fallback
         assert main(["status", "--redis", redis_url, "--job", job, "--decisions", "5"]) == 0
-    rows = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.count("│") > 4}
+    rows = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines()
+            if line.count("│") >= 3 and line.split("│")[1].strip()}  # a row's first line: its iteration
     assert "coordinator" in rows["2-5"] and "earlier decision" in rows["3"] and "fallback" in rows["6"], rows
 
 
