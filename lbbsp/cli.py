@@ -25,7 +25,7 @@ from .config import JobConfig, _job_name
 from .embedded import EmbeddedRedis
 from .errors import ConfigError, LBBSPError
 from .protocol import printable
-from .store import REDIS_ERRORS, Store, left_by_earlier_run, redis_url
+from .store import REDIS_ERRORS, Store, left_by_earlier_run, redacted, redis_url
 
 # The coordinator, the models and the policies import scikit-learn, seconds on a loaded machine: `lbbsp --help`,
 # `status` and `forget` need none of them, so `coordinator` alone imports them, where it uses them.
@@ -219,18 +219,18 @@ def _flagged(exc: ConfigError) -> ConfigError:
     return ConfigError(message)
 
 
-def _same_settings(store: Store, config: JobConfig) -> None:
+def _same_settings(store: Store, config: JobConfig, redis_flag: str = "") -> None:
     """A ConfigError naming, as flags, the settings in which the flags' ``config`` differs from those the job's
     ``store`` holds: the one the coordinator would raise names JobConfig's fields, which a user of this command never
     sets. Where they are a finished run's (:meth:`Store.run_is_over`), kept ttl_s after its last decision, the error
-    says how to clear them, in the store's words."""
+    says how to clear them, in the store's words, with the ``redis_flag`` that reaches them."""
     stored = store.load_config()
     differ = [f"{_FLAGS.get(name, name)} {_setting(ours)} (not {_setting(theirs)})"
               for name, (ours, theirs) in (stored.differences(config) if stored is not None else {}).items()]
     if not differ:
         return
     if store.run_is_over():
-        raise ConfigError(left_by_earlier_run(config.job, ", ".join(differ)))
+        raise ConfigError(left_by_earlier_run(config.job, ", ".join(differ), redis_flag))
     raise ConfigError(f"job {config.job!r} already runs with {', '.join(differ)}: give the job's settings, or "
                       "another --job")
 
@@ -337,7 +337,8 @@ def _coordinator(args: argparse.Namespace) -> int:
                     print(f"workers on other machines: --redis {first}{also}", flush=True)
             # checked on a short timeout, as `lbbsp status` does: a Redis that never answers is an error in seconds
             with _probe(url, args.job, source) as probe:
-                _same_settings(probe, config)
+                # the URL typed after --redis, for the forget command (the variable's is read again)
+                _same_settings(probe, config, f"--redis {redacted(url)}" * (source == "--redis"))
                 if (serving := probe.coordinator()) is not None:
                     _claim_lapsed(probe, serving, stop)
             store = Store.from_url(url, args.job)

@@ -145,12 +145,14 @@ def _tls_hint(client: redis.Redis, exc: BaseException) -> str:
     return " (the URL asks for TLS (rediss://): if the server has none, use redis://)"
 
 
-def left_by_earlier_run(job: str, settings: str) -> str:
+def left_by_earlier_run(job: str, settings: str, redis_flag: str = "") -> str:
     """The error for settings that differ from those a finished run of ``job`` left (:meth:`Store.run_is_over`), with
     how to clear them: one wording wherever lbbsp refuses them. ``settings`` names the differences as the caller's
-    user sets them (JobConfig's fields, or the command's flags)."""
+    user sets them (JobConfig's fields, or the command's flags); ``redis_flag`` is the ``--redis URL`` the command
+    needs, where the user typed one (without it `lbbsp forget` has no Redis to read)."""
+    forget = f"lbbsp forget --job {job}" + (f" {redis_flag}" if redis_flag else "")
     return (f"job {job!r} was started with {settings}; its keys are left by an earlier run, whose coordinator has "
-            f"stopped: `lbbsp forget --job {job}` clears them once that run is over, or use another job name")
+            f"stopped: `{forget}` clears them once that run is over, or use another job name")
 
 
 def agreed_config(store: Store, index: int,
@@ -611,7 +613,8 @@ class Store:
         the job, and nothing deleted, where one does: the check and the deletes are one script, so a coordinator
         that claims the job while its keys are listed keeps them."""
         pattern = "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix) + "*"  # the prefix, escaped
-        keys = list(self.client.scan_iter(match=pattern, count=1000))
+        # SCAN may give a key twice while Redis resizes its table (a busy shared server): each is deleted once
+        keys = list(dict.fromkeys(self.client.scan_iter(match=pattern, count=1000)))
         if not unless_claimed:
             return int(self.client.unlink(*keys)) if keys else 0
         deleted, result = self._forget_unclaimed(keys=[self.key("coordinator"), *keys])
@@ -623,8 +626,10 @@ class Store:
 
     def jobs(self) -> Iterator[str]:
         """Names of the jobs with a stored configuration on this Redis; a key of that pattern whose middle is no job
-        name (not UTF-8, a space, a colon: only a foreign writer makes one) is skipped, not fatal to the listing."""
-        for key in self.client.scan_iter(match="lbbsp:*:config", count=1000):
+        name (not UTF-8, a space, a colon: only a foreign writer makes one) is skipped, not fatal to the listing. Each
+        job once: SCAN may give a key twice while Redis resizes its table, and `lbbsp status` had then shown a job
+        twice."""
+        for key in dict.fromkeys(self.client.scan_iter(match="lbbsp:*:config", count=1000)):
             try:
                 job = _job_name(key.decode()[len("lbbsp:"):-len(":config")])
             except (UnicodeDecodeError, ConfigError):
