@@ -7,6 +7,7 @@ one of them (or one of LB-BSP's hooks: ``bounds``, ``propose``). Allocation math
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -70,6 +71,29 @@ def checked_policy(policy: object, job: str | None = None) -> Policy | None:
                           f"{policy.__name__}()", job=job)
     raise ConfigError(f"policy must be a Policy instance (LBBSPPolicy(), BSPPolicy(), ...; a name such as 'lbbsp' "
                       f"is what `lbbsp coordinator --policy` takes), got {policy!r}", job=job)
+
+
+#: LBBSPPolicy's hooks that a variant may override, as the policy calls them (positionally; docs/models.md).
+HOOKS = {"bounds": "bounds(workers, current, config) -> (lower, upper)",
+         "propose": "propose(time_model, config, lower, upper, forecast=None) -> sizes",
+         "dropout": "dropout(workers) -> each worker's chance of missing its round, or None"}
+
+
+def _check_hooks(policy: LBBSPPolicy) -> None:
+    """A ConfigError naming the class and the hook where ``policy`` overrides one of :data:`HOOKS` with a method
+    that cannot take the arguments the policy passes it: each decision had failed with a TypeError (logged, the
+    split in force kept), and a simulated run read as a policy that never moved."""
+    for hook, signature in HOOKS.items():
+        if getattr(type(policy), hook) is getattr(LBBSPPolicy, hook):
+            continue
+        count = signature.partition("(")[2].partition(")")[0].count(",") + 1
+        try:
+            inspect.signature(getattr(policy, hook)).bind(*[None] * count)
+        except TypeError:
+            raise ConfigError(f"{type(policy).__name__}.{hook} must take {signature}: LBBSPPolicy calls it with "
+                              f"{count} argument{'s' * (count > 1)} (docs/models.md, A policy of your own)") from None
+        except ValueError:  # no signature to read (a callable written in C): trusted
+            pass
 
 
 @dataclass(frozen=True)
@@ -168,6 +192,7 @@ class LBBSPPolicy(Policy):
 
     def __init__(self, model: CapacityModel | None = None, *, deadband: float = 0.03,
                  hedge: float | None = 2.0, sit_out: float = 0.0, rejoin_after: int | None = 10) -> None:
+        _check_hooks(self)
         self.model: CapacityModel = _model_or(model, AutoCapacityModel)
         self.deadband = _real(deadband, "deadband", 0.0, 0.99, "a share of the predicted finish in [0, 0.99]")
         self.hedge = None if hedge is None else _real(hedge, "hedge", 0.0, 1e6, "None or a number of workers >= 0")

@@ -204,15 +204,18 @@ def fit_memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, budge
     valid = np.asarray(valid, dtype=bool)
     held = None if held is None else np.asarray(held, dtype=bool)
     first = None if first is None else np.asarray(first, dtype=float)
-    noise = np.zeros(sizes.shape[:1]) if noise is None else np.asarray(noise, dtype=float)
+    given_noise = None if noise is None else np.asarray(noise, dtype=float)
+    noise = np.zeros(sizes.shape[:1]) if given_noise is None else given_noise
     if (sizes.ndim != 2 or used.shape != sizes.shape or valid.shape != sizes.shape or 0 in sizes.shape
             or budget.shape != sizes.shape[:1] or (held is not None and held.shape != sizes.shape[:1])
             or (first is not None and first.shape != sizes.shape[:1]) or noise.shape != sizes.shape[:1]):
+        # only the arrays given: the shape of a noise left out (made to match sizes) had been named as one given
         raise ConfigError(f"fit_memory_cap takes sizes, used and valid as (workers, points) arrays of one shape, at "
                           f"least one of each, and budget (held, first, noise) as (workers,), got {sizes.shape}, "
                           f"{used.shape}, {valid.shape}, {budget.shape}"
                           + ("" if held is None else f", held {held.shape}")
-                          + ("" if first is None else f", first {first.shape}") + f", noise {noise.shape}")
+                          + ("" if first is None else f", first {first.shape}")
+                          + ("" if given_noise is None else f", noise {given_noise.shape}"))
     if not np.isfinite(np.where(valid, sizes + used, 0.0)).all():
         raise ConfigError("fit_memory_cap takes finite sizes and readings where valid (an invalid one may hold "
                           "anything)")

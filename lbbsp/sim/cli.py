@@ -11,7 +11,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +135,11 @@ def _simulate(args: argparse.Namespace, options: dict[str, object], suffix: str,
         scenario.config = dataclasses.replace(scenario.config, lag=args.lag)
         suffix += f"_lag{args.lag}"
     stem = args.out / f"simulate_{args.scenario}_{args.workers}w_{args.iterations}it_seed{args.seed}{suffix}"
-    runs = compare(scenario, args.iterations, progress=lambda line: print(line, flush=True))
+    try:
+        runs = compare(scenario, args.iterations, progress=lambda line: print(line, flush=True))
+    except ConfigError as exc:  # options that give a worker no measurable time: named as their flags, if any
+        flags = FL_FLAGS if args.scenario == "fl-clients" else {}
+        raise ConfigError(_as_flags(exc.message, [flag.replace("-", "_") for flag in flags])) from None
     check = None
     if redis is not None:
         url, source = redis
@@ -306,13 +310,21 @@ def _scenario_options(args: argparse.Namespace) -> tuple[dict[str, object], str]
         if clients:
             FLClients(args.workers, 1, 0, **clients)
     except ConfigError as exc:  # FLClients's argument names in its message, as the flags that gave them
-        raise ConfigError(re.sub(r"\b(" + "|".join(clients) + r")\b",
-                                 lambda name: "--" + name.group(1).replace("_", "-"), exc.message)) from None
+        raise ConfigError(_as_flags(exc.message, clients)) from None
     options |= clients
     for flag, value in given.items():
         if value != _fl_default(flag):  # the flag and its value in the file names: other settings, other results
             suffix += f"_{flag.replace('-', '')}{_exact(value)}"
     return options, suffix
+
+
+def _as_flags(message: str, names: Iterable[str]) -> str:
+    """``message`` with each of the scenario's argument ``names`` written as the flag that sets it (``local_steps``:
+    ``--local-steps``): a command-line user has no ``local_steps=`` to give."""
+    names = list(names)
+    if not names:
+        return message
+    return re.sub(r"\b(" + "|".join(names) + r")\b", lambda name: "--" + name.group(1).replace("_", "-"), message)
 
 
 def _digest(directory: Path) -> str:
