@@ -50,6 +50,9 @@ def _model(model: object) -> CapacityModel | None:
         check_contract(model)
         model._check_params()  # EWMAThroughput(alpha=5) fails here, not at every decision of a running job
         return model
+    if isinstance(model, type) and issubclass(model, CapacityModel):  # as checked_policy says of a policy's class
+        raise ConfigError(f"model must be a CapacityModel instance, got the class {model.__name__}: pass "
+                          f"{model.__name__}()")
     raise ConfigError(f"model must be a CapacityModel instance (lbbsp.models: EWMAThroughput(), NARXThroughput(), "
                       f"FLClientModel(), ...), got {model!r}")
 

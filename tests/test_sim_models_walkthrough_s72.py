@@ -92,3 +92,9 @@ def test_fit_memory_cap_names_only_the_arrays_it_was_given() -> None:
     assert "noise" not in str(refused.value).partition(", got ")[2], refused.value  # none given: none named
     with pytest.raises(ConfigError, match=r"noise \(3,\)"):
         fit_memory_cap(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2), bool), np.ones(2), noise=np.zeros(3))
+
+
+def test_a_models_class_given_for_its_instance_says_to_call_it() -> None:
+    """LBBSPPolicy(EWMAThroughput) was told only that a model must be an instance, with the class's repr."""
+    with pytest.raises(ConfigError, match=r"got the class EWMAThroughput: pass EWMAThroughput\(\)$"):
+        LBBSPPolicy(EWMAThroughput)  # type: ignore[arg-type]
