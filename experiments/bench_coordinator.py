@@ -363,9 +363,10 @@ def _interrupted(signum: int, frame: object) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=100,
-                        help=f"iterations of each critical-path run , the first {WARM_UP} left out (default: 100)")
+                        help=f"iterations of each critical-path run, the first {WARM_UP} left out (default: 100)")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="critical-path runs per row; the rows take turns, round by round (default: 3)")
+                        help="critical-path runs per row, the rows taking turns round by round; also the rounds of the "
+                             "heap comparison (--skip-heap) (default: 3)")
     parser.add_argument("--workers", type=int, nargs="+", default=[4, 16, 64],
                         help="worker processes of the critical-path runs, one row each (default: 4 16 64)")
     parser.add_argument("--compute-ms", type=float, default=20.0, help="emulated compute per iteration (default: 20)")
@@ -375,7 +376,8 @@ def main() -> None:
                         help="workers of those runs, few: on 2 cores more processes keep the cores busy, whatever "
                              "the coordinator does (default: 1 2 4)")
     parser.add_argument("--decision-workers", type=int, nargs="+", default=[1024, 10_000],
-                        help="simulated workers whose decisions are timed ; the goal: under 5 ms at 1,024 (default: 1024 10000)")
+                        help="simulated workers whose decisions are timed; the goal: under 5 ms at 1,024 "
+                             "(default: 1024 10000)")
     parser.add_argument("--warmup", type=int, default=30, help="iterations that fill each model's history first (default: 30)")
     parser.add_argument("--repeats", type=int, default=100,
                         help="timed decisions per model and size (default: 100, a p99 that is not just the maximum)")

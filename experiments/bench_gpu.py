@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _args import results_file
+from _args import empty_folders_removed_on_failure, results_file
 from torch import nn
 
 from lbbsp import Report
@@ -158,12 +158,19 @@ def largest_that_fits(trainer: Trainer, start: int) -> int:
     return low
 
 
+class _Refused(Exception):
+    """This machine cannot run the benchmark: main prints why and returns 1."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="batch sizes of the curve, comma-separated")
-    parser.add_argument("--repeats", type=int, default=10, help="timed steps per size (after 3 warm-up steps)")
-    parser.add_argument("--free-gib", type=float, default=4.0, help="GPU memory left free for the cap test")
-    parser.add_argument("--grow-steps", type=int, default=24, help="steps of the growing worker")
+    parser.add_argument("--sizes", default=DEFAULT_SIZES,
+                        help="batch sizes of the curve, comma-separated (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=10,
+                        help="timed steps per size (after 3 warm-up steps) (default: %(default)s)")
+    parser.add_argument("--free-gib", type=float, default=4.0,
+                        help="GPU memory left free for the cap test (default: %(default)s)")
+    parser.add_argument("--grow-steps", type=int, default=24, help="steps of the growing worker (default: %(default)s)")
     parser.add_argument("--expandable-segments", action="store_true",
                         help="run PyTorch's CUDA allocator with expandable segments (what docs/torch.md advises)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bench_gpu.json",
@@ -177,16 +184,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--sizes needs at least 4 sizes, each >= 1")
     if args.repeats < 1 or args.grow_steps < 1 or not 0.5 <= args.free_gib <= 1e4:
         parser.error("--repeats and --grow-steps must be >= 1, --free-gib in [0.5, 1e4]")
-    args.out = results_file(parser, args.out)
-    if args.expandable_segments:  # read when CUDA starts, which is below
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    if not torch.cuda.is_available():
-        print("bench_gpu needs a CUDA GPU; none is visible here", file=sys.stderr)
-        return 1
-    gpu = torch.device("cuda", torch.cuda.current_device())
-    if "gpu_mem_used" not in ResourceMonitor(gpu.index, min_interval_s=0.0).sample():  # before the curve's minutes
-        print("bench_gpu needs NVML's readings of the card's memory for its cap test (pip install 'lbbsp[gpu]', or "
-              "nvidia-ml-py); none came (the warning above says why)", file=sys.stderr)
+    try:  # a run refused here removes the --out folder results_file made for it (one without a GPU had left it)
+        with empty_folders_removed_on_failure(args.out):
+            args.out = results_file(parser, args.out)
+            if args.expandable_segments:  # read when CUDA starts, which is below
+                os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+            if not torch.cuda.is_available():
+                raise _Refused("bench_gpu needs a CUDA GPU; none is visible here")
+            gpu = torch.device("cuda", torch.cuda.current_device())
+            if "gpu_mem_used" not in ResourceMonitor(gpu.index, min_interval_s=0.0).sample():  # before the curve
+                raise _Refused("bench_gpu needs NVML's readings of the card's memory for its cap test (pip install "
+                               "'lbbsp[gpu]', or nvidia-ml-py); none came (the warning above says why)")
+    except _Refused as exc:
+        print(exc, file=sys.stderr)
         return 1
     device = f"cuda:{torch.cuda.get_device_name(gpu)}"[:64]
     print(f"{torch.cuda.get_device_name(gpu)}, torch {torch.__version__}, expandable segments "

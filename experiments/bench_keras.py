@@ -80,15 +80,16 @@ def run_mode(policy: str, args: argparse.Namespace, out: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=60,
-                        help="epochs of the digits data (1,797 samples / --global-batch steps each: 2 at the default); "
-                             "the first ones include tracing")
-    parser.add_argument("--hidden", type=int, default=1024, help="width of the MLP's two hidden layers")
+                        help="epochs of the digits data (1,797 samples / --global-batch steps each: 2 at the "
+                             "default batch); the first ones include tracing (default: %(default)s)")
+    parser.add_argument("--hidden", type=int, default=1024,
+                        help="width of the MLP's two hidden layers (default: %(default)s)")
     parser.add_argument("--load-procs", type=int, default=2,
                         help="busy loops on worker 1's core (one alone is often outrun: worker 1 sleeps at each "
-                             "all-reduce, and the scheduler favours a task that slept)")
+                             "all-reduce, and the scheduler favours a task that slept) (default: %(default)s)")
     parser.add_argument("--global-batch", type=int, default=1024,
-                        help="samples a step over both workers, in [16, 1797]")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each mode")
+                        help="samples a step over both workers, in [16, 1797] (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each mode (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_keras.json",
                         help="the JSON file written, or a folder for it (a name without a suffix) (default: the one the docs quote)")
     args = parser.parse_args()
@@ -97,9 +98,10 @@ def main() -> None:
     if not 2 * MIN_BATCH <= args.global_batch <= DIGITS:
         parser.error(f"--global-batch must lie in [{2 * MIN_BATCH}, {DIGITS}]: the example's {MIN_BATCH} samples "
                      "or more per worker, and a whole batch of the digits data")
+    if len(os.sched_getaffinity(0)) < 2:  # before results_file makes --out's folder: a refused run had left it
+        raise SystemExit("bench_keras needs two CPU cores, one per worker; this process may use "
+                         f"{len(os.sched_getaffinity(0))}")
     args.out = results_file(parser, args.out)
-    if len(os.sched_getaffinity(0)) < 2:
-        raise SystemExit("needs two CPU cores: one per worker")
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):

@@ -191,10 +191,12 @@ def _span(pair: list[float] | None) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60, help="training steps per run")
-    parser.add_argument("--hidden", type=int, default=512, help="MLP width (compute per sample)")
-    parser.add_argument("--global-batch", type=int, default=1024, help=f"at most {DIGITS} (the digits data)")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each mode per case")
+    parser.add_argument("--steps", type=int, default=60, help="training steps per run (default: %(default)s)")
+    parser.add_argument("--hidden", type=int, default=512, help="MLP width (compute per sample) (default: %(default)s)")
+    parser.add_argument("--global-batch", type=int, default=1024,
+                        help=f"at most {DIGITS} (the digits data) (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="alternating runs of each mode per case (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "bench_torch.json",
                         help="the JSON file written, or a folder for it (a name without a suffix) (default: the one the docs quote)")
     args = parser.parse_args()

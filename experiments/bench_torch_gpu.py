@@ -131,10 +131,14 @@ def synchronize(device: torch.device) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default="64,256,1024", help="global batch sizes, comma-separated")
-    parser.add_argument("--lags", default="2,4", help="lbbsp's lags, comma-separated (2 is the default)")
-    parser.add_argument("--steps", type=int, default=60, help="timed steps per run (after 10 warm-up steps)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each loop per size, in turn")
+    parser.add_argument("--sizes", default="64,256,1024",
+                        help="global batch sizes, comma-separated (default: %(default)s)")
+    parser.add_argument("--lags", default="2,4",
+                        help="lbbsp's lags, comma-separated, a run each (default: %(default)s; lbbsp's own is 2)")
+    parser.add_argument("--steps", type=int, default=60,
+                        help="timed steps per run (after 10 warm-up steps) (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each loop per size, in turn (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=OUT, help=f"the JSON file written, or a folder for it (a name without a suffix) (default: {OUT})")
     parser.add_argument("--dry-run", action="store_true",
                         help="without CUDA: run on the CPU under gloo to check the script (figures say nothing of a "

@@ -135,12 +135,16 @@ def _worker(rank: int, args: argparse.Namespace, init: str, url: str, out: str) 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60, help="training steps timed per run")
-    parser.add_argument("--warmup", type=int, default=5, help="steps before the timing starts (worker start-up)")
-    parser.add_argument("--read-us", type=float, default=600.0, help="storage latency per sample, microseconds")
-    parser.add_argument("--hidden", type=int, default=1024, help="MLP width (compute per sample)")
-    parser.add_argument("--global-batch", type=int, default=128, help="at most 1797 (the digits data)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each mode, in turn")
+    parser.add_argument("--steps", type=int, default=60, help="training steps timed per run (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=5,
+                        help="steps before the timing starts (worker start-up) (default: %(default)s)")
+    parser.add_argument("--read-us", type=float, default=600.0,
+                        help="storage latency per sample, microseconds (default: %(default)s)")
+    parser.add_argument("--hidden", type=int, default=1024,
+                        help="MLP width (compute per sample) (default: %(default)s)")
+    parser.add_argument("--global-batch", type=int, default=128,
+                        help="at most 1797 (the digits data) (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each mode, in turn (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" /
                         "bench_torch_loading.json", help="the JSON file written, or a folder for it (a name without a suffix) (default: the one the docs quote)")
     args = parser.parse_args()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from logging import INFO
 from typing import TypedDict
@@ -55,8 +55,10 @@ def build_strategy(cfg: Config, history: ClientHistory | None) -> Strategy:
                         ask_hardware_s=float(cfg.get("ask-hardware-s", 0.0)) or None)
 
 
-def run(grid: Grid, cfg: Config, history: ClientHistory | None) -> Summary:
-    """Train for num-server-rounds; returns the accuracy and wall time after every round."""
+def run(grid: Grid, cfg: Config, history: ClientHistory | None,
+        on_round: Callable[[dict[str, float]], None] | None = None) -> Summary:
+    """Train for num-server-rounds; returns the accuracy and wall time after every round. ``on_round``, if given,
+    receives each round's row as soon as the round is evaluated (experiments/bench_flower.py prints progress there)."""
     x_test, y_test = task.test_set(int(cfg["seed"]))
     rounds: list[dict[str, float]] = []
     started = time.perf_counter()
@@ -64,6 +66,8 @@ def run(grid: Grid, cfg: Config, history: ClientHistory | None) -> Summary:
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         acc = task.accuracy(arrays.to_numpy_ndarrays(), x_test, y_test)
         rounds.append({"round": server_round, "accuracy": acc, "elapsed_s": time.perf_counter() - started})
+        if on_round is not None:
+            on_round(rounds[-1])
         return MetricRecord({"accuracy": acc})
 
     plans = _PlanLog()

@@ -1,0 +1,135 @@
+"""What a new user running the benchmark scripts met: defaults --help did not state (and one it misstated), a run
+refused before it started that left its --out folder behind, and bench_flower's rounds printed only once a whole run
+of them had ended, though its docstring promised progress per round."""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+from unittest import mock
+
+import pytest
+
+from test_experiments import EXPERIMENTS, _experiment
+
+SCRIPTS = ["bench_coordinator", "bench_models", "bench_torch", "bench_torch_loading", "bench_keras", "bench_flower",
+           "bench_policies", "bench_gpu", "bench_torch_gpu"]
+
+
+def _parser(name: str) -> argparse.ArgumentParser:
+    """The script's own parser, as its ``main`` builds it (caught at ``parse_args``, before anything runs)."""
+    captured: list[argparse.ArgumentParser] = []
+
+    def caught(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        captured.append(self)
+        raise SystemExit(0)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", caught), mock.patch.object(sys, "argv", [name]):
+        with pytest.raises(SystemExit):
+            _experiment(name).main()
+    return captured[0]
+
+
+def _written(default: Any) -> list[str]:
+    """How a help text may write ``default``: as str() does, as :g does for a float, a list space-separated."""
+    if isinstance(default, list):
+        return [" ".join(map(str, default))]
+    return [str(default)] + ([f"{default:g}"] if isinstance(default, float) else [])
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_option_of_a_benchmark_states_its_default_in_help(name: str) -> None:
+    """bench_torch's and bench_torch_loading's --help stated none of their defaults, bench_keras's --epochs said only
+    its steps "at the default", bench_flower's --rounds only how long the defaults take, and bench_torch_gpu's --lags
+    said "(2 is the default)" of a flag whose default is 2,4."""
+    parser = _parser(name)
+    for action in parser._actions:
+        if not action.option_strings or action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+            continue
+        text = " ".join(((action.help or "") % {**vars(action), "prog": parser.prog}).split())  # as --help does
+        flag = action.option_strings[-1]
+        assert "(default: " in text, f"{name} {flag}: {text!r}"
+        if isinstance(action.default, Path) or "/" in str(action.default):
+            continue  # a path: the help may name it in words ("the one the docs quote")
+        if action.choices is not None and action.default == sorted(action.choices):
+            assert "(default: all)" in text, f"{name} {flag}: {text!r}"
+            continue
+        assert any(f"default: {written}" in text for written in _written(action.default)), f"{name} {flag}: {text!r}"
+
+
+def test_bench_gpu_refused_for_want_of_a_gpu_leaves_no_out_folder(tmp_path: Path) -> None:
+    """It made --out's folder, then found no GPU and exited: the empty folder stayed behind."""
+    if pytest.importorskip("torch").cuda.is_available():
+        pytest.skip("a CUDA GPU is here: bench_gpu would run")
+    out = tmp_path / "new" / "deeper" / "gpu.json"
+    result = subprocess.run([sys.executable, str(EXPERIMENTS / "bench_gpu.py"), "--out", str(out)],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip() == "bench_gpu needs a CUDA GPU; none is visible here"
+    assert not (tmp_path / "new").exists()
+
+
+def _on_one_core() -> None:
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+
+def test_bench_keras_refused_on_one_core_leaves_no_out_folder_and_says_how_many_it_has(tmp_path: Path) -> None:
+    """It made --out's folder before it found it had one core where it needs two; the folder stayed behind."""
+    out = tmp_path / "new" / "keras.json"
+    result = subprocess.run([sys.executable, str(EXPERIMENTS / "bench_keras.py"), "--out", str(out)],
+                            capture_output=True, text=True, timeout=120, check=False, preexec_fn=_on_one_core)
+    assert result.returncode == 1, result.stderr
+    assert "needs two CPU cores" in result.stderr and "may use 1" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "new").exists()
+
+
+class _Closable:
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def rounds(self) -> list[list[Any]]:  # what a ClientHistory hands bench_flower: one reply of 10 samples
+        return [[SimpleNamespace(iteration=1, samples=10)]]
+
+
+def test_bench_flower_prints_each_round_as_it_ends(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                                   tmp_path: Path) -> None:
+    """The docstring promised progress per round; the rounds of a run were printed only when the whole run had ended
+    (a run of 15 rounds with a slow link is 4 silent minutes). Here each round must be on stdout before the next one
+    starts."""
+    bench = _experiment("bench_flower")
+    seen: list[str] = []
+
+    def run(grid: object, cfg: dict[str, Any], history: object,
+            on_round: Callable[[dict[str, float]], None] | None = None) -> dict[str, Any]:
+        rows = []
+        for r in range(int(cfg["num-server-rounds"]) + 1):  # round 0: the starting model, as the ServerApp's
+            rows.append({"round": r, "accuracy": 0.1 * r, "elapsed_s": 2.0 * r})
+            if on_round is not None:
+                on_round(rows[-1])
+            seen.append(capsys.readouterr().out)
+        return {"rounds": rows}
+
+    monkeypatch.setattr(bench.server_app, "run", run)
+    monkeypatch.setattr(bench, "LocalGrid", _Closable)
+    monkeypatch.setattr(bench.ClientHistory, "from_url", lambda *args: _Closable())
+    monkeypatch.setattr(sys, "argv", ["bench_flower.py", "--rounds", "2", "--clients", "2",
+                                      "--out", str(tmp_path / "f.json")])
+    bench.main()
+    runs = len(bench.RUNS)
+    assert len(seen) == 3 * runs
+    for r, out in enumerate(seen):
+        if r % 3 == 0:
+            assert "round" not in out.replace("rounds", ""), out  # round 0 is the start, not a round
+        else:
+            assert f"round {r % 3:3d}  accuracy {0.1 * (r % 3):.3f}  elapsed {2.0 * (r % 3):7.2f}s" in out, (r, out)
+    assert (tmp_path / "f.json").exists()
+
