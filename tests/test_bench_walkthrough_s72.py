@@ -133,3 +133,29 @@ def test_bench_flower_prints_each_round_as_it_ends(monkeypatch: pytest.MonkeyPat
             assert f"round {r % 3:3d}  accuracy {0.1 * (r % 3):.3f}  elapsed {2.0 * (r % 3):7.2f}s" in out, (r, out)
     assert (tmp_path / "f.json").exists()
 
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def test_torch_docs_name_the_rows_the_torch_benchmarks_print() -> None:
+    """docs/torch.md's tables say "no load", "static 2x" and "plain DDP"; bench_torch prints none, a2x, a3x and b,
+    bench_torch_loading ddp, lbbsp-no-prefetch and lbbsp, and the page had not said which row was which."""
+    page = " ".join((DOCS / "torch.md").read_text().split())
+    for named in ("`none` (no load)", "`a2x` and `a3x` (static 2x and 3x)", "`b` (fluctuating)"):
+        assert named in page, named
+    for mode in _experiment("bench_torch_loading").MODES:
+        assert f"`{mode}`" in page, mode
+
+
+@pytest.mark.parametrize(("page", "script"), [("torch.md", "bench_torch"), ("torch.md", "bench_torch_loading"),
+                                              ("keras.md", "bench_keras"), ("flower.md", "bench_flower")])
+def test_each_benchmark_page_gives_a_quick_run_its_script_takes(page: str, script: str) -> None:
+    """A quick run with --out for every framework benchmark (bench_torch_loading and bench_flower had none: their
+    defaults take minutes), in flags the script accepts."""
+    text = " ".join((DOCS / page).read_text().split())
+    start = text.index(f"For a quick look, `python experiments/{script}.py ")
+    command = text[start:].split("`")[1].split()[2:]
+    assert "--out" in command, command
+    parser = _parser(script)
+    args = parser.parse_args(command)
+    assert str(args.out).startswith("/tmp/"), args.out
