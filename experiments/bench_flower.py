@@ -38,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "flower_digits"))
 
-from _args import results_file  # noqa: E402
+from _args import empty_folders_removed_on_failure, interrupted_as_exit, results_file  # noqa: E402
 from flower_digits import client_app, server_app  # noqa: E402
 
 from lbbsp import EmbeddedRedis  # noqa: E402
@@ -132,7 +132,15 @@ def main() -> None:
         parser.error("--clients and --rounds must be at least 1")
     if not (0 <= args.dropout <= 1 and 0 <= args.target <= 1):  # NaN too
         parser.error("--dropout (a chance) and --target (an accuracy) must lie in [0, 1]")
-    args.out = results_file(parser, args.out)
+    # Ctrl-C ends it with one line and exit status 130, not a traceback from the wait for a Flower reply, and
+    # removes the --out folder made for a run that wrote nothing
+    with interrupted_as_exit(), empty_folders_removed_on_failure(args.out):
+        args.out = results_file(parser, args.out)
+        benchmark(args)
+
+
+def benchmark(args: argparse.Namespace) -> None:
+    """Every run of RUNS in turn, each round printed as it ends; then the table, and the JSON file."""
     summaries: dict[str, Summary] = {}
     results: dict[str, dict[str, object]] = {}  # the summaries with their rounds, for the JSON file
     flwr = logging.getLogger("flwr")

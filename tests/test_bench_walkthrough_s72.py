@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -159,3 +161,20 @@ def test_each_benchmark_page_gives_a_quick_run_its_script_takes(page: str, scrip
     parser = _parser(script)
     args = parser.parse_args(command)
     assert str(args.out).startswith("/tmp/"), args.out
+
+
+def test_bench_flower_interrupted_says_so_in_one_line_and_leaves_no_out_folder(tmp_path: Path) -> None:
+    """Ctrl-C during a run had printed a 20-line traceback from the wait for a Flower reply, and left the --out folder
+    it had made; the other benchmarks that run for minutes in one process end with "interrupted" and status 130."""
+    out = tmp_path / "new" / "flower.json"
+    proc = subprocess.Popen([sys.executable, str(EXPERIMENTS / "bench_flower.py"), "--clients", "2", "--rounds", "3",
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().startswith("-- fedavg")  # the first run started
+        time.sleep(1.0)  # inside its first round (about 2 s)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err.strip() == "interrupted", err[-2000:]
+    assert not (tmp_path / "new").exists()
