@@ -179,14 +179,15 @@ def _reports(job: str, kind: str, k: int, sizes: Sequence[int], speed: np.ndarra
 
 def decision_times(url: str, workers: int, warmup: int, repeats: int, status_every: Sequence[float] = (),
                    models: Mapping[str, tuple[Callable[[], CapacityModel], str, float | None]] = MODELS,
-                   ) -> dict[str, dict[str, np.ndarray]]:
+                   progress: Callable[[str], None] | None = None) -> dict[str, dict[str, np.ndarray]]:
     """Per model: policy observe+decide (wall and CPU seconds), the whole coordinator step with Redis, and the
     whole decision's cycle (the step, the learning and the records written after it: the coordinator's pace), for
     ``repeats`` iterations after ``warmup`` iterations that fill the model's history (steady state, as in a
     long run). The models take turns within each iteration, in the reverse order every other one, so a drift in
     this machine's speed hits all alike. ``status_every``: one coordinator per model and value, writing its
     workers' status lines at most every that many seconds (0: at every decision), named "model @ value"; ``models``:
-    a part of MODELS."""
+    a part of MODELS; ``progress`` gets a line at each quarter of the iterations (the rows come only at the end:
+    minutes at 10,000 workers)."""
     rng, misses = np.random.default_rng(0), np.random.default_rng(1)
     speed = rng.uniform(500, 5000, workers)
     # per run: name, worker kind, job, store, timed policy, coordinator, times, the split of each iteration
@@ -227,6 +228,9 @@ def decision_times(url: str, workers: int, warmup: int, repeats: int, status_eve
                     times["learn"].append(timed.learn_seconds)
                     times["step"].append(outcome.decision_s)
                 sizes[outcome.assignment.iteration] = outcome.assignment.sizes
+            total = warmup + repeats
+            if progress is not None and k + 1 < total and (k + 1) * 4 // total > k * 4 // total:
+                progress(f"  {workers:,} workers: {k + 1}/{total} iterations of every model")
     return {name: {key: np.array(v) for key, v in times.items()} for name, _, _, _, _, _, times, _ in runs}
 
 
@@ -446,7 +450,8 @@ def run(args: argparse.Namespace) -> None:
         for n in args.decision_workers:
             print(f"(this machine's speed just before: reference workload {machine_speed_ms():.1f} ms)")
             p50_ms = {}
-            for name, times in decision_times(url, n, args.warmup, args.repeats).items():
+            for name, times in decision_times(url, n, args.warmup, args.repeats,
+                                              progress=lambda line: print(line, flush=True)).items():
                 print(f"{name:<26} {n:>8} {_ms(times['policy'], 50):>11} {_ms(times['policy'], 99):>11} "
                       f"{_ms(times['policy_cpu'], 50):>8} {_ms(times['step'], 50):>9} {_ms(times['step'], 99):>9} "
                       f"{_ms(times['learn'], 50):>10} {_ms(times['cycle'], 50):>10}", flush=True)

@@ -171,7 +171,9 @@ def main() -> int:
         spread = f"{min(ratio[m]):.2f}-{max(ratio[m]):.2f}" if m in ratio else ""
         versus = f"{statistics.median(ratio[m]):.2f}" if m in ratio else "1.00"
         print(f"{m:<20}{rate[m]:>10.0f}{versus:>8}{spread:>15}{per_step[m]:>21.1f}")
-    print(f"lbbsp steps served from its prefetch: {raw['prefetched']} of {args.warmup + args.steps} per run (rank 0)")
+    served = ", ".join(map(str, raw["prefetched"]))  # one count per repeat (it had printed the list: "[60]")
+    print(f"lbbsp steps served from its prefetch: {served} of {args.warmup + args.steps} per run, warm-up included "
+          "(rank 0)")
     result = {"args": {**vars(args), "out": str(args.out)}, "samples_per_s": rate,
               "vs_ddp": {m: statistics.median(r) for m, r in ratio.items()}, "vs_ddp_runs": ratio,
               "prefetched": raw["prefetched"], "redis_commands_per_step": per_step}

@@ -178,3 +178,13 @@ def test_bench_flower_interrupted_says_so_in_one_line_and_leaves_no_out_folder(t
         proc.kill()
     assert proc.returncode == 130 and err.strip() == "interrupted", err[-2000:]
     assert not (tmp_path / "new").exists()
+
+
+def test_bench_coordinators_decision_rows_come_with_progress(redis_url: str) -> None:
+    """Its rows are printed once every model has run all its iterations, in turns: minutes of silence at 10,000
+    workers. A line comes at each quarter, none at the end (the rows follow)."""
+    lines: list[str] = []
+    bench = _experiment("bench_coordinator")
+    times = bench.decision_times(redis_url, 8, 4, 4, models={"EWMA": bench.MODELS["EWMA (baseline)"]}, progress=lines.append)
+    assert lines == [f"  8 workers: {k}/8 iterations of every model" for k in (2, 4, 6)], lines
+    assert len(times["EWMA"]["policy"]) == 4
