@@ -185,6 +185,7 @@ def test_bench_coordinators_decision_rows_come_with_progress(redis_url: str) -> 
     workers. A line comes at each quarter, none at the end (the rows follow)."""
     lines: list[str] = []
     bench = _experiment("bench_coordinator")
-    times = bench.decision_times(redis_url, 8, 4, 4, models={"EWMA": bench.MODELS["EWMA (baseline)"]}, progress=lines.append)
+    ewma = {"EWMA": bench.MODELS["EWMA (baseline)"]}
+    times = bench.decision_times(redis_url, 8, 4, 4, models=ewma, progress=lines.append)
     assert lines == [f"  8 workers: {k}/8 iterations of every model" for k in (2, 4, 6)], lines
     assert len(times["EWMA"]["policy"]) == 4
