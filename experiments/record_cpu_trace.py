@@ -42,7 +42,7 @@ import numpy as np
 
 from lbbsp import ResourceMonitor
 from lbbsp.sim.cli import MAX_SEED
-from lbbsp.sim.traces import MIN_LEVEL_ROWS, CPUTrace, rows_said
+from lbbsp.sim.traces import MIN_LEVEL_ROWS, CPUTrace, rows_said, thin_level_why
 
 _PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its parent ends
 FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util", "cores")
@@ -297,9 +297,7 @@ def main() -> int:
     # the rows a replay uses, as lbbsp simulate and bench_models count them when they load it and warn (0 included)
     for level, (used, left_out) in CPUTrace.load(out).level_rows().items():
         if used < MIN_LEVEL_ROWS:
-            why = ("a replay never visits it" if used == 0 else f"fewer than the {MIN_LEVEL_ROWS} a replay wants (its "
-                   "rows come round again and again)")
-            print(f"  level {level} has {rows_said(used, left_out)}, {why}: record longer (--seconds)")
+            print(f"  level {level} has {rows_said(used, left_out)}, {thin_level_why(used)}; record longer (--seconds)")
     return 0
 
 

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import signal
 import sys
 import time
@@ -25,7 +26,7 @@ from .config import JobConfig, _job_name
 from .embedded import EmbeddedRedis
 from .errors import ConfigError, LBBSPError
 from .protocol import printable
-from .store import REDIS_ERRORS, Store, left_by_earlier_run, redacted, redis_url
+from .store import REDIS_ERRORS, REDIS_URL_VARIABLE, Store, answering, left_by_earlier_run, redacted, redis_url
 
 # The coordinator, the models and the policies import scikit-learn, seconds on a loaded machine: `lbbsp --help`,
 # `status` and `forget` need none of them, so `coordinator` alone imports them, where it uses them.
@@ -45,42 +46,20 @@ _EXTERNAL = {
 }
 
 
-def _redis_url(args: argparse.Namespace) -> tuple[str | None, str]:
-    """``--redis``, else $LBBSP_REDIS_URL; None where neither gives one (an empty variable gives none); with where it
-    came from, for :func:`_probe` to name."""
-    return redis_url(args.redis)
-
-
 def _given_redis(args: argparse.Namespace) -> tuple[str, str]:
     """The Redis URL of ``--redis`` or $LBBSP_REDIS_URL, and which gave it: `status` and `forget` work on a job's
     Redis, and start none."""
-    url, source = _redis_url(args)
+    url, source = redis_url(args.redis)
     if url is None:
         raise LBBSPError("no Redis to read: pass --redis URL or set LBBSP_REDIS_URL (the coordinator prints it)")
     return url, source
 
 
 def _probe(url: str, job: str, source: str) -> Store:
-    """A store of ``job`` on a short timeout, whose Redis answered; an error that names $LBBSP_REDIS_URL where the
-    URL is the variable's (a user who had not typed it was told "cannot reach Redis at ..." of a URL they had set
-    and forgotten, or not at all)."""
-    try:
-        store = Store.from_url(url, job, socket_timeout_s=_PROBE_TIMEOUT_S)
-    except ConfigError as exc:  # a URL it cannot use
-        raise _from_variable(exc, source) from None
-    try:
-        store.ping()
-    except LBBSPError as exc:
-        store.close()
-        raise _from_variable(exc, source) from None
-    return store
-
-
-def _from_variable(exc: LBBSPError, source: str) -> LBBSPError:
-    """``exc`` with ``source`` before its message where that is $LBBSP_REDIS_URL (the flag's user typed the URL)."""
-    if source == "--redis":
-        return exc
-    return type(exc)(f"{source}: {exc.message}", job=exc.job)
+    """A store of ``job`` on a short timeout, whose Redis answered; its error names $LBBSP_REDIS_URL where the URL
+    is the variable's (a URL typed after --redis, or the embedded server's, goes unnamed)."""
+    named = source if source == f"${REDIS_URL_VARIABLE}" else ""
+    return answering(url, job, source=named, socket_timeout_s=_PROBE_TIMEOUT_S)
 
 
 def _models() -> dict[str, Callable[[int, int], CapacityModel]]:
@@ -219,6 +198,14 @@ def _flagged(exc: ConfigError) -> ConfigError:
     return ConfigError(message)
 
 
+def _redis_flag(url: str, source: str) -> str:
+    """The ``--redis`` a command offered in an error needs to reach ``url``: none where $LBBSP_REDIS_URL gave it (read
+    again), the URL quoted for a shell, or ``--redis URL`` where it holds a password, which an error never shows."""
+    if source != "--redis":
+        return ""
+    return "--redis URL" if redacted(url) != url else f"--redis {shlex.quote(url)}"
+
+
 def _same_settings(store: Store, config: JobConfig, redis_flag: str = "") -> None:
     """A ConfigError naming, as flags, the settings in which the flags' ``config`` differs from those the job's
     ``store`` holds: the one the coordinator would raise names JobConfig's fields, which a user of this command never
@@ -319,7 +306,7 @@ def _coordinator(args: argparse.Namespace) -> int:
 
     config = _job_config(args)  # bad flags: no server
     policy = _policy(args)
-    url, source = _redis_url(args)
+    url, source = redis_url(args.redis)
     if url is not None and args.listen is not None:
         raise LBBSPError("--listen serves the embedded Redis on TCP: drop it, or drop --redis (and $LBBSP_REDIS_URL)")
     server, store, stop = None, None, _StopSignals()
@@ -337,8 +324,7 @@ def _coordinator(args: argparse.Namespace) -> int:
                     print(f"workers on other machines: --redis {first}{also}", flush=True)
             # checked on a short timeout, as `lbbsp status` does: a Redis that never answers is an error in seconds
             with _probe(url, args.job, source) as probe:
-                # the URL typed after --redis, for the forget command (the variable's is read again)
-                _same_settings(probe, config, f"--redis {redacted(url)}" * (source == "--redis"))
+                _same_settings(probe, config, _redis_flag(url, source))
                 if (serving := probe.coordinator()) is not None:
                     _claim_lapsed(probe, serving, stop)
             store = Store.from_url(url, args.job)
@@ -1012,8 +998,9 @@ def _reader_gone() -> int:
     """End quietly after stdout's reader closed the pipe, with 141 (128 + SIGPIPE), as a tool that SIGPIPE ends:
     stdout now writes to /dev/null, where Python's flush at exit had failed again."""
     with contextlib.suppress(OSError, ValueError):  # a stdout without a descriptor (pytest's capture)
+        stdout = sys.stdout.fileno()  # first: a stdout without one opens nothing to leak
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, stdout)
         os.close(devnull)
     return 128 + signal.SIGPIPE
 

@@ -77,19 +77,19 @@ def checked_policy(policy: object, job: str | None = None) -> Policy | None:
 
 
 #: LBBSPPolicy's hooks that a variant may override, as the policy calls them (positionally; docs/models.md).
-HOOKS = {"bounds": "bounds(workers, current, config) -> (lower, upper)",
-         "propose": "propose(time_model, config, lower, upper, forecast=None) -> sizes",
-         "dropout": "dropout(workers) -> each worker's chance of missing its round, or None"}
+#: Each with the number of arguments it is passed and its signature.
+HOOKS = {"bounds": (3, "bounds(workers, current, config) -> (lower, upper)"),
+         "propose": (5, "propose(time_model, config, lower, upper, forecast=None) -> sizes"),
+         "dropout": (1, "dropout(workers) -> each worker's chance of missing its round, or None")}
 
 
 def _check_hooks(policy: LBBSPPolicy) -> None:
     """A ConfigError naming the class and the hook where ``policy`` overrides one of :data:`HOOKS` with a method
     that cannot take the arguments the policy passes it: each decision had failed with a TypeError (logged, the
     split in force kept), and a simulated run read as a policy that never moved."""
-    for hook, signature in HOOKS.items():
+    for hook, (count, signature) in HOOKS.items():
         if getattr(type(policy), hook) is getattr(LBBSPPolicy, hook):
             continue
-        count = signature.partition("(")[2].partition(")")[0].count(",") + 1
         try:
             inspect.signature(getattr(policy, hook)).bind(*[None] * count)
         except TypeError:

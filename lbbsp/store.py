@@ -31,7 +31,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from .config import JobConfig, _integer, _job_name
-from .errors import ConfigError, ProtocolError, StoreUnavailable
+from .errors import ConfigError, LBBSPError, ProtocolError, StoreUnavailable
 from .protocol import MAX_PAYLOAD_BYTES, MAX_WORKERS, Assignment, Report
 
 DECISION_LOG_LENGTH = 1000
@@ -643,6 +643,25 @@ def _store(store: object, job: str, for_url: str = "Store.from_url(url, job)") -
     if not isinstance(store, Store):
         given = redacted(store) if isinstance(store, str) else store
         raise ConfigError(f"store must be a Store (for a URL: {for_url}), got {given!r:.80}", job=job)
+    return store
+
+
+def answering(url: str, job: str, *, source: str = "", socket_timeout_s: float = 5.0) -> Store:
+    """A store of ``job`` on ``url`` whose Redis answered a ping; else its ConfigError (a URL it cannot use) or
+    StoreUnavailable, the message led by ``source`` where one is given (``$LBBSP_REDIS_URL``: a user who had set it
+    and forgotten was told "cannot reach Redis at ..." of a URL never typed)."""
+    def sourced(exc: LBBSPError) -> LBBSPError:
+        return type(exc)(f"{source}: {exc.message}", job=exc.job) if source else exc
+
+    try:
+        store = Store.from_url(url, job, socket_timeout_s=socket_timeout_s)
+    except ConfigError as exc:
+        raise sourced(exc) from None
+    try:
+        store.ping()
+    except StoreUnavailable as exc:
+        store.close()
+        raise sourced(exc) from None
     return store
 
 

@@ -16,8 +16,9 @@ import pytest
 
 from emulated import worker_clients
 from lbbsp import Coordinator, JobConfig, Report
-from lbbsp.cli import main
-from lbbsp.store import Store
+from lbbsp.cli import _redis_flag, main
+from lbbsp.errors import ConfigError, StoreUnavailable
+from lbbsp.store import Store, answering
 
 LBBSP = [sys.executable, "-m", "lbbsp.cli"]
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
@@ -137,3 +138,36 @@ def test_the_doc_quotes_the_coordinators_first_line_which_status_takes(job: str)
     finally:
         coordinator.terminate()
         coordinator.communicate(timeout=30)
+
+
+def test_a_redis_that_does_not_answer_is_named_by_the_source_given_and_only_then() -> None:
+    """One helper reaches Redis for the commands and simulate: its error led by the source given, and by nothing
+    where none is (an embedded server's had begun ": cannot reach ...")."""
+    for source, lead in [("", "cannot reach Redis"), ("$LBBSP_REDIS_URL", "$LBBSP_REDIS_URL: cannot reach Redis")]:
+        with pytest.raises(StoreUnavailable) as raised:
+            answering("redis://127.0.0.1:1/0", "j", source=source, socket_timeout_s=0.2)
+        assert raised.value.message.startswith(lead), raised.value.message
+    with pytest.raises(ConfigError, match=r"^--redis: not a usable Redis URL"):
+        answering("http://host", "j", source="--redis")
+
+
+@pytest.mark.parametrize(("url", "flag"), [("redis://h:6379/0", "--redis redis://h:6379/0"),
+                                           ("redis://h/0?a=1&b=2", "--redis 'redis://h/0?a=1&b=2'"),
+                                           ("redis://:secret@h:6379/0", "--redis URL")])
+def test_the_forget_command_offered_can_be_pasted(url: str, flag: str) -> None:
+    """It had quoted the URL as errors show it: a password as ***, which then failed, and a query's & unquoted, which
+    a shell splits."""
+    assert _redis_flag(url, "--redis") == flag
+    assert _redis_flag(url, "$LBBSP_REDIS_URL") == ""  # read again from the variable
+
+
+@pytest.mark.timeout(120)
+def test_simulate_into_a_reader_gone_ends_quietly_with_141(tmp_path: Path) -> None:
+    """As status does (the doc names status, forget and simulate)."""
+    proc = subprocess.Popen([*LBBSP, "simulate", "--scenario", "gpu-mix", "--workers", "2", "--iterations", "3",
+                             "--out", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=110)
+    assert (proc.returncode, err) == (141, ""), err

@@ -19,10 +19,10 @@ import numpy as np
 
 from .. import __version__
 from ..embedded import EmbeddedRedis
-from ..errors import ConfigError, StoreUnavailable
+from ..errors import ConfigError
 from ..policies import PER_EPOCH_ITERATIONS
 from ..protocol import MAX_WORKERS, printable
-from ..store import Store, redacted, redis_url
+from ..store import answering, redacted, redis_url
 from .engine import PolicyRun, compare
 from .scenarios import LOOKAHEAD, MAX_CELLS, MEAN_DWELL, SCENARIOS, FLClients, Scenario
 from .traces import DEFAULT_TRACE_DIR, load_traces
@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     options, suffix = _scenario_options(args)
     redis = redis_for(args.redis)
     if redis is not None and redis[0]:  # a given Redis is reached before the scenario is built and the in-process pass
-        _reach(*redis)
+        url, source = redis
+        answering(url, "lbbsp-simulate", source=source).close()  # a Redis that answers, or an error naming --redis
     with _output_folder(args.out):  # the last check: a refused or stopped run leaves no folder of its own behind
         return _simulate(args, options, suffix, started, redis)
 
@@ -137,9 +138,11 @@ def _simulate(args: argparse.Namespace, options: dict[str, object], suffix: str,
     stem = args.out / f"simulate_{args.scenario}_{args.workers}w_{args.iterations}it_seed{args.seed}{suffix}"
     try:
         runs = compare(scenario, args.iterations, progress=lambda line: print(line, flush=True))
-    except ConfigError as exc:  # options that give a worker no measurable time: named as their flags, if any
-        flags = FL_FLAGS if args.scenario == "fl-clients" else {}
-        raise ConfigError(_as_flags(exc.message, [flag.replace("-", "_") for flag in flags])) from None
+    except ConfigError as exc:  # fl-clients' options that give a worker no measurable time: named as their flags
+        if args.scenario != "fl-clients":
+            raise
+        names = [flag.replace("-", "_") for flag in FL_FLAGS]
+        raise ConfigError(_as_flags(exc.message, names), job=exc.job) from None
     check = None
     if redis is not None:
         url, source = redis
@@ -228,18 +231,6 @@ def redis_check_line(check: dict[str, Any]) -> str:
             f"in-process in all {check['iterations']} iterations" + "".join(f"\n  {name} differs" for name in differ))
 
 
-def _reach(url: str, source: str) -> None:
-    """A ConfigError or StoreUnavailable naming ``source`` (``--redis`` or the variable) unless the Redis at ``url``
-    answers."""
-    try:
-        with Store.from_url(url, "lbbsp-simulate") as store:
-            store.ping()
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc.message}") from None
-    except StoreUnavailable as exc:
-        raise StoreUnavailable(f"{source}: {exc.message}") from None
-
-
 def _through_redis(scenario: Scenario, iterations: int, url: str, in_process: dict[str, PolicyRun], *,
                    source: str = "--redis") -> tuple[dict[str, PolicyRun], dict[str, Any]]:
     """Every policy again, through Redis (embedded when ``url`` is empty; ``source`` names where a URL came from);
@@ -321,9 +312,6 @@ def _scenario_options(args: argparse.Namespace) -> tuple[dict[str, object], str]
 def _as_flags(message: str, names: Iterable[str]) -> str:
     """``message`` with each of the scenario's argument ``names`` written as the flag that sets it (``local_steps``:
     ``--local-steps``): a command-line user has no ``local_steps=`` to give."""
-    names = list(names)
-    if not names:
-        return message
     return re.sub(r"\b(" + "|".join(names) + r")\b", lambda name: "--" + name.group(1).replace("_", "-"), message)
 
 
