@@ -87,3 +87,26 @@ def test_status_prints_control_characters_from_redis_escaped(
     assert len(re.findall(escaped, out)) == 6, out  # sizes, policy, reason and caption, rejected twice
     assert re.search(r"│ +0 │ +5 │ +- │ +- │ +- │ +- │ +\\x1b\[2J\\n │", out), out
     assert re.search(r"last decision of job", out) and re.search(r"│ +1 │ +5 │ +- │ +- │ +- │ +- │ +cpu │", out)
+
+
+@pytest.mark.timeout(60)
+def test_the_folded_decision_log_escapes_control_characters_too(
+        redis_url: str, job: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 80 columns the decision log is folded into one cell of lines (sizes with policy and writer, reason,
+    rejected): each stored value in it shows escaped, as in the six columns."""
+    monkeypatch.setenv("COLUMNS", "80")
+    for variable in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
+        monkeypatch.delenv(variable, raising=False)
+    with Store.from_url(redis_url, job) as store:
+        try:
+            store.register(JobConfig(job, 2, 10))
+            store.client.lpush(store.key("decisions"), json.dumps({
+                "iteration": 1, "sizes": [5, _HOSTILE], "policy": f"p{_HOSTILE}", "written_by_coordinator": True,
+                "reason": f"r{_HOSTILE}", "rejected": [{"worker": _HOSTILE, "error": _HOSTILE}], "time": 1.0}))
+            assert main(["status", "--redis", redis_url, "--job", job, "--decisions", "1"]) == 0
+        finally:
+            store.forget()
+    out = capsys.readouterr().out
+    assert "sizes (policy, by), reason, rejected" in out, out  # folded
+    assert "\x1b" not in out and "\x9b" not in out and "\x07" not in out, repr(out)
+    assert "OWNED" in out and "rejected: " in out, out
