@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lbbsp.child_logging import ParentLogging
-from lbbsp.cli import whole_number
+from lbbsp.cli import piped_console, whole_number
 from lbbsp.errors import ConfigError, LBBSPError
-from lbbsp.store import redacted, redis_url
+from lbbsp.store import REDIS_URL_VARIABLE, answering, redacted, redis_url
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -320,7 +320,6 @@ def run(args: argparse.Namespace) -> int:
     from rich.live import Live  # noqa: PLC0415
 
     from lbbsp.embedded import EmbeddedRedis  # noqa: PLC0415
-    from lbbsp.store import Store  # noqa: PLC0415
 
     if importlib.util.find_spec("torch") is None:  # else each worker failed with an ImportError traceback
         raise LBBSPError("the demo trains with PyTorch, which is not installed: pip install 'lbbsp[torch]' (or torch)")
@@ -341,8 +340,9 @@ def run(args: argparse.Namespace) -> int:
                       "smaller than on one core per worker")
     server = None if given else EmbeddedRedis()
     url = given or server.url  # type: ignore[union-attr]
-    with Store.from_url(url, "") as probe:  # a clear error here, not one traceback per worker process
-        probe.ping(hint="check --redis" if args.redis else "check $LBBSP_REDIS_URL, or pass --redis")
+    # a clear error here, not one traceback per worker process; the variable's URL named as the other commands do
+    source = redis_url(args.redis)[1] if given else ""
+    answering(url, "", source=source if source == f"${REDIS_URL_VARIABLE}" else "").close()
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     view = _View(config, cores)
@@ -392,9 +392,7 @@ def run(args: argparse.Namespace) -> int:
 def _console() -> Console:
     """rich's console for the demo's output; piped (not a terminal), it wraps no line at 80 columns, so that each
     sentence and the table's title stay on one line for a log or grep."""
-    from rich.console import Console  # noqa: PLC0415
-
-    console = Console()
+    console = piped_console()  # a reader gone (`lbbsp demo | head`) ends it with 141, as the other commands
     console.soft_wrap = not console.is_terminal
     return console
 

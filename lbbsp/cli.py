@@ -527,7 +527,7 @@ def _print_status(status: _JobStatus, decisions_shown: int) -> None:
     """The job's sentence, its workers' table and, for ``decisions_shown``, its latest decisions."""
     from rich.table import Table  # noqa: PLC0415  (only this view draws tables)
 
-    console = _console()
+    console = piped_console()
     job, config, serving, decisions, statuses = (status.job, status.config, status.serving, status.decisions,
                                                  status.statuses)
     last = decisions[0] if decisions else {}
@@ -561,10 +561,10 @@ def _print_status(status: _JobStatus, decisions_shown: int) -> None:
         console.print(_decision_log(console, job, decisions))
 
 
-def _console() -> Console:
+def piped_console() -> Console:
     """A rich Console whose reader closing the pipe (``lbbsp status | head``) raises BrokenPipeError, which
     :func:`main` ends on as for every command's output; rich's own exit, 1, is what ``--check`` means by a job
-    unserved."""
+    unserved (and what `lbbsp demo` means by parameters that differ)."""
     from rich.console import Console  # noqa: PLC0415
 
     class _PipedConsole(Console):

@@ -221,3 +221,29 @@ def _summary(*, quiet: bool) -> list[str]:
     piped = io.StringIO()
     assert view.summary(Console(file=piped, soft_wrap=True, width=80), quiet=quiet) == 0
     return piped.getvalue().splitlines()
+
+
+@needs_torch
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("lines", [0, 4])
+def test_the_demo_into_a_reader_gone_ends_quietly_with_141(lines: int) -> None:
+    """`lbbsp demo | head` had ended with rich's exit 1, which the demo means for parameters that differ; now with
+    141 and nothing on stderr, as the other commands, whether the reader goes at once or during the BSP run (its
+    workers stopped: none left behind)."""
+    proc = subprocess.Popen([*LBBSP, "demo", "--steps", "10", "--hidden", "8"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
+    assert proc.stdout is not None
+    read = [proc.stdout.readline() for _ in range(lines)]
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=140)
+    assert (proc.returncode, err) == (141, ""), (read, err)
+    assert all(read) and (not read or "step" in read[-1]), read
+
+
+@needs_torch
+def test_the_variables_url_that_is_no_url_is_named_by_the_demo(monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Its "not a usable Redis URL" did not say the URL was $LBBSP_REDIS_URL's, as an unreachable one's hint did."""
+    monkeypatch.setenv("LBBSP_REDIS_URL", "http://host")
+    assert main(["demo", "--steps", "10", "--hidden", "8"]) == 2
+    assert "lbbsp: error: $LBBSP_REDIS_URL: not a usable Redis URL: http://host" in capsys.readouterr().err
