@@ -205,3 +205,47 @@ def test_the_keras_example_with_a_bad_redis_url_says_why_without_a_traceback() -
     assert done.returncode == 1, done.stdout + done.stderr
     assert "keras_digits.py: not a usable Redis URL: http://localhost" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+LAUNCH = """import sys, importlib.util
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("launcher", sys.argv[1])
+launcher = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(launcher)
+launcher.BIN = Path(sys.argv[2])
+launcher.run_deployment(2, {"num-server-rounds": 1}, timeout_s=60, workdir=Path(sys.argv[3]), redis_url=sys.argv[4])
+"""
+
+
+@pytest.mark.timeout(90)
+def test_the_flower_launcher_stops_what_it_started_when_it_is_sent_sigterm(tmp_path: Path, redis_url: str) -> None:
+    """`timeout 600 python run.py` (or a CI job's cancel) ended run.py alone: the SuperLink and SuperNodes, in
+    sessions of their own, ran on (three such sets were found hours later on a developer's machine)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("flower-superlink", "flower-supernode"):
+        fake_command(bin_dir, name, "sleep 60")  # a shell running its script by its path: found by that path
+    fake_command(bin_dir, "flwr", 'echo "Connection to the SuperLink is unavailable."; exit 1')  # never listening
+
+    def stand_ins() -> list[psutil.Process]:
+        started = str(bin_dir / "flower-super")
+        return [p for p in psutil.process_iter(["cmdline"]) if started in " ".join(p.info["cmdline"] or [])]
+
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, str(EXAMPLES / "flower_digits" / "run.py"), str(bin_dir),
+                             str(tmp_path / "work"), redis_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while len(stand_ins()) < 3 and time.monotonic() < deadline:  # the SuperLink and both SuperNodes
+            time.sleep(0.1)
+        assert len(stand_ins()) == 3, "the stand-ins did not start"
+        proc.terminate()
+        assert proc.wait(timeout=30) == 128 + 15
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 10
+    while stand_ins() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = stand_ins()
+    for process in left:  # not to leave them to the rest of the suite where this fails
+        process.kill()
+    assert not left

@@ -15,6 +15,7 @@ report them (``count_delivery=True``), so lbbsp's plans mostly keep the equal sp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
 import os
@@ -28,7 +29,7 @@ import tempfile
 import threading
 import time
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import click
@@ -141,9 +142,30 @@ class LogFollower:
         self._thread.join(timeout=5)
 
 
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM (kill, timeout(1), a CI job's cancel) as SystemExit, so that the processes started are stopped: at its
+    default it ended this process alone, and the SuperLink and SuperNodes, in sessions of their own, ran on."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set a handler
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_deployment(clients: int, run_config: Mapping[str, object], *, timeout_s: float = 600,
                    workdir: Path | None = None, redis_url: str | None = None) -> dict[str, object]:
     """Run the app on a fresh SuperLink with ``clients`` SuperNodes; returns the ServerApp's results."""
+    with sigterm_as_exit():
+        return _deploy(clients, run_config, timeout_s, workdir, redis_url)
+
+
+def _deploy(clients: int, run_config: Mapping[str, object], timeout_s: float, workdir: Path | None,
+            redis_url: str | None) -> dict[str, object]:
+    """:func:`run_deployment`'s work: start, submit, follow, and stop every process started, however it ends."""
     superlink, supernode, flwr = (flower_command(name) for name in ("flower-superlink", "flower-supernode", "flwr"))
     work = Path(workdir or tempfile.mkdtemp(prefix="lbbsp-flower-"))
     home = work / "flwr-home"
