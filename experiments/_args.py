@@ -8,6 +8,15 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def out_help(default: Path) -> str:
+    """``--out``'s help, its ``default`` named from the repository's root, as the docs quote it (two benchmarks
+    had shown this checkout's absolute path, the others no path at all)."""
+    return (f"the JSON file to write (a name with a suffix, such as x.json), or a folder to write {default.name} in "
+            f"(any other name; made if missing) (default: {default.resolve().relative_to(ROOT)})")
+
 
 def results_file(parser: argparse.ArgumentParser, out: Path) -> Path:
     """The file ``--out`` names (a folder, or a name without a suffix, which becomes a folder as ``lbbsp simulate

@@ -38,13 +38,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "flower_digits"))
 
-from _args import empty_folders_removed_on_failure, interrupted_as_exit, results_file  # noqa: E402
+from _args import empty_folders_removed_on_failure, interrupted_as_exit, out_help, results_file  # noqa: E402
 from flower_digits import client_app, server_app  # noqa: E402
 
 from lbbsp import EmbeddedRedis  # noqa: E402
 from lbbsp.integrations.flower import ClientHistory  # noqa: E402
 from lbbsp.integrations.flower_local import LocalGrid  # noqa: E402
 
+OUT = ROOT / "experiments" / "results" / "bench_flower.json"
 BATCH, STEPS = 32, 5
 #: (name, mode, weight by, with dropouts, compensate dropouts, share of clients that may sit a round out,
 #: clients on a poor network)
@@ -125,8 +126,7 @@ def main() -> None:
                         help="the test accuracy whose time to reach is reported, in [0, 1] (default: %(default)s)")
     parser.add_argument("--dropout", type=float, default=0.4,
                         help="the most-dropping clients' chance per round (default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_flower.json",
-                        help="the JSON file written, or a folder for it (a name without a suffix) (default: the one the docs quote)")
+    parser.add_argument("--out", type=Path, default=OUT, help=out_help(OUT))
     args = parser.parse_args()
     if args.clients < 1 or args.rounds < 1:
         parser.error("--clients and --rounds must be at least 1")

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _args import empty_folders_removed_on_failure, results_file
+from _args import empty_folders_removed_on_failure, out_help, results_file
 from torch import nn
 
 from lbbsp import Report
@@ -38,6 +38,7 @@ from lbbsp.telemetry import ResourceMonitor
 
 DEFAULT_SIZES = "1,2,4,8,12,16,24,32,48,64,96,128,192,256,384,512,768,1024,1536,2048"
 GIB = 2.0**30
+OUT = Path(__file__).resolve().parent / "results" / "bench_gpu.json"
 
 
 def cnn() -> nn.Module:
@@ -173,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grow-steps", type=int, default=24, help="steps of the growing worker (default: %(default)s)")
     parser.add_argument("--expandable-segments", action="store_true",
                         help="run PyTorch's CUDA allocator with expandable segments (what docs/torch.md advises)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bench_gpu.json",
-                        help="the JSON file written, or a folder for it (a name without a suffix) (default: the one the docs quote)")
+    parser.add_argument("--out", type=Path, default=OUT, help=out_help(OUT))
     args = parser.parse_args(argv)
     try:
         sizes = sorted({int(s) for s in args.sizes.split(",")})

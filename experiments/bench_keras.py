@@ -27,11 +27,12 @@ import time
 import uuid
 from pathlib import Path
 
-from _args import results_file
+from _args import out_help, results_file
 from record_cpu_trace import busy_loop
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "keras_digits.py"
+OUT = ROOT / "experiments" / "results" / "bench_keras.json"
 DIGITS = 1797  # samples in scikit-learn's digits, the example's data
 MIN_BATCH = 8  # the example's least batch of a worker (its MIN_BATCH)
 
@@ -90,8 +91,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=1024,
                         help="samples a step over both workers, in [16, 1797] (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each mode (default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_keras.json",
-                        help="the JSON file written, or a folder for it (a name without a suffix) (default: the one the docs quote)")
+    parser.add_argument("--out", type=Path, default=OUT, help=out_help(OUT))
     args = parser.parse_args()
     if min(args.epochs, args.hidden, args.repeats) < 1 or args.load_procs < 0:
         parser.error("--epochs, --hidden and --repeats must be at least 1, --load-procs at least 0")

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _args import empty_folders_removed_on_failure, interrupted_as_exit, results_file
+from _args import empty_folders_removed_on_failure, interrupted_as_exit, out_help, results_file
 
 from lbbsp.errors import ConfigError
 from lbbsp.sim.cli import summarise
@@ -83,9 +83,7 @@ def main() -> None:
                         help="(default: all)")
     parser.add_argument("--iterations", type=int, default=150,
                         help="per run (default: 150, as the committed lbbsp simulate results)")
-    parser.add_argument("--out", type=Path, default=OUT,
-                        help=f"the JSON file to write (a name with a suffix, such as x.json), or a folder to write "
-                             f"{OUT.name} in (any other name; made if missing) (default: {OUT})")
+    parser.add_argument("--out", type=Path, default=OUT, help=out_help(OUT))
     args = parser.parse_args()
     if args.seeds < 1 or args.iterations < 1 or min(args.workers) < 2:
         parser.error("--seeds and --iterations must be at least 1, --workers at least 2")

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _args import results_file
+from _args import out_help, results_file
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
@@ -42,6 +42,7 @@ from lbbsp.policies import Decision
 WORLD = 2
 DIGITS = 1797  # samples in scikit-learn's digits, the data of every run
 SLOW = 1
+OUT = Path(__file__).resolve().parent / "results" / "bench_torch.json"
 
 
 class FixedSplit(Policy):
@@ -197,8 +198,7 @@ def main() -> int:
                         help=f"at most {DIGITS} (the digits data) (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="alternating runs of each mode per case (default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "bench_torch.json",
-                        help="the JSON file written, or a folder for it (a name without a suffix) (default: the one the docs quote)")
+    parser.add_argument("--out", type=Path, default=OUT, help=out_help(OUT))
     args = parser.parse_args()
     if args.repeats < 1 or args.steps < 1 or args.hidden < 1:
         parser.error("--repeats, --steps and --hidden must be at least 1")

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _args import results_file
+from _args import out_help, results_file
 from bench_gpu import cnn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="timed steps per run (after 10 warm-up steps) (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of each loop per size, in turn (default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=OUT, help=f"the JSON file written, or a folder for it (a name without a suffix) (default: {OUT})")
+    parser.add_argument("--out", type=Path, default=OUT, help=out_help(OUT))
     parser.add_argument("--dry-run", action="store_true",
                         help="without CUDA: run on the CPU under gloo to check the script (figures say nothing of a "
                              "GPU; written only to an --out given)")

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _args import results_file
+from _args import out_help, results_file
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
@@ -39,6 +39,7 @@ from lbbsp.integrations.torch import Balancer
 
 WORLD = 2
 MODES = ("ddp", "lbbsp-no-prefetch", "lbbsp")
+OUT = Path(__file__).resolve().parent / "results" / "bench_torch_loading.json"
 
 
 class SlowStorage(Dataset):
@@ -145,8 +146,7 @@ def main() -> int:
     parser.add_argument("--global-batch", type=int, default=128,
                         help="at most 1797 (the digits data) (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each mode, in turn (default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" /
-                        "bench_torch_loading.json", help="the JSON file written, or a folder for it (a name without a suffix) (default: the one the docs quote)")
+    parser.add_argument("--out", type=Path, default=OUT, help=out_help(OUT))
     args = parser.parse_args()
     if min(args.steps, args.warmup, args.hidden, args.repeats) < 1:
         parser.error("--steps, --warmup, --hidden and --repeats must be at least 1")

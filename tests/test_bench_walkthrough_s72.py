@@ -190,3 +190,11 @@ def test_bench_coordinators_decision_rows_come_with_progress(redis_url: str) -> 
     times = bench.decision_times(redis_url, 8, 4, 4, models=ewma, progress=lines.append)
     assert lines == [f"  8 workers: {k}/8 iterations of every model" for k in (2, 4, 6)], lines
     assert len(times["EWMA"]["policy"]) == 4
+
+
+@pytest.mark.parametrize("name", [name for name in SCRIPTS if name not in ("bench_coordinator", "bench_models")])
+def test_a_benchmarks_out_help_names_its_default_file_from_the_repository_root(name: str) -> None:
+    """bench_policies's and bench_torch_gpu's --help showed this checkout's absolute path, the others "the one the
+    docs quote": each now names the file as the docs do."""
+    out = next(action for action in _parser(name)._actions if "--out" in action.option_strings)
+    assert f"(default: experiments/results/{out.default.name})" in " ".join((out.help or "").split()), out.help
