@@ -28,6 +28,7 @@ import platform
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 import lbbsp.integrations.torch as lbbsp_torch
-from lbbsp.integrations.torch import Balancer
+from lbbsp.integrations.torch import Balancer, BatchNormWarning
 from lbbsp.integrations.torch_data import BalancedLoader
 from lbbsp.store import Store
 from lbbsp.telemetry import ResourceMonitor
@@ -73,7 +74,11 @@ def run(loop: str, batch: int, steps: int, data: TensorDataset, device: torch.de
     lb = None
     if loop.startswith("lbbsp"):
         lb = Balancer.from_env(batch, lag=int(loop.split("=")[1]))
-        lb.attach(model)
+        with warnings.catch_warnings():
+            # The CNN's BatchNorm: with one rank its slice is the whole global batch, normalised as BSP does, and the
+            # last BatchNorm sees 8x8 maps; a warning about slices of different sizes says nothing here
+            warnings.filterwarnings("ignore", category=BatchNormWarning)
+            lb.attach(model)
         batches: Iterable[Any] = lb.loader(data, seed=0, drop_last=True, pin_memory=device.type == "cuda")
     else:
         batches = DataLoader(data, batch_size=batch, shuffle=True, drop_last=True, pin_memory=device.type == "cuda")

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -190,6 +191,31 @@ def test_bench_coordinators_decision_rows_come_with_progress(redis_url: str) -> 
     times = bench.decision_times(redis_url, 8, 4, 4, models=ewma, progress=lines.append)
     assert lines == [f"  8 workers: {k}/8 iterations of every model" for k in (2, 4, 6)], lines
     assert len(times["EWMA"]["policy"]) == 4
+
+
+def test_bench_torch_gpus_one_rank_hears_no_batch_norm_warning(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its lbbsp runs printed the BatchNorm warning's paragraph (slices of different sizes, SyncBatchNorm, one-sample
+    batches), in the dry run the docs quote too: with its one rank the slice is the whole global batch, and the CNN's
+    last BatchNorm sees 8x8 maps, so none of it applied. Other warnings still show."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist  # noqa: PLC0415  (after the skip)
+
+    from lbbsp.integrations import torch_grad  # noqa: PLC0415
+
+    bench = _experiment("bench_torch_gpu")
+    monkeypatch.setattr(torch_grad, "_warned_batch_norm", False)  # it warns once a process: as in a fresh one
+    data = torch.utils.data.TensorDataset(torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,)))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            bench.run("lbbsp lag=2", 2, 1, data, torch.device("cpu"))
+            warnings.warn("a later warning", UserWarning, stacklevel=1)
+    finally:
+        dist.destroy_process_group()
+    assert not [w for w in caught if w.category is torch_grad.BatchNormWarning], caught
+    assert "a later warning" in [str(w.message) for w in caught]  # the filter ends with the run
 
 
 @pytest.mark.parametrize("name", [name for name in SCRIPTS if name not in ("bench_coordinator", "bench_models")])
