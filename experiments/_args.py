@@ -1,14 +1,21 @@
-"""What the experiment scripts share of their command lines."""
+"""What the experiment scripts share: their command lines' --out, and how a run ends at Ctrl-C."""
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import os
+import signal
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
+_PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its parent ends
 
 
 def out_help(default: Path) -> str:
@@ -77,3 +84,82 @@ def empty_folders_removed_on_failure(out: Path) -> Iterator[None]:
             except OSError:  # not empty, or not a folder: neither it nor those above are this run's to remove
                 break
         raise
+
+
+@contextlib.contextmanager
+def ctrl_c_left_to_this_process() -> Iterator[None]:
+    """Around the start of child processes: SIGINT ignored, as they inherit it (a spawned Python, and the processes
+    it starts, keep it so). A terminal's Ctrl-C reaches the whole process group, and each torch.distributed rank or
+    Keras worker had printed a traceback of its own; this process alone stops them (:func:`stop_process_trees`)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def spawn_ranks(fn: Callable[..., None], args: tuple[object, ...], nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)`` with Ctrl-C left to this process: the ranks ignore it, and
+    however the wait for them ends (Ctrl-C, a rank's failure) none of them, nor a process one started, outlives it
+    (at Ctrl-C, the ranks' own tracebacks had come with this process's)."""
+    import torch.multiprocessing as mp  # noqa: PLC0415  (the torch benchmarks' alone)
+
+    with ctrl_c_left_to_this_process():
+        ranks = mp.start_processes(_rank, args=(os.getpid(), fn, *args), nprocs=nprocs, join=False,
+                                   start_method="spawn")
+    try:
+        while not ranks.join():
+            pass
+    finally:
+        stop_process_trees([rank.pid for rank in ranks.processes if rank.is_alive()])
+        for rank in ranks.processes:
+            rank.join()
+
+
+def _rank(index: int, parent: int, fn: Callable[..., None], *args: object) -> None:
+    """Rank ``index`` of :func:`spawn_ranks`: ``fn(index, *args)``, in a process killed when its parent ends. torch
+    sends a rank SIGINT then, which it now ignores: a killed or SIGTERMed benchmark would have left its ranks
+    training on."""
+    signal.signal(signal.SIGTERM, _exit_quietly)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # Linux, as the benchmarks' pinning
+    if os.getppid() != parent:  # it ended before the line above
+        return
+    fn(index, *args)
+
+
+def _exit_quietly(signum: int, frame: object) -> None:
+    """A rank's SIGTERM (:func:`stop_process_trees`) as SystemExit, so that its cleanup runs: killed outright, rank 0
+    left its coordinator process's semaphores to the resource tracker, which warned of them under "interrupted". Its
+    stderr goes quiet first: a peer stopped at the same moment can make gloo abort it mid-collective."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    raise SystemExit(128 + signum)
+
+
+def stop_process_trees(pids: Iterable[int], grace_s: float = 5.0) -> None:
+    """SIGTERM to the processes ``pids`` still running, SIGKILL to those left after ``grace_s``; then SIGKILL to the
+    processes they had started (a rank's DataLoader workers noticed it gone only within 5 s, as orphans). Ctrl-C
+    is ignored meanwhile, so that a second one does not cut the stop short. The processes are left to their owners
+    to reap (a ``Popen`` or ``multiprocessing.Process`` whose exit status this took away would not know it ended)."""
+    with ctrl_c_left_to_this_process():
+        tops, below = [], []
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                top = psutil.Process(pid)
+                below += top.children(recursive=True)
+                top.terminate()
+                tops.append(top)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and not all(map(_ended, tops)):
+            time.sleep(0.05)
+        for process in [*tops, *below]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(below, timeout=grace_s)  # orphans by now: init reaps them
+
+
+def _ended(process: psutil.Process) -> bool:
+    """Whether ``process`` has ended (a zombie waits for its owner to reap it)."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

@@ -27,7 +27,14 @@ import time
 import uuid
 from pathlib import Path
 
-from _args import out_help, results_file
+from _args import (
+    ctrl_c_left_to_this_process,
+    empty_folders_removed_on_failure,
+    interrupted_as_exit,
+    out_help,
+    results_file,
+    stop_process_trees,
+)
 from record_cpu_trace import busy_loop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,15 +61,21 @@ def run_mode(policy: str, args: argparse.Namespace, out: Path) -> dict:
     cores = sorted(os.sched_getaffinity(0))[:2]  # the first two this process may use: a cpuset may leave out 0 and 1
     loads = [multiprocessing.Process(target=busy_loop, args=(cores[1], os.getpid()), daemon=True)
              for _ in range(args.load_procs)]
-    for load in loads:
-        load.start()
-    try:
+    with ctrl_c_left_to_this_process():  # the busy loops and workers, and what they start, leave it to us
+        for load in loads:
+            load.start()
         procs = [subprocess.Popen([sys.executable, str(EXAMPLE), "--index", str(i), "--ports", ports, "--job", job,
                                    "--cpu", str(cores[i]), "--policy", policy, "--epochs", str(args.epochs),
                                    "--hidden", str(args.hidden), "--global-batch", str(args.global_batch),
                                    "--result", str(out / f"{policy}{i}.json")], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
         logs = [p.communicate()[0] for p in procs]
+    except BaseException:  # Ctrl-C, say: this process stops the workers, and the processes they started
+        stop_process_trees([p.pid for p in procs if p.poll() is None])
+        for p in procs:
+            p.wait()
+        raise
     finally:
         for load in loads:
             load.kill()
@@ -101,7 +114,15 @@ def main() -> None:
     if len(os.sched_getaffinity(0)) < 2:  # before results_file makes --out's folder: a refused run had left it
         raise SystemExit("bench_keras needs two CPU cores, one per worker; this process may use "
                          f"{len(os.sched_getaffinity(0))}")
-    args.out = results_file(parser, args.out)
+    # Ctrl-C ends it with one line and exit status 130 (the workers leave it to this process, which stops them),
+    # and removes the --out folder made for a run that wrote nothing
+    with interrupted_as_exit(), empty_folders_removed_on_failure(args.out):
+        args.out = results_file(parser, args.out)
+        benchmark(args)
+
+
+def benchmark(args: argparse.Namespace) -> None:
+    """Each mode in turn, ``--repeats`` times, each run printed as it ends; then the ratio, and the JSON file."""
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):

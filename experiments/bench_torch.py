@@ -28,9 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _args import out_help, results_file
+from _args import empty_folders_removed_on_failure, interrupted_as_exit, out_help, results_file, spawn_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
@@ -205,13 +204,22 @@ def main() -> int:
     if not WORLD <= args.global_batch <= DIGITS:
         parser.error(f"--global-batch must lie in [{WORLD}, {DIGITS}]: a sample per worker, and a whole batch of "
                      "the digits data")
-    args.out = results_file(parser, args.out)
+    # Ctrl-C ends it with one line and exit status 130 (the ranks leave it to this process, which stops them), and
+    # removes the --out folder made for a run that wrote nothing
+    with interrupted_as_exit(), empty_folders_removed_on_failure(args.out):
+        args.out = results_file(parser, args.out)
+        benchmark(args)
+    return 0
+
+
+def benchmark(args: argparse.Namespace) -> None:
+    """The four cases, each mode in turn, on the ranks; then the table, and the JSON file."""
     print(f"bench_torch: {WORLD} gloo workers on cores {cores_for(WORLD)}, load on worker {SLOW}'s core; "
           f"{args.steps} steps x global batch {args.global_batch}, MLP width {args.hidden} (float64); "
           f"{args.repeats} alternating runs of each mode per case", flush=True)
     with EmbeddedRedis() as server, tempfile.TemporaryDirectory(prefix="lbbsp-bench-") as tmp:
         cases = os.path.join(tmp, "cases.json")
-        mp.spawn(_worker, args=(args, os.path.join(tmp, "rdv"), server.url, cases), nprocs=WORLD, join=True)
+        spawn_ranks(_worker, (args, os.path.join(tmp, "rdv"), server.url, cases), WORLD)
         results = json.loads(Path(cases).read_text())
     args.out.write_text(json.dumps({"args": {**vars(args), "out": str(args.out)}, "cases": results}))
     print(f"\n{'case':<6}{'DDP /s':>10}{'lbbsp /s':>10}{'lbbsp/DDP':>11}{'(range)':>13}{'oracle /s':>11}"
@@ -226,7 +234,6 @@ def main() -> int:
     print("samples/s: medians over the repeats; ratios: the median (and range) of each repeat's runs, made one "
           "after the other")
     print(f"\nwritten to {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

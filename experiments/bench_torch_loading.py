@@ -27,9 +27,8 @@ from typing import Any
 import redis
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _args import out_help, results_file
+from _args import empty_folders_removed_on_failure, interrupted_as_exit, out_help, results_file, spawn_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
@@ -154,13 +153,22 @@ def main() -> int:
         parser.error(f"--read-us must be at least 0 and below a million microseconds, got {args.read_us:g}")
     if not WORLD <= args.global_batch <= 1797:
         parser.error("--global-batch must lie in [2, 1797]")
-    args.out = results_file(parser, args.out)
+    # Ctrl-C ends it with one line and exit status 130 (the ranks leave it to this process, which stops them), and
+    # removes the --out folder made for a run that wrote nothing
+    with interrupted_as_exit(), empty_folders_removed_on_failure(args.out):
+        args.out = results_file(parser, args.out)
+        benchmark(args)
+    return 0
+
+
+def benchmark(args: argparse.Namespace) -> None:
+    """The modes in turn, ``--repeats`` times, on the ranks; then the table, and the JSON file."""
     print(f"bench_torch_loading: {WORLD} gloo workers, {args.steps} steps x global batch {args.global_batch}, "
           f"{args.read_us:g} us a sample read, MLP width {args.hidden}; {args.repeats} runs of each mode in turn",
           flush=True)
     with EmbeddedRedis() as server, tempfile.TemporaryDirectory(prefix="lbbsp-bench-") as tmp:
         out = os.path.join(tmp, "out.json")
-        mp.spawn(_worker, args=(args, os.path.join(tmp, "rdv"), server.url, out), nprocs=WORLD, join=True)
+        spawn_ranks(_worker, (args, os.path.join(tmp, "rdv"), server.url, out), WORLD)
         raw = json.loads(Path(out).read_text())
     seconds = raw["seconds"]
     rate = {m: statistics.median(args.steps * args.global_batch / s for s in seconds[m]) for m in MODES}
@@ -179,7 +187,6 @@ def main() -> int:
               "prefetched": raw["prefetched"], "redis_commands_per_step": per_step}
     args.out.write_text(json.dumps(result, indent=1))
     print(f"\nwritten to {args.out}")
-    return 0
 
 
 if __name__ == "__main__":
