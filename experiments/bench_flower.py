@@ -38,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "flower_digits"))
 
-from _args import empty_folders_removed_on_failure, interrupted_as_exit, out_help, results_file  # noqa: E402
+from _args import out_help, writing_results  # noqa: E402
 from flower_digits import client_app, server_app  # noqa: E402
 
 from lbbsp import EmbeddedRedis  # noqa: E402
@@ -134,8 +134,7 @@ def main() -> None:
         parser.error("--dropout (a chance) and --target (an accuracy) must lie in [0, 1]")
     # Ctrl-C ends it with one line and exit status 130, not a traceback from the wait for a Flower reply, and
     # removes the --out folder made for a run that wrote nothing
-    with interrupted_as_exit(), empty_folders_removed_on_failure(args.out):
-        args.out = results_file(parser, args.out)
+    with writing_results(parser, args.out) as args.out:
         benchmark(args)
 
 

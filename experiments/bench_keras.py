@@ -27,14 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
-from _args import (
-    ctrl_c_left_to_this_process,
-    empty_folders_removed_on_failure,
-    interrupted_as_exit,
-    out_help,
-    results_file,
-    stop_process_trees,
-)
+from _args import ctrl_c_left_to_this_process, out_help, stop_process_trees, writing_results
 from record_cpu_trace import busy_loop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,8 +109,7 @@ def main() -> None:
                          f"{len(os.sched_getaffinity(0))}")
     # Ctrl-C ends it with one line and exit status 130 (the workers leave it to this process, which stops them),
     # and removes the --out folder made for a run that wrote nothing
-    with interrupted_as_exit(), empty_folders_removed_on_failure(args.out):
-        args.out = results_file(parser, args.out)
+    with writing_results(parser, args.out) as args.out:
         benchmark(args)
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _args import empty_folders_removed_on_failure, interrupted_as_exit, out_help, results_file, spawn_ranks
+from _args import out_help, spawn_ranks, writing_results
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
@@ -206,8 +206,7 @@ def main() -> int:
                      "the digits data")
     # Ctrl-C ends it with one line and exit status 130 (the ranks leave it to this process, which stops them), and
     # removes the --out folder made for a run that wrote nothing
-    with interrupted_as_exit(), empty_folders_removed_on_failure(args.out):
-        args.out = results_file(parser, args.out)
+    with writing_results(parser, args.out) as args.out:
         benchmark(args)
     return 0
 

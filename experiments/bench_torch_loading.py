@@ -28,7 +28,7 @@ import redis
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _args import empty_folders_removed_on_failure, interrupted_as_exit, out_help, results_file, spawn_ranks
+from _args import out_help, spawn_ranks, writing_results
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
@@ -155,8 +155,7 @@ def main() -> int:
         parser.error("--global-batch must lie in [2, 1797]")
     # Ctrl-C ends it with one line and exit status 130 (the ranks leave it to this process, which stops them), and
     # removes the --out folder made for a run that wrote nothing
-    with interrupted_as_exit(), empty_folders_removed_on_failure(args.out):
-        args.out = results_file(parser, args.out)
+    with writing_results(parser, args.out) as args.out:
         benchmark(args)
     return 0
 
