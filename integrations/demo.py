@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lbbsp.child_logging import ParentLogging
-from lbbsp.cli import piped_console, whole_number
+from lbbsp.cli import piped_console, probe_redis, whole_number
 from lbbsp.errors import ConfigError, LBBSPError
-from lbbsp.store import REDIS_URL_VARIABLE, answering, redacted, redis_url
+from lbbsp.store import redacted, redis_url
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -341,8 +341,7 @@ def run(args: argparse.Namespace) -> int:
     server = None if given else EmbeddedRedis()
     url = given or server.url  # type: ignore[union-attr]
     # a clear error here, not one traceback per worker process; the variable's URL named as the other commands do
-    source = redis_url(args.redis)[1] if given else ""
-    answering(url, "", source=source if source == f"${REDIS_URL_VARIABLE}" else "").close()
+    probe_redis(url, "", redis_url(args.redis)[1] if given else "", socket_timeout_s=5.0).close()
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     view = _View(config, cores)

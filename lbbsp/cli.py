@@ -55,11 +55,13 @@ def _given_redis(args: argparse.Namespace) -> tuple[str, str]:
     return url, source
 
 
-def _probe(url: str, job: str, source: str) -> Store:
-    """A store of ``job`` on a short timeout, whose Redis answered; its error names $LBBSP_REDIS_URL where the URL
-    is the variable's (a URL typed after --redis, or the embedded server's, goes unnamed)."""
+def probe_redis(url: str, job: str, source: str, *, socket_timeout_s: float | None = None) -> Store:
+    """A store of ``job`` whose Redis answered (on the commands' short timeout unless ``socket_timeout_s`` is given);
+    its error names $LBBSP_REDIS_URL where the URL is the variable's (a URL typed after --redis, or the embedded
+    server's, goes unnamed): the commands' and `lbbsp demo`'s one rule."""
     named = source if source == f"${REDIS_URL_VARIABLE}" else ""
-    return answering(url, job, source=named, socket_timeout_s=_PROBE_TIMEOUT_S)
+    timeout_s = _PROBE_TIMEOUT_S if socket_timeout_s is None else socket_timeout_s
+    return answering(url, job, source=named, socket_timeout_s=timeout_s)
 
 
 def _models() -> dict[str, Callable[[int, int], CapacityModel]]:
@@ -323,7 +325,7 @@ def _coordinator(args: argparse.Namespace) -> int:
                     also = f" (or the same at {', '.join(_host(u) for u in others)})" if others else ""
                     print(f"workers on other machines: --redis {first}{also}", flush=True)
             # checked on a short timeout, as `lbbsp status` does: a Redis that never answers is an error in seconds
-            with _probe(url, args.job, source) as probe:
+            with probe_redis(url, args.job, source) as probe:
                 _same_settings(probe, config, _redis_flag(url, source))
                 if (serving := probe.coordinator()) is not None:
                     _claim_lapsed(probe, serving, stop)
@@ -474,7 +476,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.brief and args.decisions:
         raise LBBSPError(f"--brief shows one line per job, without decisions: drop --decisions {args.decisions}, or "
                          "--brief for the tables")
-    with _probe(url, args.job or "", source) as probe:
+    with probe_redis(url, args.job or "", source) as probe:
         jobs = [args.job] if args.job else sorted(probe.jobs())
     if not jobs and not args.json:
         print("no lbbsp jobs on this Redis")
@@ -668,7 +670,7 @@ def _forget(args: argparse.Namespace) -> int:
     afresh, with any settings, where it would resume the old run or be refused for settings that differ. Refused
     while a coordinator serves the job, whose workers would lose their settings and splits."""
     url, source = _given_redis(args)
-    with _probe(url, _job_flag(args.job), source) as store:
+    with probe_redis(url, _job_flag(args.job), source) as store:
         try:  # whether a coordinator claims the job is checked in the script that deletes: also one that just did
             deleted = store.forget(unless_claimed=True)
         except ConfigError as exc:
