@@ -1,18 +1,41 @@
-"""The lbbsp command: a coordinator process serves workers, status shows them, errors are clear."""
+"""The lbbsp command in general, `lbbsp coordinator` and `lbbsp forget`: a coordinator process serves workers and
+status shows them; flags are checked and a wrong one named; signals stop a coordinator cleanly; a second coordinator
+of a served job is refused; a finished job's keys are forgotten on demand; errors are clear, and output into a
+reader gone ends quietly."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 import pytest
+import redis
 
 from emulated import worker_clients
-from lbbsp import Assignment, JobConfig, WorkerClient
-from lbbsp.cli import _policy, build_parser, main
+from lbbsp import (
+    Assignment,
+    BSPPolicy,
+    Coordinator,
+    EmbeddedRedis,
+    EWMAThroughput,
+    JobConfig,
+    Report,
+    Store,
+    WorkerClient,
+)
+from lbbsp.cli import _model_said, _policy, _redis_flag, build_parser, main
 from lbbsp.embedded import ipv6_available
-from lbbsp.models import AutoCapacityModel, EWMAThroughput
+from lbbsp.models import AutoCapacityModel
+from lbbsp.store import redacted
 
 LBBSP = [sys.executable, "-m", "lbbsp.cli"]
 
@@ -221,3 +244,651 @@ def test_ctrl_c_is_a_short_message_not_a_traceback(monkeypatch: pytest.MonkeyPat
         pytest.fail("Ctrl-C escaped lbbsp's main as a KeyboardInterrupt")
     assert code == 130
     assert capsys.readouterr().err.strip() == "lbbsp: interrupted"
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["coordinator", "--workers", "0", "--global-batch", "8"], "argument --workers: must be at least 1"),
+    (["coordinator", "--workers", "2", "--global-batch", "8", "--timeout", "-1"], "argument --timeout"),
+    (["coordinator", "--workers", "2", "--global-batch", "8", "--ttl", "5"], "argument --ttl: must be at least 10"),
+    (["coordinator", "--workers", "2", "--global-batch", "8", "--ttl", "10", "--timeout", "20"],
+     r"--ttl \(10\) must be at least --timeout \(20\)"),
+    (["coordinator", "--workers", "2", "--global-batch", "8", "--job", "a b"], "--job must match"),
+    (["demo", "--steps", "5"], "argument --steps: must be at least 10"),
+    (["demo", "--load-procs", "-1"], "argument --load-procs: must be at least 0"),
+])
+def test_the_command_line_names_the_flag_that_is_wrong(argv: list[str], says: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = int(exc.code or 0)
+    assert code == 2
+    err = capsys.readouterr().err
+    assert re.search(says, err), err
+    assert "num_workers" not in err and "assignment_timeout_s" not in err and "ttl_s" not in err
+
+
+def test_verbose_is_taken_after_the_subcommand_too(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["coordinator", "-v", "--workers", "0", "--global-batch", "8"])
+    assert exc.value.code == 2 and "unrecognized arguments" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["coordinator", "--workers", "2", "--global-batch", "8", "--max-decisions", "-1"],
+                                  ["coordinator", "--workers", "2", "--global-batch", "8", "--max-decisions", "0"],
+                                  ["status", "--redis", "unix:///nowhere.sock", "--decisions", "-3"]])
+def test_a_negative_count_is_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """--max-decisions -1 started a coordinator (and an embedded Redis) that exited at once with status 0, and
+    --decisions -3 was taken as 1."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert "must be at least" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("given", "value"), [(["--kind", "-1=gpu"], "-1=gpu"), (["--kind=-1=gpu"], "-1=gpu"),
+                                              (["--kind", "\u0661=gpu"], "\u0661=gpu"),
+                                              (["--kind", "\u00b2=gpu"], "\u00b2=gpu")])
+def test_a_bad_worker_of_kind_gets_the_flags_own_message(given: list[str], value: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`--kind -1=gpu` got argparse's "expected one argument" (it took -1=gpu for an option), where `--kind=-1=gpu`
+    said what WORKER=KIND takes. A digit that is not ASCII was taken as a worker id (an Arabic-Indic one as worker 1) or
+    got "invalid kind_pin value" (a superscript, which int refuses)."""
+    with pytest.raises(SystemExit):
+        main(["coordinator", "--workers", "2", "--global-batch", "8", *given])
+    err = capsys.readouterr().err
+    assert "argument --kind: expected WORKER=KIND with WORKER a worker id (0 and up)" in err and repr(value) in err, err
+
+
+def test_joining_kinds_values_leaves_the_other_flags_as_they_were(capsys: pytest.CaptureFixture[str]) -> None:
+    """Only a value of --kind that starts as a negative number is joined: a flag after --kind is still a flag, and
+    another flag's negative number is still that flag's."""
+    for flags, error in ((["--kind", "--verbose"], "argument --kind: expected one argument"),
+                         (["--max-decisions", "-1"], "argument --max-decisions: must be at least 1, got -1")):
+        with pytest.raises(SystemExit):
+            main(["coordinator", "--workers", "2", "--global-batch", "8", *flags])
+        assert error in capsys.readouterr().err
+
+
+#: A coordinator whose final clean-up (closing its embedded server) gets a SIGTERM, 0.3 s after the first: later
+#: than the repeat of one stop (_SAME_SIGNAL_S), sent by the process itself so that it comes exactly there.
+_LATE_SIGTERM = textwrap.dedent("""
+    import os, signal, sys, time
+    from lbbsp.cli import main
+    from lbbsp.embedded import EmbeddedRedis
+
+    close = EmbeddedRedis.close
+
+    def late_sigterm(self):
+        print("closing", self.directory, flush=True)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGTERM)
+        close(self)
+
+    EmbeddedRedis.close = late_sigterm
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.timeout(60)
+def test_a_sigterm_during_the_final_exit_ends_the_coordinator_as_the_first_did(job: str) -> None:
+    """A second SIGTERM after the stop signals' handlers were put back, as the command closed its embedded server,
+    killed it: -15, and the server's files left behind (its claim on the job was released by then)."""
+    env = {k: v for k, v in os.environ.items() if k != "LBBSP_REDIS_URL"}
+    coordinator = subprocess.Popen([sys.executable, "-c", _LATE_SIGTERM, "coordinator", "--job", job, "--workers",
+                                    "2", "--global-batch", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env=env)
+    try:
+        assert coordinator.stdout is not None
+        started = coordinator.stdout.readline()
+        assert started.startswith("started an embedded redis-server"), started
+        serving = coordinator.stdout.readline()
+        assert serving.startswith(f"coordinating job '{job}'"), serving
+        coordinator.send_signal(signal.SIGTERM)
+        out, err = coordinator.communicate(timeout=30)
+    finally:
+        coordinator.kill()
+    assert coordinator.returncode == 0, (out, err)  # as a SIGTERM alone ends it
+    closing, stopped = out.splitlines()
+    assert f"stopped serving job '{job}' after 0 decisions (SIGTERM)" in stopped and "Traceback" not in err, err
+    assert not Path(closing.split(maxsplit=1)[1]).exists()  # the embedded server's directory is gone
+
+
+def _reset_signals() -> None:
+    """In the child: SIGINT and SIGHUP at their defaults, whatever the test runner had (nohup ignores SIGHUP)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+def _serving(url: str, job: str, preexec: Callable[[], object] = _reset_signals) -> subprocess.Popen[str]:
+    """An `lbbsp coordinator` of ``job`` on ``url``, returned once it has claimed the job."""
+    process = subprocess.Popen([*LBBSP, "coordinator", "--redis", url, "--job", job, "--workers", "2",
+                                "--global-batch", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=preexec)  # noqa: PLW1509  (signals as a service manager sets them)
+    with Store.from_url(url, job) as store:
+        deadline = time.monotonic() + 20
+        while store.coordinator() is None:
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.05)
+    return process
+
+
+def _pause(server: EmbeddedRedis, sig: signal.Signals = signal.SIGSTOP) -> None:
+    """Stop the redis-server process (SIGSTOP: it stops answering, as a partitioned one does), or continue it."""
+    assert server.pid is not None
+    os.kill(server.pid, sig)
+
+
+@pytest.fixture
+def stalled_redis() -> Iterator[EmbeddedRedis]:
+    """A redis-server of its own, for the test to stop (:func:`_pause`) and the fixture to continue."""
+    with EmbeddedRedis() as server:
+        try:
+            yield server
+        finally:
+            _pause(server, signal.SIGCONT)
+
+
+def _ended(process: subprocess.Popen[str], within_s: float) -> tuple[str, str, float]:
+    """Its stdout, stderr and the seconds it took to exit; killed, and the test failed, if it takes longer."""
+    started = time.monotonic()
+    try:
+        out, err = process.communicate(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        pytest.fail(f"still running {within_s}s after it was stopped")
+    return out, err, time.monotonic() - started
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_signal_stops_the_coordinator_cleanly_says_so_and_releases_its_claim(redis_url: str, job: str,
+                                                                              sig: signal.Signals) -> None:
+    """SIGHUP (a closed terminal, systemd's reload) killed it: exit -1, its claim left for 5 s, not a word. SIGTERM and
+    SIGINT stopped it with code 0 and no line in the log: a stop and a crash read the same."""
+    coordinator = _serving(redis_url, job)
+    try:
+        coordinator.send_signal(sig)
+        out, err, _ = _ended(coordinator, 10)
+    finally:
+        coordinator.kill()
+    assert coordinator.returncode == 0, err
+    assert f"stopped serving job '{job}' after 0 decisions ({sig.name})" in out, out + err
+    assert "Traceback" not in err, err
+    with Store.from_url(redis_url, job) as store:
+        assert store.coordinator() is None  # a replacement is not taken for a second coordinator
+        store.forget()
+
+
+@pytest.mark.timeout(60)
+def test_a_sigterm_as_soon_as_it_says_it_serves_is_a_clean_stop_too(redis_url: str, job: str) -> None:
+    """The handler came after the "coordinating job" line and the heap's freeze: a SIGTERM at that line killed it
+    (-15, no word), and as a container's PID 1, which the kernel spares signals it has no handler for, was ignored."""
+    coordinator = subprocess.Popen([*LBBSP, "coordinator", "--redis", redis_url, "--job", job, "--workers", "2",
+                                    "--global-batch", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert coordinator.stdout is not None
+        assert coordinator.stdout.readline().startswith(f"coordinating job '{job}'")
+        coordinator.terminate()
+        out, err, _ = _ended(coordinator, 10)
+    finally:
+        coordinator.kill()
+    assert coordinator.returncode == 0 and f"stopped serving job '{job}'" in out, err
+    with Store.from_url(redis_url, job) as store:
+        store.forget()
+
+
+@pytest.mark.timeout(60)
+def test_under_nohup_sighup_leaves_the_coordinator_serving(redis_url: str, job: str) -> None:
+    """The fix above must not undo nohup, which ignores SIGHUP so that a closed terminal leaves the command running."""
+    coordinator = _serving(redis_url, job, preexec=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        coordinator.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert coordinator.poll() is None
+        coordinator.terminate()
+        out, _, _ = _ended(coordinator, 10)
+    finally:
+        coordinator.kill()
+    assert coordinator.returncode == 0 and "(SIGTERM)" in out, out
+    with Store.from_url(redis_url, job) as store:
+        store.forget()
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_while_redis_does_not_answer_ends_within_seconds(stalled_redis: EmbeddedRedis, job: str) -> None:
+    """With Redis stalled (a partition, a paused server), SIGTERM took 29 s to end the coordinator (a 5 s socket
+    timeout, three tries, for its step and each call of its clean-up): docker stop kills at 10 s."""
+    coordinator = _serving(stalled_redis.url, job)
+    try:
+        _pause(stalled_redis)
+        coordinator.terminate()
+        _, err, took = _ended(coordinator, 8)
+    finally:
+        coordinator.kill()
+    assert coordinator.returncode == 128 + signal.SIGTERM, err
+    assert took < 6, took  # 3 s of grace; it had taken 29
+    assert f"job '{job}': stopped 3 s after SIGTERM, without releasing the coordinator's claim" in err, err
+
+
+@pytest.mark.timeout(60)
+def test_a_second_ctrl_c_ends_a_stopping_coordinator_at_once(stalled_redis: EmbeddedRedis, job: str) -> None:
+    """A second Ctrl-C while the clean-up waited on a stalled Redis ended it with code 0 and no word, as if it had
+    stopped cleanly."""
+    coordinator = _serving(stalled_redis.url, job)
+    try:
+        _pause(stalled_redis)
+        coordinator.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        coordinator.send_signal(signal.SIGINT)
+        _, err, took = _ended(coordinator, 8)
+    finally:
+        coordinator.kill()
+    assert coordinator.returncode == 128 + signal.SIGINT, err
+    assert took < 1.5, took
+    assert f"job '{job}': stopped at a second SIGINT" in err and "Traceback" not in err, err
+
+
+SERVING = "host.example:4242:abcd"  # the identity a live coordinator claims the job with (host:pid:tag)
+
+
+def _finished(url: str, job: str, workers: int = 2) -> None:
+    """What a finished run of ``job`` leaves in Redis: its settings and a decision, with no coordinator's claim."""
+    with Store.from_url(url, job) as store:
+        store.register(JobConfig(job, workers, 30))
+        store.record_decision('{"iteration": 0, "sizes": [15, 15], "policy": "lbbsp", "written_by_coordinator": true, '
+                              '"reason": "kept", "rejected": []}')
+
+
+def _keys(url: str, job: str) -> list[bytes]:
+    with Store.from_url(url, job) as store:
+        return list(set(store.client.scan_iter(match=f"lbbsp:{job}:*")))  # SCAN may give a key twice (a resize)
+
+
+def test_forget_deletes_a_finished_jobs_keys_so_a_rerun_with_other_settings_starts(
+        redis_url: str, job: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rerun of a finished job with other settings failed until its keys expired (ttl_s, an hour by default), and
+    the way out was to delete them by hand with redis-cli; the error said nothing of why nor how."""
+    _finished(redis_url, job)
+    rerun = ["coordinator", "--redis", redis_url, "--job", job, "--workers", "3", "--global-batch", "30"]
+    assert main(rerun) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    # the command to run names the Redis typed after --redis: `lbbsp forget --job J` alone had no Redis to read
+    assert err == (f"lbbsp: error: job {job!r} was started with --workers 2 (not 3); its keys are left by an earlier "
+                   f"run, whose coordinator has stopped: `lbbsp forget --job {job} --redis {redacted(redis_url)}` "
+                   "clears them once that run is over, or use another job name\n"), err
+    monkeypatch.setenv("LBBSP_REDIS_URL", redis_url)  # found as `lbbsp status` and `lbbsp coordinator` find it
+    assert main(rerun[:1] + rerun[3:]) == 2  # the variable's URL: read again by forget, so not repeated
+    assert f"`lbbsp forget --job {job}` clears them" in capsys.readouterr().err
+    assert main(["forget", "--job", job]) == 0
+    assert capsys.readouterr().out == f"forgot job {job!r}: deleted its 2 keys from this Redis\n"
+    assert _keys(redis_url, job) == []
+    assert main(["forget", "--job", job]) == 0  # nothing left: said so, and no error (the state asked for is there)
+    out = capsys.readouterr().out
+    assert out.startswith(f"no job {job!r} on this Redis (it never started, or its keys expired)"), out
+
+
+def test_forget_refuses_a_job_a_coordinator_serves_and_the_mismatch_error_says_so(
+        redis_url: str, job: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Deleting the keys under a live coordinator would take its settings and decisions from it and its workers:
+    refused, naming the coordinator; and while one serves the job, the mismatch error does not offer to forget it."""
+    _finished(redis_url, job)
+    with Store.from_url(redis_url, job) as store:
+        store.claim_coordinator(SERVING, 5)
+        keys = sorted(_keys(redis_url, job))
+        assert main(["forget", "--redis", redis_url, "--job", job]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"lbbsp: error: job {job!r} is served by the coordinator {SERVING}: stop that coordinator "
+                       "first (its workers would lose their settings and splits), then forget the job\n"), err
+        assert sorted(_keys(redis_url, job)) == keys
+        assert main(["coordinator", "--redis", redis_url, "--job", job, "--workers", "3", "--global-batch", "30"]) == 2
+        err = capsys.readouterr().err
+        assert "--workers 2 (not 3)" in err and "forget" not in err, err
+        store.forget()
+
+
+def test_forget_without_a_redis_or_with_a_bad_job_name_is_a_one_line_error(
+        redis_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LBBSP_REDIS_URL", raising=False)
+    assert main(["forget", "--job", "alpha"]) == 2
+    assert "pass --redis URL or set LBBSP_REDIS_URL" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["forget", "--redis", redis_url])  # no --job: it forgets one job, never every one
+    assert "the following arguments are required: --job" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sub", ["status", "forget", "coordinator"])
+def test_every_subcommand_names_the_flag_of_a_bad_job_name(sub: str, redis_url: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`lbbsp status --job 'a b'` said "job name must match ...", `lbbsp coordinator` "--job must match ..."."""
+    extra = ["--workers", "2", "--global-batch", "8"] if sub == "coordinator" else []
+    assert main([sub, "--redis", redis_url, "--job", "a b", *extra]) == 2
+    assert capsys.readouterr().err == "lbbsp: error: --job must match [A-Za-z0-9_.-]{1,128}, got 'a b'\n"
+
+
+def test_help_status_and_forget_do_not_import_scikit_learn_or_a_framework(redis_url: str, job: str) -> None:
+    """`lbbsp --help` took 2-3 s and each `lbbsp status` error 3-5 s: importing lbbsp imported scikit-learn."""
+    code = textwrap.dedent(f"""
+        import contextlib, io, sys
+        from lbbsp.cli import main
+        for argv in (["--help"], ["status", "--help"], ["forget", "--help"],
+                     ["status", "--redis", {redis_url!r}], ["status", "--redis", {redis_url!r}, "--job", {job!r}],
+                     ["forget", "--redis", {redis_url!r}, "--job", {job!r}], ["-v", "status"]):
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                try:
+                    main(argv)
+                except SystemExit:
+                    pass
+        print(sorted(m for m in ("sklearn", "torch", "tensorflow", "flwr") if m in sys.modules))
+        """)
+    _finished(redis_url, job)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "[]\n", result.stdout
+    assert _keys(redis_url, job) == []  # the forget above ran
+
+
+CRASHED = "host.example:4242:dead"  # the identity a coordinator that crashed left its claim under (host:pid:tag)
+
+
+def _flags(url: str, job: str) -> list[str]:
+    return ["coordinator", "--redis", url, "--job", job, "--workers", "2", "--global-batch", "30", "--policy", "bsp"]
+
+
+def _decided_at(url: str, config: JobConfig) -> float:
+    """Both workers run iterations 0 and 1; the time.monotonic() at which the coordinator's split of 2 came."""
+    with worker_clients(url, config) as clients:
+        for k in range(2):
+            for i, client in enumerate(clients):
+                client.report(k, client.assignment(k).sizes[i], 0.1)
+        assignment = clients[0].assignment(2)
+        assert not assignment.fallback, "no coordinator decided iteration 2 within the workers' timeout"
+        return time.monotonic()
+
+
+@pytest.mark.timeout(60)
+def test_a_second_coordinator_of_a_served_job_is_refused_naming_the_one_that_serves_it(
+        redis_url: str, job: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """It had started, said the job had decisions and resumed it, and a second later both coordinators warned of
+    each other and kept deciding, each learning from half the iterations."""
+    config = JobConfig(job, 2, 30)
+    with Store.from_url(redis_url, job) as store:
+        live = Coordinator(store, config, BSPPolicy()).start()
+        try:
+            deadline = time.monotonic() + 10
+            while (serving := store.coordinator()) is None:
+                assert time.monotonic() < deadline, "the live coordinator never claimed the job"
+                time.sleep(0.02)
+            started = time.monotonic()
+            status = main([*_flags(redis_url, job), "--max-decisions", "1"])
+            took = time.monotonic() - started
+            assert store.coordinator() == serving, "the refused coordinator touched the live one's claim"
+        finally:
+            live.stop()
+    out, err = capsys.readouterr()
+    assert "crash" not in out and "stopped without releasing it) or be renewed" in out, out  # it had said that the
+    # live coordinator stopped without releasing its claim, a second before refusing to start because it serves
+    assert status == 2, err
+    assert err == (f"lbbsp: error: job {job!r} is served by the coordinator {serving} (its claim renewed within the "
+                   "last 5 s): stop it first, or use another --job\n"), err
+    assert took < 4, f"refused only after {took:.1f} s: its renewals, every second, went unseen until 5 s had passed"
+
+
+@pytest.mark.timeout(60)
+def test_the_claim_a_crashed_coordinator_left_is_waited_out_then_the_job_served(
+        redis_url: str, job: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A restart right after a crash finds the dead coordinator's claim (up to 5 s left, never renewed): it says it
+    waits, serves as soon as the claim lapses, not 5 s later, and never before."""
+    config = JobConfig(job, 2, 30)
+    with Store.from_url(redis_url, job) as store:
+        store.claim_coordinator(CRASHED, 3)
+        lapses = time.monotonic() + 3
+        with ThreadPoolExecutor(1) as pool:
+            decided = pool.submit(_decided_at, redis_url, config)
+            status = main([*_flags(redis_url, job), "--max-decisions", "2"])
+            at = decided.result(timeout=30)
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert out.startswith(f"job {job!r}: coordinator {CRASHED} holds a claim on this job: waiting up to 5 s for it "
+                          "to lapse (a coordinator that stopped without releasing it) or be renewed (one that serves "
+                          "the job)\n"), out
+    assert f"coordinating job {job!r}" in out, out
+    assert lapses - 0.1 < at < lapses + 1.5, f"decided {at - lapses:+.1f} s after the claim lapsed"
+
+
+@pytest.mark.timeout(60)
+def test_a_job_no_coordinator_claims_is_served_at_once(
+        redis_url: str, job: str, capsys: pytest.CaptureFixture[str]) -> None:
+    config = JobConfig(job, 2, 30)
+    started = time.monotonic()
+    with ThreadPoolExecutor(1) as pool:
+        decided = pool.submit(_decided_at, redis_url, config)
+        status = main([*_flags(redis_url, job), "--max-decisions", "2"])
+        at = decided.result(timeout=30)
+    out = capsys.readouterr().out
+    assert status == 0 and "waiting" not in out, out
+    assert at - started < 3, f"decided {at - started:.1f} s after the start"
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_while_waiting_for_a_claim_to_lapse_stops_the_command_at_once(redis_url: str, job: str) -> None:
+    """Not 3 s later, with a hint to check Redis (the stop's grace period ran out during the wait)."""
+    with Store.from_url(redis_url, job) as store:
+        store.claim_coordinator(CRASHED, 30)  # set by hand, never renewed: it would be waited on for 5 s
+        process = subprocess.Popen([*LBBSP, *_flags(redis_url, job)], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        try:
+            assert process.stdout is not None
+            line = process.stdout.readline()
+            assert line.startswith(f"job {job!r}: coordinator {CRASHED} holds a claim on this job: "
+                                   "waiting up to 5 s"), line
+            process.send_signal(signal.SIGTERM)
+            started = time.monotonic()
+            out, err = process.communicate(timeout=10)
+            took = time.monotonic() - started
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+        assert store.coordinator() == CRASHED
+    assert process.returncode == 0 and err == "", (out, err)
+    assert out.endswith(f"stopped serving job {job!r} after 0 decisions (SIGTERM)\n"), out
+    assert took < 1.5, f"stopped {took:.1f} s after SIGTERM"
+
+
+DOC = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+
+
+@pytest.fixture
+def decided(redis_url: str, job: str) -> Iterator[str]:
+    """A job of 2 workers whose coordinator decided iterations 2 and 3 from real reports, worker 1's report of
+    iteration 1 rejected (a negative compute time); its keys are forgotten afterwards."""
+    config = JobConfig(job, 2, 30)
+    with Store.from_url(redis_url, job) as store, worker_clients(redis_url, config) as clients:
+        coordinator = Coordinator(store, config)
+        try:
+            bad = json.loads(Report(job, 1, 1, 15, 0.1).to_json()) | {"compute_s": -1.0}  # as a sender of its own
+            store.post_raw_report(1, "1", json.dumps(bad).encode(), 2)
+            for k in range(2):
+                for i, client in enumerate(clients):
+                    size = client.assignment(k).sizes[i]
+                    if (k, i) != (1, 1):  # the bad one stands for it
+                        client.report(k, size, size / (100.0 * (1 + 2 * i)))
+                assert coordinator.step(5.0) is not None
+            yield job
+        finally:
+            store.forget()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("view", [[], ["--brief"], ["--json"], ["--decisions", "2"]])
+def test_output_into_a_reader_gone_ends_quietly_with_141(redis_url: str, decided: str, view: list[str]) -> None:
+    """`lbbsp status | head -1`: the reader closes the pipe, and the next write fails. That had ended --json and
+    --brief with "lbbsp: error: cannot reach Redis ([Errno 32] Broken pipe)" and 2, and the table with rich's exit
+    1, which --check means for a job unserved. Now every view ends with 141, as a tool that SIGPIPE ends, silent."""
+    proc = subprocess.Popen([*LBBSP, "status", "--redis", redis_url, "--job", decided, *view],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    proc.stdout.close()  # before the command writes: its first write fails
+    _, err = proc.communicate(timeout=30)
+    assert (proc.returncode, err) == (141, ""), err
+    assert "end quietly with 141" in DOC
+
+
+@pytest.mark.timeout(60)
+def test_the_doc_quotes_the_coordinators_first_line_which_status_takes(job: str) -> None:
+    """Without --redis, `lbbsp status` and `forget` need the embedded server's URL, which the coordinator prints as
+    its first line; the doc's Output paragraph had named only the job's line and the last one."""
+    env = {"PATH": "", "COLUMNS": "200"}  # no $LBBSP_REDIS_URL: an embedded server of its own
+    coordinator = subprocess.Popen([*LBBSP, "coordinator", "--job", job, "--workers", "2", "--global-batch", "4",
+                                    "--max-decisions", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env=env)
+    try:
+        assert coordinator.stdout is not None
+        first = coordinator.stdout.readline()
+        url = re.fullmatch(r"started an embedded redis-server: --redis (unix://\S+)\n", first)
+        assert url, first
+        assert "`started an embedded redis-server: --redis unix:///dev/shm/lbbsp-redis-.../redis.sock`" in DOC
+        coordinator.stdout.readline()  # "coordinating job ...": it serves the job now
+        status = subprocess.run([*LBBSP, "status", "--redis", url[1], "--brief"], capture_output=True, text=True,
+                                env=env, timeout=30, check=False)
+        assert status.returncode == 0 and status.stdout.startswith(f"{job}: 2 workers, served by"), status
+    finally:
+        coordinator.terminate()
+        coordinator.communicate(timeout=30)
+
+
+@pytest.mark.parametrize(("url", "flag"), [("redis://h:6379/0", "--redis redis://h:6379/0"),
+                                           ("redis://h/0?a=1&b=2", "--redis 'redis://h/0?a=1&b=2'"),
+                                           ("redis://:secret@h:6379/0", "--redis URL")])
+def test_the_forget_command_offered_can_be_pasted(url: str, flag: str) -> None:
+    """It had quoted the URL as errors show it: a password as ***, which then failed, and a query's & unquoted, which
+    a shell splits."""
+    assert _redis_flag(url, "--redis") == flag
+    assert _redis_flag(url, "$LBBSP_REDIS_URL") == ""  # read again from the variable
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("attempt", range(3))  # a race: 3 of 4 runs had lost it
+def test_one_stop_signal_sent_twice_at_once_is_a_clean_stop(redis_url: str, job: str, attempt: int) -> None:
+    """GNU timeout signals the coordinator and then its process group: runs ended "at a second SIGTERM", exit 143,
+    the claim left for 5 s."""
+    coordinator = subprocess.Popen([sys.executable, "-m", "lbbsp.cli", "coordinator", "--redis", redis_url, "--job",
+                                    job, "--workers", "2", "--global-batch", "30"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert coordinator.stdout is not None
+        assert coordinator.stdout.readline().startswith(f"coordinating job '{job}'")
+        coordinator.send_signal(signal.SIGTERM)
+        time.sleep(0.01)  # after the first one's handler ran: sent at once, the two are one pending signal
+        coordinator.send_signal(signal.SIGTERM)
+        out, err = coordinator.communicate(timeout=15)
+    finally:
+        coordinator.kill()
+    assert "second" not in err and coordinator.returncode in (0, -signal.SIGTERM), err  # -15: at exit, handlers gone
+    with Store.from_url(redis_url, job) as store:
+        assert store.coordinator() is None  # released
+        store.forget()
+
+
+@pytest.mark.timeout(30)
+def test_the_coordinator_gives_up_soon_on_a_redis_that_never_answers(stalled_redis: EmbeddedRedis,
+                                                                      job: str, capsys: pytest.CaptureFixture[str]) \
+        -> None:
+    """A redis-server under SIGSTOP: `lbbsp coordinator` waited 16 s in silence (three 5 s socket timeouts) before
+    its error, where `lbbsp status` gives up within a few seconds."""
+    _pause(stalled_redis, signal.SIGSTOP)
+    started = time.monotonic()
+    code = main(["coordinator", "--redis", stalled_redis.url, "--job", job, "--workers", "2", "--global-batch", "30"])
+    took = time.monotonic() - started
+    assert code == 2 and "cannot reach Redis" in capsys.readouterr().err
+    assert took < 6.0, f"gave up after {took:.1f}s"
+
+
+def test_a_settings_clash_names_the_flags_that_differ(redis_url: str, job: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The clash named JobConfig's fields (`JobConfig(... global_batch=256 ...)`) to a user who sets flags."""
+    with Store.from_url(redis_url, job) as store:
+        store.register(JobConfig(job, 2, 256, assignment_timeout_s=5.0))
+        code = main(["coordinator", "--redis", redis_url, "--job", job, "--workers", "4", "--global-batch", "256",
+                     "--timeout", "5", "--max-decisions", "1"])
+        store.forget()
+    err = capsys.readouterr().err
+    assert code == 2 and "JobConfig(" not in err, err
+    assert f"job '{job}' already runs with --workers 2 (not 4):" in err, err
+    assert "--global-batch" not in err and "--timeout" not in err, err  # only what differs
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    ([], " with the auto model"),
+    (["--model", "ewma"], " with the ewma model"),
+    (["--kind", "3=gpu", "--kind-model", "cpu=ewma"], " with the auto model (--kind 3=gpu, --kind-model cpu=ewma)"),
+    (["--policy", "per-epoch"], " with its own slow EWMA"),
+    (["--policy", "static-proportional"], ""),
+    (["--policy", "bsp"], ""),
+])
+def test_the_coordinators_start_line_names_the_model_and_what_routes_it(flags: list[str], said: str) -> None:
+    """`lbbsp coordinator` said the model only where --model was given, and never the kinds pinned."""
+    args = build_parser().parse_args(["coordinator", "--job", "j", "--workers", "4", "--global-batch", "64", *flags])
+    assert _model_said(args, _policy(args)) == said
+
+
+def _decided(store: Store, **fields: object) -> None:
+    """A decision record as a coordinator writes one (iteration 0, two workers), with ``fields`` in place of its
+    defaults."""
+    store.record_decision(json.dumps({
+        "iteration": 0, "through": 0, "sizes": [15, 15], "policy": "bsp", "reason": "equal split",
+        "written_by_coordinator": True, "rejected": [], "rejected_more": 0, "time": time.time(), **fields}))
+
+
+def _store_keys(store: Store) -> list[bytes]:
+    return sorted(set(store.client.scan_iter(match=f"{store.prefix}*")))  # SCAN may give a key twice (a resize)
+
+
+@pytest.fixture
+def store(redis_url: str, job: str) -> Iterator[Store]:
+    """The job's store; its keys deleted afterwards (the other tests share this Redis)."""
+    with Store.from_url(redis_url, job) as opened:
+        try:
+            yield opened
+        finally:
+            opened.forget()
+
+
+def test_the_command_offers_no_forget_for_a_job_no_coordinator_has_decided_yet(
+        store: Store, redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Settings its workers stored before any coordinator decided: no earlier run's, and not to be forgotten (it had
+    said an earlier run left them, since no coordinator claimed the job)."""
+    job = store.job
+    store.register(JobConfig(job, 2, 30))
+    assert main(["coordinator", "--redis", redis_url, "--job", job, "--workers", "3", "--global-batch", "30"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"lbbsp: error: job {job!r} already runs with --workers 2 (not 3): give the job's settings, or "
+                   "another --job\n"), err
+
+
+@pytest.mark.timeout(60)
+def test_lbbsp_forget_refuses_a_job_a_coordinator_claims_while_it_runs(
+        store: Store, redis_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """It checked that no coordinator held the claim, then listed the keys and deleted them: a coordinator that claimed
+    the job in between lost its settings and decisions (and its claim stayed, on a job with no settings)."""
+    store.register(JobConfig(store.job, 2, 30))
+    _decided(store)
+    kept = _store_keys(store)
+    scan_iter = redis.Redis.scan_iter
+
+    def listed_then_claimed(self: redis.Redis, *args: Any, **kwargs: Any) -> Iterator[bytes]:
+        """The job's keys, as Redis lists them; a coordinator claims the job once they are listed."""
+        keys = list(scan_iter(self, *args, **kwargs))
+        if self is not store.client and kwargs.get("match", "").startswith(store.prefix):
+            store.claim_coordinator(SERVING, 5)
+        yield from keys
+
+    monkeypatch.setattr(redis.Redis, "scan_iter", listed_then_claimed)
+    assert main(["forget", "--redis", redis_url, "--job", store.job]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"lbbsp: error: job {store.job!r} is served by the coordinator {SERVING}: stop that coordinator "
+                   "first (its workers would lose their settings and splits), then forget the job\n"), err
+    assert _store_keys(store) == sorted([*kept, store.key("coordinator").encode()])

@@ -1,5 +1,6 @@
-"""JobConfig checks every field at construction: a bad value is a ConfigError naming the job, the value given
-and what is expected, never a raw TypeError, a silent conversion or a failure later in the run."""
+"""JobConfig checks every field at construction, and the settings stored in Redis when they are read: a bad value is
+a ConfigError naming the job, the value given and what is expected, never a raw TypeError, a silent conversion or a
+failure later in the run. A run that joins a job served with other settings is told the setting that differs."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lbbsp import ConfigError, JobConfig
+from lbbsp import ConfigError, JobConfig, LBBSPPolicy
 
 
 def config(**changes: Any) -> JobConfig:
@@ -98,3 +99,37 @@ def test_json_round_trip(original: JobConfig) -> None:
 def test_a_bad_stored_config_is_a_config_error(stored: str | bytes, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         JobConfig.from_json(stored)
+
+
+def test_a_job_config_refuses_a_ttl_below_its_timeout_and_a_timeout_no_decision_can_meet() -> None:
+    with pytest.raises(ConfigError, match=r"ttl_s \(10\) must be at least assignment_timeout_s \(100\)"):
+        JobConfig("j", 2, 8, ttl_s=10, assignment_timeout_s=100)
+    with pytest.raises(ConfigError, match=r"assignment_timeout_s must be a number of seconds in \[0.001"):
+        JobConfig("j", 2, 8, assignment_timeout_s=1e-9)
+    assert JobConfig("j", 2, 8, ttl_s=10, assignment_timeout_s=10).ttl_s == 10
+
+
+@pytest.mark.parametrize("name", ["assignment_timeout_s", "deadband"])
+def test_a_number_too_large_for_a_float_is_a_config_error(name: str) -> None:
+    """assignment_timeout_s=10**400 (also as an integer in the job's stored JSON settings, which workers, the
+    coordinator and `lbbsp status` read from Redis) raised OverflowError, not a ConfigError naming the setting."""
+    with pytest.raises(ConfigError, match=name):
+        if name == "deadband":
+            LBBSPPolicy(deadband=10**400)
+        else:
+            JobConfig("j", 2, 30, assignment_timeout_s=10**400)
+
+
+def test_stored_settings_with_a_huge_integer_are_a_config_error() -> None:
+    stored = json.dumps({"job": "j", "num_workers": 2, "global_batch": 30, "assignment_timeout_s": 10**400})
+    with pytest.raises(ConfigError, match="assignment_timeout_s"):
+        JobConfig.from_json(stored)
+
+
+def test_joined_names_the_setting_that_differs_not_the_ttl_it_took() -> None:
+    """A worker asking for a 20 s timeout of a coordinator serving 5 s with a 10 s TTL was told "ttl_s (10) must be at
+    least assignment_timeout_s (20)": a TTL it never set, from taking the coordinator's before comparing."""
+    stored = JobConfig("j", 2, 30, assignment_timeout_s=5, ttl_s=10)
+    with pytest.raises(ConfigError, match=r"serves job 'j' with assignment_timeout_s=5\.0, but this run asks for "
+                                          r"assignment_timeout_s=20\.0"):
+        JobConfig("j", 2, 30, assignment_timeout_s=20).joined(stored, caller="the test")

@@ -1,12 +1,15 @@
 """The code that README.md and docs/*.md show still works as shown (docs/decision_time_log.md, a log of past
-runs, aside), so that the docs a new user copies from cannot rot silently.
+runs, aside), so that the docs a user copies from cannot rot silently.
 
 The rules, each explicit so that a page's author knows what is checked:
 - every ```python block parses, and its imports resolve (most blocks are fragments of a training script);
 - a block marked with ``<!-- snippet: runs alone -->`` on the line before its fence runs whole, in a fresh
   interpreter (mark only blocks that need no cluster, GPU or long training);
 - every ``--flag`` written after ``lbbsp <subcommand>`` or ``python <script>.py``, in one code span or one line
-  of a code block, is a flag of that command, and the script exists.
+  of a code block, is a flag of that command, and the script exists;
+- each framework benchmark's page gives a quick run ("For a quick look, ...") with ``--out``, in flags its script
+  takes;
+- the ``policy=`` example in docs/torch.md's table runs with the imports its row shows.
 """
 from __future__ import annotations
 
@@ -23,6 +26,10 @@ from pathlib import Path
 import pytest
 
 from lbbsp import cli
+
+torch = pytest.importorskip("torch")
+from lbbsp.policies import LBBSPPolicy  # noqa: E402
+from test_bench_cli import DOCS_DIR, _parser  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "decision_time_log.md")]
@@ -131,3 +138,32 @@ def test_every_flag_written_after_a_command_is_one_it_takes() -> None:
                 wrong += [f"{page.name}: {match[0]} has no {flag}" for flag in written if flag not in known]
     assert checked >= 30, f"only {checked} commands found in the pages"
     assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize(("page", "script"), [("torch.md", "bench_torch"), ("torch.md", "bench_torch_loading"),
+                                              ("keras.md", "bench_keras"), ("flower.md", "bench_flower")])
+def test_each_benchmark_page_gives_a_quick_run_its_script_takes(page: str, script: str) -> None:
+    """A quick run with --out for every framework benchmark (bench_torch_loading and bench_flower had none: their
+    defaults take minutes), in flags the script accepts."""
+    text = " ".join((DOCS_DIR / page).read_text().split())
+    start = text.index(f"For a quick look, `python experiments/{script}.py ")
+    command = text[start:].split("`")[1].split()[2:]
+    assert "--out" in command, command
+    parser = _parser(script)
+    args = parser.parse_args(command)
+    assert str(args.out).startswith("/tmp/"), args.out
+
+
+TORCH_DOC = Path(__file__).resolve().parent.parent / "docs" / "torch.md"
+
+
+def test_the_policy_example_of_the_redis_table_runs_with_the_imports_it_shows() -> None:
+    """`from lbbsp import AutoCapacityModel` fails (it lives in lbbsp.models), and the example showed no import."""
+    row = next(line for line in TORCH_DOC.read_text().splitlines() if line.startswith("| `policy=` |"))
+    spans = re.findall(r"`([^`]+)`", row)
+    imports = [span for span in spans if span.startswith("from ")]
+    example = next(span for span in spans if span.startswith("LBBSPPolicy(AutoCapacityModel("))
+    namespace: dict = {"lag": 2}
+    exec("\n".join(imports), namespace)  # the docs' own import lines
+    policy = eval(example, namespace)
+    assert isinstance(policy, LBBSPPolicy) and policy.model.kinds == {3: "gpu"}

@@ -1,6 +1,10 @@
-"""The embedded redis-server: starts on demand, keeps data across a crash, and leaves no process behind."""
+"""The embedded redis-server: starts on demand, is started again with its data after a crash (and after a failed
+restart), serves peers on TCP behind a password at addresses they can reach, outlives Ctrl-C and forked children
+until its owner closes it, reports a server that dies or cannot start with what it said, and leaves no process
+behind."""
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -14,6 +18,7 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
+import redis
 
 from lbbsp import ConfigError, EmbeddedRedis, Store, StoreUnavailable, embedded
 from lbbsp.embedded import (
@@ -26,6 +31,8 @@ from lbbsp.embedded import (
     temp_parent,
 )
 from lbbsp.store import wait_for_redis
+from test_coordinator import _until
+from test_demo import _ctrl_c_able, _gone_within
 
 
 def test_start_restart_and_clean_stop() -> None:
@@ -311,3 +318,239 @@ def test_a_mapped_listen_address_is_served_as_ipv4_and_a_scope_id_is_refused() -
             assert store.client.ping()
     with pytest.raises(ConfigError, match="names an interface"):
         EmbeddedRedis(listen="fd00::2%eth0")
+
+
+def _answers(url: str) -> bool:
+    try:
+        with redis.Redis.from_url(url, socket_timeout=0.5) as client:
+            return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def test_an_embedded_redis_whose_restart_failed_once_is_tried_again(caplog: pytest.LogCaptureFixture) -> None:
+    """A restart that failed (its port taken meanwhile; or, after the OOM killer, killed again while it loads its
+    append-only file) left the server stopped for good, as stop() does, with 4 of its 5 restarts unused."""
+    with EmbeddedRedis(listen="127.0.0.1") as server, socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with caplog.at_level(logging.WARNING, logger="lbbsp.embedded"):
+            with server._lock:  # the watch waits: the port is taken before it restarts the server
+                os.kill(server.pid or 0, signal.SIGKILL)
+                time.sleep(0.2)
+                holder.bind(("127.0.0.1", server.port))
+                holder.listen()
+            deadline = time.monotonic() + 10
+            while "could not start the embedded redis-server again" not in caplog.text:
+                assert time.monotonic() < deadline, "the restart did not fail"
+                time.sleep(0.05)
+            holder.close()
+            deadline = time.monotonic() + 10
+            while not _answers(server.url):
+                assert time.monotonic() < deadline, "the server was not started again once its port was free"
+                time.sleep(0.1)
+
+
+def test_a_host_that_cannot_be_looked_up_leaves_the_other_addresses_and_a_failed_offer_stops_the_server() -> None:
+    """A peer host with a label over 63 characters (a bad MASTER_ADDR) raised a bare UnicodeError from the lookup,
+    after worker 0's server had started: every worker raised, and the server ran on until this process exited."""
+    assert local_addresses("a" * 64 + ".example")[-1] == "127.0.0.1"
+
+    class Offers(EmbeddedRedis):  # a real server whose addresses fail, as any error there would
+        def peer_urls(self, toward: str | None = None) -> list[str]:
+            raise ConfigError("no address to offer")
+
+    started: list[EmbeddedRedis] = []
+
+    def start(listen: str | None) -> EmbeddedRedis:
+        started.append(Offers(listen=listen))
+        return started[-1]
+
+    with pytest.raises(ConfigError, match="no address to offer"):
+        serve_embedded(0, lambda value: [value], start, across=True)
+    assert started and started[0].pid is None and not _answers(started[0].url)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_does_not_stop_the_embedded_server_before_its_owner_cleans_up() -> None:
+    """The server shared the terminal's process group, so Ctrl-C stopped it at once, under the owner's cleanup
+    (a coordinator releasing its lease, a worker's last report)."""
+    owner = _ctrl_c_able(args=[sys.executable, "-c", (
+        "import time\n"
+        "from lbbsp import EmbeddedRedis, Store\n"
+        "server = EmbeddedRedis()\n"
+        "try:\n"
+        "    print(server.pid, flush=True)  # inside the try: Ctrl-C may come as soon as it is read\n"
+        "    time.sleep(60)\n"
+        "except KeyboardInterrupt:\n"
+        "    time.sleep(0.5)  # cleanup that takes a moment\n"
+        "    with Store.from_url(server.url, 'j') as store:\n"
+        "        store.ping()\n"
+        "    print('cleaned up with the server', flush=True)\n"
+        "server.close()\n")])
+    assert owner.stdout is not None
+    redis_pid = int(owner.stdout.readline())
+    os.killpg(owner.pid, signal.SIGINT)
+    out, _ = owner.communicate(timeout=30)
+    assert owner.returncode == 0 and "cleaned up with the server" in out, out
+    _gone_within(redis_pid, "the embedded server outlived its owner")  # and it still goes when its owner closes it
+
+
+@pytest.mark.timeout(60)
+def test_closing_an_embedded_server_that_owns_its_folder_kills_it_even_when_stalled(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    signalled: list[bool] = []
+    end = EmbeddedRedis._end
+
+    def recorded(process: subprocess.Popen[bytes] | None, kill: bool) -> None:
+        signalled.append(kill)
+        end(process, kill)
+
+    monkeypatch.setattr(EmbeddedRedis, "_end", staticmethod(recorded))
+    server = EmbeddedRedis()
+    process = server._process
+    assert process is not None
+    folder = server.directory
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        server.close()
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGCONT)
+            process.kill()
+            process.wait()
+    assert signalled == [True]  # SIGKILL at once: a SIGTERM had waited 10 s on the stalled server, then killed it
+    assert process.returncode == -signal.SIGKILL
+    assert not folder.exists()
+
+
+@pytest.mark.timeout(60)
+def test_closing_an_embedded_server_in_a_folder_it_keeps_shuts_it_down(tmp_path: Path) -> None:
+    """A folder given (and kept) holds the append-only file a shutdown writes: the server gets SIGTERM there."""
+    server = EmbeddedRedis(tmp_path)
+    process = server._process
+    assert process is not None
+    server.close()
+    assert process.returncode == 0  # redis-server's own exit on SIGTERM, having saved
+    assert tmp_path.exists()
+
+
+def test_an_embedded_redis_killed_is_started_again_with_its_data_and_one_stopped_stays_stopped(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with EmbeddedRedis() as server, Store.from_url(server.url, "restarted") as store:
+        store.client.set("kept", b"1")
+        first = server.pid
+        assert first is not None
+        with caplog.at_level(logging.WARNING, logger="lbbsp.embedded"):
+            os.kill(first, signal.SIGKILL)
+            _until(lambda: server.pid not in (None, first), 10.0)
+        store.ping()
+        assert store.client.get("kept") == b"1"  # the append-only file carried it over
+        assert "died (exit code -9): starting it again" in caplog.text
+        server.stop(kill=True)
+        time.sleep(1.5)
+        assert server.pid is None  # stop() is for good: the watch does not undo it
+
+
+def _in_a_forked_child(body: str, server: EmbeddedRedis, timeout_s: float = 20.0) -> int:
+    """Run ``body`` (``child_started``, ``child_closed``) in a child forked from this process; its exit code, or -1
+    if it still ran after ``timeout_s`` (it is then killed). The child never returns into pytest."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            if body == "child_started":  # a child starts a server of its own
+                with EmbeddedRedis() as own, Store.from_url(own.url, "child") as store:
+                    store.ping()
+            else:  # a child that exits normally runs the atexit hooks it inherited: the parent's server's close()
+                server.close()
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return -1
+
+
+def test_a_child_forked_after_a_server_started_can_start_one_of_its_own() -> None:
+    """The child waited forever for the parent's launcher thread, which a fork does not copy (multiprocessing's
+    default start method on Linux forks)."""
+    with EmbeddedRedis() as server:
+        assert _in_a_forked_child("child_started", server) == 0
+
+
+def test_a_forked_child_that_exits_leaves_the_parents_server_and_folder_alone() -> None:
+    """The child's atexit close() removed the parent's folder, socket and append-only file included: every new
+    connection then failed with 'No such file or directory', and a restart would have lost every assignment."""
+    with EmbeddedRedis() as server:
+        assert _in_a_forked_child("child_closed", server) == 0
+        assert sorted(p.name for p in server.directory.iterdir()) == ["appendonly.aof", "owner", "redis.log",
+                                                                      "redis.sock"]
+        with Store.from_url(server.url, "parent") as store:
+            store.ping()
+    assert not server.directory.exists()  # the parent's own close() still removes it
+
+
+def test_a_socket_path_too_long_for_a_unix_socket_is_a_config_error_at_once(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """redis-server listened on the path cut at 107 bytes, where no client looked: start_timeout_s (10 s) later,
+    'did not start within 10.0s' with a Redis log that said nothing of the path."""
+    long_folder = tmp_path / ("x" * 110)
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"unix socket .* is \d+ bytes long, more than the 107"):
+        EmbeddedRedis(long_folder, own_directory=True, start_timeout_s=2.0)
+    assert not long_folder.exists()
+    long_parent = tmp_path / ("t" * 90)  # a long TMPDIR where /dev/shm is not writable
+    long_parent.mkdir()
+    monkeypatch.setattr(embedded, "temp_parent", lambda: str(long_parent))
+    with pytest.raises(ConfigError, match="shorter directory"):
+        EmbeddedRedis(start_timeout_s=2.0)
+    assert list(long_parent.iterdir()) == []  # the folder it made is removed
+    assert time.monotonic() - started < 1.5
+
+
+def test_a_server_that_dies_by_itself_is_logged_with_what_it_said(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A full /dev/shm: redis-server exits at its first write ('Error writing to the AOF file: No space left on
+    device'), which only its log said, in a folder close() removes; the warning said 'died (exit code 1)'."""
+    (tmp_path / "appendonly.aof").symlink_to("/dev/full")  # every write fails with ENOSPC, as on a full disk
+    with caplog.at_level(logging.WARNING, logger="lbbsp.embedded"), EmbeddedRedis(tmp_path) as server:
+        with Store.from_url(server.url, "full", socket_timeout_s=1.0) as store, pytest.raises(redis.ConnectionError):
+            store.client.set("k", "v")
+        deadline = time.monotonic() + 5
+        while "died" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server.stop()
+    died = [r.getMessage() for r in caplog.records if "died" in r.getMessage()]
+    assert died and "No space left on device" in died[0], caplog.text
+
+
+def test_a_server_in_a_directory_given_relative_to_the_current_one_starts_and_serves(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, job: str) -> None:
+    """redis-server changes into its --dir before it opens its log and socket, so a relative directory had them
+    looked up inside itself ('Can't open the log file'): 'embedded redis-server did not start within 10.0s: ' with
+    nothing after it, and the socket-path check had measured a path the server never used."""
+    monkeypatch.chdir(tmp_path)
+    with EmbeddedRedis("redis-data", start_timeout_s=5.0) as server, Store.from_url(server.url, job) as store:
+        store.ping()
+        assert server.socket_path == tmp_path / "redis-data" / "redis.sock"
+    assert (tmp_path / "redis-data" / "appendonly.aof").exists()  # a directory given is kept
+    with EmbeddedRedis("owned", own_directory=True, start_timeout_s=5.0) as server:
+        assert server.directory == tmp_path / "owned"
+    assert not (tmp_path / "owned").exists()  # and one owned is removed, wherever the process has moved since
+
+
+def test_a_server_that_exits_at_start_is_reported_at_once_with_its_exit_code_and_what_it_said(tmp_path: Path) -> None:
+    """A corrupt append-only file makes redis-server exit at once: the start-up probe's client had retried its
+    connection with backoff for seconds past the exit, and the error said 'did not start within 10.0s'."""
+    (tmp_path / "appendonly.aof").write_text("*garbage\r\nnot redis\r\n")
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable) as caught:
+        EmbeddedRedis(tmp_path, start_timeout_s=10.0)
+    assert time.monotonic() - started < 2.0
+    assert "exited at start (exit code 1)" in str(caught.value) and "Bad file format" in str(caught.value)

@@ -1,8 +1,12 @@
-"""The benchmark scripts refuse bad arguments at once, and a benchmark whose workers die says so."""
+"""The benchmark scripts in experiments/: what they compute and print (each model against the decision-time goal,
+the policies' seeds as `lbbsp simulate` runs them, the parts of a GPU step, the model and Flower benchmarks' tables),
+the cores they pin to, bad arguments refused at once, and a benchmark whose workers die saying so."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +19,9 @@ import pytest
 from lbbsp.sim.cli import summarise
 from lbbsp.sim.engine import compare
 from lbbsp.sim.scenarios import SCENARIOS
+from test_sim_cli import _write_trace
+
+pytest.importorskip("flwr")
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
@@ -191,3 +198,102 @@ def test_the_trace_recorders_co_located_jobs_end_with_it(how: str, tmp_path: Pat
     if how == "term":
         assert recorder.returncode == 0, said
         assert "keeping the" in said and json.loads(out.read_text())["rows"], said
+
+
+def _run(script: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(EXPERIMENTS / script), *argv], capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def test_the_model_benchmarks_table_fits_its_longest_trace_name(tmp_path: Path) -> None:
+    """A trace name past 16 characters pushed its row, and only its row, out of line with the header."""
+    for name in ("a_trace_named_past_sixteen_characters", "b"):
+        _write_trace(tmp_path / f"{name}.json", [0] * 40 + [1] * 40)
+    result = _run("bench_models.py", "--traces", str(tmp_path), "--skip", "10")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    for start in (i for i, line in enumerate(lines) if line.startswith("trace ")):
+        table = lines[start:start + 4]  # the header, a row per trace, the mean
+        assert table[-1].startswith("mean ") and len({len(line) for line in table}) == 1, "\n".join(table)
+        for row in table[1:3]:  # each trace's 80 rows, 70 scored, right under the header's "rows" and "scored"
+            assert row.index(" 80 ") + 3 == table[0].index("rows") + len("rows"), "\n".join(table)
+            assert row.index(" 70 ") + 3 == table[0].index("scored") + len("scored"), "\n".join(table)
+
+
+def test_the_keras_benchmark_pins_to_the_cores_it_may_use(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers and load were pinned to CPUs 0 and 1 whatever the cpuset (Docker's --cpuset-cpus, Slurm): where those
+    were not allowed, a worker failed with an OSError. Popen stands in for the TensorFlow workers here."""
+    bench = _experiment("bench_keras")
+    commands: list[list[str]] = []
+
+    class Worker:
+        returncode = 0
+
+        def __init__(self, command: list[str], **_: object) -> None:
+            commands.append(command)
+            index = command[command.index("--index") + 1]
+            (tmp_path / f"bsp{index}.json").write_text(
+                '{"seconds": 1.0, "global_samples_per_s": 9.0, "sizes": [[4, 4]], "steps": 1}')
+
+        def communicate(self) -> tuple[str, None]:
+            return "", None
+
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {5, 3, 9})
+    monkeypatch.setattr(bench.subprocess, "Popen", Worker)
+    args = bench.argparse.Namespace(load_procs=0, epochs=1, hidden=8, global_batch=64)
+    assert bench.run_mode("bsp", args, tmp_path)["steps"] == 1
+    assert [command[command.index("--cpu") + 1] for command in commands] == ["3", "5"]
+
+
+def test_the_flower_benchmark_table_says_not_reached_instead_of_none(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The rows whose run never reached the target had printed None under "to target s" and "rounds". The benchmark
+    quietens Flower's warnings while it runs, and gives the "flwr" logger its level back: it had left it at ERROR, and
+    the later tests that check Flower's warnings found none."""
+    bench = _experiment("bench_flower")
+
+    def run_one(mode: str, *args: object) -> tuple[list[dict[str, float]], float | None]:
+        best = 0.9 if mode == "fedavg" else 0.5  # lbbsp's runs never reach the target here
+        return [{"round": r, "accuracy": best * r / 2, "elapsed_s": 1.5 * r} for r in range(3)], \
+            None if mode == "fedavg" else 1.0
+
+    monkeypatch.setattr(bench, "run_one", run_one)
+    monkeypatch.setattr(sys, "argv", ["bench_flower.py", "--rounds", "2", "--out", str(tmp_path / "b.json")])
+    level = logging.getLogger("flwr").level
+    bench.main()
+    assert logging.getLogger("flwr").level == level
+    table = capsys.readouterr().out.split("emulated times", 1)[1]
+    assert "None" not in table
+    fedavg_row = next(line for line in table.splitlines() if line.startswith("fedavg (weight by data)"))
+    lbbsp_row = next(line for line in table.splitlines() if line.startswith("lbbsp (weight by data) "))
+    assert fedavg_row.split()[4:7] == ["1.50", "3.00", "2"]
+    assert re.search(r"1\.50 +not reached +- +0\.500", lbbsp_row), lbbsp_row
+
+
+
+
+
+
+def test_the_model_benchmark_calls_its_references_references_not_a_noise_floor(tmp_path: Path) -> None:
+    """The 'noise floor' it printed holds the level oracle, whose MAPE is worse than every model's."""
+    for name in ("a", "b"):
+        _write_trace(tmp_path / f"{name}.json", [0] * 40 + [1] * 40)
+    result = subprocess.run([sys.executable, str(EXPERIMENTS / "bench_models.py"), "--traces", str(tmp_path),
+                             "--skip", "10"], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "noise floor" not in result.stdout
+    assert "references that see the whole trace" in result.stdout
+
+
+def test_the_model_benchmark_gives_the_iterations_it_scored_beside_the_rows(tmp_path: Path) -> None:
+    """With the default --skip 50 a 72-row trace showed 72 under 'iterations', though 22 were scored."""
+    _write_trace(tmp_path / "t.json", [0] * 36 + [1] * 36)
+    result = subprocess.run([sys.executable, str(EXPERIMENTS / "bench_models.py"), "--traces", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    headers = [i for i, line in enumerate(lines) if line.startswith("trace ")]
+    assert len(headers) == 2, result.stdout
+    for start in headers:
+        assert lines[start].split()[1:3] == ["rows", "scored"], lines[start]
+        assert lines[start + 1].split()[:3] == ["t", "72", "22"], lines[start + 1]

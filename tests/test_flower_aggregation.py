@@ -1,4 +1,6 @@
-"""Aggregation maths: FedNova against a hand-computed reference, and the plugin applying it to real replies."""
+"""Aggregation maths: FedNova against a hand-computed reference, and the plugin applying it to real replies, a
+client's arrays paired with the model's by name; integer and bool arrays keep training, and weights, steps or counts
+that do not fit are refused."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,13 +8,15 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
 from lbbsp.errors import LBBSPError
 from lbbsp.fedagg import fednova, fednova_scales, rescale_update, sample_weights, weighted_average
-from lbbsp.integrations.flower import ClientHistory, LoadBalanced
+from lbbsp.integrations.flower import ClientHistory, LoadBalanced, LocalRound
 from lbbsp.integrations.flower_local import LocalGrid
+from test_flower_messages import HONEST, _arrays
 
 
 def sgd_linear(w: np.ndarray, x: np.ndarray, y: float, lr: float, steps: int) -> np.ndarray:
@@ -100,3 +104,82 @@ def test_plugin_aggregate_is_fednova_on_replies(redis_url: str, job: str) -> Non
     grid.close()
     assert arrays is not None
     np.testing.assert_allclose(arrays.to_numpy_ndarrays()[0], FEDNOVA, rtol=1e-9)
+
+
+@pytest.mark.timeout(60)
+def test_fednova_pairs_a_clients_arrays_with_the_models_by_name(redis_url: str, job: str) -> None:
+    grid = LocalGrid(ClientApp(), [{}, {}])
+    model = _arrays(a=np.zeros(2), b=np.zeros(3))
+    a1, b1, a2, b2 = np.ones(2), np.full(3, 2.0), np.full(2, 3.0), np.full(3, 4.0)
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = LoadBalanced(FedAvg(min_available_nodes=2), history, batch_size=1, local_steps=2, adapt="steps")
+        sent = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, model, ConfigRecord(), grid)}
+
+        def reply(node: int, arrays: ArrayRecord, steps: int) -> Message:
+            metrics = {**HONEST, "lbbsp-samples": steps, "lbbsp-steps": steps, "num-examples": steps}
+            return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics)}), reply_to=sent[node])
+
+        # node 2 names its arrays in the other order (as a state dict may)
+        arrays, _ = strategy.aggregate_train(1, [reply(1, _arrays(a=a1, b=b1), 1), reply(2, _arrays(b=b2, a=a2), 2)])
+    grid.close()
+    assert arrays is not None
+    want = fednova([np.zeros(2), np.zeros(3)], [[a1, b1], [a2, b2]], [1, 2], [1, 2])
+    np.testing.assert_allclose(arrays["a"].numpy(), want[0], rtol=1e-12)
+    np.testing.assert_allclose(arrays["b"].numpy(), want[1], rtol=1e-12)
+
+
+def counting_app(steps_by_node: dict[int, int]) -> ClientApp:
+    """A ClientApp whose model holds a float weight (+1 per step), an int64 counter (+1 per step, as BatchNorm's
+    num_batches_tracked: torch loads the average into its int64 buffer and returns it as one) and a bool mask,
+    returned in the dtypes the client keeps them in. A node in ``steps_by_node`` runs out of data after that many
+    steps."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        rnd = LocalRound(msg, data_size=10)
+        arrays = msg.content["arrays"]
+        w = arrays["w"].numpy().copy()
+        count = arrays["count"].numpy().astype(np.int64)
+        mask = arrays["mask"].numpy().astype(bool)
+        for _, _ in zip(rnd.batches(), range(steps_by_node.get(context.node_id, 10**6))):
+            w, count = w + 1.0, count + 1
+        return rnd.reply(_arrays(w=w, count=count, mask=mask))
+
+    return app
+
+
+def run_counting(history: ClientHistory, steps_by_node: dict[int, int], rounds: int) -> ArrayRecord:
+    grid = LocalGrid(counting_app(steps_by_node), [{}, {}])
+    strategy = LoadBalanced(FedAvg(fraction_evaluate=0.0, min_available_nodes=2), history, batch_size=4,
+                            local_steps=2)
+    model = _arrays(w=np.zeros(2), count=np.zeros(1, dtype=np.int64), mask=np.array([True, False]))
+    try:
+        result = strategy.start(grid=grid, initial_arrays=model, num_rounds=rounds, timeout=30)
+    finally:
+        grid.close()
+    return result.arrays
+
+
+@pytest.mark.timeout(120)
+def test_an_integer_array_that_flowers_average_made_float_is_still_accepted(redis_url: str, job: str) -> None:
+    """FedAvg averages an int64 (or bool) array into a float64 one, so from round 2 the model sent holds float64
+    where the clients return int64: every reply was left out as 'dtype int64, the model's is float64', and the model
+    stopped training after round 1 (w stayed at 2)."""
+    with ClientHistory.from_url(redis_url, job) as history:
+        arrays = run_counting(history, {}, rounds=3)
+        statuses = history.statuses()
+    assert {s.status for s in statuses.values()} == {"ok"}, statuses
+    assert arrays["w"].numpy().tolist() == [6.0, 6.0]  # 2 steps a round, 3 rounds
+    assert arrays["count"].numpy().tolist() == [6.0]
+
+
+@pytest.mark.timeout(120)
+def test_fednova_rescales_a_models_bool_array_without_stopping_the_run(redis_url: str, job: str) -> None:
+    """Node 2 runs out of data after 1 of its 2 steps, so FedNova rescales its update in round 1, while the model's
+    mask is still bool: numpy refuses `bool - bool`, and the TypeError ended Strategy.start."""
+    with ClientHistory.from_url(redis_url, job) as history:
+        arrays = run_counting(history, {2: 1}, rounds=2)
+        statuses = history.statuses()
+    assert {s.status for s in statuses.values()} == {"ok"}, statuses
+    assert arrays["mask"].numpy().tolist() == [1.0, 0.0]

@@ -1,7 +1,7 @@
-"""What a client can get wrong, caught where it happens (a new user's audit): a plain reply's weight that is not a
-finite positive number, a ClientApp that returns no Message, a LocalGrid smaller than the strategy waits for, a
-second loop over a round's batches, and rounds too large to balance. Real Strategy.start loop on LocalGrid, real
-ClientApps, real Redis."""
+"""What a client or server app can get wrong, caught where it happens: a plain reply's weight that is not a
+finite positive number, a ClientApp that returns no Message, a LocalGrid smaller than the strategy (or a wrapped
+one) waits for, a second loop over a round's batches, arguments and settings that could never work (ConfigErrors up
+front, by name), and rounds too large to balance. Real Strategy.start loop on LocalGrid, real ClientApps, real Redis."""
 from __future__ import annotations
 
 import logging
@@ -16,17 +16,17 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
-from lbbsp import ConfigError, EmbeddedRedis, ProtocolError, Report, StoreUnavailable
-from lbbsp.integrations.flower import ClientHistory, EmulatedLink, LoadBalanced, LocalRound
+from lbbsp import ConfigError, EmbeddedRedis, EWMAThroughput, ProtocolError, Report, StoreUnavailable
+from lbbsp.integrations.flower import ClientHistory, ClientResult, EmulatedLink, LoadBalanced, LocalRound, Workload
 from lbbsp.integrations.flower_client import MAX_LOCAL_STEPS
 from lbbsp.integrations.flower_local import LocalGrid
-from lbbsp.integrations.flower_server import ClientResult
 from lbbsp.protocol import MAX_BATCH
-from test_flower_port import a_train_message, warnings_like
+from test_flower import _train_message
+from test_flower_port import SEEN, a_train_message, dp, porting_app, start_rounds, warnings_like
 
 
 def three_nodes(plain_weight: float | None) -> ClientApp:
@@ -180,3 +180,88 @@ def test_a_stalled_redis_holds_a_history_call_seconds_not_a_quarter_minute(tmp_p
             assert time.monotonic() - started < 9  # 3 x 2 s and the backoff
         finally:
             os.kill(server.pid, signal.SIGCONT)
+
+
+def test_settings_that_could_never_work_are_config_errors_up_front(redis_url: str, job: str) -> None:
+    with ClientHistory.from_url(redis_url, job) as history:
+        with pytest.raises(ConfigError, match="at most 10,000,000 samples"):  # a Report carries no more
+            LoadBalanced(FedAvg(), history, batch_size=20_000, local_steps=1_000)
+        with pytest.raises(ConfigError, match="FLClientModel"):  # it has no transfer times or availability
+            LoadBalanced(FedAvg(), history, model=EWMAThroughput())  # type: ignore[arg-type]
+    for settings in ({"ttl_s": 0}, {"ttl_s": -1}, {"ttl_s": 3600.5}, {"max_reports": 0}):
+        with pytest.raises(ConfigError, match=next(iter(settings))):  # 0 deleted each write; 0 reports kept all
+            ClientHistory.from_url(redis_url, job, **settings)
+    for bps in (0, -5.0, float("nan"), float("inf"), "1e6", True):
+        with pytest.raises(ConfigError, match="down_bps"):
+            EmulatedLink(bps, 1e6)
+
+
+@pytest.mark.timeout(60)
+def test_no_client_is_planned_more_samples_than_a_report_carries(redis_url: str, job: str) -> None:
+    with ClientHistory.from_url(redis_url, job) as history:
+        steps = 10_000
+        strategy = LoadBalanced(FedAvg(), history, batch_size=600, local_steps=steps)
+        fast, slow = history.worker_indices([1, 2])
+        strategy.model.partial_fit([Report(job, fast, 1, 600 * steps, 1.0), Report(job, slow, 1, 600 * steps, 100.0)])
+        plan = strategy.plan(2, [1, 2])
+    assert plan[1].samples <= MAX_BATCH and plan[1].batch_size > plan[2].batch_size
+
+
+def test_last_batch_is_for_the_step_in_progress_once() -> None:
+    rnd = LocalRound(_train_message(Workload(8, 3)))
+    with pytest.raises(ConfigError, match="inside `for batch_size in rnd.batches"):
+        rnd.last_batch(3)  # before the loop
+    for _ in rnd.batches():
+        with pytest.raises(ConfigError, match="last_batch's samples"):
+            rnd.last_batch(9)  # more than the batch size
+        rnd.last_batch(3)
+        with pytest.raises(ConfigError, match="once"):
+            rnd.last_batch(2)
+    assert (rnd.steps, rnd.samples) == (1, 3)
+    with pytest.raises(ConfigError, match="inside `for batch_size in rnd.batches"):
+        rnd.last_batch(3)  # after the loop
+
+
+def test_wrong_usage_is_a_config_error_up_front(redis_url: str) -> None:
+    """An empty job name was taken and every reply then refused ('job: must not be empty'), as if the clients
+    were at fault; a model name for a model, a tuple for a Workload and a fractional data size failed later or
+    were truncated."""
+    from lbbsp.errors import ConfigError  # noqa: PLC0415
+    from lbbsp.integrations.flower import LocalRound, Workload  # noqa: PLC0415
+
+    with pytest.raises(ConfigError, match="job name"):
+        ClientHistory.from_url(redis_url, "")
+    with ClientHistory.from_url(redis_url, "usage") as history, pytest.raises(ConfigError, match="model"):
+        LoadBalanced(FedAvg(), history, model="fl")  # type: ignore[arg-type]
+    msg = Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=1, message_type=MessageType.TRAIN)
+    for kwargs in ({"default": (32, 5)}, {"default": Workload(32, 5), "data_size": 1.7},
+                   {"default": Workload(32, 5), "data_size": -5}):
+        with pytest.raises(ConfigError, match="default|data_size"):
+            LocalRound(msg, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_workload_takes_numpy_numbers_and_refuses_a_bool_deadline(redis_url: str, job: str) -> None:
+    """Workload(8, 2, True) was a 1 s deadline, and np.int64(32) was refused as 'not an integer' (so was
+    LoadBalanced(batch_size=np.int64(32)))."""
+    from lbbsp.integrations.flower import Workload  # noqa: PLC0415
+
+    assert Workload(np.int64(32), np.int32(5), np.float32(1.5)) == Workload(32, 5, 1.5)
+    assert type(Workload(np.int64(32), 5).batch_size) is int
+    with pytest.raises(ConfigError, match="deadline_s"):
+        Workload(8, 2, True)
+    with ClientHistory.from_url(redis_url, job) as history:
+        assert LoadBalanced(FedAvg(), history, batch_size=np.int64(32), local_steps=np.int64(2)).batch_size == 32
+
+
+@pytest.fixture(autouse=True)
+def _seen() -> None:
+    SEEN.clear()
+
+
+@pytest.mark.timeout(60)
+def test_a_wrapped_strategy_that_waits_for_more_nodes_than_a_local_grid_has_is_a_config_error(
+        redis_url: str, job: str) -> None:
+    inner = FedAvg(fraction_evaluate=0.0, min_available_nodes=5, min_train_nodes=2)
+    with ClientHistory.from_url(redis_url, job) as history:
+        with pytest.raises(ConfigError, match=r"waits for 5 nodes .* this LocalGrid has 3"):
+            start_rounds(LoadBalanced(dp(inner, 2), history, batch_size=4), porting_app(), nodes=3, rounds=1)

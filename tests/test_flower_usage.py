@@ -1,12 +1,14 @@
-"""What a new user runs into with the Flower plugin, on LocalGrid (real Strategy.start loop, real ClientApps):
-bounds and arguments checked up front, plain Flower clients next to lbbsp ones, missing data sizes, a Redis
-outage, restarts, MessageClock and the logs."""
+"""What a user runs into with the Flower plugin, on LocalGrid (real Strategy.start loop, real ClientApps): bounds and
+arguments checked up front, plain Flower clients next to lbbsp ones, missing data sizes, a Redis outage (or one that
+refuses writes), restarts that carry the round numbers on, MessageClock and skewed client clocks, a large model's
+transfer estimates, and the logs."""
 from __future__ import annotations
 
 import logging
 import math
 import re
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +20,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, M
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg, Strategy
 
-from lbbsp import ConfigError, EmbeddedRedis, Report
+from lbbsp import ConfigError, EmbeddedRedis, Report, StoreUnavailable
 from lbbsp.integrations.flower import ClientHistory, EmulatedLink, LoadBalanced, LocalRound, Workload
+from lbbsp.integrations.flower_client import MessageClock
 from lbbsp.integrations.flower_local import LocalGrid
 from lbbsp.protocol import MAX_SECONDS
+from test_flower_messages import HONEST, reply
+from test_flower_port import SEEN
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "flower.md"
 #: node -> how its ClientApp replies: "lbbsp" (LocalRound with a data size of 10 x node), "no-data" (LocalRound
@@ -227,3 +232,88 @@ def test_work_moves_between_clients_only_where_it_buys_round_time(redis_url: str
     # compute sets the round: the faster a client, the more it gets
     sizes = planned([100.0, 200.0, 300.0], 0.01)
     assert sum(sizes) == 96 and sizes[0] < sizes[1] < sizes[2]
+
+
+@pytest.mark.timeout(60)
+def test_a_redis_that_refuses_writes_is_an_outage_the_rounds_go_on_through(job: str) -> None:
+    with EmbeddedRedis() as server, ClientHistory.from_url(server.url, job) as history:
+        grid = LocalGrid(ClientApp(), [{}, {}])
+        strategy = LoadBalanced(FedAvg(min_available_nodes=2), history, batch_size=8, local_steps=5)
+        sent = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord([np.zeros(1)]),
+                                                                             ConfigRecord(), grid)}
+        history.client.config_set("maxmemory-policy", "noeviction")
+        history.client.config_set("maxmemory", "1")  # every write is refused: OOM
+        arrays, _ = strategy.aggregate_train(1, [reply(sent[n], ArrayRecord([np.full(1, float(n))]), HONEST)
+                                                 for n in (1, 2)])
+        assert arrays is not None and arrays.to_numpy_ndarrays()[0][0] == 1.5
+        assert len(list(strategy.configure_train(2, arrays, ConfigRecord(), grid))) == 2
+        grid.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_second_start_carries_the_round_numbers_on(redis_url: str, job: str) -> None:
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = LoadBalanced(FedAvg(min_available_nodes=2), history, batch_size=8, local_steps=5)
+        for _ in range(2):  # as two start() calls do: each begins at server round 1
+            grid = LocalGrid(ClientApp(), [{}, {}])
+            for server_round in (1, 2):
+                sent = list(strategy.configure_train(server_round, ArrayRecord([np.zeros(1)]), ConfigRecord(), grid))
+                strategy.aggregate_train(server_round, [reply(m, ArrayRecord([np.zeros(1)]), HONEST) for m in sent])
+            grid.close()
+        iterations = [report.iteration for report in history.reports(history.worker_index(1))]
+    assert iterations == [1, 2, 3, 4]  # the second run's rounds had been stored as 1 and 2 again
+
+
+def test_a_skewed_client_clock_gives_a_download_time_a_report_can_carry() -> None:
+    message = Message(RecordDict({"arrays": ArrayRecord([np.zeros(1)])}), dst_node_id=1, message_type="train",
+                      group_id=str(uuid.uuid4()))
+    message.metadata.created_at = time.time() - 2 * 86_400  # seen from a client whose clock runs two days ahead
+    assert MessageClock().download(message) == MAX_SECONDS  # more would make the server refuse the whole reply
+    message.metadata.created_at = time.time() + 3_600  # and one running behind
+    assert MessageClock().download(message) == 0.0
+
+
+@pytest.fixture(autouse=True)
+def _seen() -> None:
+    SEEN.clear()
+
+
+@pytest.mark.timeout(60)
+def test_a_large_models_transfer_estimates_follow_its_real_size(redis_url: str, job: str) -> None:
+    model = ArrayRecord([np.zeros((500, 1000), np.float32), np.zeros(1000, np.float32)])  # 2 MB
+    nbytes = model.count_bytes()
+    bandwidth = {1: 40e6, 2: 20e6}  # bytes/s each way: 0.05 s and 0.1 s per direction
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        rnd = LocalRound(msg, link=EmulatedLink(bandwidth[context.node_id], bandwidth[context.node_id]), data_size=10)
+        for _ in rnd.batches():
+            pass
+        return rnd.reply(msg.content.array_records["arrays"], {"train-loss": 0.5})
+
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = LoadBalanced(FedAvg(fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2), history,
+                                batch_size=4)
+        grid = LocalGrid(app, [{}, {}])
+        try:
+            strategy.start(grid=grid, initial_arrays=model, num_rounds=1, timeout=30)
+        finally:
+            grid.close()
+        for node, bps in bandwidth.items():
+            (report,) = history.reports(history.worker_index(node))
+            assert report.features["download_s"] == pytest.approx(nbytes / bps)
+            assert report.features["upload_s"] == pytest.approx(nbytes / bps)
+            assert strategy.model.transfer_s([history.worker_index(node)])[0] == pytest.approx(2 * nbytes / bps)
+    assert 2_004_000 <= nbytes < 2_010_000  # the arrays' bytes, plus a small header each
+
+
+def test_load_balanced_built_while_redis_is_down_says_it_needs_redis_then() -> None:
+    """It had failed inside the constructor with "Redis unusable (ConnectionError): Error 111 ..." and no hint."""
+    with ClientHistory.from_url("redis://127.0.0.1:1/0", "walkthrough", socket_timeout_s=1.0) as history:
+        with pytest.raises(StoreUnavailable, match=r"LoadBalanced loads the stored client history when it is built, "
+                                                   r"so Redis must answer then: check the URL and that redis-server "
+                                                   r"runs there \(or use EmbeddedRedis\(\)\.url\)\. Redis unusable "
+                                                   r"\(ConnectionError\): .*127\.0\.0\.1:1") as raised:
+            LoadBalanced(FedAvg(), history)
+    assert isinstance(raised.value.__cause__, StoreUnavailable) and raised.value.job == "walkthrough"

@@ -1,4 +1,6 @@
-"""Risk-aware allocation: margins learned from forecast misses, applied to any time model."""
+"""Risk-aware allocation: margins learned from forecast misses, per hardware kind, load and rank, applied to any time
+model; the quantile and the typical miss as defined, a worker's kind followed when it is pinned or moves, and a
+state that stays bounded over a long run."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,14 +8,13 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from lbbsp import JobConfig, LBBSPPolicy, Report
 from lbbsp.allocation import HingeTime, LinearTime, allocate
-from lbbsp.config import JobConfig
 from lbbsp.errors import ConfigError
 from lbbsp.hedging import _REACH, ForecastRisk, HedgedTime, hedged, sized_throughput
-from lbbsp.models import EWMAThroughput
+from lbbsp.models import KINDS, AutoCapacityModel, EWMAThroughput
 from lbbsp.models.auto import MixedTime
-from lbbsp.policies import LBBSPPolicy
-from lbbsp.protocol import Report
+from test_models_auto import _cpu
 
 SPEEDS = np.linspace(100.0, 1200.0, 12)  # one hardware group; the fastest third is the "fast" bucket
 
@@ -333,3 +334,122 @@ def test_forecasts_of_another_length_than_their_workers_are_a_clear_error(call: 
     risk.record(1, [0, 1, 2], [1.0, 2.0, 3.0])
     with pytest.raises(ConfigError, match=r"3 workers.*2 throughputs"):
         getattr(risk, call)(1, [0, 1, 2], [1.0, 2.0])
+
+
+def _mixed_reports(k: int, rng: np.random.Generator, gpus_on_cpu: bool) -> list[Report]:
+    """20 GPUs (precise) on 32-core hosts, 20 shared CPUs (1-1.6x slowdowns) on 8-core ones; ``gpus_on_cpu``: the
+    GPUs report as their first step did under gloo without DDP, timed on the CPU before the model's device was known."""
+    gpu = {"cores": 32.0, "gpu_mem_used": 2e9, "gpu_mem_free": 7e10}
+    out = []
+    for w in range(40):
+        if w < 20 and not gpus_on_cpu:
+            out.append(Report("m", w, k, 64, 0.064 * float(rng.lognormal(0.0, 0.005)), device="cuda:A100",
+                              features=gpu))
+        else:
+            seconds = 0.064 * float(rng.lognormal(0.0, 0.005)) if w < 20 else 0.64 * float(rng.uniform(1.0, 1.6))
+            out.append(Report("m", w, k, 64, seconds, features={"cores": 32.0 if w < 20 else 8.0}))
+    return out
+
+
+def test_a_gpu_whose_first_report_came_from_the_cpu_gets_the_gpus_margins_once_it_reads_its_gpu() -> None:
+    """Its hardware group, and so its kind, came from its first report for good, while AutoCapacityModel moved it to
+    the GPU curve: the GPUs were planned with the CPUs' margins (x1.52-1.54 here, where GPUs apart get under
+    x1.03), and a mixed job of 16 + 16 ran 12-14% slower than with the GPUs' first report from cuda."""
+    rng = np.random.default_rng(0)
+    risk = ForecastRisk()
+    workers, forecast = np.arange(40), np.where(np.arange(40) < 20, 1000.0, 100.0)
+    for k in range(20):
+        risk.record(k, workers, forecast)
+        risk.observe(_mixed_reports(k, rng, gpus_on_cpu=k == 0), defer=True)
+        risk.finish_learning()
+    risk.record(20, workers, forecast)
+    factor = risk.factors(20)
+    assert factor[:20].max() < 1.03 and factor[20:].min() > 1.4
+    # and back: a GPU worker measuring on the CPU with no GPU features joins the CPUs' group
+    risk.observe([Report("m", 0, 20, 64, 0.64, features={"cores": 8.0})])
+    risk.record(21, workers, forecast)
+    assert risk.factors(21)[0] > 1.4 and risk.factors(21)[1:20].max() < 1.03
+
+
+def test_the_margins_state_stays_bounded_over_a_long_run_and_follows_the_worker_set() -> None:
+    rng = np.random.default_rng(1)
+    risk = ForecastRisk(pool_size=64, min_samples=8, keep=4)
+    shape = risk.pool_.shape
+    counts = [12] * 200 + [5] * 100 + [30] * 100  # workers leave, then more join
+    for k, n in enumerate(counts):
+        workers = np.arange(n)
+        risk.record(k, workers, np.full(n, 100.0))
+        assert risk.factors(k).shape == (n,)
+        risk.observe([Report("b", w, k, 64, 0.64 * float(rng.uniform(1.0, 1.5))) for w in range(n)], defer=True)
+        risk.finish_learning()
+        assert len(risk.forecasts_) <= 4
+    assert risk.pool_.shape == shape and risk.pooled_.sum() == sum(counts)
+    assert risk.peer_group_.size == 30 and len(risk.groups_) == 1
+    assert 1.3 < risk.factors(len(counts) - 1).min() <= risk.factors(len(counts) - 1).max() < 1.5
+
+
+def test_margins_follow_a_pinned_kind_not_the_kind_the_reports_show() -> None:
+    """A worker pinned "gpu" whose reports look like a CPU's had been planned with the CPUs' margins."""
+    config = JobConfig("job", 3, 300, lag=1)
+    policy = LBBSPPolicy(AutoCapacityModel(kinds={2: "gpu"}, models={"gpu": EWMAThroughput()}, horizon=1))
+    current = list(config.initial_sizes())
+    for k in range(3):
+        policy.observe([_cpu(w, k, current[w], 100) for w in range(3)])
+        current = list(policy.decide(k + 1, current, config).sizes)
+        policy.learn()
+    risk = policy.risk
+    assert risk is not None and policy.model.kind_ == {0: "cpu", 1: "cpu", 2: "gpu"}
+    assert [KINDS[risk.group_kind_[risk.peer_group_[w]]] for w in range(3)] == ["cpu", "cpu", "gpu"]
+    assert risk.peer_group_[2] != risk.peer_group_[0] == risk.peer_group_[1]
+
+
+def _risk(hedge: float, pool: np.ndarray, min_samples: int = 1) -> ForecastRisk:
+    risk = ForecastRisk(hedge=hedge, buckets=1, min_samples=min_samples, pool_size=max(pool.size, 8))
+    risk.pool_[0, :pool.size] = np.log(pool)
+    risk.pooled_[0] = pool.size
+    return risk
+
+
+@pytest.mark.parametrize(("hedge", "pool", "workers", "factor"), [
+    (1, np.arange(1.0, 11.0), 4, 8.0),  # the ceil of the quantile's rank, not its floor (7)
+    (2, np.arange(1.0, 102.0), 3, 51.0),  # eps held at 0.5 (35 without)
+])
+def test_margins_are_the_quantile_the_hedge_asks(hedge: float, pool: np.ndarray, workers: int, factor: float) -> None:
+    risk = _risk(hedge, pool)
+    risk.record(5, np.arange(workers), np.ones(workers))
+    assert risk.factors(5) == pytest.approx(np.full(workers, factor))
+
+
+def test_margins_start_at_exactly_min_samples_misses() -> None:
+    risk = _risk(1, np.full(5, 2.0), min_samples=5)
+    risk.record(5, np.arange(4), np.ones(4))
+    assert risk.factors(5) == pytest.approx(np.full(4, 2.0))
+
+
+def test_the_typical_miss_is_the_median() -> None:
+    risk = ForecastRisk(buckets=1, min_samples=1, pool_size=8)
+    risk.pool_[0, :3] = [0.1, 0.2, 3.0]
+    risk.pooled_[0] = 3
+    assert risk.typical_miss() == pytest.approx(0.2)
+
+
+def test_forecast_risk_buckets_workers_by_kind_load_and_rank() -> None:
+    loaded = ForecastRisk(buckets=3, loaded_at=0.1)
+    loaded.observe([Report("h", w, 0, 64, 0.5, features={"colocated_load": 0.1}) for w in range(3)])
+    assert loaded._bucket(np.arange(3), np.arange(1.0, 4.0)).tolist() == [3, 4, 5]  # at loaded_at: loaded
+    unknown = ForecastRisk(buckets=3)
+    unknown.observe([Report("h", w, 0, 64, 0.5) for w in range(3)])
+    assert unknown._bucket(np.arange(3), np.array([1.0, np.nan, 3.0])).tolist() == [0, 1, 2]  # NaN: the middle
+    gpus = ForecastRisk(buckets=3)
+    gpus.observe([Report("h", w, 0, 64, 0.5, device="cuda:0", features={"gpu_mem_used": 1e9, "gpu_mem_free": 7e10})
+                  for w in range(3)])
+    assert gpus._bucket(np.arange(4), np.arange(1.0, 5.0)).tolist() == [6, 7, 8, 7]  # unseen: the common kind
+    pinned = ForecastRisk(buckets=3)
+    pinned.observe([Report("h", w, 0, 64, 0.5) for w in range(3)], pinned={0: "gpu", 1: "gpu", 2: "gpu"})
+    assert pinned._bucket(np.arange(3), np.arange(1.0, 4.0)).tolist() == [6, 7, 8]
+    for groups in (1, 20):  # ranks within a group of five: the lowest two, the middle, the highest two
+        ranked = ForecastRisk(buckets=3)
+        n = 5 * groups
+        ranked.observe([Report("h", w, 0, 64, 0.5, features={"cores": w % groups + 1}) for w in range(n)])
+        buckets = ranked._bucket(np.arange(n), np.arange(1.0, n + 1))
+        assert buckets[np.arange(n) % groups == 0].tolist() == [0, 0, 1, 2, 2]

@@ -2,8 +2,8 @@
 
 One worker in one process, with both Keras (Keras 3 and tf_keras, each with its own callback class). Each
 weighted run is compared with plain Keras ``train_on_batch`` on the same global batches, in the same order, with
-the same weights: LB-BSP must not change what a weighted step computes. The two-worker case (tf_keras under
-MultiWorkerMirroredStrategy) is in tests/test_keras_mwms.py.
+the same weights: LB-BSP must not change what a weighted step computes, and its weights are never narrower than
+float32. The two-worker case (tf_keras under MultiWorkerMirroredStrategy) is in tests/test_keras_mwms.py.
 """
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lbbsp import GlobalBatchSampler, JobConfig
-from lbbsp.errors import ConfigError
+from lbbsp import Assignment, ConfigError, GlobalBatchSampler, JobConfig
 
 pytest.importorskip("tensorflow")
 from lbbsp.integrations.keras import BalancedSource, WorkerSession, callback_class
+
+tf_keras = pytest.importorskip("tf_keras")
 
 SAMPLES, GLOBAL_BATCH, SEED, EPOCHS = 100, 32, 5, 2  # 4 steps per epoch, the last one of 4 samples
 CLASS_WEIGHT = {0: 0.5, 1: 3.0, 2: 1.5}  # tf_keras's fit needs a weight for every class
@@ -241,3 +242,19 @@ def test_class_weight_needs_one_target_array(job: str) -> None:
     with pytest.raises(ConfigError, match="class_weight needs one target array"):
         BalancedSource(np.zeros((8, 2)), (np.zeros(8), np.zeros(8)), JobConfig(job, num_workers=1, global_batch=4), 0,
                        class_weight={0: 1.0})
+
+
+@pytest.mark.parametrize(("x_dtype", "weight_dtype"), [("float16", "float32"), ("float32", "float32"),
+                                                     ("float64", "float64"), ("int64", "float32")])
+def test_weights_are_never_narrower_than_float32(job: str, x_dtype: str, weight_dtype: str) -> None:
+    """Inputs kept in float16 to save memory had their weights W * b_i / B rounded to float16 (0.66 served as
+    0.66015625): updates were 2e-4 off plain SGD, with one worker and sample weights too."""
+    config = JobConfig(job, num_workers=2, global_batch=100)
+    source = BalancedSource(np.zeros((200, 2), dtype=x_dtype), np.zeros(200), config, 1,
+                            sample_weight=np.full(200, 1 / 3))
+    data = source.py_dataset(tf_keras)
+    source.attach(0, 0)
+    source.publish(Assignment(job, 0, (33, 67), "scripted"))
+    _, _, weights = data[0]
+    assert weights.dtype == np.dtype(weight_dtype)
+    assert weights[0] == pytest.approx(2 * 0.67 / 3, rel=1e-6)

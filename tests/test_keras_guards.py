@@ -1,6 +1,7 @@
-"""What a new Keras user's audit found (Keras 3, one worker, real Redis and TensorFlow): a second fit with a new
-callback carries the job's count on, and arguments that had failed deep inside Keras, TensorFlow or numpy (or
-not at all) are refused where they are given, by name."""
+"""What a Keras user can get wrong, caught where it happens (one process, real Redis and TensorFlow, Keras 3 unless
+a test says tf_keras): a second fit with a new callback, or a callback made before an earlier fit, carries the job's
+count on; a tf_keras callback left out of fit is warned about in the first epoch; and arguments that had failed deep
+inside Keras, TensorFlow or numpy (or not at all), swapped or mistyped ones too, are refused where given, by name."""
 from __future__ import annotations
 
 import json
@@ -9,24 +10,25 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from lbbsp import JobConfig
-from lbbsp.errors import ConfigError
+from lbbsp import ConfigError, JobConfig
 
 pytest.importorskip("tensorflow")
-from lbbsp.integrations.keras import (
-    BalancedSource,
-    LBBSPCallback,
-    WorkerSession,
-    task_index,
-    training_tasks,
-)
+from lbbsp.integrations.keras import BalancedSource, LBBSPCallback, WorkerSession, task_index, training_tasks
 from test_keras3 import _data, _model
+
+keras = pytest.importorskip("keras")
+tf = pytest.importorskip("tensorflow")
+tf_keras = pytest.importorskip("tf_keras")
+from lbbsp.integrations.keras import callback_class  # noqa: E402
+from test_keras_usage import _dense_model, _sign_data  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "keras_digits.py"
 
@@ -161,7 +163,7 @@ def test_the_examples_workers_write_their_results_to_files_of_their_own(tmp_path
 def test_a_fit_whose_callback_failed_ends_its_pipeline_instead_of_serving_more(job: str) -> None:
     """When the callback stops fit (Redis unusable past outage_s), the source abandons that fit's tf_dataset: its
     passes end at once, so no prefetch calls back into Python while the process exits. Under MWMS, a prefetch
-    still served (or waiting for a vector) had hung the process at exit (4 of 4 runs of a Redis stall in an audit;
+    still served (or waiting for a vector) had hung the process at exit (4 of 4 runs of a Redis stall;
     0 of 3 now)."""
     import tensorflow as tf  # noqa: PLC0415
 
@@ -189,3 +191,89 @@ def test_the_keras_lbbsp_takes_is_the_one_tf_keras_means(value: str) -> None:
     tf_means, lbbsp_takes = out.stdout.split()
     assert lbbsp_takes == tf_means, out.stdout
     assert tf_means == ("tf_keras" if value == "True" else "keras")
+
+
+SAMPLES, GLOBAL_BATCH = 120, 32  # 4 steps per epoch, the last one of 24 samples
+
+
+def test_swapped_or_mistyped_arguments_are_named(redis_url: str, job: str) -> None:
+    """LBBSPCallback(source, client) failed with "AttributeError: ... 'expect_callback'"; steps_per_execution=2.0
+    was taken and gave float iteration numbers; worker=True was taken as worker 1."""
+    config = JobConfig(job, num_workers=2, global_batch=GLOBAL_BATCH)
+    x = np.zeros((SAMPLES, 2), dtype="float32")
+    for bad in ({"steps_per_execution": 2.0}, {"worker": True}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            BalancedSource(x, x, config, **{"worker": 0, **bad})  # type: ignore[arg-type]
+    with WorkerSession(config, 1, url=redis_url) as session:
+        source = BalancedSource(x, x, config, 1)
+        with pytest.raises(ConfigError, match=r"\(client, source\).*got \(BalancedSource, WorkerClient\)"):
+            callback_class(tf_keras)(source, session.client)  # type: ignore[arg-type]
+
+
+FIT_SAMPLES, FIT_GLOBAL_BATCH = 96, 32  # 3 steps per epoch
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_callbacks_made_before_an_earlier_fit_carry_on_its_iterations_and_epochs(
+        redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Callback lists built up front, one per fit: the second callback took the iteration and epoch reached when it
+    was made (0), so its fit replayed the first fit's vectors and epoch 0's order, and Redis refused every report."""
+    caplog.set_level(logging.WARNING)
+    config = JobConfig(job, num_workers=1, global_batch=FIT_GLOBAL_BATCH)
+    x = np.random.default_rng(0).normal(size=(FIT_SAMPLES, 6)).astype("float32")
+    with WorkerSession(config, 0, url=redis_url) as session:
+        source = BalancedSource(x, x[:, :1], config, 0)
+        tf_keras.utils.set_random_seed(0)
+        model = tf_keras.Sequential([tf_keras.layers.Input((6,)), tf_keras.layers.Dense(1)])
+        model.compile(optimizer=tf_keras.optimizers.SGD(0.01), loss="mse")
+        callbacks = [callback_class(tf_keras)(session.client, source) for _ in range(2)]
+        for callback in callbacks:
+            model.fit(source.tf_dataset(), epochs=1, steps_per_epoch=len(source), callbacks=[callback], verbose=0)
+        session.client.flush()
+    steps = len(source)
+    assert [b.iteration for b in source.served] == list(range(2 * steps))
+    assert [b.epoch for b in source.served] == [0] * steps + [1] * steps
+    assert not [r for r in caplog.records if "reported already" in r.getMessage()]
+
+
+def _warnings_at_epoch_ends(fit: Any, module: Any) -> list[int]:
+    """How many source warnings ``fit(callbacks)`` had raised at the end of each of its epochs."""
+    seen: list[int] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        count = lambda *_: seen.append(len([w for w in caught if "no LBBSPCallback" in str(w.message)]))  # noqa: E731
+        fit([module.callbacks.LambdaCallback(on_epoch_end=count)])
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_a_tf_keras_callback_left_out_of_fit_is_warned_about_in_the_first_epoch(redis_url: str, job: str) -> None:
+    """The wait for Keras 3's probe had applied to tf_keras too: 2 MWMS workers, 3 epochs of 12 steps, no warning."""
+    config = JobConfig(job, num_workers=1, global_batch=32)
+    source = BalancedSource(*_sign_data(), config, 0)  # 3 steps per epoch
+    with WorkerSession(config, 0, url=redis_url) as session:
+        callback_class(tf_keras)(session.client, source)  # made, then left out of fit
+        seen = _warnings_at_epoch_ends(lambda callbacks: _dense_model(tf_keras).fit(
+            source.tf_dataset(), epochs=3, steps_per_epoch=len(source), verbose=0, callbacks=callbacks), tf_keras)
+    assert seen == [1, 1, 1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pipeline", ["tf_dataset", "py_dataset"])
+def test_what_tf_keras_reads_before_on_train_begin_raises_no_warning(redis_url: str, job: str, pipeline: str) -> None:
+    """tf_keras reads one batch of a Sequence (its shape peek) before on_train_begin, and none of a dataset (under a
+    strategy too): with a one-step epoch, that peek must not look like an epoch trained without the callback."""
+    config = JobConfig(job, num_workers=1, global_batch=32)
+    source = BalancedSource(*_sign_data(32), config, 0)  # one step per epoch
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with WorkerSession(config, 0, url=redis_url) as session:
+        callback = callback_class(tf_keras)(session.client, source)
+        with strategy.scope():
+            model = _dense_model(tf_keras)
+        data = source.tf_dataset(strategy) if pipeline == "tf_dataset" else source.py_dataset(tf_keras)
+        seen = _warnings_at_epoch_ends(lambda callbacks: model.fit(
+            data, epochs=1, steps_per_epoch=len(source), verbose=0, shuffle=False, callbacks=[callback, *callbacks]),
+            tf_keras)
+    assert seen == [0]
+    assert [b.iteration for b in source.served] == [0]

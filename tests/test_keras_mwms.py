@@ -6,7 +6,8 @@ The coordinator uses a scripted policy, so the splits are uneven and change ever
 Before training, each worker also checks that a dataset built without the strategy, a model compiled with
 jit_compile=True (XLA cannot compile the time marks that exclude the all-reduce wait), a loss with
 reduction="sum" and fit(class_weight=...) are refused. The run with steps_per_execution 3 has sample weights
-of the user's; both validate on arrays.
+of the user's; both validate on arrays. In this process, with a sleep inside the optimizer's gradient aggregation
+standing in for the all-reduce's wait, that wait is not reported as compute (a tf_keras optimizer and a legacy one).
 """
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ import pytest
 from lbbsp import Assignment, EmbeddedRedis, JobConfig, Report, Store, StoreUnavailable, scale_split
 from lbbsp.errors import ConfigError
 from lbbsp.policies import Decision, Policy
+
+tf = pytest.importorskip("tensorflow")
+tf_keras = pytest.importorskip("tf_keras")
+from lbbsp.integrations.keras import BalancedSource, WorkerSession, callback_class  # noqa: E402
 
 GLOBAL_BATCH = 16
 SAMPLES = 100  # 6 full global batches and a short one of 4: the short split is scaled too
@@ -573,7 +578,6 @@ def test_keras3_multi_worker_is_refused(tmp_path: Path, redis_url: str, job: str
         assert all("needs tf_keras: set TF_USE_LEGACY_KERAS=1" in message for message in refused.values()), refused
 
 
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_redis_stalled_for_good_stops_both_workers_and_neither_hangs(tmp_path: Path, job: str) -> None:
@@ -616,6 +620,59 @@ def test_a_redis_stalled_for_good_stops_both_workers_and_neither_hangs(tmp_path:
         if e["error"] == "UnavailableError":  # left in the all-reduce by a peer that stopped first
             # (a second of slack: the peer takes its time stamp after its fit has unwound)
             assert e["at"] >= min(s["at"] for s in stopped) - 1.0, ended
+
+
+FIT_SAMPLES, FIT_GLOBAL_BATCH = 96, 32  # 3 steps per epoch
+
+
+WAIT_S = 0.3  # the stand-in for the all-reduce's wait for a slower worker
+
+
+def _waiting(aggregate: Any) -> Any:
+    """``aggregate`` (grads_and_vars -> grads_and_vars), after sleeping WAIT_S inside the step, as an all-reduce
+    that waits for a slower worker does."""
+    def aggregate_after_a_wait(grads_and_vars: Any) -> Any:
+        grads, variables = zip(*grads_and_vars)
+        with tf.control_dependencies(grads):
+            slept = tf.py_function(lambda: time.sleep(WAIT_S) or 0.0, [], tf.float32)
+        with tf.control_dependencies([slept]):
+            grads = [tf.identity(g) for g in grads]
+        return aggregate(list(zip(grads, variables)))
+
+    return aggregate_after_a_wait
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("optimizer", ["SGD", "legacy.SGD"])
+def test_the_wait_in_gradient_aggregation_is_not_reported_as_compute(redis_url: str, job: str, optimizer: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """tf_keras's legacy optimizers (tf_keras.optimizers.legacy) aggregate in ``_aggregate_gradients``, not in
+    ``aggregate_gradients``: the probe was left out, and every report counted the all-reduce's wait as compute."""
+    config = JobConfig(job, num_workers=1, global_batch=FIT_GLOBAL_BATCH)
+    x = np.random.default_rng(0).normal(size=(FIT_SAMPLES, 6)).astype("float32")
+    reports: list[tuple[float, float]] = []
+    with WorkerSession(config, 0, url=redis_url) as session:
+        send = session.client.report
+
+        def record(iteration: int, samples: int, compute_s: float, **kwargs: Any) -> None:
+            reports.append((compute_s, kwargs.get("wait_s") or 0.0))
+            send(iteration, samples, compute_s, **kwargs)
+
+        monkeypatch.setattr(session.client, "report", record)
+        source = BalancedSource(x, x[:, :1], config, 0)
+        tf_keras.utils.set_random_seed(0)
+        model = tf_keras.Sequential([tf_keras.layers.Input((6,)), tf_keras.layers.Dense(1)])
+        sgd = tf_keras.optimizers.legacy.SGD(0.01) if optimizer == "legacy.SGD" else tf_keras.optimizers.SGD(0.01)
+        model.compile(optimizer=sgd, loss="mse")
+        name = "_aggregate_gradients" if optimizer == "legacy.SGD" else "aggregate_gradients"
+        setattr(sgd, name, _waiting(getattr(sgd, name)))
+        model.fit(source.tf_dataset(), epochs=2, steps_per_epoch=len(source), verbose=0,
+                  callbacks=[callback_class(tf_keras)(session.client, source)])
+    assert len(reports) == 2 * len(source)
+    for compute_s, wait_s in reports[1:]:  # the first step traces the train function
+        assert compute_s < WAIT_S / 2 and wait_s >= 0.9 * WAIT_S, reports
+
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     _, _, index, ports, url, job, spe, out = sys.argv

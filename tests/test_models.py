@@ -1,23 +1,26 @@
-"""Capacity models learn known synthetic relations; memory caps hold; cold start gives sane sizes."""
+"""Capacity models learn known synthetic relations; memory caps hold; cold start gives sane sizes. The contract
+every model shares: fit, predict and partial_fit (reports of several iterations learned in order, worker ids
+checked), get_params and set_params (a bad value refused, a new one taking effect), clone, and the report columns
+the models read."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 import sklearn.base
 import sklearn.exceptions
 
-from lbbsp.allocation import HingeTime, allocate
-from lbbsp.config import JobConfig
-from lbbsp.errors import ConfigError
+from lbbsp import ConfigError, EWMAThroughput, JobConfig, LBBSPPolicy, Report, allocate
+from lbbsp.allocation import HingeTime
 from lbbsp.models import (
     AutoCapacityModel,
     BatchTimeCurve,
     CapacityModel,
-    EWMAThroughput,
     FLClientModel,
     LastValue,
     NARXThroughput,
@@ -26,9 +29,9 @@ from lbbsp.models import (
     similar_hardware_prior,
     worker_kind,
 )
+from lbbsp.models.base import CheckedReports, as_reports, feature, field
 from lbbsp.models.gpu_curve import hinge_sums, line_from_sums
-from lbbsp.policies import LBBSPPolicy
-from lbbsp.protocol import Report
+from test_models_auto import _history, _mixed_reports, _reports
 
 
 def test_fit_hinge_recovers_a_piecewise_linear_curve_within_1_percent() -> None:
@@ -550,3 +553,183 @@ def test_perturb_pairs_moves_a_share_within_each_pair_and_keeps_the_sum_and_the_
     # pairs (0, 1) and (2, 3) shift round(0.1 x the smaller size): 10, and 4 cut to the 2 that 3's bound allows;
     # the odd worker out, 4, is left as it was
     assert out.tolist() == [90, 110, 38, 62, 50] and out.sum() == sizes.sum()
+
+
+def test_a_model_with_a_bad_parameter_fails_where_the_policy_is_made() -> None:
+    """EWMAThroughput(alpha=5) had been accepted: every decision of the running job then failed, was logged, and
+    kept the equal split, so the job ran as plain BSP."""
+    with pytest.raises(ConfigError, match="alpha"):
+        LBBSPPolicy(EWMAThroughput(alpha=5))
+
+
+def _cpu_history(iterations: int, start: int = 0) -> list[list[Report]]:
+    rng = np.random.default_rng(start)
+    return [[Report("j", w, k, 100, float(rng.uniform(0.5, 1.5)) * (1 + w), features={"cpu_util": 0.5})
+             for w in range(3)] for k in range(start, start + iterations)]
+
+
+@pytest.mark.parametrize("model, change", [(BatchTimeCurve(), {"window": 4, "windw": 3}),
+                                           (NARXThroughput(), {"lags": 6, "lag": 1})], ids=["gpu", "narx"])
+def test_a_misspelt_parameter_changes_nothing(model: BatchTimeCurve | NARXThroughput,
+                                              change: dict[str, int]) -> None:
+    model.fit([[Report("j", w, k, 10 + k, 0.1, device="cuda:0") for w in range(2)] for k in range(4)])
+    before = model.get_params()
+    misspelt = next(name for name in change if name not in before)
+    with pytest.raises(ValueError, match=f"Invalid parameter '{misspelt}' for {type(model).__name__}; valid") as raised:
+        model.set_params(**change)
+    assert "=" not in str(raised.value)  # scikit-learn's message showed the model with the valid value set
+    assert model.get_params() == before  # the valid name had been set, without the forgetting it needs
+    model.partial_fit([Report("j", 5, 9, 20, 0.1, device="cuda:0")])  # the GPU curve had crashed here
+
+
+def test_set_params_still_refuses_a_bad_value() -> None:
+    model = BatchTimeCurve().fit([[Report("j", 0, 0, 10, 0.1, device="cuda:0")]])
+    with pytest.raises(ConfigError, match="memory_margin"):
+        model.set_params(memory_margin=1.5)
+    assert model.memory_margin == 0.05
+
+
+@pytest.mark.parametrize("ids", [[0.9, 1.9], ["1"], [True, False]], ids=["floats", "strings", "bools"])
+def test_worker_ids_that_are_not_integers_are_refused(ids: list[object]) -> None:
+    model = LastValue().fit([[Report("j", w, 0, 10, 0.1) for w in range(2)]])
+    with pytest.raises(ConfigError, match="worker ids must be integers"):
+        model.predict(ids)  # type: ignore[arg-type]  (0.9 had been read as worker 0)
+    assert model.predict([]).size == 0 and model.predict(np.arange(2)).size == 2
+
+
+def test_an_equal_list_for_a_tuple_parameter_forgets_nothing() -> None:
+    """hidden=[16, 16] equals the default (16, 16): a fitted NARX had taken it as new and forgotten everything."""
+    model = NARXThroughput().fit(_cpu_history(20))
+    before = model.predict([0, 1])
+    model.set_params(hidden=[16, 16], features=list(model.features))
+    np.testing.assert_array_equal(model.predict([0, 1]), before)
+    with pytest.raises(NotFittedError):  # a new value still makes it relearn
+        model.set_params(hidden=[8]).predict([0])
+
+
+@pytest.mark.parametrize("model", [LastValue(), EWMAThroughput(), NARXThroughput(), BatchTimeCurve(),
+                                   FLClientModel(), AutoCapacityModel()], ids=lambda m: type(m).__name__)
+def test_an_iteration_nobody_reported_in_leaves_a_model_unfitted_and_a_table_of_ids_is_refused(model) -> None:  # type: ignore[no-untyped-def]
+    """predict had answered NaN after partial_fit([]) (docs: NotFittedError before any report), and flattened a
+    2-D array of ids into four predictions."""
+    model.partial_fit([])
+    with pytest.raises(NotFittedError):
+        model.predict([0])
+    model.partial_fit([Report("j", w, 0, 100, 0.5, device="cpu") for w in range(2)]).partial_fit([])
+    assert model.predict([0, 1]).shape == (2,) and model.predict(1).shape == (1,)
+    with pytest.raises(ConfigError, match=r"1-D sequence .* shape \(2, 2\)"):
+        model.predict([[0, 1], [1, 0]])
+
+
+@pytest.mark.parametrize("model", [LastValue, EWMAThroughput, NARXThroughput, BatchTimeCurve, FLClientModel,
+                                   AutoCapacityModel])
+def test_reports_of_several_iterations_are_learned_in_iteration_order(model: type) -> None:
+    # a worker's last report is its latest: given out of order, iteration 4 had overwritten iteration 5
+    history = _cpu_history(12)
+    flat = [report for reports in history for report in reports]
+    rng = np.random.default_rng(0)
+    in_order, shuffled = model().partial_fit(flat), model().partial_fit([flat[i] for i in rng.permutation(len(flat))])
+    np.testing.assert_allclose(shuffled.predict([0, 1, 2]), in_order.predict([0, 1, 2]))
+    latest = LastValue().partial_fit(list(reversed(flat)))
+    np.testing.assert_allclose(latest.predict([0, 1, 2]), [r.samples / r.compute_s for r in history[-1]])
+
+
+@pytest.mark.parametrize("model", [EWMAThroughput(), NARXThroughput(), FLClientModel()])
+def test_an_unsigned_id_above_the_int64_range_is_named_as_given(model: EWMAThroughput) -> None:
+    """np.uint64(2**64 - 1) had been cast to -1 and refused as 'worker ids must be >= 0, got -1'."""
+    model.partial_fit(_reports(range(2)))
+    np.testing.assert_allclose(model.predict(np.array([0, 1], dtype=np.uint64)), model.predict([0, 1]))
+    for ids in (np.array([1, 2**64 - 1], dtype=np.uint64), [2**63]):
+        with pytest.raises(ConfigError, match=f"got {max(ids)}"):
+            model.predict(ids)
+
+
+@pytest.mark.parametrize("build", [EWMAThroughput, LastValue, lambda: NARXThroughput(random_state=0),
+                                   BatchTimeCurve, FLClientModel, AutoCapacityModel])
+def test_reports_of_several_iterations_in_one_call_are_learnt_iteration_by_iteration(build: Callable[[], Any]) -> None:
+    """partial_fit given three iterations at once had kept only each worker's last report (an EWMA predicted
+    111.11 where feeding the iterations one by one gives 127.58): now it learns them in order, as fit replays a
+    history, whichever order they come in."""
+    history = _history()
+    one_by_one, at_once, shuffled = build(), build(), build()
+    for reports in history:
+        one_by_one.partial_fit(reports)
+    for start in range(0, len(history), 3):
+        chunk = [r for reports in history[start:start + 3] for r in reports]
+        at_once.partial_fit(chunk)
+        shuffled.partial_fit(chunk[::-1])
+    workers = [0, 1, 2, 3]
+    expected = one_by_one.predict(workers)
+    np.testing.assert_allclose(at_once.predict(workers), expected, rtol=1e-12)
+    np.testing.assert_allclose(shuffled.predict(workers), expected, rtol=1e-12)
+
+
+def test_fit_refuses_scikit_learns_x_and_y_in_its_own_name() -> None:
+    with pytest.raises(TypeError, match=r"not fit\(X, y\)"):
+        EWMAThroughput().fit(np.ones((3, 2)), np.ones(3))
+    with pytest.raises(TypeError, match="^fit takes a list of lbbsp.Report"):  # it had named partial_fit
+        EWMAThroughput().fit(np.ones((3, 2)))
+
+
+def test_a_model_that_forgot_for_a_new_parameter_says_so() -> None:
+    history = [Report("j", 0, k, 8 + k, 0.1, device="cuda:0") for k in range(3)]
+    model = BatchTimeCurve().fit(history).set_params(window=4)
+    with pytest.raises(NotFittedError, match="forgot what it had learned when set_params changed window"):
+        model.predict([0])
+    assert np.isfinite(model.fit(history).predict([0])).all()
+    with pytest.raises(NotFittedError, match="has seen no report yet"):
+        BatchTimeCurve().predict([0])
+
+
+def test_ewma_blends_at_its_alpha() -> None:
+    model = EWMAThroughput(alpha=0.2).partial_fit([Report("g", 0, 0, 100, 1.0)]).partial_fit([Report("g", 0, 1, 200, 1.0)])
+    assert model.predict([0])[0] == pytest.approx(120.0)
+
+
+def test_a_worker_with_no_forecast_is_planned_at_the_median_speed() -> None:
+    class Partial(CapacityModel):
+        def partial_fit(self, reports, *, defer=False):  # type: ignore[no-untyped-def]
+            return self
+
+        def predict(self, workers):  # type: ignore[no-untyped-def]
+            return np.array([10.0, np.nan, 30.0])
+
+    assert Partial().time_model([0, 1, 2]).speed.tolist() == [10.0, 20.0, 30.0]
+
+
+def test_a_report_of_samples_in_no_time_measured_nothing() -> None:
+    """A report with samples but compute_s 0 is not a measurement (its throughput would be infinite): the speed stays
+    the last one measured."""
+    model = LastValue()
+    model.partial_fit([Report("j", 0, 0, 100, 1.0)])
+    model.partial_fit([Report("j", 0, 1, 100, 0.0)])
+    assert model.predict([0])[0] == pytest.approx(100.0)
+
+
+def test_fields_match_the_reports_and_are_shared_read_only() -> None:
+    reports = as_reports(_mixed_reports())
+    assert field(reports, "worker").tolist() == list(range(6))
+    assert field(reports, "samples").tolist() == [0.0, 10.0, 20.0, 30.0, 40.0, 50.0]
+    assert field(reports, "device") == ["cpu", "cuda:0"] * 3
+    assert field(reports, "worker") is field(reports, "worker")  # read once
+    memory = feature(reports, "gpu_mem_used")
+    assert np.isnan(memory[::2]).all() and (memory[1::2] == 1e9).all()
+    assert feature(reports, "cores", 1.0).tolist() == [4.0, 1.0, 4.0, 1.0, 4.0, 1.0]
+    with pytest.raises(ValueError):  # shared by every reader: nobody may change it in place
+        field(reports, "samples")[0] = 5.0
+
+
+def test_a_subset_keeps_order_and_the_arrays_read() -> None:
+    reports = as_reports(_mixed_reports())
+    field(reports, "compute_s")
+    part = reports.subset(np.array([1, 4, 5]))
+    assert type(part) is CheckedReports and [r.worker for r in part] == [1, 4, 5]
+    assert field(part, "compute_s").tolist() == pytest.approx([0.2, 0.5, 0.6])
+    assert field(part, "iteration").tolist() == [7, 7, 7]
+
+
+def test_reports_out_of_iteration_order_are_sorted_and_read_afresh() -> None:
+    given = [Report("cols", 0, 8, 1, 0.1), Report("cols", 1, 7, 1, 0.1), Report("cols", 0, 7, 1, 0.1)]
+    reports = as_reports(given)
+    assert field(reports, "iteration").tolist() == [7, 7, 8]
+    assert [(r.worker, r.iteration) for r in reports] == [(1, 7), (0, 7), (0, 8)]  # a stable sort

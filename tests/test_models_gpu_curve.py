@@ -1,16 +1,16 @@
-"""BatchTimeCurve: memory caps that hold under peak-held and changing readings, curves that survive long runs at
-one size, and a decision path that leaves the knee search for after the write."""
+"""BatchTimeCurve: the time(batch) hinge fit and its knee, exploration, identical GPUs pooled and changes of speed
+learnt, memory caps that hold under peak-held and changing readings, curves that survive long runs at one size, and a
+decision path that leaves the knee search for after the write."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from lbbsp import JobConfig, LBBSPPolicy, Report
 from lbbsp.allocation import HingeTime
-from lbbsp.config import JobConfig
 from lbbsp.errors import ConfigError
-from lbbsp.models import BatchTimeCurve, fit_memory_cap, gpu_curve
-from lbbsp.policies import LBBSPPolicy
-from lbbsp.protocol import Report
+from lbbsp.models import BatchTimeCurve, fit_hinge, fit_memory_cap, gpu_curve
+from lbbsp.models.gpu_curve import perturb_pairs
 from lbbsp.sim.engine import run_policy
 from lbbsp.sim.scenarios import GPUMix, Truth
 
@@ -428,3 +428,128 @@ def test_a_window_too_large_to_hold_is_a_config_error_not_an_out_of_memory_kill(
     with pytest.raises(ConfigError, match=r"window must be an integer in \[2, 256\], got 1000000000"):
         BatchTimeCurve(window=10**9).partial_fit([Report("j", 0, 0, 32, 0.1, device="cuda:0")])
     BatchTimeCurve(window=256).partial_fit([Report("j", 0, 0, 32, 0.1, device="cuda:0")])
+
+
+def test_a_split_that_explore_moved_says_so_in_its_reason() -> None:
+    """Four equal GPUs, curves unknown: the split came back (95, 105, 95, 105) with the reason 'kept: predicted gain
+    under the dead band'."""
+    policy, config = LBBSPPolicy(BatchTimeCurve()), JobConfig("job", 4, 400)
+    policy.observe([Report("job", w, 0, 100, 0.265, device="cuda:0") for w in range(4)])
+    decision = policy.decide(2, (100, 100, 100, 100), config)
+    assert decision.sizes != (100, 100, 100, 100) and sum(decision.sizes) == 400
+    moved = sum(abs(s - 100) for s in decision.sizes) // 2
+    assert f"then {moved} sample(s) moved to learn the workers' batch-time curves (explore)" in decision.reason
+
+
+def test_a_knee_between_measured_sizes_is_found() -> None:
+    sizes = np.array([[16.0, 48, 80, 112, 144]])  # flat 0.1 s up to 64 samples, then 2 ms per sample
+    base, knee, slope = fit_hinge(sizes, 0.1 + 0.002 * np.maximum(sizes - 64, 0), np.ones(sizes.shape, bool))
+    assert (base[0], knee[0], slope[0]) == pytest.approx((0.1, 64, 0.002))  # knee 48, slope 0.00165 before
+
+
+@pytest.mark.parametrize(("arrays", "words"), [
+    ((np.array([16.0, 48]), np.array([0.1, 0.2]), np.ones(2)), r"\(workers, points\) arrays of one shape"),
+    ((np.ones((2, 3)), np.ones((2, 2)), np.ones((2, 3))), "of one shape"),
+    ((np.array([[16.0, 48]]), np.array([[0.1, np.nan]]), np.ones((1, 2))), "finite"),
+])
+def test_fit_hinge_refuses_arrays_it_cannot_fit(arrays: tuple[np.ndarray, ...], words: str) -> None:
+    """A 1-D row had raised numpy's AxisError, and a NaN time had given a NaN base and slope."""
+    with pytest.raises(ConfigError, match=words):
+        fit_hinge(*arrays)
+
+
+def test_fit_hinge_ignores_what_an_absent_point_holds() -> None:
+    sizes, weight = np.array([[16.0, 48, 64]]), np.array([[1.0, 0.0, 1.0]])
+    fits = [fit_hinge(sizes, np.array([[0.1, absent, 0.3]]), weight) for absent in (0.2, np.nan, np.inf)]
+    for fit in fits[1:]:
+        np.testing.assert_array_equal(np.concatenate(fit), np.concatenate(fits[0]))
+
+
+def test_explore_moves_a_share_of_the_smaller_size_and_only_where_the_sizes_say_nothing() -> None:
+    assert perturb_pairs(np.array([100, 10]), np.array([0, 1]), 0.1, np.zeros(2), np.full(2, 1000)).tolist() == [99, 11]
+    model = BatchTimeCurve(explore_fraction=0.2).partial_fit([Report("g", w, 0, 100, 0.1, device="cuda:0")
+                                                              for w in range(2)])
+    assert model.explore([0, 1], np.array([85, 115]), np.zeros(2), np.full(2, 1000)).tolist() == [85, 115]
+
+
+def test_a_known_curve_stays_known_through_a_long_run_at_one_size() -> None:
+    model = BatchTimeCurve()
+    for k, size in enumerate([100, 200] + [150] * 300):
+        model.partial_fit([Report("g", 0, k, size, 0.02 + 0.001 * size, device="cuda:0")])
+    assert model.known_[0]
+
+
+def test_cold_slopes_follow_each_hardware_group() -> None:
+    model = BatchTimeCurve().partial_fit([Report("g", 0, 0, 100, 0.1, device="cuda:A100"),
+                                          Report("g", 1, 0, 100, 1.0, device="cuda:T4"),
+                                          Report("g", 2, 0, 0, 0.0, device="cuda:A100"),
+                                          Report("g", 3, 0, 0, 0.0, device="cuda:T4")])
+    assert model.time_model([2, 3]).slope == pytest.approx([0.001, 0.01])
+
+
+def test_a_knee_lies_above_the_smallest_size() -> None:
+    """1, 3 and 5 s at 10, 20 and 30 samples: no flat part, so the proportional line (knee 0), not a knee at the
+    smallest size, which has no point on its flat part."""
+    knee, base, slope = fit_hinge(np.array([[10.0, 20.0, 30.0]]), np.array([[1.0, 3.0, 5.0]]), np.ones((1, 3)))
+    assert knee[0] == pytest.approx(0, abs=1e-6) and base[0] == pytest.approx(0, abs=1e-6)
+    assert slope[0] == pytest.approx(22 / 140)
+
+
+def test_two_misses_in_a_row_in_one_direction_are_a_change_of_speed() -> None:
+    """A GPU that became twice as slow is learnt afresh at its second slow measurement (the first is held out)."""
+    model = BatchTimeCurve()
+    for it in range(6):
+        model.partial_fit([Report("j", 0, it, 100, 1.0, device="cuda:0")])
+    model.partial_fit([Report("j", 0, 6, 100, 2.0, device="cuda:0")])
+    assert model.predict([0])[0] == pytest.approx(100.0)  # one slow step: held out
+    model.partial_fit([Report("j", 0, 7, 100, 2.0, device="cuda:0")])
+    assert model.predict([0])[0] == pytest.approx(50.0)
+
+
+def test_a_knee_that_fits_hardly_better_than_the_line_is_not_taken() -> None:
+    """fit_hinge takes a knee only where it fits clearly better (1% less squared error) than the straight line: noisy
+    linear times with a knee that would gain under 1% stay the line (knee 0)."""
+    x = np.arange(10.0, 90.0, 10.0)[None]
+    t = np.array([[1.1035, 1.2082, 1.3033, 1.387, 1.5091, 1.6045, 1.6946, 1.8058]])
+    base, knee, slope = fit_hinge(x, t, np.ones_like(x))
+    assert knee[0] == 0.0
+    assert slope[0] == pytest.approx(0.00997, rel=1e-3) and base[0] == pytest.approx(1.0034, rel=1e-3)
+
+
+def test_times_that_fall_as_the_batch_grows_fit_a_flat_curve() -> None:
+    """The hinge's slope is never negative (the curve is monotone): falling times fit their weighted mean, flat."""
+    base, knee, slope = fit_hinge(np.array([[10.0, 20.0, 30.0, 40.0]]), np.array([[4.0, 3.0, 2.0, 1.0]]),
+                                  np.ones((1, 4)))
+    assert (base[0], knee[0], slope[0]) == (pytest.approx(2.5), 0.0, 0.0)
+
+
+def _pooling_reports(workers: list[int]) -> list[list[Report]]:
+    rng = np.random.default_rng(0)
+    slopes, devices, cores = [0.010, 0.0102, 0.02], ["cuda:0", "cuda:1", "cuda:2"], [8.0, 8.0, 16.0]
+    history = []
+    for it in range(12):
+        size, noise = 100 + 20 * (it % 2), rng.normal(0, 0.02, 3)
+        history.append([Report("j", w, it, size, (0.2 + slopes[w] * size) * (1 + noise[w]), device=devices[w],
+                               features={"cores": cores[w]}) for w in workers])
+    return history
+
+
+def test_two_gpus_of_one_hardware_keep_their_own_curves() -> None:
+    """Pooling starts at groups of three: two GPUs sharing a hardware key each keep their own curve, so worker 0 is
+    predicted as it is without its twin (they had been pulled to one speed)."""
+    both, alone = BatchTimeCurve(), BatchTimeCurve()
+    for reports in _pooling_reports([0, 1, 2]):
+        both.partial_fit(reports)
+    for reports in _pooling_reports([0, 2]):
+        alone.partial_fit(reports)
+    assert both.known_[:3].all()
+    assert both.predict([0])[0] == pytest.approx(alone.predict([0])[0], rel=1e-9)
+    assert both.predict([0])[0] != pytest.approx(both.predict([1])[0], rel=1e-3)
+
+
+def test_explore_moves_at_least_one_sample_at_small_batches() -> None:
+    """5% of a batch of 8 rounds to 0: explore still moves one sample, so small batches learn their slope too."""
+    model = BatchTimeCurve()
+    model.partial_fit([Report("j", w, 0, 8, 1.0, device="cuda:0") for w in range(2)])
+    out = model.explore([0, 1], np.array([8, 8]), np.array([1, 1]), np.array([100, 100]))
+    assert sorted(out.tolist()) == [7, 9]

@@ -1,13 +1,20 @@
-"""NARXThroughput: learns known autoregressive processes at the horizon production uses, resists outliers,
-and handles workers that join late, skip an iteration or report fewer features."""
+"""NARXThroughput: learns known autoregressive processes at the horizon production uses, resists outliers and
+glitched reports, forecasts scale-free, and handles workers that join late, skip an iteration or report fewer
+features; parameters and features it cannot use are refused by name."""
 from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any
 
 import numpy as np
 import pytest
 
-from lbbsp.errors import ConfigError
+from lbbsp import ConfigError, Report
 from lbbsp.models import EWMAThroughput, LastValue, NARXThroughput, NotFittedError
-from lbbsp.protocol import Report
+from test_models import _cpu_history
+from test_models_auto import _history
+from test_policies import _reports_of
 
 
 def _forecast_errors(models: dict, log_x: np.ndarray, features: list[list[dict[str, float]]], horizon: int,
@@ -164,7 +171,6 @@ def test_narx_rejects_bad_parameters_at_first_fit(params: dict) -> None:
         NARXThroughput(**params).partial_fit([Report("b", 0, 0, 10, 0.1)])
 
 
-
 def test_fit_forgets_training_that_a_deferred_update_left_pending() -> None:
     """fit forgets everything learned, the pairs a ``defer=True`` update kept for finish_learning included: the
     coordinator's finish_learning after a refit must find nothing to train on (it found pairs for a network
@@ -178,3 +184,168 @@ def test_fit_forgets_training_that_a_deferred_update_left_pending() -> None:
         model.predict([0])
     model.partial_fit(history[0], defer=True)
     np.testing.assert_array_equal(model.fit(history).predict([0]), NARXThroughput(warmup=0).fit(history).predict([0]))
+
+
+@pytest.mark.parametrize("copy_of", [lambda m: pickle.loads(pickle.dumps(m)), copy.deepcopy],
+                         ids=["pickle", "deepcopy"])
+def test_a_copied_narx_learns_on_exactly_as_the_original(copy_of: object) -> None:
+    # the coordinator pickles its policy into a spawned process: the copy's network had stopped reading what
+    # Adam updated, so a pre-trained NARX froze there
+    original = NARXThroughput(random_state=0, warmup=0).fit(_cpu_history(30))
+    twin = copy_of(original)  # type: ignore[operator]
+    for reports in _cpu_history(20, start=30):
+        original.partial_fit(reports)
+        twin.partial_fit(reports)
+    np.testing.assert_array_equal(twin.predict([0, 1, 2]), original.predict([0, 1, 2]))
+    assert np.shares_memory(twin.weights_[0][0], twin.params_)
+
+
+@pytest.mark.parametrize("features", [None, 5, True, (f for f in ["cpu_util"]), [["cpu_util"]]])
+def test_narx_features_of_the_wrong_type_are_a_config_error_and_set_params_keeps_the_old(features: object) -> None:
+    """features=None (or an int, a generator) was a bare TypeError from deep inside, and set_params left the bad
+    value in a fitted model, which then failed at every partial_fit."""
+    history = _history(6)
+    with pytest.raises(ConfigError, match="features must be a list or tuple of report features"):
+        NARXThroughput(features=features).partial_fit(history[0])
+    model = NARXThroughput().fit(history[:5])
+    with pytest.raises(ConfigError, match="features must be"):
+        model.set_params(features=features)
+    assert model.features == NARXThroughput().features
+    model.partial_fit(history[5])  # still learns
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"hidden": (10**5, 10**5)}, r"hidden must be a tuple of 1 to 8 layer widths, each in \[1, 1024\]"),
+    ({"hidden": (8,) * 9}, "hidden must be a tuple of 1 to 8"),
+    ({"lags": 10**400}, r"lags must be an integer in \[1, 256\]"),
+    ({"buffer_size": 10**400}, r"buffer_size x the input width \(lags \+ exog_lags x features: 12\)"),
+    ({"buffer_size": 10**7}, "must be at most 67,108,864 values"),
+])
+def test_narx_sizes_past_what_memory_holds_are_refused_by_name(params: dict[str, Any], message: str) -> None:
+    """hidden=(10**5, 10**5) was a MemoryError asking for 75 GiB, lags=10**400 numpy's 'maximum allowed dimension
+    exceeded': neither named the parameter."""
+    with pytest.raises(ConfigError, match=message):
+        NARXThroughput(**params).partial_fit(_history(1)[0])
+
+
+def _driven(workers: int = 16, iterations: int = 260, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Throughputs (iterations, workers) that a sticky on/off load, reported as colocated_load, halves two
+    iterations later (the horizon), over an AR(1) on the log: a process where the features carry the forecast."""
+    rng = np.random.default_rng(seed)
+    base, x = rng.uniform(50, 500, workers), np.zeros(workers)
+    load = np.zeros((iterations, workers))
+    load[0] = rng.random(workers) < 0.5
+    thr = np.zeros((iterations, workers))
+    for t in range(iterations):
+        if t:
+            load[t] = np.where(rng.random(workers) < 0.1, 1 - load[t - 1], load[t - 1])
+        x = 0.8 * x + 0.05 * rng.standard_normal(workers)
+        thr[t] = base * np.exp(x - load[max(t - 2, 0)])
+    return thr, load
+
+
+def _features(load: float) -> dict[str, float]:
+    return {"colocated_load": load, "cpu_util": 0.5 + 0.4 * load, "mem_util": 0.3, "proc_cpu": 1.0, "cores": 2.0}
+
+
+def _reports(thr: np.ndarray, load: np.ndarray, t: int) -> list[Report]:
+    return [Report("j", w, t, 100, 100 / thr[t, w], features=_features(float(load[t, w]))) for w in range(thr.shape[1])]
+
+
+@pytest.fixture(scope="module")
+def trained() -> tuple[NARXThroughput, np.ndarray, np.ndarray]:
+    thr, load = _driven()
+    model = NARXThroughput(horizon=2)
+    for t in range(250):
+        model.partial_fit(_reports(thr, load, t))
+    assert model.recent_error_[0] < model.recent_error_[1]  # the network is trusted: the features matter
+    return model, thr, load
+
+
+def test_a_feature_reading_that_failed_is_the_workers_last_value(
+        trained: tuple[NARXThroughput, np.ndarray, np.ndarray]) -> None:
+    """A worker under load whose readings failed once (a report with no features) is forecast as if they had not
+    changed: read as 0, an idle machine, its forecast had come out about 3x too fast."""
+    model, thr, load = trained
+    loaded = [w for w in range(thr.shape[1]) if load[245:251, w].min() == 1]
+    assert loaded
+    for worker in loaded:
+        steady, failed = copy.deepcopy(model), copy.deepcopy(model)
+        reports = _reports(thr, load, 250)
+        steady.partial_fit(reports)
+        reports[worker] = Report("j", worker, 250, 100, 100 / thr[250, worker], features={"cores": 2.0})
+        failed.partial_fit(reports)
+        assert failed.predict([worker]) == pytest.approx(steady.predict([worker]), rel=1e-9)
+
+
+def test_one_glitched_worker_does_not_take_the_network_from_the_job(
+        trained: tuple[NARXThroughput, np.ndarray, np.ndarray]) -> None:
+    """One report 1,000x too slow: the network stays trusted for every other worker (its error and the level's
+    had both grown 1,000-fold on that worker, and their gap there outweighed all others')."""
+    model, thr, load = copy.deepcopy(trained[0]), trained[1], trained[2]
+    reports = _reports(thr, load, 250)
+    reports[3] = Report("j", 3, 250, 100, 100 / (thr[250, 3] / 1000), features=_features(float(load[250, 3])))
+    model.partial_fit(reports)
+    trusted = []
+    for t in range(251, 260):
+        model.partial_fit(_reports(thr, load, t))
+        trusted.append(model.recent_error_[0] < model.recent_error_[1])
+    assert all(trusted)
+
+
+def test_a_worker_back_at_its_speed_after_one_slow_measurement_is_not_held() -> None:
+    """100 samples/s, one measurement at 0.1, then 100 again: the return is learned at once (it had been held as a
+    spike for a report, the forecast kept at the glitch's level)."""
+    guarded, unguarded = NARXThroughput(), NARXThroughput(spike=None)
+    for model in (guarded, unguarded):
+        for k, speed in enumerate([100, 100, 100, 100, 0.1, 100]):
+            model.partial_fit(Report("j", 0, k, 100, 100 / speed))
+    assert guarded.predict([0]) == pytest.approx(unguarded.predict([0]))
+    jumped = NARXThroughput()  # a jump past every speed it has had is still held until confirmed
+    for k, speed in enumerate([100, 100, 100, 100, 10_000]):
+        jumped.partial_fit(Report("j", 0, k, 100, 100 / speed))
+    assert jumped.predict([0])[0] == pytest.approx(100)
+
+
+@pytest.mark.parametrize("name", ["gpu_mem_used", "bandwidth_down", "download_s", "cores"])
+def test_features_on_another_scale_than_the_networks_inputs_are_refused(name: str) -> None:
+    with pytest.raises(ConfigError, match="shares and cores per core"):
+        NARXThroughput(features=("cpu_util", name)).partial_fit(Report("j", 0, 0, 100, 1.0))
+
+
+def test_narx_predicts_the_same_for_workers_it_knows_and_workers_it_does_not() -> None:
+    reports = [Report("narx", w, k, 64, 64 / (100.0 * (w + 1)), features={"cores": 4, "proc_cpu": 2.0})
+               for k in range(6) for w in range(3)]
+    model = NARXThroughput(lags=2).fit(reports)
+    known = model.predict([2, 0, 1])
+    assert known.tolist() == model.predict(np.array([2, 0, 1], dtype=np.uint8)).tolist()
+    assert known == pytest.approx([300.0, 100.0, 200.0], rel=0.1)
+    # with a worker never seen, the others' forecasts are the same and the new one gets the prior
+    mixed = model.predict([2, 0, 7, 1])
+    assert mixed[[0, 1, 3]].tolist() == known.tolist() and mixed[2] == np.median(known)
+    mixed[0] = -1.0  # a copy: the next predict is unchanged
+    assert model.predict([2, 0, 1]).tolist() == known.tolist()
+
+
+def test_narx_forecasts_are_scale_free() -> None:
+    """The same relative series at 1x and 100x: forecasts 100x apart, the network's and the level's alike."""
+    rng = np.random.default_rng(0)
+    series = 100 * np.exp(np.cumsum(rng.normal(0, 0.05, (80, 3)), axis=0))
+    small, large = NARXThroughput(warmup=5), NARXThroughput(warmup=5)
+    for k in range(80):
+        small.partial_fit(_reports_of("n", k, [100] * 3, series[k]))
+        large.partial_fit(_reports_of("n", k, [100] * 3, 100 * series[k]))
+    np.testing.assert_allclose(large.predict([0, 1, 2]), 100 * small.predict([0, 1, 2]), rtol=1e-6)
+
+
+def test_narx_answers_with_its_ewma_level_before_warm_up() -> None:
+    model = NARXThroughput(alpha_ewma=0.3)
+    for k, speed in enumerate([100.0, 200.0]):
+        model.partial_fit(Report("n", 0, k, 100, 100 / speed))
+    assert model.predict([0])[0] == pytest.approx(np.exp(0.3 * np.log(200) + 0.7 * np.log(100)))  # 123.1
+
+
+def test_narx_refuses_a_learning_rate_past_one() -> None:
+    with pytest.raises(ConfigError, match=r"learning_rate must be in \(0, 1\]"):
+        NARXThroughput(learning_rate=1e300).partial_fit([Report("j", 0, 0, 10, 1.0)])
+    NARXThroughput(learning_rate=1.0).partial_fit([Report("j", 0, 0, 10, 1.0)])

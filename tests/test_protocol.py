@@ -1,15 +1,17 @@
-"""Reports and assignments: JSON round trips, and every kind of bad input rejected with the field named."""
+"""Reports and assignments: JSON round trips, numpy numbers taken as Python's, and every kind of bad input rejected
+with the field named; a misspelt feature is refused with the name meant, and a long unknown name is not echoed."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import pickle
 
+import numpy as np
 import pytest
 
-from lbbsp import Assignment, JobConfig, ProtocolError, Report
-from lbbsp.errors import ConfigError
-from lbbsp.protocol import MAX_PAYLOAD_BYTES
+from lbbsp import Assignment, ConfigError, JobConfig, ProtocolError, Report
+from lbbsp.protocol import FEATURE_RANGES, MAX_PAYLOAD_BYTES
+from test_coordinator import HUGE, report_json
 
 
 def good(**overrides: object) -> dict:
@@ -24,7 +26,6 @@ def test_report_round_trip() -> None:
     again = Report.from_json(report.to_json(), job="j", num_workers=4)
     assert again == report
     assert again.throughput == pytest.approx(128.0)
-
 
 
 def test_a_parsed_report_is_the_report_its_fields_make_and_stays_frozen() -> None:
@@ -129,3 +130,93 @@ def test_numpys_numbers_are_taken_as_pythons() -> None:
         Report("j", 0, 0, np.float64(4.0), 0.1)
     with pytest.raises(ProtocolError, match="compute_s: must be a number, got bool"):
         Report("j", 0, 0, 4, np.bool_(True))
+
+
+def test_an_assignment_gives_offsets_of_its_own_workers_only() -> None:
+    assignment = Assignment("j", 0, (3, 5), "p")
+    assert [assignment.offset(w) for w in (0, 1, np.int64(1))] == [0, 3, 3]
+    for worker in (2, -1, 1.5, "a", True):
+        with pytest.raises(ProtocolError, match=r"worker: .*\[0, 1\]"):
+            assignment.offset(worker)  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="sizes: must be a sequence"):
+        Assignment("j", 0, None, "p")  # type: ignore[arg-type]
+
+
+def test_a_card_of_no_memory_is_refused_where_it_would_cap_the_worker_at_nothing() -> None:
+    with pytest.raises(ProtocolError, match="gpu_mem_used and gpu_mem_free are both 0"):
+        Report("job", 0, 0, 100, 0.1, features={"gpu_mem_used": 0.0, "gpu_mem_free": 0.0}, device="cuda:0")
+    Report("job", 0, 0, 100, 0.1, features={"gpu_mem_used": 0.0, "gpu_mem_free": 8e9}, device="cuda:0")
+
+
+@pytest.mark.parametrize("version", ["true", "1.0", '"1"'])
+def test_the_protocol_version_must_be_the_integer_1(version: str) -> None:
+    payload = f'{{"v":{version},"job":"j","worker":0,"iteration":0,"samples":1,"compute_s":0.1}}'
+    with pytest.raises(ProtocolError, match="v: unsupported protocol version"):
+        Report.from_json(payload)
+    assert Report.from_json(payload.replace(version, "1", 1)).worker == 0
+
+
+@pytest.mark.parametrize("payload", [report_json(compute_s=HUGE), report_json(features=f'{{"cpu_util":{HUGE}}}')])
+def test_an_integer_too_large_for_a_float_is_a_protocol_error(payload: str) -> None:
+    with pytest.raises(ProtocolError, match="bits"):
+        Report.from_json(payload)
+    with pytest.raises(ProtocolError, match="created"):
+        Assignment("j", 0, (4, 4), "p", created=10**400)
+
+
+def test_an_assignment_with_a_number_too_long_to_read_is_a_protocol_error() -> None:
+    payload = '{"v":1,"job":"j","iteration":0,"sizes":[4,' + "4" * 5000 + '],"policy":"p","created":1.0}'
+    with pytest.raises(ProtocolError, match="too long"):
+        Assignment.from_json(payload)
+
+
+def test_a_str_payload_that_is_not_unicode_text_is_a_protocol_error() -> None:
+    """from_json takes str as well as bytes; a str with a lone surrogate raised UnicodeEncodeError."""
+    for parse in (Report.from_json, Assignment.from_json):
+        with pytest.raises(ProtocolError, match="payload"):
+            parse('{"v": 1, "job": "\ud800"}')
+
+
+@pytest.mark.parametrize("where", ["field", "feature"])
+def test_a_rejection_does_not_echo_a_long_unknown_name(where: str) -> None:
+    """A report of 4 KiB with one unknown field (or feature) named by 3,900 characters was rejected with an error of
+    7,900 characters, the name twice; the coordinator keeps each rejection's error in its decision log (1,000
+    decisions, ten times as long as the reports themselves), so each hostile report stored twice its size there."""
+    report = json.loads(Report("j", 0, 0, 5, 0.1).to_json())
+    (report["features"] if where == "feature" else report)["x" * 3_900] = 1
+    with pytest.raises(ProtocolError) as info:
+        Report.from_json(json.dumps(report))
+    assert "xxxx" in str(info.value) and len(str(info.value)) < 300
+
+
+def test_a_rejection_lists_a_few_unknown_fields() -> None:
+    report = json.loads(Report("j", 0, 0, 5, 0.1).to_json())
+    report.update({f"f{i}": 1 for i in range(300)})
+    with pytest.raises(ProtocolError, match=r"unknown field\(s\) in report: 'f0', 'f1', 'f10', 'f100', \.\.\.$"):
+        Report.from_json(json.dumps(report))
+
+
+def test_an_assignment_takes_numpy_integers_as_a_report_does() -> None:
+    """A policy of the user's own that returned its sizes as a numpy array, and the iteration as numpy's integer,
+    got "sizes[0]: must be an integer, got int64" from Assignment, where Report takes numpy's numbers; the
+    assignment holds Python ints (what its JSON takes) and refuses what is not an integer as before."""
+    assignment = Assignment("j", np.int64(3), np.array([5, 7], dtype=np.int32), "mine")
+    assert assignment.sizes == (5, 7) and all(type(size) is int for size in assignment.sizes)
+    assert type(assignment.iteration) is int and assignment.iteration == 3
+    assert Assignment.from_json(assignment.to_json(), job="j", iteration=3) == assignment
+    for bad in ([5.0, 7], [True, 7], np.array([5.5, 7.0])):
+        with pytest.raises(ProtocolError, match=r"sizes\[0\]: must be an integer"):
+            Assignment("j", 3, bad, "mine")
+
+
+def test_a_misspelt_feature_is_refused_with_the_name_meant_and_the_known_ones() -> None:
+    meant = r"features\.downlod_s: unknown feature; did you mean 'download_s'\?"
+    with pytest.raises(ProtocolError, match=meant) as caught:
+        Report("fl", 0, 0, 10, 1.0, features={"downlod_s": 3.0})
+    assert all(name in str(caught.value) for name in FEATURE_RANGES)
+
+
+def test_a_feature_like_none_known_is_refused_with_the_known_ones_only() -> None:
+    with pytest.raises(ProtocolError, match=r"features\.temperature: unknown feature \(known: cpu_util, ") as caught:
+        Report("w", 0, 0, 10, 1.0, features={"temperature": 60.0})
+    assert "did you mean" not in str(caught.value)

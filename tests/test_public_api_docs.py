@@ -1,13 +1,16 @@
 """The public surface as a user meets it in ``help()``, ``dir()`` and an IDE's hover: every module says what it is,
-every public class, function and method has a docstring and complete type hints, every ``__all__`` name exists, and
-the names the docs' API tables present as importable are exported."""
+every public class, function and method has a docstring and complete type hints, every ``__all__`` name exists and
+resolves (the lazily imported ones too), the names the docs' API tables present as importable are exported, and
+docs/models.md gives each policy hook with the arguments the policy calls it with."""
 from __future__ import annotations
 
 import importlib
 import inspect
 import pkgutil
 import re
+import subprocess
 import sys
+import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -16,6 +19,7 @@ import pytest
 
 import lbbsp
 import lbbsp.integrations
+from lbbsp import LBBSPPolicy
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -208,3 +212,50 @@ def test_every_exported_name_is_named_in_the_docs(module_name: str) -> None:
     text = "\n".join(page.read_text() for page in [*DOCS.glob("*.md"), DOCS.parent / "README.md"])
     names = importlib.import_module(module_name).__all__
     assert [name for name in names if not re.search(rf"\b{re.escape(name)}\b", text)] == []
+
+
+def test_every_name_the_package_exports_resolves() -> None:
+    """The exports that import scikit-learn are resolved on first use (PEP 562): each still imports, as an attribute
+    and with `from lbbsp import ...`, and is the object its module defines."""
+    code = textwrap.dedent("""
+        import sys
+        import lbbsp
+        assert "sklearn" not in sys.modules, "import lbbsp imported scikit-learn"
+        for name in lbbsp.__all__:
+            value = getattr(lbbsp, name)
+            assert getattr(sys.modules[value.__module__], name) is value, name  # its module's own object
+            assert name in dir(lbbsp), name
+        namespace = {}
+        exec("from lbbsp import *", namespace)
+        assert set(lbbsp.__all__) <= set(namespace), set(lbbsp.__all__) - set(namespace)
+        from lbbsp import Coordinator, EWMAThroughput, LBBSPPolicy
+        from lbbsp.coordinator import Coordinator as C
+        assert Coordinator is C and EWMAThroughput.__name__ == "EWMAThroughput" and LBBSPPolicy.name == "lbbsp"
+        try:
+            lbbsp.NoSuchName
+        except AttributeError as exc:
+            assert "NoSuchName" in str(exc), exc
+        else:
+            raise AssertionError("lbbsp.NoSuchName resolved")
+        print("ok", len(lbbsp.__all__))
+        """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ok "), result.stdout
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+#: LBBSPPolicy's hooks, which a variant overrides
+HOOK_NAMES = ("bounds", "propose", "dropout")
+
+
+def test_models_md_gives_each_hook_as_the_policy_calls_it() -> None:
+    page = (ROOT / "docs" / "models.md").read_text()
+    for hook in HOOK_NAMES:
+        shown = re.findall(rf"`{hook}\(([^`)]*)\)`", page)
+        assert shown, f"docs/models.md gives no signature of the hook {hook}"
+        named = [part.strip().partition("=")[0] for part in shown[0].split(",")]
+        parameters = list(inspect.signature(getattr(LBBSPPolicy, hook)).parameters)[1:]  # without self
+        assert named == parameters, (hook, named, parameters)

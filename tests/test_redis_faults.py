@@ -1,23 +1,26 @@
-"""What a worker and the coordinator do when Redis misbehaves: answers with errors, loses its data, stalls,
-or holds entries that no lbbsp process wrote. Each against a real redis-server."""
+"""What a worker and the coordinator do when Redis misbehaves: answers with errors, refuses writes, loses its data,
+stalls, restarts, or holds entries that no lbbsp process wrote. Each against a real redis-server."""
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
+from collections.abc import Iterator, Sequence
 
 import pytest
 import redis
 
 from emulated import worker_clients
-from lbbsp import Assignment, Coordinator, EmbeddedRedis, JobConfig, Report, Store, WorkerClient
+from lbbsp import Assignment, BSPPolicy, ConfigError, Coordinator, EmbeddedRedis, JobConfig, Report, Store, WorkerClient
 from lbbsp.cli import main
 from lbbsp.client_history import ClientHistory
-from lbbsp.errors import ConfigError, StoreUnavailable
+from lbbsp.errors import StoreUnavailable
 from lbbsp.policies import Decision, Policy
 from lbbsp.store import worker_socket_timeout
+from test_worker import _until, _written_later
 
 
 class Fixed(Policy):
@@ -355,3 +358,197 @@ def test_an_outage_is_logged_once_it_has_lasted_a_few_seconds(redis_url: str, jo
             now[0] += 1.5
             coordinator._outage(redis.ConnectionError("gone"))
             assert caplog.text.count("Redis unavailable for 4s (gone); retrying") == 1
+
+
+def test_a_coordinator_that_finds_redis_refusing_writes_after_an_outage_keeps_serving(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """After an outage (here a stall past the socket timeout), the coordinator rewrites its latest splits; a Redis
+    that answered that with an error (out of memory, a read-only replica in a failover) ended the coordinator's
+    thread, and every later step waited assignment_timeout_s for a fallback."""
+    job = "refusing"
+    config = JobConfig(job, 2, 10)
+    with EmbeddedRedis() as server, Store.from_url(server.url, job, socket_timeout_s=0.1) as store, \
+            Store.from_url(server.url, job) as workers:
+        coordinator = Coordinator(store, config, BSPPolicy()).start()
+        for k in range(2):
+            for worker, size in enumerate(config.initial_sizes()):
+                workers.post_report(Report(job, worker, k, size, 0.01), config.num_workers)
+            deadline = time.monotonic() + 10
+            while coordinator.decisions_made <= k:
+                assert time.monotonic() < deadline, "no decision"
+                time.sleep(0.01)
+            if k == 0:
+                workers.client.config_set("maxmemory", 1)  # every write refused: OOM
+                with caplog.at_level(logging.ERROR, logger="lbbsp.coordinator"):
+                    for _ in range(10):  # each stall ends in the rewrite about every other time
+                        workers.client.execute_command("DEBUG", "SLEEP", "0.6")
+                        time.sleep(0.2)
+                        assert coordinator._thread is not None and coordinator._thread.is_alive()
+                workers.client.config_set("maxmemory", 0)
+        coordinator.stop()
+        assert workers.get_assignment(3) is not None  # decided from iteration 1, after the refusals
+
+
+def test_a_report_whose_first_answer_was_lost_is_not_called_a_duplicate(
+        redis_url: str, job: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stall past the socket timeout can store a report's first try and lose Redis's answer; the retry then finds
+    the report stored (3 of 372 reports under a 1.5 s stall). That had been warned as an iteration reported
+    already, blaming a reused job name or an iteration counter that restarts each epoch. The lost answer is
+    made here: the first post is stored, then raises as a timed-out call does."""
+    config = JobConfig(job, 2, 8, assignment_timeout_s=5.0)
+    with Store.from_url(redis_url, job) as store, WorkerClient(store, config, 0) as worker, \
+            caplog.at_level(logging.WARNING, logger="lbbsp.worker"):
+        post = store.post_report
+        answers: list[bool] = []
+
+        def answer_lost_once(report, num_workers):  # type: ignore[no-untyped-def]
+            answers.append(post(report, num_workers))
+            if len(answers) == 1:
+                raise redis.TimeoutError("Timeout reading from socket")
+            return answers[-1]
+
+        monkeypatch.setattr(store, "post_report", answer_lost_once)
+        worker.report(0, 4, 0.01)
+        worker._outbox.join()
+        assert answers == [True, False] and store.report_count(0) == 1
+        assert "reported already" not in caplog.text
+        worker.report(0, 4, 0.01)  # a real second report of iteration 0 is still warned about
+        worker._outbox.join()
+    assert [r.getMessage().count("reported already") for r in caplog.records] == [1], caplog.text
+
+
+def test_reports_that_redis_does_not_take_are_dropped_with_one_warning_a_minute(
+        job: str, caplog: pytest.LogCaptureFixture) -> None:
+    config = JobConfig(job, 2, 8, assignment_timeout_s=0.2)
+    with EmbeddedRedis() as server:
+        store = Store.from_url(server.url, job, socket_timeout_s=worker_socket_timeout(0.2))
+        with store, WorkerClient(store, config, 0) as worker, caplog.at_level(logging.WARNING, logger="lbbsp.worker"):
+            server.stop()
+            for k in range(3):
+                worker.report(k, 4, 0.01)
+            worker._outbox.join()
+    dropped = [r.getMessage() for r in caplog.records if "dropped the report" in r.getMessage()]
+    assert len(dropped) == 1 and "1 report(s) of this worker dropped so far" in dropped[0], dropped
+
+
+def test_a_worker_waiting_through_a_redis_restart_gets_the_split_written_after_it(job: str) -> None:
+    """Redis killed and started again while a worker waits: the split written once it is back is the one used (no
+    fallback), soon after its write."""
+    config = JobConfig(job, 2, 64, assignment_timeout_s=8.0)
+    with EmbeddedRedis() as server, Store.from_url(server.url, job) as store, \
+            worker_clients(server.url, config) as (worker, _):
+        store.publish(Assignment(job, 2, (32, 32), "test"))
+        assert worker.assignment(2).sizes == (32, 32)  # in time: not subscribed
+        thread, written = _written_later(store, Assignment(job, 3, (40, 24), "test"), 0.6)
+        restart = threading.Timer(0.2, server.restart)
+        restart.start()
+        got = worker.assignment(3)
+        returned = time.monotonic()
+        restart.join()
+        thread.join()
+        assert (got.sizes, got.fallback) == ((40, 24), False)
+        assert returned - written[0] < 0.5
+
+
+@pytest.fixture
+def own_server() -> Iterator[EmbeddedRedis]:
+    """A redis-server of this test's own, in a folder the test can read (its append-only file) and a path short
+    enough for a unix socket."""
+    with tempfile.TemporaryDirectory(prefix="lbbsp-wm-") as folder, EmbeddedRedis(folder) as server:
+        yield server
+
+
+def _restart_keeping(server: EmbeddedRedis, kept: bytes) -> None:
+    """Kill ``server`` and start it again from the append-only file ``kept``, an earlier copy of its own: a restart
+    that lost the latest writes and kept the older ones (an RDB snapshot, AOF ``everysec``, a replica promoted while
+    behind)."""
+    server.stop(kill=True)
+    (server.directory / "appendonly.aof").write_bytes(kept)
+    server.start()
+
+
+@pytest.mark.timeout(60)
+def test_a_resumed_runs_split_lost_in_a_restart_that_kept_older_data_is_written_back(
+        job: str, own_server: EmbeddedRedis) -> None:
+    """A job resumed under its name from a checkpoint at iteration 400, its earlier run having cleaned up through
+    500; Redis restarts and keeps its older data (the watermark among it) but not the resumed run's latest writes.
+    Worker 0 read the decision of iteration 401 before the restart; the coordinator's republish (what it runs after an
+    outage) was refused, since neither 401 nor the iteration it was decided from is stored and 401 is below the
+    watermark; worker 1 then fell back, and the two used different vectors for iteration 401."""
+    config = JobConfig(job, 2, 10, assignment_timeout_s=0.2, lag=1)
+    url = own_server.url
+    with Store.from_url(url, job) as store:
+        store.register(config)
+        store.forget_iterations(0, 500)  # the earlier run's clean-ups: it decided from iteration 600
+        kept = (own_server.directory / "appendonly.aof").read_bytes()
+        coordinator = Coordinator(store, config, Fixed())
+        workers = [WorkerClient(Store.from_url(url, job), config, w) for w in range(2)]
+        try:
+            for worker in workers:  # the resumed run's first iteration: no decision covers it, the workers fall back
+                worker.report(400, worker.assignment(400).sizes[worker.worker], 0.01)
+                worker.flush()
+            outcome = coordinator.step(1.0)
+            assert outcome is not None and outcome.written  # 400's split is stored: the guard lets it through
+            read_before = workers[0].assignment(401)
+            assert read_before.sizes == (7, 3)
+            _restart_keeping(own_server, kept)
+            assert store.client.ping() and store.forgotten_through() == 500
+            coordinator._republish()  # what the coordinator runs after a step that failed on the outage
+            read_after = workers[1].assignment(401)
+        finally:
+            for worker in workers:
+                worker.close()
+                worker.store.close()
+    assert (read_after.sizes, read_after.fallback) == (read_before.sizes, False), \
+        "two workers used different vectors for iteration 401"
+
+
+class Alternating(Policy):
+    """(7, 3) for even iterations, (6, 4) for odd ones: a fallback (the vector of k-1) differs from the decision."""
+
+    name = "alternating"
+
+    def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
+        return Decision((7, 3) if iteration % 2 == 0 else (6, 4), "alternating")
+
+
+def test_a_worker_that_lost_redis_waits_afresh_once_it_answers_for_the_decision_put_back(
+        redis_url: str, job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis restarted without its data while one worker had read iteration k's decision and the other could not
+    reach Redis: the second, its wait run out meanwhile, wrote its fallback the moment Redis answered, before the
+    coordinator (its heartbeat, about a second) put the lost decision back, and the two workers trained on different
+    vectors (tf_keras, no agree). Now a worker waits afresh once Redis answers after failing, and reads the decision."""
+    config = JobConfig(job, 2, 10, assignment_timeout_s=2.0, lag=1)
+    workers = [WorkerClient(Store.from_url(redis_url, job), config, w) for w in range(2)]
+    coordinator = Coordinator(Store.from_url(redis_url, job), config, Alternating(), max_ahead=1).start()
+    try:
+        store = workers[0].store
+        for k in range(4):
+            got = [worker.assignment(k) for worker in workers]
+            for worker in workers:
+                worker.report(k, got[0].sizes[worker.worker], 0.01)
+                worker.flush()
+        _until(lambda: store.get_assignment(4) is not None, "the decision from the reports of 3")
+        assert workers[0].assignment(4).sizes == (7, 3)
+        back = time.monotonic() + 2.5  # longer than the timeout: the second worker's wait runs out while it fails
+        real_get = workers[1].store.get_assignment
+
+        def unreachable_until_back(iteration: int) -> bytes | None:
+            if time.monotonic() < back:
+                raise redis.ConnectionError("Redis restarting (test)")
+            return real_get(iteration)
+
+        monkeypatch.setattr(workers[1].store, "get_assignment", unreachable_until_back)
+        flusher = threading.Timer(2.2, store.client.flushall)  # the restart loses every key, the decision's too
+        flusher.start()
+        try:
+            second = workers[1].assignment(4)
+        finally:
+            flusher.join()
+    finally:
+        coordinator.stop()
+        coordinator.store.close()
+        for worker in workers:
+            worker.close()
+            worker.store.close()
+    assert (second.sizes, second.fallback) == ((7, 3), False), second

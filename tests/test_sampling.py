@@ -1,4 +1,6 @@
-"""The global-batch sampler covers every sample exactly once per epoch, whatever the splits were."""
+"""The global-batch sampler covers every sample exactly once per epoch, whatever the splits were; a short final batch
+is split in proportion (scale_split: exact for huge sizes, ties to the lower index), and sizes, steps or workers
+that are not what they must be are ConfigErrors."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lbbsp import ConfigError, GlobalBatchSampler, scale_split
+from lbbsp import Assignment, ConfigError, GlobalBatchSampler, ProtocolError, Report, scale_split
 
 
 @settings(max_examples=200, deadline=None)
@@ -104,3 +106,55 @@ def test_a_short_final_batch_leaves_no_worker_with_samples_empty_where_it_holds_
         parts = [sampler.worker_indices(2, sizes, w) for w in range(2)]
         assert sorted(np.concatenate(parts).tolist()) == sorted(sampler.global_indices(2).tolist())
         assert all(part.size for part, size in zip(parts, sizes) if size)
+
+
+def test_sizes_must_be_a_sequence_and_an_assignment_is_named() -> None:
+    sampler = GlobalBatchSampler(100, 8)
+    with pytest.raises(ConfigError, match=r"got Assignment: pass the assignment's \.sizes"):
+        sampler.worker_indices(0, Assignment("j", 0, (4, 4), "p"), 0)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="got NoneType"):
+        sampler.split_for(0, None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="got NoneType"):
+        scale_split(None, 2)  # type: ignore[arg-type]
+    for payload in (None, 5):
+        with pytest.raises(ProtocolError, match="payload: report must be JSON as bytes or str"):
+            Report.from_json(payload)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("step", "worker"), [(1.0, 0), ("1", 0), (0, 1.0), (0, "1"), (0, True)])
+def test_a_step_or_worker_that_is_not_an_integer_is_a_config_error(step: object, worker: object) -> None:
+    sampler = GlobalBatchSampler(23, 10)
+    with pytest.raises(ConfigError, match="must be an integer"):
+        sampler.worker_indices(step, (5, 5), worker)  # type: ignore[arg-type]
+
+
+def test_sizes_given_as_a_generator_are_split_like_a_tuple() -> None:
+    sampler = GlobalBatchSampler(23, 10)
+    assert sampler.split_for(2, (s for s in (5, 5))) == sampler.split_for(2, (5, 5))
+    np.testing.assert_array_equal(sampler.worker_indices(0, (s for s in (5, 5)), 1),
+                                  sampler.worker_indices(0, (5, 5), 1))
+
+
+def test_numpy_sizes_that_wrap_past_the_sum_check_are_refused() -> None:
+    """int64 sizes summed in numpy wrapped round to B: worker 0 took the whole batch, worker 2 none of its 10."""
+    sampler = GlobalBatchSampler(8, 8, shuffle=False)
+    sizes = (np.int64(2**63 - 1), np.int64(2**63 - 1), np.int64(10))
+    with pytest.raises(ConfigError, match="not the global batch 8"):
+        sampler.worker_indices(0, sizes, 0)
+
+
+def test_scale_split_is_exact_for_huge_sizes() -> None:
+    """int64 products overflowed: (2**40, 2**40) scaled to 2**30 gave (1, 1); beyond int64, a raw OverflowError."""
+    assert scale_split((2**40, 2**40), 2**30) == (2**29, 2**29)
+    assert scale_split((2**70,), 5) == (5,)
+    assert scale_split((3, 5), 2**70) == (3 * 2**67, 5 * 2**67)
+
+
+def test_scale_split_breaks_ties_to_the_lower_index() -> None:
+    """Workers 0 and 2 have equal remainders (2356/4123); float rounding gave the spare sample to worker 2."""
+    sizes = (1957, 1539, 627)
+    assert scale_split(sizes, 1240) == (589, 463, 188)
+    sampler = GlobalBatchSampler(sum(sizes) + 1240, sum(sizes), shuffle=False)  # a short final batch of 1240
+    assert sampler.split_for(1, sizes) == (589, 463, 188)
+    parts = [sampler.worker_indices(1, sizes, w) for w in range(3)]
+    assert np.concatenate(parts).tolist() == list(range(sum(sizes), sum(sizes) + 1240))

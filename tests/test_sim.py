@@ -1,28 +1,38 @@
-"""The simulator: deterministic under a seed, LB-BSP beats BSP, JSON + PNG written, Redis path identical."""
+"""The simulator: deterministic under a seed, LB-BSP beats BSP, a round's charge with dropouts and backup workers,
+JSON + PNG written, Redis path identical; compare() and the scenarios refuse what they cannot run (a policy that ran,
+one given twice or not a policy, options out of range) with an error naming what is wrong."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import logging
+import math
 import re
 import signal
 import subprocess
 import sys
 import time
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import redis
 
-from lbbsp import Store
+from lbbsp import ConfigError, JobConfig, LBBSPPolicy, LinearTime, Store
 from lbbsp.cli import main
-from lbbsp.errors import ConfigError, StoreUnavailable
-from lbbsp.policies import BackupWorkersPolicy, BSPPolicy, Decision
-from lbbsp.sim import cli, engine
-from lbbsp.sim.engine import compare, standard_policies
-from lbbsp.sim.scenarios import CPUContention, FLClients, GPUMix, MixedCluster
+from lbbsp.errors import StoreUnavailable
+from lbbsp.models import AutoCapacityModel, EWMAThroughput, FLClientModel
+from lbbsp.models.base import WorkerIds
+from lbbsp.policies import BackupWorkersPolicy, BSPPolicy, Decision, LeaderStragglerPolicy, Policy
+from lbbsp.sim import FLClients, GPUMix, cli, compare, engine, standard_policies
+from lbbsp.sim.engine import run_policy
+from lbbsp.sim.scenarios import CPUContention, MixedCluster, Scenario, Truth
 from lbbsp.sim.traces import DEFAULT_TRACE_DIR, TRACE_FEATURES, CPUTrace
+from test_extension_points import Mean
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
@@ -84,7 +94,6 @@ def test_cpu_contention_without_noise_or_switches_is_balanced_to_the_oracle() ->
     runs = compare(scenario, 60, {k: v for k, v in standard_policies(scenario).items() if k in ("oracle", "lbbsp")})
     mean = {k: float(np.mean(r.iteration_s[5:])) for k, r in runs.items()}
     assert mean["lbbsp"] <= 1.02 * mean["oracle"], mean
-
 
 
 def test_rows_measured_across_a_level_switch_are_not_replayed_as_one_level() -> None:
@@ -582,3 +591,257 @@ def test_the_level_references_note_gives_the_lag_in_words_that_agree(lag: int, s
     row = {"mean_iteration_s": 1.0, "vs_oracle": 1.0, "idle_fraction": 0.0, "decision_ms_mean": 0.1,
            "decision_ms_p99": 0.1, "over_memory_iterations": 0, "failed_decisions": 0}
     assert said in cli.table(scenario, {"oracle": row, "oracle-level": row})
+
+
+class Broken(Mean):
+    """Within the contract, but ``predict`` fails at run time."""
+
+    def predict(self, workers: WorkerIds) -> np.ndarray:
+        raise RuntimeError("predict is broken")
+
+
+def test_a_run_whose_decisions_fail_says_so_in_its_progress_line_and_log(caplog: pytest.LogCaptureFixture) -> None:
+    """Its result line had read like any other (it was BSP's), and the log named the policy's class, not the run."""
+    lines: list[str] = []
+    with caplog.at_level(logging.ERROR, logger="lbbsp.coordinator"):
+        run = compare(GPUMix(4, 10, seed=0), 10, {"mine": LBBSPPolicy(Broken())}, progress=lines.append)["mine"]
+    assert run.failed_decisions == 10
+    assert "10 of 10 decisions failed" in lines[-1], lines
+    failed = [record.getMessage() for record in caplog.records if "failed to decide" in record.getMessage()]
+    assert failed and all(message.startswith("job sim-gpu: policy mine ") for message in failed), failed
+
+
+def test_a_run_whose_decisions_all_succeed_says_nothing_of_failures() -> None:
+    lines: list[str] = []
+    compare(GPUMix(4, 5, seed=0), 5, {"mine": LBBSPPolicy(Mean())}, progress=lines.append)
+    assert "failed" not in lines[-1], lines
+
+
+def test_a_worker_count_past_a_jobs_global_batch_is_named_with_the_most_that_fit() -> None:
+    with pytest.raises(ConfigError, match="at most 89,285 workers at that batch"):
+        GPUMix(100_000, 1, 0)
+    assert MixedCluster(100_000, 1, 0).config.global_batch == 112 * 50_000 + 16 * 50_000  # fits: not refused
+
+
+def test_the_scenarios_truths_hold_what_they_are_built_from() -> None:
+    gpu = GPUMix(4, 5, 0, jitter=0.3)
+    np.testing.assert_allclose(gpu.truth(2).time_model.time(gpu.knee), gpu.jitter[2] * (gpu.overhead + gpu.knee / gpu.speed))
+    assert np.unique(CPUContention(4, 50, 0, mean_dwell=math.inf).speed[:, 0]).size > 20  # replays, not repeats
+    clients = FLClients(4, 3, 0)
+    np.testing.assert_allclose([f["upload_s"] for f in clients.features(0, np.ones(4))], clients.upload_s)
+    mixed = MixedCluster(4, 3, 0)
+    caps = mixed.truth(0).max_batch
+    assert caps is not None and caps[mixed.gpus_at].tolist() == mixed.gpus.cap.tolist()
+
+
+@dataclass
+class _Fixed(Scenario):
+    """Three workers at 100, 100 and 10 samples/s, each able to hold at most 100 samples."""
+
+    def truth(self, iteration: int) -> Truth:
+        return Truth(LinearTime(np.array([100.0, 100.0, 10.0])), max_batch=np.array([100, 100, 100]))
+
+    def features(self, iteration: int, sizes: np.ndarray) -> list[dict[str, float]]:
+        return [{} for _ in sizes]
+
+
+class _Given(Policy):
+    def __init__(self, sizes: tuple[int, ...]) -> None:
+        self.sizes = sizes
+
+    def decide(self, iteration: int, current, config: JobConfig) -> Decision:  # type: ignore[no-untyped-def]
+        return Decision(self.sizes, "given")
+
+
+def test_idle_shares_stay_in_zero_to_one_with_backup_workers() -> None:
+    """The straggler backup workers do without finishes after the iteration's end: it idles for none of it (its
+    idle share had been negative)."""
+    run = run_policy(_Fixed("fixed", JobConfig("fixed", 3, 150), ["cpu"] * 3), "backup", BackupWorkersPolicy(), 6)
+    assert all(0.0 <= share <= 1.0 for share in run.idle_fraction)
+
+
+def test_a_worker_given_exactly_its_memory_cap_is_not_over_it() -> None:
+    scenario = _Fixed("fixed", JobConfig("fixed", 3, 200), ["cpu"] * 3)
+    assert run_policy(scenario, "at", _Given((100, 99, 1)), 6).over_memory == 0
+    assert run_policy(scenario, "past", _Given((101, 98, 1)), 6).over_memory == 4  # after the lag's 2 iterations
+
+
+def test_a_batch_past_the_jobs_most_with_two_workers_names_what_fits() -> None:
+    """With 2 workers the message had offered "at most 1 workers at that batch", which no scenario runs."""
+    with pytest.raises(ConfigError, match=r"2 workers take at most 5,000,000 samples each$"):
+        FLClients(2, 1, 0, batch_per_client=10_000_000)
+
+
+def test_a_client_that_always_drops_out_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"dropout must be .* \[0, 1\), got 1"):
+        FLClients(4, 10, 0, dropout=1.0)
+
+
+@pytest.mark.parametrize(("build", "least"), [(GPUMix, 2), (CPUContention, 2), (FLClients, 2), (MixedCluster, 4)])
+@pytest.mark.parametrize("workers", [0, 1, -3])
+def test_too_few_workers_name_the_scenarios_own_minimum(build: type, least: int, workers: int) -> None:
+    """0 workers had said 'must be an integer in [1, inf]', and then 1 was refused with 'must be at least 2'."""
+    with pytest.raises(ConfigError, match=re.escape(f"num_workers must be at least {least} ")) as raised:
+        build(workers, 10, seed=0)
+    assert "[1, inf]" not in str(raised.value)
+    with pytest.raises(ConfigError, match="num_workers must be an integer, got 2.5"):
+        build(2.5, 10, seed=0)
+
+
+def _local_steps_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "local_steps=" in r.getMessage()]
+
+
+def test_a_model_planning_other_local_steps_than_the_clients_run_is_warned_of_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """LBBSPPolicy() ran 1.275x the oracle on FLClients (5 local steps; its default client model plans 1), unsaid."""
+    scenario = FLClients(8, 3, 0)
+    policies = {"default": LBBSPPolicy(), "right": LBBSPPolicy(scenario.capacity_model()),
+                "client-model": LBBSPPolicy(FLClientModel(local_steps=2)),
+                "auto": LBBSPPolicy(AutoCapacityModel(models={"fl": FLClientModel(local_steps=3)})),
+                "auto-right": LBBSPPolicy(AutoCapacityModel(models={"fl": FLClientModel(local_steps=5)}))}
+    with caplog.at_level(logging.WARNING):
+        compare(scenario, 3, policies)
+    said = _local_steps_warnings(caplog)
+    assert len(said) == 3, said
+    for message, (name, planned) in zip(said, [("default", 1), ("client-model", 2), ("auto", 3)]):
+        assert f"policy {name!r} plans federated clients with local_steps={planned}" in message
+        assert "runs 5 local steps" in message
+        assert "LBBSPPolicy(scenario.capacity_model())" in message and "FLClientModel(local_steps=5)" in message
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        compare(scenario, 3, standard_policies(scenario))
+    assert not _local_steps_warnings(caplog)
+
+
+def test_clients_too_fast_to_measure_are_a_config_error_naming_the_options(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A compute time of 7.9e-10 s had failed as a worker's report: 'compute_s: must be 0 (nothing measured) or at
+    least 1e-09 s', a ProtocolError."""
+    scenario = FLClients(16, 3, 123, compute_spread=5, batch_per_client=1, local_steps=1)
+    with pytest.raises(ConfigError, match=r"policy 'bsp' gives worker 15 7.92e-10 s of compute in iteration 0, under "
+                                          r"the 1e-09 s .* too fast to measure; .*batch_per_client.*compute_spread=5"):
+        compare(scenario, 3, {"bsp": BSPPolicy()})
+    assert main(["simulate", "--scenario", "fl-clients", "--workers", "16", "--iterations", "3", "--seed", "123",
+                 "--compute-spread", "5", "--batch-per-client", "1", "--local-steps", "1",
+                 "--out", str(tmp_path)]) == 2
+    assert "too fast to measure" in capsys.readouterr().err
+
+
+def test_a_time_past_a_day_names_the_policy_whose_split_gave_it() -> None:
+    """The equal split fits a day here, leader-straggler's split in iteration 4 does not: the error had named
+    neither."""
+    scenario = FLClients(16, 8, 0, batch_per_client=580_000, local_steps=1, compute_spread=0, link_spread=0)
+    policies = {"bsp": BSPPolicy(), "leader-straggler": LeaderStragglerPolicy(model=scenario.capacity_model())}
+    named = r"the split of policy 'leader-straggler' gives worker \d+ .* s in iteration 4, past the 86,400 s a report"
+    with pytest.raises(ConfigError, match=named):
+        compare(scenario, 8, policies)
+
+
+@pytest.mark.parametrize("spread", ["compute_spread", "link_spread"])
+def test_a_huge_spread_gives_the_clear_error_without_numpy_s_warning(spread: str) -> None:
+    """A spread of 1e6 draws 0 and inf: numpy's 'divide by zero encountered in divide' came first."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scenario = FLClients(16, 3, 0, **{spread: 1e6})  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=rf"inf s in iteration 0, past the 86,400 s .*{spread}=1000000.0"):
+            compare(scenario, 3, {"bsp": BSPPolicy()})
+
+
+def test_a_policy_that_compares_equal_to_one_that_ran_is_still_fresh() -> None:
+    """A fresh policy of the user's own whose class compares by value was refused as 'has run already' when an
+    equal one had run; a policy that cannot be hashed (a plain dataclass) was never checked at all."""
+    class Tuned(BSPPolicy):
+        def __init__(self, knob: int) -> None:
+            super().__init__()
+            self.knob = knob
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Tuned) and other.knob == self.knob
+
+        def __hash__(self) -> int:
+            return hash(self.knob)
+
+    ran = Tuned(1)  # kept alive, as a user's notebook keeps it
+    compare(GPUMix(4, 3, 0), 3, {"tuned": ran})
+    assert compare(GPUMix(4, 3, 0), 3, {"tuned": Tuned(1)})["tuned"].iteration_s
+
+    class Unhashable(BSPPolicy):
+        __hash__ = None  # type: ignore[assignment]
+
+    twice = Unhashable()
+    compare(GPUMix(4, 3, 0), 3, {"once": twice})
+    with pytest.raises(ConfigError, match="has run already"):
+        compare(GPUMix(4, 3, 0), 3, {"twice": twice})
+
+
+class Counting(BSPPolicy):
+    """Counts its decisions: shows whether a comparison ran it before refusing a later entry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decided = 0
+
+    def decide(self, *args: object, **kwargs: object) -> object:
+        self.decided += 1
+        return super().decide(*args, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    (EWMAThroughput(), r"'bad' is a capacity model, not a policy: wrap it, LBBSPPolicy\(EWMAThroughput\(\)\)"),
+    (BSPPolicy, r"'bad' is the class BSPPolicy: give an instance, e.g. BSPPolicy\(\)"),
+    ("bsp", "'bad' is a str, not a Policy"),
+])
+def test_a_comparison_refuses_an_entry_that_is_not_a_policy_before_any_runs(entry: object, message: str) -> None:
+    """A model, a class or a string among the policies failed with AttributeError or TypeError, and only once
+    the entries before it had run (and used themselves up): now a ConfigError that says what to give, up front."""
+    first = Counting()
+    with pytest.raises(ConfigError, match=message):
+        compare(GPUMix(4, 3, 0), 3, {"first": first, "bad": entry})  # type: ignore[dict-item]
+    assert first.decided == 0
+    assert compare(GPUMix(4, 3, 0), 3, {"first": first})["first"].iteration_s  # still fresh
+
+
+def test_a_comparison_refuses_a_policy_given_twice_or_used_before_any_runs() -> None:
+    first, used, twice = Counting(), BSPPolicy(), BSPPolicy()
+    compare(GPUMix(4, 3, 0), 3, {"used": used})
+    with pytest.raises(ConfigError, match="policy 'again' has run already"):
+        compare(GPUMix(4, 3, 0), 3, {"first": first, "again": used})
+    with pytest.raises(ConfigError, match="policies 'a' and 'b' are one object"):
+        compare(GPUMix(4, 3, 0), 3, {"first": first, "a": twice, "b": twice})
+    with pytest.raises(ConfigError, match="mapping of name to Policy, got list"):
+        compare(GPUMix(4, 3, 0), 3, [first])  # type: ignore[arg-type]
+    assert first.decided == 0
+
+
+@pytest.mark.parametrize("scenario", ["gpu-mix", GPUMix])
+def test_a_scenario_name_or_class_is_refused_with_how_to_build_one(scenario: object) -> None:
+    """compare("gpu-mix", ...) and standard_policies(GPUMix) failed with AttributeError."""
+    for call in (lambda: compare(scenario, 3), lambda: standard_policies(scenario)):  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=r"must be a Scenario instance.*GPUMix\(num_workers, iterations, seed\)"):
+            call()
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: GPUMix(4, 5, 0, fixed_gb=11), "its 12 GB hold 11 samples of gb_per_sample 0.085 beside fixed_gb 11"),
+    (lambda: MixedCluster(4, 3, 0, gpu_batch=200), "mixed cluster of 4 workers, its GPUs .gpu_batch as their "
+                                                    "batch_per_worker.: batch_per_worker 200 does not fit"),
+    (lambda: MixedCluster(4, 3, 0, cpu_batch=10**7), "its CPU workers .cpu_batch as their batch_per_worker.: "),
+    (lambda: MixedCluster(10**6, 3, 0), r"num_workers must be an integer in \[2, 100000\], got 1000000$"),
+    (lambda: GPUMix(4, 10**9, 0), "num_workers x iterations must be at most 50,000,000"),
+    (lambda: FLClients(4, 3, 0, local_steps=10**400), r"local_steps must be an integer in \[1, 1000000\]"),
+])
+def test_scenario_options_are_named_as_the_user_gave_them(build: Any, message: str) -> None:
+    """A fixed_gb of 11 blamed batch_per_worker; a mixed cluster's errors named its halves' options and halved its
+    workers; 10**9 iterations were a MemoryError and 10**400 local steps an OverflowError."""
+    with pytest.raises(ConfigError, match=message):
+        build()
+
+
+@pytest.mark.parametrize("scenario", [lambda: GPUMix(4, 3, 0, jitter=1e3), lambda: FLClients(4, 3, 0, model_mb=1e308),
+                                      lambda: MixedCluster(4, 3, 0, cpu_images_per_s=1e-300)])
+def test_options_that_make_times_no_report_can_carry_are_blamed_not_a_worker(scenario: Any) -> None:
+    """They had failed as one worker's report: 'compute_s: must be finite, got inf [worker=0]'."""
+    with np.errstate(all="ignore"), pytest.raises(ConfigError, match=r"past the 86,400 s a report may carry: check "
+                                                                    r"the magnitudes of its options \("):
+        compare(scenario(), 3, {"bsp": BSPPolicy()})

@@ -10,9 +10,13 @@ gdb showed why: the model's C++ Reducer held the group's last reference and free
 destructor then joined gloo's worker thread, which was still freeing the backward's all-reduce work. That work's
 thread-local state holds a Python object (the context that backward stashes), so the thread waited for the GIL
 for ever. In this order: 0 hangs in 200 runs.
+
+Rank 0's close gives its coordinator process 1 s before killing it where rank 0's own embedded Redis is stopped
+next, and the usual 5 s on a Redis it was given.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +51,37 @@ def test_gloo_threads_stop_once_the_ddp_model_and_the_group_are_gone(tmp_path: P
     assert done.returncode == 0, done.stderr[-3000:]
     threads = done.stdout.strip().splitlines()[-1]
     assert "gloo" not in threads, threads
+
+
+RANK0 = """
+import sys
+import torch.distributed as dist
+from lbbsp.coordinator import CoordinatorProcess
+from lbbsp.integrations.torch import Balancer
+
+graces = []
+stop = CoordinatorProcess.stop
+def recorded(self, timeout_s=5.0):
+    graces.append(timeout_s)
+    stop(self, timeout_s)
+CoordinatorProcess.stop = recorded
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+lb = Balancer.from_env(global_batch=8, redis=sys.argv[2] or None)
+lb.close()
+dist.destroy_process_group()
+print("graces", graces)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("own_server", [True, False])
+def test_torch_rank0_gives_its_coordinator_a_short_grace_only_before_its_own_server(
+        own_server: bool, redis_url: str, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if k != "LBBSP_REDIS_URL"}
+    done = subprocess.run([sys.executable, "-c", RANK0, str(tmp_path / "init"), "" if own_server else redis_url],
+                          capture_output=True, text=True, timeout=200, check=False, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    graces = done.stdout.strip().splitlines()[-1]
+    assert graces == ("graces [1.0]" if own_server else "graces [5.0]"), (graces, done.stderr[-2000:])

@@ -1,9 +1,13 @@
 """An exception on one rank ends every rank with an error, also when the Balancer is closed on the way out
-(``with``, ``finally``): closing then skips the barrier that the other rank, inside DDP's all-reduce, never joins."""
+(``with``, ``finally``): closing then skips the barrier that the other rank, inside DDP's all-reduce, never joins.
+A policy that rank 0's coordinator process refuses is refused on every rank, with the same ConfigError."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from contextlib import suppress
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -14,6 +18,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from lbbsp import EmbeddedRedis  # noqa: E402
 from lbbsp.integrations.torch import Balancer  # noqa: E402
+from test_keras_usage import REFUSALS, refused_policy  # noqa: E402
 from test_torch_usage import GLOBAL_BATCH, data, linear, trainer  # noqa: E402
 
 FAILING_RANK, FAILING_STEP = 1, 2
@@ -69,3 +74,42 @@ def test_an_exception_on_one_rank_ends_every_rank(tmp_path: Path, redis_server: 
     errors = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
     assert errors[FAILING_RANK].startswith("ValueError: a bug in the training loop")
     assert errors[1 - FAILING_RANK], "the other rank ended without an error"
+
+
+# -- a policy refused on every rank -----------------------------------------------------------------------------
+def _join_with(rank: int, init: str, url: str, job: str, out: str, what: str) -> None:
+    """Join a 2-rank gloo group and build a Balancer with a policy rank 0 refuses; write what from_env raised."""
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from lbbsp.integrations.torch import Balancer  # noqa: PLC0415
+    from test_torch_exact import destroy_group  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20))
+    try:
+        Balancer.from_env(10, redis=url, job=job, policy=refused_policy(what))
+        raised = "nothing"  # left as it is: a step or close() here would wait on rank 0, which has gone
+    except Exception as exc:  # noqa: BLE001  (recorded: the test names what it should have been)
+        raised = f"{type(exc).__name__}: {exc}"
+    Path(out, f"rank{rank}.json").write_text(json.dumps(raised))
+    if raised != "nothing":
+        destroy_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", list(REFUSALS))
+def test_a_policy_rank_0_refuses_is_refused_on_every_rank(what: str, tmp_path: Path, redis_url: str) -> None:
+    """Rank 0 alone raised the ConfigError; rank 1's from_env returned, and its first step failed with gloo's
+    "Connection closed by peer" once rank 0's process ended (or waited out the group's timeout while it lived)."""
+    from torch.multiprocessing import ProcessRaisedException  # noqa: PLC0415
+
+    from test_torch_exact import spawn  # noqa: PLC0415
+
+    job = f"test-{uuid.uuid4().hex[:10]}"
+    with suppress(ProcessRaisedException):
+        spawn(_join_with, (str(tmp_path / "rdv"), redis_url, job, str(tmp_path), what), nprocs=2, timeout_s=90)
+    raised = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert raised[0] == raised[1] and raised[0].startswith(f"ConfigError: {REFUSALS[what]}"), raised

@@ -21,7 +21,7 @@ from lbbsp import EmbeddedRedis  # noqa: E402
 from lbbsp.integrations.torch import Balancer  # noqa: E402
 from lbbsp.integrations.torch_data import BalancedLoader  # noqa: E402
 from test_torch_exact import destroy_group, spawn  # noqa: E402
-from test_torch_review import GROUP_TIMEOUT  # noqa: E402
+from test_torch_usage import COLLECTIVE_TIMEOUT as GROUP_TIMEOUT  # noqa: E402
 from test_torch_usage import GLOBAL_BATCH, SAMPLES, data, linear, trainer  # noqa: E402
 
 STOP_AT = 3  # the global batch at which the later loop is left, before its backward

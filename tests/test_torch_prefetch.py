@@ -1,9 +1,11 @@
 """Loading a step's slice while the step before computes: on 2 real gloo ranks with a loader worker process and a
 split that changes every step, most steps are served from the prefetch and training still equals single-process
 SGD; a prefetch cut by another vector than the one agreed, or loaded for another loop's step, is dropped; one
-cancelled never loads; a script that ends with a prefetch loading exits; a failed load is not counted served."""
+cancelled never loads; a script that ends with a prefetch loading exits; a failed load is not counted served;
+``prefetch=`` is a parameter of ``Balancer.loader`` and reaches the loader."""
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -20,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
 from lbbsp import ConfigError, EmbeddedRedis  # noqa: E402
-from lbbsp.integrations.torch import Balancer  # noqa: E402
+from lbbsp.integrations.torch import BalancedLoader, Balancer  # noqa: E402
 from lbbsp.integrations.torch_data import Prefetch  # noqa: E402
 from test_torch_exact import (  # noqa: E402
     EPOCHS,
@@ -34,6 +36,7 @@ from test_torch_exact import (  # noqa: E402
     single_process_params,
 )
 from test_torch_resume import loader_alone  # noqa: E402
+from test_torch_usage import samples, stand_in  # noqa: E402
 
 
 class SlowDigits(Dataset):
@@ -196,3 +199,14 @@ def test_a_cancelled_prefetch_never_loads() -> None:
     assert ahead.take((3, 5)) is None  # the vector was not there yet: the step loads its slice itself
     stored.append((3, 5))  # and it lands just after
     assert not loads.wait(0.1)
+
+
+def test_the_loaders_prefetch_is_a_parameter_of_balancer_loader_and_passed_on() -> None:
+    """docs/torch.md lists prefetch= in lb.loader's signature; it went through **dataloader_kwargs, unseen by
+    inspect.signature and by an editor's completion."""
+    for function in (Balancer.loader, BalancedLoader.__init__):
+        parameter = inspect.signature(function).parameters["prefetch"]
+        assert parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.default is None
+    with pytest.raises(ConfigError, match="prefetch=True needs DataLoader worker processes"):
+        Balancer.loader(stand_in(8, 1), samples(), prefetch=True)  # type: ignore[arg-type]
+    assert Balancer.loader(stand_in(8, 1), samples(), prefetch=False, num_workers=1).prefetch is False  # type: ignore[arg-type]

@@ -1,7 +1,8 @@
-"""What a new user's training loop does to a Balancer, on 2 real gloo ranks: steps left early are harmless,
-silently wrong gradients are refused, a second Balancer on one DDP model is refused, an external coordinator's
---lag and --ttl are adopted, bad settings get errors that say what to do, and likely mistakes (a DataLoader
-for a dataset, set_epoch inside the loop, a forward around DDP, a loader used after close) are caught."""
+"""What a user's training loop does to a Balancer, on 2 real gloo ranks: steps left early are harmless, silently
+wrong gradients are refused, a second Balancer on one DDP model is refused, an external coordinator's --lag and
+--ttl are adopted, bad settings (DDP's per-rank batch_size too) get errors that say what to do, and likely mistakes
+(a DataLoader for a dataset, set_epoch inside the loop, a forward around DDP, a loader used after close, a global
+batch larger than the dataset) are caught. Without DDP a parameter no rank used keeps no gradient, as in one process."""
 from __future__ import annotations
 
 import contextlib
@@ -14,24 +15,29 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 
 torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.multiprocessing import ProcessRaisedException  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from torch.utils.data import DataLoader, IterableDataset, Subset, TensorDataset  # noqa: E402
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, TensorDataset  # noqa: E402
 
 import lbbsp.integrations.torch as lbbsp_torch  # noqa: E402
 from emulated import DelayedPolicy  # noqa: E402
 from lbbsp import BSPPolicy, ConfigError, EmbeddedRedis, JobConfig, LBBSPError, Store, StoreUnavailable  # noqa: E402
-from lbbsp.integrations.torch import Balancer  # noqa: E402
-from test_torch_exact import in_gloo_group, spawn  # noqa: E402
+from lbbsp.integrations.torch import BalancedLoader, Balancer  # noqa: E402
+from test_torch_exact import destroy_group, in_gloo_group, spawn  # noqa: E402
 
 SAMPLES, GLOBAL_BATCH = 64, 8  # 8 steps per epoch
 GROUP_TIMEOUT = timedelta(seconds=1234)  # the ranks' process group's: gloo's default is 30 minutes
@@ -232,7 +238,7 @@ def settings(url: str, job: str) -> dict:
 
 
 def mistakes(url: str, job: str) -> dict:
-    """What the audit of the torch adapter found users could get silently wrong, each now caught or fixed."""
+    """What users could get silently wrong with the torch adapter, each now caught or fixed."""
     result: dict = {}
     model = linear()
     train = trainer(model)
@@ -311,7 +317,7 @@ def mistakes(url: str, job: str) -> dict:
 
 
 def batches_outside_their_steps(url: str, job: str) -> dict:
-    """From a new-user audit: two loaders zipped, itertools.cycle over a loader, a Subset per rank (all silently
+    """Two loaders zipped, itertools.cycle over a loader, a Subset per rank (all silently
     wrong before), and the loader state after a loop left before its step's backward (it had skipped that step)."""
     result: dict = {}
     model = linear()
@@ -563,3 +569,198 @@ def test_batches_drawn_outside_their_steps_are_refused_and_a_step_left_untrained
     assert "two loaders iterated together (zip)" in result["zip"]
     assert "itertools.cycle" in result["cycle"]
     assert "subset indices" in result["shard"]
+
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=30)  # how long a rank waits in a collective that the other never joins
+
+
+class OneSample(Dataset):
+    """One sample, as a ``defaultdict`` (``default_collate`` keeps the type): with a global batch of 2, the
+    epoch's only batch is short, and rank 1's slice is empty."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> defaultdict:
+        sample: defaultdict = defaultdict(list)
+        sample.update(x=torch.ones(5), y=torch.ones(1))
+        return sample
+
+
+def _draw_after_close(rank: int, url: str, job: str, out: str) -> dict:
+    """Train two steps, close, then draw from the loader: on rank 0 alone (rank 1 waits for it outside any
+    collective), then on both ranks once the process group is destroyed."""
+    result: dict = {}
+    model = linear()
+    train = trainer(model)
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job) as lb:
+        lb.attach(model)
+        loader = lb.loader(data())
+        for (x, y, _), _ in zip(loader, range(2)):
+            train(x, y)
+    drawn = Path(out, "drawn")
+    if rank == 0:
+        started = time.monotonic()
+        try:
+            next(iter(loader))
+        except Exception as exc:  # noqa: BLE001  (recorded: the test names what it should have been)
+            result["alone"] = f"{type(exc).__name__}: {exc}"
+        result["alone_s"] = time.monotonic() - started
+        drawn.write_text("")
+    else:
+        deadline = time.monotonic() + 2 * COLLECTIVE_TIMEOUT.total_seconds()
+        while not drawn.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    del model, train
+    destroy_group()
+    try:
+        next(iter(loader))
+    except Exception as exc:  # noqa: BLE001
+        result["no_group"] = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def _empty_defaultdict_slice(url: str, job: str) -> dict:
+    """One epoch of OneSample under a global batch of 2: rank 1 trains an empty slice."""
+    model = linear()
+    train = trainer(model)
+    with Balancer.from_env(2, redis=url, job=job) as lb:
+        lb.attach(model)
+        batches = []
+        for batch in lb.loader(OneSample()):
+            train(batch["x"], batch["y"])
+            batches.append({"type": type(batch).__name__, "shapes": {k: list(v.shape) for k, v in batch.items()}})
+    return {"batches": batches, "params": [p.detach().tolist() for p in model.module.parameters()]}
+
+
+def _unused_in_some_steps(url: str, job: str) -> dict:
+    """Without DDP, SGD with momentum and weight decay on a model whose second layer only the even steps use (on
+    every rank): each step's indices and the parameters after the epoch."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([torch.nn.Linear(5, 1), torch.nn.Linear(5, 1)])
+    opt = torch.optim.SGD(layers.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    steps = []
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job) as lb:
+        for step, (x, y, index) in enumerate(lb.loader(data())):
+            out = layers[0](x) + (layers[1](x) if step % 2 == 0 else 0)
+            F.mse_loss(out, y).backward()
+            lb.all_reduce_gradients(layers.parameters())
+            opt.step()
+            opt.zero_grad()
+            steps.append(index.tolist())
+    return {"steps": steps, "params": [p.detach().tolist() for p in layers.parameters()]}
+
+
+def _scenario_worker(rank: int, world: int, init: str, url: str, job: str, out: str, scenario: str) -> None:
+    """Run ``scenario`` as ``rank``; write what it returned, or what it raised, to out/rank{rank}.json."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=COLLECTIVE_TIMEOUT)
+    try:
+        if scenario == "after_close":
+            result = _draw_after_close(rank, url, job, out)
+        else:
+            result = (_empty_defaultdict_slice if scenario == "empty_defaultdict" else _unused_in_some_steps)(url, job)
+            destroy_group()
+    except Exception as exc:  # recorded, then raised: this rank ends, and so does the other's wait for it
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        raise
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def run(tmp: Path, url: str, scenario: str) -> list[dict]:
+    """Both ranks' results of ``scenario``; the test fails with what each raised, if one did."""
+    job = f"test-{uuid.uuid4().hex[:10]}"
+    with contextlib.suppress(ProcessRaisedException):  # a rank that raised: its file says what
+        spawn(_scenario_worker, (2, str(tmp / "rdv"), url, job, str(tmp), scenario), nprocs=2, timeout_s=150)
+    ranks = [json.loads(f.read_text()) if (f := tmp / f"rank{r}.json").exists() else {"error": "no result"}
+             for r in range(2)]
+    assert all("error" not in r for r in ranks), ranks
+    return ranks
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_loader_drawn_after_close_raises_at_once_on_one_rank_or_without_a_process_group(
+        tmp_path: Path, redis_url: str) -> None:
+    outcomes = run(tmp_path, redis_url, "after_close")
+    alone = outcomes[0]
+    assert alone["alone"].startswith(LBBSPError.__name__) and "Balancer is closed" in alone["alone"], alone
+    assert alone["alone_s"] < 5, alone  # it had waited out the process group's timeout in the ranks' check
+    for result in outcomes:
+        no_group = result["no_group"]
+        assert no_group.startswith(LBBSPError.__name__) and "Balancer is closed" in no_group, no_group
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_empty_slice_of_a_defaultdict_batch_keeps_its_structure(tmp_path: Path, redis_url: str) -> None:
+    ranks = run(tmp_path, redis_url, "empty_defaultdict")
+    assert [r["batches"] for r in ranks] == [[{"type": "defaultdict", "shapes": {"x": [n, 5], "y": [n, 1]}}]
+                                             for n in (1, 0)], ranks
+    assert ranks[0]["params"] == ranks[1]["params"]
+    torch.manual_seed(0)
+    alone = torch.nn.Linear(5, 1)  # linear()'s module, trained on the one sample alone
+    opt = torch.optim.SGD(alone.parameters(), lr=0.1)
+    F.mse_loss(alone(torch.ones(1, 5)), torch.ones(1, 1)).backward()
+    opt.step()
+    for got, want in zip(ranks[0]["params"], alone.parameters()):
+        assert torch.allclose(torch.tensor(got), want.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_without_ddp_a_parameter_no_rank_used_keeps_no_gradient_as_in_one_process(
+        tmp_path: Path, redis_url: str) -> None:
+    ranks = run(tmp_path, redis_url, "unused")
+    assert ranks[0]["params"] == ranks[1]["params"]
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([torch.nn.Linear(5, 1), torch.nn.Linear(5, 1)])
+    opt = torch.optim.SGD(layers.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    x_all, y_all, _ = data().tensors
+    for step, (mine, theirs) in enumerate(zip(ranks[0]["steps"], ranks[1]["steps"])):
+        batch = torch.tensor(sorted(mine + theirs))
+        assert len(batch) == GLOBAL_BATCH
+        x, y = x_all[batch], y_all[batch]
+        out = layers[0](x) + (layers[1](x) if step % 2 == 0 else 0)
+        F.mse_loss(out, y).backward()
+        opt.step()
+        opt.zero_grad()
+    for got, want in zip(ranks[0]["params"], layers.parameters()):  # a zero gradient had moved layer 1 by 0.11
+        assert torch.allclose(torch.tensor(got), want.detach(), rtol=1e-6, atol=1e-7), (got, want)
+
+
+def samples(n: int = 200) -> TensorDataset:
+    return TensorDataset(torch.randn(n, 10), torch.randint(0, 3, (n,)))
+
+
+def stand_in(global_batch: int, world_size: int) -> SimpleNamespace:
+    """A Balancer of ``world_size`` ranks as the loader reads one (its config and world size): what is checked
+    here happens before any step, Redis or collective."""
+    return SimpleNamespace(config=JobConfig("unit", world_size, global_batch), _loaders=set(), world_size=world_size)
+
+
+def test_ddps_batch_size_given_to_the_loader_says_how_to_pick_the_global_batch() -> None:
+    """DDP's batch_size is per rank: a porter on 2 ranks who set global_batch to their old batch_size of 16
+    trained on half the batch; the error had said only that the loader sets batch_size itself."""
+    with pytest.raises(ConfigError, match=r"global_batch = batch_size x world size \(here 16 x 2 = 32\).*"
+                                          r"Balancer.from_env.*global batch is 16"):
+        BalancedLoader(samples(), stand_in(16, 2), batch_size=16, num_workers=0)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"global_batch = batch_size x world size to Balancer.from_env"):
+        BalancedLoader(samples(), stand_in(16, 2), batch_size=None)  # type: ignore[arg-type]
+
+
+def test_a_global_batch_larger_than_the_dataset_warns_that_an_epoch_is_one_short_step(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """global_batch=1000 on 200 samples had been taken without a word: each epoch one step of 200 samples."""
+    with caplog.at_level(logging.WARNING, logger="lbbsp.torch"):
+        loader = BalancedLoader(samples(), stand_in(1000, 2))  # type: ignore[arg-type]
+    warned = [r.getMessage() for r in caplog.records if "larger than the dataset" in r.getMessage()]
+    assert len(loader) == 1 and len(warned) == 1, warned
+    assert "global batch 1000" in warned[0] and "one short step of 200 samples" in warned[0], warned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lbbsp.torch"):
+        assert len(BalancedLoader(samples(), stand_in(200, 2))) == 1  # type: ignore[arg-type]  # one full step
+        with pytest.raises(ConfigError, match="leaves no batch at all"):  # drop_last: refused, not warned about
+            BalancedLoader(samples(), stand_in(1000, 2), drop_last=True)  # type: ignore[arg-type]
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
