@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -55,13 +56,24 @@ def _refuse_a_file_as_folder(parser: argparse.ArgumentParser, out: Path, folder:
 
 @contextlib.contextmanager
 def interrupted_as_exit() -> Iterator[None]:
-    """Around a benchmark's run: Ctrl-C (or a SIGTERM raised as it) ends it with one line and exit status 130, not a
-    traceback from whatever it was running."""
+    """Around a benchmark's run: Ctrl-C, or a SIGTERM (a plain `kill`, timeout(1)) taken as one, ends it with one line
+    and exit status 130, not a traceback from whatever it was running, and the run's own cleanup stops what it
+    started. At its default a SIGTERM had ended the script alone: its ranks printed tracebacks as they lost Redis,
+    and the --out folder made for the run stayed."""
+    main_thread = threading.current_thread() is threading.main_thread()  # only the main thread may set a handler
+    previous = signal.signal(signal.SIGTERM, _as_ctrl_c) if main_thread else None
     try:
         yield
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         raise SystemExit(130) from None
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _as_ctrl_c(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 @contextlib.contextmanager

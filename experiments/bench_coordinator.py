@@ -58,7 +58,7 @@ GOAL_WORKERS, GOAL_MS = 1024, 5.0  # issue 4's goal: prediction + allocation und
 def _worker(url: str, config_json: str, worker: int, iterations: int, compute_s: float, floor: bool, measured: bool,
             barrier: Barrier, times: MutableSequence[float]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it ends these (one traceback each, else)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's _interrupted, which a fork copies
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's (interrupted_as_exit), which a fork copies
     config = JobConfig.from_json(config_json)
     client = WorkerClient(Store.from_url(url, config.job), config, worker)
     rng = np.random.default_rng(worker)
@@ -358,12 +358,6 @@ def short_steps(url: str, args: argparse.Namespace) -> None:
               f"{ratio:>10}", flush=True)
 
 
-def _interrupted(signum: int, frame: object) -> None:
-    """SIGTERM ends the benchmark as Ctrl-C does: its worker processes and its redis-server are stopped (a plain
-    `kill` had left the workers running, each ending in tracebacks)."""
-    raise KeyboardInterrupt
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=100,
@@ -410,8 +404,7 @@ def main() -> None:
                 store.ping()
         except (ConfigError, StoreUnavailable) as exc:
             parser.error(f"--redis: {exc}")
-    signal.signal(signal.SIGTERM, _interrupted)
-    with interrupted_as_exit():
+    with interrupted_as_exit():  # SIGTERM too: the workers and the redis-server are stopped, as at Ctrl-C
         run(args)
 
 
