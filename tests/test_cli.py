@@ -28,7 +28,6 @@ from lbbsp import (
     EmbeddedRedis,
     EWMAThroughput,
     JobConfig,
-    Report,
     Store,
     WorkerClient,
 )
@@ -379,14 +378,6 @@ def _pause(server: EmbeddedRedis, sig: signal.Signals = signal.SIGSTOP) -> None:
     os.kill(server.pid, sig)
 
 
-@pytest.fixture
-def stalled_redis() -> Iterator[EmbeddedRedis]:
-    """A redis-server of its own, for the test to stop (:func:`_pause`) and the fixture to continue."""
-    with EmbeddedRedis() as server:
-        try:
-            yield server
-        finally:
-            _pause(server, signal.SIGCONT)
 
 
 def _ended(process: subprocess.Popen[str], within_s: float) -> tuple[str, str, float]:
@@ -701,25 +692,6 @@ def test_a_signal_while_waiting_for_a_claim_to_lapse_stops_the_command_at_once(r
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
 
 
-@pytest.fixture
-def decided(redis_url: str, job: str) -> Iterator[str]:
-    """A job of 2 workers whose coordinator decided iterations 2 and 3 from real reports, worker 1's report of
-    iteration 1 rejected (a negative compute time); its keys are forgotten afterwards."""
-    config = JobConfig(job, 2, 30)
-    with Store.from_url(redis_url, job) as store, worker_clients(redis_url, config) as clients:
-        coordinator = Coordinator(store, config)
-        try:
-            bad = json.loads(Report(job, 1, 1, 15, 0.1).to_json()) | {"compute_s": -1.0}  # as a sender of its own
-            store.post_raw_report(1, "1", json.dumps(bad).encode(), 2)
-            for k in range(2):
-                for i, client in enumerate(clients):
-                    size = client.assignment(k).sizes[i]
-                    if (k, i) != (1, 1):  # the bad one stands for it
-                        client.report(k, size, size / (100.0 * (1 + 2 * i)))
-                assert coordinator.step(5.0) is not None
-            yield job
-        finally:
-            store.forget()
 
 
 @pytest.mark.timeout(60)
@@ -847,14 +819,6 @@ def _store_keys(store: Store) -> list[bytes]:
     return sorted(set(store.client.scan_iter(match=f"{store.prefix}*")))  # SCAN may give a key twice (a resize)
 
 
-@pytest.fixture
-def store(redis_url: str, job: str) -> Iterator[Store]:
-    """The job's store; its keys deleted afterwards (the other tests share this Redis)."""
-    with Store.from_url(redis_url, job) as opened:
-        try:
-            yield opened
-        finally:
-            opened.forget()
 
 
 def test_the_command_offers_no_forget_for_a_job_no_coordinator_has_decided_yet(

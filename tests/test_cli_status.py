@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -89,14 +88,6 @@ def test_status_shows_each_workers_latest_prediction_or_says_the_policy_makes_no
         store.forget()
 
 
-@pytest.fixture
-def stalled_redis() -> Iterator[EmbeddedRedis]:
-    """A redis-server of its own, for the test to stop (:func:`_pause`) and the fixture to continue."""
-    with EmbeddedRedis() as server:
-        try:
-            yield server
-        finally:
-            _pause(server, signal.SIGCONT)
 
 
 @pytest.mark.timeout(60)
@@ -141,25 +132,6 @@ def test_status_help_shows_the_default_of_decisions(capsys: pytest.CaptureFixtur
     assert "(default: 0)" in " ".join(capsys.readouterr().out.split())
 
 
-@pytest.fixture
-def decided(redis_url: str, job: str) -> Iterator[str]:
-    """A job of 2 workers whose coordinator decided iterations 2 and 3 from real reports, worker 1's report of
-    iteration 1 rejected (a negative compute time); its keys are forgotten afterwards."""
-    config = JobConfig(job, 2, 30)
-    with Store.from_url(redis_url, job) as store, worker_clients(redis_url, config) as clients:
-        coordinator = Coordinator(store, config)
-        try:
-            bad = json.loads(Report(job, 1, 1, 15, 0.1).to_json()) | {"compute_s": -1.0}  # as a sender of its own
-            store.post_raw_report(1, "1", json.dumps(bad).encode(), 2)
-            for k in range(2):
-                for i, client in enumerate(clients):
-                    size = client.assignment(k).sizes[i]
-                    if (k, i) != (1, 1):  # the bad one stands for it
-                        client.report(k, size, size / (100.0 * (1 + 2 * i)))
-                assert coordinator.step(5.0) is not None
-            yield job
-        finally:
-            store.forget()
 
 
 def _status(job: str, columns: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> str:
@@ -538,14 +510,6 @@ def test_status_help_describes_the_monitoring_flags(capsys: pytest.CaptureFixtur
     assert "exit 1" in out and "lbbsp forget" in out
 
 
-@pytest.fixture
-def store(redis_url: str, job: str) -> Iterator[Store]:
-    """The job's store; its keys deleted afterwards (the other tests share this Redis)."""
-    with Store.from_url(redis_url, job) as opened:
-        try:
-            yield opened
-        finally:
-            opened.forget()
 
 
 # -- 3. `lbbsp status`: the rejected reports beyond those listed, and its wording ---------------------------------

@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -52,7 +51,6 @@ from lbbsp.policies import BackupWorkersPolicy, Decision, OraclePolicy, Policy
 from lbbsp.protocol import _REPORT_FIELDS, FEATURE_RANGES
 from lbbsp.sim.engine import LevelOracle
 from lbbsp.store import UNKNOWN_CLAIM
-from test_cli import _pause, stalled_redis  # noqa: F401  (the fixture, for pytest)
 from test_redis_faults import Fixed
 
 torch = pytest.importorskip("torch")
@@ -1540,12 +1538,6 @@ def test_every_worker_slowed_at_once_is_named_as_a_pause_of_the_whole_job(
     assert coordinator._in_force(5).sizes == (11, 21)  # the split kept its ratio
 
 
-@pytest.fixture
-def own_server() -> Iterator[EmbeddedRedis]:
-    """A redis-server of this test's own, in a folder the test can read (its append-only file) and a path short
-    enough for a unix socket."""
-    with tempfile.TemporaryDirectory(prefix="lbbsp-wm-") as folder, EmbeddedRedis(folder) as server:
-        yield server
 
 
 @pytest.mark.timeout(60)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 import redis
@@ -450,12 +449,6 @@ def test_a_worker_waiting_through_a_redis_restart_gets_the_split_written_after_i
         assert returned - written[0] < 0.5
 
 
-@pytest.fixture
-def own_server() -> Iterator[EmbeddedRedis]:
-    """A redis-server of this test's own, in a folder the test can read (its append-only file) and a path short
-    enough for a unix socket."""
-    with tempfile.TemporaryDirectory(prefix="lbbsp-wm-") as folder, EmbeddedRedis(folder) as server:
-        yield server
 
 
 def _restart_keeping(server: EmbeddedRedis, kept: bytes) -> None:

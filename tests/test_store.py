@@ -3,9 +3,7 @@ that name the URL (never its password) or the variable; keys, the coordinator's 
 and listing and forgetting jobs."""
 from __future__ import annotations
 
-import os
 import re
-import signal
 import socket
 import threading
 import time
@@ -171,14 +169,6 @@ def test_an_empty_or_unset_variable_names_none(monkeypatch: pytest.MonkeyPatch) 
 
 
 
-@pytest.fixture
-def store(redis_url: str, job: str) -> Iterator[Store]:
-    """The job's store; its keys deleted afterwards (the other tests share this Redis)."""
-    with Store.from_url(redis_url, job) as opened:
-        try:
-            yield opened
-        finally:
-            opened.forget()
 
 
 # -- 1. whether the keys are a finished run's, and the hint -------------------------------------------------------
@@ -415,13 +405,6 @@ def test_other_settings_than_a_served_job_s_say_it_runs(redis_url: str, job: str
                                     "the same settings")
 
 
-@pytest.fixture
-def server() -> Iterator[EmbeddedRedis]:
-    """A redis-server of the test's own, which it may stop (SIGSTOP) and let go on (SIGCONT)."""
-    with EmbeddedRedis() as own:
-        yield own
-        if own.pid is not None:
-            os.kill(own.pid, signal.SIGCONT)
 
 
 @pytest.fixture

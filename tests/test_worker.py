@@ -31,7 +31,6 @@ from lbbsp import (
 )
 from lbbsp.policies import Decision, Policy
 from lbbsp.store import REDIS_ERRORS, worker_socket_timeout
-from test_cli import _pause, stalled_redis  # noqa: F401  (the fixture, for pytest)
 
 
 def test_a_worker_client_given_a_url_keeps_its_password_out_of_the_error(job: str) -> None:
@@ -609,13 +608,6 @@ def test_a_long_outage_writes_only_the_latest_fallbacks(job: str) -> None:
         assert [k for k in range(1, 41) if store.get_assignment(k) is not None] == list(range(7, 41))
 
 
-@pytest.fixture
-def server() -> Iterator[EmbeddedRedis]:
-    """A redis-server of the test's own, which it may stop (SIGSTOP) and let go on (SIGCONT)."""
-    with EmbeddedRedis() as own:
-        yield own
-        if own.pid is not None:
-            os.kill(own.pid, signal.SIGCONT)
 
 
 def _client(server: EmbeddedRedis, config: JobConfig, worker: int = 0, **kwargs: object) -> WorkerClient:
