@@ -70,12 +70,9 @@ def _keras_workers_started(pid: int, timeout_s: float = 60.0) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stop", ["ctrl-c", "kill"])
 @pytest.mark.parametrize("script", sorted(RUNS))
-def test_ctrl_c_or_kill_ends_the_benchmark_in_one_line_and_leaves_nothing_behind(
-        script: str, stop: str, tmp_path: Path) -> None:
-    """Ctrl-C reaches the script and everything it started; a plain `kill` (SIGTERM) the script alone, which had
-    ended it there: its ranks printed tracebacks as Redis went, and the --out folder stayed."""
+def test_ctrl_c_to_the_process_group_ends_the_benchmark_in_one_line_and_leaves_nothing_behind(
+        script: str, tmp_path: Path) -> None:
     pytest.importorskip("tf_keras" if script == "bench_keras" else "torch")
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("the benchmarks need two CPU cores, one per worker")
@@ -98,10 +95,7 @@ def test_ctrl_c_or_kill_ends_the_benchmark_in_one_line_and_leaves_nothing_behind
                 _keras_workers_started(bench.pid)
             time.sleep(settle_s)
             started = psutil.Process(bench.pid).children(recursive=True)  # its Redis server has a session of its own
-            if stop == "ctrl-c":
-                os.killpg(bench.pid, signal.SIGINT)  # as a terminal's: the script and everything it started
-            else:
-                bench.send_signal(signal.SIGTERM)
+            os.killpg(bench.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the script and everything it started
             assert bench.wait(timeout=120) == 130
             deadline = time.monotonic() + 10  # orphans a moment to be reaped
             while (left := [*filter(_running, started), *_in_session(bench.pid)]) and time.monotonic() < deadline:
@@ -375,8 +369,11 @@ def test_ctrl_c_ends_the_model_benchmark_in_one_line() -> None:
     assert bench.returncode == 130 and err.strip() == "interrupted", err[-3000:]
 
 
-def test_ctrl_c_ends_the_policy_benchmark_in_one_line_and_takes_back_the_folders_it_made(tmp_path: Path) -> None:
-    """Ctrl-C printed a traceback and left the empty --out folder the run had made."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_kill_ends_the_policy_benchmark_in_one_line_and_takes_back_the_folders_it_made(
+        tmp_path: Path, sig: signal.Signals) -> None:
+    """Ctrl-C printed a traceback and left the empty --out folder the run had made; a plain `kill` (SIGTERM) ended it
+    at once, the folder left too. Both now end every benchmark as interrupted_as_exit says."""
     out = tmp_path / "new" / "results"
     bench = subprocess.Popen([sys.executable, str(EXPERIMENTS / "bench_policies.py"), "--scenarios", "cpu-contention",
                               "--workers", "1024", "--seeds", "20", "--iterations", "150", "--out", str(out)],
@@ -384,7 +381,7 @@ def test_ctrl_c_ends_the_policy_benchmark_in_one_line_and_takes_back_the_folders
     try:
         _wait_for_line(bench, "cpu-contention, 1024 workers")  # past the check of --out, which makes it
         assert out.is_dir()
-        bench.send_signal(signal.SIGINT)
+        bench.send_signal(sig)
         _, err = bench.communicate(timeout=60)
     finally:
         bench.kill()

@@ -1,10 +1,8 @@
 """The simulator: deterministic under a seed, LB-BSP beats BSP, a round's charge with dropouts and backup workers,
-JSON + PNG written, Redis path identical; compare() and the scenarios refuse what they cannot run (a policy that ran,
-one given twice or not a policy, options out of range) with an error naming what is wrong."""
+the Redis path identical; compare() and the scenarios refuse what they cannot run (a policy that ran, one given twice
+or not a policy, options out of range) with an error naming what is wrong."""
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import logging
 import math
@@ -24,7 +22,6 @@ import redis
 
 from lbbsp import ConfigError, JobConfig, LBBSPPolicy, LinearTime, Store
 from lbbsp.cli import main
-from lbbsp.errors import StoreUnavailable
 from lbbsp.models import AutoCapacityModel, EWMAThroughput, FLClientModel
 from lbbsp.models.base import WorkerIds
 from lbbsp.policies import BackupWorkersPolicy, BSPPolicy, Decision, LeaderStragglerPolicy, Policy
@@ -109,6 +106,7 @@ def test_rows_measured_across_a_level_switch_are_not_replayed_as_one_level() -> 
     assert ratios.tolist() == [1.0], ratios  # every replayed row is at its level's median: no switching row
     assert np.isclose(scenario.speed, 500.0).any() and not np.isclose(scenario.speed, 350.0).any()  # the lone level-1 row stays
 
+
 def test_level_oracles_know_the_slow_process_but_not_the_noise() -> None:
     """oracle-level sees the coming iteration without its noise: with no noise it is the oracle, with noise it
     is slower; oracle-level-late sees the same ``lag`` iterations late, so it trails after a level switch."""
@@ -179,78 +177,6 @@ def test_leader_straggler_deciding_before_any_report_logs_no_error(caplog: pytes
     compare(scenario, 6, {"leader-straggler": standard_policies(scenario)["leader-straggler"]})
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING")], caplog.text
 
-def test_cli_writes_json_and_png(tmp_path: Path) -> None:
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    args = parser.parse_args(["--scenario", "fl-clients", "--workers", "6", "--iterations", "10", "--out", str(tmp_path)])
-    assert cli.run(args) == 0
-    result = json.loads(next(tmp_path.glob("*.json")).read_text())
-    assert result["policies"]["oracle"]["vs_oracle"] == 1.0
-    assert next(tmp_path.glob("*.png")).stat().st_size > 0
-
-
-def test_cli_json_is_strict_json_with_no_level_switches(tmp_path: Path) -> None:
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    cli.run(parser.parse_args(["--scenario", "cpu-contention", "--workers", "4", "--iterations", "5", "--mean-dwell",
-                               "inf", "--out", str(tmp_path)]))
-
-    def refuse(constant: str) -> None:
-        raise ValueError(f"not JSON: {constant}")
-
-    result = json.loads((tmp_path / "simulate_cpu-contention_4w_5it_seed0_dwellinf.json").read_text(), parse_constant=refuse)
-    assert result["notes"]["mean_dwell_iterations"] == "inf"
-
-
-def test_cli_names_only_options_that_change_the_scenario(tmp_path: Path) -> None:
-    # the shipped traces and the default dwell, given explicitly, are the default scenario: its file names
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    cli.run(parser.parse_args(["--scenario", "cpu-contention", "--workers", "4", "--iterations", "5", "--mean-dwell",
-                               "200", "--traces", str(DEFAULT_TRACE_DIR), "--out", str(tmp_path)]))
-    assert [p.name for p in tmp_path.glob("*.json")] == ["simulate_cpu-contention_4w_5it_seed0.json"]
-
-
-def test_cli_names_a_non_default_lag_in_its_files(tmp_path: Path) -> None:
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    for lag in ("1", "2"):
-        cli.run(parser.parse_args(["--scenario", "gpu-mix", "--workers", "4", "--iterations", "6", "--lag", lag,
-                                   "--out", str(tmp_path)]))
-    default = json.loads((tmp_path / "simulate_gpu-mix_4w_6it_seed0.json").read_text())
-    lag1 = json.loads((tmp_path / "simulate_gpu-mix_4w_6it_seed0_lag1.json").read_text())
-    assert (default["lag"], lag1["lag"]) == (2, 1)
-    assert lag1["policies"]["lbbsp"] != default["policies"]["lbbsp"]  # it decides from one iteration fresher reports
-
-
-def test_cli_replays_the_traces_it_is_given(tmp_path: Path) -> None:
-    mine = tmp_path / "my_traces"
-    mine.mkdir()
-    (mine / "mine.json").write_bytes((DEFAULT_TRACE_DIR / "cpu_numpy_mlp.json").read_bytes())
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    args = parser.parse_args(["--scenario", "cpu-contention", "--workers", "4", "--iterations", "8",
-                              "--traces", str(mine), "--out", str(tmp_path)])
-    assert cli.run(args) == 0
-    [written] = tmp_path.glob("simulate_cpu-contention_4w_8it_seed0_my_traces-*.json")
-    result = json.loads(written.read_text())
-    assert result["notes"]["traces"] == ["mine"]
-    # another folder of the same name, with other traces, writes files of its own (it had overwritten these)
-    other = tmp_path / "elsewhere" / "my_traces"
-    other.mkdir(parents=True)
-    (other / "mine.json").write_bytes((DEFAULT_TRACE_DIR / "cpu_torch_cnn.json").read_bytes())
-    assert cli.run(parser.parse_args(["--scenario", "cpu-contention", "--workers", "4", "--iterations", "8",
-                                      "--traces", str(other), "--out", str(tmp_path)])) == 0
-    assert len(list(tmp_path.glob("simulate_cpu-contention_4w_8it_seed0_my_traces-*.json"))) == 2
-    with pytest.raises(ConfigError, match="cpu-contention and mixed only"):
-        cli.run(parser.parse_args(["--scenario", "gpu-mix", "--traces", str(mine), "--out", str(tmp_path)]))
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(ConfigError, match="no CPU traces"):
-        cli.run(parser.parse_args(["--scenario", "cpu-contention", "--traces", str(tmp_path / "empty")]))
-    for not_a_folder in (tmp_path / "none", mine / "mine.json"):  # said 'no CPU traces in .../mine.json'
-        with pytest.raises(ConfigError, match="is not a directory"):
-            cli.run(parser.parse_args(["--scenario", "cpu-contention", "--traces", str(not_a_folder)]))
-
 
 def test_every_policy_decides_through_redis_exactly_as_in_process(redis_url: str) -> None:
     # cpu-contention has the level oracles; fl-clients has clients absent from some rounds
@@ -279,16 +205,6 @@ def test_a_policy_that_has_run_is_refused_for_another_run() -> None:
     with pytest.raises(ConfigError, match="policy 'oracle' has run already"):
         compare(scenario, 6, policies)
     assert set(compare(scenario, 6, standard_policies(scenario))) == set(policies)  # fresh ones run
-
-
-def test_the_redis_password_is_neither_printed_nor_saved(monkeypatch: pytest.MonkeyPatch,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    scenario = GPUMix(4, 2, seed=0)
-    runs = compare(scenario, 2)
-    monkeypatch.setattr(cli, "compare", lambda *args, **kwargs: runs)
-    _, check = cli._through_redis(scenario, 2, "redis://:s3cret@db.example:6379/0", runs)
-    assert check["redis"] == "redis://:***@db.example:6379/0"
-    assert "s3cret" not in capsys.readouterr().out
 
 
 def test_a_round_none_of_its_asked_clients_reaches_is_charged_as_if_they_came(redis_url: str) -> None:
@@ -324,49 +240,6 @@ def test_samples_lost_with_a_client_that_drops_out_are_charged() -> None:
                 expected = seconds[came].max() * batch / sizes[came].sum()
                 assert run.iteration_s[k] == pytest.approx(expected, rel=1e-12), (name, k)
     assert partial >= 10
-
-
-def _parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    return parser.parse_args(list(argv))
-
-
-def test_cli_refuses_bad_input_before_simulating(tmp_path: Path) -> None:
-    """One worker (backup workers need two), a negative seed, an --out that is a file, cpu-contention's options
-    on another scenario and a Redis that does not answer are refused up front, not after the runs."""
-    small = ("--workers", "4", "--iterations", "3", "--out", str(tmp_path))
-    with pytest.raises(ConfigError, match="--workers"):
-        cli.run(_parse("--scenario", "gpu-mix", "--workers", "1", "--out", str(tmp_path)))
-    with pytest.raises(ConfigError, match="--seed"):
-        cli.run(_parse("--scenario", "gpu-mix", "--seed", "-1", *small))
-    (tmp_path / "a-file").touch()
-    with pytest.raises(ConfigError, match="--out"):
-        cli.run(_parse("--scenario", "gpu-mix", "--workers", "4", "--out", str(tmp_path / "a-file")))
-    with pytest.raises(ConfigError, match="cpu-contention and mixed only"):
-        cli.run(_parse("--scenario", "gpu-mix", "--traces", str(tmp_path / "none"), *small))
-    with pytest.raises(StoreUnavailable, match="--redis: cannot reach Redis"):  # before the scenario is built
-        cli.run(_parse("--scenario", "gpu-mix", "--redis", f"unix://{tmp_path}/no.sock", *small))
-    with pytest.raises(ConfigError, match="--redis: not a usable Redis URL"):
-        cli.run(_parse("--scenario", "gpu-mix", "--redis", "notaurl", *small))
-    with pytest.raises(ConfigError, match="at most 50,000,000"):  # not a numpy MemoryError after a long wait
-        cli.run(_parse("--scenario", "gpu-mix", "--workers", "16", "--iterations", "2000000000"))
-    # named by their flags ('lag must be an integer in [1, 8] [job=sim-cpu]', after the scenario was built)
-    with pytest.raises(ConfigError, match="--lag must be in"):
-        cli.run(_parse("--scenario", "gpu-mix", "--lag", "9", *small))
-    for dwell in ("0.5", "nan"):
-        with pytest.raises(ConfigError, match="--mean-dwell must be"):
-            cli.run(_parse("--scenario", "cpu-contention", "--mean-dwell", dwell, *small))
-    assert not list(tmp_path.glob("*.json"))
-
-
-def test_results_that_cannot_be_written_are_an_out_error_not_a_redis_one(tmp_path: Path,
-                                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "simulate_gpu-mix_4w_3it_seed0.json").mkdir()  # the result file's path is taken by a folder
-    assert main(["simulate", "--scenario", "gpu-mix", "--workers", "4", "--iterations", "3", "--out",
-                 str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert f"--out {tmp_path} is not a folder results can be written to" in err and "Redis" not in err
 
 
 def test_a_scenario_is_not_run_past_the_iterations_it_was_built_for() -> None:
@@ -557,40 +430,12 @@ def test_a_scenario_option_out_of_range_is_refused_where_it_is_built(build, word
         build()
 
 
-def test_the_plots_ratio_axis_has_round_ticks_across_the_range() -> None:
-    """Its log axis had labelled only 0.9 and 1.0, with lines at 1.2-1.5 x the oracle."""
-    assert cli._ratio_ticks(0.95, 1.5) == [0.95, 1.0, 1.1, 1.2, 1.3, 1.5]
-    assert cli._ratio_ticks(0.99, 1.02) == [0.99, 1.0, 1.01, 1.02]
-    wide = cli._ratio_ticks(0.5, 40)
-    assert 1.0 in wide and len(wide) <= 10 and wide == sorted(wide) and 0.5 <= wide[0] and wide[-1] <= 40
-
-
-def test_nothing_is_built_before_the_arguments_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """'building ...' had been printed before --out, --traces and --redis were refused: the run looked started."""
-    (tmp_path / "a-file").touch()
-    for bad in (["--out", str(tmp_path / "a-file")], ["--redis", f"unix://{tmp_path}/no.sock"],
-                ["--scenario", "cpu-contention", "--traces", str(tmp_path / "none")]):
-        assert main(["simulate", "--scenario", "gpu-mix", "--workers", "4", "--iterations", "3",
-                     "--out", str(tmp_path), *bad]) == 2
-        assert "building" not in capsys.readouterr().out, bad
-
-
 def test_a_long_policy_run_says_how_far_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine, "PROGRESS_EVERY_S", 0.0)
     lines: list[str] = []
     compare(GPUMix(4, 5, 0), 5, {"bsp": BSPPolicy()}, progress=lines.append)
     assert [line.split()[1:] for line in lines[:-1]] == [["at", "iteration", str(k), "of", "5"] for k in range(5)]
     assert "s/iteration" in lines[-1]
-
-
-@pytest.mark.parametrize(("lag", "said"), [(1, "(1 iteration late, as LB-BSP)"), (2, "(2 iterations late, as LB-BSP)")])
-def test_the_level_references_note_gives_the_lag_in_words_that_agree(lag: int, said: str) -> None:
-    """`--lag 1` had printed "1 iterations late"."""
-    scenario = CPUContention(4, 10, seed=0)
-    scenario.config = dataclasses.replace(scenario.config, lag=lag)
-    row = {"mean_iteration_s": 1.0, "vs_oracle": 1.0, "idle_fraction": 0.0, "decision_ms_mean": 0.1,
-           "decision_ms_p99": 0.1, "over_memory_iterations": 0, "failed_decisions": 0}
-    assert said in cli.table(scenario, {"oracle": row, "oracle-level": row})
 
 
 class Broken(Mean):
