@@ -100,9 +100,9 @@ def empty_folders_removed_on_failure(out: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def writing_results(parser: argparse.ArgumentParser, out: Path) -> Iterator[Path]:
-    """Around a benchmark's run, the file it writes (:func:`results_file`): Ctrl-C ends the run with one line and exit
-    status 130 (:func:`interrupted_as_exit`), and a run that ends otherwise than by writing it removes the folders
-    made for it (:func:`empty_folders_removed_on_failure`)."""
+    """Around a benchmark's run, the file it writes (:func:`results_file`): Ctrl-C or a SIGTERM ends the run with one
+    line and exit status 130 (:func:`interrupted_as_exit`), and a run that ends otherwise than by writing it removes
+    the folders made for it (:func:`empty_folders_removed_on_failure`)."""
     with interrupted_as_exit(), empty_folders_removed_on_failure(out):
         yield results_file(parser, out)
 

@@ -132,8 +132,6 @@ def main() -> None:
         parser.error("--clients and --rounds must be at least 1")
     if not (0 <= args.dropout <= 1 and 0 <= args.target <= 1):  # NaN too
         parser.error("--dropout (a chance) and --target (an accuracy) must lie in [0, 1]")
-    # Ctrl-C ends it with one line and exit status 130, not a traceback from the wait for a Flower reply, and
-    # removes the --out folder made for a run that wrote nothing
     with writing_results(parser, args.out) as args.out:
         benchmark(args)
 

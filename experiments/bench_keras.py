@@ -107,8 +107,6 @@ def main() -> None:
     if len(os.sched_getaffinity(0)) < 2:  # before results_file makes --out's folder: a refused run had left it
         raise SystemExit("bench_keras needs two CPU cores, one per worker; this process may use "
                          f"{len(os.sched_getaffinity(0))}")
-    # Ctrl-C ends it with one line and exit status 130 (the workers leave it to this process, which stops them),
-    # and removes the --out folder made for a run that wrote nothing
     with writing_results(parser, args.out) as args.out:
         benchmark(args)
 

@@ -204,8 +204,6 @@ def main() -> int:
     if not WORLD <= args.global_batch <= DIGITS:
         parser.error(f"--global-batch must lie in [{WORLD}, {DIGITS}]: a sample per worker, and a whole batch of "
                      "the digits data")
-    # Ctrl-C ends it with one line and exit status 130 (the ranks leave it to this process, which stops them), and
-    # removes the --out folder made for a run that wrote nothing
     with writing_results(parser, args.out) as args.out:
         benchmark(args)
     return 0

@@ -153,8 +153,6 @@ def main() -> int:
         parser.error(f"--read-us must be at least 0 and below a million microseconds, got {args.read_us:g}")
     if not WORLD <= args.global_batch <= 1797:
         parser.error("--global-batch must lie in [2, 1797]")
-    # Ctrl-C ends it with one line and exit status 130 (the ranks leave it to this process, which stops them), and
-    # removes the --out folder made for a run that wrote nothing
     with writing_results(parser, args.out) as args.out:
         benchmark(args)
     return 0

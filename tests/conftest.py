@@ -2,7 +2,6 @@
 several modules use: the job's store, a job with decisions, and redis-servers of a test's own."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -73,8 +72,10 @@ def decided(redis_url: str, job: str) -> Iterator[str]:
             store.forget()
 
 
-@contextlib.contextmanager
-def _redis_to_pause() -> Iterator[EmbeddedRedis]:
+@pytest.fixture
+def stalled_redis() -> Iterator[EmbeddedRedis]:
+    """A redis-server of the test's own, for it to stop (SIGSTOP: it stops answering, as a partitioned one does); it
+    is continued at the end, so that it shuts down."""
     with EmbeddedRedis() as server:
         try:
             yield server
@@ -84,18 +85,9 @@ def _redis_to_pause() -> Iterator[EmbeddedRedis]:
 
 
 @pytest.fixture
-def stalled_redis() -> Iterator[EmbeddedRedis]:
-    """A redis-server of the test's own, for it to stop (SIGSTOP: it stops answering, as a partitioned one does); it
-    is continued at the end, so that it shuts down."""
-    with _redis_to_pause() as server:
-        yield server
-
-
-@pytest.fixture
-def server() -> Iterator[EmbeddedRedis]:
-    """A redis-server of the test's own, which it may stop (SIGSTOP) and let go on (SIGCONT); continued at the end."""
-    with _redis_to_pause() as server:
-        yield server
+def server(stalled_redis: EmbeddedRedis) -> EmbeddedRedis:
+    """:func:`stalled_redis`, under the name the store's and the worker's tests give it."""
+    return stalled_redis
 
 
 @pytest.fixture
