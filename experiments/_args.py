@@ -15,6 +15,8 @@ from pathlib import Path
 
 import psutil
 
+from lbbsp.signals import signals_held
+
 ROOT = Path(__file__).resolve().parents[1]
 _PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its parent ends
 
@@ -125,16 +127,19 @@ def spawn_ranks(fn: Callable[..., None], args: tuple[object, ...], nprocs: int) 
     (at Ctrl-C, the ranks' own tracebacks had come with this process's)."""
     import torch.multiprocessing as mp  # noqa: PLC0415  (the torch benchmarks' alone)
 
-    with ctrl_c_left_to_this_process():
-        ranks = mp.start_processes(_rank, args=(os.getpid(), fn, *args), nprocs=nprocs, join=False,
-                                   start_method="spawn")
+    ranks = None
     try:
+        # a SIGTERM that arrives meanwhile waits until every rank is started whole, then stops them all
+        with ctrl_c_left_to_this_process(), signals_held():
+            ranks = mp.start_processes(_rank, args=(os.getpid(), fn, *args), nprocs=nprocs, join=False,
+                                       start_method="spawn")
         while not ranks.join():
             pass
     finally:
-        stop_process_trees([rank.pid for rank in ranks.processes if rank.is_alive()])
-        for rank in ranks.processes:
-            rank.join()
+        if ranks is not None:
+            stop_process_trees([rank.pid for rank in ranks.processes if rank.is_alive()])
+            for rank in ranks.processes:
+                rank.join()
 
 
 def _rank(index: int, parent: int, fn: Callable[..., None], *args: object) -> None:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from lbbsp.child_logging import ParentLogging
 from lbbsp.cli import piped_console, probe_redis, whole_number
 from lbbsp.errors import ConfigError, LBBSPError
+from lbbsp.signals import signals_held
 from lbbsp.store import redacted, redis_url
 
 if TYPE_CHECKING:
@@ -351,7 +352,9 @@ def run(args: argparse.Namespace) -> int:
                              daemon=False)
                  for r in range(config.workers)]
         try:
-            with _ctrl_c_ignored():  # inherited: the children, theirs too, leave Ctrl-C to this process
+            # Ctrl-C ignored is inherited: the children, theirs too, leave it to this process; a SIGTERM waits until
+            # each child is started whole
+            with _ctrl_c_ignored(), signals_held():
                 for proc in procs:
                     proc.start()
             live = (Live(view.table(), console=console, refresh_per_second=4)

@@ -46,6 +46,7 @@ from .policies import (
     checked_policy,
 )
 from .protocol import MAX_POLICY_NAME_CHARS, MAX_REASON_CHARS, Assignment, Report
+from .signals import signals_held
 from .store import ITERATIONS_KEPT, REDIS_ERRORS, REDIS_FAILURES, Store, _store
 
 log = logging.getLogger("lbbsp.coordinator")
@@ -1031,7 +1032,7 @@ class CoordinatorProcess:
         process = context.Process(target=_serve, args=(*self._args, ready), name=f"lbbsp-coordinator-{self._job}",
                                   daemon=True)
         reruns_main = _refers_to_main(policy, self._job)
-        with _main_not_rerun(rerun=reruns_main):
+        with _main_not_rerun(rerun=reruns_main), signals_held():  # a child started whole, however it is stopped
             process.start()
         deadline = time.monotonic() + self._start_timeout_s
         while not ready.wait(0.1):  # serving before training starts, or a clear error

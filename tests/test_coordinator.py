@@ -1717,3 +1717,40 @@ def test_a_watermark_that_python_reads_as_none_is_none_to_the_guard_too(redis_ur
         written = store.publish_all([Assignment(job, 10**6, (10, 10), "bsp")], decided_from=10**6 - 1)
         store.forget_iterations(0, 100)
         assert (written, store.forgotten_through()) == ([True], 100)
+
+
+@pytest.mark.timeout(60)
+def test_a_sigterm_half_way_through_starting_the_coordinator_process_leaves_no_half_made_child(
+        redis_url: str, job: str, tmp_path: Path) -> None:
+    """The SIGTERM arrives when half of the child's pickled arguments are written: the script exits as its handler says,
+    and the child, started whole and then stopped, prints nothing (it had printed "pickle data was truncated")."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        import builtins, os, signal, sys
+        import multiprocessing.popen_spawn_posix as popen
+        from lbbsp import JobConfig
+        from lbbsp.coordinator import CoordinatorProcess
+
+        class StoppedHalfWay:
+            def __init__(self, *args, **kwargs):
+                self._file = builtins.open(*args, **kwargs)
+            def __enter__(self):
+                return self
+            def __exit__(self, *exc):
+                self._file.close()
+            def write(self, data):
+                self._file.write(data[:len(data) // 2])
+                self._file.flush()
+                os.kill(os.getpid(), signal.SIGTERM)
+                self._file.write(data[len(data) // 2:])
+
+        if __name__ == "__main__":
+            popen.open = StoppedHalfWay  # the pipe to the spawned child
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+            CoordinatorProcess({redis_url!r}, JobConfig({job!r}, 2, 8), start_timeout_s=20)
+            print("NOT STOPPED")
+    """))
+    done = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-2000:]
+    assert "NOT STOPPED" not in done.stdout
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]

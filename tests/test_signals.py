@@ -1,0 +1,79 @@
+"""signals_held: a signal that arrives while the main thread starts a child reaches its handler afterwards, once; an
+ignored one stays ignored, and other threads are left as they are."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from lbbsp.signals import signals_held
+
+
+class Stopped(Exception):
+    """What the test's SIGTERM handler raises."""
+
+
+@pytest.fixture
+def sigterm_raises() -> Iterator[list[int]]:
+    """A SIGTERM handler that counts its calls and raises :class:`Stopped`; the test's old handler again after."""
+    calls: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        calls.append(signum)
+        raise Stopped
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    yield calls
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_signal_inside_the_block_reaches_its_handler_once_when_the_block_ends(sigterm_raises: list[int]) -> None:
+    reached = False
+    with pytest.raises(Stopped), signals_held():
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        reached = True
+    assert reached
+    assert sigterm_raises == [signal.SIGTERM]
+
+
+def test_the_handlers_are_those_of_before_once_the_block_ends(sigterm_raises: list[int]) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with signals_held():
+        assert signal.getsignal(signal.SIGTERM) is not before
+    assert signal.getsignal(signal.SIGTERM) is before
+    with pytest.raises(Stopped):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_signal_ignored_before_stays_ignored_inside_the_block_as_a_child_inherits_it() -> None:
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with signals_held():
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_the_block_exits_with_its_own_error_chained_to_the_signals(sigterm_raises: list[int]) -> None:
+    with pytest.raises(Stopped) as raised, signals_held():
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise ValueError("the block's own")
+    assert isinstance(raised.value.__context__, ValueError)
+
+
+def test_outside_the_main_thread_nothing_is_held_or_changed() -> None:
+    seen: list[object] = []
+
+    def run() -> None:
+        with signals_held():
+            seen.append(signal.getsignal(signal.SIGTERM))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert seen == [signal.getsignal(signal.SIGTERM)]
