@@ -26,7 +26,16 @@ from .config import JobConfig, _job_name
 from .embedded import EmbeddedRedis
 from .errors import ConfigError, LBBSPError
 from .protocol import printable
-from .store import REDIS_ERRORS, REDIS_URL_VARIABLE, Store, answering, left_by_earlier_run, redacted, redis_url
+from .store import (
+    PROBE_TIMEOUT_S,
+    REDIS_ERRORS,
+    REDIS_URL_VARIABLE,
+    Store,
+    answering,
+    left_by_earlier_run,
+    redacted,
+    redis_url,
+)
 
 # The coordinator, the models and the policies import scikit-learn, seconds on a loaded machine: `lbbsp --help`,
 # `status` and `forget` need none of them, so `coordinator` alone imports them, where it uses them.
@@ -60,7 +69,7 @@ def probe_redis(url: str, job: str, source: str, *, socket_timeout_s: float | No
     its error names $LBBSP_REDIS_URL where the URL is the variable's (a URL typed after --redis, or the embedded
     server's, goes unnamed): the commands' and `lbbsp demo`'s one rule."""
     named = source if source == f"${REDIS_URL_VARIABLE}" else ""
-    timeout_s = _PROBE_TIMEOUT_S if socket_timeout_s is None else socket_timeout_s
+    timeout_s = PROBE_TIMEOUT_S if socket_timeout_s is None else socket_timeout_s
     return answering(url, job, source=named, socket_timeout_s=timeout_s)
 
 
@@ -170,9 +179,6 @@ def seconds(text: str) -> float:
 _FLAGS = {"num_workers": "--workers", "global_batch": "--global-batch", "min_batch": "--min-batch",
           "max_batch": "--max-batch", "assignment_timeout_s": "--timeout", "ttl_s": "--ttl", "lag": "--lag",
           "job name": "--job"}
-#: Seconds `lbbsp status`, and `lbbsp coordinator` as it starts, wait on each Redis call (three tries): a Redis that
-#: stopped answering had held them 16-17 s (5 s socket timeouts) before a word.
-_PROBE_TIMEOUT_S = 1.0
 
 
 def _job_config(args: argparse.Namespace) -> JobConfig:
@@ -503,7 +509,7 @@ def _status(args: argparse.Namespace) -> int:
 def _read_job(url: str, job: str, args: argparse.Namespace) -> _JobStatus | None:
     """What `lbbsp status` shows of ``job``; None, with a warning, for a job whose keys cannot be read where every
     job is listed (an error with --job)."""
-    with Store.from_url(url, job, socket_timeout_s=_PROBE_TIMEOUT_S) as store:
+    with Store.from_url(url, job, socket_timeout_s=PROBE_TIMEOUT_S) as store:
         try:
             config = store.load_config()
             if config is None and args.job:

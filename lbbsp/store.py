@@ -646,6 +646,12 @@ def _store(store: object, job: str, for_url: str = "Store.from_url(url, job)") -
     return store
 
 
+#: Seconds the commands' first look at a Redis (`lbbsp status`, `lbbsp coordinator` as it starts, `lbbsp simulate
+#: --redis`) waits on each call (three tries): a Redis that accepts but never answers had held them 16-17 s (5 s socket
+#: timeouts) before a word.
+PROBE_TIMEOUT_S = 1.0
+
+
 def answering(url: str, job: str, *, source: str = "", socket_timeout_s: float = 5.0) -> Store:
     """A store of ``job`` on ``url`` whose Redis answered a ping; else its ConfigError (a URL it cannot use) or
     StoreUnavailable, the message led by ``source`` where one is given (``$LBBSP_REDIS_URL``: a user who had set it

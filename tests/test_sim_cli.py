@@ -6,17 +6,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import matplotlib.figure
 import numpy as np
 import pytest
 
-from lbbsp import ConfigError, JobConfig, LinearTime, __version__
+from lbbsp import ConfigError, EmbeddedRedis, JobConfig, LinearTime, __version__
 from lbbsp.cli import main
 from lbbsp.errors import StoreUnavailable
 from lbbsp.policies import BSPPolicy, OraclePolicy
@@ -73,6 +75,21 @@ def test_simulate_without_redis_stays_in_process_whatever_the_variable(tmp_path:
     monkeypatch.setenv("LBBSP_REDIS_URL", NOWHERE)
     assert main([*SMALL_SIM, "--out", str(tmp_path)]) == 0
     assert "through Redis" not in capsys.readouterr().out
+
+
+@pytest.mark.timeout(30)
+def test_simulate_gives_up_soon_on_a_redis_that_never_answers(stalled_redis: EmbeddedRedis, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A redis-server under SIGSTOP: the check before the run waited 17 s (three 5 s socket timeouts) before its
+    error, where `lbbsp status` and `lbbsp coordinator` give up within a few seconds."""
+    assert stalled_redis.pid is not None
+    os.kill(stalled_redis.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    code = main([*SMALL_SIM, "--redis", stalled_redis.url, "--out", str(tmp_path / "out")])
+    took = time.monotonic() - started
+    assert code == 2 and "--redis: cannot reach Redis" in capsys.readouterr().err
+    assert took < 6.0, f"gave up after {took:.1f}s"
+    assert not (tmp_path / "out").exists()
 
 
 def test_simulate_help_says_where_a_bare_redis_goes(capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,7 +22,7 @@ from ..embedded import EmbeddedRedis
 from ..errors import ConfigError
 from ..policies import PER_EPOCH_ITERATIONS
 from ..protocol import MAX_WORKERS, printable
-from ..store import answering, redacted, redis_url
+from ..store import PROBE_TIMEOUT_S, answering, redacted, redis_url
 from .engine import PolicyRun, compare
 from .scenarios import LOOKAHEAD, MAX_CELLS, MEAN_DWELL, SCENARIOS, FLClients, Scenario
 from .traces import DEFAULT_TRACE_DIR, load_traces
@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
     redis = redis_for(args.redis)
     if redis is not None and redis[0]:  # a given Redis is reached before the scenario is built and the in-process pass
         url, source = redis
-        answering(url, "lbbsp-simulate", source=source).close()  # a Redis that answers, or an error naming --redis
+        # a Redis that answers, or an error naming --redis within seconds
+        answering(url, "lbbsp-simulate", source=source, socket_timeout_s=PROBE_TIMEOUT_S).close()
     with _output_folder(args.out):  # the last check: a refused or stopped run leaves no folder of its own behind
         return _simulate(args, options, suffix, started, redis)
 
