@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 
+from . import __version__
 from .client_history import _index
 from .config import JobConfig, _job_name
 from .embedded import EmbeddedRedis
@@ -898,7 +899,9 @@ def build_parser(*, coordinator_flags: bool = True) -> argparse.ArgumentParser:
     """The ``lbbsp`` command's parser; ``demo`` and ``simulate`` are only named here (their modules parse them).
     ``coordinator_flags=False`` leaves out the flags of ``coordinator``, whose choices and defaults come from the
     models and policies (scikit-learn, seconds to import): a command line of another subcommand parses without."""
-    parser = argparse.ArgumentParser(prog="lbbsp", description=__doc__)
+    parser = argparse.ArgumentParser(prog="lbbsp", description="Load-balanced BSP: run a job's coordinator, show "
+                                     "what each job is doing, forget a finished job, run the demo or the simulator.")
+    parser.add_argument("--version", action="version", version=f"lbbsp {__version__}")
     _verbose_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -204,11 +204,11 @@ class Report:
     compute_s: float
     comm_s: float | None = None
     wait_s: float | None = None
-    features: Mapping[str, float] = field(default_factory=dict)
+    features: Mapping[str, float] = field(default_factory=dict, hash=False)  # a dict: hashed, a report had raised
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        if type(self.features) is not dict and isinstance(self.features, Mapping):
+        if isinstance(self.features, Mapping):  # a copy: the caller's dict, changed later, had changed the report
             object.__setattr__(self, "features", dict(self.features))
         self.validate()
 

@@ -391,6 +391,7 @@ class Store:
     def post_report(self, report: Report, num_workers: int) -> bool:
         """Store a report; when it completes iteration k, queue k for the coordinator. False if duplicate; a
         ProtocolError for a report of another job, or of a worker the job of ``num_workers`` does not have."""
+        _check_report(report)
         if report.job != self.job:
             raise ProtocolError(f"report of job {report.job!r} posted to the store of {self.job!r}", field="job",
                                 job=self.job, worker=report.worker, iteration=report.iteration)
@@ -403,6 +404,8 @@ class Store:
     def post_reports(self, reports: Sequence[Report], num_workers: int) -> int:
         """Store many reports in one round trip, each exactly as :meth:`post_report` would (a simulator's
         whole cluster); the number newly stored."""
+        for report in reports:
+            _check_report(report)
         pipe = self.client.pipeline(transaction=False)
         for report in reports:
             self._post_raw(report.iteration, str(report.worker), report.to_json(), num_workers, client=pipe)
@@ -644,6 +647,13 @@ def _store(store: object, job: str, for_url: str = "Store.from_url(url, job)") -
         given = redacted(store) if isinstance(store, str) else store
         raise ConfigError(f"store must be a Store (for a URL: {for_url}), got {given!r:.80}", job=job)
     return store
+
+
+def _check_report(report: object) -> None:
+    """A TypeError for what is no Report (a dict of its fields had raised an AttributeError on ``.job``)."""
+    if not isinstance(report, Report):
+        raise TypeError(f"expected a Report, got {type(report).__name__}: build one with Report(job, worker, "
+                        "iteration, samples, compute_s, features=...), or Report.from_json(data)")
 
 
 #: Seconds the commands' first look at a Redis (`lbbsp status`, `lbbsp coordinator` as it starts, `lbbsp simulate

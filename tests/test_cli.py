@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import redis
 
+import lbbsp
 from emulated import worker_clients
 from lbbsp import (
     Assignment,
@@ -557,6 +558,17 @@ def test_every_subcommand_names_the_flag_of_a_bad_job_name(sub: str, redis_url: 
     extra = ["--workers", "2", "--global-batch", "8"] if sub == "coordinator" else []
     assert main([sub, "--redis", redis_url, "--job", "a b", *extra]) == 2
     assert capsys.readouterr().err == "lbbsp: error: --job must match [A-Za-z0-9_.-]{1,128}, got 'a b'\n"
+
+
+def test_version_and_the_commands_help_in_plain_words(capsys: pytest.CaptureFixture[str]) -> None:
+    """There was no --version, and `lbbsp --help` showed the module's docstring, reStructuredText and all."""
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"lbbsp {lbbsp.__version__}\n"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text and "--version" in text
 
 
 def test_help_status_and_forget_do_not_import_scikit_learn_or_a_framework(redis_url: str, job: str) -> None:

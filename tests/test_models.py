@@ -597,6 +597,18 @@ def test_worker_ids_that_are_not_integers_are_refused(ids: list[object]) -> None
     assert model.predict([]).size == 0 and model.predict(np.arange(2)).size == 2
 
 
+@pytest.mark.parametrize(("ids", "said"), [
+    ([1, 2**70], "worker ids must be integers in [0, 2**63 - 1], got 1180591620717411303424"),
+    ([None, 3], "worker ids must be integers, got object values such as None"),
+], ids=["past-uint64", "none-beside-an-int"])
+def test_a_worker_id_too_large_for_numpy_is_named_as_too_large(ids: list[object], said: str) -> None:
+    """2**70 had been called no integer ("got object values such as 1", the first id, an integer)."""
+    model = LastValue().fit([[Report("j", w, 0, 10, 0.1) for w in range(2)]])
+    with pytest.raises(ConfigError) as raised:
+        model.predict(ids)  # type: ignore[arg-type]
+    assert str(raised.value) == said
+
+
 def test_an_equal_list_for_a_tuple_parameter_forgets_nothing() -> None:
     """hidden=[16, 16] equals the default (16, 16): a fitted NARX had taken it as new and forgotten everything."""
     model = NARXThroughput().fit(_cpu_history(20))

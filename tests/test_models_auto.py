@@ -417,3 +417,12 @@ def test_a_copied_model_follows_hardware_announced_after_its_numbering_was_made(
     if kind is BatchTimeCurve:
         model.set_params(window=4)
         assert not hasattr(model, "hardware_codes_") and not hasattr(model, "hardware_")
+
+
+def test_routed_kinds_checks_its_workers_before_any_report_too() -> None:
+    """Before any report it answered [] to anything, "abc" and 0.5 included, where afterwards they are refused."""
+    model = AutoCapacityModel()
+    assert model.routed_kinds([0, 1]) == []
+    for bad in ("abc", [0.5], [-1]):
+        with pytest.raises(ConfigError, match="worker ids must"):
+            model.routed_kinds(bad)  # type: ignore[arg-type]

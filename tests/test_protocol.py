@@ -28,6 +28,18 @@ def test_report_round_trip() -> None:
     assert again.throughput == pytest.approx(128.0)
 
 
+def test_a_report_keeps_the_features_it_was_built_with_and_hashes() -> None:
+    """It held the caller's dict: a feature changed there after the report was validated changed the report, out of
+    range too; and a report could not be hashed (its dict)."""
+    features = {"cpu_util": 0.5}
+    report = Report("j", 1, 7, 32, 0.25, features=features)
+    features["cpu_util"] = 9.0
+    assert report.features == {"cpu_util": 0.5}
+    same = Report("j", 1, 7, 32, 0.25, features={"cpu_util": 0.5})
+    assert hash(report) == hash(same) and {report, same} == {report}
+    assert Report("j", 1, 7, 32, 0.25, features={"cpu_util": 0.4}) != report
+
+
 def test_a_parsed_report_is_the_report_its_fields_make_and_stays_frozen() -> None:
     """The parse builds a plain report without the dataclass's set-up: it must still be that report."""
     parsed = Report.from_json(json.dumps(good(comm_s=0.01)), job="j", num_workers=4)

@@ -456,3 +456,15 @@ def test_wait_for_redis_returns_a_client_with_its_socket_timeout_and_retries(ser
         assert kwargs["retry"]._retries == 2
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("post", ["post_report", "post_reports"])
+def test_posting_what_is_no_report_is_a_type_error_that_says_what_to_build(store: Store, job: str, post: str) -> None:
+    """A dict of a report's fields had raised AttributeError: 'dict' object has no attribute 'job'."""
+    fields = {"job": job, "worker": 0, "iteration": 1, "samples": 8, "compute_s": 0.1}
+    with pytest.raises(TypeError, match=r"expected a Report, got dict: build one with Report\(job, worker"):
+        if post == "post_report":
+            store.post_report(fields, 2)  # type: ignore[arg-type]
+        else:
+            store.post_reports([Report(job, 1, 1, 8, 0.1), fields], 2)  # type: ignore[list-item]
+    assert store.client.exists(store.key("reports", 1)) == 0  # nothing of the batch was posted

@@ -326,10 +326,10 @@ class AutoCapacityModel(CapacityModel):
 
     def routed_kinds(self, workers: WorkerIds) -> list[str]:
         """The kind each of ``workers`` is answered as: its own once a report set it, else its pin, else its peers'
-        (what ``lbbsp status`` shows); [] before any report."""
+        (what ``lbbsp status`` shows); [] before any report, once ``workers`` are checked."""
+        ids = worker_ids(workers)
         if not hasattr(self, "models_"):
             return []
-        ids = worker_ids(workers)
         out = [""] * ids.size
         for kind, (positions, _) in self._groups(ids).items():
             for at in positions.tolist():

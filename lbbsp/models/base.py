@@ -46,7 +46,10 @@ def worker_ids(workers: WorkerIds) -> np.ndarray:
     if given.ndim > 1:
         raise ConfigError(f"worker ids must be one id or a 1-D sequence of them, got an array of shape {given.shape}")
     if given.size and given.dtype.kind not in "iu":
-        raise ConfigError(f"worker ids must be integers, got {given.dtype} values such as {given.flat[0]!r}")
+        odd = [w for w in given.flat if not isinstance(w, int) or isinstance(w, bool)]
+        if not odd:  # Python ints, one past uint64 (numpy holds them as objects)
+            raise ConfigError(f"worker ids must be integers in [0, 2**63 - 1], got {max(given.flat, key=abs)}")
+        raise ConfigError(f"worker ids must be integers, got {given.dtype} values such as {odd[0]!r}")
     if given.dtype.kind == "u" and given.size and given.max() > np.iinfo(np.int64).max:  # the cast would wrap it
         raise ConfigError(f"worker ids must be integers in [0, 2**63 - 1], got {int(given.max())}")
     ids = given.astype(np.int64).reshape(-1)

@@ -304,10 +304,11 @@ def _memory_cap(sizes: np.ndarray, used: np.ndarray, valid: np.ndarray, line: np
 class BatchTimeCurve(CapacityModel):
     """Per-worker hinge curve time(batch) and memory cap, from ``window`` slots of distinct batch sizes.
 
-    ``half_life``: iterations after which a measurement counts half, so a curve follows a GPU that slows
-    down. A worker's curve is *known* while its slots hold as much information on the slope (the weighted
-    spread of their sizes) as two measurements ``explore_fraction`` / 2 of its largest size apart (at least
-    one sample; the older one's weight decays, so two sizes one sample apart take a third measurement). Until then, and again once a long run at one size has decayed the other sizes that far, the
+    ``half_life``: measurements of a worker (one per iteration it reports) after which an earlier one counts half,
+    so a curve follows a GPU that slows down. A worker's curve is *known* while its slots hold as much information
+    on the slope (the weighted spread of their sizes) as two measurements ``explore_fraction`` / 2 of its largest
+    size apart (at least one sample; the older one's weight decays, so two sizes one sample apart take a third
+    measurement). Until then, and again once a long run at one size has decayed the other sizes that far, the
     curve is the proportional line through the origin and ``explore`` moves ``explore_fraction`` of a batch
     between such workers. ``partial_fit(..., defer=True)`` leaves the knee search of the workers whose set of
     sizes changed to :meth:`finish_learning`; the decision in between reads their line at the knee found before.
