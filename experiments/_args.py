@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from lbbsp.signals import signals_held
+from lbbsp.signals import ctrl_c_ignored, signals_held
 
 ROOT = Path(__file__).resolve().parents[1]
 _PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its parent ends
@@ -109,18 +109,6 @@ def writing_results(parser: argparse.ArgumentParser, out: Path) -> Iterator[Path
         yield results_file(parser, out)
 
 
-@contextlib.contextmanager
-def ctrl_c_left_to_this_process() -> Iterator[None]:
-    """Around the start of child processes: SIGINT ignored, as they inherit it (a spawned Python, and the processes
-    it starts, keep it so). A terminal's Ctrl-C reaches the whole process group, and each torch.distributed rank or
-    Keras worker had printed a traceback of its own; this process alone stops them (:func:`stop_process_trees`)."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def spawn_ranks(fn: Callable[..., None], args: tuple[object, ...], nprocs: int) -> None:
     """``torch.multiprocessing.spawn(fn, args, nprocs)`` with Ctrl-C left to this process: the ranks ignore it, and
     however the wait for them ends (Ctrl-C, a rank's failure) none of them, nor a process one started, outlives it
@@ -130,7 +118,7 @@ def spawn_ranks(fn: Callable[..., None], args: tuple[object, ...], nprocs: int) 
     ranks = None
     try:
         # a SIGTERM that arrives meanwhile waits until every rank is started whole, then stops them all
-        with ctrl_c_left_to_this_process(), signals_held():
+        with ctrl_c_ignored(), signals_held():
             ranks = mp.start_processes(_rank, args=(os.getpid(), fn, *args), nprocs=nprocs, join=False,
                                        start_method="spawn")
         while not ranks.join():
@@ -166,7 +154,7 @@ def stop_process_trees(pids: Iterable[int], grace_s: float = 5.0) -> None:
     processes they had started (a rank's DataLoader workers noticed it gone only within 5 s, as orphans). Ctrl-C
     is ignored meanwhile, so that a second one does not cut the stop short. The processes are left to their owners
     to reap (a ``Popen`` or ``multiprocessing.Process`` whose exit status this took away would not know it ended)."""
-    with ctrl_c_left_to_this_process():
+    with ctrl_c_ignored():
         tops, below = [], []
         for pid in pids:
             with contextlib.suppress(psutil.NoSuchProcess):

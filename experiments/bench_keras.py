@@ -27,8 +27,10 @@ import time
 import uuid
 from pathlib import Path
 
-from _args import ctrl_c_left_to_this_process, out_help, stop_process_trees, writing_results
+from _args import out_help, stop_process_trees, writing_results
 from record_cpu_trace import busy_loop
+
+from lbbsp.signals import ctrl_c_ignored
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "keras_digits.py"
@@ -54,7 +56,7 @@ def run_mode(policy: str, args: argparse.Namespace, out: Path) -> dict:
     cores = sorted(os.sched_getaffinity(0))[:2]  # the first two this process may use: a cpuset may leave out 0 and 1
     loads = [multiprocessing.Process(target=busy_loop, args=(cores[1], os.getpid()), daemon=True)
              for _ in range(args.load_procs)]
-    with ctrl_c_left_to_this_process():  # the busy loops and workers, and what they start, leave it to us
+    with ctrl_c_ignored():  # the busy loops and workers, and what they start, leave it to us
         for load in loads:
             load.start()
         procs = [subprocess.Popen([sys.executable, str(EXAMPLE), "--index", str(i), "--ports", ports, "--job", job,

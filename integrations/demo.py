@@ -21,14 +21,14 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lbbsp.child_logging import ParentLogging
 from lbbsp.cli import piped_console, probe_redis, whole_number
 from lbbsp.errors import ConfigError, LBBSPError
-from lbbsp.signals import signals_held
+from lbbsp.signals import ctrl_c_ignored, signals_held, sigterm_as_exit
 from lbbsp.store import redacted, redis_url
 
 if TYPE_CHECKING:
@@ -291,28 +291,6 @@ def redis_for(given: str | None) -> tuple[str | None, str]:
     return url, f"{redacted(url)} ({source if source == '--redis' else f'from {source}'})"
 
 
-@contextlib.contextmanager
-def _sigterm_as_exit() -> Iterator[None]:
-    """SIGTERM (kill, timeout(1), a CI job's cancel) as SystemExit, so that the launcher's cleanup stops the workers:
-    at its default it ended the launcher alone, and the workers, their coordinator and the busy processes ran on."""
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def _ctrl_c_ignored() -> Iterator[None]:
-    """Ignore SIGINT while processes are started: a terminal's Ctrl-C reaches the whole process group, and each
-    worker and its coordinator process printed a KeyboardInterrupt traceback; the launcher alone stops them."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``lbbsp demo``: the BSP run, then the LB-BSP run, live; 0 when both trained the same parameters, 1 when
     they differ."""
@@ -347,14 +325,14 @@ def run(args: argparse.Namespace) -> int:
     events = ctx.Queue()
     view = _View(config, cores)
     logs = ParentLogging.of_this_process()  # spawned, the workers start with no logging
-    with tempfile.TemporaryDirectory(prefix="lbbsp-demo-") as tmp, _sigterm_as_exit():
+    with tempfile.TemporaryDirectory(prefix="lbbsp-demo-") as tmp, sigterm_as_exit():
         procs = [ctx.Process(target=_worker, args=(r, config, os.path.join(tmp, "rdv"), url, events, logs),
                              daemon=False)
                  for r in range(config.workers)]
         try:
             # Ctrl-C ignored is inherited: the children, theirs too, leave it to this process; a SIGTERM waits until
             # each child is started whole
-            with _ctrl_c_ignored(), signals_held():
+            with ctrl_c_ignored(), signals_held():
                 for proc in procs:
                     proc.start()
             live = (Live(view.table(), console=console, refresh_per_second=4)

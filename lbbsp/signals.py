@@ -1,10 +1,11 @@
-"""Signals held back while the main thread starts a spawned child, then delivered: a handler that raised in the middle
-of the start (a SIGTERM taken as SystemExit, Ctrl-C) cut short the pickled arguments the child was reading, and the
-half-made child printed multiprocessing's "pickle data was truncated" (or "Ran out of input") traceback as it died."""
+"""Signals around the child processes a launcher starts (`lbbsp demo`, the Flower example, the benchmarks): a SIGTERM
+taken as SystemExit so that the launcher's cleanup stops its children, Ctrl-C left to the launcher, and signals held
+back while a spawned child is being started."""
 from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -12,12 +13,50 @@ from collections.abc import Iterator
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+def _main_thread() -> bool:
+    """Whether this is the main thread, the only one that may set a handler (and the one Python runs them in)."""
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM (kill, timeout(1), a CI job's cancel) as ``SystemExit(143)``, so that the cleanup of the ``with``
+    blocks it passes through stops what they started: at its default it ends the process alone, and the children
+    run on. Elsewhere than in the main thread, nothing changes."""
+    if not _main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def ctrl_c_ignored() -> Iterator[None]:
+    """SIGINT ignored, around the start of child processes, which inherit that (and so do theirs): a terminal's Ctrl-C
+    reaches the whole process group, and every child printed a KeyboardInterrupt traceback of its own; the launcher
+    alone stops them. Elsewhere than in the main thread, nothing changes."""
+    if not _main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @contextlib.contextmanager
 def signals_held(signals: tuple[signal.Signals, ...] = STOPPING) -> Iterator[None]:
     """Around ``Process.start()``: ``signals`` that arrive meanwhile reach the handlers they had once the block ends,
-    each once. An ignored signal stays ignored (a child inherits that), a handler set outside Python is left alone,
-    and elsewhere than in the main thread, where Python runs no handler, nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
+    each once. Raised half-way through a spawned child's start (a SIGTERM taken as SystemExit, Ctrl-C), a handler had
+    cut short the pickled arguments the child was reading, and the half-made child printed multiprocessing's "pickle
+    data was truncated" traceback as it died. An ignored signal stays ignored (a child inherits that), a handler set
+    outside Python is left alone, and elsewhere than in the main thread, where Python runs no handler, nothing
+    changes."""
+    if not _main_thread():
         yield
         return
     arrived: list[int] = []

@@ -1,15 +1,17 @@
-"""signals_held: a signal that arrives while the main thread starts a child reaches its handler afterwards, once; an
-ignored one stays ignored, and other threads are left as they are."""
+"""lbbsp.signals: a SIGTERM as SystemExit, Ctrl-C ignored, and signals held while the main thread starts a child (one
+that arrives meanwhile reaches its handler afterwards, once; an ignored one stays ignored); other threads are left as
+they are."""
 from __future__ import annotations
 
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import pytest
 
-from lbbsp.signals import signals_held
+from lbbsp.signals import ctrl_c_ignored, signals_held, sigterm_as_exit
 
 
 class Stopped(Exception):
@@ -66,14 +68,36 @@ def test_the_block_exits_with_its_own_error_chained_to_the_signals(sigterm_raise
     assert isinstance(raised.value.__context__, ValueError)
 
 
-def test_outside_the_main_thread_nothing_is_held_or_changed() -> None:
+def test_a_sigterm_is_a_system_exit_of_143_inside_and_the_handler_of_before_after(sigterm_raises: list[int]) -> None:
+    with pytest.raises(SystemExit) as raised, sigterm_as_exit():
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert raised.value.code == 128 + signal.SIGTERM and sigterm_raises == []
+    with pytest.raises(Stopped):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_ctrl_c_is_ignored_inside_and_its_handler_is_back_after() -> None:
+    before = signal.getsignal(signal.SIGINT)
+    with ctrl_c_ignored():
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.parametrize("block", [signals_held, sigterm_as_exit, ctrl_c_ignored])
+def test_outside_the_main_thread_nothing_is_held_or_changed(block: Callable[[], AbstractContextManager[None]]) \
+        -> None:
     seen: list[object] = []
+    failed: list[BaseException] = []
 
     def run() -> None:
-        with signals_held():
-            seen.append(signal.getsignal(signal.SIGTERM))
+        try:
+            with block():
+                seen.append((signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)))
+        except BaseException as exc:  # noqa: BLE001  (signal.signal's ValueError outside the main thread)
+            failed.append(exc)
 
     thread = threading.Thread(target=run)
     thread.start()
     thread.join()
-    assert seen == [signal.getsignal(signal.SIGTERM)]
+    assert failed == [] and seen == [(signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))]

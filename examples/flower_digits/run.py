@@ -15,7 +15,6 @@ report them (``count_delivery=True``), so lbbsp's plans mostly keep the equal sp
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
 import json
 import os
@@ -29,13 +28,14 @@ import tempfile
 import threading
 import time
 import tomllib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import click
 from flwr.common.config import parse_config_args
 
 from lbbsp import EmbeddedRedis
+from lbbsp.signals import sigterm_as_exit
 
 APP_DIR = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -140,20 +140,6 @@ class LogFollower:
     def join(self) -> None:
         """Wait for the thread to print what the stream gave before it ended (its process ended or was stopped)."""
         self._thread.join(timeout=5)
-
-
-@contextlib.contextmanager
-def sigterm_as_exit() -> Iterator[None]:
-    """SIGTERM (kill, timeout(1), a CI job's cancel) as SystemExit, so that the processes started are stopped: at its
-    default it ended this process alone, and the SuperLink and SuperNodes, in sessions of their own, ran on."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set a handler
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def run_deployment(clients: int, run_config: Mapping[str, object], *, timeout_s: float = 600,
