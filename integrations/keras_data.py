@@ -184,6 +184,10 @@ class BalancedSource:
         says whether that ``fit`` still runs: a batch waiting for its vector after the fit raised (Keras then
         skips ``on_train_end``) returns, instead of holding up the destruction of fit's iterator.
         """
+        if replicas > 1 and self.latest_pipeline == "py_dataset":  # the hint below had sent users to look for a
+            # strategy argument py_dataset does not take
+            raise ConfigError(f"the model trains on {replicas} replicas (a multi-worker strategy), and py_dataset() "
+                              "serves one worker alone: use source.tf_dataset(strategy)", job=self.config.job)
         if replicas > 1 and self._pipeline_replicas != replicas:
             raise ConfigError(f"the model trains on {replicas} replicas, but the source's pipeline was built for "
                               f"{self._pipeline_replicas or 1}: pass the strategy, source.tf_dataset(strategy) "

@@ -163,7 +163,8 @@ class Balancer:
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialised: call dist.init_process_group first")
         rank, world = dist.get_rank(), dist.get_world_size()
-        if _is_integer(min_batch) and _is_integer(global_batch) and min_batch * world > global_batch:
+        # (a global batch under 1 is left to JobConfig's error: no min_batch makes it one)
+        if _is_integer(min_batch) and _is_integer(global_batch) and min_batch * world > global_batch >= 1:
             raise ConfigError(f"global_batch={global_batch} cannot give each of the {world} ranks min_batch="
                               f"{min_batch} samples: use a global batch of at least {min_batch * world}, or "
                               "min_batch=0 to let some ranks sit steps out with empty slices")
@@ -189,9 +190,10 @@ class Balancer:
         running = None
         try:
             gather = functools.partial(_all_gathered, world=world)
-            shared: list[Any] = [url, job or (f"torch-{uuid.uuid4().hex[:12]}" if rank == 0 else None)]
-            dist.broadcast_object_list(shared, src=0)  # rank 0's Redis URL and job name
-            url, job = shared
+            shared: list[Any] = [url, job or (f"torch-{uuid.uuid4().hex[:12]}" if rank == 0 else None),
+                                 uuid.uuid4().hex[:12]]
+            dist.broadcast_object_list(shared, src=0)  # rank 0's Redis URL and job name, and this Balancer's token
+            url, job, token = shared
             if url is None:  # rank 0 serves; torchrun's LOCAL_WORLD_SIZE says where ranks run on other machines too
                 server, url = serve_embedded(rank, gather, lambda listen: EmbeddedRedis(listen=listen),
                                              toward=os.environ.get("MASTER_ADDR"), who="rank",
@@ -211,7 +213,7 @@ class Balancer:
             if rank == 0 and coordinator:  # a child process: no GIL or pinned core shared with this rank
                 running = CoordinatorProcess(url, config, policy, max_ahead=ahead)
             client = WorkerClient(store, config, rank, agree=functools.partial(agree_with_rank0, group=cpu_group()),
-                                  device=device_label(device))
+                                  device=device_label(device), outage_news=ProcessGroupNews.of_default_group(token))
         except BaseException:  # leave nothing running behind a failed start
             if running is not None:
                 running.stop()
@@ -591,10 +593,40 @@ def agree_with_rank0(assignment: Assignment, *, group: dist.ProcessGroup | None 
     agreed = tuple(int(s) for s in sizes.tolist())
     if agreed == assignment.sizes:
         return assignment
-    log.warning("rank %d read %s for iteration %d; using rank 0's %s", dist.get_rank(), assignment.sizes,
-                assignment.iteration, agreed)
+    if assignment.fallback:  # expected where Redis was unusable to this rank alone: its own warning said so
+        log.info("rank %d fell back to %s for iteration %d; using rank 0's %s", dist.get_rank(), assignment.sizes,
+                 assignment.iteration, agreed)
+    else:
+        log.warning("rank %d read %s for iteration %d; using rank 0's %s", dist.get_rank(), assignment.sizes,
+                    assignment.iteration, agreed)
     return Assignment(assignment.job, assignment.iteration, agreed, assignment.policy,
                       "rank 0's vector, agreed over the process group", fallback=True)
+
+
+class ProcessGroupNews:
+    """:class:`~lbbsp.OutageNews` over the key-value store of the default process group (torchrun's TCPStore, an
+    ``init_method``'s FileStore), which works while Redis does not: one key per Balancer, the latest step a rank fell
+    back at, Redis being unusable. Read and written only in an outage."""
+
+    def __init__(self, store: dist.Store, token: str) -> None:
+        self._store = store
+        self._key = f"lbbsp/{token}/unusable"
+
+    @classmethod
+    def of_default_group(cls, token: str) -> ProcessGroupNews | None:
+        """The news of the default group's store; None where this torch does not give it (a private function)."""
+        try:
+            return cls(dist.distributed_c10d._get_default_store(), token)
+        except (AttributeError, RuntimeError, ValueError):
+            return None
+
+    def tell(self, iteration: int) -> None:
+        """This rank fell back at ``iteration``, Redis being unusable."""
+        self._store.set(self._key, str(iteration))
+
+    def heard(self, iteration: int) -> bool:
+        """Whether a rank fell back so at ``iteration - 1`` or later."""
+        return self._store.check([self._key]) and int(self._store.get(self._key)) >= iteration - 1
 
 
 _CPU_GROUPS: dict[Any, dist.ProcessGroup] = {}  # default group -> a gloo group of the same ranks

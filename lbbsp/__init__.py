@@ -16,7 +16,7 @@ from .protocol import Assignment, Report, equal_split
 from .sampling import GlobalBatchSampler, scale_split
 from .store import Store
 from .telemetry import ResourceMonitor
-from .worker import WorkerClient
+from .worker import OutageNews, WorkerClient
 
 if TYPE_CHECKING:
     from .coordinator import Coordinator, CoordinatorProcess
@@ -71,5 +71,5 @@ __all__ = [
     "EmbeddedRedis", "FLClientModel", "GlobalBatchSampler", "JobConfig", "LBBSPError", "LBBSPPolicy", "LastValue",
     "LeaderStragglerPolicy", "LinearTime", "NARXThroughput", "OraclePolicy", "PerEpochPolicy", "Policy",
     "PolicyError", "ProtocolError", "Report", "ResourceMonitor", "StaticProportionalPolicy", "Store",
-    "StoreUnavailable", "WorkerClient", "allocate", "equal_split", "scale_split",
+    "OutageNews", "StoreUnavailable", "WorkerClient", "allocate", "equal_split", "scale_split",
 ]

@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import redis
 
@@ -30,6 +31,21 @@ from .store import REDIS_ERRORS, REDIS_FAILURES, Store, _store
 log = logging.getLogger("lbbsp.worker")
 
 Agree = Callable[[Assignment], Assignment]
+
+
+class OutageNews(Protocol):
+    """How a job's workers tell each other of a Redis outage, over a channel that works while Redis does not (the
+    PyTorch integration's: its process group's key-value store). With it, an outage costs the job one wait: a worker
+    that had read a step's vector just before Redis went hears at its next failure that another worker waited the
+    outage out already, where it had waited ``assignment_timeout_s`` again, a second stall of every worker."""
+
+    def tell(self, iteration: int) -> None:
+        """This worker fell back at ``iteration``, Redis being unusable past the bound."""
+
+    def heard(self, iteration: int) -> bool:
+        """Whether a worker fell back so at ``iteration - 1`` or later."""
+
+
 _KEEP_ASSIGNMENTS = 8
 #: Seconds the job's only worker, closed in an outage, gives its report thread (see :meth:`WorkerClient.close`).
 _SILENT_CLOSE_S = 0.5
@@ -67,12 +83,16 @@ class WorkerClient:
     """One worker's connection to the job: ``report`` after computing, ``assignment`` before the next step."""
 
     def __init__(self, store: Store, config: JobConfig, worker: int, *, agree: Agree | None = None,
-                 device: str = "cpu", outage_s: float | None = None, outage_hint: str | None = None) -> None:
+                 device: str = "cpu", outage_s: float | None = None, outage_hint: str | None = None,
+                 outage_news: OutageNews | None = None) -> None:
         config = _job_config(config)
         store = _store(store, config.job)
         if agree is not None and not callable(agree):
             raise ConfigError(f"agree must be None or a function from Assignment to Assignment, got {agree!r}",
                               job=config.job)
+        if outage_news is not None and not all(callable(getattr(outage_news, name, None)) for name in ("tell", "heard")):
+            raise ConfigError(f"outage_news must be None or have tell(iteration) and heard(iteration) (OutageNews), got "
+                              f"{outage_news!r:.80}", job=config.job)
         if not isinstance(device, str) or len(device) > MAX_DEVICE_CHARS:
             raise ConfigError(f"device must be a string of at most {MAX_DEVICE_CHARS} characters ('cpu', "
                               f"'cuda:A100', ...), got {device!r:.80}", job=config.job)
@@ -86,6 +106,7 @@ class WorkerClient:
         self.worker = worker
         self.device = device
         self.agree = agree
+        self.outage_news = outage_news if agree is not None else None  # only an agreed fallback may come early
         self._known: dict[int, Assignment] = {}
         # The vectors this worker used where Redis was unusable, by iteration, not stored (Redis was down): the sender
         # writes them before its next report, see _write_unwritten. The latest 2 * (lag + 16) (the coordinator's
@@ -257,7 +278,8 @@ class WorkerClient:
         bound, and its next steps do not ask Redis until it answers again (its report thread tells), without ``agree``
         up to ``outage_s`` after the outage began, then it raises likewise. With ``agree``, once an assignment has
         fallen back on an unusable Redis, the next ones fall back at their first failure, until Redis answers: an
-        outage costs one wait, not one per step (a Redis that stalls still costs its socket timeouts each step); the
+        outage costs one wait, not one per step (a Redis that stalls still costs its socket timeouts each step), and
+        with ``outage_news`` not one per worker either (:class:`OutageNews`); the
         vectors so used are written to their keys (write-once) before this worker's next report reaches Redis.
         Likewise, once a wait has timed out with no coordinator claiming the job, the next iterations not stored fall
         back without waiting (write-once, agreed as ever) until a coordinator claims it or a decision is found. Once
@@ -287,9 +309,11 @@ class WorkerClient:
             except REDIS_FAILURES as exc:  # retry within the bound: Redis may be restarting (not again once it has
                 self._drop_subscription()  # stayed away a whole bound: an outage's steps then fall back at once)
                 self._failed_at = time.monotonic()
-                if ((self._fell_back_unusable or self._failed_at >= deadline)
+                if ((self._fell_back_unusable or self._failed_at >= deadline or self._heard_of_outage(iteration))
                         and self._unusable_past_bound(iteration, exc, started)):
                     agreed = self._fallback(iteration, f"Redis unusable ({type(exc).__name__})")
+                    if not self._fell_back_unusable:  # the outage's first fallback here: the others hear of it
+                        self._tell_of_outage(iteration)
                     self._fell_back_unusable = unusable = True
                     if self.config.num_workers == 1 and self._outage_since is None:
                         self._outage_since = started
@@ -305,6 +329,26 @@ class WorkerClient:
             self._keep_unwritten(agreed)
         self._remember(agreed)
         return agreed
+
+    def _heard_of_outage(self, iteration: int) -> bool:
+        """Whether ``outage_news`` says another worker fell back on an unusable Redis at the last iteration or this
+        one; False where it cannot tell (its own channel failing is no outage of Redis)."""
+        if self.outage_news is None:
+            return False
+        try:
+            return bool(self.outage_news.heard(iteration))
+        except Exception as exc:  # noqa: BLE001  (the wait goes on as without news)
+            log.debug("job %s, worker %d: outage_news.heard failed: %r", self.config.job, self.worker, exc)
+            return False
+
+    def _tell_of_outage(self, iteration: int) -> None:
+        """Tell the others, through ``outage_news``, that this worker fell back at ``iteration``, Redis unusable."""
+        if self.outage_news is None:
+            return
+        try:
+            self.outage_news.tell(iteration)
+        except Exception as exc:  # noqa: BLE001  (the others then wait the outage out on their own)
+            log.debug("job %s, worker %d: outage_news.tell failed: %r", self.config.job, self.worker, exc)
 
     def _agreed(self, agreed: object, iteration: int) -> Assignment:
         """What ``agree`` returned, checked: this job's assignment of ``iteration``, one size per worker summing to

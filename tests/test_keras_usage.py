@@ -115,6 +115,19 @@ def test_source_needs_min_batch_of_one(job: str) -> None:
         BalancedSource(np.zeros((8, 2)), np.zeros(8), JobConfig(job, num_workers=2, global_batch=4, min_batch=0), 0)
 
 
+def test_a_multi_worker_fit_of_a_py_dataset_says_to_use_tf_dataset(job: str) -> None:
+    """It was told to "pass the strategy, source.tf_dataset(strategy)", and py_dataset takes no strategy: users
+    looked for one."""
+    source = BalancedSource(np.zeros((8, 2)), np.zeros(8), JobConfig(job, num_workers=2, global_batch=4), 0)
+    source.py_dataset()
+    with pytest.raises(ConfigError, match=r"2 replicas \(a multi-worker strategy\), and py_dataset\(\) serves one "
+                                          r"worker alone: use source.tf_dataset\(strategy\)"):
+        source.attach(0, 0, replicas=2)
+    source.tf_dataset()  # built without the strategy: the hint that names it stays
+    with pytest.raises(ConfigError, match=r"pipeline was built for 1: pass the strategy"):
+        source.attach(0, 0, replicas=2)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("model_keras", ["tf_keras", "keras"])
 def test_callback_refuses_a_model_of_the_other_keras(model_keras: str, redis_url: str, job: str) -> None:
@@ -342,6 +355,18 @@ def test_a_fit_again_after_one_that_raised_reads_a_new_py_dataset(redis_url: str
         model.fit(source.py_dataset(tf_keras), epochs=1, steps_per_epoch=len(source), shuffle=False, workers=2,
                   callbacks=[callback], verbose=0)
     assert [(b.iteration, b.step) for b in source.served] == [(0, 0), (1, 1), (2, 0), (3, 1), (4, 2), (5, 3)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_tf_keras_use_multiprocessing_is_refused_through_fit_as_docs_keras_md_says(redis_url: str, job: str) -> None:
+    """docs/keras.md had named the error fit raises a tf.errors.UnknownError; TensorFlow 2.21 raises an
+    InvalidArgumentError, whose message holds the ConfigError."""
+    with _one_worker(redis_url, job) as (source, callback):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="ConfigError: BalancedSource cannot run in a separate "
+                                                                 "process"):
+            _model().fit(source.py_dataset(tf_keras), epochs=1, steps_per_epoch=len(source), shuffle=False,
+                         workers=2, use_multiprocessing=True, callbacks=[callback], verbose=0)
 
 
 @pytest.mark.slow

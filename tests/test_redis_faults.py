@@ -137,6 +137,55 @@ def test_with_agree_an_outage_costs_one_wait_not_one_per_step(job: str) -> None:
     assert late.fallback and back >= 1.5
 
 
+class News:
+    """OutageNews in memory, for workers of one process: what each worker told, by iteration."""
+
+    def __init__(self) -> None:
+        self.told: list[int] = []
+
+    def tell(self, iteration: int) -> None:
+        self.told.append(iteration)
+
+    def heard(self, iteration: int) -> bool:
+        return any(told >= iteration - 1 for told in self.told)
+
+
+@pytest.mark.parametrize("news", [True, False], ids=["with-news", "without"])
+def test_a_worker_that_hears_another_waited_out_redis_falls_back_without_its_own_wait(job: str, news: bool) -> None:
+    """Worker 0 read iteration 1's vector just before Redis went; worker 1 did not, waited the bound out and fell
+    back. Worker 0's next step had waited the whole timeout again: a second stall of the job. With the news of
+    worker 1's fallback it falls back at its first failure; the first fallback of each worker is told, once."""
+    config = JobConfig(job, 2, 10, assignment_timeout_s=1.5, lag=1)
+    channel = News()
+    with EmbeddedRedis() as server:
+        stores = [Store.from_url(server.url, job, socket_timeout_s=worker_socket_timeout(config.assignment_timeout_s))
+                  for _ in range(2)]
+        workers = [WorkerClient(store, config, w, agree=lambda agreed: agreed, outage_news=channel if news else None)
+                   for w, store in enumerate(stores)]
+        try:
+            stores[0].publish_or_read(Assignment(job, 1, (4, 6), "test", "decided"))
+            assert workers[0].assignment(1).sizes == (4, 6)
+            server.stop()
+            started = time.monotonic()
+            assert workers[1].assignment(1).fallback  # the bound waited out
+            assert time.monotonic() - started >= 1.5
+            started = time.monotonic()
+            assert workers[0].assignment(2).fallback
+            waited = time.monotonic() - started
+            workers[1].assignment(2)
+        finally:
+            for worker, store in zip(workers, stores):
+                worker.close()
+                store.close()
+    assert (waited < 0.75) if news else (waited >= 1.5), waited
+    assert channel.told == ([1, 2] if news else [])
+
+
+def test_outage_news_that_cannot_tell_or_hear_is_refused_where_the_worker_is_made(store: Store, job: str) -> None:
+    with pytest.raises(ConfigError, match=r"outage_news must be None or have tell\(iteration\) and heard"):
+        WorkerClient(store, JobConfig(job, 2, 10), 0, agree=lambda agreed: agreed, outage_news=object())  # type: ignore[arg-type]
+
+
 def test_the_coordinators_wait_for_reports_ends_before_its_socket_timeout(redis_url: str, job: str) -> None:
     with Store.from_url(redis_url, job, socket_timeout_s=1.0) as store:
         coordinator = Coordinator(store, JobConfig(job, 2, 10))

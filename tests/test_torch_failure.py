@@ -19,7 +19,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from lbbsp import EmbeddedRedis  # noqa: E402
 from lbbsp.integrations.torch import Balancer  # noqa: E402
 from test_keras_usage import REFUSALS, refused_policy  # noqa: E402
-from test_torch_usage import GLOBAL_BATCH, data, linear, trainer  # noqa: E402
+from test_torch_usage import GLOBAL_BATCH, SAMPLES, data, linear, trainer  # noqa: E402
 
 FAILING_RANK, FAILING_STEP = 1, 2
 
@@ -113,3 +113,79 @@ def test_a_policy_rank_0_refuses_is_refused_on_every_rank(what: str, tmp_path: P
         spawn(_join_with, (str(tmp_path / "rdv"), redis_url, job, str(tmp_path), what), nprocs=2, timeout_s=90)
     raised = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert raised[0] == raised[1] and raised[0].startswith(f"ConfigError: {REFUSALS[what]}"), raised
+
+
+# -- a Redis that goes away between two ranks' reads ------------------------------------------------------------
+OUTAGE_AT, TIMEOUT_S = 4, 2.0  # the step whose vector rank 0 reads just before Redis goes, and assignment_timeout_s
+
+
+def _wait_for(path: Path, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no {path.name}"
+        time.sleep(0.02)
+
+
+def _outage_worker(rank: int, init: str, url: str, job: str, folder: str) -> None:
+    """Train one epoch; Redis goes away after rank 0 has read the vector of step OUTAGE_AT, before rank 1 does.
+    Writes how long each step's batch took to draw (its wait for the vector, agreed)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    out = Path(folder)
+    lb = Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, assignment_timeout_s=TIMEOUT_S)
+    if rank == 0:
+        fetch = lb.client._fetch
+
+        def fetch_then_outage(iteration: int, deadline: float) -> object:
+            found = fetch(iteration, deadline)
+            if iteration == OUTAGE_AT:
+                (out / "read").touch()  # the test stops Redis now
+                _wait_for(out / "gone")
+            return found
+        lb.client._fetch = fetch_then_outage  # type: ignore[method-assign]
+    model = linear()
+    train = trainer(model)
+    lb.attach(model)
+    waits = []
+    batches = iter(lb.loader(data()))
+    for step in range(SAMPLES // GLOBAL_BATCH):
+        if rank == 1 and step == OUTAGE_AT:
+            _wait_for(out / "gone")
+        started = time.monotonic()
+        x, y, _ = next(batches)
+        waits.append(time.monotonic() - started)
+        train(x, y)
+    (out / f"rank{rank}.json").write_text(json.dumps(waits))
+    _wait_for(out / "back")
+    lb.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_redis_gone_between_two_ranks_reads_costs_the_job_one_wait(tmp_path: Path) -> None:
+    """Rank 1 waited assignment_timeout_s at the step whose vector rank 0 had read just before, and fell back; rank 0
+    found Redis gone a step later and waited the whole timeout again: two stalls of the job (about 21 s at the default
+    10 s, found porting a DDP script). Now the rank that waited tells the others through the process group's store."""
+    job = f"test-{uuid.uuid4().hex[:10]}"
+    with EmbeddedRedis() as server:
+        context = mp.start_processes(_outage_worker, args=(str(tmp_path / "rdv"), server.url, job, str(tmp_path)),
+                                     nprocs=2, join=False, start_method="spawn")
+        try:
+            _wait_for(tmp_path / "read")
+            server.stop()
+            (tmp_path / "gone").touch()
+            for rank in range(2):
+                _wait_for(tmp_path / f"rank{rank}.json")
+            server.start()
+            (tmp_path / "back").touch()
+            context.join(60)
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+    waits = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert waits[1][OUTAGE_AT] >= TIMEOUT_S  # rank 1's wait for Redis, rank 0's for rank 1 in the agreement
+    later = [wait for rank_waits in waits for wait in rank_waits[OUTAGE_AT + 1:]]
+    assert max(later) < TIMEOUT_S / 2, waits
