@@ -1149,10 +1149,12 @@ def _refers_to_main(policy: Policy | None, job: str) -> bool:
 
 def _stop_when_orphaned(coordinator: Coordinator, parent: int, poll_s: float = 0.5) -> None:
     """Stop serving once the process that started this one is gone (killed with SIGKILL, say, by the OOM
-    killer: no stop() comes then, and the child served on, logging that Redis was unavailable, for good)."""
+    killer: no stop() comes then, and the child served on, logging that Redis was unavailable, for good). Said at
+    INFO: what ended the parent is said where it ended (torchrun, a launcher), and a warning here came under every
+    interrupted run whose peers a collective's error had aborted before the parent's own stop could run."""
     while not coordinator._stop.wait(poll_s):
         if os.getppid() != parent:
-            log.warning("job %s: the process that started this coordinator (pid %d) is gone: stopping",
+            log.info("job %s: the process that started this coordinator (pid %d) is gone: stopping",
                         coordinator.config.job, parent)
             coordinator.stop(timeout_s=0)
             return

@@ -625,7 +625,8 @@ def test_the_coordinators_other_warnings_and_errors_name_its_job(store: Store, j
         coordinator.start()
         store.client.set(store.key("ready"), "not a list")  # every step fails on it
         _wait_until(lambda: "step failed" in caplog.text)
-        _stop_when_orphaned(coordinator, parent=-1, poll_s=0.01)  # no process has pid -1: its parent is gone
+        with caplog.at_level(logging.INFO, logger="lbbsp.coordinator"):  # said at INFO: see _stop_when_orphaned
+            _stop_when_orphaned(coordinator, parent=-1, poll_s=0.01)  # no process has pid -1: its parent is gone
         coordinator.stop()
     lines = _messages(caplog)
     for said in ("failed to decide", "failed to learn", "predicted throughput", "stored assignment of iteration 1",
