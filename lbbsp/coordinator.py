@@ -1155,7 +1155,7 @@ def _stop_when_orphaned(coordinator: Coordinator, parent: int, poll_s: float = 0
     while not coordinator._stop.wait(poll_s):
         if os.getppid() != parent:
             log.info("job %s: the process that started this coordinator (pid %d) is gone: stopping",
-                        coordinator.config.job, parent)
+                     coordinator.config.job, parent)
             coordinator.stop(timeout_s=0)
             return
 

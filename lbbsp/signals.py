@@ -7,7 +7,7 @@ import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 #: What a terminal, a service manager or a launcher sends to stop a process.
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -19,33 +19,30 @@ def _main_thread() -> bool:
 
 
 @contextlib.contextmanager
-def sigterm_as_exit() -> Iterator[None]:
+def _handled(signum: signal.Signals, handler: signal.Handlers | Callable[[int, object], None]) -> Iterator[None]:
+    """``signum`` handled by ``handler`` inside the block, by its own handler again after; in the main thread only."""
+    if not _main_thread():
+        yield
+        return
+    previous = signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous)
+
+
+def sigterm_as_exit() -> contextlib.AbstractContextManager[None]:
     """SIGTERM (kill, timeout(1), a CI job's cancel) as ``SystemExit(143)``, so that the cleanup of the ``with``
     blocks it passes through stops what they started: at its default it ends the process alone, and the children
     run on. Elsewhere than in the main thread, nothing changes."""
-    if not _main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return _handled(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-@contextlib.contextmanager
-def ctrl_c_ignored() -> Iterator[None]:
+def ctrl_c_ignored() -> contextlib.AbstractContextManager[None]:
     """SIGINT ignored, around the start of child processes, which inherit that (and so do theirs): a terminal's Ctrl-C
     reaches the whole process group, and every child printed a KeyboardInterrupt traceback of its own; the launcher
     alone stops them. Elsewhere than in the main thread, nothing changes."""
-    if not _main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    return _handled(signal.SIGINT, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

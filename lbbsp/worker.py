@@ -90,9 +90,10 @@ class WorkerClient:
         if agree is not None and not callable(agree):
             raise ConfigError(f"agree must be None or a function from Assignment to Assignment, got {agree!r}",
                               job=config.job)
-        if outage_news is not None and not all(callable(getattr(outage_news, name, None)) for name in ("tell", "heard")):
-            raise ConfigError(f"outage_news must be None or have tell(iteration) and heard(iteration) (OutageNews), got "
-                              f"{outage_news!r:.80}", job=config.job)
+        if outage_news is not None and not all(callable(getattr(outage_news, name, None))
+                                               for name in ("tell", "heard")):
+            raise ConfigError("outage_news must be None or have tell(iteration) and heard(iteration) (OutageNews), "
+                              f"got {outage_news!r:.80}", job=config.job)
         if not isinstance(device, str) or len(device) > MAX_DEVICE_CHARS:
             raise ConfigError(f"device must be a string of at most {MAX_DEVICE_CHARS} characters ('cpu', "
                               f"'cuda:A100', ...), got {device!r:.80}", job=config.job)
@@ -156,7 +157,7 @@ class WorkerClient:
             raise LBBSPError("report() after close(): the report would never be sent", job=self.config.job,
                              worker=self.worker, iteration=iteration)
         report = Report(job=self.config.job, worker=self.worker, iteration=iteration, samples=samples,
-                        compute_s=compute_s, comm_s=comm_s, wait_s=wait_s, features=dict(features or {}),
+                        compute_s=compute_s, comm_s=comm_s, wait_s=wait_s, features=features or {},  # Report copies it
                         device=self.device)
         report.to_json()  # size check at the edge, before it is queued
         self._outbox.put(report)

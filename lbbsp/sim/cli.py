@@ -350,8 +350,8 @@ def table(scenario: Scenario, summary: dict[str, dict[str, float]]) -> str:
         lines.append(f"references, not policies: oracle-level knows each worker's speed without its per-iteration "
                      f"noise for the coming iteration;\n  oracle-level-late knows the same, but only as of the "
                      f"latest reports ({scenario.config.lag} iteration{'s' * (scenario.config.lag != 1)} late, as "
-                     f"LB-BSP);\n  oracle-level-late-hedged plans that with LB-BSP's margins: what a perfect forecast of the "
-                     f"levels could give LB-BSP\n  (no bound where the noise persists for a few iterations, which the "
+                     f"LB-BSP);\n  oracle-level-late-hedged plans that with LB-BSP's margins: what a perfect "
+                     f"forecast of the levels could give LB-BSP\n  (no bound where the noise persists for a few iterations, which the "
                      f"last reports carry and a level does not)")
     if "oracle-sit-out" in summary:
         lines.append("reference, not a policy: oracle-sit-out knows every client's true speed and transfer for the "
