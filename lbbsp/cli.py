@@ -34,6 +34,7 @@ from .store import (
     Store,
     answering,
     left_by_earlier_run,
+    no_expiry,
     redacted,
     redis_url,
 )
@@ -368,13 +369,19 @@ def _claim_lapsed(store: Store, claim: str, stop: _StopSignals) -> None:
     job take turns at its iterations, and each model learns from only part of them."""
     from .coordinator import CLAIM_S  # noqa: PLC0415  (scikit-learn: see the imports above)
 
+    def endless(held: tuple[str, int] | None) -> tuple[str, int] | None:
+        if held is not None and held[1] == -1:
+            raise LBBSPError(f"job {store.job!r}: {no_expiry(store.key('coordinator'), held[0])}")
+        return held
+
+    endless(store.coordinator_claim())
     # neutral: the claim may be a live coordinator's (then refused below, within about a second) or a crashed one's
     print(f"job {store.job!r}: coordinator {claim} holds a claim on this job: waiting up to {CLAIM_S} s for it to "
           "lapse (a coordinator that stopped without releasing it) or be renewed (one that serves the job)", flush=True)
     deadline = time.monotonic() + CLAIM_S
     before_ms: int | None = None  # the claim's lifetime left at the read before
     while stop.received is None:
-        held = store.coordinator_claim()
+        held = endless(store.coordinator_claim())
         if held is None:
             return
         seen, left_ms = held

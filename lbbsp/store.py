@@ -23,6 +23,7 @@ import contextlib
 import os
 import re
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -91,6 +92,12 @@ def redis_url(given: str | None, source: str = "--redis") -> tuple[str | None, s
     return None, ""
 
 
+#: The connection options lbbsp sets itself, which redis-py lets a URL's query override: a URL's socket_timeout=20 had
+#: held a worker's call to a stalled Redis 6 s where its assignment_timeout_s was 1.
+_OWN_OPTIONS = ("socket_timeout", "socket_connect_timeout", "retry_on_timeout", "retry_on_error",
+                "health_check_interval")
+
+
 def connect(url: str, *, socket_timeout_s: float = 5.0, retries: int = 2) -> redis.Redis:
     """A client from one URL (redis://, rediss:// for TLS, unix://; password and db in the URL).
 
@@ -99,6 +106,7 @@ def connect(url: str, *, socket_timeout_s: float = 5.0, retries: int = 2) -> red
     expected = "expected redis://host:port/db, rediss://... (TLS) or unix:///path/to/socket"
     if not isinstance(url, str):
         raise ConfigError(f"a Redis URL must be a string, got {url!r:.60}; {expected}")
+    _check_url(url, expected)
     try:
         client = redis.Redis.from_url(
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=min(socket_timeout_s, 2.0),
@@ -112,6 +120,22 @@ def connect(url: str, *, socket_timeout_s: float = 5.0, retries: int = 2) -> red
         client.close()
         raise ConfigError(f"not a usable Redis URL: {redacted(url)} names no socket; {expected}")
     return client
+
+
+def _check_url(url: str, expected: str) -> None:
+    """A ConfigError for what redis-py would take silently: a query option that lbbsp sets itself, or a path that is
+    no database number (redis-py drops its slashes and reads ``/1/2`` as db 12, and ``/abc`` as db 0)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # ("Invalid IPv6 URL"): redis-py's own error says so, below
+        return
+    if own := sorted(set(urllib.parse.parse_qs(parts.query)) & set(_OWN_OPTIONS)):
+        raise ConfigError(f"the Redis URL's query sets {', '.join(own)}, which lbbsp sets itself (a worker's "
+                          "from its assignment_timeout_s, which bounds a step's wait on a stalled Redis): remove "
+                          f"{'them' if len(own) > 1 else 'it'} from the URL")
+    if url.lower().startswith(("redis://", "rediss://")) and not re.fullmatch(r"/?|/[0-9]+", parts.path):
+        raise ConfigError(f"not a usable Redis URL: {redacted(url)}: what follows host:port is no database number "
+                          f"(/0, /1, ...); {expected}")
 
 
 def worker_socket_timeout(assignment_timeout_s: float) -> float:
@@ -145,6 +169,13 @@ def _tls_hint(client: redis.Redis, exc: BaseException) -> str:
     return " (the URL asks for TLS (rediss://): if the server has none, use redis://)"
 
 
+def no_expiry(key: str, claimant: str) -> str:
+    """The error for a claim on a job that never expires, which no coordinator of lbbsp's writes (each renews one of 5
+    s): it would pass for a live coordinator's for good, and lock the job out of `lbbsp forget` and new coordinators."""
+    return (f"the claim on this job at Redis key {key} ({claimant}) has no expiry, which no lbbsp coordinator writes "
+            "(something else wrote it, or removed its TTL): if no coordinator serves the job, delete that key")
+
+
 def left_by_earlier_run(job: str, settings: str, redis_flag: str = "") -> str:
     """The error for settings that differ from those a finished run of ``job`` left (:meth:`Store.run_is_over`), with
     how to clear them: one wording wherever lbbsp refuses them. ``settings`` names the differences as the caller's
@@ -176,6 +207,8 @@ class Store:
     # Returns 1 if stored, 0 if this worker already reported iteration k, -1 if the payload is too big,
     # -2 if the worker id is not one of the job's, written in decimal without sign or leading zeros (another
     # spelling of a worker, "0x1" or "1.0", would fill the hash while the real report is still missing).
+    # A ready key of another type (no writer of lbbsp's leaves one) is replaced: the RPUSH had failed after the HSETNX,
+    # so the iteration was never queued, and every later one neither, until the run ended.
     POST_REPORT = """
     if string.len(ARGV[2]) > tonumber(ARGV[6]) then return -1 end
     if not string.match(ARGV[1], '^%d+$') then return -2 end
@@ -184,6 +217,7 @@ class Store:
     local added = redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
     redis.call('EXPIRE', KEYS[1], ARGV[4])
     if added == 1 and redis.call('HLEN', KEYS[1]) == tonumber(ARGV[3]) then
+        if redis.call('TYPE', KEYS[2]).ok ~= 'list' then redis.call('DEL', KEYS[2]) end
         redis.call('RPUSH', KEYS[2], ARGV[5])
         redis.call('EXPIRE', KEYS[2], ARGV[4])
     end
@@ -238,13 +272,14 @@ class Store:
     """
 
     # KEYS[1] = coordinator string, KEYS[2..] = the job's keys to delete (as listed by a scan)
-    # Returns {0, the claim} and deletes nothing where KEYS[1] exists (a coordinator claims the job: one that claimed it
-    # after the keys were listed keeps them), the claim false where it is no string; else {1, the number deleted}.
+    # Returns {0, the claim, its TTL in ms} and deletes nothing where KEYS[1] exists (a coordinator claims the job: one
+    # that claimed it after the keys were listed keeps them), the claim false where it is no string; else {1, the number
+    # deleted}.
     # UNLINK takes the keys a thousand at a time: Lua's unpack of them all fails past about 8,000.
     FORGET_UNCLAIMED = """
     if redis.call('EXISTS', KEYS[1]) == 1 then
         local claim = redis.pcall('GET', KEYS[1])
-        return {0, type(claim) == 'string' and claim}
+        return {0, type(claim) == 'string' and claim, redis.call('PTTL', KEYS[1])}
     end
     local deleted = 0
     for first = 2, #KEYS, 1000 do
@@ -401,6 +436,11 @@ class Store:
                                 job=self.job, worker=report.worker, iteration=report.iteration)
         return stored == 1
 
+    def holds(self, report: Report) -> bool:
+        """Whether ``report`` itself is stored, not another of its worker and iteration: a resend's duplicate answer
+        is then its own first send's, whose answer was lost (redis-py resends a command after a socket timeout)."""
+        return self.client.hget(self.key("reports", report.iteration), str(report.worker)) == report.to_json()
+
     def post_reports(self, reports: Sequence[Report], num_workers: int) -> int:
         """Store many reports in one round trip, each exactly as :meth:`post_report` would (a simulator's
         whole cluster); the number newly stored."""
@@ -430,7 +470,8 @@ class Store:
         socket_timeout = self.client.connection_pool.connection_kwargs.get("socket_timeout")
         if socket_timeout:
             timeout_s = min(timeout_s, max(socket_timeout - 1.0, socket_timeout / 2))
-        item = self.client.blpop([self.key("ready")], timeout=timeout_s)
+        with self._typed("ready"):
+            item = self.client.blpop([self.key("ready")], timeout=timeout_s)
         return None if item is None else _queued(item[1])
 
     def drain_ready(self) -> list[int]:
@@ -439,7 +480,8 @@ class Store:
         pipe = self.client.pipeline(transaction=True)
         pipe.lrange(self.key("ready"), 0, -1)
         pipe.delete(self.key("ready"))
-        items, _ = pipe.execute()
+        with self._typed("ready"):
+            items, _ = pipe.execute()
         return [k for k in map(_queued, items) if k is not None]
 
     def reports(self, iteration: int) -> dict[bytes, bytes]:
@@ -620,11 +662,13 @@ class Store:
         keys = list(dict.fromkeys(self.client.scan_iter(match=pattern, count=1000)))
         if not unless_claimed:
             return int(self.client.unlink(*keys)) if keys else 0
-        deleted, result = self._forget_unclaimed(keys=[self.key("coordinator"), *keys])
+        deleted, result, *left_ms = self._forget_unclaimed(keys=[self.key("coordinator"), *keys])
         if not deleted:
-            raise ConfigError(f"job {self.job!r} is served by the coordinator {_claimant(result) or UNKNOWN_CLAIM}: "
-                              "stop that coordinator first (its workers would lose their settings and splits), then "
-                              "forget the job", job=self.job)
+            claimant = _claimant(result) or UNKNOWN_CLAIM
+            if left_ms == [-1]:
+                raise ConfigError(no_expiry(self.key("coordinator"), claimant), job=self.job)
+            raise ConfigError(f"job {self.job!r} is served by the coordinator {claimant}: stop that coordinator first "
+                              "(its workers would lose their settings and splits), then forget the job", job=self.job)
         return int(result)
 
     def jobs(self) -> Iterator[str]:

@@ -181,8 +181,10 @@ class WorkerClient:
                 try:
                     if self._unwritten:  # before the report that may complete their iteration
                         self._write_unwritten()
-                    # a retry that finds the report stored found this report's own first try, whose answer was lost
-                    if not self.store.post_report(report, self.config.num_workers) and not retried:
+                    # a retry that finds the report stored found this report's own first try, whose answer was
+                    # lost: this loop's retry, or redis-py's own within one call
+                    if (not self.store.post_report(report, self.config.num_workers) and not retried
+                            and not self.store.holds(report)):
                         self._warn_duplicate(report.iteration)
                     self._answered_at = tried
                     break

@@ -35,7 +35,7 @@ from lbbsp import (
 from lbbsp.cli import _model_said, _policy, _redis_flag, build_parser, main
 from lbbsp.embedded import ipv6_available
 from lbbsp.models import AutoCapacityModel
-from lbbsp.store import redacted
+from lbbsp.store import UNKNOWN_CLAIM, redacted
 
 LBBSP = [sys.executable, "-m", "lbbsp.cli"]
 
@@ -539,6 +539,29 @@ def test_forget_refuses_a_job_a_coordinator_serves_and_the_mismatch_error_says_s
         err = capsys.readouterr().err
         assert "--workers 2 (not 3)" in err and "forget" not in err, err
         store.forget()
+
+
+@pytest.mark.timeout(60)
+def test_a_claim_without_expiry_is_named_with_its_key_by_forget_and_by_a_coordinator_not_waited_on(
+        redis_url: str, job: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A claim no lbbsp coordinator writes (no TTL) had locked the job out for good: `forget` told to stop a coordinator
+    that does not exist, and a coordinator waited 5 s to say its claim was "renewed within the last 5 s"."""
+    _finished(redis_url, job)
+    with Store.from_url(redis_url, job) as store:
+        store.client.set(store.key("coordinator"), "leftover")
+        said = (f"the claim on this job at Redis key {store.key('coordinator')} ({UNKNOWN_CLAIM}) has no expiry, which "
+                "no lbbsp coordinator writes (something else wrote it, or removed its TTL): if no coordinator serves "
+                "the job, delete that key\n")
+        assert main(["forget", "--redis", redis_url, "--job", job]) == 2
+        assert capsys.readouterr().err == f"lbbsp: error: {said}"
+        started = time.monotonic()
+        assert main(["coordinator", "--redis", redis_url, "--job", job, "--workers", "2", "--global-batch", "30"]) == 2
+        out, err = capsys.readouterr()
+        assert time.monotonic() - started < 4 and "waiting" not in out, out
+        assert err == f"lbbsp: error: job {job!r}: {said}", err
+        store.client.delete(store.key("coordinator"))
+        assert main(["forget", "--redis", redis_url, "--job", job]) == 0
+        capsys.readouterr()
 
 
 def test_forget_without_a_redis_or_with_a_bad_job_name_is_a_one_line_error(

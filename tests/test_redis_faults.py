@@ -243,6 +243,24 @@ def test_a_step_that_fails_the_same_way_is_logged_once_not_at_every_retry(redis_
     assert len(failures) == 1
 
 
+def test_a_ready_key_of_another_type_is_named_and_replaced_by_the_report_that_completes_an_iteration(
+        redis_url: str, job: str) -> None:
+    """A hash at the ready key had failed the report script after its report was stored, so no iteration was queued
+    again and every later step waited out assignment_timeout_s, the coordinator's log a bare WRONGTYPE."""
+    config = JobConfig(job, 2, 10, lag=1)
+    with Store.from_url(redis_url, job) as store:
+        coordinator = Coordinator(store, config, policy=BSPPolicy())
+        store.client.hset(store.key("ready"), "a", "b")
+        for step in (lambda: store.next_ready(0.1), store.drain_ready):
+            with pytest.raises(ConfigError, match=f"Redis key {store.key('ready')} holds a value of another type"):
+                step()
+        for worker in (0, 1):
+            assert store.post_report(Report(job, worker, 0, 5, 0.1), config.num_workers)
+        outcome = coordinator.step(timeout_s=0.5)
+        assert outcome is not None and outcome.iteration == 0 and outcome.written
+        assert store.get_assignment(1) is not None
+
+
 def test_status_skips_entries_no_coordinator_wrote(redis_url: str, job: str,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     with Store.from_url(redis_url, job) as store:
@@ -460,7 +478,7 @@ def test_a_report_whose_first_answer_was_lost_is_not_called_a_duplicate(
         worker._outbox.join()
         assert answers == [True, False] and store.report_count(0) == 1
         assert "reported already" not in caplog.text
-        worker.report(0, 4, 0.01)  # a real second report of iteration 0 is still warned about
+        worker.report(0, 4, 0.02)  # a real second report of iteration 0 (another measurement) is still warned about
         worker._outbox.join()
     assert [r.getMessage().count("reported already") for r in caplog.records] == [1], caplog.text
 

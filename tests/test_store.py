@@ -28,7 +28,7 @@ from lbbsp import (
 )
 from lbbsp.cli import main
 from lbbsp.client_history import ClientHistory
-from lbbsp.store import UNKNOWN_CLAIM, answering, redis_url, wait_for_redis, worker_socket_timeout
+from lbbsp.store import UNKNOWN_CLAIM, answering, connect, redis_url, wait_for_redis, worker_socket_timeout
 from test_cli import DOC, SERVING, _decided, _store_keys
 
 
@@ -114,6 +114,29 @@ def test_an_error_about_the_variables_url_names_the_variable(
     assert main([*command, "--redis", url]) == 2
     assert capsys.readouterr().err.startswith(f"lbbsp: error: {said}")
     assert "begins with `$LBBSP_REDIS_URL:`" in DOC  # the doc says so
+
+
+@pytest.mark.parametrize(("url", "said"), [
+    ("redis://:pw@127.0.0.1:6379/abc", "6379/abc: what follows host:port is no database number"),  # redis-py: db 0
+    ("redis://127.0.0.1:6379/1/2", "6379/1/2: what follows host:port is no database number"),  # redis-py: db 12
+    ("rediss://127.0.0.1:6379/ 3", "6379/ 3: what follows host:port is no database number"),
+    ("redis://127.0.0.1:6379/0?socket_timeout=20", "the Redis URL's query sets socket_timeout, which lbbsp sets"),
+    ("unix:///tmp/r.sock?retry_on_timeout=1&health_check_interval=3&db=2",
+     "sets health_check_interval, retry_on_timeout, which lbbsp sets itself"),
+])
+def test_a_url_redis_py_would_read_otherwise_than_written_is_refused(url: str, said: str) -> None:
+    """redis-py drops a path's slashes and ignores one that is no number, and lets the query's options win over the
+    timeouts lbbsp sets: a typo put a job on another database, and a URL's socket_timeout=20 held a step 6 s where
+    its assignment_timeout_s was 1."""
+    with pytest.raises(ConfigError, match=re.escape(said)) as raised:
+        connect(url)
+    assert "pw" not in str(raised.value)
+
+
+def test_urls_with_a_database_number_or_none_connect() -> None:
+    for url in ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379/", "redis://127.0.0.1:6379/12",
+                "unix:///tmp/r.sock?db=3", "redis://127.0.0.1:6379/0?max_connections=4"):
+        connect(url).close()
 
 
 def test_a_redis_that_does_not_answer_is_named_by_the_source_given_and_only_then() -> None:

@@ -4,6 +4,7 @@ and the fallbacks and reports it writes."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ from lbbsp import (
     JobConfig,
     LBBSPError,
     ProtocolError,
+    Report,
     Store,
     StoreUnavailable,
     WorkerClient,
@@ -116,6 +118,26 @@ def test_a_report_of_an_iteration_already_reported_is_warned_about(redis_url: st
         assert caplog.text.count("iteration 0 was reported already") == 1  # once a minute, not per report
         assert "or this worker reported the iteration twice" in caplog.text  # the cause here, which it had not named
         worker.store.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_report_whose_answer_a_stall_lost_is_not_warned_about_as_reported_twice(
+        redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A Redis stall a little longer than the worker's socket timeout: redis-py resends the report, whose first send
+    Redis ran after the stall, and the resend's "already stored" had been warned about as a job name run twice."""
+    config = JobConfig(job, 2, 8, assignment_timeout_s=1.0)
+    store = Store.from_url(redis_url, job, socket_timeout_s=worker_socket_timeout(config.assignment_timeout_s))
+    with WorkerClient(store, config, 0) as worker, Store.from_url(redis_url, job) as other:
+        stall = threading.Thread(target=other.client.execute_command, args=("DEBUG", "SLEEP", "0.5"))
+        stall.start()
+        time.sleep(0.05)
+        worker.report(0, 4, 0.1)  # sent during the stall: the first send times out (0.33 s), the resend answers 0
+        worker.flush()
+        stall.join()
+        sent = Report.from_json(store.reports(0)[b"0"])
+        assert store.holds(sent) and not store.holds(dataclasses.replace(sent, compute_s=0.2))
+        assert "reported already" not in caplog.text
+        store.close()
 
 
 def _run(clients: list, iterations: range) -> None:
