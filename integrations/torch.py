@@ -62,10 +62,12 @@ from lbbsp.worker import WorkerClient
 from .torch_data import BalancedLoader
 from .torch_grad import (
     BatchNormWarning,
+    CommHook,
     ComputeClock,
     _collective_device,
     all_reduce_gradients,
     batch_norm_layers,
+    chained_hook,
     check_batch_norm,
     check_weighting,
     scaled_loss,
@@ -163,6 +165,9 @@ class Balancer:
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialised: call dist.init_process_group first")
         rank, world = dist.get_rank(), dist.get_world_size()
+        _same_on_every_rank(world, global_batch=global_batch, min_batch=min_batch, max_batch=max_batch,
+                            assignment_timeout_s=assignment_timeout_s, lag=lag, max_ahead=max_ahead,
+                            coordinator=coordinator)
         # (a global batch under 1 is left to JobConfig's error: no min_batch makes it one)
         if _is_integer(min_batch) and _is_integer(global_batch) and min_batch * world > global_batch >= 1:
             raise ConfigError(f"global_batch={global_batch} cannot give each of the {world} ranks min_batch="
@@ -287,12 +292,16 @@ class Balancer:
                         "DataLoader (said once)")
 
     # -- the gradient side ----------------------------------------------------------------------------------
-    def attach(self, model: DistributedDataParallel, weighting: str = "hook") -> DistributedDataParallel:
+    def attach(self, model: DistributedDataParallel, weighting: str = "hook", *, comm_hook: CommHook | None = None,
+               comm_state: object = None) -> DistributedDataParallel:
         """Install the gradient hook on a DDP model; ``weighting='loss'`` if you call :meth:`scale_loss`.
 
         Use ``'hook'`` (the default) to keep the training loop unchanged. Use ``'loss'`` with gradient
         accumulation (``no_sync``) or SyncBatchNorm: the weight then travels with each backward. DDP takes one
-        communication hook per model, so another Balancer (a new global batch) needs a new DDP wrapper.
+        communication hook per model, so another Balancer (a new global batch) needs a new DDP wrapper, and a
+        script's own hook (gradient compression: fp16, bf16, PowerSGD) is passed here as ``comm_hook`` (with its
+        ``comm_state``) instead of to ``register_comm_hook``: each bucket is weighted, then handed to it. It must
+        reduce the mean over the ranks, as DDP's hooks do.
         """
         if not isinstance(model, DistributedDataParallel):
             if isinstance(getattr(model, "_orig_mod", None), DistributedDataParallel):  # torch.compile(DDP(m))
@@ -305,13 +314,29 @@ class Balancer:
                               "without DDP call all_reduce_gradients(model.parameters()) after backward")
         check_weighting(weighting)
         check_batch_norm(model.module, weighting)
+        if comm_hook is not None and not callable(comm_hook):
+            raise ConfigError(f"comm_hook must be a DDP communication hook (a function of state and bucket), got "
+                              f"{type(comm_hook).__name__}", job=self.config.job, worker=self.rank)
+        held = [hook for hook, state in getattr(model, "_comm_hooks", ()) if not isinstance(state, Balancer)]
+        if held:  # the script's own, registered before: DDP would refuse a second, and lbbsp's could not weight it
+            name = getattr(held[0], "__qualname__", type(held[0]).__name__)
+            raise ConfigError(f"this DDP model has a communication hook of the script's own ({name}), and DDP takes "
+                              "one: pass it to lb.attach(model, comm_hook=..., comm_state=...) instead of "
+                              "register_comm_hook, and lbbsp weights each bucket before handing it on",
+                              job=self.config.job, worker=self.rank)
+        hook = weighted_hook if weighting == "hook" else timing_hook
         try:
-            model.register_comm_hook(self, weighted_hook if weighting == "hook" else timing_hook)
+            model.register_comm_hook(self, hook if comm_hook is None else chained_hook(comm_hook, comm_state))
         except RuntimeError as exc:
             raise ConfigError(f"DDP refused the gradient hook ({exc}): a DDP model takes one communication hook, "
                               "and this one has one already (an earlier attach, perhaps of another Balancer); "
                               "wrap the module in a new DistributedDataParallel for this Balancer",
                               job=self.config.job, worker=self.rank) from exc
+        if self.weighting is not None and self.rank == 0:
+            log.warning("a second DDP model is attached to this Balancer: a step's compute is timed until the last "
+                        "gradient bucket of its first backward through an attached model, so the forward and backward "
+                        "of a model that comes after it (a GAN's discriminator, a critic) are not timed, and the "
+                        "split follows the first one's speed only (docs/torch.md, Several models)")
         self.weighting = weighting
         self._model_device = _parameter_device(model.parameters())
         if (self.rank == 0 and self._model_device is not None and self._model_device.type == "cuda"
@@ -576,6 +601,29 @@ _FSDP_REFUSED = ("FSDP is not supported: lbbsp weights each rank's gradients in 
 def _sharded(model: nn.Module) -> bool:
     """Whether ``model`` is FSDP's (FullyShardedDataParallel, or a module FSDP2's ``fully_shard`` made)."""
     return any(cls.__name__ in ("FullyShardedDataParallel", "FSDPModule") for cls in type(model).__mro__)
+
+
+def _same_on_every_rank(world: int, **settings: object) -> None:
+    """A ConfigError on every rank, naming the ranks and values, where the ranks passed from_env other ``settings``:
+    rank 0's were used (its coordinator registers the job), and a rank of another global batch had died of a
+    mismatch error on rank 0 that blamed a job name it had just made up, the others of the connection it left."""
+    ours = {name: tuple(v) if isinstance(v, (list, tuple)) else v for name, v in settings.items()}
+    every: list[dict[str, object] | None] = [None] * world
+    dist.all_gather_object(every, ours)
+    differ = []
+    for name in ours:
+        groups: list[tuple[object, list[int]]] = []  # each value (10 and 10.0 are one; so is NaN) and its ranks
+        for r, theirs in enumerate(every):
+            value = cast("dict[str, object]", theirs)[name]
+            same = next((ranks for v, ranks in groups if v == value or repr(v) == repr(value)), None)
+            same.append(r) if same is not None else groups.append((value, [r]))
+        if len(groups) > 1:
+            differ.append(f"{name}: " + "; ".join(f"{value!r} on rank{'s' if len(ranks) > 1 else ''} "
+                                                   f"{', '.join(map(str, ranks[:8]))}{' ...' if len(ranks) > 8 else ''}"
+                                                   for value, ranks in groups[:4]))
+    if differ:
+        raise ConfigError("Balancer.from_env was given other settings on other ranks (" + "; ".join(differ) + "): "
+                          "the job has one global batch and one split a step, so every rank must pass the same")
 
 
 def _all_gathered(value: str | None, *, world: int) -> list[str | None]:

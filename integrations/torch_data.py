@@ -142,8 +142,9 @@ class BalancedLoader:
     def __init__(self, dataset: Dataset, balancer: Balancer, *, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, prefetch: bool | None = None, **dataloader_kwargs: Any) -> None:
         workers = int(dataloader_kwargs.get("num_workers", 0))
-        if workers > 0 and dataloader_kwargs.get("persistent_workers") is True:  # what it does anyway: a DDP
-            del dataloader_kwargs["persistent_workers"]  # script's own DataLoader options pass unchanged
+        # what it does anyway (persistent_workers=num_workers > 0, a common line): a DDP script's options pass
+        if dataloader_kwargs.get("persistent_workers", ...) is (workers > 0):
+            del dataloader_kwargs["persistent_workers"]
         reserved = sorted(set(dataloader_kwargs) & set(_RESERVED))
         if reserved:
             message = "; ".join(f"{key} itself: {_RESERVED[key]}" for key in reserved)

@@ -19,8 +19,8 @@ before any wait for the slower ranks, which is where this rank's compute time en
 import functools
 import time
 import warnings
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -72,6 +72,10 @@ def check_batch_norm(model: nn.Module, weighting: str) -> None:
             "min_batch=2 to Balancer.from_env and drop_last=True to its loader.", BatchNormWarning, stacklevel=3)
 
 
+#: A DDP communication hook: (its state, a bucket) -> a future of the bucket's reduced gradients.
+CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+
+
 def scaled_loss(loss: torch.Tensor, samples: int, total: int, world_size: int) -> torch.Tensor:
     """``loss * W * samples / total``; for no samples a zero that still carries the graph (mean of none is NaN)."""
     if samples == 0:
@@ -91,6 +95,21 @@ def timing_hook(balancer: "Balancer", bucket: dist.GradBucket) -> torch.futures.
     return _all_reduce(balancer, bucket, 1.0 / balancer.world_size)
 
 
+def chained_hook(hook: CommHook, state: object) -> Callable[["Balancer", dist.GradBucket],
+                                                               torch.futures.Future[torch.Tensor]]:
+    """A DDP comm hook that weights each bucket as lbbsp's do, then hands it to the script's own ``hook`` (with its
+    ``state``), which reduces the mean over the ranks as DDP's hooks do (fp16 or bf16 compression, PowerSGD):
+    ``W * b_i / B`` times the mean is the weighted sum, and the loss form's loss carries that weight already."""
+
+    def lbbsp_then_hook(balancer: "Balancer", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        _check_open(balancer)
+        weight = balancer.gradient_weight() * balancer.world_size if balancer.weighting == "hook" else 1.0
+        return _all_reduce(balancer, bucket, weight, lambda: hook(state, bucket))
+
+    lbbsp_then_hook.__qualname__ = f"lbbsp+{getattr(hook, '__qualname__', type(hook).__name__)}"  # DDP logs it
+    return lbbsp_then_hook
+
+
 def _check_open(balancer: "Balancer") -> None:
     """A hook outlives its Balancer (DDP cannot remove one): after close it must stop, not weight stale sizes;
     and a gradient is weighted only while its step is open (the share of an ended step is not its batch's)."""
@@ -102,7 +121,11 @@ def _check_open(balancer: "Balancer") -> None:
     balancer._open_step()
 
 
-def _all_reduce(balancer: "Balancer", bucket: dist.GradBucket, weight: float) -> torch.futures.Future[torch.Tensor]:
+def _all_reduce(balancer: "Balancer", bucket: dist.GradBucket, weight: float,
+                reduce: Callable[[], torch.futures.Future[torch.Tensor]] | None = None,
+                ) -> torch.futures.Future[torch.Tensor]:
+    """Weight the bucket, and sum it over the ranks (or ``reduce`` it, a script's own hook); the compute's clock
+    stops at the last bucket, before any communication, and its report is queued while the reduction runs."""
     last = bucket.is_last()
     if last:
         balancer.compute_finished()  # the clock stops before any communication
@@ -111,10 +134,14 @@ def _all_reduce(balancer: "Balancer", bucket: dist.GradBucket, weight: float) ->
         buffer.zero_()  # an empty slice: its mean is undefined, its share is nothing
     else:
         buffer.mul_(weight)
-    work = dist.all_reduce(buffer, group=balancer.group, async_op=True)
+    if reduce is not None:
+        future = reduce()
+    else:
+        future = dist.all_reduce(buffer, group=balancer.group, async_op=True).get_future().then(
+            lambda fut: fut.value()[0])
     if last:
         balancer.gradients_ready()  # the report is built and queued while the all-reduce runs
-    return work.get_future().then(lambda fut: fut.value()[0])
+    return future
 
 
 def all_reduce_gradients(balancer: "Balancer", parameters: Iterable[nn.Parameter]) -> None:

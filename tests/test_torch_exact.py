@@ -19,6 +19,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
@@ -62,10 +63,11 @@ ACCUMULATE = 2
 #: backend (inductor), "compiled-dynamic" the same with dynamic=True (docs/torch.md's advice), "compiled-module"
 #: lb.attach(DDP(torch.compile(m))) with aot_eager (no C++ build); "chunks" cuts each slice into micro-batches of
 #: CHUNK weighted by scale_loss(..., samples=), "sum" is docs/torch.md's recipe for a global sum (reduction="sum" /
-#: len(y) * lb.step.total, against single-process SGD on the sum at lr / B).
+#: len(y) * lb.step.total, against single-process SGD on the sum at lr / B); "own-hook" and "own-hook-loss" pass
+#: DDP's own allreduce_hook (a mean, as compression hooks reduce) as the script's comm_hook, in each form.
 MODES = {"hook": ("hook", 0), "loss": ("loss", 2), "accumulate": ("loss", 0), "amp": ("hook", 0),
          "compiled": ("hook", 0), "compiled-dynamic": ("hook", 0), "compiled-module": ("loss", 0), "chunks": ("loss", 0),
-         "sum": ("hook", 0)}
+         "sum": ("hook", 0), "own-hook": ("hook", 0), "own-hook-loss": ("loss", 0)}
 CHUNK, LR = 7, 0.5
 
 
@@ -74,7 +76,10 @@ def _train(mode: str, rank: int, url: str, job: str, device: str = "cpu") -> dic
     module = mlp().to(device)
     model = DDP(torch.compile(module, backend="aot_eager") if mode == "compiled-module" else module)
     lb = Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-{mode}", policy=ChangingSplit(), min_batch=0)
-    lb.attach(model, weighting)
+    if mode.startswith("own-hook"):
+        lb.attach(model, weighting, comm_hook=default_hooks.allreduce_hook, comm_state=None)
+    else:
+        lb.attach(model, weighting)
     forward = model
     if mode.startswith("compiled") and mode != "compiled-module":  # "compiled": a new batch size, one recompile
         forward = torch.compile(model, dynamic=True if mode == "compiled-dynamic" else None)

@@ -27,6 +27,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.multiprocessing import ProcessRaisedException  # noqa: E402
@@ -159,6 +160,24 @@ def second_balancer_on_one_model(url: str, job: str) -> dict:
                 train(x, y)
         except LBBSPError as exc:  # raised by the first Balancer's hook, inside DDP's backward
             result["backward"] = str(exc)
+    own = linear()  # a script's own hook (compression), registered first: its advice had been to drop it
+    own.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-3") as third:
+        try:
+            third.attach(own)
+        except ConfigError as exc:
+            result["own_hook"] = str(exc)
+        said: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("lbbsp.torch").addHandler(handler)
+        try:  # a GAN's two models: the second's compute is not timed (rank 0 says so)
+            third.attach(linear())
+            third.attach(linear())
+        finally:
+            logging.getLogger("lbbsp.torch").removeHandler(handler)
+        warned = [m for m in said if "a second DDP model is attached" in m]
+        result["second_model"] = len(warned) == (1 if dist.get_rank() == 0 else 0)  # rank 0 warns, once
     return result
 
 
@@ -226,11 +245,16 @@ def settings(url: str, job: str) -> dict:
             Balancer.from_env(**{"global_batch": GLOBAL_BATCH, "redis": url, "job": job, **kwargs})
         except ConfigError as exc:
             result[name] = str(exc)
+    try:  # a rank of its own global batch had died of rank 0's mismatch error, which blamed a job name
+        Balancer.from_env(GLOBAL_BATCH + dist.get_rank(), redis=url)
+    except ConfigError as exc:
+        result["differ"] = str(exc)
     with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, lag=3) as lb:  # for steps shorter than a decision
         result["lag"] = lb.config.lag
         result["first"] = [lb.client.assignment(k).policy for k in range(3)]
         for name, call in (("iterable", lambda: lb.loader(Stream())),
-                           ("persistent_workers", lambda: lb.loader(data(), persistent_workers=False))):
+                           ("persistent_workers", lambda: lb.loader(data(), num_workers=1, persistent_workers=False)),
+                           ("without_workers", lambda: lb.loader(data(), persistent_workers=False))):
             try:
                 call()
             except ConfigError as exc:
@@ -491,6 +515,9 @@ def test_a_second_balancer_needs_a_new_ddp_wrapper(outcomes: list[dict]) -> None
     assert "new DistributedDataParallel" in result["attach"]
     assert result["weighting"] is None  # a failed attach leaves the Balancer as it was
     assert "closed Balancer" in result["backward"]  # the first Balancer's hook no longer weights
+    assert ("has a communication hook of the script's own (fp16_compress_hook), and DDP takes one: pass it to "
+            "lb.attach(model, comm_hook=..., comm_state=...)") in result["own_hook"]
+    assert result["second_model"] is True
 
 
 @pytest.mark.slow
@@ -516,7 +543,10 @@ def test_settings_errors_say_what_to_do(outcomes: list[dict]) -> None:
     result = both(outcomes, "settings")
     assert "min_batch=0" in result["global_batch"] and "at least 2" in result["global_batch"]
     assert "map-style dataset" in result["iterable"]
-    assert "persistent_workers itself" in result["persistent_workers"]
+    assert "persistent_workers itself" in result["persistent_workers"] and "without_workers" not in result
+    assert result["differ"] == (f"Balancer.from_env was given other settings on other ranks (global_batch: "
+                                f"{GLOBAL_BATCH} on rank 0; {GLOBAL_BATCH + 1} on rank 1): the job has one global "
+                                "batch and one split a step, so every rank must pass the same")
     assert "127.0.0.1:1" in result["unreachable"] and "LBBSP_REDIS_URL" in result["unreachable"]
     assert "policy must be a Policy instance" in result["policy_name"]
     assert "global_batch must be an integer, got True (bool)" in result["bool_batch"]
