@@ -18,7 +18,8 @@ pytest.importorskip("flwr")
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
+from flwr.supercore.privacy_accounting import NeighboringRelation, PrivacyConfig, SamplingMethod
 
 from lbbsp import ConfigError, EmbeddedRedis, EWMAThroughput, ProtocolError, Report, StoreUnavailable
 from lbbsp.integrations.flower import ClientHistory, ClientResult, EmulatedLink, LoadBalanced, LocalRound, Workload
@@ -265,3 +266,26 @@ def test_a_wrapped_strategy_that_waits_for_more_nodes_than_a_local_grid_has_is_a
     with ClientHistory.from_url(redis_url, job) as history:
         with pytest.raises(ConfigError, match=r"waits for 5 nodes .* this LocalGrid has 3"):
             start_rounds(LoadBalanced(dp(inner, 2), history, batch_size=4), porting_app(), nodes=3, rounds=1)
+
+
+class _CountingAccountant:
+    """A PrivacyAccountant (Flower's protocol) that counts releases: Flower's own needs dp_accounting."""
+
+    def __init__(self) -> None:
+        self.config = PrivacyConfig(1e-5, 100, NeighboringRelation.ADD_OR_REMOVE_ONE, SamplingMethod.NO_AMPLIFICATION)
+        self.num_releases = 0
+
+    def compose(self, event: object, count: int = 1) -> None:
+        self.num_releases += count
+
+
+def test_a_dp_wrapper_with_an_accountant_inside_is_refused_as_it_needs_equal_weights(redis_url: str, job: str) -> None:
+    """Flower's accounted aggregation refuses unequal client weights: the round had raised "Accounted aggregation
+    requires equal client weights" out of the ServerApp's start, in its first round."""
+    wrapped = DifferentialPrivacyServerSideFixedClipping(FedAvg(), noise_multiplier=1.0, clipping_norm=1.0,
+                                                         num_sampled_clients=3, accountant=_CountingAccountant())
+    with ClientHistory.from_url(redis_url, job) as history:
+        with pytest.raises(ConfigError, match="the DP wrapper's accountant needs equal client weights"):
+            LoadBalanced(wrapped, history)
+        LoadBalanced(DifferentialPrivacyServerSideFixedClipping(FedAvg(), noise_multiplier=1.0, clipping_norm=1.0,
+                                                                num_sampled_clients=3), history)
