@@ -38,6 +38,13 @@ Arrays = np.ndarray | dict[str, np.ndarray] | tuple[np.ndarray, ...] | list[np.n
 
 _KEEP_ITERATIONS = 64
 _SOURCES: weakref.WeakSet[BalancedSource] = weakref.WeakSet()  # released at exit: see _release_all
+#: Set at exit: a tf_dataset's generator then ends its pass, and the pass after it is empty, which ends the repeat.
+_EXITING = threading.Event()
+#: Generator steps taken, over every source: _release_all waits until they stop (see there).
+_generator_steps = itertools.count()
+_steps_taken = 0
+#: How long _release_all waits at most for the generators to stop.
+_EXIT_DRAIN_S = 2.0
 #: How long a ``PyDataset`` batch waits for the batches before it in its epoch to be asked for: in order, they
 #: were asked for a moment earlier (worker threads take indices first come, first served).
 _ORDER_GRACE_S = 5.0
@@ -401,7 +408,8 @@ class BalancedSource:
             self._generator_epochs += 1
         try:
             for step in range(len(self)):
-                if self._abandoned == fit:
+                _count_generator_step()
+                if self._abandoned == fit or _EXITING.is_set():
                     return
                 yield self._batch(epoch, step, pipeline)
         finally:
@@ -682,13 +690,29 @@ def _class_weights(class_weight: Mapping[int, float], y: np.ndarray, job: str) -
     return np.array([table.get(int(c), 1.0) for c in present])[where.reshape(len(classes))]
 
 
+def _count_generator_step() -> None:
+    """Note a step of a tf_dataset's generator (for _release_all)."""
+    global _steps_taken  # noqa: PLW0603  (one counter for every source's generators, read at exit)
+    _steps_taken = next(_generator_steps)
+
+
 def _release_all() -> None:
-    """End every source's fit at exit, so that prefetches waiting for a vector return. Under MWMS a fit that
-    raised (Keras skips on_train_end) left the distributed iterator's prefetch waiting in the generator, and
-    destroying the iterator at exit waited for it: the process hung after its traceback, and SIGTERM did not
-    end it."""
+    """End every source's fit at exit, so that prefetches waiting for a vector return, and end their generators:
+    each pass ends, the next is empty, and the repeat ends, so tf.data calls them no more. Then wait (the GIL
+    released) until no generator has taken a step for 0.1 s. Under MWMS, a fit that raised (Keras skips
+    on_train_end) left the distributed iterator's prefetch waiting in the generator, and destroying the iterator at
+    exit waited for it: the process hung after its traceback, and SIGTERM did not end it. With the fits released
+    but the generators still served, the prefetch thread could be in a generator call when the interpreter's
+    finalisation began, where its Python cannot run again: 3 of 6 exits of the survivor of worker 0 killed hung so."""
+    _EXITING.set()
     for source in list(_SOURCES):
         source._end_failed_fit()
+    if not any(source.latest_pipeline == "tf_dataset" for source in list(_SOURCES)):
+        return
+    deadline, seen = time.monotonic() + _EXIT_DRAIN_S, -1
+    while seen != _steps_taken and time.monotonic() < deadline:
+        seen = _steps_taken
+        time.sleep(0.1)
 
 
 @functools.cache

@@ -338,6 +338,34 @@ def run_outage_worker(index: int, ports: list[int], url: str, job: str, out: Pat
         (out / f"outage{index}.json").write_text(json.dumps(ended))
 
 
+def run_killed_peer_worker(index: int, ports: list[int], job: str, out: Path) -> None:
+    """One MWMS worker of the peer-killed test: worker 0 serves Redis and the coordinator (through the strategy),
+    worker 1 is slower; each marks the fifth batch, and trains until the test kills worker 0."""
+    join_cluster(index, ports)
+    import tensorflow as tf  # noqa: PLC0415
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import tf_keras as keras  # noqa: PLC0415
+
+    from lbbsp.integrations.keras import BalancedSource, LBBSPCallback, WorkerSession  # noqa: PLC0415
+
+    class Marked(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch: int, logs: object = None) -> None:
+            time.sleep(0.05 * index)
+            if batch == 5:
+                (out / f"training{index}").touch()
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    config = JobConfig(job, num_workers=2, global_batch=GLOBAL_BATCH)
+    with WorkerSession(config, index, strategy=strategy) as session:
+        source = BalancedSource(*make_data(), config, session.worker, seed=SEED)
+        with strategy.scope():
+            model = build_model(keras)
+        model.fit(source.tf_dataset(strategy), epochs=1000, steps_per_epoch=len(source), verbose=0,
+                  callbacks=[LBBSPCallback(session.client, source), Marked()])
+
+
 def _free_ports(count: int) -> list[int]:
     sockets = [socket.socket() for _ in range(count)]
     for s in sockets:
@@ -622,6 +650,34 @@ def test_a_redis_stalled_for_good_stops_both_workers_and_neither_hangs(tmp_path:
             assert e["at"] >= min(s["at"] for s in stopped) - 1.0, ended
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_survivor_of_worker0_killed_exits_and_does_not_hang_at_exit(tmp_path: Path, job: str) -> None:
+    """Worker 0 (Redis, the coordinator) killed mid-fit: worker 1's fit raises TensorFlow's UnavailableError, and its
+    exit had hung in 5 of 8 runs, in the interpreter's finalisation destroying the distributed iterator while its
+    prefetch thread was in the source's generator, whose Python could not run again. Three runs."""
+    for attempt in range(3):
+        out = tmp_path / str(attempt)
+        out.mkdir()
+        procs = _start_workers("killed_peer", _free_ports(2), [f"{job}-{attempt}", str(out)], legacy=True)
+        try:
+            deadline = time.monotonic() + 150
+            while not all((out / f"training{i}").exists() for i in range(2)):
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                    [p.communicate()[0][-3000:] for p in procs if p.poll() is not None]
+                time.sleep(0.1)
+            procs[0].kill()
+            try:
+                output = procs[1].communicate(timeout=40)[0]
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"worker 1 hung after worker 0 was killed (run {attempt + 1})")
+            assert "UnavailableError" in output and procs[1].returncode != 0, output[-3000:]
+        finally:
+            for p in procs:
+                p.kill()
+                p.communicate()
+
+
 FIT_SAMPLES, FIT_GLOBAL_BATCH = 96, 32  # 3 steps per epoch
 
 
@@ -686,6 +742,9 @@ elif __name__ == "__main__" and sys.argv[1:2] == ["timed"]:
 elif __name__ == "__main__" and sys.argv[1:2] == ["outage"]:
     _, _, index, ports, url, job, out = sys.argv
     run_outage_worker(int(index), [int(p) for p in ports.split(",")], url, job, Path(out))
+elif __name__ == "__main__" and sys.argv[1:2] == ["killed_peer"]:
+    _, _, index, ports, job, out = sys.argv
+    run_killed_peer_worker(int(index), [int(p) for p in ports.split(",")], job, Path(out))
 elif __name__ == "__main__" and sys.argv[1:2] == ["keras3"]:
     _, _, index, ports, url, job, out = sys.argv
     run_keras3_worker(int(index), [int(p) for p in ports.split(",")], url, job, Path(out))
