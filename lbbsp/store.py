@@ -133,7 +133,7 @@ def _check_url(url: str, expected: str) -> None:
         raise ConfigError(f"the Redis URL's query sets {', '.join(own)}, which lbbsp sets itself (a worker's "
                           "from its assignment_timeout_s, which bounds a step's wait on a stalled Redis): remove "
                           f"{'them' if len(own) > 1 else 'it'} from the URL")
-    if url.lower().startswith(("redis://", "rediss://")) and not re.fullmatch(r"/?|/[0-9]+", parts.path):
+    if url.lower().startswith(("redis://", "rediss://")) and not re.fullmatch(r"/?|/[0-9]+/?", parts.path):
         raise ConfigError(f"not a usable Redis URL: {redacted(url)}: what follows host:port is no database number "
                           f"(/0, /1, ...); {expected}")
 

@@ -192,8 +192,9 @@ class WorkerClient:
                     if time.monotonic() > deadline:
                         if self._dropped.due():
                             log.warning("job %s, worker %d: dropped the report of iteration %d: Redis did not take it "
-                                        "within assignment_timeout_s (%s: %s); %d report(s) of this worker dropped so "
-                                        "far", self.config.job, self.worker, report.iteration, type(exc).__name__, exc,
+                                        "within assignment_timeout_s (%s: %s), unless it runs a send it has not "
+                                        "answered yet (a stall); %d report(s) of this worker dropped so far",
+                                        self.config.job, self.worker, report.iteration, type(exc).__name__, exc,
                                         self._dropped.count)
                         break
                     retried = True

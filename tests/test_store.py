@@ -135,6 +135,7 @@ def test_a_url_redis_py_would_read_otherwise_than_written_is_refused(url: str, s
 
 def test_urls_with_a_database_number_or_none_connect() -> None:
     for url in ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379/", "redis://127.0.0.1:6379/12",
+                "redis://[::1]:6379/2/",
                 "unix:///tmp/r.sock?db=3", "redis://127.0.0.1:6379/0?max_connections=4"):
         connect(url).close()
 
