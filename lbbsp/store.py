@@ -436,10 +436,14 @@ class Store:
                                 job=self.job, worker=report.worker, iteration=report.iteration)
         return stored == 1
 
+    def raw_report(self, iteration: int, worker: int) -> bytes | None:
+        """The payload stored for ``worker``'s report of ``iteration``, as posted; None if there is none."""
+        return cast("bytes | None", self.client.hget(self.key("reports", iteration), str(worker)))
+
     def holds(self, report: Report) -> bool:
         """Whether ``report`` itself is stored, not another of its worker and iteration: a resend's duplicate answer
         is then its own first send's, whose answer was lost (redis-py resends a command after a socket timeout)."""
-        return self.client.hget(self.key("reports", report.iteration), str(report.worker)) == report.to_json()
+        return self.raw_report(report.iteration, report.worker) == report.to_json()
 
     def post_reports(self, reports: Sequence[Report], num_workers: int) -> int:
         """Store many reports in one round trip, each exactly as :meth:`post_report` would (a simulator's

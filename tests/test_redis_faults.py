@@ -261,6 +261,26 @@ def test_a_ready_key_of_another_type_is_named_and_replaced_by_the_report_that_co
         assert store.get_assignment(1) is not None
 
 
+def test_an_iteration_queued_again_is_not_decided_again_nor_taken_for_a_new_run(
+        redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    """2,000 pushes of an iteration decided from already (only a foreign writer queues one twice) had it decided
+    again at each pop, the workers falling back meanwhile, with a warning that the workers' iterations went back."""
+    config = JobConfig(job, 2, 10, lag=1)
+    with Store.from_url(redis_url, job) as store:
+        coordinator = Coordinator(store, config, policy=BSPPolicy())
+        for k in range(4):
+            if k == 3:
+                store.client.rpush(store.key("ready"), *[1] * 2000)
+            for worker in (0, 1):
+                store.post_report(Report(job, worker, k, 5, 0.1), config.num_workers)
+            with caplog.at_level(logging.WARNING, logger="lbbsp.coordinator"):
+                outcome = coordinator.step(timeout_s=0.5)
+            assert outcome is not None and outcome.iteration == k
+        assert store.client.llen(store.key("ready")) == 0 and coordinator.decisions_made == 4
+    assert caplog.text.count("iteration(s) 1 queued again as complete") == 1, caplog.text
+    assert "went back" not in caplog.text
+
+
 def test_status_skips_entries_no_coordinator_wrote(redis_url: str, job: str,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     with Store.from_url(redis_url, job) as store:
