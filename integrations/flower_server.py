@@ -211,11 +211,12 @@ class LoadBalanced(Strategy):
         if isinstance(strategy, LoadBalanced):  # the outer one had planned equal splits for good, blaming the clients
             raise ConfigError("strategy is a LoadBalanced already: wrap the Flower strategy itself once, "
                               "LoadBalanced(FedAvg(...), history, ...)")
-        if strategy_attribute(strategy, "accountant", None) is not None:  # it had raised in the first round
-            raise ConfigError("the DP wrapper's accountant needs equal client weights (Flower's accounted aggregation "
-                              "refuses others), and LoadBalanced weights each update by the samples its client "
-                              "trained or its data size (weight_by): use the DP wrapper without an accountant, and "
-                              "account the privacy spent outside the strategy")
+        if strategy_attribute(strategy, "accountant", None) is not None and (weight_by == "samples" or sit_out):
+            raise ConfigError("the DP wrapper's accountant needs equal client weights and every client sampled to "
+                              "reply (Flower's accounted aggregation refuses others), and LoadBalanced weights each "
+                              "update by the samples its client trained with weight_by='samples', which the balanced "
+                              "split makes unequal, and sit_out leaves clients out: use weight_by='data' with equal "
+                              "data sizes and no sit_out, or the DP wrapper without an accountant")
         if not isinstance(history, ClientHistory):
             raise ConfigError(f"history must be a ClientHistory, e.g. ClientHistory.from_url(url, job), "
                               f"got {history!r}")

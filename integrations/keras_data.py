@@ -12,6 +12,7 @@ positions 3-7 of global batch 1, each sample weighted W * b_i / B = 2 * 5 / 8 (s
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import itertools
 import math
@@ -40,11 +41,11 @@ _KEEP_ITERATIONS = 64
 _SOURCES: weakref.WeakSet[BalancedSource] = weakref.WeakSet()  # released at exit: see _release_all
 #: Set at exit: a tf_dataset's generator then ends its pass, and the pass after it is empty, which ends the repeat.
 _EXITING = threading.Event()
-#: Generator steps taken, over every source: _release_all waits until they stop (see there).
-_generator_steps = itertools.count()
-_steps_taken = 0
-#: How long _release_all waits at most for the generators to stop.
-_EXIT_DRAIN_S = 2.0
+#: The generator steps under way, over every source, and when the last one ended: _release_all waits for them.
+_generating = {"inside": 0, "ended": 0.0}
+_generating_lock = threading.Lock()
+#: How long _release_all waits at most for the generators to stop, and how long none must have stepped.
+_EXIT_DRAIN_S, _EXIT_QUIET_S = 2.0, 0.1
 #: How long a ``PyDataset`` batch waits for the batches before it in its epoch to be asked for: in order, they
 #: were asked for a moment earlier (worker threads take indices first come, first served).
 _ORDER_GRACE_S = 5.0
@@ -408,10 +409,11 @@ class BalancedSource:
             self._generator_epochs += 1
         try:
             for step in range(len(self)):
-                _count_generator_step()
                 if self._abandoned == fit or _EXITING.is_set():
                     return
-                yield self._batch(epoch, step, pipeline)
+                with _generator_step():
+                    batch = self._batch(epoch, step, pipeline)
+                yield batch
         finally:
             with self._changed:
                 if counted and fit == self._fit:
@@ -690,16 +692,23 @@ def _class_weights(class_weight: Mapping[int, float], y: np.ndarray, job: str) -
     return np.array([table.get(int(c), 1.0) for c in present])[where.reshape(len(classes))]
 
 
-def _count_generator_step() -> None:
-    """Note a step of a tf_dataset's generator (for _release_all)."""
-    global _steps_taken  # noqa: PLW0603  (one counter for every source's generators, read at exit)
-    _steps_taken = next(_generator_steps)
+@contextlib.contextmanager
+def _generator_step() -> Iterator[None]:
+    """A step of a tf_dataset's generator under way (for _release_all)."""
+    with _generating_lock:
+        _generating["inside"] += 1
+    try:
+        yield
+    finally:
+        with _generating_lock:
+            _generating["inside"] -= 1
+            _generating["ended"] = time.monotonic()
 
 
 def _release_all() -> None:
     """End every source's fit at exit, so that prefetches waiting for a vector return, and end their generators:
     each pass ends, the next is empty, and the repeat ends, so tf.data calls them no more. Then wait (the GIL
-    released) until no generator has taken a step for 0.1 s. Under MWMS, a fit that raised (Keras skips
+    released) until no generator step is under way and none ended in the last 0.1 s (up to 2 s). Under MWMS, a fit that raised (Keras skips
     on_train_end) left the distributed iterator's prefetch waiting in the generator, and destroying the iterator at
     exit waited for it: the process hung after its traceback, and SIGTERM did not end it. With the fits released
     but the generators still served, the prefetch thread could be in a generator call when the interpreter's
@@ -709,10 +718,10 @@ def _release_all() -> None:
         source._end_failed_fit()
     if not any(source.latest_pipeline == "tf_dataset" for source in list(_SOURCES)):
         return
-    deadline, seen = time.monotonic() + _EXIT_DRAIN_S, -1
-    while seen != _steps_taken and time.monotonic() < deadline:
-        seen = _steps_taken
-        time.sleep(0.1)
+    deadline = time.monotonic() + _EXIT_DRAIN_S
+    while time.monotonic() < deadline and (_generating["inside"] or
+                                           time.monotonic() - _generating["ended"] < _EXIT_QUIET_S):
+        time.sleep(0.02)
 
 
 @functools.cache

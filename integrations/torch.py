@@ -46,6 +46,7 @@ from lbbsp.coordinator import (
     EXTERNAL_MAX_AHEAD,
     EXTERNAL_POLICY,
     GRACE_BEFORE_OWN_SERVER_S,
+    MAX_AHEAD,
     CoordinatorProcess,
     checked_max_ahead,
     checked_process_policy,
@@ -166,8 +167,9 @@ class Balancer:
             raise ConfigError("torch.distributed is not initialised: call dist.init_process_group first")
         rank, world = dist.get_rank(), dist.get_world_size()
         _same_on_every_rank(world, global_batch=global_batch, min_batch=min_batch, max_batch=max_batch,
-                            assignment_timeout_s=assignment_timeout_s, lag=lag, max_ahead=max_ahead,
-                            coordinator=coordinator)
+                            assignment_timeout_s=assignment_timeout_s, coordinator=coordinator,
+                            lag=JobConfig.lag if lag is None else lag, max_ahead=MAX_AHEAD if max_ahead is None
+                            else max_ahead)
         # (a global batch under 1 is left to JobConfig's error: no min_batch makes it one)
         if _is_integer(min_batch) and _is_integer(global_batch) and min_batch * world > global_batch >= 1:
             raise ConfigError(f"global_batch={global_batch} cannot give each of the {world} ranks min_batch="
@@ -317,21 +319,23 @@ class Balancer:
         if comm_hook is not None and not callable(comm_hook):
             raise ConfigError(f"comm_hook must be a DDP communication hook (a function of state and bucket), got "
                               f"{type(comm_hook).__name__}", job=self.config.job, worker=self.rank)
-        held = [hook for hook, state in getattr(model, "_comm_hooks", ()) if not isinstance(state, Balancer)]
-        if held:  # the script's own, registered before: DDP would refuse a second, and lbbsp's could not weight it
-            name = getattr(held[0], "__qualname__", type(held[0]).__name__)
-            raise ConfigError(f"this DDP model has a communication hook of the script's own ({name}), and DDP takes "
-                              "one: pass it to lb.attach(model, comm_hook=..., comm_state=...) instead of "
-                              "register_comm_hook, and lbbsp weights each bucket before handing it on",
-                              job=self.config.job, worker=self.rank)
+        # (read before registering: DDP lists a hook before its reducer refuses it)
+        ours = any(isinstance(state, Balancer) for _, state in getattr(model, "_comm_hooks", ()))
         hook = weighted_hook if weighting == "hook" else timing_hook
         try:
-            model.register_comm_hook(self, hook if comm_hook is None else chained_hook(comm_hook, comm_state))
+            model.register_comm_hook(self, hook if comm_hook is None else chained_hook(comm_hook, comm_state,
+                                                                                       weighting))
         except RuntimeError as exc:
-            raise ConfigError(f"DDP refused the gradient hook ({exc}): a DDP model takes one communication hook, "
-                              "and this one has one already (an earlier attach, perhaps of another Balancer); "
-                              "wrap the module in a new DistributedDataParallel for this Balancer",
-                              job=self.config.job, worker=self.rank) from exc
+            if ours:
+                raise ConfigError(f"DDP refused the gradient hook ({exc}): a DDP model takes one communication hook, "
+                                  "and this one has lbbsp's already (an earlier attach, perhaps of another Balancer); "
+                                  "wrap the module in a new DistributedDataParallel for this Balancer",
+                                  job=self.config.job, worker=self.rank) from exc
+            raise ConfigError("this DDP model has a communication hook already (the script's own from "
+                              "register_comm_hook, a builtin one, or DDP's mixed_precision), and DDP takes one: pass "
+                              "a hook of your own to lb.attach(model, comm_hook=..., comm_state=...) instead, and "
+                              "lbbsp weights each bucket before handing it on", job=self.config.job,
+                              worker=self.rank) from exc
         if self.weighting is not None and self.rank == 0:
             log.warning("a second DDP model is attached to this Balancer: a step's compute is timed until the last "
                         "gradient bucket of its first backward through an attached model, so the forward and backward "
@@ -607,7 +611,7 @@ def _same_on_every_rank(world: int, **settings: object) -> None:
     """A ConfigError on every rank, naming the ranks and values, where the ranks passed from_env other ``settings``:
     rank 0's were used (its coordinator registers the job), and a rank of another global batch had died of a
     mismatch error on rank 0 that blamed a job name it had just made up, the others of the connection it left."""
-    ours = {name: tuple(v) if isinstance(v, (list, tuple)) else v for name, v in settings.items()}
+    ours = {name: _plain(v) for name, v in settings.items()}
     every: list[dict[str, object] | None] = [None] * world
     dist.all_gather_object(every, ours)
     differ = []
@@ -615,7 +619,7 @@ def _same_on_every_rank(world: int, **settings: object) -> None:
         groups: list[tuple[object, list[int]]] = []  # each value (10 and 10.0 are one; so is NaN) and its ranks
         for r, theirs in enumerate(every):
             value = cast("dict[str, object]", theirs)[name]
-            same = next((ranks for v, ranks in groups if v == value or repr(v) == repr(value)), None)
+            same = next((ranks for v, ranks in groups if _same(v, value)), None)
             same.append(r) if same is not None else groups.append((value, [r]))
         if len(groups) > 1:
             differ.append(f"{name}: " + "; ".join(f"{value!r} on rank{'s' if len(ranks) > 1 else ''} "
@@ -624,6 +628,22 @@ def _same_on_every_rank(world: int, **settings: object) -> None:
     if differ:
         raise ConfigError("Balancer.from_env was given other settings on other ranks (" + "; ".join(differ) + "): "
                           "the job has one global batch and one split a step, so every rank must pass the same")
+
+
+def _plain(value: object) -> object:
+    """A setting as plain Python, to compare across ranks: an array's or tensor's values, a sequence as a tuple."""
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+        value = value.tolist()
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _same(a: object, b: object) -> bool:
+    """Whether two ranks' settings are one (10 and 10.0 are; so are two NaNs, and two values that do not compare but
+    print alike)."""
+    try:
+        return bool(a == b) or repr(a) == repr(b)
+    except Exception:  # noqa: BLE001  (a value whose == raises: told apart by how it prints)
+        return repr(a) == repr(b)
 
 
 def _all_gathered(value: str | None, *, world: int) -> list[str | None]:

@@ -95,15 +95,16 @@ def timing_hook(balancer: "Balancer", bucket: dist.GradBucket) -> torch.futures.
     return _all_reduce(balancer, bucket, 1.0 / balancer.world_size)
 
 
-def chained_hook(hook: CommHook, state: object) -> Callable[["Balancer", dist.GradBucket],
-                                                               torch.futures.Future[torch.Tensor]]:
+def chained_hook(hook: CommHook, state: object, weighting: str) -> Callable[["Balancer", dist.GradBucket],
+                                                                            torch.futures.Future[torch.Tensor]]:
     """A DDP comm hook that weights each bucket as lbbsp's do, then hands it to the script's own ``hook`` (with its
     ``state``), which reduces the mean over the ranks as DDP's hooks do (fp16 or bf16 compression, PowerSGD):
-    ``W * b_i / B`` times the mean is the weighted sum, and the loss form's loss carries that weight already."""
+    ``W * b_i / B`` times the mean is the weighted sum, and the loss form's loss carries that weight already. The
+    form is the model's ``weighting`` as attached (another model may be attached in the other)."""
 
     def lbbsp_then_hook(balancer: "Balancer", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         _check_open(balancer)
-        weight = balancer.gradient_weight() * balancer.world_size if balancer.weighting == "hook" else 1.0
+        weight = balancer.gradient_weight() * balancer.world_size if weighting == "hook" else 1.0
         return _all_reduce(balancer, bucket, weight, lambda: hook(state, bucket))
 
     lbbsp_then_hook.__qualname__ = f"lbbsp+{getattr(hook, '__qualname__', type(hook).__name__)}"  # DDP logs it

@@ -94,8 +94,9 @@ def redis_url(given: str | None, source: str = "--redis") -> tuple[str | None, s
 
 #: The connection options lbbsp sets itself, which redis-py lets a URL's query override: a URL's socket_timeout=20 had
 #: held a worker's call to a stalled Redis 6 s where its assignment_timeout_s was 1.
-_OWN_OPTIONS = ("socket_timeout", "socket_connect_timeout", "retry_on_timeout", "retry_on_error",
-                "health_check_interval")
+_OWN_OPTIONS = ("socket_timeout", "socket_connect_timeout", "retry_on_timeout", "retry_on_error")
+#: A password or user name in a URL's query (redis-py takes both there), up to the next option.
+_QUERY_SECRET = re.compile(r"(?i)((?:^|[?&;])(?:password|username)=)[^&;#]*")
 
 
 def connect(url: str, *, socket_timeout_s: float = 5.0, retries: int = 2) -> redis.Redis:
@@ -126,16 +127,22 @@ def _check_url(url: str, expected: str) -> None:
     """A ConfigError for what redis-py would take silently: a query option that lbbsp sets itself, or a path that is
     no database number (redis-py drops its slashes and reads ``/1/2`` as db 12, and ``/abc`` as db 0)."""
     try:
-        parts = urllib.parse.urlsplit(url)
+        parts = urllib.parse.urlparse(url)  # as redis-py parses it (";params" are no part of the path)
     except ValueError:  # ("Invalid IPv6 URL"): redis-py's own error says so, below
         return
-    if own := sorted(set(urllib.parse.parse_qs(parts.query)) & set(_OWN_OPTIONS)):
+    query = urllib.parse.parse_qs(parts.query)
+    if own := sorted(set(query) & set(_OWN_OPTIONS)):
         raise ConfigError(f"the Redis URL's query sets {', '.join(own)}, which lbbsp sets itself (a worker's "
                           "from its assignment_timeout_s, which bounds a step's wait on a stalled Redis): remove "
                           f"{'them' if len(own) > 1 else 'it'} from the URL")
-    if url.lower().startswith(("redis://", "rediss://")) and not re.fullmatch(r"/?|/[0-9]+/?", parts.path):
+    if not url.lower().startswith(("redis://", "rediss://")) or "db" in query:  # the query's db wins over the path
+        return
+    db = urllib.parse.unquote(parts.path).strip()
+    db = db.removeprefix("/").removesuffix("/").strip()  # what redis-py reads, but for slashes inside
+    if not re.fullmatch(r"[0-9]*", db):
+        hint = " (a / in the password is written %2F)" if "@" in parts.path else ""
         raise ConfigError(f"not a usable Redis URL: {redacted(url)}: what follows host:port is no database number "
-                          f"(/0, /1, ...); {expected}")
+                          f"(/0, /1, ...){hint}; {expected}")
 
 
 def worker_socket_timeout(assignment_timeout_s: float) -> float:
@@ -154,6 +161,7 @@ def not_a_url(client: object, owner: str, job: object) -> None:
 def redacted(url: str) -> str:
     """``url`` without the password (what follows the user name before the last @), for error messages: with any
     scheme, or one written wrongly or left out, as in a malformed URL that an error quotes."""
+    url = _QUERY_SECRET.sub(r"\1***", url)
     match = _CREDENTIALS.match(url)
     if match is None or ":" not in match[2]:
         return url
@@ -443,7 +451,8 @@ class Store:
     def holds(self, report: Report) -> bool:
         """Whether ``report`` itself is stored, not another of its worker and iteration: a resend's duplicate answer
         is then its own first send's, whose answer was lost (redis-py resends a command after a socket timeout)."""
-        return self.raw_report(report.iteration, report.worker) == report.to_json()
+        stored, sent = self.raw_report(report.iteration, report.worker), report.to_json()
+        return stored in (sent, sent.decode())  # (a str from a client that decodes responses)
 
     def post_reports(self, reports: Sequence[Report], num_workers: int) -> int:
         """Store many reports in one round trip, each exactly as :meth:`post_report` would (a simulator's

@@ -279,13 +279,16 @@ class _CountingAccountant:
         self.num_releases += count
 
 
-def test_a_dp_wrapper_with_an_accountant_inside_is_refused_as_it_needs_equal_weights(redis_url: str, job: str) -> None:
-    """Flower's accounted aggregation refuses unequal client weights: the round had raised "Accounted aggregation
-    requires equal client weights" out of the ServerApp's start, in its first round."""
+def test_a_dp_accountant_inside_is_refused_where_the_weights_cannot_be_equal(redis_url: str, job: str) -> None:
+    """Flower's accounted aggregation refuses unequal client weights: with weight_by="samples" the round had raised
+    "Accounted aggregation requires equal client weights" out of the ServerApp's start, in its first balanced
+    round."""
     wrapped = DifferentialPrivacyServerSideFixedClipping(FedAvg(), noise_multiplier=1.0, clipping_norm=1.0,
                                                          num_sampled_clients=3, accountant=_CountingAccountant())
     with ClientHistory.from_url(redis_url, job) as history:
-        with pytest.raises(ConfigError, match="the DP wrapper's accountant needs equal client weights"):
-            LoadBalanced(wrapped, history)
+        for refused in ({"weight_by": "samples"}, {"sit_out": 0.2}):
+            with pytest.raises(ConfigError, match="the DP wrapper's accountant needs equal client weights"):
+                LoadBalanced(wrapped, history, **refused)  # type: ignore[arg-type]
+        LoadBalanced(wrapped, history, weight_by="data")  # equal data sizes give equal weights
         LoadBalanced(DifferentialPrivacyServerSideFixedClipping(FedAvg(), noise_multiplier=1.0, clipping_norm=1.0,
-                                                                num_sampled_clients=3), history)
+                                                                num_sampled_clients=3), history, weight_by="samples")

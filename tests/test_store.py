@@ -119,10 +119,12 @@ def test_an_error_about_the_variables_url_names_the_variable(
 @pytest.mark.parametrize(("url", "said"), [
     ("redis://:pw@127.0.0.1:6379/abc", "6379/abc: what follows host:port is no database number"),  # redis-py: db 0
     ("redis://127.0.0.1:6379/1/2", "6379/1/2: what follows host:port is no database number"),  # redis-py: db 12
-    ("rediss://127.0.0.1:6379/ 3", "6379/ 3: what follows host:port is no database number"),
+    ("rediss://127.0.0.1:6379/0;x", "6379/0;x: what follows host:port is no database number"),  # redis-py: db 0
     ("redis://127.0.0.1:6379/0?socket_timeout=20", "the Redis URL's query sets socket_timeout, which lbbsp sets"),
-    ("unix:///tmp/r.sock?retry_on_timeout=1&health_check_interval=3&db=2",
-     "sets health_check_interval, retry_on_timeout, which lbbsp sets itself"),
+    ("unix:///tmp/r.sock?retry_on_timeout=1&socket_connect_timeout=3&db=2",
+     "sets retry_on_timeout, socket_connect_timeout, which lbbsp sets itself"),
+    ("redis://127.0.0.1:6379/x?password=pw", "6379/x?password=***: what follows host:port is no database number"),
+    ("redis://user:p/w@127.0.0.1:6379", "no database number (/0, /1, ...) (a / in the password is written %2F)"),
 ])
 def test_a_url_redis_py_would_read_otherwise_than_written_is_refused(url: str, said: str) -> None:
     """redis-py drops a path's slashes and ignores one that is no number, and lets the query's options win over the
@@ -135,7 +137,8 @@ def test_a_url_redis_py_would_read_otherwise_than_written_is_refused(url: str, s
 
 def test_urls_with_a_database_number_or_none_connect() -> None:
     for url in ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379/", "redis://127.0.0.1:6379/12",
-                "redis://[::1]:6379/2/",
+                "redis://[::1]:6379/2/", "redis://127.0.0.1:6379/0 ", "redis://127.0.0.1:6379/%31",
+                "redis://127.0.0.1:6379/abc?db=2", "redis://127.0.0.1:6379/0?health_check_interval=5",
                 "unix:///tmp/r.sock?db=3", "redis://127.0.0.1:6379/0?max_connections=4"):
         connect(url).close()
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -249,6 +250,11 @@ def settings(url: str, job: str) -> dict:
         Balancer.from_env(GLOBAL_BATCH + dist.get_rank(), redis=url)
     except ConfigError as exc:
         result["differ"] = str(exc)
+    # the same settings written otherwise on each rank: an array of caps (whose == had raised), a default given
+    caps = np.array([GLOBAL_BATCH] * 2) if dist.get_rank() == 0 else [GLOBAL_BATCH] * 2
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-alike", max_batch=caps,
+                           lag=None if dist.get_rank() == 0 else 2) as alike:
+        result["alike"] = alike.config.lag
     with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, lag=3) as lb:  # for steps shorter than a decision
         result["lag"] = lb.config.lag
         result["first"] = [lb.client.assignment(k).policy for k in range(3)]
@@ -512,11 +518,12 @@ def test_unweighted_gradients_are_refused_after_the_first_step(outcomes: list[di
 @pytest.mark.timeout(300)
 def test_a_second_balancer_needs_a_new_ddp_wrapper(outcomes: list[dict]) -> None:
     result = both(outcomes, "second_balancer_on_one_model")
-    assert "new DistributedDataParallel" in result["attach"]
+    assert "has lbbsp's already" in result["attach"] and "new DistributedDataParallel" in result["attach"]
     assert result["weighting"] is None  # a failed attach leaves the Balancer as it was
     assert "closed Balancer" in result["backward"]  # the first Balancer's hook no longer weights
-    assert ("has a communication hook of the script's own (fp16_compress_hook), and DDP takes one: pass it to "
-            "lb.attach(model, comm_hook=..., comm_state=...)") in result["own_hook"]
+    assert ("has a communication hook already (the script's own from register_comm_hook, a builtin one, or DDP's "
+            "mixed_precision), and DDP takes one: pass a hook of your own to lb.attach(model, comm_hook=..., "
+            "comm_state=...) instead") in result["own_hook"]
     assert result["second_model"] is True
 
 
@@ -544,6 +551,7 @@ def test_settings_errors_say_what_to_do(outcomes: list[dict]) -> None:
     assert "min_batch=0" in result["global_batch"] and "at least 2" in result["global_batch"]
     assert "map-style dataset" in result["iterable"]
     assert "persistent_workers itself" in result["persistent_workers"] and "without_workers" not in result
+    assert result["alike"] == 2
     assert result["differ"] == (f"Balancer.from_env was given other settings on other ranks (global_batch: "
                                 f"{GLOBAL_BATCH} on rank 0; {GLOBAL_BATCH + 1} on rank 1): the job has one global "
                                 "batch and one split a step, so every rank must pass the same")
