@@ -143,7 +143,7 @@ class BalancedLoader:
                  drop_last: bool = False, prefetch: bool | None = None, **dataloader_kwargs: Any) -> None:
         workers = int(dataloader_kwargs.get("num_workers", 0))
         # what it does anyway (persistent_workers=num_workers > 0, a common line): a DDP script's options pass
-        if dataloader_kwargs.get("persistent_workers", ...) is (workers > 0):
+        if "persistent_workers" in dataloader_kwargs and dataloader_kwargs["persistent_workers"] is (workers > 0):
             del dataloader_kwargs["persistent_workers"]
         reserved = sorted(set(dataloader_kwargs) & set(_RESERVED))
         if reserved:

@@ -374,14 +374,13 @@ def _claim_lapsed(store: Store, claim: str, stop: _StopSignals) -> None:
             raise LBBSPError(f"job {store.job!r}: {no_expiry(store.key('coordinator'), held[0])}")
         return held
 
-    endless(store.coordinator_claim())
+    held = endless(store.coordinator_claim())
     # neutral: the claim may be a live coordinator's (then refused below, within about a second) or a crashed one's
     print(f"job {store.job!r}: coordinator {claim} holds a claim on this job: waiting up to {CLAIM_S} s for it to "
           "lapse (a coordinator that stopped without releasing it) or be renewed (one that serves the job)", flush=True)
     deadline = time.monotonic() + CLAIM_S
     before_ms: int | None = None  # the claim's lifetime left at the read before
     while stop.received is None:
-        held = endless(store.coordinator_claim())
         if held is None:
             return
         seen, left_ms = held
@@ -390,6 +389,7 @@ def _claim_lapsed(store: Store, claim: str, stop: _StopSignals) -> None:
                              f"last {CLAIM_S} s): stop it first, or use another --job")
         before_ms = left_ms
         time.sleep(0.1)
+        held = endless(store.coordinator_claim())
 
 
 #: Seconds a signalled coordinator has to end its step and release its claim on the job before it exits anyway: each

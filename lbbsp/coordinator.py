@@ -485,7 +485,7 @@ class Coordinator:
             return None
         again = iteration in self._decided_from
         queued = [iteration, *self.store.drain_ready()] if self.ahead > 1 or again else [iteration]
-        if again or any(k in self._decided_from for k in queued):
+        if any(k in self._decided_from for k in queued):
             queued = [k for k in queued if k not in self._repeated(set(queued))]
             if not queued:
                 return None
