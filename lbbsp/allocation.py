@@ -102,8 +102,8 @@ def allocate(model: TimeModel, global_batch: int, lower: Sequence[int] | np.ndar
     """Integers x with sum(x) == global_batch and lower <= x <= upper that minimise max_i time_i(x_i).
 
     A worker predicted to take forever (an infinite time: a stalled worker, a speed of 0) gets its lower
-    bound while the others can hold the rest. Raises :class:`AllocationError` if the global batch does not
-    fit within the bounds.
+    bound while the others can hold the rest, and no more than they cannot. Raises :class:`AllocationError`
+    if the global batch does not fit within the bounds, or if every worker is predicted never to finish.
     """
     # numpy's integers are Integral and its bool is not; config._is_integer is the same test, but config imports this
     if isinstance(global_batch, bool) or not isinstance(global_batch, Integral) or not 0 <= global_batch <= MAX_BATCH:
@@ -394,8 +394,15 @@ def _around_stalled(model: TimeModel, global_batch: int, lower: np.ndarray, uppe
     finite = np.where(stalled, _capacity_by_search(model, np.finfo(float).max, lower, upper), upper)
     if int(finite.sum()) >= global_batch:
         return allocate(model, global_batch, lower, finite)
-    raise AllocationError(f"the time model predicts that {int(stalled.sum())} of {stalled.size} workers never "
-                          f"finish, and the others cannot hold the global batch {global_batch}")
+    if stalled.all():
+        raise AllocationError(f"the time model predicts that all {stalled.size} workers never finish a batch "
+                              f"that holds the global batch {global_batch}")
+    # no split finishes: the others take all they may and the stalled workers as few as they can, evenly
+    # (raising here had kept whatever split was in force, (100, 100, 100) where (60, 120, 120) was open)
+    sizes = upper.copy()
+    sizes[stalled] = allocate(LinearTime(np.ones(int(stalled.sum()))), global_batch - int(upper[~stalled].sum()),
+                              finite[stalled], upper[stalled])
+    return sizes
 
 
 def predicted_makespan(model: TimeModel, sizes: Sequence[int] | np.ndarray) -> float:

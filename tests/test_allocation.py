@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from fractions import Fraction
 
 import numpy as np
@@ -13,9 +13,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lbbsp import AllocationError, ConfigError, GlobalBatchSampler, LinearTime, allocate, equal_split, scale_split
+from lbbsp import (
+    AllocationError,
+    ConfigError,
+    GlobalBatchSampler,
+    JobConfig,
+    LBBSPPolicy,
+    LinearTime,
+    Report,
+    allocate,
+    equal_split,
+    scale_split,
+)
 from lbbsp.allocation import HingeTime, RoundsOut, allocate_sitting_out, damp, predicted_makespan
 from lbbsp.hedging import hedged
+from lbbsp.models import LastValue
 from lbbsp.models.auto import MixedTime
 from lbbsp.protocol import MAX_BATCH
 
@@ -149,8 +161,27 @@ def test_a_worker_out_rejoin_after_times_in_a_row_stays_in() -> None:
 def test_workers_that_never_finish_get_their_lower_bound_while_the_others_hold_the_rest() -> None:
     assert allocate(LinearTime(np.array([0.0, 2.0, 3.0])), 90, [1, 1, 1], [90, 90, 90]).tolist() == [1, 36, 53]
     assert allocate(LinearTime(np.array([1e-300, 2.0, 3.0])), 90, [1, 1, 1], [90, 50, 30]).tolist() == [10, 50, 30]
-    with pytest.raises(AllocationError, match="never finish"):
+    with pytest.raises(AllocationError, match="all 3 workers never finish"):
         allocate(LinearTime(np.array([0.0, 0.0, 0.0])), 90, [1, 1, 1], [90, 90, 90])
+
+
+def test_workers_that_never_finish_take_only_what_the_others_cannot_hold() -> None:
+    """No split finishes: the others at their caps, the rest spread evenly over the stalled workers. It raised
+    'never finish', and the policy kept the split in force, (100, 100, 100) where (60, 120, 120) was open."""
+    assert allocate(LinearTime(np.array([0.0, 1.0, 1.0])), 6, [0, 0, 0], [10, 2, 2]).tolist() == [2, 2, 2]
+    assert allocate(LinearTime(np.array([0.0, 0.0, 1.0])), 9, [0, 3, 0], [10, 10, 2]).tolist() == [4, 3, 2]
+    assert allocate(LinearTime(np.array([0.0, 0.0, 1.0])), 9, [0, 0, 0], [1, 10, 2]).tolist() == [1, 6, 2]
+    assert allocate(MemoryWall([1.0, 2.0], [3, 100]), 10, [0, 0], [10, 4]).tolist() == [6, 4]
+    policy, config = LBBSPPolicy(_ZeroForWorker0(), hedge=None), JobConfig("j", 3, 300, max_batch=(300, 120, 120))
+    policy.observe([Report("j", w, 0, 100, 1.0) for w in range(3)])
+    assert policy.decide(2, (100, 100, 100), config).sizes == (60, 120, 120)
+
+
+class _ZeroForWorker0(LastValue):
+    """A model of one's own that forecasts worker 0 at 0 samples/s, as docs/models.md allows (it never finishes)."""
+
+    def predict(self, workers: Sequence[int] | np.ndarray) -> np.ndarray:
+        return np.where(np.asarray(workers) == 0, 0.0, super().predict(workers))
     # a lower bound of 0: nothing to compute takes no time, even at a speed of 0 (0 / 0 was NaN, an error)
     assert allocate(LinearTime(np.array([0.0, 2.0, 3.0])), 90, [0, 0, 0], [90, 90, 90]).tolist() == [0, 36, 54]
 
