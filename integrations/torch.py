@@ -127,6 +127,7 @@ class Balancer:
         self._monitor = ResourceMonitor(self.device.index if self.device.type == "cuda" else None)
         self._model_device: torch.device | None = None  # where attached parameters live, timed from the next step
         self._hooks: list[RemovableHandle] = []  # forward pre-hooks on attached models, removed on close
+        self._backward_end: RemovableHandle | None = None  # marks the end of a backward under no_sync
         self._closed = False
         self._loaders: weakref.WeakSet[BalancedLoader] = weakref.WeakSet()  # closed with the Balancer
         # What the step in progress has seen, checked when it ends (see _check_weighted).
@@ -247,6 +248,7 @@ class Balancer:
         assignment = self.client.assignment(self._iteration)
         split = sampler.split_for(step, assignment.sizes)
         indices = sampler.worker_indices(step, assignment.sizes, self.rank)
+        self._drop_backward_end()
         self.step = Step(self._iteration, split, len(indices), assignment)
         self._iteration += 1
         self._open, self._begun_by = True, sampler
@@ -404,10 +406,28 @@ class Balancer:
         return self._closed
 
     def _saw_forward(self, model: DistributedDataParallel, inputs: object) -> None:
-        """Forward pre-hook of an attached model: note the forward, and one whose backward will not be synchronised."""
+        """Forward pre-hook of an attached model: note the forward, and one whose backward will not be synchronised.
+        A forward counts again what followed an earlier backward of the step under no_sync."""
         self._forwarded = True
+        self._clock.resume()
         if torch.is_grad_enabled() and not model.require_backward_grad_sync:
             self._unsynced_forward = True
+            self._pause_after_backward(model)
+
+    def _pause_after_backward(self, model: DistributedDataParallel) -> None:
+        """Under no_sync no comm hook marks where the backward ends: a hook on the parameters' gradients pauses the
+        clock there, so that what the script does next (an all-reduce of its loss for logging, waiting for the
+        slower ranks) is not counted. It had counted until the next step began."""
+        self._drop_backward_end()
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        if parameters:
+            self._backward_end = torch.autograd.graph.register_multi_grad_hook(parameters,
+                                                                               lambda _: self._clock.pause())
+
+    def _drop_backward_end(self) -> None:
+        if self._backward_end is not None:
+            self._backward_end.remove()
+            self._backward_end = None
 
     def _time_on_model_device(self) -> None:
         """Time steps with CUDA events on the model's GPU, read its memory and report its model, whatever the
@@ -437,7 +457,7 @@ class Balancer:
             return
         self._gpu_reports.check()
         self._reported = True
-        self._clock.stop()
+        self._clock.stop(at_pause=True)  # a step whose last backward ran under no_sync ended with it
         features = self._monitor.sample()
         if self._clock.ready and self._gpu_reports.idle:
             self._sent(self.client.report(self.step.iteration, self.step.samples, self._clock.seconds(),
@@ -516,6 +536,7 @@ class Balancer:
                 loader.close()
             for handle in self._hooks:
                 handle.remove()
+            self._drop_backward_end()
             self._gpu_reports.close(self.config.assignment_timeout_s if failing else None)
             failure = failure or self._gpu_reports.failure()
             self.client.close()

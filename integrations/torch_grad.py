@@ -223,9 +223,13 @@ class ComputeClock:
             self._pauses.append((self._paused_at, self._now()))  # type: ignore[arg-type]
             self._paused_at = None
 
-    def stop(self) -> None:
-        """Mark the end of compute (first call wins)."""
+    def stop(self, *, at_pause: bool = False) -> None:
+        """Mark the end of compute (first call wins): now, or ``at_pause`` where the clock is paused (a backward
+        under no_sync ended there)."""
         if self._end is not None:
+            return
+        if at_pause and self._paused_at is not None:
+            self._end, self._paused_at = self._paused_at, None
             return
         self._paused_at = None  # a pause never resumed (no wrapped forward ran) is counted as compute, as before
         self._end = self._now()
