@@ -375,6 +375,12 @@ class StepProbe:
         starts = [started] + self.reduced[:-1]
         return sum(max(end - start, 0.0) for start, end in zip(starts, self.computed))
 
+    def wait_s(self) -> float | None:
+        """Seconds spent in the all-reduces (waiting for the slower workers, and the transfer); None without marks."""
+        if not self.computed or len(self.reduced) != len(self.computed):
+            return None
+        return sum(max(done - ready, 0.0) for ready, done in zip(self.computed, self.reduced))
+
     def _mark(self, marks: list[float]) -> Any:
         import numpy as np  # noqa: PLC0415
 
@@ -650,6 +656,7 @@ class _CallbackLogic:
                 _refuse_summed_losses(self.model.loss, job)
                 _warn_of_an_own_train_step(type(self.model))
                 ExactLogs.install(self.model)
+            _time_from_the_train_function(self.model, self._train_function_called)  # the one ExactLogs rebuilt
         self.source.publish(self.client.assignment(self.iteration))
 
     def _check_schedule(self) -> None:
@@ -684,7 +691,8 @@ class _CallbackLogic:
                               "source.py_dataset()", job=job)
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        """Start timing this execution's compute."""
+        """Start timing this execution's compute (tf_keras: again as its train function is called, after every
+        callback's on_train_batch_begin)."""
         if self._in_step:  # Keras calls each listed callback in turn: this one twice before either end
             raise ConfigError("this LBBSPCallback is listed more than once in model.fit(callbacks=...): list it once "
                               "(each listing would count and report every step again)", job=self.client.config.job)
@@ -692,6 +700,10 @@ class _CallbackLogic:
         if self.probe is not None:
             self.probe.clear()
         self._started = time.perf_counter()
+
+    def _train_function_called(self) -> None:
+        if self._in_step:
+            self._started = time.perf_counter()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Report this execution's compute time, then fetch and publish the vector of the next one. If that fails
@@ -709,6 +721,7 @@ class _CallbackLogic:
         wall_s = time.perf_counter() - self._started
         probed = self.probe.compute_s(self._started) if self.probe is not None else None
         compute_s = max(probed if probed is not None else wall_s, 1e-9)
+        waited = self.probe.wait_s() if probed is not None and self.probe is not None else None
         served = self.source.batches_in(self.iteration)
         if not served and not self._warned_unread:  # fit reads arrays or a pipeline of its own: nothing is balanced
             self._warned_unread = True
@@ -722,7 +735,8 @@ class _CallbackLogic:
         per_batch = math.ceil(samples / batches)
         scale = per_batch / samples if samples else 1.0 / batches
         self.client.report(self.iteration, per_batch, max(compute_s * scale, 1e-9),
-                           wait_s=max(wall_s - compute_s, 0.0) * scale, features=self.monitor.sample())
+                           wait_s=(waited if waited is not None else max(wall_s - compute_s, 0.0)) * scale,
+                           features=self.monitor.sample())
         self.iteration += 1
         _NEXT_ITERATION[self.client] = self.iteration
         if not (self._epoch == self.params.get("epochs", 0) - 1 and batch >= len(self.source) - 1):
@@ -739,8 +753,29 @@ class _CallbackLogic:
 
     def on_train_end(self, logs: dict | None = None) -> None:
         """Put the source back on the equal split and send the reports still queued."""
+        _time_from_the_train_function(self.model, None)
         self.source.detach(self.iteration)
         self.client.flush()
+
+
+def _time_from_the_train_function(model: Any, called: Callable[[], None] | None) -> None:
+    """Have tf_keras's ``fit`` tell ``called`` as it calls the model's train function for a step, after every
+    callback's ``on_train_batch_begin``; None undoes it. Started in this callback's own hook instead, the compute
+    counted the hooks of the callbacks listed after it and not those before: a worker slowed by a callback of its
+    own was balanced or not by where the callback was listed."""
+    function = getattr(model, "train_function", None)
+    inner = getattr(function, "_lbbsp_inner", function)  # a fit that raised skips on_train_end: wrap the same one
+    if called is None or inner is None:
+        if inner is not function:
+            model.train_function = inner
+        return
+
+    def train_function(*args: Any, **kwargs: Any) -> Any:
+        called()
+        return inner(*args, **kwargs)
+
+    train_function._lbbsp_inner = inner  # type: ignore[attr-defined]
+    model.train_function = train_function
 
 
 def _fit_running() -> Callable[[], bool] | None:

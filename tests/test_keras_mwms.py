@@ -280,8 +280,10 @@ def run_keras3_worker(index: int, ports: list[int], url: str, job: str, out: Pat
 SLOW_S = 0.25  # worker 1's extra compute per step in the timing test
 
 
-def run_timed_worker(index: int, ports: list[int], url: str, job: str) -> None:
-    """One MWMS worker of the timing test: worker 1's forward pass sleeps SLOW_S, worker 0's does not."""
+def run_timed_worker(index: int, ports: list[int], url: str, job: str, where: str) -> None:
+    """One MWMS worker of the timing test: worker 1's forward pass sleeps SLOW_S, worker 0's does not; or, ``where``
+    is "callbacks", worker 1's own callbacks sleep SLOW_S in all: a begin hook listed after LBBSPCallback, an end
+    hook listed before it."""
     join_cluster(index, ports)
     import tensorflow as tf  # noqa: PLC0415
 
@@ -293,9 +295,16 @@ def run_timed_worker(index: int, ports: list[int], url: str, job: str) -> None:
     from lbbsp.integrations.keras import BalancedSource, LBBSPCallback, WorkerSession  # noqa: PLC0415
 
     def slow(t: tf.Tensor) -> tf.Tensor:
-        pause = tf.py_function(lambda: time.sleep(SLOW_S if index == 1 else 0.0) or 0.0, [], tf.float32)
+        stall = SLOW_S if index == 1 and where == "forward" else 0.0
+        pause = tf.py_function(lambda: time.sleep(stall) or 0.0, [], tf.float32)
         pause.set_shape(())
         return t + tf.cast(pause, t.dtype) * 0
+
+    class Slow(keras.callbacks.Callback):
+        def __init__(self, hook: str) -> None:
+            super().__init__()
+            stall = SLOW_S / 2 if index == 1 and where == "callbacks" else 0.0
+            setattr(self, hook, lambda *_, **__: time.sleep(stall))
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     config = JobConfig(job, num_workers=2, global_batch=GLOBAL_BATCH, assignment_timeout_s=30.0)
@@ -304,8 +313,9 @@ def run_timed_worker(index: int, ports: list[int], url: str, job: str) -> None:
         with strategy.scope():
             model = keras.Sequential([keras.layers.Input((5,)), keras.layers.Lambda(slow), keras.layers.Dense(2)])
             model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        model.fit(source.tf_dataset(strategy), epochs=EPOCHS, steps_per_epoch=len(source),
-                  callbacks=[LBBSPCallback(session.client, source)], verbose=0)
+        model.fit(source.tf_dataset(strategy), epochs=EPOCHS, steps_per_epoch=len(source), verbose=0,
+                  callbacks=[Slow("on_train_batch_end"), LBBSPCallback(session.client, source),
+                             Slow("on_train_batch_begin")])
 
 
 OUTAGE_S = 4.0  # how long the outage test's workers wait for a stalled Redis before they stop
@@ -446,24 +456,33 @@ def _run_workers(mode: str, args: list[str], legacy: bool, workers: int = 2) -> 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_the_fast_worker_reports_its_compute_without_waiting_for_the_slow_one(redis_url: str, job: str) -> None:
+@pytest.mark.parametrize("where", ["forward", "callbacks"])
+def test_the_fast_worker_reports_its_compute_without_waiting_for_the_slow_one(redis_url: str, job: str,
+                                                                              where: str) -> None:
     """Worker 1 computes SLOW_S longer per step; worker 0 then waits for it in the all-reduces, and that wait
-    must be reported as wait_s, not as compute_s (else LB-BSP would see two equally slow workers)."""
-    _run_workers("timed", [redis_url, job], legacy=True)
+    must be reported as wait_s, not as compute_s (else LB-BSP would see two equally slow workers).
+
+    "callbacks": worker 1 is slow in callbacks of its own, which are not timed, as in PyTorch work after the backward
+    is not, wherever they are listed: the begin hook listed after LBBSPCallback had been counted as compute (and one
+    listed before it had not), and the end hook listed before it reported as worker 1's wait."""
+    _run_workers("timed", [redis_url, job, where], legacy=True)
     store = Store.from_url(redis_url, job)
     compute: dict[int, list[float]] = {0: [], 1: []}
-    waits = []
+    waits: dict[int, list[float]] = {0: [], 1: []}
     for iteration in range(1, EPOCHS * 7):  # iteration 0 traces the step
         for payload in store.reports(iteration).values():
             report = Report.from_json(payload, job=job)
             compute[report.worker].append(report.compute_s)
-            if report.worker == 0:
-                waits.append(report.wait_s or 0.0)
+            waits[report.worker].append(report.wait_s or 0.0)
     store.close()
     assert len(compute[0]) == len(compute[1]) == EPOCHS * 7 - 1
     fast, slow = float(np.median(compute[0])), float(np.median(compute[1]))
-    assert slow >= SLOW_S and fast < SLOW_S / 2, (fast, slow)
-    assert float(np.median(waits)) > SLOW_S / 2, waits
+    if where == "forward":
+        assert slow >= SLOW_S and fast < SLOW_S / 2, (fast, slow)
+    else:
+        assert slow < SLOW_S / 2 and fast < SLOW_S / 2, (fast, slow)
+        assert float(np.median(waits[1])) < SLOW_S / 2, waits[1]
+    assert float(np.median(waits[0])) > SLOW_S / 2, waits[0]
 
 
 @pytest.mark.slow
@@ -737,8 +756,8 @@ elif __name__ == "__main__" and sys.argv[1:2] == ["multi"]:
     _, _, index, ports, url, job, out = sys.argv
     run_multi_worker(int(index), [int(p) for p in ports.split(",")], url, job, Path(out))
 elif __name__ == "__main__" and sys.argv[1:2] == ["timed"]:
-    _, _, index, ports, url, job = sys.argv
-    run_timed_worker(int(index), [int(p) for p in ports.split(",")], url, job)
+    _, _, index, ports, url, job, where = sys.argv
+    run_timed_worker(int(index), [int(p) for p in ports.split(",")], url, job, where)
 elif __name__ == "__main__" and sys.argv[1:2] == ["outage"]:
     _, _, index, ports, url, job, out = sys.argv
     run_outage_worker(int(index), [int(p) for p in ports.split(",")], url, job, Path(out))
