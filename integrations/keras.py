@@ -764,18 +764,29 @@ def _time_from_the_train_function(model: Any, called: Callable[[], None] | None)
     counted the hooks of the callbacks listed after it and not those before: a worker slowed by a callback of its
     own was balanced or not by where the callback was listed."""
     function = getattr(model, "train_function", None)
-    inner = getattr(function, "_lbbsp_inner", function)  # a fit that raised skips on_train_end: wrap the same one
-    if called is None or inner is None:
+    inner = function.inner if isinstance(function, _TimedTrainFunction) else function  # a fit that raised skips
+    if called is None or inner is None:  # on_train_end: the next wraps the same function
         if inner is not function:
             model.train_function = inner
         return
+    model.train_function = _TimedTrainFunction(inner, called)
 
-    def train_function(*args: Any, **kwargs: Any) -> Any:
-        called()
-        return inner(*args, **kwargs)
 
-    train_function._lbbsp_inner = inner  # type: ignore[attr-defined]
-    model.train_function = train_function
+class _TimedTrainFunction:
+    """A model's train function that tells ``called`` as it is called; anything else read of it is the function's
+    (a script's ``model.train_function.experimental_get_tracing_count()``)."""
+
+    def __init__(self, inner: Callable[..., Any], called: Callable[[], None]) -> None:
+        self.inner, self._called = inner, called
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._called()
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (a copy being made): no endless recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 def _fit_running() -> Callable[[], bool] | None:
