@@ -44,6 +44,8 @@ _PR_SET_PDEATHSIG = 1
 FOLDER_PREFIX = "lbbsp-redis-"
 #: Written in a folder this module creates: ``<pid> <pid namespace>`` of the process that owns it.
 _OWNER_FILE = "owner"
+#: The append-only file's size under which Redis never compacts it (redis.conf's auto-aof-rewrite-min-size).
+AOF_REWRITE_MIN = "4mb"
 #: A folder without a readable owner file is judged by its server alone once it is this old: younger, it may be
 #: one another process has just created and not yet labelled (or, from an older lbbsp, not yet started).
 _UNLABELLED_GRACE_S = 300.0
@@ -591,6 +593,9 @@ class EmbeddedRedis:
         args += [
             "--port", str(port), "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
             "--dir", str(self.directory), "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+            # compacted once past twice its size at the last rewrite and AOF_REWRITE_MIN: at Redis's default of 64 MB
+            # a 64 MB /dev/shm (Docker's default) filled first, the server died at every restart and the job with it
+            "--auto-aof-rewrite-min-size", AOF_REWRITE_MIN,
             "--daemonize", "no", "--loglevel", "warning", "--logfile", str(log_file),
         ]
         self._process = _launcher.popen(args)
