@@ -14,8 +14,8 @@ Keys (all under ``lbbsp:{job}:``, all with a TTL so that finished jobs do not le
 ``forgotten``          string   the latest iteration whose keys a coordinator's clean-up deleted (only rises)
 =====================  =======  ==========================================================================
 
-``reports:{k}`` and ``assign:{k}`` go sooner: when the coordinator decides from iteration k + ``ITERATIONS_KEPT``,
-which every worker has finished, so none reads them again.
+``reports:{k}`` and ``assign:{k}`` go sooner: when iteration k + ``ITERATIONS_KEPT`` is complete (its last report,
+and the coordinator's decision from it, delete them), which every worker has finished, so none reads them again.
 """
 from __future__ import annotations
 
@@ -209,29 +209,6 @@ class Store:
     The client must return bytes (no ``decode_responses``), as :func:`connect` makes it.
     """
 
-    # KEYS[1] = reports:{k} hash, KEYS[2] = ready list
-    # ARGV[1] = worker id, ARGV[2] = report JSON, ARGV[3] = number of workers, ARGV[4] = TTL s,
-    # ARGV[5] = iteration k, ARGV[6] = max payload bytes
-    # Returns 1 if stored, 0 if this worker already reported iteration k, -1 if the payload is too big,
-    # -2 if the worker id is not one of the job's, written in decimal without sign or leading zeros (another
-    # spelling of a worker, "0x1" or "1.0", would fill the hash while the real report is still missing).
-    # A ready key of another type (no writer of lbbsp's leaves one) is replaced: the RPUSH had failed after the HSETNX,
-    # so the iteration was never queued, and every later one neither, until the run ended.
-    POST_REPORT = """
-    if string.len(ARGV[2]) > tonumber(ARGV[6]) then return -1 end
-    if not string.match(ARGV[1], '^%d+$') then return -2 end
-    local worker = tonumber(ARGV[1])
-    if tostring(worker) ~= ARGV[1] or worker >= tonumber(ARGV[3]) then return -2 end
-    local added = redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
-    redis.call('EXPIRE', KEYS[1], ARGV[4])
-    if added == 1 and redis.call('HLEN', KEYS[1]) == tonumber(ARGV[3]) then
-        if redis.call('TYPE', KEYS[2]).ok ~= 'list' then redis.call('DEL', KEYS[2]) end
-        redis.call('RPUSH', KEYS[2], ARGV[5])
-        redis.call('EXPIRE', KEYS[2], ARGV[4])
-    end
-    return added
-    """
-
     # The watermark at ``key`` as a number where it is what a clean-up writes (plain digits, at most 16), else false, as
     # forgotten_through reads it: Lua's tonumber made "inf" or 400 digits infinite, which refused every write for good.
     # Read with pcall: a key of another type (an error reply) is no watermark either, and the clean-up's SET repairs it;
@@ -241,6 +218,44 @@ class Store:
         local raw = redis.pcall('GET', key)
         return type(raw) == 'string' and string.len(raw) <= 16 and string.match(raw, '^%d+$') and tonumber(raw)
     end
+    """
+
+    # KEYS[1] = reports:{k} hash, KEYS[2] = ready list, KEYS[3] = config string; where k >= ARGV[7], KEYS[4] =
+    # reports:{k - ARGV[7]} hash, KEYS[5] = assign:{k - ARGV[7]} string, KEYS[6] = forgotten string
+    # ARGV[1] = worker id, ARGV[2] = report JSON, ARGV[3] = number of workers, ARGV[4] = TTL s,
+    # ARGV[5] = iteration k, ARGV[6] = max payload bytes, ARGV[7] = iterations kept (ITERATIONS_KEPT)
+    # Returns 1 if stored, 0 if this worker already reported iteration k, -1 if the payload is too big,
+    # -2 if the worker id is not one of the job's, written in decimal without sign or leading zeros (another
+    # spelling of a worker, "0x1" or "1.0", would fill the hash while the real report is still missing).
+    # A ready key of another type (no writer of lbbsp's leaves one) is replaced: the RPUSH had failed after the HSETNX,
+    # so the iteration was never queued, and every later one neither, until the run ended.
+    # An iteration k completed also does what a coordinator's decision from it does to the job's keys, which every
+    # worker has then finished: the queue keeps the newest ARGV[7] (a coordinator behind decides from the newest), the
+    # settings are renewed, and k - ARGV[7]'s reports and assignment (KEYS[4], KEYS[5]) are deleted, the clean-up's
+    # watermark (KEYS[6]) raised to it where it stood just below (else a coordinator's first clean-up reaches back
+    # from where the watermark stands, as ever, to the keys a crash left). While no coordinator served (stopped, or given up), the queue had grown by one
+    # a step for good, each iteration's keys stayed for ttl_s (at 1,024 workers, 9.8 GB in the default hour at 10
+    # iterations a second), and the settings expired, so `lbbsp status` no longer listed a job that trained.
+    POST_REPORT = _WATERMARK + """
+    if string.len(ARGV[2]) > tonumber(ARGV[6]) then return -1 end
+    if not string.match(ARGV[1], '^%d+$') then return -2 end
+    local worker = tonumber(ARGV[1])
+    if tostring(worker) ~= ARGV[1] or worker >= tonumber(ARGV[3]) then return -2 end
+    local added = redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+    redis.call('EXPIRE', KEYS[1], ARGV[4])
+    if added == 1 and redis.call('HLEN', KEYS[1]) == tonumber(ARGV[3]) then
+        if redis.call('TYPE', KEYS[2]).ok ~= 'list' then redis.call('DEL', KEYS[2]) end
+        redis.call('RPUSH', KEYS[2], ARGV[5])
+        redis.call('LTRIM', KEYS[2], -tonumber(ARGV[7]), -1)
+        redis.call('EXPIRE', KEYS[2], ARGV[4])
+        redis.call('EXPIRE', KEYS[3], ARGV[4])
+        local old = tonumber(ARGV[5]) - tonumber(ARGV[7])
+        if KEYS[4] and old >= 0 then
+            redis.call('UNLINK', KEYS[4], KEYS[5])
+            if (watermark(KEYS[6]) or -1) == old - 1 then redis.call('SET', KEYS[6], old, 'EX', ARGV[4]) end
+        end
+    end
+    return added
     """
 
     # KEYS[1] = assign:{k} string, KEYS[2] = assigned channel; a coordinator's write adds KEYS[3] = forgotten string
@@ -473,9 +488,12 @@ class Store:
     def _post_raw(self, iteration: int, worker: str, payload: bytes, num_workers: int,
                   client: redis.client.Pipeline | None = None) -> Any:
         """Run the POST_REPORT script (on ``client``, a pipeline, when given: its result comes with execute)."""
-        return self._post_report(keys=[self.key("reports", iteration), self.key("ready")],
-                                 args=[worker, payload, num_workers, self.ttl_s, iteration, MAX_PAYLOAD_BYTES],
-                                 client=client)
+        keys = [self.key("reports", iteration), self.key("ready"), self.key("config")]
+        if iteration >= ITERATIONS_KEPT:
+            old = iteration - ITERATIONS_KEPT
+            keys += [self.key("reports", old), self.key("assign", old), self.key("forgotten")]
+        return self._post_report(keys=keys, args=[worker, payload, num_workers, self.ttl_s, iteration,
+                                                  MAX_PAYLOAD_BYTES, ITERATIONS_KEPT], client=client)
 
     def next_ready(self, timeout_s: float) -> int | None:
         """Pop the next iteration whose reports are complete, waiting up to ``timeout_s`` (less than the

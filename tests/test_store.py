@@ -28,7 +28,15 @@ from lbbsp import (
 )
 from lbbsp.cli import main
 from lbbsp.client_history import ClientHistory
-from lbbsp.store import UNKNOWN_CLAIM, answering, connect, redis_url, wait_for_redis, worker_socket_timeout
+from lbbsp.store import (
+    ITERATIONS_KEPT,
+    UNKNOWN_CLAIM,
+    answering,
+    connect,
+    redis_url,
+    wait_for_redis,
+    worker_socket_timeout,
+)
 from test_cli import DOC, SERVING, _decided, _store_keys
 
 
@@ -495,3 +503,23 @@ def test_posting_what_is_no_report_is_a_type_error_that_says_what_to_build(store
         else:
             store.post_reports([Report(job, 1, 1, 8, 0.1), fields], 2)  # type: ignore[list-item]
     assert store.client.exists(store.key("reports", 1)) == 0  # nothing of the batch was posted
+
+
+def test_a_job_that_runs_without_a_coordinator_keeps_its_keys_bounded_and_its_settings(redis_url: str,
+                                                                                        job: str) -> None:
+    """With no coordinator serving (stopped, given up, or coordinator=False), nothing cleaned up: the ready queue grew
+    by one a step for good (30,000 entries after 30,000 steps), each iteration's keys stayed for ttl_s (60,205 keys),
+    and the job's settings expired after ttl_s, so `lbbsp status` said 'no lbbsp jobs' of a job still training."""
+    kept = ITERATIONS_KEPT
+    with Store.from_url(redis_url, job, ttl_s=600) as store:
+        store.register(JobConfig(job, 2, 8, ttl_s=600))
+        store.client.expire(store.key("config"), 30)  # as if registered long ago
+        for k in range(kept + 150):
+            store.publish(Assignment(job, k, (4, 4), "fallback", fallback=True))  # a worker's, written once
+            for worker in (0, 1):
+                store.post_report(Report(job, worker, k, 4, 0.01), 2)
+        assert store.client.llen(store.key("ready")) == kept
+        assert [k for k in range(kept + 150) if store.reports(k)] == list(range(150, kept + 150))
+        assert store.client.exists(*(store.key("assign", k) for k in range(150))) == 0
+        assert store.forgotten_through() == 149
+        assert store.client.ttl(store.key("config")) > 30 and job in set(store.jobs())
