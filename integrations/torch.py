@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from lbbsp.config import JobConfig, _is_integer
@@ -127,7 +128,6 @@ class Balancer:
         self._monitor = ResourceMonitor(self.device.index if self.device.type == "cuda" else None)
         self._model_device: torch.device | None = None  # where attached parameters live, timed from the next step
         self._hooks: list[RemovableHandle] = []  # forward pre-hooks on attached models, removed on close
-        self._backward_end: RemovableHandle | None = None  # marks the end of a backward under no_sync
         self._closed = False
         self._loaders: weakref.WeakSet[BalancedLoader] = weakref.WeakSet()  # closed with the Balancer
         # What the step in progress has seen, checked when it ends (see _check_weighted).
@@ -248,7 +248,6 @@ class Balancer:
         assignment = self.client.assignment(self._iteration)
         split = sampler.split_for(step, assignment.sizes)
         indices = sampler.worker_indices(step, assignment.sizes, self.rank)
-        self._drop_backward_end()
         self.step = Step(self._iteration, split, len(indices), assignment)
         self._iteration += 1
         self._open, self._begun_by = True, sampler
@@ -352,6 +351,7 @@ class Balancer:
                         "H100: 4,427 samples where 5,196 fit); set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
                         "before CUDA starts, or pass max_batch")
         self._hooks.append(model.register_forward_pre_hook(self._saw_forward))
+        self._hooks.append(model.register_forward_hook(self._pause_after_backward))
         if model.broadcast_buffers and any(True for _ in model.module.buffers()):
             # DDP broadcasts the buffers from rank 0 before each forward: a collective, where a fast rank waits
             # for a slow one inside the step; the clock leaves it out (it stops before DDP.forward, resumes as
@@ -412,22 +412,21 @@ class Balancer:
         self._clock.resume()
         if torch.is_grad_enabled() and not model.require_backward_grad_sync:
             self._unsynced_forward = True
-            self._pause_after_backward(model)
 
-    def _pause_after_backward(self, model: DistributedDataParallel) -> None:
-        """Under no_sync no comm hook marks where the backward ends: a hook on the parameters' gradients pauses the
-        clock there, so that what the script does next (an all-reduce of its loss for logging, waiting for the
-        slower ranks) is not counted. It had counted until the next step began."""
-        self._drop_backward_end()
-        parameters = [p for p in model.parameters() if p.requires_grad]
-        if parameters:
-            self._backward_end = torch.autograd.graph.register_multi_grad_hook(parameters,
-                                                                               lambda _: self._clock.pause())
+    def _pause_after_backward(self, model: DistributedDataParallel, inputs: object, output: object) -> None:
+        """Forward hook of an attached model: under no_sync no comm hook marks where the backward ends, so a hook on
+        the output's gradient queues a pause of the clock for the end of the backward that reaches it (as DDP
+        finds its own backward's end), and what the script does next (an all-reduce of its loss for logging, waiting
+        for the slower ranks) is not counted. It had counted until the next step began. The end of the outermost
+        backward: a reentrant checkpoint's nested ones end before it. Nothing is held but the hook."""
+        if not torch.is_grad_enabled() or model.require_backward_grad_sync:
+            return
+        def reached(grad: torch.Tensor) -> None:
+            torch.autograd.Variable._execution_engine.queue_callback(self._clock.pause)
 
-    def _drop_backward_end(self) -> None:
-        if self._backward_end is not None:
-            self._backward_end.remove()
-            self._backward_end = None
+        for tensor in tree_leaves(output):
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(reached)
 
     def _time_on_model_device(self) -> None:
         """Time steps with CUDA events on the model's GPU, read its memory and report its model, whatever the
@@ -536,7 +535,6 @@ class Balancer:
                 loader.close()
             for handle in self._hooks:
                 handle.remove()
-            self._drop_backward_end()
             self._gpu_reports.close(self.config.assignment_timeout_s if failing else None)
             failure = failure or self._gpu_reports.failure()
             self.client.close()

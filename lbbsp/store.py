@@ -221,7 +221,8 @@ class Store:
     """
 
     # KEYS[1] = reports:{k} hash, KEYS[2] = ready list, KEYS[3] = config string; where k >= ARGV[7], KEYS[4] =
-    # reports:{k - ARGV[7]} hash, KEYS[5] = assign:{k - ARGV[7]} string, KEYS[6] = forgotten string
+    # reports:{k - ARGV[7]} hash, KEYS[5] = assign:{k - ARGV[7]} string, KEYS[6] = forgotten string, KEYS[7] =
+    # assign:{k} string
     # ARGV[1] = worker id, ARGV[2] = report JSON, ARGV[3] = number of workers, ARGV[4] = TTL s,
     # ARGV[5] = iteration k, ARGV[6] = max payload bytes, ARGV[7] = iterations kept (ITERATIONS_KEPT)
     # Returns 1 if stored, 0 if this worker already reported iteration k, -1 if the payload is too big,
@@ -230,10 +231,12 @@ class Store:
     # A ready key of another type (no writer of lbbsp's leaves one) is replaced: the RPUSH had failed after the HSETNX,
     # so the iteration was never queued, and every later one neither, until the run ended.
     # An iteration k completed also does what a coordinator's decision from it does to the job's keys, which every
-    # worker has then finished: the queue keeps the newest ARGV[7] (a coordinator behind decides from the newest), the
-    # settings are renewed, and k - ARGV[7]'s reports and assignment (KEYS[4], KEYS[5]) are deleted, the clean-up's
-    # watermark (KEYS[6]) raised to it where it stood just below (else a coordinator's first clean-up reaches back
-    # from where the watermark stands, as ever, to the keys a crash left). While no coordinator served (stopped, or given up), the queue had grown by one
+    # worker has then finished: the queue keeps the newest ARGV[7] (the older ones' keys go: none is decided from),
+    # the settings are renewed, and, where k has an assignment (every worker reads it before it runs k: reports
+    # posted out of line for a k no worker ran had deleted a split still to be read), k - ARGV[7]'s reports and
+    # assignment (KEYS[4], KEYS[5]) are deleted and the clean-up's watermark (KEYS[6]) raised to it where it stood
+    # just below (else a coordinator's first clean-up reaches back from where the watermark stands, as ever, to the
+    # keys a crash left). While no coordinator served (stopped, or given up), the queue had grown by one
     # a step for good, each iteration's keys stayed for ttl_s (at 1,024 workers, 9.8 GB in the default hour at 10
     # iterations a second), and the settings expired, so `lbbsp status` no longer listed a job that trained.
     POST_REPORT = _WATERMARK + """
@@ -250,7 +253,7 @@ class Store:
         redis.call('EXPIRE', KEYS[2], ARGV[4])
         redis.call('EXPIRE', KEYS[3], ARGV[4])
         local old = tonumber(ARGV[5]) - tonumber(ARGV[7])
-        if KEYS[4] and old >= 0 then
+        if KEYS[4] and old >= 0 and redis.call('EXISTS', KEYS[7]) == 1 then
             redis.call('UNLINK', KEYS[4], KEYS[5])
             if (watermark(KEYS[6]) or -1) == old - 1 then redis.call('SET', KEYS[6], old, 'EX', ARGV[4]) end
         end
@@ -491,7 +494,8 @@ class Store:
         keys = [self.key("reports", iteration), self.key("ready"), self.key("config")]
         if iteration >= ITERATIONS_KEPT:
             old = iteration - ITERATIONS_KEPT
-            keys += [self.key("reports", old), self.key("assign", old), self.key("forgotten")]
+            keys += [self.key("reports", old), self.key("assign", old), self.key("forgotten"),
+                     self.key("assign", iteration)]
         return self._post_report(keys=keys, args=[worker, payload, num_workers, self.ttl_s, iteration,
                                                   MAX_PAYLOAD_BYTES, ITERATIONS_KEPT], client=client)
 

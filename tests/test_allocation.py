@@ -163,6 +163,8 @@ def test_workers_that_never_finish_get_their_lower_bound_while_the_others_hold_t
     assert allocate(LinearTime(np.array([1e-300, 2.0, 3.0])), 90, [1, 1, 1], [90, 50, 30]).tolist() == [10, 50, 30]
     with pytest.raises(AllocationError, match="all 3 workers never finish"):
         allocate(LinearTime(np.array([0.0, 0.0, 0.0])), 90, [1, 1, 1], [90, 90, 90])
+    # a lower bound of 0: nothing to compute takes no time, even at a speed of 0 (0 / 0 was NaN, an error)
+    assert allocate(LinearTime(np.array([0.0, 2.0, 3.0])), 90, [0, 0, 0], [90, 90, 90]).tolist() == [0, 36, 54]
 
 
 def test_workers_that_never_finish_take_only_what_the_others_cannot_hold() -> None:
@@ -182,8 +184,6 @@ class _ZeroForWorker0(LastValue):
 
     def predict(self, workers: Sequence[int] | np.ndarray) -> np.ndarray:
         return np.where(np.asarray(workers) == 0, 0.0, super().predict(workers))
-    # a lower bound of 0: nothing to compute takes no time, even at a speed of 0 (0 / 0 was NaN, an error)
-    assert allocate(LinearTime(np.array([0.0, 2.0, 3.0])), 90, [0, 0, 0], [90, 90, 90]).tolist() == [0, 36, 54]
 
 
 class MemoryWall:
