@@ -773,14 +773,16 @@ def _time_from_the_train_function(model: Any, called: Callable[[], None] | None)
 
 
 class _TimedTrainFunction:
-    """A model's train function that tells ``called`` as it is called; anything else read of it is the function's
-    (a script's ``model.train_function.experimental_get_tracing_count()``)."""
+    """A model's train function that tells ``called`` (a callback's method) as it is called; anything else read of it
+    is the function's (a script's ``model.train_function.experimental_get_tracing_count()``). The callback is held
+    weakly: left on the model by a fit that raised, the wrapper would have kept it, and its client, alive."""
 
     def __init__(self, inner: Callable[..., Any], called: Callable[[], None]) -> None:
-        self.inner, self._called = inner, called
+        self.inner, self._called = inner, weakref.WeakMethod(called)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._called()
+        if (called := self._called()) is not None:
+            called()
         return self.inner(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
