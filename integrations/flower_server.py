@@ -93,9 +93,11 @@ class ClientResult:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) or value < 0:
                 raise ProtocolError(f"must be a finite non-negative number, got {value!r:.40}", field=key)
             values[key] = value
+        # counts under 2**63, as an int metric is: two clients' data sizes of 1e308 had summed past a float in the
+        # FedNova weights, and the ServerApp stopped
         for key in (SAMPLES, STEPS, DATA_SIZE):
-            if key in values and values[key] != int(values[key]):
-                raise ProtocolError(f"must be a whole number, got {values[key]!r}", field=key)
+            if key in values and (values[key] != int(values[key]) or values[key] >= 2**63):
+                raise ProtocolError(f"must be a whole number under 2**63, got {values[key]!r}", field=key)
         if values[STEPS] > MAX_LOCAL_STEPS:
             raise ProtocolError(f"must be at most {MAX_LOCAL_STEPS}", field=STEPS)
         data_size = int(values[DATA_SIZE]) if DATA_SIZE in values else None

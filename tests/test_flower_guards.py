@@ -123,9 +123,20 @@ def test_client_side_arguments_are_checked_by_name(call, match: str) -> None:  #
 
 
 def test_a_fractional_step_count_is_named_as_the_steps() -> None:
-    with pytest.raises(ProtocolError, match=r"lbbsp-steps: must be a whole number, got 2\.5"):
+    with pytest.raises(ProtocolError, match=r"lbbsp-steps: must be a whole number under 2\*\*63, got 2\.5"):
         ClientResult.from_metrics(MetricRecord({"lbbsp-samples": 8, "lbbsp-steps": 2.5, "lbbsp-compute-s": 1.0,
                                                 "lbbsp-download-s": 0.0, "lbbsp-upload-s": 0.0}))
+
+
+def test_a_data_size_a_float_holds_but_an_int_metric_could_not_is_refused() -> None:
+    """An int metric is refused from 2**63 up, and a whole float was taken to any size: two clients' 1e308 summed past
+    a float in the FedNova weights, and the ServerApp stopped with 'sample counts sum beyond a float'."""
+    metrics = {"lbbsp-samples": 8, "lbbsp-steps": 2, "lbbsp-compute-s": 1.0, "lbbsp-download-s": 0.0,
+               "lbbsp-upload-s": 0.0}
+    for size in (1e308, 2.0**63):
+        with pytest.raises(ProtocolError, match=r"lbbsp-data-size: must be a whole number under 2\*\*63"):
+            ClientResult.from_metrics(MetricRecord({**metrics, "lbbsp-data-size": size}))
+    assert ClientResult.from_metrics(MetricRecord({**metrics, "lbbsp-data-size": 2.0**62})).data_size == 2**62
 
 
 @pytest.mark.parametrize(("adapt", "batch_size", "local_steps", "clients"), [
