@@ -166,8 +166,13 @@ def _frozen_around_stalled(model: TimeModel, global_batch: int, lower: np.ndarra
     finite = np.where(stalled, _frozen_capacity_by_search(model, np.finfo(float).max, lower, upper), upper)
     if int(finite.sum()) >= global_batch:
         return frozen_allocate(model, global_batch, lower, finite)
-    raise AllocationError(f"the time model predicts that {int(stalled.sum())} of {stalled.size} workers never "
-                          f"finish, and the others cannot hold the global batch {global_batch}")
+    if stalled.all():  # no split finishes: allocation._around_stalled's rule, not the search's, copied
+        raise AllocationError(f"the time model predicts that all {stalled.size} workers never finish a batch "
+                              f"that holds the global batch {global_batch}")
+    sizes = upper.copy()
+    sizes[stalled] = frozen_allocate(LinearTime(np.ones(int(stalled.sum()))),
+                                     global_batch - int(upper[~stalled].sum()), finite[stalled], upper[stalled])
+    return sizes
 
 
 def _frozen_only_flat_jumps(model: TimeModel, x_lo: np.ndarray, x_hi: np.ndarray, room: np.ndarray) -> bool:
