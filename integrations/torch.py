@@ -57,7 +57,7 @@ from lbbsp.errors import ConfigError, LBBSPError
 from lbbsp.policies import Policy, checked_policy
 from lbbsp.protocol import Assignment, Report
 from lbbsp.sampling import GlobalBatchSampler
-from lbbsp.store import Store, agreed_config, redis_url, worker_socket_timeout
+from lbbsp.store import Store, agreed_config, redacted, redis_url, worker_socket_timeout
 from lbbsp.telemetry import ResourceMonitor
 from lbbsp.worker import WorkerClient
 
@@ -167,10 +167,13 @@ class Balancer:
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialised: call dist.init_process_group first")
         rank, world = dist.get_rank(), dist.get_world_size()
+        given_url, _ = redis_url(redis, "redis=")
         _same_on_every_rank(world, global_batch=global_batch, min_batch=min_batch, max_batch=max_batch,
                             assignment_timeout_s=assignment_timeout_s, coordinator=coordinator,
                             lag=JobConfig.lag if lag is None else lag, max_ahead=MAX_AHEAD if max_ahead is None
-                            else max_ahead)
+                            else max_ahead,
+                            given={"redis": redacted(given_url) if isinstance(given_url, str) else given_url,
+                                   "job": job})
         # (a global batch under 1 is left to JobConfig's error: no min_batch makes it one)
         if _is_integer(min_batch) and _is_integer(global_batch) and min_batch * world > global_batch >= 1:
             raise ConfigError(f"global_batch={global_batch} cannot give each of the {world} ranks min_batch="
@@ -626,27 +629,38 @@ def _sharded(model: nn.Module) -> bool:
     return any(cls.__name__ in ("FullyShardedDataParallel", "FSDPModule") for cls in type(model).__mro__)
 
 
-def _same_on_every_rank(world: int, **settings: object) -> None:
+def _same_on_every_rank(world: int, *, given: dict[str, object], **settings: object) -> None:
     """A ConfigError on every rank, naming the ranks and values, where the ranks passed from_env other ``settings``:
     rank 0's were used (its coordinator registers the job), and a rank of another global batch had died of a
-    mismatch error on rank 0 that blamed a job name it had just made up, the others of the connection it left."""
+    mismatch error on rank 0 that blamed a job name it had just made up, the others of the connection it left.
+    ``given`` (the Redis URL, the job name) may be left out (None) on ranks other than 0, which take rank 0's; one
+    given otherwise had been replaced by rank 0's unsaid, and a rank that named the right Redis by another address
+    failed to reach rank 0's, blaming its own setting."""
     ours = {name: _plain(v) for name, v in settings.items()}
-    every: list[dict[str, object] | None] = [None] * world
-    dist.all_gather_object(every, ours)
+    every: list[tuple[dict[str, object], dict[str, object]] | None] = [None] * world
+    dist.all_gather_object(every, (ours, given))
     differ = []
     for name in ours:
         groups: list[tuple[object, list[int]]] = []  # each value (10 and 10.0 are one; so is NaN) and its ranks
         for r, theirs in enumerate(every):
-            value = cast("dict[str, object]", theirs)[name]
+            value = cast("tuple[dict[str, object], dict[str, object]]", theirs)[0][name]
             same = next((ranks for v, ranks in groups if _same(v, value)), None)
             same.append(r) if same is not None else groups.append((value, [r]))
         if len(groups) > 1:
             differ.append(f"{name}: " + "; ".join(f"{value!r} on rank{'s' if len(ranks) > 1 else ''} "
                                                    f"{', '.join(map(str, ranks[:8]))}{' ...' if len(ranks) > 8 else ''}"
                                                    for value, ranks in groups[:4]))
+    for name in given:
+        values = [cast("tuple[dict[str, object], dict[str, object]]", theirs)[1][name] for theirs in every]
+        other = [r for r, value in enumerate(values) if r and value is not None and value != values[0]]
+        if other:
+            differ.append(f"{name}: {values[0]!r} on rank 0, " + "; ".join(f"{values[r]!r} on rank {r}"
+                                                                            for r in other[:4]))
     if differ:
         raise ConfigError("Balancer.from_env was given other settings on other ranks (" + "; ".join(differ) + "): "
-                          "the job has one global batch and one split a step, so every rank must pass the same")
+                          "the job has one global batch and one split a step, so every rank must pass the same (the "
+                          "Redis URL and the job name may be left out on ranks other than 0, which take rank 0's; "
+                          "name a Redis by an address every rank reaches)")
 
 
 def _plain(value: object) -> object:

@@ -250,6 +250,10 @@ def settings(url: str, job: str) -> dict:
         Balancer.from_env(GLOBAL_BATCH + dist.get_rank(), redis=url)
     except ConfigError as exc:
         result["differ"] = str(exc)
+    try:  # rank 1's own Redis had been replaced by rank 0's unsaid (and its error blamed its own setting)
+        Balancer.from_env(GLOBAL_BATCH, redis=url if dist.get_rank() == 0 else "redis://u:secret@127.0.0.1:9/0")
+    except ConfigError as exc:
+        result["redis_differ"] = str(exc)
     # the same settings written otherwise on each rank: an array of caps (whose == had raised), a default given
     caps = np.array([GLOBAL_BATCH] * 2) if dist.get_rank() == 0 else [GLOBAL_BATCH] * 2
     with Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-alike", max_batch=caps,
@@ -552,9 +556,11 @@ def test_settings_errors_say_what_to_do(outcomes: list[dict]) -> None:
     assert "map-style dataset" in result["iterable"]
     assert "persistent_workers itself" in result["persistent_workers"] and "without_workers" not in result
     assert result["alike"] == 2
-    assert result["differ"] == (f"Balancer.from_env was given other settings on other ranks (global_batch: "
-                                f"{GLOBAL_BATCH} on rank 0; {GLOBAL_BATCH + 1} on rank 1): the job has one global "
-                                "batch and one split a step, so every rank must pass the same")
+    assert result["differ"].startswith(f"Balancer.from_env was given other settings on other ranks (global_batch: "
+                                       f"{GLOBAL_BATCH} on rank 0; {GLOBAL_BATCH + 1} on rank 1): the job has one "
+                                       "global batch and one split a step, so every rank must pass the same")
+    assert "on rank 0, 'redis://u:***@127.0.0.1:9/0' on rank 1" in result["redis_differ"], result["redis_differ"]
+    assert "secret" not in result["redis_differ"] and "which take rank 0's" in result["redis_differ"]
     assert "127.0.0.1:1" in result["unreachable"] and "LBBSP_REDIS_URL" in result["unreachable"]
     assert "policy must be a Policy instance" in result["policy_name"]
     assert "global_batch must be an integer, got True (bool)" in result["bool_batch"]
