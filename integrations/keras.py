@@ -368,18 +368,14 @@ class StepProbe:
         self.computed.clear()
         self.reduced.clear()
 
-    def compute_s(self, started: float) -> float | None:
-        """Seconds of local work since ``started``, the all-reduce waits left out; None without marks."""
+    def times(self, started: float) -> tuple[float, float] | None:
+        """Seconds of local work since ``started``, the all-reduce waits left out, and seconds spent in the
+        all-reduces (waiting for the slower workers, and the transfer); None without marks."""
         if not self.computed or len(self.reduced) != len(self.computed):
             return None
         starts = [started] + self.reduced[:-1]
-        return sum(max(end - start, 0.0) for start, end in zip(starts, self.computed))
-
-    def wait_s(self) -> float | None:
-        """Seconds spent in the all-reduces (waiting for the slower workers, and the transfer); None without marks."""
-        if not self.computed or len(self.reduced) != len(self.computed):
-            return None
-        return sum(max(done - ready, 0.0) for ready, done in zip(self.computed, self.reduced))
+        return (sum(max(end - start, 0.0) for start, end in zip(starts, self.computed)),
+                sum(max(done - ready, 0.0) for ready, done in zip(self.computed, self.reduced)))
 
     def _mark(self, marks: list[float]) -> Any:
         import numpy as np  # noqa: PLC0415
@@ -719,9 +715,9 @@ class _CallbackLogic:
     def _end_step(self, batch: int) -> None:
         self._in_step = False
         wall_s = time.perf_counter() - self._started
-        probed = self.probe.compute_s(self._started) if self.probe is not None else None
-        compute_s = max(probed if probed is not None else wall_s, 1e-9)
-        waited = self.probe.wait_s() if probed is not None and self.probe is not None else None
+        probed = self.probe.times(self._started) if self.probe is not None else None
+        compute_s = max(probed[0] if probed is not None else wall_s, 1e-9)
+        wait_s = probed[1] if probed is not None else max(wall_s - compute_s, 0.0)
         served = self.source.batches_in(self.iteration)
         if not served and not self._warned_unread:  # fit reads arrays or a pipeline of its own: nothing is balanced
             self._warned_unread = True
@@ -735,8 +731,7 @@ class _CallbackLogic:
         per_batch = math.ceil(samples / batches)
         scale = per_batch / samples if samples else 1.0 / batches
         self.client.report(self.iteration, per_batch, max(compute_s * scale, 1e-9),
-                           wait_s=(waited if waited is not None else max(wall_s - compute_s, 0.0)) * scale,
-                           features=self.monitor.sample())
+                           wait_s=wait_s * scale, features=self.monitor.sample())
         self.iteration += 1
         _NEXT_ITERATION[self.client] = self.iteration
         if not (self._epoch == self.params.get("epochs", 0) - 1 and batch >= len(self.source) - 1):

@@ -167,20 +167,18 @@ class Balancer:
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialised: call dist.init_process_group first")
         rank, world = dist.get_rank(), dist.get_world_size()
-        given_url, _ = redis_url(redis, "redis=")
+        url, _ = redis_url(redis, "redis=")
         _same_on_every_rank(world, global_batch=global_batch, min_batch=min_batch, max_batch=max_batch,
                             assignment_timeout_s=assignment_timeout_s, coordinator=coordinator,
                             lag=JobConfig.lag if lag is None else lag, max_ahead=MAX_AHEAD if max_ahead is None
                             else max_ahead,
-                            given={"redis": redacted(given_url) if isinstance(given_url, str) else given_url,
-                                   "job": job})
+                            given={"redis": redacted(url) if isinstance(url, str) else url, "job": job})
         # (a global batch under 1 is left to JobConfig's error: no min_batch makes it one)
         if _is_integer(min_batch) and _is_integer(global_batch) and min_batch * world > global_batch >= 1:
             raise ConfigError(f"global_batch={global_batch} cannot give each of the {world} ranks min_batch="
                               f"{min_batch} samples: use a global batch of at least {min_batch * world}, or "
                               "min_batch=0 to let some ranks sit steps out with empty slices")
         device = torch.device(device) if device is not None else _collective_device()
-        url, _ = redis_url(redis, "redis=")
         if not coordinator and (job is None or url is None):  # each part of the message only where it applies
             missing = " and ".join(part for part, absent in (("the job name it serves (job=)", job is None),
                                                              ("the URL of its Redis (redis= or $LBBSP_REDIS_URL)",
@@ -637,13 +635,14 @@ def _same_on_every_rank(world: int, *, given: dict[str, object], **settings: obj
     given otherwise had been replaced by rank 0's unsaid, and a rank that named the right Redis by another address
     failed to reach rank 0's, blaming its own setting."""
     ours = {name: _plain(v) for name, v in settings.items()}
-    every: list[tuple[dict[str, object], dict[str, object]] | None] = [None] * world
-    dist.all_gather_object(every, (ours, given))
+    gathered: list[tuple[dict[str, object], dict[str, object]] | None] = [None] * world
+    dist.all_gather_object(gathered, (ours, given))
+    every = cast("list[tuple[dict[str, object], dict[str, object]]]", gathered)
     differ = []
     for name in ours:
         groups: list[tuple[object, list[int]]] = []  # each value (10 and 10.0 are one; so is NaN) and its ranks
         for r, theirs in enumerate(every):
-            value = cast("tuple[dict[str, object], dict[str, object]]", theirs)[0][name]
+            value = theirs[0][name]
             same = next((ranks for v, ranks in groups if _same(v, value)), None)
             same.append(r) if same is not None else groups.append((value, [r]))
         if len(groups) > 1:
@@ -651,7 +650,7 @@ def _same_on_every_rank(world: int, *, given: dict[str, object], **settings: obj
                                                    f"{', '.join(map(str, ranks[:8]))}{' ...' if len(ranks) > 8 else ''}"
                                                    for value, ranks in groups[:4]))
     for name in given:
-        values = [cast("tuple[dict[str, object], dict[str, object]]", theirs)[1][name] for theirs in every]
+        values = [theirs[1][name] for theirs in every]
         other = [r for r, value in enumerate(values) if r and value is not None and value != values[0]]
         if other:
             differ.append(f"{name}: {values[0]!r} on rank 0, " + "; ".join(f"{values[r]!r} on rank {r}"
