@@ -599,6 +599,7 @@ class _CallbackLogic:
         self._warned_unread = False
         self._epoch = 0
         self._in_step = False  # between on_train_batch_begin and its end: a second begin means listed twice
+        self._first_epoch_begun = False  # this fit's: a Keras 3 fit that BackupAndRestore resumed starts later
 
     def set_model(self, model: Any) -> None:
         """Refuse a model of the other Keras (tf_keras vs Keras 3), or Keras 3 on a backend other than TensorFlow's,
@@ -653,7 +654,18 @@ class _CallbackLogic:
                 _warn_of_an_own_train_step(type(self.model))
                 ExactLogs.install(self.model)
             _time_from_the_train_function(self.model, self._train_function_called)  # the one ExactLogs rebuilt
+            _hear_of_a_restore(self.model, self._resume)
+        self._first_epoch_begun = False
         self.source.publish(self.client.assignment(self.iteration))
+
+    def _resume(self, epoch: int, step: int) -> None:
+        """Keras resumes a run that ``BackupAndRestore`` saved at ``step`` of ``epoch``: the source starts there, with
+        Keras's epoch numbers as its own (a new process's source had replayed epoch 0's order, and a fit resumed
+        mid-epoch had trained that epoch's first steps again and never its last)."""
+        log.info("LBBSPCallback: Keras resumes this fit at epoch %d, step %d (BackupAndRestore): the source too",
+                 epoch, step)
+        self.epochs_done = epoch
+        self.source.resume_at(epoch, step)
 
     def _check_schedule(self) -> None:
         job = self.source.config.job
@@ -738,7 +750,13 @@ class _CallbackLogic:
             self.source.publish(self.client.assignment(self.iteration))  # the next fit fetches it otherwise
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        """Note the epoch: the last step of the fit's last epoch fetches no next vector (the next fit does)."""
+        """Note the epoch: the last step of the fit's last epoch fetches no next vector (the next fit does). Keras 3
+        resumes a ``BackupAndRestore`` run at the first step of the epoch it sets as ``model._initial_epoch``, and
+        reads no batch of this fit before its first epoch begins."""
+        if not self._first_epoch_begun and _keras_of(type(self)) == "keras" and epoch and \
+                getattr(self.model, "_initial_epoch", None) == epoch:
+            self._resume(epoch, 0)
+        self._first_epoch_begun = True
         self._epoch = epoch
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
@@ -749,6 +767,7 @@ class _CallbackLogic:
     def on_train_end(self, logs: dict | None = None) -> None:
         """Put the source back on the equal split and send the reports still queued."""
         _time_from_the_train_function(self.model, None)
+        _hear_of_a_restore(self.model, None)
         self.source.detach(self.iteration)
         self.client.flush()
 
@@ -784,6 +803,32 @@ class _TimedTrainFunction:
         if name == "inner":  # not set yet (a copy being made): no endless recursion
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+def _hear_of_a_restore(model: Any, resumed: Callable[[int, int], None] | None) -> None:
+    """Have tf_keras's ``fit`` tell ``resumed`` the epoch and step it resumes at, where ``BackupAndRestore`` restored
+    them: fit reads them right after every callback's ``on_train_begin`` (that callback may be listed after this one)
+    and before its first batch. None undoes it."""
+    model.__dict__.pop(_COUNTERS, None)
+    if resumed is not None:
+        object.__setattr__(model, _COUNTERS, _RestoredCounters(getattr(model, _COUNTERS), resumed))
+
+
+_COUNTERS = "_maybe_load_initial_counters_from_ckpt"
+
+
+class _RestoredCounters:
+    """tf_keras's ``Model._maybe_load_initial_counters_from_ckpt``, which also tells ``resumed`` (held weakly, as in
+    :class:`_TimedTrainFunction`) the epoch and step that a checkpoint moved the fit to."""
+
+    def __init__(self, inner: Callable[[int, int], tuple[int, int]], resumed: Callable[[int, int], None]) -> None:
+        self.inner, self._resumed = inner, weakref.WeakMethod(resumed)
+
+    def __call__(self, steps_per_epoch: int, initial_epoch: int) -> tuple[int, int]:
+        epoch, step = self.inner(steps_per_epoch, initial_epoch)
+        if (int(epoch), int(step)) != (initial_epoch, 0) and (resumed := self._resumed()) is not None:
+            resumed(int(epoch), int(step))
+        return epoch, step
 
 
 def _fit_running() -> Callable[[], bool] | None:

@@ -144,6 +144,7 @@ class BalancedSource:
         self._attached = False
         self._first_iteration = 0
         self._first_epoch = 0
+        self._start_step = 0  # the step the attached fit starts at: a fit resumed mid-epoch (resume_at)
         #: Epochs trained from this source, over every fit: a new callback for it starts the sampler there.
         self.epochs_trained = 0
         self._generator_epochs = 0
@@ -179,8 +180,13 @@ class BalancedSource:
         return math.ceil(len(self) / self.steps_per_execution)
 
     def iteration_of(self, epoch: int, step: int) -> int:
-        """The LB-BSP iteration of ``step`` in the ``epoch``-th epoch of the current ``fit``."""
-        return self._first_iteration + epoch * self.iterations_per_epoch + step // self.steps_per_execution
+        """The LB-BSP iteration of ``step`` in the ``epoch``-th epoch of the current ``fit`` (its first epoch starts
+        at the step that a resumed ``fit`` starts at, see :meth:`resume_at`)."""
+        per_execution, start = self.steps_per_execution, self._start_step
+        if epoch == 0:
+            return self._first_iteration + (step - start) // per_execution
+        first = math.ceil((len(self) - start) / per_execution)  # the executions of the partial first epoch
+        return self._first_iteration + first + (epoch - 1) * self.iterations_per_epoch + step // per_execution
 
     # -- the callback's side ----------------------------------------------------------------------------
     def attach(self, first_iteration: int, first_epoch: int, replicas: int = 1,
@@ -208,6 +214,7 @@ class BalancedSource:
             self._fit_thread = threading.get_ident()  # attach runs in the callback's on_train_begin, in fit's thread
             self._first_iteration = first_iteration
             self._first_epoch = first_epoch
+            self._start_step = 0
             self._generator_epochs = 0
             self._index_calls.clear()
             self._sequence_epochs = 0
@@ -215,6 +222,20 @@ class BalancedSource:
             self._reader = None
             self._reading = 0
             self._fit += 1
+
+    def resume_at(self, epoch: int, step: int) -> None:
+        """Start the attached ``fit`` at ``step`` of the sampler's ``epoch``, where Keras resumes a run that
+        ``BackupAndRestore`` saved: its epochs are then the source's, and the steps it skips are not served."""
+        with self._changed:
+            if not self._attached or self._generator_epochs or self._index_calls:
+                raise ConfigError("resume_at is for the callback, before the fit it attached to reads a batch",
+                                  job=self.config.job, worker=self.worker)
+            if step and self.latest_pipeline == "py_dataset":
+                raise ConfigError(f"Keras resumes this fit at step {step} of epoch {epoch} (BackupAndRestore with "
+                                  "save_freq=<steps>), but a py_dataset() is read from its first batch whatever the "
+                                  "step: use source.tf_dataset(), or BackupAndRestore(save_freq='epoch')",
+                                  job=self.config.job, worker=self.worker)
+            self._first_epoch, self._start_step = epoch, step
 
     def detach(self, next_iteration: int) -> None:
         """Back to the equal split (after ``fit``); a prefetch still waiting gets an unrecorded batch.
@@ -408,7 +429,7 @@ class BalancedSource:
             epoch = self._generator_epochs
             self._generator_epochs += 1
         try:
-            for step in range(len(self)):
+            for step in range(self._start_step if counted and epoch == 0 else 0, len(self)):
                 if self._abandoned == fit or _EXITING.is_set():
                     return
                 with _generator_step():
@@ -488,7 +509,8 @@ class BalancedSource:
         self._newest = next(self._pipelines)
         dataset = tf.data.Dataset.from_generator(functools.partial(self._epoch_batches, self._newest),
                                                  output_signature=signature)
-        dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(self))).repeat()
+        # a pass is an epoch, and the first of a fit resumed mid-epoch is shorter (resume_at)
+        dataset = dataset.repeat().apply(tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY))
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         # No prefetch thread of tf.data's own: after a fit that raised, it would sit in the generator waiting for a

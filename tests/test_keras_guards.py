@@ -175,7 +175,7 @@ def test_a_fit_whose_callback_failed_ends_its_pipeline_instead_of_serving_more(j
     source.publish(config.initial_assignment(0))
     assert len(next(batches)[0]) == 32
     source.abandon(1)
-    with pytest.raises(tf.errors.OpError, match="expected to contain 4 elements but contained only 1"):
+    with pytest.raises(tf.errors.OpError, match="expected to contain an infinite number of elements but contained only 1"):
         next(batches)
     assert source.served == deque() or all(b.iteration < 1 for b in source.served)
 

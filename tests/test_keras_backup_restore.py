@@ -1,0 +1,109 @@
+"""A run that Keras's ``BackupAndRestore`` resumes: the source starts at the epoch, and with tf_keras the step, that
+Keras resumes at, so that every sample of every epoch is trained once and the weights are those of a run that was
+never interrupted. One worker in one process, real Redis and TensorFlow; the interruption is the callback that raises,
+as in ``BackupAndRestore``'s own docstring, and the resumed fit has a new source, as a new process would."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lbbsp import ConfigError, GlobalBatchSampler, JobConfig
+
+pytest.importorskip("tensorflow")
+from lbbsp.integrations.keras import BalancedSource, WorkerSession, callback_class
+
+SAMPLES, GLOBAL_BATCH, EPOCHS, STOP_AT = 80, 16, 4, 13  # 5 steps per epoch; stopped at step 3 of epoch 2
+SEED = 3
+
+
+def _data() -> tuple[np.ndarray, np.ndarray]:
+    x = np.random.default_rng(0).normal(size=(SAMPLES, 6)).astype("float32")
+    return x, (x[:, :1] > 0).astype("float32")
+
+
+def _model(keras: Any) -> Any:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Input((6,)), keras.layers.Dense(1, activation="sigmoid")])
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="binary_crossentropy")
+    return model
+
+
+def _uninterrupted(keras: Any, x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
+    """The weights of single-process SGD on every global batch of the run, in order."""
+    model, sampler = _model(keras), GlobalBatchSampler(SAMPLES, GLOBAL_BATCH, seed=SEED)
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        for step in range(len(sampler)):
+            model.train_on_batch(x[sampler.global_indices(step)], y[sampler.global_indices(step)])
+    return model.get_weights()
+
+
+def _interrupted_then_resumed(keras: Any, session: WorkerSession, backup: Path, save_freq: Any,
+                              pipeline: str = "tf_dataset") -> tuple[Any, BalancedSource]:
+    """A fit stopped by an error at global step ``STOP_AT``, then the same fit again on a new source and callback."""
+    x, y = _data()
+
+    class Interrupt(keras.callbacks.Callback):
+        steps = 0
+
+        def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+            Interrupt.steps += 1
+            if Interrupt.steps == STOP_AT:
+                raise RuntimeError("interrupted")
+
+    def fit(model: Any, source: BalancedSource, *extra: Any) -> None:
+        data = source.tf_dataset() if pipeline == "tf_dataset" else source.py_dataset(keras)
+        model.fit(data, epochs=EPOCHS, steps_per_epoch=len(source), shuffle=False, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(str(backup), save_freq=save_freq),
+                             callback_class(keras)(session.client, source), *extra])
+
+    model, first = _model(keras), BalancedSource(x, y, session.config, 0, seed=SEED)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit(model, first, Interrupt())
+    resumed = BalancedSource(x, y, session.config, 0, seed=SEED)
+    fit(model, resumed)
+    return model, resumed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("save_freq", [4, "epoch"])
+def test_tf_keras_resumed_run_trains_each_remaining_step_once(redis_url: str, job: str, tmp_path: Path,
+                                                               save_freq: Any) -> None:
+    """Saved every 4 steps, Keras resumes at step 2 of epoch 2 (after global step 12): the source had served steps 0
+    and 1 again and never 3 and 4, and every later epoch was cut across two permutations. Saved per epoch, it resumes at
+    epoch 2, which the new source had served in epoch 0's order. Both now end where an uninterrupted run does."""
+    tf_keras = pytest.importorskip("tf_keras")
+    with WorkerSession(JobConfig(job, num_workers=1, global_batch=GLOBAL_BATCH), 0, url=redis_url) as session:
+        model, resumed = _interrupted_then_resumed(tf_keras, session, tmp_path / "backup", save_freq)
+    first_step = 2 if save_freq == 4 else 0
+    assert [(b.epoch, b.step) for b in resumed.served] == (
+        [(2, step) for step in range(first_step, 5)] + [(3, step) for step in range(5)])
+    assert resumed.epochs_trained == EPOCHS
+    for got, want in zip(model.get_weights(), _uninterrupted(tf_keras, *_data()), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_keras3_resumed_run_takes_the_epoch_keras_resumes_at(redis_url: str, job: str, tmp_path: Path) -> None:
+    """Keras 3 resumes at the first step of the epoch it saved last: the new source serves that epoch's order."""
+    keras = pytest.importorskip("keras")
+    with WorkerSession(JobConfig(job, num_workers=1, global_batch=GLOBAL_BATCH), 0, url=redis_url) as session:
+        model, resumed = _interrupted_then_resumed(keras, session, tmp_path / "backup", "epoch")
+    assert [(b.epoch, b.step) for b in resumed.served] == [(e, step) for e in (2, 3) for step in range(5)]
+    for got, want in zip(model.get_weights(), _uninterrupted(keras, *_data()), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_py_dataset_resumed_mid_epoch_is_refused(redis_url: str, job: str, tmp_path: Path) -> None:
+    """tf_keras reads a Sequence from its first batch whatever step it resumes at: refused, with the way out."""
+    tf_keras = pytest.importorskip("tf_keras")
+    with WorkerSession(JobConfig(job, num_workers=1, global_batch=GLOBAL_BATCH), 0, url=redis_url) as session, \
+            pytest.raises(ConfigError, match="resumes this fit at step 2 of epoch 2.*save_freq='epoch'"):
+        _interrupted_then_resumed(tf_keras, session, tmp_path / "backup", 4, pipeline="py_dataset")
