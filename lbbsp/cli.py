@@ -130,6 +130,14 @@ def whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], in
     return parse
 
 
+def batch_caps(text: str) -> int | tuple[int, ...]:
+    """An argparse type: one cap for every worker (48), or one per worker, comma-separated (48,16), as
+    ``JobConfig(max_batch=...)`` takes them; JobConfig checks the count and the bounds."""
+    parse = whole_number(0)
+    caps = tuple(parse(part.strip()) for part in text.split(","))
+    return caps[0] if len(caps) == 1 else caps
+
+
 def kind_pin(text: str) -> tuple[int, str]:
     """An argparse type: WORKER=KIND, a worker id and one of the kinds :class:`AutoCapacityModel` routes to."""
     from .models import KINDS  # noqa: PLC0415  (scikit-learn: see the imports above)
@@ -234,6 +242,8 @@ def _same_settings(store: Store, config: JobConfig, redis_flag: str = "") -> Non
 
 def _setting(value: object) -> str:
     """A JobConfig value as its flag takes it: 10 for 10.0 seconds, "unset" for None."""
+    if isinstance(value, tuple):  # per-worker caps, as --max-batch takes them
+        return ",".join(map(str, value))
     return "unset" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 
@@ -871,7 +881,8 @@ def _coordinator_flags(coordinator: argparse.ArgumentParser) -> None:
     coordinator.add_argument("--workers", type=whole_number(1), required=True, help="number of workers")
     coordinator.add_argument("--global-batch", type=whole_number(1), required=True, help="global batch size B")
     coordinator.add_argument("--min-batch", type=whole_number(0), default=1, help="smallest per-worker batch")
-    coordinator.add_argument("--max-batch", type=whole_number(1), default=None, help="largest per-worker batch")
+    coordinator.add_argument("--max-batch", type=batch_caps, default=None, metavar="CAP[,CAP...]",
+                             help="largest per-worker batch: one for every worker, or one per worker, comma-separated")
     coordinator.add_argument("--timeout", type=seconds, default=10.0, help="assignment timeout of the workers, s")
     coordinator.add_argument("--lag", type=whole_number(1, 8), default=2,
                              help="decide iteration k + LAG from the reports of k (2: off the critical path)")

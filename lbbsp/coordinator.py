@@ -47,7 +47,7 @@ from .policies import (
 )
 from .protocol import MAX_POLICY_NAME_CHARS, MAX_REASON_CHARS, Assignment, Report
 from .signals import signals_held
-from .store import ITERATIONS_KEPT, REDIS_ERRORS, REDIS_FAILURES, Store, _store
+from .store import ITERATIONS_KEPT, PROBE_TIMEOUT_S, REDIS_ERRORS, REDIS_FAILURES, Store, _store, answering
 
 log = logging.getLogger("lbbsp.coordinator")
 
@@ -174,8 +174,9 @@ def _check_for_job(policy: Policy | None, config: JobConfig, *, warn: bool = Tru
     for name, horizon in _horizons(model) if warn else ():
         if horizon != config.lag:
             log.warning("job %s: the model%s forecasts %d iteration(s) ahead (horizon=%d), but each split is decided "
-                        "%d ahead (lag=%d): give it horizon=%d", config.job, name, horizon, horizon, config.lag,
-                        config.lag, config.lag)
+                        "%d ahead (lag=%d): give it horizon=%d (LBBSPPolicy()'s own model: LBBSPPolicy("
+                        "AutoCapacityModel(horizon=%d)))", config.job, name, horizon, horizon, config.lag,
+                        config.lag, config.lag, config.lag)
 
 
 def _as_int(value: object) -> int | None:
@@ -514,9 +515,9 @@ class Coordinator:
                         "iteration %d) and no longer stored: another coordinator decided on while this one was paused "
                         "or slow: not deciding from them", self.config.job, shown, latest)
             return
-        log.warning("job %s: iterations %s are queued as complete (the %s list) but have no assignment, so no "
-                    "worker ran them (reports posted out of line?): not deciding from them", self.config.job, shown,
-                    self.store.key("ready"))
+        log.warning("job %s: iterations %s are queued as complete (the %s list) but have no assignment: their "
+                    "keys were deleted (a FLUSHALL or FLUSHDB, eviction), or no worker ran them (reports posted out "
+                    "of line?): not deciding from them", self.config.job, shown, self.store.key("ready"))
 
     def _repeated(self, queued: set[int]) -> set[int]:
         """Those of ``queued`` that this coordinator decided from already, on the reports stored now (worker 0's the
@@ -1038,6 +1039,8 @@ class CoordinatorProcess:
         if multiprocessing.current_process().daemon:
             raise LBBSPError("a daemonic process cannot start the coordinator process: start this worker with "
                              "daemon=False, or run Coordinator(store, config).start() in a thread", job=config.job)
+        with answering(url, config.job, socket_timeout_s=PROBE_TIMEOUT_S):  # a Redis that accepts and never
+            pass  # answers had held the constructor 30 s (5 s tries, then a ping) before its StoreUnavailable
         with Store.from_url(url, config.job, ttl_s=config.ttl_s) as store:
             store.register(config)  # a mismatch with the job's stored settings is raised here, not in the child
         self._args = (url, config.to_json(), policy, max_ahead, ParentLogging.of_this_process())

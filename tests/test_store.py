@@ -18,6 +18,7 @@ from lbbsp import (
     Assignment,
     ConfigError,
     Coordinator,
+    CoordinatorProcess,
     EmbeddedRedis,
     JobConfig,
     LBBSPError,
@@ -479,6 +480,15 @@ def test_wait_for_redis_gives_up_after_its_timeout_on_a_server_that_never_answer
         wait_for_redis(url, 1.0, socket_timeout_s=worker_socket_timeout(10.0))
     waited = time.monotonic() - began
     assert 0.9 <= waited <= 1.8, (waited, str(caught.value))
+
+
+def test_a_coordinator_process_on_a_server_that_never_answers_fails_within_seconds(silent_port: int, job: str) -> None:
+    """CoordinatorProcess had waited 30 s (three 5 s tries to register the job, then three to ping) before its
+    StoreUnavailable, whatever start_timeout_s; it now pings first, as `lbbsp coordinator` does."""
+    began = time.monotonic()
+    with pytest.raises(StoreUnavailable, match=f"cannot reach Redis at 127.0.0.1:{silent_port}"):
+        CoordinatorProcess(f"redis://127.0.0.1:{silent_port}/0", JobConfig(job, 2, 8))
+    assert time.monotonic() - began < 6
 
 
 def test_wait_for_redis_returns_a_client_with_its_socket_timeout_and_retries(server: EmbeddedRedis) -> None:
