@@ -654,9 +654,22 @@ class _CallbackLogic:
                 _warn_of_an_own_train_step(type(self.model))
                 ExactLogs.install(self.model)
             _time_from_the_train_function(self.model, self._train_function_called)  # the one ExactLogs rebuilt
-            _hear_of_a_restore(self.model, self._resume)
+            _hear_of_a_restore(self.model, self._restored)
         self._first_epoch_begun = False
         self.source.publish(self.client.assignment(self.iteration))
+
+    def _restored(self, steps: int, initial_epoch: int, epoch: int, step: int) -> tuple[int, int]:
+        """The epoch and step tf_keras's fit resumes at, from those its ``BackupAndRestore`` restored: with
+        ``steps_per_execution`` N > 1 it saves the first step of the execution it backs up and resumes one after it,
+        so N - 1 steps already trained would run again; they are skipped. The source starts there."""
+        per_execution = self.source.steps_per_execution
+        if step and per_execution > 1:
+            step += per_execution - 1
+            if step >= steps:
+                epoch, step = epoch + 1, 0
+        if (epoch, step) != (initial_epoch, 0):
+            self._resume(epoch, step)
+        return epoch, step
 
     def _resume(self, epoch: int, step: int) -> None:
         """Keras resumes a run that ``BackupAndRestore`` saved at ``step`` of ``epoch``: the source starts there, with
@@ -768,6 +781,8 @@ class _CallbackLogic:
         """Put the source back on the equal split and send the reports still queued."""
         _time_from_the_train_function(self.model, None)
         _hear_of_a_restore(self.model, None)
+        if getattr(self.model, "_initial_epoch", None) is not None:  # Keras 3 keeps the epoch BackupAndRestore
+            self.model._initial_epoch = None  # restored, and starts every later fit there, serving those epochs again
         self.source.detach(self.iteration)
         self.client.flush()
 
@@ -805,30 +820,33 @@ class _TimedTrainFunction:
         return getattr(self.inner, name)
 
 
-def _hear_of_a_restore(model: Any, resumed: Callable[[int, int], None] | None) -> None:
-    """Have tf_keras's ``fit`` tell ``resumed`` the epoch and step it resumes at, where ``BackupAndRestore`` restored
-    them: fit reads them right after every callback's ``on_train_begin`` (that callback may be listed after this one)
-    and before its first batch. None undoes it."""
+def _hear_of_a_restore(model: Any, restored: Callable[[int, int, int, int], tuple[int, int]] | None) -> None:
+    """Have tf_keras's ``fit`` ask ``restored`` where to resume, given the epoch and step its ``BackupAndRestore``
+    restored: fit reads them right after every callback's ``on_train_begin`` (that callback may be listed after this
+    one) and before its first batch. None undoes it."""
     model.__dict__.pop(_COUNTERS, None)
-    if resumed is not None:
-        object.__setattr__(model, _COUNTERS, _RestoredCounters(getattr(model, _COUNTERS), resumed))
+    if restored is not None:
+        object.__setattr__(model, _COUNTERS, _RestoredCounters(getattr(model, _COUNTERS), restored, _fit_running()))
 
 
 _COUNTERS = "_maybe_load_initial_counters_from_ckpt"
 
 
 class _RestoredCounters:
-    """tf_keras's ``Model._maybe_load_initial_counters_from_ckpt``, which also tells ``resumed`` (held weakly, as in
-    :class:`_TimedTrainFunction`) the epoch and step that a checkpoint moved the fit to."""
+    """tf_keras's ``Model._maybe_load_initial_counters_from_ckpt``, with the counters a checkpoint gave passed through
+    ``restored`` (held weakly, as in :class:`_TimedTrainFunction`), in the fit that installed it only: left on the
+    model by a fit that raised, it leaves a later fit without the callback alone."""
 
-    def __init__(self, inner: Callable[[int, int], tuple[int, int]], resumed: Callable[[int, int], None]) -> None:
-        self.inner, self._resumed = inner, weakref.WeakMethod(resumed)
+    def __init__(self, inner: Callable[[int, int], tuple[int, int]],
+                 restored: Callable[[int, int, int, int], tuple[int, int]], running: Callable[[], bool] | None) -> None:
+        self.inner, self._restored, self._running = inner, weakref.WeakMethod(restored), running
 
     def __call__(self, steps_per_epoch: int, initial_epoch: int) -> tuple[int, int]:
         epoch, step = self.inner(steps_per_epoch, initial_epoch)
-        if (int(epoch), int(step)) != (initial_epoch, 0) and (resumed := self._resumed()) is not None:
-            resumed(int(epoch), int(step))
-        return epoch, step
+        restored = self._restored()
+        if restored is None or (self._running is not None and not self._running()):
+            return epoch, step
+        return restored(int(steps_per_epoch), int(initial_epoch), int(epoch), int(step))
 
 
 def _fit_running() -> Callable[[], bool] | None:
