@@ -261,6 +261,14 @@ def test_a_sit_out_that_is_not_a_share_and_an_aggregated_out_of_range_are_refuse
                                           r"integer in \[1, 4\], got 0"):
         compare(CPUContention(4, 3, 0), 3, {"m": WaitsForNone()})
 
+    class Raises(Policy):
+        def aggregated(self, num_workers: int) -> int:
+            raise RuntimeError("not ready")
+
+    # had escaped compare as the bare RuntimeError, naming neither the policy nor the hook
+    with pytest.raises(ConfigError, match=r"policy 'm': aggregated\(4\) raised RuntimeError: not ready"):
+        compare(CPUContention(4, 3, 0), 3, {"m": Raises()})
+
 
 class Mean(CapacityModel):
     """A correct minimal model: each worker's mean throughput over its reports so far."""

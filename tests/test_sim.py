@@ -263,8 +263,13 @@ def test_splits_over_gpu_memory_are_listed_last_whatever_their_time() -> None:
                  '{"columns": ["throughput"], "rows": {"a": 1}}', '{"rows": [[1]]}')
 ] + [  # the messages had been Python's own ("string indices must be integers"; a string's 10 letters as 7 columns)
     ('{"columns": ["throughput", "throughput"], "rows": [[1, 2]]}', "columns must be distinct names"),
-    ('{"columns": ["throughput"], "rows": [[true]]}', "rows must be a non-empty list of rows of 1 numbers"),  # true had been read as 1.0
-    ('{"columns": ["throughput"], "rows": []}', "rows must be a non-empty list"),
+    ('{"columns": ["throughput"], "rows": [[true]]}', "each row must be a list of 1 numbers, one per column: row 0 is "
+                                                      "[True]"),  # true had been read as 1.0
+    ('{"columns": ["throughput"], "rows": [[1], [2], ["3"]]}', "each row must be a list of 1 numbers, one per column: "
+                                                              "row 2 is ['3']"),  # the row had not been named
+    ('{"columns": ["throughput"], "rows": []}', "rows is empty"),
+    ("", "the file is empty"), ("  \n", "the file is empty"),  # had been "Expecting value: line 1 column 1 (char 0)"
+    ('{"columns": ', "not JSON (Expecting value"),
 ])
 def test_a_malformed_trace_file_says_what_a_trace_is(tmp_path: Path, text: str, said: str) -> None:
     path = tmp_path / "bad.json"
@@ -690,3 +695,15 @@ def test_options_that_make_times_no_report_can_carry_are_blamed_not_a_worker(sce
     with np.errstate(all="ignore"), pytest.raises(ConfigError, match=r"past the 86,400 s a report may carry: check "
                                                                     r"the magnitudes of its options \("):
         compare(scenario(), 3, {"bsp": BSPPolicy()})
+
+
+def test_a_policys_line_keeps_its_colour_whatever_its_rank() -> None:
+    """The plot handed the shades out in ranking order: between a run of 40 iterations and one of 80, bsp's line
+    went from pink to olive and backup's from brown to pink."""
+    names = ["oracle", "lbbsp", "lbbsp-ewma", "bsp", "backup", "per-epoch", "oracle-level", "static-proportional"]
+    def colour(name: str) -> str:
+        return "tab:gray" if name.startswith("oracle") else "tab:blue" if name.startswith("lbbsp") else "tab:orange"
+    first = cli._line_colours(names, colour)
+    assert first == cli._line_colours(reversed(names), colour) == cli._line_colours(sorted(names), colour)
+    assert "oracle" not in first and first["lbbsp"] == "tab:blue"
+    assert len(set(first.values())) == len(first)  # each line its own

@@ -401,12 +401,11 @@ def plot(scenario: Scenario, runs: dict[str, PolicyRun], summary: dict[str, dict
                   + (f", {over} over memory" if over else ""), va="center", fontsize=8)
     oracle = np.asarray(runs["oracle"].iteration_s)
     window = max(1, oracle.size // 20)
-    shades = {"tab:blue": iter(["tab:cyan", "navy"]), "tab:gray": iter(["dimgray", "darkgray", "black"]),
-              "tab:orange": iter(["tab:orange", "tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:purple"])}
+    line_colours = _line_colours(names, colour)
     for n in [n for n in names if n != "oracle"]:  # the oracle is the line at 1
         ratio = np.asarray(runs[n].iteration_s) / oracle
         smooth = np.convolve(ratio, np.ones(window) / window, mode="valid")
-        line_colour = "tab:blue" if n == "lbbsp" else next(shades[colour(n)], "tab:green")
+        line_colour = line_colours[n]
         over = bool(summary[n]["over_memory_iterations"])
         lines.plot(np.arange(smooth.size) + window - 1, smooth, label=n + (" (over GPU memory)" if over else ""),
                    color=line_colour, linewidth=1.8 if n == "lbbsp" else 1,
@@ -428,6 +427,15 @@ def plot(scenario: Scenario, runs: dict[str, PolicyRun], summary: dict[str, dict
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _line_colours(names: Iterable[str], colour: Callable[[str], str]) -> dict[str, str]:
+    """Each policy's line colour, a shade of its bar's ``colour``, handed out by name: by rank, a policy's line had
+    changed colour from one run to the next (bsp pink in one, olive in the other)."""
+    shades = {"tab:blue": iter(["tab:cyan", "navy"]), "tab:gray": iter(["dimgray", "darkgray", "black"]),
+              "tab:orange": iter(["tab:orange", "tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:purple"])}
+    return {n: "tab:blue" if n == "lbbsp" else next(shades[colour(n)], "tab:green")
+            for n in sorted(names) if n != "oracle"}
 
 
 def _ratio_ticks(low: float, high: float) -> list[float]:

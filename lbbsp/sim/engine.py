@@ -186,7 +186,13 @@ def run_policy(scenario: Scenario, name: str, policy: Policy, iterations: int,
     n = _scenario(scenario).config.num_workers
     _check_policies({name: policy})
     # a policy of one's own answering 0 had been timed by its fastest worker alone, a win from nothing
-    aggregated = _integer(policy.aggregated(n), f"policy {name!r}: aggregated({n}), the gradients waited for,", 1, n)
+    try:
+        waits_for = policy.aggregated(n)
+    except LBBSPError:
+        raise
+    except Exception as exc:  # a policy of one's own: its bare error had named neither the policy nor the hook
+        raise ConfigError(f"policy {name!r}: aggregated({n}) raised {type(exc).__name__}: {exc}") from exc
+    aggregated = _integer(waits_for, f"policy {name!r}: aggregated({n}), the gradients waited for,", 1, n)
     for held, _ in _learners(name, policy):
         _remember(held)
     run = PolicyRun(name)

@@ -121,8 +121,9 @@ class CPUContention(Scenario):
 
     Each worker follows a contention level (co-located busy loops, 0 to 2) that switches with probability
     1/``mean_dwell`` per iteration. While at a level it replays, in order, the recorded iterations of one
-    trace at that level: their real throughput (scaled by the worker's machine speed, lognormal with sigma
-    ``machine_spread``) and their real resource features.
+    trace at that level: their real throughput relative to the trace's own (each trace is scaled so that its lowest
+    level's median is 1,000 samples/s, then by the worker's machine speed, lognormal with sigma ``machine_spread``:
+    a trace's absolute speed is not kept) and their real resource features.
 
     Two options take the scenario apart, to show where a policy loses time against the oracle (which knows
     every worker's speed of the coming iteration, noise included): a huge ``mean_dwell`` leaves out the

@@ -38,7 +38,13 @@ class CPUTrace:
         holds values a replay cannot use."""
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
+            text = path.read_text()
+            if not text.strip():
+                raise ValueError("the file is empty")
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not JSON ({exc})") from None
             if not isinstance(data, dict) or not isinstance(data.get("columns"), list) or not isinstance(
                     data.get("rows"), list):
                 raise ValueError("a trace is an object with 'columns' (a list of names) and 'rows' (a list of rows)")
@@ -46,13 +52,15 @@ class CPUTrace:
                     data["columns"]):
                 raise ValueError(f"columns must be distinct names, got {data['columns']!r:.120}")
             columns = {name: i for i, name in enumerate(data["columns"])}
-            plain = all(isinstance(row, list) and all(type(v) in (int, float) for v in row) for row in data["rows"])
-            try:
-                rows = np.asarray(data["rows"], dtype=float) if plain else np.zeros(0)  # true is no throughput
-            except ValueError:  # numpy's "inhomogeneous shape" says nothing of rows
-                rows = np.zeros(0)
-            if rows.ndim != 2 or rows.shape[1] != len(columns):
-                raise ValueError(f"rows must be a non-empty list of rows of {len(columns)} numbers, one per column")
+            if not data["rows"]:
+                raise ValueError("rows is empty: a trace has a row per iteration")
+            # the first row that is not one number per column, named (true is no throughput, null no level)
+            wrong = next((i for i, row in enumerate(data["rows"]) if not isinstance(row, list) or len(row) != len(
+                columns) or not all(type(v) in (int, float) for v in row)), None)
+            if wrong is not None:
+                raise ValueError(f"each row must be a list of {len(columns)} numbers, one per column: row {wrong} is "
+                                 f"{data['rows'][wrong]!r:.100}")
+            rows = np.asarray(data["rows"], dtype=float)
             missing = [name for name in ("throughput", "hog_level", *TRACE_FEATURES) if name not in columns]
             if missing:
                 raise ValueError(f"no column {', '.join(missing)} (columns: {', '.join(columns)})")
