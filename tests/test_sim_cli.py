@@ -520,12 +520,14 @@ def test_simulate_refuses_an_out_that_is_its_traces_folder(tmp_path: Path, capsy
                      "--traces", str(traces), "--out", str(out)]) == 2
         said, err = capsys.readouterr()
         assert "building" not in said and err.count("\n") == 1, err
-        assert f"--out {out} is the folder the traces are read from" in err, err
+        assert f"--out {out} is the folder the CPU traces are read from" in err, err
     assert [p.name for p in traces.iterdir()] == ["mine.json"]
     # without --traces, the shipped traces' folder is theirs (nothing is written there either)
-    assert main(["simulate", "--scenario", "mixed", "--workers", "4", "--iterations", "3",
-                 "--out", str(DEFAULT_TRACE_DIR)]) == 2
-    assert "is the folder the traces are read from" in capsys.readouterr().err
+    # by every scenario: gpu-mix's results there had broken every later cpu-contention run
+    for scenario in ("mixed", "gpu-mix", "fl-clients"):
+        assert main(["simulate", "--scenario", scenario, "--workers", "4", "--iterations", "3",
+                     "--out", str(DEFAULT_TRACE_DIR)]) == 2
+        assert "is the folder the CPU traces are read from" in capsys.readouterr().err
 
 
 def test_cli_writes_json_and_png(tmp_path: Path) -> None:

@@ -244,7 +244,8 @@ def device_family(device: str) -> str:
 
 
 def hardware_of(report: Report) -> Hardware:
-    """The hardware key of a report: its device without a trailing index ("cuda:3" -> "cuda", "cuda:A100" kept) or
+    """The hardware key of a report: its device, lower-cased, without a trailing index ("cuda:3" -> "cuda", "cuda:A100"
+    -> "cuda:a100") or
     TensorFlow's task path ("/job:worker/replica:0/task:1/device:GPU:0" -> "gpu": it had made each task's GPU
     hardware of its own, so a new one got no peers' prior), and cores."""
     name = report.device.strip().lower()

@@ -103,9 +103,10 @@ def run(args: argparse.Namespace) -> int:
                           f"{LOOKAHEAD} iterations count as {LOOKAHEAD}, the look-ahead every scenario generates), got "
                           f"{args.workers:,} x {args.iterations:,}")
     # before the traces are read: the results of a run that wrote them there had been read as traces by the next
-    if args.scenario in TRACED and _same_folder(args.out, args.traces or DEFAULT_TRACE_DIR):
-        raise ConfigError(f"--out {args.out} is the folder the traces are read from: the next run would read the "
-                          "results there as traces; give another folder")
+    # by any scenario: gpu-mix's results written among the shipped traces had broken every later cpu-contention run
+    if _same_folder(args.out, args.traces or DEFAULT_TRACE_DIR):
+        raise ConfigError(f"--out {args.out} is the folder the CPU traces are read from: the next cpu-contention or "
+                          "mixed run would read the results there as traces; give another folder")
     options, suffix = _scenario_options(args)
     redis = redis_for(args.redis)
     if redis is not None and redis[0]:  # a given Redis is reached before the scenario is built and the in-process pass
