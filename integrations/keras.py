@@ -20,6 +20,7 @@ import shutil
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -48,7 +49,7 @@ from .keras_data import BalancedSource, ServedBatch
 
 log = logging.getLogger("lbbsp.keras")
 
-__all__ = ["BalancedSource",
+__all__ = ["BalancedSource", "BatchStatisticsWarning",
            "LBBSPCallback",  # noqa: F822  (served by the module __getattr__ below)
            "ServedBatch", "WorkerSession", "callback_class", "keras_module", "task_index", "training_tasks"]
 
@@ -447,6 +448,34 @@ def _warn_of_an_own_train_step(model_class: Any) -> None:
                     model_class.__name__)
 
 
+class BatchStatisticsWarning(UserWarning):
+    """A layer computes over each worker's own batch (BatchNormalization not synchronized, an activity regularizer):
+    with the workers' batches of different sizes, the update is no longer exactly the global batch's."""
+
+
+def _warn_of_batch_statistics(model: Any) -> None:
+    """Warn once per model of the layers that make uneven batches inexact (an audit: plain BatchNormalization 0.14
+    away from one process, an activity regularizer 7e-3, with no word), and of the way out."""
+    if model in _WARNED_BATCH_STATISTICS:
+        return
+    _WARNED_BATCH_STATISTICS.add(model)
+    import tf_keras  # noqa: PLC0415
+
+    layers = list(model._flatten_layers(include_self=False, recursive=True))
+    norms = [layer.name for layer in layers if isinstance(layer, tf_keras.layers.BatchNormalization)
+             and not getattr(layer, "synchronized", False)]
+    regularized = [layer.name for layer in layers if getattr(layer, "activity_regularizer", None) is not None]
+    if norms or regularized:
+        said = [f"BatchNormalization layers normalise each worker's own batch ({', '.join(norms[:3])}): build them "
+                "with BatchNormalization(synchronized=True)"] if norms else []
+        said += [f"activity regularizers average over each worker's own batch ({', '.join(regularized[:3])}): move "
+                 "the penalty into the loss, or accept the difference"] if regularized else []
+        warnings.warn(f"{'; '.join(said)}. lbbsp gives the workers batches of different sizes, so these updates are "
+                      "no longer exactly those of one process on the global batch (docs/keras.md, Layers that see each worker's own batch)",
+                      BatchStatisticsWarning, stacklevel=2)
+
+
+_WARNED_BATCH_STATISTICS: weakref.WeakSet[Any] = weakref.WeakSet()
 _WARNED_TRAIN_STEPS: weakref.WeakSet[Any] = weakref.WeakSet()
 _KERAS_NAMES = {"tf_keras": "tf_keras", "keras": "Keras 3"}
 
@@ -652,6 +681,7 @@ class _CallbackLogic:
             if replicas > 1:
                 _refuse_summed_losses(self.model.loss, job)
                 _warn_of_an_own_train_step(type(self.model))
+                _warn_of_batch_statistics(self.model)
                 ExactLogs.install(self.model)
             _time_from_the_train_function(self.model, self._train_function_called)  # the one ExactLogs rebuilt
             _hear_of_a_restore(self.model, self._restored)
