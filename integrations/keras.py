@@ -470,9 +470,9 @@ def _warn_of_batch_statistics(model: Any) -> None:
                 "with BatchNormalization(synchronized=True)"] if norms else []
         said += [f"activity regularizers average over each worker's own batch ({', '.join(regularized[:3])}): move "
                  "the penalty into the loss, or accept the difference"] if regularized else []
-        warnings.warn(f"{'; '.join(said)}. lbbsp gives the workers batches of different sizes, so these updates are "
-                      "no longer exactly those of one process on the global batch (docs/keras.md, Layers that see each worker's own batch)",
-                      BatchStatisticsWarning, stacklevel=2)
+        warnings.warn(f"{'; '.join(said)}. Computed over each worker's own batch (of a size lbbsp varies), these "
+                      "updates are not exactly those of one process on the global batch (docs/keras.md, Layers that "
+                      "see each worker's own batch)", BatchStatisticsWarning, stacklevel=2)
 
 
 _WARNED_BATCH_STATISTICS: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -629,6 +629,7 @@ class _CallbackLogic:
         self._epoch = 0
         self._in_step = False  # between on_train_batch_begin and its end: a second begin means listed twice
         self._first_epoch_begun = False  # this fit's: a Keras 3 fit that BackupAndRestore resumed starts later
+        self._restore_offset = 0  # a resumed fit's order of Keras epoch e is e + this (on_train_begin)
 
     def set_model(self, model: Any) -> None:
         """Refuse a model of the other Keras (tf_keras vs Keras 3), or Keras 3 on a backend other than TensorFlow's,
@@ -686,6 +687,12 @@ class _CallbackLogic:
             _time_from_the_train_function(self.model, self._train_function_called)  # the one ExactLogs rebuilt
             _hear_of_a_restore(self.model, self._restored)
         self._first_epoch_begun = False
+        # the source's order of Keras epoch e is e + offset: this fit's from the epochs trained and its initial_epoch,
+        # unless Keras resumes a stopped fit, whose offset the source keeps where it trained that fit (a retry in the
+        # same process; a new process's source starts as the stopped one did)
+        fresh = self.epochs_done - _fit_argument("initial_epoch", 0)
+        self._restore_offset = self.source.keras_epoch_offset if self.source.keras_epoch_offset is not None else fresh
+        self.source.keras_epoch_offset = fresh
         self.source.publish(self.client.assignment(self.iteration))
 
     def _restored(self, steps: int, initial_epoch: int, epoch: int, step: int) -> tuple[int, int]:
@@ -702,13 +709,19 @@ class _CallbackLogic:
         return epoch, step
 
     def _resume(self, epoch: int, step: int) -> None:
-        """Keras resumes a run that ``BackupAndRestore`` saved at ``step`` of ``epoch``: the source starts there, with
-        Keras's epoch numbers as its own (a new process's source had replayed epoch 0's order, and a fit resumed
-        mid-epoch had trained that epoch's first steps again and never its last)."""
-        log.info("LBBSPCallback: Keras resumes this fit at epoch %d, step %d (BackupAndRestore): the source too",
-                 epoch, step)
-        self.epochs_done = epoch
-        self.source.resume_at(epoch, step)
+        """Keras resumes a run that ``BackupAndRestore`` saved at ``step`` of ``epoch``: the source starts there, in
+        the order the stopped fit used for that epoch (a new process's source had replayed epoch 0's order, and a fit
+        resumed mid-epoch had trained that epoch's first steps again and never its last)."""
+        order = epoch + self._restore_offset
+        if order < 0:
+            raise ConfigError(f"Keras resumes this fit at epoch {epoch} (BackupAndRestore), which the source's count "
+                              f"puts before its first epoch ({self._restore_offset:+d}): set source.epochs_trained to "
+                              "the epochs the stopped run's source had trained before its fit", job=self.client.config.job)
+        log.info("LBBSPCallback: Keras resumes this fit at epoch %d, step %d (BackupAndRestore): the source at its "
+                 "order %d", epoch, step, order)
+        self.epochs_done = order
+        self.source.keras_epoch_offset = self._restore_offset
+        self.source.resume_at(order, step)
 
     def _check_schedule(self) -> None:
         job = self.source.config.job
@@ -877,6 +890,16 @@ class _RestoredCounters:
         if restored is None or (self._running is not None and not self._running()):
             return epoch, step
         return restored(int(steps_per_epoch), int(initial_epoch), int(epoch), int(step))
+
+
+def _fit_argument(name: str, default: int) -> int:
+    """The whole-number argument ``name`` of the ``model.fit`` that calls this (read from its frame, as Keras 3 gives
+    callbacks no ``initial_epoch``), or ``default`` outside a ``fit`` or where it is no whole number."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "fit":
+        frame = frame.f_back
+    value = frame.f_locals.get(name) if frame is not None else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 def _fit_running() -> Callable[[], bool] | None:

@@ -145,6 +145,9 @@ class BalancedSource:
         self._first_iteration = 0
         self._first_epoch = 0
         self._start_step = 0  # the step the attached fit starts at: a fit resumed mid-epoch (resume_at)
+        #: The latest fit's order of Keras epoch e is e + this; kept for a fit that BackupAndRestore resumes in this
+        #: process (set by the callback; None before any fit).
+        self.keras_epoch_offset: int | None = None
         #: Epochs trained from this source, over every fit: a new callback for it starts the sampler there.
         self.epochs_trained = 0
         self._generator_epochs = 0

@@ -131,11 +131,16 @@ def whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], in
 
 
 def batch_caps(text: str) -> int | tuple[int, ...]:
-    """An argparse type: one cap for every worker (48), or one per worker, comma-separated (48,16), as
-    ``JobConfig(max_batch=...)`` takes them; JobConfig checks the count and the bounds."""
-    parse = whole_number(0)
-    caps = tuple(parse(part.strip()) for part in text.split(","))
-    return caps[0] if len(caps) == 1 else caps
+    """An argparse type: one cap for every worker (48), or one per worker, comma-separated (48,16; one worker's,
+    48,), as ``JobConfig(max_batch=...)`` takes them; JobConfig checks the count and the bounds."""
+    parts = [part.strip() for part in text.split(",")]
+    per_worker = len(parts) > 1
+    if per_worker and not parts[-1]:
+        parts.pop()  # "48,": the caps of a job of one worker
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"expected one cap, or whole numbers separated by commas, got {text!r}")
+    caps = tuple(map(whole_number(0), parts))
+    return caps if per_worker else caps[0]
 
 
 def kind_pin(text: str) -> tuple[int, str]:
@@ -242,8 +247,8 @@ def _same_settings(store: Store, config: JobConfig, redis_flag: str = "") -> Non
 
 def _setting(value: object) -> str:
     """A JobConfig value as its flag takes it: 10 for 10.0 seconds, "unset" for None."""
-    if isinstance(value, tuple):  # per-worker caps, as --max-batch takes them
-        return ",".join(map(str, value))
+    if isinstance(value, tuple):  # per-worker caps, as --max-batch takes them ("40," for one worker's)
+        return ",".join(map(str, value)) + "," * (len(value) == 1)
     return "unset" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 

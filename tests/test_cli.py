@@ -4,6 +4,7 @@ of a served job is refused; a finished job's keys are forgotten on demand; error
 reader gone ends quietly."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -32,7 +33,7 @@ from lbbsp import (
     Store,
     WorkerClient,
 )
-from lbbsp.cli import _model_said, _policy, _redis_flag, build_parser, main
+from lbbsp.cli import _model_said, _policy, _redis_flag, _setting, batch_caps, build_parser, main
 from lbbsp.embedded import ipv6_available
 from lbbsp.models import AutoCapacityModel
 from lbbsp.store import UNKNOWN_CLAIM, redacted
@@ -520,6 +521,34 @@ def test_forget_deletes_a_finished_jobs_keys_so_a_rerun_with_other_settings_star
     assert main(["forget", "--job", job]) == 0  # nothing left: said so, and no error (the state asked for is there)
     out = capsys.readouterr().out
     assert out.startswith(f"no job {job!r} on this Redis (it never started, or its keys expired)"), out
+
+
+@pytest.mark.timeout(60)
+def test_a_job_with_a_cap_per_worker_is_served_with_the_caps_comma_separated(
+        redis_url: str, job: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """JobConfig(max_batch=(20, 12)) could not be served by the command: --max-batch took one whole number, and the
+    mismatch error asked for "--max-batch (20, 12)", which it refused. The faster worker 1 is held at its cap."""
+    config = JobConfig(job, 2, 30, max_batch=(20, 12))
+    with worker_clients(redis_url, config) as clients:
+        assert main(["coordinator", "--redis", redis_url, "--job", job, "--workers", "2", "--global-batch", "30",
+                     "--max-batch", "20"]) == 2
+        assert "already runs with --max-batch 20,12 (not 20)" in capsys.readouterr().err
+        coordinator = subprocess.Popen([*LBBSP, "coordinator", "--redis", redis_url, "--job", job, "--workers", "2",
+                                        "--global-batch", "30", "--max-decisions", "2", "--max-batch", "20, 12"],
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert two_iterations(clients).sizes == (18, 12)
+        out, _ = coordinator.communicate(timeout=30)
+    assert coordinator.returncode == 0, out
+
+
+def test_max_batch_takes_one_cap_or_one_per_worker_and_names_a_bad_list() -> None:
+    """A one-worker job's caps (40,) had been shown as "40", which parses to the cap of every worker: the mismatch
+    error named a value that could not match; an empty part had said "expected a whole number, got ''"."""
+    assert [batch_caps(text) for text in ("48", "48,16", " 20, 12 ", "40,")] == [48, (48, 16), (20, 12), (40,)]
+    assert _setting((40,)) == "40," and _setting((20, 12)) == "20,12"
+    for text in ("1,,2", ",", "", "x", "1,-2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected one cap|expected a whole number|at least 0"):
+            batch_caps(text)
 
 
 def test_forget_refuses_a_job_a_coordinator_serves_and_the_mismatch_error_says_so(
