@@ -920,6 +920,14 @@ class Coordinator:
         self._next_heartbeat = now + 1.0
         if not self.store.has_config():
             self._put_back()
+        elif self.store.assignments_held([a.iteration for a in self._written]) < len(self._written):
+            # the job's settings kept, some latest splits lost: a restart from a snapshot older than them, a failover
+            # to a replica behind, eviction. Only a lost config had been noticed, and a worker that had not read a
+            # lost split waited out assignment_timeout_s and fell back, unlike the workers that had read it.
+            log.warning("job %s: assignments this coordinator wrote are gone from Redis, the job's settings kept (a "
+                        "restart from an older snapshot, a failover, eviction?): writing its last %d again",
+                        self.config.job, len(self._written))
+            self._republish()
         other = self.store.claim_coordinator(self._identity, ttl_s=CLAIM_S)
         # A claim found once may be a stopped coordinator's, left to expire (a crash leaves it up to 5 s); one
         # found again, at any later heartbeat, has overwritten this coordinator's claim in between, so it is alive.
