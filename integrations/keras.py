@@ -716,7 +716,8 @@ class _CallbackLogic:
         if order < 0:
             raise ConfigError(f"Keras resumes this fit at epoch {epoch} (BackupAndRestore), which the source's count "
                               f"puts before its first epoch ({self._restore_offset:+d}): set source.epochs_trained to "
-                              "the epochs the stopped run's source had trained before its fit", job=self.client.config.job)
+                              "the epochs the stopped run's source had trained before its fit",
+                              job=self.client.config.job)
         log.info("LBBSPCallback: Keras resumes this fit at epoch %d, step %d (BackupAndRestore): the source at its "
                  "order %d", epoch, step, order)
         self.epochs_done = order
