@@ -21,7 +21,7 @@ import time
 import traceback
 import uuid
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -920,14 +920,14 @@ class Coordinator:
         self._next_heartbeat = now + 1.0
         if not self.store.has_config():
             self._put_back()
-        elif self.store.assignments_held([a.iteration for a in self._written]) < len(self._written):
+        elif lost := self._lost_splits():
             # the job's settings kept, some latest splits lost: a restart from a snapshot older than them, a failover
             # to a replica behind, eviction. Only a lost config had been noticed, and a worker that had not read a
             # lost split waited out assignment_timeout_s and fell back, unlike the workers that had read it.
-            log.warning("job %s: assignments this coordinator wrote are gone from Redis, the job's settings kept (a "
-                        "restart from an older snapshot, a failover, eviction?): writing its last %d again",
-                        self.config.job, len(self._written))
-            self._republish()
+            log.warning("job %s: %d assignments this coordinator wrote are gone from Redis, the job's settings kept "
+                        "(a restart from an older snapshot, a failover, eviction?): writing them again",
+                        self.config.job, len(lost))
+            self._republish(lost)
         other = self.store.claim_coordinator(self._identity, ttl_s=CLAIM_S)
         # A claim found once may be a stopped coordinator's, left to expire (a crash leaves it up to 5 s); one
         # found again, at any later heartbeat, has overwritten this coordinator's claim in between, so it is alive.
@@ -968,13 +968,24 @@ class Coordinator:
         self._renewed = now
         self._republish()
 
-    def _republish(self) -> None:
-        """Write the assignments that workers may still read again (write-once), in case Redis lost them: a
-        worker that finds none would write its fallback, and split from one that had read the decision. Any Redis error
-        is let go: it runs after an outage, unguarded, where a refusal (out of memory, read-only) had ended serving."""
+    def _lost_splits(self) -> list[Assignment]:
+        """The assignments this coordinator wrote last whose keys Redis no longer holds, but for those a clean-up
+        deleted (at or behind its watermark: every worker had run them). One round trip while none is lost."""
+        held = self.store.assigned([a.iteration for a in self._written])
+        if all(held):
+            return []
+        through = self.store.forgotten_through()
+        return [a for a, kept in zip(self._written, held) if not kept and (through is None or a.iteration > through)]
+
+    def _republish(self, assignments: Sequence[Assignment] | None = None) -> None:
+        """Write the assignments that workers may still read again (write-once; by default the last written), in case
+        Redis lost them: a worker that finds none would write its fallback, and split from one that had read the
+        decision. Any Redis error is let go: it runs after an outage, unguarded, where a refusal (out of memory,
+        read-only) had ended serving."""
         try:
-            if self._written:  # unguarded: a restart that kept older data, a watermark too, lost the latest splits
-                self.store.publish_all(list(self._written))
+            again = list(self._written) if assignments is None else list(assignments)
+            if again:  # unguarded: a restart that kept older data, a watermark too, lost the latest splits
+                self.store.publish_all(again)
         except REDIS_FAILURES:
             pass
 

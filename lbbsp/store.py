@@ -429,10 +429,6 @@ class Store:
         """Whether the job's configuration is stored: False once Redis has lost the job's keys."""
         return bool(self.client.exists(self.key("config")))
 
-    def assignments_held(self, iterations: Sequence[int]) -> int:
-        """How many of the assignment keys of ``iterations`` Redis holds, in one call."""
-        return int(self.client.exists(*(self.key("assign", k) for k in iterations))) if iterations else 0
-
     def load_config(self) -> JobConfig | None:
         """The job's stored configuration, None if there is none, a ConfigError naming the key if it is not one."""
         with self._typed("config"):

@@ -577,6 +577,27 @@ def test_keys_that_expire_while_the_heartbeat_runs_are_called_expired_not_flushe
     assert len(gone) == 1 and "expired: no decision for 11s" in gone[0], gone
 
 
+def test_splits_lost_ahead_of_the_clean_up_are_written_again_and_those_it_deleted_are_not(
+        store: Store, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The heartbeat writes back the splits it wrote that Redis lost with the settings kept; one a clean-up deleted
+    (at or behind its watermark: every worker had run it) is neither warned of nor written back."""
+    config = JobConfig(job, 2, 64)
+    coordinator = Coordinator(store, config)
+    store.register(config)
+    written = [dataclasses.replace(config.initial_assignment(k), sizes=(40, 24)) for k in (5, 12)]
+    coordinator._written.extend(written)
+    store.client.set(store.key("forgotten"), 10)  # a clean-up deleted iterations up to 10
+    with caplog.at_level(logging.WARNING, logger="lbbsp.coordinator"):
+        coordinator._heartbeat()
+    assert store.assigned([5, 12]) == [False, True] and b"[40,24]" in (store.get_assignment(12) or b"")
+    assert [m for m in _messages(caplog, logging.WARNING) if "1 assignments this coordinator wrote are gone" in m]
+    coordinator._next_heartbeat = 0.0
+    with caplog.at_level(logging.WARNING, logger="lbbsp.coordinator"):
+        caplog.clear()
+        coordinator._heartbeat()  # nothing lost now but the one cleaned up: no word
+    assert not [m for m in _messages(caplog, logging.WARNING) if "gone" in m]
+
+
 def test_the_coordinators_outage_lines_name_its_job(job: str, caplog: pytest.LogCaptureFixture,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """"Redis unavailable for 3s (...); retrying" named no job: many coordinators' logs gathered in one place could not
