@@ -893,12 +893,18 @@ class _RestoredCounters:
         return restored(int(steps_per_epoch), int(initial_epoch), int(epoch), int(step))
 
 
-def _fit_argument(name: str, default: int) -> int:
-    """The whole-number argument ``name`` of the ``model.fit`` that calls this (read from its frame, as Keras 3 gives
-    callbacks no ``initial_epoch``), or ``default`` outside a ``fit`` or where it is no whole number."""
+def _fit_frame() -> FrameType | None:
+    """The frame of the innermost ``model.fit`` that calls the caller; None outside a ``fit``."""
     frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_name != "fit":
         frame = frame.f_back
+    return frame
+
+
+def _fit_argument(name: str, default: int) -> int:
+    """The whole-number argument ``name`` of the ``model.fit`` that calls this (read from its frame, as Keras 3 gives
+    callbacks no ``initial_epoch``), or ``default`` outside a ``fit`` or where it is no whole number."""
+    frame = _fit_frame()
     value = frame.f_locals.get(name) if frame is not None else None
     return value if isinstance(value, int) and not isinstance(value, bool) else default
 
@@ -907,9 +913,7 @@ def _fit_running() -> Callable[[], bool] | None:
     """A test, for other threads, of whether the ``model.fit`` that calls this is still running (its frame is still on
     its thread's stack); None outside a ``fit``. When fit raises, Keras skips ``on_train_end``: this is how the source
     learns of it. The frame is known by its id and code, not held, so that it is freed as usual."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code.co_name != "fit":
-        frame = frame.f_back
+    frame = _fit_frame()
     if frame is None:
         return None
     thread, fit_id, fit_code = threading.get_ident(), id(frame), frame.f_code

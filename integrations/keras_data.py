@@ -227,8 +227,8 @@ class BalancedSource:
             self._fit += 1
 
     def resume_at(self, epoch: int, step: int) -> None:
-        """Start the attached ``fit`` at ``step`` of the sampler's ``epoch``, where Keras resumes a run that
-        ``BackupAndRestore`` saved: its epochs are then the source's, and the steps it skips are not served."""
+        """Start the attached ``fit`` at ``step`` of the sampler's ``epoch`` (the order the stopped fit used), where
+        Keras resumes a run that ``BackupAndRestore`` saved; the steps it skips are not served."""
         with self._changed:
             if not self._attached or self._generator_epochs or self._index_calls:
                 raise ConfigError("resume_at is for the callback, before the fit it attached to reads a batch",
