@@ -25,7 +25,8 @@ def out_help(default: Path) -> str:
     """``--out``'s help, its ``default`` named from the repository's root, as the docs quote it (two benchmarks
     had shown this checkout's absolute path, the others no path at all)."""
     return (f"the JSON file to write (a name with a suffix, such as x.json), or a folder to write {default.name} in "
-            f"(any other name; made if missing) (default: {default.resolve().relative_to(ROOT)})")
+            f"(any other name; made if missing) (default: {default.resolve().relative_to(ROOT)} in this checkout, "
+            f"whatever the current folder)")
 
 
 def results_file(parser: argparse.ArgumentParser, out: Path) -> Path:

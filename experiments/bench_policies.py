@@ -98,9 +98,24 @@ def main() -> None:
                 figures = run(scenario, workers, args.iterations, range(args.seeds))
                 results.setdefault(scenario, {})[str(workers)] = figures
                 print(table(figures), flush=True)
-        out.write_text(json.dumps({"iterations": args.iterations, "seeds": args.seeds, "policies": results},
-                                  indent=1))
+        kept = _kept(out, args.iterations, args.seeds)
+        for scenario, sizes in results.items():  # a subset run replaces its own figures and keeps the file's others
+            kept.setdefault(scenario, {}).update(sizes)
+        out.write_text(json.dumps({"iterations": args.iterations, "seeds": args.seeds, "policies": kept}, indent=1))
         print(f"wrote {out}")
+
+
+def _kept(out: Path, iterations: int, seeds: int) -> dict[str, dict[str, Figures]]:
+    """The figures ``out`` holds of runs of the same length and seeds, which a run of other scenarios or sizes keeps
+    (one of a subset had overwritten the committed file with its own part); none where they differ or it is none."""
+    try:
+        stored = json.loads(out.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(stored, dict) or (stored.get("iterations"), stored.get("seeds")) != (iterations, seeds):
+        return {}
+    policies = stored.get("policies")
+    return policies if isinstance(policies, dict) else {}
 
 
 if __name__ == "__main__":

@@ -211,7 +211,7 @@ def measure(sizes: list[int], lags: list[int], loops: list[str], steps: int, rep
         row["host_ms_per_step"] = parts = host_parts(lags[0], batch, steps, data, device)
         rows.append(row)
         print(f"  b={batch:5d}  DDP {row['step_ms_ddp']:7.2f} ms/step  "
-              + "  ".join(f"{loop}/DDP {row[f'{loop}/ddp']:.3f} ({row[f'{loop}/ddp_range'][0]:.3f}-"
+              + "samples/s vs DDP: " + "  ".join(f"{loop} {row[f'{loop}/ddp']:.3f}x ({row[f'{loop}/ddp_range'][0]:.3f}-"
                           f"{row[f'{loop}/ddp_range'][1]:.3f})" for loop in loops[1:]), flush=True)
         print(f"           lbbsp lag={lags[0]} with timers: {parts['step']:.2f} ms/step; its host work per step (ms): "
               + ", ".join(f"{label.strip()} {parts[label.strip()]:.3f}" for label in PARTS), flush=True)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import threading
 import time
 import traceback
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, wait
 from logging import ERROR
+from numbers import Real
 from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -119,22 +121,30 @@ class LocalGrid(Grid):
     def check_enough_nodes(self, strategy: object, purpose: str) -> None:
         """Raise a ConfigError if ``strategy`` (a FedAvg or alike) would wait for more nodes than this grid has,
         for its ``purpose`` ("train" or "evaluate"): a LocalGrid never gains one, so Flower would wait forever."""
+        have = len(self._contexts)
+        fraction = strategy_attribute(strategy, f"fraction_{purpose}", 0.0)
+        # FedAvg samples max(int(nodes x fraction), min_<purpose>_nodes) and waits for at least that many
+        sampled = int(have * float(fraction)) if isinstance(fraction, Real) and math.isfinite(fraction) else 0
         need = max(strategy_attribute(strategy, "min_available_nodes", 0),
-                   strategy_attribute(strategy, f"min_{purpose}_nodes", 0))
-        if isinstance(need, int) and need > len(self._contexts):
-            raise ConfigError(f"the strategy waits for {need} nodes (min_available_nodes, min_{purpose}_nodes) and "
-                              f"this LocalGrid has {len(self._contexts)}, which it never outgrows: give the strategy "
-                              f"min_available_nodes and min_{purpose}_nodes of at most {len(self._contexts)}")
+                   strategy_attribute(strategy, f"min_{purpose}_nodes", 0), sampled)
+        if isinstance(need, int) and need > have:
+            raise ConfigError(f"the strategy waits for {need} nodes (min_available_nodes, min_{purpose}_nodes, and "
+                              f"fraction_{purpose} {fraction!r} of the {have} nodes) and this LocalGrid has {have}, "
+                              f"which it never outgrows: give the strategy min_available_nodes and "
+                              f"min_{purpose}_nodes of at most {have}, and fraction_{purpose} of at most 1")
 
 
 def strategy_attribute(strategy: object, name: str, default: Any) -> Any:
     """``strategy``'s attribute ``name``, else that of the strategy it wraps (``.strategy``, as Flower's DP wrappers
     and LoadBalanced keep it), and so on inwards; ``default`` if none has it. A wrapper samples with its inner
     strategy's node counts and aggregates by its keys, without holding them itself."""
+    return next((getattr(s, name) for s in wrapped_chain(strategy) if hasattr(s, name)), default)
+
+
+def wrapped_chain(strategy: object) -> Iterator[object]:
+    """``strategy``, the strategy it wraps (``.strategy``), and so on inwards, each once."""
     seen: set[int] = set()
     while strategy is not None and id(strategy) not in seen:
-        if hasattr(strategy, name):
-            return getattr(strategy, name)
+        yield strategy
         seen.add(id(strategy))
         strategy = getattr(strategy, "strategy", None)
-    return default

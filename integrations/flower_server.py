@@ -31,7 +31,13 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import (
+    DifferentialPrivacyClientSideAdaptiveClipping,
+    DifferentialPrivacyClientSideFixedClipping,
+    FedXgbBagging,
+    FedXgbCyclic,
+    Strategy,
+)
 
 from lbbsp.allocation import (
     LinearTime,
@@ -43,10 +49,10 @@ from lbbsp.allocation import (
 )
 from lbbsp.client_history import ClientHistory, ClientStatus
 from lbbsp.dropouts import dropout_bounds, weighed_dropout
-from lbbsp.errors import ConfigError, ProtocolError, StoreUnavailable
+from lbbsp.errors import ConfigError, ProtocolError, StoreUnavailable, printable
 from lbbsp.fedagg import fednova_scales, rescale_update
 from lbbsp.models import FLClientModel, NotFittedError, hardware_of
-from lbbsp.protocol import MAX_BATCH, MAX_REASON_CHARS, MAX_SECONDS, MAX_WORKERS, Report, equal_split, printable
+from lbbsp.protocol import MAX_BATCH, MAX_REASON_CHARS, MAX_SECONDS, MAX_WORKERS, Report, equal_split
 
 from .flower_client import (
     COMPUTE_S,
@@ -61,7 +67,7 @@ from .flower_client import (
     ClientHardware,
     Workload,
 )
-from .flower_local import LocalGrid, strategy_attribute
+from .flower_local import LocalGrid, strategy_attribute, wrapped_chain
 
 #: The reply metrics a LocalRound always sends; a reply with none of them is a plain Flower reply.
 TIMINGS = (SAMPLES, STEPS, COMPUTE_S, DOWNLOAD_S, UPLOAD_S)
@@ -213,6 +219,20 @@ class LoadBalanced(Strategy):
         if isinstance(strategy, LoadBalanced):  # the outer one had planned equal splits for good, blaming the clients
             raise ConfigError("strategy is a LoadBalanced already: wrap the Flower strategy itself once, "
                               "LoadBalanced(FedAvg(...), history, ...)")
+        chain = list(wrapped_chain(strategy))
+        if any(isinstance(s, (FedXgbBagging, FedXgbCyclic)) for s in chain):
+            raise ConfigError("LoadBalanced balances the samples of each client's local SGD steps, and Flower's "
+                              "FedXgbBagging and FedXgbCyclic train trees, with neither batches nor steps: run them "
+                              "without LoadBalanced")
+        client_clipped = [type(s).__name__ for s in chain if isinstance(
+            s, (DifferentialPrivacyClientSideFixedClipping, DifferentialPrivacyClientSideAdaptiveClipping))]
+        if client_clipped and (adapt == "steps" or deadline_slack is not None):
+            raise ConfigError(f"{client_clipped[0]} has each client clip its update, and LoadBalanced rescales the "
+                              f"updates FedNova-style where clients take different numbers of steps "
+                              f"(adapt='steps', or a deadline_slack that stops a client early): an update of fewer "
+                              f"steps than the mean is stretched past the clipping norm, which the noise no longer "
+                              f"covers. Use adapt='batch' without deadline_slack (every client takes local_steps), or "
+                              f"a server-side DP wrapper inside LoadBalanced, which clips after the rescaling")
         if strategy_attribute(strategy, "accountant", None) is not None and (weight_by == "samples" or sit_out):
             raise ConfigError("the DP wrapper's accountant needs equal client weights and every client sampled to "
                               "reply (Flower's accounted aggregation refuses others), and LoadBalanced weights each "
@@ -302,8 +322,10 @@ class LoadBalanced(Strategy):
             log(WARNING, "lbbsp round %d: no replies reached LoadBalanced (a strategy wrapped around it, such as a DP "
                          "wrapper, skipped the round's aggregation): nothing of it is recorded", skipped)
         self._pending.clear()  # each holds its round's arrays
-        if isinstance(grid, LocalGrid):
+        if isinstance(grid, LocalGrid):  # evaluation too, before a round trains for nothing
             grid.check_enough_nodes(self.strategy, "train")
+            if strategy_attribute(self.strategy, "fraction_evaluate", None) != 0:
+                grid.check_enough_nodes(self.strategy, "evaluate")
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         if self.ask_hardware_s is not None:
             self._ask_hardware(server_round, grid, [m.metadata.dst_node_id for m in messages])
@@ -681,6 +703,11 @@ class LoadBalanced(Strategy):
         nodes = list(weights)
         scales = fednova_scales([measured[n].steps for n in nodes], [weights[n] for n in nodes])
         by_node = {m.metadata.src_node_id: m for m in replies if not m.has_error()}
+        self._tell_once("weight key", [n for n in nodes if not any(
+            self.weighted_by_key in record for record in by_node[n].content.metric_records.values())],
+            WARNING, f"lbbsp: nodes %s sent no {self.weighted_by_key!r}, the strategy's weight key: give their "
+                     f"LocalRound weighted_by_key={self.weighted_by_key!r}, or the weight key they send instead "
+                     f"reaches the strategy's train metrics as a metric of their own")
         for node, scale in zip(nodes, scales):
             message = by_node[node]
             content = RecordDict(dict(message.content.items()))

@@ -38,7 +38,14 @@ from lbbsp.coordinator import (
     checked_max_ahead,
     checked_process_policy,
 )
-from lbbsp.embedded import FOLDER_PREFIX, EmbeddedRedis, serve_embedded, temp_parent
+from lbbsp.embedded import (
+    FOLDER_PREFIX,
+    EmbeddedRedis,
+    check_private,
+    serve_embedded,
+    server_listening,
+    temp_parent,
+)
 from lbbsp.errors import ConfigError, StoreUnavailable
 from lbbsp.policies import Policy
 from lbbsp.store import Store, agreed_config, redacted, wait_for_redis, worker_socket_timeout
@@ -180,6 +187,8 @@ class WorkerSession:
                 log.info("worker %d reaches worker 0's embedded Redis at %s", worker, redacted(self.url))
             else:
                 self.url = self._local_embedded()
+            if url is None and gather is None and worker != 0 and _embedded_directory(config.job).exists():
+                check_private(_embedded_directory(config.job))  # worker 0's, not a folder another user made first
             try:
                 client = wait_for_redis(self.url, connect_timeout_s,
                                         socket_timeout_s=worker_socket_timeout(config.assignment_timeout_s))
@@ -237,7 +246,11 @@ class WorkerSession:
 def _start_embedded(directory: Path, listen: str | None = None) -> EmbeddedRedis:
     """Worker 0's embedded server in ``directory``: a fresh one (never another run's assignments), labelled so
     that a later start removes it if we are killed, and removed when it stops or fails to start (it holds the
-    password's config file)."""
+    password's config file). A folder a server still answers in is another live session's of this job: refused."""
+    if (directory / "redis.sock").exists() and server_listening(directory / "redis.sock"):
+        raise ConfigError(f"another WorkerSession of this job name runs on this machine: its embedded Redis answers "
+                          f"in {directory}, and a second one there would delete it under that run. Close it, or give "
+                          f"this run another job name")
     shutil.rmtree(directory, ignore_errors=True)
     return EmbeddedRedis(directory, listen=listen, own_directory=True)
 
@@ -350,7 +363,7 @@ def _worker0_host() -> str | None:
 
 def _embedded_directory(job: str) -> Path:
     """Where worker 0's embedded server of ``job`` lives, so that the other local workers find its socket."""
-    return Path(temp_parent()) / f"{FOLDER_PREFIX}keras-{hashlib.sha1(job.encode()).hexdigest()[:16]}"
+    return Path(temp_parent()) / f"{FOLDER_PREFIX}keras-{os.getuid()}-{hashlib.sha1(job.encode()).hexdigest()[:16]}"
 
 
 class StepProbe:

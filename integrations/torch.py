@@ -369,8 +369,13 @@ class Balancer:
         if getattr(loss, "_lbbsp_scaled", False):  # silently, its gradients would have been W * b_i / B too large
             raise ConfigError("this loss has been through lb.scale_loss already, and a second pass would weight its "
                               "gradients twice: call lb.scale_loss once, on the unscaled loss", job=self.config.job)
+        if samples is not None and (not _is_integer(samples) or not 0 <= samples <= step.samples):
+            raise ConfigError(f"samples must be the samples of a micro-batch of this rank's slice, an integer in "
+                              f"[0, {step.samples}], got {samples!r:.40}: for a loss whose mean is over something else "
+                              f"(tokens, class weights), see 'Losses that are not a mean over samples' in "
+                              f"docs/torch.md", job=self.config.job)
         self._scaled = True
-        scaled = scaled_loss(loss, step.samples if samples is None else samples, step.total, self.world_size)
+        scaled = scaled_loss(loss, step.samples if samples is None else int(samples), step.total, self.world_size)
         scaled._lbbsp_scaled = True  # type: ignore[attr-defined]  # what the check above reads
         return scaled
 

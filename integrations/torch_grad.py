@@ -69,7 +69,8 @@ def check_batch_norm(model: nn.Module, weighting: str) -> None:
             "is no longer exactly that of BSP on the global batch. Convert with "
             "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) (GPU) and use weighting='loss' for exact "
             "updates. BatchNorm1d (and any BatchNorm on 1x1 feature maps) cannot train on one sample: pass "
-            "min_batch=2 to Balancer.from_env and drop_last=True to its loader.", BatchNormWarning, stacklevel=3)
+            "min_batch=2 to Balancer.from_env and drop_last=True to its loader. Layers kept in eval mode "
+            "(frozen statistics) are exact.", BatchNormWarning, stacklevel=3)
 
 
 #: A DDP communication hook: (its state, a bucket) -> a future of the bucket's reduced gradients.

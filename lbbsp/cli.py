@@ -25,8 +25,7 @@ from . import __version__
 from .client_history import _index
 from .config import JobConfig, _job_name
 from .embedded import EmbeddedRedis
-from .errors import ConfigError, LBBSPError
-from .protocol import printable
+from .errors import ConfigError, LBBSPError, printable
 from .store import (
     PROBE_TIMEOUT_S,
     REDIS_ERRORS,
@@ -215,10 +214,9 @@ def _job_flag(job: str) -> str:
 
 def _flagged(exc: ConfigError) -> ConfigError:
     """``exc`` with JobConfig's names of the settings replaced by the flags that set them."""
-    message = str(exc)
-    for name, flag in _FLAGS.items():
-        message = re.sub(rf"\b{name}\b", flag, message)
-    return ConfigError(message)
+    names = "|".join(re.escape(name) for name in _FLAGS)  # not in a value quoted after "got": what was typed
+    return ConfigError(re.sub(rf"""(got (?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"))|\b({names})\b""",
+                              lambda m: m[1] or _FLAGS[m[2]], str(exc)))
 
 
 def _redis_flag(url: str, source: str) -> str:
@@ -790,7 +788,7 @@ def _iterations(decision: dict[str, Any]) -> str:
 
 
 def _shown(text: str) -> Text:
-    """:func:`~lbbsp.protocol.printable` text for a table, not read as console markup (a rejected report's error
+    """:func:`~lbbsp.errors.printable` text for a table, not read as console markup (a rejected report's error
     quotes the report's field names, and "[/x]" had ended `lbbsp status` in a MarkupError)."""
     from rich.text import Text  # noqa: PLC0415  (only the status subcommand draws tables)
 

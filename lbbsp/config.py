@@ -32,7 +32,7 @@ def _given(value: object) -> str:
 def _job_name(job: object) -> str:
     """``job`` if it is a valid job name (it becomes part of every Redis key), else a :class:`ConfigError`."""
     if not isinstance(job, str) or not _JOB_NAME.fullmatch(job):
-        raise ConfigError(f"job name must match {_JOB_NAME.pattern}, got {job!r}")
+        raise ConfigError(f"job name must match {_JOB_NAME.pattern}, got {job!r:.140}")
     return job
 
 
@@ -158,6 +158,12 @@ class JobConfig:
         else:
             upper = list(self.max_batch)
         return lower, upper
+
+    def stored_assignment(self, raw: bytes, iteration: int) -> Assignment:
+        """The assignment of ``iteration`` read from Redis as ``raw``: a ProtocolError unless it is one of this job's,
+        with its worker count, global batch and, within each worker's max_batch, sizes."""
+        return Assignment.from_json(raw, job=self.job, iteration=iteration, num_workers=self.num_workers,
+                                    global_batch=self.global_batch, max_sizes=self.bounds()[1])
 
     def initial_sizes(self) -> tuple[int, ...]:
         """The vector of the first ``lag`` iterations, before any decision: the equal (BSP) split, or, where

@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import multiprocessing
+import multiprocessing.synchronize
 import numbers
 import os
 import pickle
@@ -760,8 +761,7 @@ class Coordinator:
         try:  # a key of another type than lbbsp writes there is a ProtocolError too (Store.get_assignment)
             raw = self.store.get_assignment(iteration)
             if raw is not None:
-                return Assignment.from_json(raw, job=self.config.job, iteration=iteration,
-                                            num_workers=self.config.num_workers, global_batch=self.config.global_batch)
+                return self.config.stored_assignment(raw, iteration)
         except ProtocolError as exc:
             log.error("job %s: stored assignment of iteration %d is invalid: %s", self.config.job, iteration, exc)
         return None
@@ -1084,6 +1084,16 @@ class CoordinatorProcess:
         with _main_not_rerun(rerun=reruns_main), signals_held():  # a child started whole, however it is stopped
             process.start()
         deadline = time.monotonic() + self._start_timeout_s
+        try:
+            self._wait_ready(process, ready, deadline, reruns_main)
+        except BaseException:  # Ctrl-C in the wait too: the child had served on, an orphan, as long as we lived
+            _end(process, 5.0)
+            raise
+        return process
+
+    def _wait_ready(self, process: multiprocessing.process.BaseProcess, ready: multiprocessing.synchronize.Event,
+                    deadline: float, reruns_main: bool) -> None:
+        """Wait until the child serves; a clear LBBSPError if it exits or does not serve by ``deadline``."""
         while not ready.wait(0.1):  # serving before training starts, or a clear error
             if not process.is_alive() or time.monotonic() > deadline:
                 exited = not process.is_alive()
@@ -1098,7 +1108,6 @@ class CoordinatorProcess:
                     hint = f"; {guard} (unguarded, the child trains instead of serving)" if reruns_main else ""
                 raise LBBSPError(f"the coordinator process exited or did not start within {self._start_timeout_s}s "
                                  f"(exit code {process.exitcode}){hint}", job=self._job)
-        return process
 
     def _supervise(self, poll_s: float = 0.5) -> None:
         """Start the child again when it died before :meth:`stop`, within the limit of ``RESTARTS``."""

@@ -19,6 +19,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import threading
@@ -152,10 +153,31 @@ def _pid_namespace() -> str:
 
 def _claim(folder: Path) -> Path:
     """Create ``folder`` (named with :data:`FOLDER_PREFIX`) labelled as this process's, so that once this
-    process is gone and no server listens there, the next embedded server's start removes it."""
-    folder.mkdir(parents=True, exist_ok=True)
+    process is gone and no server listens there, the next embedded server's start removes it. One that exists
+    already must be this user's own (:func:`check_private`)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    check_private(folder)
     (folder / _OWNER_FILE).write_text(f"{os.getpid()} {_pid_namespace()}\n")
     return folder
+
+
+def check_private(folder: Path) -> None:
+    """Raise a ConfigError unless ``folder`` is a directory (not a link) of this user that no other user can write
+    to: in a shared /dev/shm, another user who made it first could swap the server's socket for their own."""
+    try:
+        st = os.lstat(folder)
+    except OSError as exc:
+        raise ConfigError(f"the embedded Redis folder {folder} cannot be read: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        what = "a link" if stat.S_ISLNK(st.st_mode) else "not a folder" if not stat.S_ISDIR(st.st_mode) else (
+            f"owned by uid {st.st_uid}" if st.st_uid != os.getuid() else f"writable by others (mode {st.st_mode & 0o777:o})")
+        raise ConfigError(f"the embedded Redis folder {folder} is {what}, not a private folder of this user "
+                          f"(uid {os.getuid()}): another user may have made it to take over the server's socket; "
+                          f"remove it, or pass a Redis URL")
 
 
 def _owner_alive(folder: Path) -> bool | None:
@@ -179,7 +201,7 @@ def _owner_alive(folder: Path) -> bool | None:
     return True
 
 
-def _server_listening(socket_path: Path) -> bool:
+def server_listening(socket_path: Path) -> bool:
     """Whether a server holds the unix socket; anything but a refused or missing socket counts as yes."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(1.0)
@@ -200,7 +222,7 @@ def _is_stale(folder: Path) -> bool:
         return False
     if owner_alive is None and time.time() - folder.stat().st_mtime < _UNLABELLED_GRACE_S:
         return False
-    return not _server_listening(folder / "redis.sock")
+    return not server_listening(folder / "redis.sock")
 
 
 def remove_stale_folders(parent: str | os.PathLike[str]) -> list[Path]:
@@ -225,6 +247,10 @@ def remove_stale_folders(parent: str | os.PathLike[str]) -> list[Path]:
         log.info("removed the stale embedded Redis folder %s", entry.path)
     return removed
 
+
+#: Commands the embedded server answers by secret names only (:meth:`EmbeddedRedis.command_name`): each would let
+#: a client that has the password write files, load code or hand the data set to another server as this user.
+RENAMED_COMMANDS = ("CONFIG", "MODULE", "DEBUG", "REPLICAOF", "SLAVEOF", "MIGRATE", "SAVE", "BGSAVE")
 
 #: ``listen`` for every interface: of IPv4 only, and of IPv4 and IPv6.
 EVERY_IPV4, EVERY_INTERFACE = "0.0.0.0", "::"
@@ -469,6 +495,7 @@ class EmbeddedRedis:
         self.listen = address
         self.port = port
         self._password = secrets.token_hex(24) if address is not None else None
+        self._renamed = {command: f"{command}-{secrets.token_hex(12)}" for command in RENAMED_COMMANDS}
         self.start_timeout_s = start_timeout_s
         self._owner_pid = os.getpid()  # a forked child inherits this object, and its atexit close(), but not the server
         self._log_offset = 0  # where the running server's log goes on from once it answers
@@ -524,6 +551,14 @@ class EmbeddedRedis:
         """The URL of the unix socket (with the password, where the server listens on TCP too)."""
         secret = f":{self._password}@" if self._password else ""
         return f"unix://{secret}{self.socket_path}"
+
+    def command_name(self, command: str) -> str:
+        """The secret name this server answers ``command`` by, one of :data:`RENAMED_COMMANDS` (``CONFIG``, ``DEBUG``,
+        ...), for its owner: a test that injects faults, an operator's checks. Other clients find no such command."""
+        if command.upper() not in self._renamed:
+            raise ConfigError(f"command must be one of {', '.join(RENAMED_COMMANDS)} (the others keep their names), "
+                              f"got {command!r:.40}")
+        return self._renamed[command.upper()]
 
     def tcp_url(self, host: str) -> str:
         """The URL that reaches the TCP listener through ``host`` (an address of this machine), password included."""
@@ -583,13 +618,18 @@ class EmbeddedRedis:
         with its code; it did not answer in time). It stays ``_process``, as a server that died does,
         so the watch tries again (``stop()`` is for good)."""
         args = [redis_server_binary()]
-        if self._password is not None:  # a config file of its own: a password on the command line is seen by all
-            conf = self.directory / "redis.conf"
-            conf.touch(mode=0o600)
-            conf.chmod(0o600)
-            conf.write_text(f"requirepass {self._password}\n")
-            args += [str(conf), "--bind", *([EVERY_IPV4, EVERY_INTERFACE] if self.listen == EVERY_INTERFACE
-                                            else [str(self.listen)])]
+        # a config file of its own: a password or a command's new name on the command line is seen by all
+        conf = self.directory / "redis.conf"
+        conf.touch(mode=0o600)
+        conf.chmod(0o600)
+        # Redis 6.2 has no protected configs: whoever has the password could point CONFIG's dir at a file and SAVE
+        # there, load a module or make the server a replica. Those commands answer to secret names only.
+        conf.write_text("".join(f"rename-command {command} {name}\n" for command, name in self._renamed.items()) +
+                        (f"requirepass {self._password}\n" if self._password is not None else ""))
+        args.append(str(conf))
+        if self._password is not None:
+            args += ["--bind", *([EVERY_IPV4, EVERY_INTERFACE] if self.listen == EVERY_INTERFACE
+                                 else [str(self.listen)])]
         args += [
             "--port", str(port), "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
             "--dir", str(self.directory), "--appendonly", "yes", "--appendfsync", "always", "--save", "",

@@ -25,12 +25,12 @@ from .allocation import (
 )
 from .config import JobConfig, _integer, _real
 from .dropouts import RoundCosts, dropout_bounds, weighed_dropout
-from .errors import ConfigError
+from .errors import ConfigError, printable
 from .hedging import ForecastRisk, hedged, sized_throughput
 from .models import AutoCapacityModel, CapacityModel, EWMAThroughput
 from .models.auto import GroupedTime
 from .models.base import WorkerIds, as_reports, check_contract, learnt_availability, predicted_throughput
-from .protocol import Report, equal_split, printable
+from .protocol import Report, equal_split
 
 log = logging.getLogger("lbbsp.policies")
 

@@ -9,7 +9,7 @@ import difflib
 import json
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any, TypeGuard
@@ -362,8 +362,9 @@ class Assignment:
         return sum(self.sizes[:int(worker)])
 
     def validate(self, *, job: str | None = None, iteration: int | None = None, num_workers: int | None = None,
-                 global_batch: int | None = None) -> Assignment:
-        """Check every field, and that it is the assignment of ``job`` and ``iteration`` (the key it was read from)."""
+                 global_batch: int | None = None, max_sizes: Sequence[int] | None = None) -> Assignment:
+        """Check every field, and that it is the assignment of ``job`` and ``iteration`` (the key it was read from),
+        within each worker's ``max_sizes`` (its max_batch: more may not fit in its memory) where given."""
         where: dict[str, Any] = {"job": self.job if isinstance(self.job, str) else None}
         _str(self.job, "job", 128, **where)
         if job is not None and self.job != job:
@@ -386,6 +387,10 @@ class Assignment:
             raise _fail(f"has {len(self.sizes)} sizes for {num_workers} workers", "sizes", **where)
         if global_batch is not None and sum(self.sizes) != global_batch:
             raise _fail(f"sums to {sum(self.sizes)}, not the global batch {global_batch}", "sizes", **where)
+        if max_sizes is not None and (over := [i for i, (size, cap) in enumerate(zip(self.sizes, max_sizes))
+                                               if size > cap]):
+            raise _fail(f"{self.sizes[over[0]]} is over worker {over[0]}'s max_batch {max_sizes[over[0]]}",
+                        f"sizes[{over[0]}]", **where)
         _str(self.policy, "policy", MAX_POLICY_NAME_CHARS, **where)
         _str(self.reason, "reason", MAX_REASON_CHARS, **where)
         if not isinstance(self.fallback, bool):
@@ -404,8 +409,9 @@ class Assignment:
 
     @classmethod
     def from_json(cls, data: bytes | str, *, job: str | None = None, iteration: int | None = None,
-                  num_workers: int | None = None, global_batch: int | None = None) -> Assignment:
-        """Parse and validate, also against the job, iteration, worker count and global batch where given (the
+                  num_workers: int | None = None, global_batch: int | None = None,
+                  max_sizes: Sequence[int] | None = None) -> Assignment:
+        """Parse and validate, also against the job, iteration, worker count, global batch and caps where given (the
         key it was read from); raises :class:`ProtocolError` naming the bad field."""
         obj = _decode(data, "assignment", _ASSIGNMENT_FIELDS, MAX_ASSIGNMENT_BYTES)
         sizes = _require(obj, "sizes")
@@ -416,16 +422,8 @@ class Assignment:
             policy=_require(obj, "policy"), reason=obj.get("reason", ""), fallback=obj.get("fallback", False),
             created=_require(obj, "created"),
         )
-        return assignment.validate(job=job, iteration=iteration, num_workers=num_workers, global_batch=global_batch)
-
-
-def printable(text: str, limit: int | None = None) -> str:
-    """``text``, read from Redis or a remote client, safe for one log line or a terminal: each character that a reader
-    or terminal acts on (a newline fakes a line, ESC starts an escape sequence, a bidi override reorders what follows,
-    a lone surrogate encodes to nothing) as its Python escape; cut to ``limit`` characters, with an ellipsis."""
-    shown = text if text.isprintable() else "".join(
-        c if c.isprintable() else repr(c)[1:-1] for c in (text if limit is None else text[:limit + 1]))
-    return shown if limit is None or len(shown) <= limit else shown[:limit - 1] + "\u2026"
+        return assignment.validate(job=job, iteration=iteration, num_workers=num_workers, global_batch=global_batch,
+                                   max_sizes=max_sizes)
 
 
 def equal_split(global_batch: int, num_workers: int) -> tuple[int, ...]:

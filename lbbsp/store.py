@@ -20,6 +20,8 @@ and the coordinator's decision from it, delete them), which every worker has fin
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 import re
 import time
@@ -32,7 +34,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from .config import JobConfig, _integer, _job_name
-from .errors import ConfigError, LBBSPError, ProtocolError, StoreUnavailable
+from .errors import ConfigError, LBBSPError, ProtocolError, StoreUnavailable, printable
 from .protocol import MAX_PAYLOAD_BYTES, MAX_WORKERS, Assignment, Report
 
 DECISION_LOG_LENGTH = 1000
@@ -131,6 +133,10 @@ def _check_url(url: str, expected: str) -> None:
     except ValueError:  # ("Invalid IPv6 URL"): redis-py's own error says so, below
         return
     query = urllib.parse.parse_qs(parts.query)
+    if unknown := sorted(set(query) - _url_options(parts.scheme.lower())):
+        shown = ", ".join(repr(printable(name, 40)) for name in unknown[:4])
+        raise ConfigError(f"not a usable Redis URL: {redacted(url)}: redis-py takes no option {shown} in a "
+                          f"{parts.scheme or 'redis'}:// URL's query (ssl_* options need rediss://); {expected}")
     if own := sorted(set(query) & set(_OWN_OPTIONS)):
         raise ConfigError(f"the Redis URL's query sets {', '.join(own)}, which lbbsp sets itself (a worker's "
                           "from its assignment_timeout_s, which bounds a step's wait on a stalled Redis): remove "
@@ -143,6 +149,19 @@ def _check_url(url: str, expected: str) -> None:
         hint = " (a / in the password is written %2F)" if "@" in parts.path else ""
         raise ConfigError(f"not a usable Redis URL: {redacted(url)}: what follows host:port is no database number "
                           f"(/0, /1, ...){hint}; {expected}")
+
+
+@functools.cache
+def _url_options(scheme: str) -> frozenset[str]:
+    """The query options a URL of ``scheme`` may carry: the arguments of its connection class and of the pool, where
+    redis-py hands each of them (an unknown one had failed the first command with a TypeError)."""
+    kind = {"rediss": redis.SSLConnection, "unix": redis.UnixDomainSocketConnection}.get(scheme, redis.Connection)
+    names = {"max_connections"}
+    for cls in kind.__mro__:
+        if "__init__" in vars(cls):
+            names.update(name for name, p in inspect.signature(vars(cls)["__init__"]).parameters.items()
+                         if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self")
+    return frozenset(names)
 
 
 def worker_socket_timeout(assignment_timeout_s: float) -> float:
@@ -464,7 +483,8 @@ class Store:
 
     def raw_report(self, iteration: int, worker: int) -> bytes | None:
         """The payload stored for ``worker``'s report of ``iteration``, as posted; None if there is none."""
-        return cast("bytes | None", self.client.hget(self.key("reports", iteration), str(worker)))
+        with self._typed("reports", iteration):
+            return cast("bytes | None", self.client.hget(self.key("reports", iteration), str(worker)))
 
     def holds(self, report: Report) -> bool:
         """Whether ``report`` itself is stored, not another of its worker and iteration: a resend's duplicate answer
@@ -521,7 +541,8 @@ class Store:
 
     def reports(self, iteration: int) -> dict[bytes, bytes]:
         """The raw payloads posted for ``iteration``, keyed by the worker field as posted."""
-        return cast("dict[bytes, bytes]", self.client.hgetall(self.key("reports", iteration)))
+        with self._typed("reports", iteration):
+            return cast("dict[bytes, bytes]", self.client.hgetall(self.key("reports", iteration)))
 
     def forget_iterations(self, first: int, last: int) -> None:
         """Delete the reports and the assignments of iterations ``first`` to ``last``, and raise the job's clean-up

@@ -556,8 +556,7 @@ class WorkerClient:
 
     def _parse(self, raw: bytes, iteration: int) -> Assignment:
         """The stored assignment ``raw`` of ``iteration``; a ProtocolError if it is not one of this job's."""
-        return Assignment.from_json(raw, job=self.config.job, iteration=iteration,
-                                    num_workers=self.config.num_workers, global_batch=self.config.global_batch)
+        return self.config.stored_assignment(raw, iteration)
 
     def _remember(self, assignment: Assignment) -> None:
         self._known[assignment.iteration] = assignment

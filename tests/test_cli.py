@@ -125,6 +125,15 @@ def test_a_model_for_a_policy_without_one_is_refused(capsys: pytest.CaptureFixtu
     assert "--epoch-iterations is per-epoch's; --policy lbbsp decides every iteration" in capsys.readouterr().err
 
 
+def test_a_bad_job_name_is_quoted_as_typed_and_cut(capsys: pytest.CaptureFixture[str]) -> None:
+    """The flags replaced the settings' names inside the value too: --job 'lag x' was quoted as '--lag x'; and a
+    name of 100,000 characters was echoed whole."""
+    assert main(["coordinator", "--workers", "2", "--global-batch", "8", "--job", "lag x"]) == 2
+    assert capsys.readouterr().err.strip().endswith("--job must match [A-Za-z0-9_.-]{1,128}, got 'lag x'")
+    assert main(["coordinator", "--workers", "2", "--global-batch", "8", "--job", "x" * 100_000]) == 2
+    assert len(capsys.readouterr().err) < 250
+
+
 def test_local_steps_reach_the_client_model_and_are_refused_where_there_is_none(
         capsys: pytest.CaptureFixture[str]) -> None:
     """The fl-client model was always built with local_steps=1: clients running 5 steps had their compute weighed

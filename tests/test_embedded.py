@@ -295,6 +295,46 @@ def test_a_given_folder_is_kept_unless_the_server_owns_it(tmp_path: Path, monkey
     assert not (tmp_path / "failed").exists()  # with the password's config file
 
 
+def test_a_folder_to_own_that_another_user_could_have_made_or_write_to_is_refused(tmp_path: Path) -> None:
+    """In a shared /dev/shm another user who makes the folder first could swap the server's socket for theirs."""
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir(mode=0o777)
+    open_to_all.chmod(0o777)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    for folder, what in ((open_to_all, r"writable by others \(mode 777\)"), (link, "a link")):
+        with pytest.raises(ConfigError, match=f"{folder} is {what}, not a private folder of this user"):
+            EmbeddedRedis(folder, own_directory=True)
+    if os.getuid() == 0:  # root can give a folder to another user
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(ConfigError, match="is owned by uid 65534"):
+            EmbeddedRedis(theirs, own_directory=True)
+    with EmbeddedRedis(tmp_path / "mine", own_directory=True) as server:
+        assert server.directory.stat().st_mode & 0o777 == 0o700
+
+
+def test_commands_that_write_files_or_load_code_answer_only_to_names_the_servers_owner_knows() -> None:
+    """Redis 6.2 protects no config: with the password, CONFIG SET dir and dbfilename, then SAVE, wrote any file as
+    this user. The names are in the config file (mode 600), not on redis-server's command line."""
+    with EmbeddedRedis(listen="127.0.0.1") as server:
+        client = redis.Redis.from_url(server.url)
+        for command in (("CONFIG", "SET", "dir", "/tmp"), ("SAVE",), ("MODULE", "LIST"), ("REPLICAOF", "NO", "ONE")):
+            with pytest.raises(redis.ResponseError, match="unknown command"):
+                client.execute_command(*command)
+        assert client.set("kept", 1) and client.get("kept") == b"1"
+        secret = server.command_name("config")
+        answer = client.execute_command(secret, "GET", "appendonly")  # a list, or a dict under RESP3
+        assert (list(answer.items()) if isinstance(answer, dict) else [tuple(answer)]) == [(b"appendonly", b"yes")]
+        assert secret not in " ".join(psutil.Process(server.pid).cmdline())
+        assert (server.directory / "redis.conf").stat().st_mode & 0o777 == 0o600
+        client.close()
+        with pytest.raises(ConfigError, match="command must be one of CONFIG, MODULE"):
+            server.command_name("GET")
+
+
 def test_peers_are_offered_what_they_can_connect_to_and_loopback_last(monkeypatch: pytest.MonkeyPatch) -> None:
     """IPv4 link-local (a direct cable) is offered; IPv6 link-local (it needs an interface named) is not; an
     IPv4-mapped address is the IPv4 one, so a mapped loopback still comes last."""
@@ -489,8 +529,8 @@ def test_a_forked_child_that_exits_leaves_the_parents_server_and_folder_alone() 
     connection then failed with 'No such file or directory', and a restart would have lost every assignment."""
     with EmbeddedRedis() as server:
         assert _in_a_forked_child("child_closed", server) == 0
-        assert sorted(p.name for p in server.directory.iterdir()) == ["appendonly.aof", "owner", "redis.log",
-                                                                      "redis.sock"]
+        assert sorted(p.name for p in server.directory.iterdir()) == ["appendonly.aof", "owner", "redis.conf",
+                                                                      "redis.log", "redis.sock"]
         with Store.from_url(server.url, "parent") as store:
             store.ping()
     assert not server.directory.exists()  # the parent's own close() still removes it

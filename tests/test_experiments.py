@@ -95,6 +95,12 @@ def test_the_policy_benchmark_checks_its_out_first_and_takes_a_folder(tmp_path: 
                             capture_output=True, text=True, timeout=300, check=False)
     assert folder.returncode == 0, folder.stderr
     assert json.loads((tmp_path / "bench_policies.json").read_text())["iterations"] == 3
+    # a run of another scenario keeps the file's others (one had overwritten the committed file with its own part)
+    other = subprocess.run([sys.executable, str(EXPERIMENTS / "bench_policies.py"), "--out", str(tmp_path),
+                            *small[:-3], "fl-clients", "--iterations", "3"],
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert other.returncode == 0, other.stderr
+    assert sorted(json.loads((tmp_path / "bench_policies.json").read_text())["policies"]) == ["fl-clients", "gpu-mix"]
 
 
 def _experiment(name: str) -> ModuleType:

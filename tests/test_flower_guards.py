@@ -18,7 +18,14 @@ pytest.importorskip("flwr")
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
+from flwr.serverapp.strategy import (
+    DifferentialPrivacyClientSideAdaptiveClipping,
+    DifferentialPrivacyClientSideFixedClipping,
+    DifferentialPrivacyServerSideFixedClipping,
+    FedAvg,
+    FedXgbBagging,
+    FedXgbCyclic,
+)
 from flwr.supercore.privacy_accounting import NeighboringRelation, PrivacyConfig, SamplingMethod
 
 from lbbsp import ConfigError, EmbeddedRedis, EWMAThroughput, ProtocolError, Report, StoreUnavailable
@@ -277,6 +284,48 @@ def test_a_wrapped_strategy_that_waits_for_more_nodes_than_a_local_grid_has_is_a
     with ClientHistory.from_url(redis_url, job) as history:
         with pytest.raises(ConfigError, match=r"waits for 5 nodes .* this LocalGrid has 3"):
             start_rounds(LoadBalanced(dp(inner, 2), history, batch_size=4), porting_app(), nodes=3, rounds=1)
+
+
+@pytest.mark.timeout(60)
+def test_a_fraction_over_one_or_an_evaluate_count_a_local_grid_cannot_meet_is_refused_before_any_round(
+        redis_url: str, job: str) -> None:
+    """FedAvg samples int(nodes x fraction) and waits for that many: 1.5 of 3 nodes had waited forever. Evaluation's
+    counts are checked with the first train round, not after it trained."""
+    with ClientHistory.from_url(redis_url, job) as history:
+        too_many = FedAvg(fraction_train=1.5, fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2)
+        with pytest.raises(ConfigError, match=r"waits for 4 nodes .*fraction_train 1.5.* this LocalGrid has 3"):
+            start_rounds(LoadBalanced(too_many, history, batch_size=4), porting_app(), nodes=3, rounds=1)
+        evaluates = FedAvg(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=4)
+        with pytest.raises(ConfigError, match=r"waits for 4 nodes \(min_available_nodes, min_evaluate_nodes"):
+            start_rounds(LoadBalanced(evaluates, history, batch_size=4), porting_app(), nodes=3, rounds=1)
+        assert SEEN == [] and history.rounds() == []
+
+
+def test_tree_strategies_and_client_side_clipping_that_rescaling_would_break_are_refused(
+        redis_url: str, job: str) -> None:
+    """FedNova's rescaling stretches an update of fewer steps than the mean: past the clipping norm where the
+    clients clipped (1.68x in a run of 4). Where every client takes local_steps nothing is rescaled."""
+    with ClientHistory.from_url(redis_url, job) as history:
+        for trees in (FedXgbBagging(), FedXgbCyclic()):
+            with pytest.raises(ConfigError, match="train trees, with neither batches nor steps"):
+                LoadBalanced(trees, history)
+        for wrapper in (DifferentialPrivacyClientSideFixedClipping(FedAvg(), 0.0, 0.05, 3),
+                        DifferentialPrivacyClientSideAdaptiveClipping(FedAvg(), 0.0, 3)):
+            for refused in ({"adapt": "steps"}, {"deadline_slack": 1.5}):
+                with pytest.raises(ConfigError, match=f"{type(wrapper).__name__} has each client clip its update"):
+                    LoadBalanced(wrapper, history, **refused)  # type: ignore[arg-type]
+            LoadBalanced(wrapper, history, adapt="batch")
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_sends_another_weight_key_than_the_strategys_is_warned_about(
+        redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    inner = FedAvg(fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2, weighted_by_key="n-samples")
+    with ClientHistory.from_url(redis_url, job) as history:
+        start_rounds(LoadBalanced(inner, history, batch_size=4), porting_app("num-examples"), nodes=2, rounds=2)
+    assert warnings_like(caplog, r"nodes \[1, 2\] sent no 'n-samples', the strategy's weight key: give their "
+                                 r"LocalRound weighted_by_key='n-samples'") != []
+    assert len(warnings_like(caplog, "the strategy's weight key")) == 1  # once a client
 
 
 class _CountingAccountant:

@@ -241,8 +241,9 @@ def test_a_redis_that_refuses_writes_is_an_outage_the_rounds_go_on_through(job: 
         strategy = LoadBalanced(FedAvg(min_available_nodes=2), history, batch_size=8, local_steps=5)
         sent = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord([np.zeros(1)]),
                                                                              ConfigRecord(), grid)}
-        history.client.config_set("maxmemory-policy", "noeviction")
-        history.client.config_set("maxmemory", "1")  # every write is refused: OOM
+        config = server.command_name("CONFIG")  # the embedded server's secret name for CONFIG
+        history.client.execute_command(config, "SET", "maxmemory-policy", "noeviction")
+        history.client.execute_command(config, "SET", "maxmemory", "1")  # every write is refused: OOM
         arrays, _ = strategy.aggregate_train(1, [reply(sent[n], ArrayRecord([np.full(1, float(n))]), HONEST)
                                                  for n in (1, 2)])
         assert arrays is not None and arrays.to_numpy_ndarrays()[0][0] == 1.5

@@ -97,6 +97,36 @@ def test_a_failed_start_of_worker_0s_server_leaves_no_folder(job: str, monkeypat
     assert not _embedded_directory(job).exists()
 
 
+def test_a_second_session_of_a_job_name_in_use_on_the_machine_is_refused_and_the_first_runs_on(job: str) -> None:
+    """Its worker 0 had deleted the first session's folder, server running, and started its own on the same socket:
+    the first session's worker then talked to the second's Redis, and found none once that closed."""
+    config = JobConfig(job, num_workers=1, global_batch=32)
+    with WorkerSession(config, 0) as first:
+        with pytest.raises(ConfigError, match="another WorkerSession of this job name runs on this machine"):
+            WorkerSession(config, 0)
+        assert first.client is not None and first.client.assignment(0).sizes == (32,)
+    with WorkerSession(config, 0):  # once the first closed
+        pass
+
+
+def test_a_folder_another_user_made_for_the_jobs_server_is_refused_by_every_local_worker(job: str) -> None:
+    """In a shared /dev/shm another user who made it first could serve the workers their own Redis."""
+    folder, config = _embedded_directory(job), JobConfig(job, num_workers=2, global_batch=32)
+    folder.mkdir(mode=0o777)
+    folder.chmod(0o777)
+    try:
+        with pytest.raises(ConfigError, match="writable by others .* not a private folder of this user"):
+            WorkerSession(config, 1, connect_timeout_s=0.2)
+    finally:
+        folder.rmdir()
+    folder.symlink_to("/tmp")  # one worker 0 cannot remove (another user's, where it does not run as root)
+    try:
+        with pytest.raises(ConfigError, match="is a link, not a private folder of this user"):
+            WorkerSession(config, 0)
+    finally:
+        folder.unlink()
+
+
 def test_a_worker_that_finds_no_socket_is_told_to_pass_the_strategy(job: str) -> None:
     with pytest.raises(StoreUnavailable, match=r"on another machine than worker 0, pass strategy= \(the Multi"):
         WorkerSession(JobConfig(job, num_workers=2, global_batch=32), 1, connect_timeout_s=0.2)

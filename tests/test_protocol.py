@@ -201,6 +201,33 @@ def test_a_rejection_does_not_echo_a_long_unknown_name(where: str) -> None:
     assert "xxxx" in str(info.value) and len(str(info.value)) < 300
 
 
+def test_a_rejection_shows_names_and_jobs_from_a_payload_escaped_on_one_line() -> None:
+    """A field name or job holding a newline had faked a log line of the coordinator's ("x\\nCRITICAL ..."), an ESC
+    cleared the worker's terminal, and a stored assignment's job of 40,000 characters was logged whole."""
+    forged = "x\nCRITICAL lbbsp.coordinator: FORGED\x1b[2J"
+    for payload in (good(**{forged: 1}), good(job=forged, worker="1"),
+                    {**good(), "features": {forged: 1.0}}):
+        with pytest.raises(ProtocolError) as info:
+            Report.from_json(json.dumps(payload))
+        assert "\n" not in str(info.value) and "\x1b" not in str(info.value) and "\\nCRITICAL" in str(info.value)
+    stored = json.dumps({"v": 1, "job": "A\n" * 20_000, "iteration": 3, "sizes": [4, 4], "policy": "p",
+                         "created": 1.0})
+    with pytest.raises(ProtocolError, match="job: must be at most 128 characters") as info:
+        Assignment.from_json(stored)
+    assert "\n" not in str(info.value) and len(str(info.value)) < 300
+
+
+def test_a_stored_split_over_a_workers_max_batch_is_refused() -> None:
+    """Only a writer other than lbbsp's coordinator could store it; a worker had trained 7 samples with max_batch 5,
+    which its memory may not hold."""
+    config = JobConfig("j", 2, 8, max_batch=(5, 8))
+    raw = Assignment("j", 3, (1, 7), "other").to_json()
+    assert config.stored_assignment(raw, 3).sizes == (1, 7)
+    over = Assignment("j", 3, (7, 1), "other").to_json()
+    with pytest.raises(ProtocolError, match=r"sizes\[0\]: 7 is over worker 0's max_batch 5"):
+        config.stored_assignment(over, 3)
+
+
 def test_a_rejection_lists_a_few_unknown_fields() -> None:
     report = json.loads(Report("j", 0, 0, 5, 0.1).to_json())
     report.update({f"f{i}": 1 for i in range(300)})

@@ -471,13 +471,14 @@ def test_a_coordinator_that_finds_redis_refusing_writes_after_an_outage_keeps_se
                 assert time.monotonic() < deadline, "no decision"
                 time.sleep(0.01)
             if k == 0:
-                workers.client.config_set("maxmemory", 1)  # every write refused: OOM
+                secret = server.command_name("CONFIG")  # the embedded server's name for CONFIG
+                workers.client.execute_command(secret, "SET", "maxmemory", 1)  # every write refused: OOM
                 with caplog.at_level(logging.ERROR, logger="lbbsp.coordinator"):
                     for _ in range(10):  # each stall ends in the rewrite about every other time
-                        workers.client.execute_command("DEBUG", "SLEEP", "0.6")
+                        workers.client.execute_command(server.command_name("DEBUG"), "SLEEP", "0.6")
                         time.sleep(0.2)
                         assert coordinator._thread is not None and coordinator._thread.is_alive()
-                workers.client.config_set("maxmemory", 0)
+                workers.client.execute_command(secret, "SET", "maxmemory", 0)
         coordinator.stop()
         assert workers.get_assignment(3) is not None  # decided from iteration 1, after the refusals
 

@@ -134,6 +134,12 @@ def test_an_error_about_the_variables_url_names_the_variable(
      "sets retry_on_timeout, socket_connect_timeout, which lbbsp sets itself"),
     ("redis://127.0.0.1:6379/x?password=pw", "6379/x?password=***: what follows host:port is no database number"),
     ("redis://user:p/w@127.0.0.1:6379", "no database number (/0, /1, ...) (a / in the password is written %2F)"),
+    # redis-py hands every query option to the connection: one it does not take failed the first command with a
+    # TypeError out of the CLI (a traceback)
+    ("redis://:pw@127.0.0.1:6379/0?foo=bar", "redis-py takes no option 'foo' in a redis:// URL's query"),
+    ("redis://127.0.0.1:6379/0?ssl_cert_reqs=none", "no option 'ssl_cert_reqs' in a redis:// URL's query (ssl_* "
+                                                     "options need rediss://)"),
+    ("unix:///tmp/r.sock?foo=1&bar=2", "redis-py takes no option 'bar', 'foo' in a unix:// URL's query"),
 ])
 def test_a_url_redis_py_would_read_otherwise_than_written_is_refused(url: str, said: str) -> None:
     """redis-py drops a path's slashes and ignores one that is no number, and lets the query's options win over the
@@ -148,7 +154,8 @@ def test_urls_with_a_database_number_or_none_connect() -> None:
     for url in ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379/", "redis://127.0.0.1:6379/12",
                 "redis://[::1]:6379/2/", "redis://127.0.0.1:6379/0 ", "redis://127.0.0.1:6379/%31",
                 "redis://127.0.0.1:6379/abc?db=2", "redis://127.0.0.1:6379/0?health_check_interval=5",
-                "unix:///tmp/r.sock?db=3", "redis://127.0.0.1:6379/0?max_connections=4"):
+                "unix:///tmp/r.sock?db=3", "redis://127.0.0.1:6379/0?max_connections=4",
+                "rediss://127.0.0.1:6379/0?ssl_cert_reqs=none", "redis://127.0.0.1:6379/0?client_name=x&protocol=3"):
         connect(url).close()
 
 

@@ -170,7 +170,31 @@ def no_sync_branch_without_scale_loss(lb: Balancer) -> dict:
     return {"params": params(module)}
 
 
+def weighted_mean(out: torch.Tensor, y: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A loss that is a mean over weights, not samples (as token-level losses are over tokens): the sum of the
+    weighted squared errors, and the sum of the weights (0, 1 or 2 a sample)."""
+    w = (index % 3).to(torch.float64).unsqueeze(1)
+    return (w * (out - y) ** 2).sum(), w.sum()
+
+
+def global_count(lb: Balancer, weighting: str) -> dict:
+    """docs/torch.md's recipe for a loss that is not a mean over samples: the rank's sum over the global count."""
+    module = linear()
+    model = lb.attach(DDP(module), weighting=weighting)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for x, y, index in lb.loader(indexed(), seed=SEED):
+        loss_sum, count = weighted_mean(model(x), y, index)
+        dist.all_reduce(count)
+        loss = loss_sum / count * (lb.step.total / max(lb.step.samples, 1))
+        (lb.scale_loss(loss) if weighting == "loss" else loss).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"params": params(module)}
+
+
 SCENARIOS: dict[str, Callable[[Balancer], dict]] = {
+    "global_count_hook": lambda lb: global_count(lb, "hook"),
+    "global_count_loss": lambda lb: global_count(lb, "loss"),
     "accumulation": accumulation_with_clipping,
     "chunks_by_size": lambda lb: chunks_under_the_hook(lb, lambda chunk, whole, _: chunk / max(whole, 1)),
     "chunks_by_count": lambda lb: chunks_under_the_hook(lb, lambda _, __, count: 1 / count),
@@ -302,3 +326,23 @@ def test_a_ddp_scripts_loader_options_are_taken_and_each_sample_is_used_once_an_
 def test_a_micro_step_under_no_sync_without_scale_loss_is_refused_in_the_loss_form(ranks: list[dict]) -> None:
     for result in (r["no_sync_unscaled"] for r in ranks):
         assert "ConfigError" in result.get("error", "") and "no_sync" in result["error"], result
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("weighting", ["hook", "loss"])
+def test_a_mean_over_weights_is_exact_with_the_global_count(ranks: list[dict], weighting: str) -> None:
+    """The rank's own weighted mean gives (b_i/B) S_i/N_i, not S/N, where slices differ; the docs' recipe divides
+    the rank's sum by the all-reduced count and undoes b_i/B."""
+    x, y = tensors()
+    model = linear()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    sampler = GlobalBatchSampler(SAMPLES, GLOBAL_BATCH, seed=SEED)
+    for step in range(len(sampler)):
+        batch = torch.as_tensor(sampler.global_indices(step))
+        loss_sum, count = weighted_mean(model(x[batch]), y[batch], batch)
+        (loss_sum / count).backward()
+        opt.step()
+        opt.zero_grad()
+    for rank in outcome(ranks, f"global_count_{weighting}"):
+        assert_params(rank["params"], params(model))

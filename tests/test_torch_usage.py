@@ -345,6 +345,10 @@ def mistakes(url: str, job: str) -> dict:
                 lb.scale_loss(loss)  # twice: gradients W * b_i / B too large, without a word, before
             except ConfigError as exc:
                 result["scaled_twice"] = str(exc)
+            try:  # a token count where a micro-batch's samples go: silently wrong (0.66 off) before
+                lb.scale_loss(F.mse_loss(model(x), y), samples=len(y) + 1)
+            except ConfigError as exc:
+                result["more_samples"] = str(exc)
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -603,6 +607,8 @@ def test_likely_mistakes_are_caught(outcomes: list[dict]) -> None:
     assert "not ddp_model.module(x)" in result["module"]
     assert result["grad_dtypes"] == ["torch.float64"] * 2 + ["torch.float32"] * 2
     assert "through lb.scale_loss already" in result["scaled_twice"]
+    assert "samples must be the samples of a micro-batch of this rank's slice" in result["more_samples"]
+    assert "'Losses that are not a mean over samples' in docs/torch.md" in result["more_samples"]
 
 
 @pytest.mark.slow

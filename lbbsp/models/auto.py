@@ -17,8 +17,8 @@ from sklearn.base import clone
 
 from ..allocation import InvertibleTimeModel, LinearTime, TimeModel
 from ..config import _integer
-from ..errors import ConfigError
-from ..protocol import Report, printable
+from ..errors import ConfigError, printable
+from ..protocol import Report
 from .base import (
     NO_CAP,
     CapacityModel,

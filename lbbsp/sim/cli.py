@@ -19,9 +19,9 @@ import numpy as np
 
 from .. import __version__
 from ..embedded import EmbeddedRedis
-from ..errors import ConfigError
+from ..errors import ConfigError, printable
 from ..policies import PER_EPOCH_ITERATIONS
-from ..protocol import MAX_WORKERS, printable
+from ..protocol import MAX_WORKERS
 from ..store import PROBE_TIMEOUT_S, answering, redacted, redis_url
 from .engine import PolicyRun, compare
 from .scenarios import LOOKAHEAD, MAX_CELLS, MEAN_DWELL, SCENARIOS, FLClients, Scenario

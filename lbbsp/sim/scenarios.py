@@ -17,10 +17,10 @@ import numpy as np
 
 from ..allocation import HingeTime, LinearTime
 from ..config import JobConfig, _integer, _real
-from ..errors import ConfigError
+from ..errors import ConfigError, printable
 from ..models import AutoCapacityModel, CapacityModel, FLClientModel, MixedTime
 from ..models.fl_client import MAX_LOCAL_STEPS
-from ..protocol import MAX_BATCH, MAX_WORKERS, _is_integer, printable
+from ..protocol import MAX_BATCH, MAX_WORKERS, _is_integer
 from .traces import TRACE_FEATURES, CPUTrace, load_traces
 
 #: Iterations past the last simulated one that a scenario generates: decisions run up to ``lag`` (at most 8)
