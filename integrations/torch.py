@@ -78,6 +78,8 @@ from .torch_grad import (
 )
 
 log = logging.getLogger("lbbsp.torch")
+#: Every Balancer of this process, while it lives: one whose step begins inside another's is warned about.
+_BALANCERS: weakref.WeakSet[Balancer] = weakref.WeakSet()
 
 __all__ = ["BalancedLoader", "Balancer", "BatchNormWarning", "Step", "agree_with_rank0", "batch_norm_layers"]
 
@@ -138,6 +140,8 @@ class Balancer:
         self._unsynced_forward = False  # a DDP forward that will build gradients ran under no_sync
         self._forwarded = False  # the attached model ran a forward
         self._begun_by: GlobalBatchSampler | None = None  # the sampler (one per loader) that began the step
+        self._warned_overlap = False
+        _BALANCERS.add(self)
         self._ever_synced = False
         self._epoch_synced = False  # some gradient of this loader epoch went through the attached model's hook
         self._warned_gradient_free_epoch = False
@@ -253,8 +257,22 @@ class Balancer:
         self._iteration += 1
         self._open, self._begun_by = True, sampler
         self._reported = self._synced = self._scaled = self._unsynced_forward = self._forwarded = False
+        self._warn_overlap()
         self._clock.start()
         return indices
+
+    def _warn_overlap(self) -> None:
+        """Warn once where another Balancer's step still computes as this one's begins (two loaders zipped): each
+        clock then times the other model's work as its own, and its split follows that work."""
+        if self._warned_overlap:
+            return
+        if any(other is not self and other._open and not other._closed and not other._clock.stopped
+               for other in list(_BALANCERS)):
+            self._warned_overlap = True
+            log.warning("job %s: a step of this Balancer began while another Balancer's step still computes (loaders "
+                        "zipped?): each one's compute clock runs across the other model's work, and its split follows "
+                        "that work. Draw each model's batch just before its own forward, or put both models on one "
+                        "Balancer (docs/torch.md, One Balancer per DDP model); said once", self.config.job)
 
     def _refuse_closed(self) -> None:
         """Raise once closed, before any collective or Redis call: a step would wait out assignment_timeout_s on a

@@ -26,7 +26,7 @@ import redis
 from .config import JobConfig, _integer, _is_integer, _job_config, _real
 from .errors import ConfigError, LBBSPError, ProtocolError, StoreUnavailable
 from .protocol import MAX_DEVICE_CHARS, MAX_ITERATION, Assignment, Report
-from .store import REDIS_ERRORS, REDIS_FAILURES, Store, _store
+from .store import REDIS_ERRORS, REDIS_FAILURES, Store, _store, _wrong_type
 
 log = logging.getLogger("lbbsp.worker")
 
@@ -189,6 +189,15 @@ class WorkerClient:
                     self._answered_at = tried
                     break
                 except REDIS_FAILURES as exc:  # the thread must outlive any one report, or every later one is lost
+                    if isinstance(exc, redis.ResponseError) and _wrong_type(exc):  # for good: retries held the others
+                        if self._dropped.due():
+                            log.warning("job %s, worker %d: dropped the report of iteration %d: a key it is written to "
+                                        "(%s, or the job's ready or config key) holds a value of another type than "
+                                        "lbbsp writes there (left by something else?): delete it, or use another job "
+                                        "name; %d report(s) of this worker dropped so far", self.config.job,
+                                        self.worker, report.iteration, self.store.key("reports", report.iteration),
+                                        self._dropped.count)
+                        break
                     if time.monotonic() > deadline:
                         if self._dropped.due():
                             log.warning("job %s, worker %d: dropped the report of iteration %d: Redis did not take it "

@@ -179,6 +179,24 @@ def second_balancer_on_one_model(url: str, job: str) -> dict:
             logging.getLogger("lbbsp.torch").removeHandler(handler)
         warned = [m for m in said if "a second DDP model is attached" in m]
         result["second_model"] = len(warned) == (1 if dist.get_rank() == 0 else 0)  # rank 0 warns, once
+    # two Balancers at once: steps one after the other are fine; loaders zipped time each other's work (warned once)
+    logging.getLogger("lbbsp.torch").addHandler(handler)
+    try:
+        with Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-4") as lb_g, \
+                Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-5") as lb_d:
+            g, d = lb_g.attach(linear()), lb_d.attach(linear())
+            train_g, train_d = trainer(g), trainer(d)
+            batches_g, batches_d = iter(lb_g.loader(data())), iter(lb_d.loader(data()))
+            for _ in range(2):  # each batch drawn just before its own step
+                train_g(*next(batches_g)[:2])
+                train_d(*next(batches_d)[:2])
+            result["sequential_overlap"] = sum("another Balancer's step still computes" in m for m in said)
+            for (xg, yg, _), (xd, yd, _) in zip(lb_g.loader(data()), lb_d.loader(data())):
+                train_g(xg, yg)
+                train_d(xd, yd)
+            result["zipped_overlap"] = sum("another Balancer's step still computes" in m for m in said)
+    finally:
+        logging.getLogger("lbbsp.torch").removeHandler(handler)
     return result
 
 
@@ -533,6 +551,7 @@ def test_a_second_balancer_needs_a_new_ddp_wrapper(outcomes: list[dict]) -> None
             "mixed_precision), and DDP takes one: pass a hook of your own to lb.attach(model, comm_hook=..., "
             "comm_state=...) instead") in result["own_hook"]
     assert result["second_model"] is True
+    assert (result["sequential_overlap"], result["zipped_overlap"]) == (0, 1)
 
 
 @pytest.mark.slow

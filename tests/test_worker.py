@@ -285,6 +285,31 @@ def test_a_wrong_typed_assign_key_is_an_invalid_assignment_for_a_worker_not_redi
     assert fallback.fallback and fallback.sizes == config.initial_sizes()
 
 
+@pytest.mark.timeout(30)
+def test_a_report_to_a_wrong_typed_key_is_dropped_at_once_naming_it_and_the_next_goes_through(
+        redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The report thread had retried WRONGTYPE, which no retry clears, for assignment_timeout_s, holding up the
+    reports behind it, then dropped it as "(a stall)"."""
+    config = JobConfig(job, 2, 10, assignment_timeout_s=5.0, ttl_s=60)
+    with Store.from_url(redis_url, job) as store:
+        store.register(config)
+        store.client.set(store.key("reports", 0), "not a hash")
+        worker = WorkerClient(Store.from_url(redis_url, job), config, 0)
+        try:
+            with caplog.at_level(logging.WARNING, logger="lbbsp.worker"):
+                started = time.monotonic()
+                worker.report(0, 5, 0.1)
+                worker.report(1, 5, 0.1)
+                while store.raw_report(1, 0) is None:
+                    assert time.monotonic() - started < 2.0, "the next report waited behind the dropped one"
+                    time.sleep(0.01)
+        finally:
+            worker.close()
+            worker.store.close()
+    said = [r.getMessage() for r in caplog.records if "dropped the report of iteration 0" in r.getMessage()]
+    assert len(said) == 1 and store.key("reports", 0) in said[0] and "another type" in said[0], said
+
+
 def _written_later(store: Store, assignment: Assignment, delay_s: float) -> tuple[threading.Thread, list[float]]:
     """Write ``assignment`` ``delay_s`` from now, as a coordinator does (once Redis answers); the list gets the time of
     the write."""
