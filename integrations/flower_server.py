@@ -150,6 +150,7 @@ class _Round:
     workers: dict[int, int]
     predicted_s: float | None  # the round's predicted seconds; None before any measurement
     started: float  # time.monotonic() when the messages were handed to Flower
+    messages: list[Message]  # as handed to Flower, whose grid gives each its message id as it sends it
 
 
 #: The most characters of a client's error reason that are logged, stored and passed on, once escaped: room for
@@ -226,6 +227,7 @@ class LoadBalanced(Strategy):
                               "without LoadBalanced")
         client_clipped = [type(s).__name__ for s in chain if isinstance(
             s, (DifferentialPrivacyClientSideFixedClipping, DifferentialPrivacyClientSideAdaptiveClipping))]
+        self._client_clipped = bool(client_clipped)  # normalise never stretches an update the client clipped
         if client_clipped and (adapt == "steps" or deadline_slack is not None):
             raise ConfigError(f"{client_clipped[0]} has each client clip its update, and LoadBalanced rescales the "
                               f"updates FedNova-style where clients take different numbers of steps "
@@ -338,7 +340,7 @@ class LoadBalanced(Strategy):
             self._planned_indices.update(zip(missing, self._worker_indices(missing)))
         workers = {node: self._planned_indices[node] for node in plan}
         self._pending[server_round] = _Round(arrays, plan, workers, self._predicted_s(plan, workers),
-                                             time.monotonic())
+                                             time.monotonic(), messages)
         sent_at = time.time()
         for message in messages:
             self._personalise(message, plan[message.metadata.dst_node_id])
@@ -515,8 +517,8 @@ class LoadBalanced(Strategy):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = [_with_printable_error(m) for m in self._first_reply_each(server_round, replies)]
         sent = self._pending.pop(server_round, None)
+        replies = [_with_printable_error(m) for m in self._first_reply_each(server_round, _addressed(replies, sent))]
         if sent is not None:
             predicted = "" if sent.predicted_s is None else f" (predicted {sent.predicted_s:.3g}s)"
             log(INFO, "lbbsp round %d: took %.3gs%s", server_round, time.monotonic() - sent.started, predicted)
@@ -708,6 +710,12 @@ class LoadBalanced(Strategy):
             WARNING, f"lbbsp: nodes %s sent no {self.weighted_by_key!r}, the strategy's weight key: give their "
                      f"LocalRound weighted_by_key={self.weighted_by_key!r}, or the weight key they send instead "
                      f"reaches the strategy's train metrics as a metric of their own")
+        if self._client_clipped:  # a client that took fewer steps (its data ran out): its update as it clipped it
+            self._tell_once("clipped", [n for n, scale in zip(nodes, scales) if scale > 1 + 1e-12], WARNING,
+                            "lbbsp: nodes %s took fewer local steps than the others; under client-side clipping the "
+                            "round's updates are averaged as the clients clipped them, without FedNova's rescaling, "
+                            "which would stretch theirs past the clipping norm")
+            scales = np.ones_like(scales)
         for node, scale in zip(nodes, scales):
             message = by_node[node]
             content = RecordDict(dict(message.content.items()))
@@ -810,6 +818,21 @@ class LoadBalanced(Strategy):
         if new:
             self._told.update((what, n) for n in new)
             log(level, message, new)
+
+
+def _addressed(replies: Iterable[Message], sent: _Round | None) -> list[Message]:
+    """The replies, an error the SuperLink sent in a node's place ("Node Unavailable", from its own node id, 1) made
+    the reply of the node it was sent to: it had been logged as node 1's failure, the node as one that sent no reply,
+    and a second such error dropped as node 1's second reply."""
+    replies = list(replies)
+    if sent is None:
+        return replies
+    by_id = {m.metadata.message_id: m for m in sent.messages if m.metadata.message_id}
+    for i, reply in enumerate(replies):
+        original = by_id.get(reply.metadata.reply_to_message_id) if reply.has_error() else None
+        if original is not None and original.metadata.dst_node_id != reply.metadata.src_node_id:
+            replies[i] = Message(reply.error, reply_to=original)
+    return replies
 
 
 def _hardware_said(hardware: tuple[str, int]) -> str:

@@ -187,8 +187,6 @@ class WorkerSession:
                 log.info("worker %d reaches worker 0's embedded Redis at %s", worker, redacted(self.url))
             else:
                 self.url = self._local_embedded()
-            if url is None and gather is None and worker != 0 and _embedded_directory(config.job).exists():
-                check_private(_embedded_directory(config.job))  # worker 0's, not a folder another user made first
             try:
                 client = wait_for_redis(self.url, connect_timeout_s,
                                         socket_timeout_s=worker_socket_timeout(config.assignment_timeout_s))
@@ -198,6 +196,12 @@ class WorkerSession:
                                            "on another machine than worker 0, pass strategy= (the "
                                            "MultiWorkerMirroredStrategy) or url=", job=config.job) from None
                 raise
+            if url is None and gather is None and worker != 0:  # worker 0's server, not one another user put there
+                try:
+                    check_private(_embedded_directory(config.job), socket="redis.sock")
+                except ConfigError:
+                    client.close()
+                    raise
             store = Store(client, config.job, ttl_s=config.ttl_s, owns_client=True)
             if not coordinator:  # worker 0's reading, where the strategy can share it
                 stored = agreed_config(store, worker, gather) if gather is not None else store.load_config()

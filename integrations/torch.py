@@ -387,6 +387,8 @@ class Balancer:
         if getattr(loss, "_lbbsp_scaled", False):  # silently, its gradients would have been W * b_i / B too large
             raise ConfigError("this loss has been through lb.scale_loss already, and a second pass would weight its "
                               "gradients twice: call lb.scale_loss once, on the unscaled loss", job=self.config.job)
+        if isinstance(samples, torch.Tensor) and samples.numel() == 1 and not samples.is_floating_point():
+            samples = int(samples.item())  # a count such as mask.sum()
         if samples is not None and (not _is_integer(samples) or not 0 <= samples <= step.samples):
             raise ConfigError(f"samples must be the samples of a micro-batch of this rank's slice, an integer in "
                               f"[0, {step.samples}], got {samples!r:.40}: for a loss whose mean is over something else "

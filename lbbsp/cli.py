@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import redis
 
 from . import __version__
-from .client_history import _index
+from .client_history import _index, flower_jobs
 from .config import JobConfig, _job_name
 from .embedded import EmbeddedRedis
 from .errors import ConfigError, LBBSPError, printable
@@ -505,8 +505,15 @@ def _status(args: argparse.Namespace) -> int:
                          "--brief for the tables")
     with probe_redis(url, args.job or "", source) as probe:
         jobs = [args.job] if args.job else sorted(probe.jobs())
+        federated = flower_jobs(probe.client) if not args.json or args.job else []
+        only_federated = args.job in federated and not probe.has_config()
+    if only_federated:
+        raise LBBSPError(f"{args.job!r} is a federated job (LoadBalanced's client history), with no coordinator to "
+                         f"show: its rounds are in the ServerApp's log (`flwr log RUN_ID`); `lbbsp forget --job "
+                         f"{args.job}` deletes its history")
     if not jobs and not args.json:
-        print("no lbbsp jobs on this Redis")
+        print("no lbbsp jobs on this Redis" + (f" but the client histories of federated jobs, whose rounds are in "
+                                               f"their ServerApps' logs: {', '.join(federated)}" if federated else ""))
         return 0
     shown: list[dict[str, Any]] = []
     unread = unserved = 0

@@ -299,6 +299,18 @@ class ClientHistory:
             raise StoreUnavailable(f"Redis unusable ({type(exc).__name__}): {exc}", job=self.job) from exc
 
 
+def flower_jobs(client: redis.Redis) -> list[str]:
+    """The names of the federated jobs whose client histories this Redis holds (keys under ``lbbsp:{job}:fl:``), for
+    `lbbsp status`, which shows training jobs' coordinators: a Flower job has none."""
+    jobs = set()
+    for key in client.scan_iter(match="lbbsp:*:fl:*", count=1000):
+        try:
+            jobs.add(_job_name(key.decode()[len("lbbsp:"):].rsplit(":fl:", 1)[0]))
+        except (UnicodeDecodeError, ConfigError):  # a foreign writer's key: not a job's
+            continue
+    return sorted(jobs)
+
+
 def _index(stored: bytes | str) -> int:
     """A stored worker index, read as ASSIGN_INDICES reads it: a decimal below ``MAX_WORKERS``, else a ValueError."""
     text = stored.decode() if isinstance(stored, bytes) else str(stored)

@@ -32,7 +32,8 @@ def _given(value: object) -> str:
 def _job_name(job: object) -> str:
     """``job`` if it is a valid job name (it becomes part of every Redis key), else a :class:`ConfigError`."""
     if not isinstance(job, str) or not _JOB_NAME.fullmatch(job):
-        raise ConfigError(f"job name must match {_JOB_NAME.pattern}, got {job!r:.140}")
+        shown = f"{job[:140]!r}{'...' if len(job) > 140 else ''}" if isinstance(job, str) else f"{job!r:.140}"
+        raise ConfigError(f"job name must match {_JOB_NAME.pattern}, got {shown}")
     return job
 
 

@@ -244,7 +244,7 @@ class GuardedPolicy:
         self._name = _clipped(str(policy.name), MAX_POLICY_NAME_CHARS)
         #: Decisions that failed or broke the job's rules, each kept the split in force (and was logged).
         self.failures = 0
-        self._repeats, self._learn_repeats = _Repeats(), _Repeats()
+        self._repeats, self._learn_repeats, self._prediction_repeats = _Repeats(), _Repeats(), _Repeats()
 
     def decide(self, target: int, current: tuple[int, ...], reports: list[Report]) -> tuple[Decision, Assignment]:
         """Observe ``reports`` and decide the assignment of ``target``; ``current`` (the split of ``target - 1``)
@@ -285,8 +285,11 @@ class GuardedPolicy:
         except (TypeError, ValueError):  # ragged
             predicted = np.asarray(None)
         if predicted.shape != (self.config.num_workers,) or predicted.dtype.kind not in "iuf":
-            log.warning("job %s: policy %s's predicted throughput for iteration %d is not one number per worker "
-                        "(%.80r); recording none", self.config.job, self.name, target, decision.predicted_throughput)
+            # at every decision otherwise: every 10 s, with a count
+            if (repeats := self._prediction_repeats.note("predicted throughput")) is not None:
+                log.warning("job %s: policy %s's predicted throughput for iteration %d is not one number per worker "
+                            "(%.80r); recording none%s", self.config.job, self.name, target,
+                            decision.predicted_throughput, repeats)
             return None
         return tuple(predicted.astype(float, copy=False).tolist())
 
@@ -310,7 +313,8 @@ class GuardedPolicy:
         if raw.shape != (self.config.num_workers,):
             what = f"{raw.size} sizes" if raw.ndim == 1 else f"sizes of shape {raw.shape}"
             raise refuse(f"{what} for {self.config.num_workers} workers")
-        whole = raw.dtype.kind in "iu" or (raw.dtype.kind == "f" and np.array_equal(raw, np.round(raw)))
+        whole = raw.dtype.kind in "iu" or (raw.dtype.kind == "f" and bool(np.isfinite(raw).all())
+                                           and np.array_equal(raw, np.round(raw)))  # inf had read as -2**63 samples
         if not whole:  # an int past int64 (10**30) makes an object array: integers, but no size a batch holds
             kind = "at most the global batch" if raw.dtype.kind == "O" else "integers"
             raise refuse(f"sizes must be {kind}, got {raw[:8].tolist()}")

@@ -26,7 +26,7 @@ _PRESENT = 1.0 - _PATTERNS
 #: what they hold: a second-order expansion had blown up where few workers are left and most drop out (121 where 6.6).
 _NODES, _WEIGHTS = np.polynomial.hermite_e.hermegauss(8)
 _WEIGHTS = _WEIGHTS / _WEIGHTS.sum()
-#: The normal serves where the rest's share back has a spread of at most this share of its mean (within 0.5% of
+#: The normal serves where the rest's share back has a spread of at most this share of its mean (within 0.6% of
 #: the exact value over 1,600 random draws, always above it); beyond it, few of the rest come back and the normal was
 #: far off both ways (31 where 11 at 16 workers with 90% dropout, 12 where 25 at 40), so the Laplace transform is
 #: integrated instead.
@@ -68,7 +68,7 @@ def expected_shortfall(sizes: np.ndarray, dropout: np.ndarray) -> float:
     ``dropout[i]``, independently (B = sum(sizes)): 1 where nobody drops out. Exact for up to ``_EXACT + _FEW``
     workers; for more, exact over the absences of the ``_EXACT`` largest shares, and the rest's share back as a
     normal of its mean and variance (Gauss-Hermite, within what they hold) where that is close (many of them come
-    back), else through its Laplace transform (:func:`_mean_inverse`): within 0.5% of exact either way. A round nobody
+    back), else through its Laplace transform (:func:`_mean_inverse`): within 0.6% of exact either way. A round nobody
     comes back from counts 1, as if all had come (it trains nothing, and costs no sample)."""
     sizes = np.asarray(sizes)
     shares = sizes.astype(float) / max(float(np.sum(sizes)), 1.0)

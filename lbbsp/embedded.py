@@ -159,23 +159,32 @@ def _claim(folder: Path) -> Path:
     try:
         folder.mkdir(mode=0o700)
     except FileExistsError:
-        pass
+        st = os.lstat(folder)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():  # ours, made under a umask of 002 perhaps
+            folder.chmod(0o700)
     check_private(folder)
     (folder / _OWNER_FILE).write_text(f"{os.getpid()} {_pid_namespace()}\n")
     return folder
 
 
-def check_private(folder: Path) -> None:
+def check_private(folder: Path, *, socket: str | None = None) -> None:
     """Raise a ConfigError unless ``folder`` is a directory (not a link) of this user that no other user can write
-    to: in a shared /dev/shm, another user who made it first could swap the server's socket for their own."""
-    try:
-        st = os.lstat(folder)
-    except OSError as exc:
-        raise ConfigError(f"the embedded Redis folder {folder} cannot be read: {exc.strerror}") from None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        what = "a link" if stat.S_ISLNK(st.st_mode) else "not a folder" if not stat.S_ISDIR(st.st_mode) else (
-            f"owned by uid {st.st_uid}" if st.st_uid != os.getuid() else f"writable by others (mode {st.st_mode & 0o777:o})")
-        raise ConfigError(f"the embedded Redis folder {folder} is {what}, not a private folder of this user "
+    to, and its ``socket`` (a name in it), if given, is this user's too: in a shared /dev/shm, another user who made
+    the folder first could swap the server's socket for their own."""
+    for path, kind in ((folder, "folder"), *(((folder / socket, "socket"),) if socket else ())):
+        try:
+            st = os.lstat(path)
+        except OSError as exc:
+            raise ConfigError(f"the embedded Redis {kind} {path} cannot be read: {exc.strerror}") from None
+        mine = st.st_uid == os.getuid()
+        if kind == "socket" and mine and stat.S_ISSOCK(st.st_mode):
+            continue
+        if kind == "folder" and mine and stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o022:
+            continue
+        what = ("a link" if stat.S_ISLNK(st.st_mode) else f"owned by uid {st.st_uid}" if not mine
+                else f"not a {kind}" if kind == "socket" or not stat.S_ISDIR(st.st_mode)
+                else f"writable by others (mode {st.st_mode & 0o777:o})")
+        raise ConfigError(f"the embedded Redis {kind} {path} is {what}, not a private {kind} of this user "
                           f"(uid {os.getuid()}): another user may have made it to take over the server's socket; "
                           f"remove it, or pass a Redis URL")
 
@@ -248,8 +257,8 @@ def remove_stale_folders(parent: str | os.PathLike[str]) -> list[Path]:
     return removed
 
 
-#: Commands the embedded server answers by secret names only (:meth:`EmbeddedRedis.command_name`): each would let
-#: a client that has the password write files, load code or hand the data set to another server as this user.
+#: Commands a server on TCP answers by secret names only (:meth:`EmbeddedRedis.command_name`): each would let a
+#: client that has the password write files, load code or hand the data set to another server as this user.
 RENAMED_COMMANDS = ("CONFIG", "MODULE", "DEBUG", "REPLICAOF", "SLAVEOF", "MIGRATE", "SAVE", "BGSAVE")
 
 #: ``listen`` for every interface: of IPv4 only, and of IPv4 and IPv6.
@@ -495,7 +504,9 @@ class EmbeddedRedis:
         self.listen = address
         self.port = port
         self._password = secrets.token_hex(24) if address is not None else None
-        self._renamed = {command: f"{command}-{secrets.token_hex(12)}" for command in RENAMED_COMMANDS}
+        # on TCP, with a password that crosses the network; on its unix socket (mode 700) only this user reaches it
+        self._renamed = {command: f"{command}-{secrets.token_hex(12)}" for command in RENAMED_COMMANDS} if (
+            address is not None) else {}
         self.start_timeout_s = start_timeout_s
         self._owner_pid = os.getpid()  # a forked child inherits this object, and its atexit close(), but not the server
         self._log_offset = 0  # where the running server's log goes on from once it answers
@@ -553,12 +564,13 @@ class EmbeddedRedis:
         return f"unix://{secret}{self.socket_path}"
 
     def command_name(self, command: str) -> str:
-        """The secret name this server answers ``command`` by, one of :data:`RENAMED_COMMANDS` (``CONFIG``, ``DEBUG``,
-        ...), for its owner: a test that injects faults, an operator's checks. Other clients find no such command."""
-        if command.upper() not in self._renamed:
+        """The name this server answers ``command`` by, one of :data:`RENAMED_COMMANDS` (``CONFIG``, ``DEBUG``, ...),
+        for its owner (a test that injects faults, an operator's checks): a secret one on TCP, where other clients
+        find no such command; the command itself on the unix socket only, which only this user can reach."""
+        if not isinstance(command, str) or command.upper() not in RENAMED_COMMANDS:
             raise ConfigError(f"command must be one of {', '.join(RENAMED_COMMANDS)} (the others keep their names), "
                               f"got {command!r:.40}")
-        return self._renamed[command.upper()]
+        return self._renamed.get(command.upper(), command.upper())  # a server on its unix socket only keeps them
 
     def tcp_url(self, host: str) -> str:
         """The URL that reaches the TCP listener through ``host`` (an address of this machine), password included."""
@@ -618,18 +630,16 @@ class EmbeddedRedis:
         with its code; it did not answer in time). It stays ``_process``, as a server that died does,
         so the watch tries again (``stop()`` is for good)."""
         args = [redis_server_binary()]
-        # a config file of its own: a password or a command's new name on the command line is seen by all
-        conf = self.directory / "redis.conf"
-        conf.touch(mode=0o600)
-        conf.chmod(0o600)
-        # Redis 6.2 has no protected configs: whoever has the password could point CONFIG's dir at a file and SAVE
-        # there, load a module or make the server a replica. Those commands answer to secret names only.
-        conf.write_text("".join(f"rename-command {command} {name}\n" for command, name in self._renamed.items()) +
-                        (f"requirepass {self._password}\n" if self._password is not None else ""))
-        args.append(str(conf))
-        if self._password is not None:
-            args += ["--bind", *([EVERY_IPV4, EVERY_INTERFACE] if self.listen == EVERY_INTERFACE
-                                 else [str(self.listen)])]
+        if self._password is not None:  # a config file of its own: a password on the command line is seen by all
+            conf = self.directory / "redis.conf"
+            conf.touch(mode=0o600)
+            conf.chmod(0o600)
+            # Redis 6.2 has no protected configs: whoever has the password could point CONFIG's dir at a file and
+            # SAVE there, load a module or make the server a replica. Those commands answer to secret names only.
+            conf.write_text("".join(f"rename-command {command} {name}\n" for command, name in self._renamed.items())
+                            + f"requirepass {self._password}\n")
+            args += [str(conf), "--bind", *([EVERY_IPV4, EVERY_INTERFACE] if self.listen == EVERY_INTERFACE
+                                            else [str(self.listen)])]
         args += [
             "--port", str(port), "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
             "--dir", str(self.directory), "--appendonly", "yes", "--appendfsync", "always", "--save", "",

@@ -405,7 +405,7 @@ class LBBSPPolicy(Policy):
         else:
             reason = f"kept: predicted gain under the {band:.1%} dead band ({finish_label} {finish})"
         if plan is not time_model:
-            reason += f"; slowdown margins x{factor.min():.2f} to x{factor.max():.2f}"
+            reason += f"; slowdown margins x{factor.min():.3g} to x{factor.max():.3g}"  # x1e+300, not 300 digits
         if changed and capped_for_dropouts is not None:  # its finish is then later than an equal one's would be
             reason += f"; the largest shares capped at {capped_for_dropouts} for clients that may drop out"
         if explored:

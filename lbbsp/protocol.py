@@ -15,6 +15,7 @@ from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from .errors import ConfigError, ProtocolError
+from .errors import printable as printable  # its home before errors.py: lbbsp.protocol.printable still imports
 
 if TYPE_CHECKING:
     import numpy as np

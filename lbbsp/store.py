@@ -151,17 +151,23 @@ def _check_url(url: str, expected: str) -> None:
                           f"(/0, /1, ...){hint}; {expected}")
 
 
+#: Query options redis-py passes on as the strings they are (the others it parses: URL_QUERY_ARGUMENT_PARSERS).
+_STRING_OPTIONS = frozenset({"username", "password", "client_name", "lib_name", "lib_version", "encoding",
+                             "encoding_errors", "ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs",
+                             "ssl_ca_path", "ssl_ca_data", "ssl_password", "ssl_ciphers"})
+
+
 @functools.cache
 def _url_options(scheme: str) -> frozenset[str]:
-    """The query options a URL of ``scheme`` may carry: the arguments of its connection class and of the pool, where
-    redis-py hands each of them (an unknown one had failed the first command with a TypeError)."""
+    """The query options a URL of ``scheme`` may carry: those redis-py reads from a string and the connection class
+    (or the pool) takes. redis-py hands every option on, and one it does not take, or an object's (``retry``) as a
+    string, had failed the first command with a TypeError or an AttributeError."""
     kind = {"rediss": redis.SSLConnection, "unix": redis.UnixDomainSocketConnection}.get(scheme, redis.Connection)
-    names = {"max_connections"}
+    taken = {"max_connections"}
     for cls in kind.__mro__:
         if "__init__" in vars(cls):
-            names.update(name for name, p in inspect.signature(vars(cls)["__init__"]).parameters.items()
-                         if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self")
-    return frozenset(names)
+            taken.update(inspect.signature(vars(cls)["__init__"]).parameters)
+    return frozenset((set(redis.connection.URL_QUERY_ARGUMENT_PARSERS) | _STRING_OPTIONS) & taken)
 
 
 def worker_socket_timeout(assignment_timeout_s: float) -> float:

@@ -188,8 +188,10 @@ class WorkerClient:
                         self._warn_duplicate(report.iteration)
                     self._answered_at = tried
                     break
-                except REDIS_FAILURES as exc:  # the thread must outlive any one report, or every later one is lost
-                    if isinstance(exc, redis.ResponseError) and _wrong_type(exc):  # for good: retries held the others
+                except (*REDIS_FAILURES, ConfigError) as exc:  # the thread must outlive any one report
+                    # a key of another type (a ConfigError where the store names it): for good, and retries held the
+                    # reports behind it
+                    if isinstance(exc, ConfigError) or isinstance(exc, redis.ResponseError) and _wrong_type(exc):
                         if self._dropped.due():
                             log.warning("job %s, worker %d: dropped the report of iteration %d: a key it is written to "
                                         "(%s, or the job's ready or config key) holds a value of another type than "

@@ -14,6 +14,7 @@ import pytest
 from emulated import worker_clients
 from lbbsp import BSPPolicy, Coordinator, EmbeddedRedis, JobConfig, Report, Store
 from lbbsp.cli import main
+from lbbsp.client_history import ClientHistory
 from test_cli import LBBSP, _decided, _ended, _pause, _serving, two_iterations
 
 
@@ -27,6 +28,17 @@ def test_status_of_a_job_whose_key_holds_another_type_names_the_key(redis_url: s
             store.forget()
     err = capsys.readouterr().err
     assert f"Redis key lbbsp:{job}:config holds a value of another type" in err, err
+
+
+def test_status_names_federated_jobs_for_what_they_are(capsys: pytest.CaptureFixture[str]) -> None:
+    """A Flower job's client history has no coordinator: status had said "no lbbsp jobs" and, given its name, that it
+    never started, while `lbbsp forget` then deleted its keys."""
+    with EmbeddedRedis() as server, ClientHistory.from_url(server.url, "fl-run") as history:
+        history.worker_indices([7])
+        assert main(["status", "--redis", server.url]) == 0
+        assert "no lbbsp jobs on this Redis but the client histories of federated jobs" in capsys.readouterr().out
+        assert main(["status", "--redis", server.url, "--job", "fl-run"]) == 2
+        assert "'fl-run' is a federated job (LoadBalanced's client history)" in capsys.readouterr().err
 
 
 def test_status_says_whether_a_coordinator_serves_the_job(redis_url: str, job: str,

@@ -5,6 +5,7 @@ the policy is built."""
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 from collections.abc import Sequence
 
@@ -234,11 +235,24 @@ class Fixed(Policy):
         return Decision(self.sizes, self.reason)  # type: ignore[arg-type]
 
 
+def test_predictions_that_are_not_one_number_a_worker_are_dropped_with_one_warning_not_one_a_decision(
+        caplog: pytest.LogCaptureFixture) -> None:
+    class OnePrediction(Fixed):
+        def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
+            return Decision((100,) * 4, "fixed", predicted_throughput=(1.0,))
+
+    with caplog.at_level("WARNING", logger="lbbsp.coordinator"):
+        guarded, sizes, _ = _run(OnePrediction(None), 5)
+    assert sizes == (100,) * 4 and guarded.failures == 0
+    assert len([r for r in caplog.records if "is not one number per worker" in r.getMessage()]) == 1
+
+
 @pytest.mark.parametrize(("policy", "why"), [
     (Fixed((400, 0, 0, 0), sit_out=0.25), "3 workers given 0 samples, where its sit_out of 0.25 lets at most 1 of 4"),
     (Fixed((100,) * 4, reason=None), "the reason must be a string, got NoneType"),
     (Fixed(np.array([2**63, 2**63, 0, 0], dtype=np.uint64)), "sizes must be at most the global batch"),
     (Fixed((10**30, 0, 0, 0)), "sizes must be at most the global batch"),
+    (Fixed((math.inf, 100.0, 100.0, 200.0)), "sizes must be integers, got [inf, 100.0"),  # had read as -2**63
 ])
 def test_a_policy_of_ones_own_is_held_to_its_sit_out_and_the_splits_rules(policy: Policy, why: str) -> None:
     """Any true sit_out had let a policy leave all but one worker at 0; a reason of None failed on len(); 2**63 as

@@ -318,6 +318,34 @@ def test_tree_strategies_and_client_side_clipping_that_rescaling_would_break_are
 
 
 @pytest.mark.timeout(60)
+def test_an_update_a_client_clipped_is_never_stretched_where_it_took_fewer_steps(
+        redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    """With adapt="batch" and no deadline a client whose data ran out (last_batch) takes fewer steps,
+    and FedNova's rescaling had stretched its clipped update to 3.8x the clipping norm."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        rnd = LocalRound(msg, data_size=10)
+        w = msg.content.array_records["arrays"].to_numpy_ndarrays()[0]
+        for _ in rnd.batches():
+            w = w + 1.0
+            if context.node_id == 2:  # its data ran out in the first step: the round's last
+                rnd.last_batch(1)
+        return rnd.reply(ArrayRecord([w]), {})
+
+    inner = FedAvg(fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2)
+    clipped = DifferentialPrivacyClientSideFixedClipping(inner, noise_multiplier=0.0, clipping_norm=100.0,
+                                                         num_sampled_clients=2)
+    with ClientHistory.from_url(redis_url, job) as history:
+        result = start_rounds(LoadBalanced(clipped, history, batch_size=4, local_steps=4), app, nodes=2, rounds=1)
+    # equal data sizes: the mean of the updates as the clients sent them, 4 and 1 (FedNova: 0.625 x 4 and 2.5 x 1)
+    assert result.arrays.to_numpy_ndarrays()[0][0] == pytest.approx(2.5)  # type: ignore[attr-defined]
+    assert warnings_like(caplog, r"nodes \[2\] took fewer local steps than the others; under client-side clipping "
+                                 r"the round's updates are averaged as the clients clipped them") != []
+
+
+@pytest.mark.timeout(60)
 def test_a_client_that_sends_another_weight_key_than_the_strategys_is_warned_about(
         redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
     inner = FedAvg(fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2, weighted_by_key="n-samples")

@@ -20,6 +20,7 @@ pytest.importorskip("flwr")
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
+from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
 from flwr.serverapp.strategy import FedAvg
 
 from lbbsp.fedagg import fednova
@@ -58,6 +59,32 @@ def three_clients(history: ClientHistory, model: ArrayRecord, node_3: Reply) -> 
     arrays, _ = strategy.aggregate_train(1, replies)
     grid.close()
     return arrays, history.statuses()[history.worker_index(3)].status
+
+
+@pytest.mark.timeout(60)
+def test_a_superlinks_node_unavailable_errors_are_each_the_failure_of_the_node_they_were_sent_to(
+        redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A SuperLink answers for a node that died with an error from its own node id, 1: lbbsp had logged "node 1
+    failed", recorded the dead node as one that sent no reply in time, and dropped a second such error as node 1's
+    second reply (the wrapped FedAvg counted 1 failure of 2)."""
+    with ClientHistory.from_url(redis_url, job) as history:
+        grid = LocalGrid(ClientApp(), [{}, {}, {}])
+        strategy = LoadBalanced(FedAvg(min_available_nodes=3), history, batch_size=8, local_steps=5)
+        sent = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord([np.zeros(1)]),
+                                                                              ConfigRecord(), grid)}
+        for node, message in sent.items():  # as Flower's grid does when it sends them
+            message.metadata.__dict__["_message_id"] = f"sent-to-{node}"
+        replies = [reply(sent[1], ArrayRecord([np.ones(1)]), HONEST)]
+        replies += [create_message_error_unavailable_res_message(sent[n].metadata, "node_unavail") for n in (2, 3)]
+        assert {r.metadata.src_node_id for r in replies} == {1}
+        arrays, _ = strategy.aggregate_train(1, replies)
+        grid.close()
+        statuses = {node: history.statuses()[history.worker_index(node)] for node in (1, 2, 3)}
+    assert arrays is not None and arrays.to_numpy_ndarrays()[0][0] == 1.0
+    assert [statuses[n].status for n in (1, 2, 3)] == ["ok", "failed", "failed"]
+    assert "Node Unavailable" in statuses[3].reason
+    assert len(warnings_like(caplog, r"node [23] failed and is left out: Error: Node Unavailable")) == 2
+    assert not warnings_like(caplog, "sent no reply in time|replied more than once|node 1 failed")
 
 
 @pytest.mark.timeout(60)

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import re
+import shutil
 import textwrap
 import threading
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lbbsp import Assignment, ConfigError, JobConfig, LBBSPPolicy
+from lbbsp import Assignment, ConfigError, EmbeddedRedis, JobConfig, LBBSPPolicy
 from lbbsp.errors import StoreUnavailable
 from lbbsp.integrations.keras import BalancedSource
 from lbbsp.models import AutoCapacityModel
@@ -114,11 +115,11 @@ def test_a_folder_another_user_made_for_the_jobs_server_is_refused_by_every_loca
     folder, config = _embedded_directory(job), JobConfig(job, num_workers=2, global_batch=32)
     folder.mkdir(mode=0o777)
     folder.chmod(0o777)
-    try:
-        with pytest.raises(ConfigError, match="writable by others .* not a private folder of this user"):
-            WorkerSession(config, 1, connect_timeout_s=0.2)
+    try:  # a server answers there, in a folder others can write to: checked once connected, as it may come later
+        with EmbeddedRedis(folder), pytest.raises(ConfigError, match="writable by others .* not a private folder"):
+            WorkerSession(config, 1, connect_timeout_s=5.0)
     finally:
-        folder.rmdir()
+        shutil.rmtree(folder)
     folder.symlink_to("/tmp")  # one worker 0 cannot remove (another user's, where it does not run as root)
     try:
         with pytest.raises(ConfigError, match="is a link, not a private folder of this user"):

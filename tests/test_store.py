@@ -140,6 +140,7 @@ def test_an_error_about_the_variables_url_names_the_variable(
     ("redis://127.0.0.1:6379/0?ssl_cert_reqs=none", "no option 'ssl_cert_reqs' in a redis:// URL's query (ssl_* "
                                                      "options need rediss://)"),
     ("unix:///tmp/r.sock?foo=1&bar=2", "redis-py takes no option 'bar', 'foo' in a unix:// URL's query"),
+    ("redis://127.0.0.1:6379/0?retry=3&parser_class=x", "no option 'parser_class', 'retry'"),  # objects, not strings
 ])
 def test_a_url_redis_py_would_read_otherwise_than_written_is_refused(url: str, said: str) -> None:
     """redis-py drops a path's slashes and ignores one that is no number, and lets the query's options win over the

@@ -9,6 +9,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import multiprocessing
 import os
 import subprocess
@@ -367,6 +368,7 @@ def mistakes(url: str, job: str) -> dict:
                 lb.scale_loss(F.mse_loss(model(x), y), samples=len(y) + 1)
             except ConfigError as exc:
                 result["more_samples"] = str(exc)
+            result["tensor_samples"] = lb.scale_loss(F.mse_loss(model(x), y), samples=torch.tensor(len(y))).item()
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -628,6 +630,7 @@ def test_likely_mistakes_are_caught(outcomes: list[dict]) -> None:
     assert "through lb.scale_loss already" in result["scaled_twice"]
     assert "samples must be the samples of a micro-batch of this rank's slice" in result["more_samples"]
     assert "'Losses that are not a mean over samples' in docs/torch.md" in result["more_samples"]
+    assert math.isfinite(result["tensor_samples"])  # a count as a tensor (mask.sum()) is taken
 
 
 @pytest.mark.slow
