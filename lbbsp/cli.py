@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import redis
 
 from . import __version__
-from .client_history import _index, flower_jobs
+from .client_history import _index, flower_jobs, is_flower_job
 from .config import JobConfig, _job_name
 from .embedded import EmbeddedRedis
 from .errors import ConfigError, LBBSPError, printable
@@ -505,8 +505,8 @@ def _status(args: argparse.Namespace) -> int:
                          "--brief for the tables")
     with probe_redis(url, args.job or "", source) as probe:
         jobs = [args.job] if args.job else sorted(probe.jobs())
-        federated = flower_jobs(probe.client) if not args.json or args.job else []
-        only_federated = args.job in federated and not probe.has_config()
+        only_federated = bool(args.job) and not probe.has_config() and is_flower_job(probe.client, args.job)
+        federated = flower_jobs(probe.client) if not jobs and not args.json else []  # a SCAN, only where none shows
     if only_federated:
         raise LBBSPError(f"{args.job!r} is a federated job (LoadBalanced's client history), with no coordinator to "
                          f"show: its rounds are in the ServerApp's log (`flwr log RUN_ID`); `lbbsp forget --job "

@@ -150,7 +150,7 @@ class ClientHistory:
         self.job = _job_name(job)  # checked here: an invalid one would have every reply refused
         self.ttl_s = _integer(ttl_s, "ttl_s", 1, None, job)  # 0 would delete what each write stores
         self.max_reports = _integer(max_reports, "max_reports", 1, None, job)  # 0 would keep every report
-        self.prefix = f"lbbsp:{job}:fl:"
+        self.prefix = _prefix(job)
         self._owns_client = owns_client
         self._assign = client.register_script(self.ASSIGN_INDICES)
         self._known: dict[str, int] = {}  # client key -> the index Redis last gave it here
@@ -301,14 +301,28 @@ class ClientHistory:
 
 def flower_jobs(client: redis.Redis) -> list[str]:
     """The names of the federated jobs whose client histories this Redis holds (keys under ``lbbsp:{job}:fl:``), for
-    `lbbsp status`, which shows training jobs' coordinators: a Flower job has none."""
+    `lbbsp status`, which shows training jobs' coordinators: a Flower job has none. One SCAN of the whole keyspace;
+    none found where the Redis user may not SCAN."""
     jobs = set()
-    for key in client.scan_iter(match="lbbsp:*:fl:*", count=1000):
-        try:
-            jobs.add(_job_name(key.decode()[len("lbbsp:"):].rsplit(":fl:", 1)[0]))
-        except (UnicodeDecodeError, ConfigError):  # a foreign writer's key: not a job's
-            continue
+    try:
+        for key in client.scan_iter(match="lbbsp:*:fl:*", count=1000):
+            try:
+                jobs.add(_job_name(key.decode()[len("lbbsp:"):].rsplit(":fl:", 1)[0]))
+            except (UnicodeDecodeError, ConfigError):  # a foreign writer's key: not a job's
+                continue
+    except redis.ResponseError:  # NOPERM: only an aside to what status shows
+        return []
     return sorted(jobs)
+
+
+def is_flower_job(client: redis.Redis, job: str) -> bool:
+    """Whether ``job`` has a federated client history here (its ``ids`` or ``status`` key): two key lookups."""
+    return bool(client.exists(_prefix(job) + "ids", _prefix(job) + "status"))
+
+
+def _prefix(job: str) -> str:
+    """Where a federated job's keys live."""
+    return f"lbbsp:{job}:fl:"
 
 
 def _index(stored: bytes | str) -> int:

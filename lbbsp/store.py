@@ -135,8 +135,9 @@ def _check_url(url: str, expected: str) -> None:
     query = urllib.parse.parse_qs(parts.query)
     if unknown := sorted(set(query) - _url_options(parts.scheme.lower())):
         shown = ", ".join(repr(printable(name, 40)) for name in unknown[:4])
-        raise ConfigError(f"not a usable Redis URL: {redacted(url)}: redis-py takes no option {shown} in a "
-                          f"{parts.scheme or 'redis'}:// URL's query (ssl_* options need rediss://); {expected}")
+        raise ConfigError(f"not a usable Redis URL: {redacted(url)}: lbbsp takes no option {shown} in a "
+                          f"{parts.scheme or 'redis'}:// URL's query (none redis-py does not take, or takes as an "
+                          f"object; ssl_* options need rediss://); {expected}")
     if own := sorted(set(query) & set(_OWN_OPTIONS)):
         raise ConfigError(f"the Redis URL's query sets {', '.join(own)}, which lbbsp sets itself (a worker's "
                           "from its assignment_timeout_s, which bounds a step's wait on a stalled Redis): remove "
@@ -151,10 +152,12 @@ def _check_url(url: str, expected: str) -> None:
                           f"(/0, /1, ...){hint}; {expected}")
 
 
-#: Query options redis-py passes on as the strings they are (the others it parses: URL_QUERY_ARGUMENT_PARSERS).
+#: Query options redis-py passes on as the strings they are (the others it parses: URL_QUERY_ARGUMENT_PARSERS, whose
+#: list grows with its versions: protocol is parsed from redis-py 8, and taken as a string before).
 _STRING_OPTIONS = frozenset({"username", "password", "client_name", "lib_name", "lib_version", "encoding",
                              "encoding_errors", "ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs",
-                             "ssl_ca_path", "ssl_ca_data", "ssl_password", "ssl_ciphers"})
+                             "ssl_ca_path", "ssl_ca_data", "ssl_password", "ssl_ciphers", "protocol",
+                             "decode_responses"})
 
 
 @functools.cache

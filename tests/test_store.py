@@ -136,10 +136,11 @@ def test_an_error_about_the_variables_url_names_the_variable(
     ("redis://user:p/w@127.0.0.1:6379", "no database number (/0, /1, ...) (a / in the password is written %2F)"),
     # redis-py hands every query option to the connection: one it does not take failed the first command with a
     # TypeError out of the CLI (a traceback)
-    ("redis://:pw@127.0.0.1:6379/0?foo=bar", "redis-py takes no option 'foo' in a redis:// URL's query"),
-    ("redis://127.0.0.1:6379/0?ssl_cert_reqs=none", "no option 'ssl_cert_reqs' in a redis:// URL's query (ssl_* "
-                                                     "options need rediss://)"),
-    ("unix:///tmp/r.sock?foo=1&bar=2", "redis-py takes no option 'bar', 'foo' in a unix:// URL's query"),
+    ("redis://:pw@127.0.0.1:6379/0?foo=bar", "lbbsp takes no option 'foo' in a redis:// URL's query"),
+    ("redis://127.0.0.1:6379/0?ssl_cert_reqs=none", "no option 'ssl_cert_reqs' in a redis:// URL's query (none "
+                                                     "redis-py does not take, or takes as an object; ssl_* options "
+                                                     "need rediss://)"),
+    ("unix:///tmp/r.sock?foo=1&bar=2", "lbbsp takes no option 'bar', 'foo' in a unix:// URL's query"),
     ("redis://127.0.0.1:6379/0?retry=3&parser_class=x", "no option 'parser_class', 'retry'"),  # objects, not strings
 ])
 def test_a_url_redis_py_would_read_otherwise_than_written_is_refused(url: str, said: str) -> None:
@@ -156,7 +157,8 @@ def test_urls_with_a_database_number_or_none_connect() -> None:
                 "redis://[::1]:6379/2/", "redis://127.0.0.1:6379/0 ", "redis://127.0.0.1:6379/%31",
                 "redis://127.0.0.1:6379/abc?db=2", "redis://127.0.0.1:6379/0?health_check_interval=5",
                 "unix:///tmp/r.sock?db=3", "redis://127.0.0.1:6379/0?max_connections=4",
-                "rediss://127.0.0.1:6379/0?ssl_cert_reqs=none", "redis://127.0.0.1:6379/0?client_name=x&protocol=3"):
+                "rediss://127.0.0.1:6379/0?ssl_cert_reqs=none", "redis://127.0.0.1:6379/0?client_name=x&protocol=3",
+                "redis://127.0.0.1:6379/0?decode_responses=True"):
         connect(url).close()
 
 
