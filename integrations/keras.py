@@ -251,7 +251,7 @@ def _start_embedded(directory: Path, listen: str | None = None) -> EmbeddedRedis
     """Worker 0's embedded server in ``directory``: a fresh one (never another run's assignments), labelled so
     that a later start removes it if we are killed, and removed when it stops or fails to start (it holds the
     password's config file). A folder a server still answers in is another live session's of this job: refused."""
-    if (directory / "redis.sock").exists() and server_listening(directory / "redis.sock"):
+    if server_listening(directory / "redis.sock"):  # (False where there is no socket)
         raise ConfigError(f"another WorkerSession of this job name runs on this machine: its embedded Redis answers "
                           f"in {directory}, and a second one there would delete it under that run. Close it, or give "
                           f"this run another job name")

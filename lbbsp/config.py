@@ -162,9 +162,11 @@ class JobConfig:
 
     def stored_assignment(self, raw: bytes, iteration: int) -> Assignment:
         """The assignment of ``iteration`` read from Redis as ``raw``: a ProtocolError unless it is one of this job's,
-        with its worker count, global batch and, within each worker's max_batch, sizes."""
+        with its worker count, global batch and, within each worker's max_batch, sizes (without one, the sum bounds
+        them: no list of caps is made at every read)."""
         return Assignment.from_json(raw, job=self.job, iteration=iteration, num_workers=self.num_workers,
-                                    global_batch=self.global_batch, max_sizes=self.bounds()[1])
+                                    global_batch=self.global_batch,
+                                    max_sizes=None if self.max_batch is None else self.bounds()[1])
 
     def initial_sizes(self) -> tuple[int, ...]:
         """The vector of the first ``lag`` iterations, before any decision: the equal (BSP) split, or, where

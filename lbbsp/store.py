@@ -513,9 +513,11 @@ class Store:
 
     def post_raw_report(self, iteration: int, worker: str, payload: bytes, num_workers: int) -> int:
         """Store a payload as-is (the coordinator validates it later); used by tests of hostile input. 1 if
-        stored, 0 for a duplicate, -1 for a payload too big, -2 for a worker id not among ``num_workers``."""
+        stored, 0 for a duplicate, -1 for a payload too big, -2 for a worker id not among ``num_workers``. A ConfigError
+        names the iteration's reports key where it holds another type (the only key of the script that can)."""
         _integer(num_workers, "num_workers", 1, MAX_WORKERS, self.job or None)
-        return int(self._post_raw(iteration, worker, payload, num_workers))
+        with self._typed("reports", iteration):
+            return int(self._post_raw(iteration, worker, payload, num_workers))
 
     def _post_raw(self, iteration: int, worker: str, payload: bytes, num_workers: int,
                   client: redis.client.Pipeline | None = None) -> Any:

@@ -26,7 +26,7 @@ import redis
 from .config import JobConfig, _integer, _is_integer, _job_config, _real
 from .errors import ConfigError, LBBSPError, ProtocolError, StoreUnavailable
 from .protocol import MAX_DEVICE_CHARS, MAX_ITERATION, Assignment, Report
-from .store import REDIS_ERRORS, REDIS_FAILURES, Store, _store, _wrong_type
+from .store import REDIS_ERRORS, REDIS_FAILURES, Store, _store
 
 log = logging.getLogger("lbbsp.worker")
 
@@ -188,18 +188,14 @@ class WorkerClient:
                         self._warn_duplicate(report.iteration)
                     self._answered_at = tried
                     break
-                except (*REDIS_FAILURES, ConfigError) as exc:  # the thread must outlive any one report
-                    # a key of another type (a ConfigError where the store names it): for good, and retries held the
-                    # reports behind it
-                    if isinstance(exc, ConfigError) or isinstance(exc, redis.ResponseError) and _wrong_type(exc):
-                        if self._dropped.due():
-                            log.warning("job %s, worker %d: dropped the report of iteration %d: a key it is written to "
-                                        "(%s, or the job's ready or config key) holds a value of another type than "
-                                        "lbbsp writes there (left by something else?): delete it, or use another job "
-                                        "name; %d report(s) of this worker dropped so far", self.config.job,
-                                        self.worker, report.iteration, self.store.key("reports", report.iteration),
-                                        self._dropped.count)
-                        break
+                except ConfigError as exc:  # a key of another type, which the store names: no retry clears it, and
+                    # retries had held up the reports behind it
+                    if self._dropped.due():
+                        log.warning("job %s, worker %d: dropped the report of iteration %d: %s; %d report(s) of this "
+                                    "worker dropped so far", self.config.job, self.worker, report.iteration,
+                                    exc.message, self._dropped.count)
+                    break
+                except REDIS_FAILURES as exc:  # the thread must outlive any one report, or every later one is lost
                     if time.monotonic() > deadline:
                         if self._dropped.due():
                             log.warning("job %s, worker %d: dropped the report of iteration %d: Redis did not take it "
