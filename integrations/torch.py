@@ -264,7 +264,7 @@ class Balancer:
     def _warn_overlap(self) -> None:
         """Warn once where another Balancer's step still computes as this one's begins (two loaders zipped): each
         clock then times the other model's work as its own, and its split follows that work."""
-        if self._warned_overlap:
+        if self._warned_overlap or len(_BALANCERS) < 2:  # one Balancer (the usual case): no set to walk
             return
         if any(other is not self and other._open and not other._closed and not other._clock.stopped
                for other in list(_BALANCERS)):

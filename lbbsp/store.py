@@ -678,11 +678,17 @@ class Store:
 
     def claim_coordinator(self, identity: str, ttl_s: int) -> str | None:
         """Mark ``identity`` as the job's coordinator for ``ttl_s`` seconds; the identity of another live
-        coordinator that had marked it, if any (UNKNOWN_CLAIM where its value is no identity lbbsp writes)."""
+        coordinator that had marked it, if any (UNKNOWN_CLAIM where its value is no identity lbbsp writes; none where
+        the key held another Redis type, which is no claim, as the scripts read it: the SET replaces it)."""
         pipe = self.client.pipeline(transaction=True)
         pipe.get(self.key("coordinator"))
         pipe.set(self.key("coordinator"), identity, ex=ttl_s)
-        previous = pipe.execute()[0]
+        previous, written = pipe.execute(raise_on_error=False)
+        for result in (previous, written):
+            if isinstance(result, redis.ResponseError) and not _wrong_type(result):
+                raise result
+        if isinstance(previous, redis.ResponseError):
+            return None
         return _claimant(previous) if previous != identity.encode() else None
 
     def coordinator(self) -> str | None:

@@ -198,6 +198,13 @@ def test_a_coordinators_identity_is_read_back_as_written(redis_url: str, job: st
         assert store.coordinator() == "node-7_a.cluster.local:123456:0f3a9c1e"
 
 
+def test_a_claim_key_of_another_type_is_no_claim_and_is_replaced(redis_url: str, job: str) -> None:
+    with Store.from_url(redis_url, job) as store:
+        store.client.hset(store.key("coordinator"), "x", "1")
+        assert store.claim_coordinator("host.example:4242:abcd", ttl_s=5) is None
+        assert store.coordinator() == "host.example:4242:abcd"
+
+
 def test_the_given_url_wins_over_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LBBSP_REDIS_URL", "redis://env:6379/0")
     assert redis_url("redis://flag:6379/0") == ("redis://flag:6379/0", "--redis")
