@@ -25,6 +25,10 @@ from .protocol import Report
 #: How many iterations after its own a forecast's split may still be in force, and is scored against their reports:
 #: a coordinator running ahead writes one split for up to lag + max_ahead - 1 of them (see Coordinator.ahead).
 _REACH = 32
+#: A worker whose forecasts have missed, one way, by over MISLED_BY x on average (an EWMA with alpha MISLED_ALPHA of
+#: the log slowdowns) after at least MISLED_AFTER of them scored is reported by :meth:`ForecastRisk.misled`: the
+#: built-in models' worst such average in the simulator's scenarios is 1.35x (0.63x the other way).
+MISLED_BY, MISLED_AFTER, MISLED_ALPHA = 3.0, 20, 0.1
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,8 @@ class ForecastRisk:
         self._typical: float | None = None  # typical_miss, until observe
         self._pending: tuple[Sequence[Report], np.ndarray] | None = None  # reports observed, not yet pooled
         self._peers: tuple[bytes, _Peers] | None = None  # (worker ids as bytes, their _Peers) until a group changes
+        self.bias_ = np.zeros(0)  # per worker id: EWMA of its forecasts' log slowdowns (misled)
+        self.scored_ = np.zeros(0, dtype=np.int64)  # per worker id: how many of its forecasts were scored
 
     def record(self, iteration: int, workers: Sequence[int] | np.ndarray, throughput: np.ndarray) -> None:
         """Remember the forecast throughput of ``workers`` for ``iteration`` and the bucket each sits in."""
@@ -355,12 +361,32 @@ class ForecastRisk:
             log_slowdown = np.log(predicted[at] / speed)
         finite = np.isfinite(log_slowdown)
         log_slowdown, of_bucket = log_slowdown[finite], bucket[at[finite]]
+        self._track_bias(recorded[at[finite]], log_slowdown)
         for b in range(self.pooled_.size):
             values = log_slowdown[of_bucket == b][-self.pool_size:]
             slots = (self.pooled_[b] + np.arange(values.size)) % self.pool_size
             self.pool_[b, slots] = values
             self.pooled_[b] += values.size
         self._quantiles = self._typical = None
+
+    def _track_bias(self, workers: np.ndarray, log_slowdown: np.ndarray) -> None:
+        """Blend each of ``workers``' log slowdown (one each) into its average miss, for :meth:`misled`."""
+        size = int(workers.max()) + 1 if workers.size else 0
+        if size > self.bias_.size:
+            self.bias_ = np.concatenate([self.bias_, np.zeros(size - self.bias_.size)])
+            self.scored_ = np.concatenate([self.scored_, np.zeros(size - self.scored_.size, dtype=np.int64)])
+        before = self.bias_[workers]
+        self.bias_[workers] = np.where(self.scored_[workers] == 0, log_slowdown,
+                                       before + MISLED_ALPHA * (log_slowdown - before))
+        self.scored_[workers] += 1
+
+    def misled(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, factors): the workers whose forecasts keep missing one way by over ``MISLED_BY`` x, and each one's
+        average forecast / measured throughput. Models that learn from the reports miss by tens of percent; a miss
+        that large that stays says the model (one of the user's own?) or the reports are wrong, and the margins that
+        cover it are shared with the worker's bucket, whose split it can then hold still."""
+        ids = np.flatnonzero((self.scored_ >= MISLED_AFTER) & (np.abs(self.bias_) > np.log(MISLED_BY)))
+        return ids, np.exp(self.bias_[ids])
 
     def _remember_hardware(self, reports: Sequence[Report], ids: np.ndarray) -> None:
         """Give each worker seen for the first time (``ids``: the reports' workers) its hardware group id, and each

@@ -3,6 +3,7 @@ model; the quantile and the typical miss as defined, a worker's kind followed wh
 state that stays bounded over a long run."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -453,3 +454,36 @@ def test_forecast_risk_buckets_workers_by_kind_load_and_rank() -> None:
         ranked.observe([Report("h", w, 0, 64, 0.5, features={"cores": w % groups + 1}) for w in range(n)])
         buckets = ranked._bucket(np.arange(n), np.arange(1.0, n + 1))
         assert buckets[np.arange(n) % groups == 0].tolist() == [0, 0, 1, 2, 2]
+
+
+class _TenfoldForWorker2(EWMAThroughput):
+    """A model of the user's own with a bug: worker 2's throughput forecast 10x too high."""
+
+    def predict(self, workers):  # type: ignore[no-untyped-def]
+        out = np.array(super().predict(workers), dtype=float)
+        out[np.asarray(workers) == 2] *= 10.0
+        return out
+
+
+def test_forecasts_that_keep_missing_several_times_over_are_warned_about_once_a_worker(
+        caplog: pytest.LogCaptureFixture) -> None:
+    config = JobConfig("misled", 12, 12 * 64)
+    rng = np.random.default_rng(7)
+    runs = {}
+    for name, model in (("buggy", _TenfoldForWorker2()), ("sound", EWMAThroughput())):
+        policy, sizes = LBBSPPolicy(model), config.initial_sizes()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lbbsp.policies"):
+            for k in range(60):
+                policy.observe(_reports(k, np.asarray(sizes), SPEEDS * rng.lognormal(0.0, 0.1, 12), "misled"))
+                policy.learn()
+                sizes = policy.decide(k + 2, sizes, config).sizes
+        runs[name] = [r.getMessage() for r in caplog.records if "keep missing" in r.getMessage()]
+        ids, factors = policy.risk.misled()
+        runs[name + " ids"] = ids.tolist()
+        if name == "buggy":
+            assert factors[0] == pytest.approx(10.0, rel=0.15)
+    assert runs["sound"] == [] and runs["sound ids"] == []
+    assert runs["buggy ids"] == [2] and len(runs["buggy"]) == 1  # once, however many decisions follow
+    assert "job misled: _TenfoldForWorker2's forecasts" in runs["buggy"][0]
+    assert re.search(r"\(worker 2 at (9\.\d+|1[01](\.\d+)?)x, forecast / measured", runs["buggy"][0])
