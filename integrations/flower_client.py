@@ -28,7 +28,7 @@ from flwr.common import log
 
 from lbbsp.config import _integer, _real
 from lbbsp.errors import ConfigError, ProtocolError
-from lbbsp.protocol import FEATURE_RANGES, MAX_BATCH, MAX_DEVICE_CHARS, MAX_SECONDS
+from lbbsp.protocol import FEATURE_RANGES, MAX_BATCH, MAX_DEVICE_CHARS, MAX_SECONDS, _flag
 from lbbsp.telemetry import available_cores
 
 #: Keys of the per-client ConfigRecord entries the server sends.
@@ -220,8 +220,7 @@ class EmulatedLink:
         for name in ("down_bps", "up_bps"):
             _real(getattr(self, name), name, 0.0, math.inf, "a positive number of bytes per second", lo_open=True,
                   hi_open=True)
-        if not isinstance(self.count_delivery, bool):
-            raise ConfigError(f"count_delivery must be True or False, got {self.count_delivery!r}")
+        _flag(self.count_delivery, "count_delivery")
 
     def download(self, msg: Message) -> float:
         """Sleep for the bytes of ``msg``'s arrays over ``down_bps`` and return those seconds (with

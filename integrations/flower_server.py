@@ -52,7 +52,7 @@ from lbbsp.dropouts import dropout_bounds, weighed_dropout
 from lbbsp.errors import ConfigError, ProtocolError, StoreUnavailable, printable
 from lbbsp.fedagg import fednova_scales, rescale_update
 from lbbsp.models import FLClientModel, NotFittedError, hardware_of
-from lbbsp.protocol import MAX_BATCH, MAX_REASON_CHARS, MAX_SECONDS, MAX_WORKERS, Report, equal_split
+from lbbsp.protocol import MAX_BATCH, MAX_REASON_CHARS, MAX_SECONDS, MAX_WORKERS, Report, _flag, equal_split
 
 from .flower_client import (
     COMPUTE_S,
@@ -259,8 +259,7 @@ class LoadBalanced(Strategy):
         if deadline_slack is not None and (isinstance(deadline_slack, bool) or not isinstance(deadline_slack, Real)
                                            or not math.isfinite(deadline_slack) or deadline_slack < 1):
             raise ConfigError(f"deadline_slack must be None or a finite number of at least 1, got {deadline_slack!r}")
-        if not isinstance(compensate_dropouts, bool):
-            raise ConfigError(f"compensate_dropouts must be True or False, got {compensate_dropouts!r}")
+        compensate_dropouts = _flag(compensate_dropouts, "compensate_dropouts")
         if ask_hardware_s is not None and (isinstance(ask_hardware_s, bool) or not isinstance(ask_hardware_s, Real)
                                            or not 0 < ask_hardware_s <= MAX_SECONDS):
             raise ConfigError(f"ask_hardware_s must be None or seconds in (0, {MAX_SECONDS:g}], got {ask_hardware_s!r}")

@@ -48,6 +48,7 @@ from lbbsp.embedded import (
 )
 from lbbsp.errors import ConfigError, StoreUnavailable
 from lbbsp.policies import Policy
+from lbbsp.protocol import _flag
 from lbbsp.store import Store, agreed_config, redacted, wait_for_redis, worker_socket_timeout
 from lbbsp.telemetry import ResourceMonitor
 from lbbsp.worker import WorkerClient, checked_outage
@@ -265,6 +266,10 @@ def _refusal(config: JobConfig, worker: int, *, url: str | None, policy: Policy 
     if not _is_integer(worker) or not 0 <= int(worker) < config.num_workers:
         return ConfigError(f"worker must be this worker's index, an integer in [0, {config.num_workers}), got "
                            f"{worker!r}: pass task_index()", job=config.job)
+    try:
+        _flag(coordinator, "coordinator", config.job)  # "false" from a command line had started one
+    except ConfigError as exc:
+        return exc
     if url is not None and not isinstance(url, str):
         return ConfigError(f"url must be None (an embedded Redis) or a Redis URL string, got {url!r:.60}",
                            job=config.job)

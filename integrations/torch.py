@@ -55,7 +55,7 @@ from lbbsp.coordinator import (
 from lbbsp.embedded import EmbeddedRedis, serve_embedded
 from lbbsp.errors import ConfigError, LBBSPError
 from lbbsp.policies import Policy, checked_policy
-from lbbsp.protocol import Assignment, Report
+from lbbsp.protocol import Assignment, Report, _flag
 from lbbsp.sampling import GlobalBatchSampler
 from lbbsp.store import Store, agreed_config, redacted, redis_url, worker_socket_timeout
 from lbbsp.telemetry import ResourceMonitor
@@ -171,6 +171,7 @@ class Balancer:
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialised: call dist.init_process_group first")
         rank, world = dist.get_rank(), dist.get_world_size()
+        coordinator = _flag(coordinator, "coordinator", job)  # "false" from a command line had started one
         url, _ = redis_url(redis, "redis=")
         _same_on_every_rank(world, global_batch=global_batch, min_batch=min_batch, max_batch=max_batch,
                             assignment_timeout_s=assignment_timeout_s, coordinator=coordinator,

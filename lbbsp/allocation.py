@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from .errors import AllocationError, ConfigError
-from .protocol import MAX_BATCH
+from .protocol import MAX_BATCH, _flag
 
 _SEARCH_STEPS = 100
 _GUESS_STEPS = 8  # Newton steps on the lines through the bounds' times, for the first deadline
@@ -56,6 +56,10 @@ class LinearTime:
     idle_is_free: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "idle_is_free", _flag(self.idle_is_free, "LinearTime idle_is_free"))  # "no": True
+        for name in ("speed", "overhead"):  # numbers only: strings had been parsed, bools read as speeds 1 and 0
+            if np.asarray(getattr(self, name)).dtype.kind not in "iuf":
+                raise ConfigError(f"LinearTime {name} must be numbers, got {getattr(self, name)!r:.80}")
         speed = np.asarray(self.speed, dtype=float)  # a list is fine too; numbers are checked once, here
         overhead = np.asarray(self.overhead, dtype=float)
         if speed.ndim != 1 or not (speed >= 0).all():

@@ -116,7 +116,7 @@ class JobConfig:
     num_workers: int
     global_batch: int
     min_batch: int = 1
-    max_batch: int | tuple[int, ...] | None = None
+    max_batch: int | Sequence[int] | None = None  # a sequence is kept as a tuple of plain ints
     assignment_timeout_s: float = 10.0
     ttl_s: int = 3600
     lag: int = 2

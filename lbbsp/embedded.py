@@ -35,7 +35,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from .config import _real
 from .errors import ConfigError, StoreUnavailable
+from .protocol import _is_integer
 from .store import redacted
 
 log = logging.getLogger(__name__)
@@ -487,8 +489,12 @@ class EmbeddedRedis:
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, listen: str | None = None, port: int = 0,
                  own_directory: bool = False, start_timeout_s: float = 10.0) -> None:
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        if not _is_integer(port) or not 0 <= port <= 65535:  # numpy's integers too, as everywhere
             raise ConfigError(f"port must be a TCP port in [0, 65535] (0: a free one), got {port!r}")
+        port = int(port)
+        # True had waited a second, -1 blamed the server for not starting "within -1s", "10" failed on a +
+        start_timeout_s = _real(start_timeout_s, "start_timeout_s", 0.0, 86_400.0, "seconds in (0, 86400]",
+                                lo_open=True)
         if port and listen is None:  # else the server would take TCP clients on every interface, with no password
             raise ConfigError(f"port={port} is the TCP port of listen=: give listen too (such as '::'), or "
                               "leave port out for a server on its unix socket only")

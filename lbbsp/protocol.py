@@ -12,13 +12,12 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import Any, TypeGuard
+
+import numpy as np
 
 from .errors import ConfigError, ProtocolError
 from .errors import printable as printable  # its home before errors.py: lbbsp.protocol.printable still imports
-
-if TYPE_CHECKING:
-    import numpy as np
 
 PROTOCOL_VERSION = 1
 MAX_PAYLOAD_BYTES = 4096  # one report
@@ -64,6 +63,14 @@ def _known_features(name: object) -> str:
 
 def _fail(message: str, field_name: str, **where: Any) -> ProtocolError:
     return ProtocolError(message, field=field_name, **where)
+
+
+def _flag(value: object, name: str, job: str | None = None) -> bool:
+    """``value`` as a plain bool; numpy's pass, anything else is a ConfigError: a string from an environment variable or
+    a command line ("false", "no") is true, and had silently meant the opposite."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ConfigError(f"{name} must be True or False, got {value!r:.60} ({type(value).__name__})", job=job)
+    return bool(value)
 
 
 def _is_integer(value: object) -> TypeGuard[int | np.integer[Any]]:

@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 
 import numpy as np
 
 from .config import _integer, _is_integer
 from .errors import ConfigError
+from .protocol import _flag
 
 
 def _checked_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
     """``sizes`` as a tuple of plain ints (a generator would be used up by the check; numpy integers would sum
     with wrap-around, so that sizes far beyond B could pass for B), if all are integers >= 0."""
-    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+    if isinstance(sizes, (str, bytes, Mapping, Set)) or not isinstance(sizes, Iterable):  # a dict's keys, a set's
         hint = ": pass the assignment's .sizes" if hasattr(sizes, "sizes") else ""
         raise ConfigError(f"sizes must be a sequence of integers, one per worker, got {type(sizes).__name__}{hint}")
     sizes = tuple(sizes)
@@ -77,19 +78,14 @@ class GlobalBatchSampler:
 
     def __init__(self, dataset_size: int, global_batch: int, *, seed: int = 0, shuffle: bool = True,
                  drop_last: bool = False) -> None:
-        for name, value, least in (("dataset_size", dataset_size, 1), ("global_batch", global_batch, 1),
-                                   ("seed", seed, 0)):
-            _integer(value, name, least, None)
-        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last)):
-            if not isinstance(flag, (bool, np.bool_)):  # "no" would shuffle, None would fail later
-                raise ConfigError(f"{name} must be True or False, got {flag!r}")
-        shuffle, drop_last = bool(shuffle), bool(drop_last)
+        # plain ints: numpy's had kept their type (a uint8 batch overflowed at 1000 samples, naming nothing)
+        dataset_size, global_batch, seed = (_integer(value, name, least, None) for name, value, least in (
+            ("dataset_size", dataset_size, 1), ("global_batch", global_batch, 1), ("seed", seed, 0)))
+        shuffle, drop_last = _flag(shuffle, "shuffle"), _flag(drop_last, "drop_last")
         if drop_last and dataset_size < global_batch:
             raise ConfigError(f"drop_last with {dataset_size} samples and global batch {global_batch} leaves "
                               "no batch at all")
-        self.dataset_size = dataset_size
-        self.global_batch = global_batch
-        self.seed = seed
+        self.dataset_size, self.global_batch, self.seed = dataset_size, global_batch, seed
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.epoch = 0

@@ -33,7 +33,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from .config import JobConfig, _integer, _job_name
+from .config import MAX_TTL_S, JobConfig, _integer, _job_name, _real
 from .errors import ConfigError, LBBSPError, ProtocolError, StoreUnavailable, printable
 from .protocol import MAX_PAYLOAD_BYTES, MAX_WORKERS, Assignment, Report
 
@@ -107,6 +107,10 @@ def connect(url: str, *, socket_timeout_s: float = 5.0, retries: int = 2) -> red
     Retries a failed command ``retries`` times, briefly, with backoff; each try blocks at most ``socket_timeout_s``.
     """
     expected = "expected redis://host:port/db, rediss://... (TLS) or unix:///path/to/socket"
+    # a string from a command line had failed inside redis-py, on a comparison of a float with a str
+    socket_timeout_s = _real(socket_timeout_s, "socket_timeout_s", 0.0, 86_400.0, "seconds in (0, 86400]",
+                             lo_open=True)
+    retries = _integer(retries, "retries", 0, 100)
     if not isinstance(url, str):
         raise ConfigError(f"a Redis URL must be a string, got {url!r:.60}; {expected}")
     _check_url(url, expected)
@@ -344,13 +348,14 @@ class Store:
 
     def __init__(self, client: redis.Redis, job: str, *, ttl_s: int = 3600, owns_client: bool = False) -> None:
         not_a_url(client, "Store", job)
-        if job != "":  # "": a probe of the server, touching no job's keys
-            try:
+        try:
+            if job != "":  # "": a probe of the server, touching no job's keys
                 _job_name(job)
-            except ConfigError:
-                if owns_client:
-                    client.close()
-                raise
+            ttl_s = _integer(ttl_s, "ttl_s", 1, MAX_TTL_S, job or None)
+        except ConfigError:
+            if owns_client:
+                client.close()
+            raise
         self.client = client
         self.job = job
         self.ttl_s = ttl_s

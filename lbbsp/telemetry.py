@@ -12,7 +12,7 @@ import psutil
 
 from .config import _real
 from .errors import ConfigError
-from .protocol import FEATURE_RANGES, _is_integer
+from .protocol import FEATURE_RANGES, _flag, _is_integer
 
 log = logging.getLogger("lbbsp.telemetry")
 
@@ -49,9 +49,7 @@ class ResourceMonitor:
             raise ConfigError(f"gpu_index must be None or torch's index of a CUDA device (an integer >= 0), got "
                               f"{gpu_index!r}")
         self.min_interval_s = _real(min_interval_s, "min_interval_s", 0.0, 3600.0, "seconds in [0, 3600]")
-        if not isinstance(children, bool):  # "no" would count them
-            raise ConfigError(f"children must be True or False, got {children!r}")
-        self.children = children
+        self.children = _flag(children, "children")
         self._last: dict[str, float] | None = None
         self._last_at = 0.0
         self._failed: set[str] = set()  # the readings that failed once (logged then, not every time)

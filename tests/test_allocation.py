@@ -421,6 +421,15 @@ def test_linear_time_takes_lists_and_refuses_negative_or_misshapen_speeds() -> N
         LinearTime([1.0, 2.0], overhead=-1.0)
     with pytest.raises(ConfigError, match="overhead must be"):
         LinearTime([1.0, 2.0], overhead=[0.1, 0.2, 0.3])
+    # strings had been parsed, bools read as speeds 1 and 0, and idle_is_free="no" taken as True
+    for speed in (["1", "2"], [True, False]):
+        with pytest.raises(ConfigError, match="LinearTime speed must be numbers"):
+            LinearTime(speed)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="LinearTime overhead must be numbers"):
+        LinearTime([1.0, 2.0], overhead="0.5")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="idle_is_free must be True or False, got 'no'"):
+        LinearTime([1.0, 2.0], idle_is_free="no")  # type: ignore[arg-type]
+    assert LinearTime([1.0], idle_is_free=np.bool_(True)).idle_is_free is True
     with pytest.raises(AllocationError, match="sizes of 2 workers"):
         allocate(LinearTime([1.0, 2.0, 3.0]), 8, [0, 0], [8, 8])
     with pytest.raises(AllocationError, match="must have a method time"):

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import psutil
 import pytest
 import redis
@@ -206,6 +207,12 @@ def test_tcp_settings_that_would_open_the_server_or_cannot_work_are_refused_and_
         EmbeddedRedis(listen="fe80::1")
     with pytest.raises(ConfigError, match="not an address of this machine"):
         EmbeddedRedis(listen="203.0.113.7")
+    # True had waited a second, -1 blamed the server ("did not start within -1s"), "10" failed on a +
+    for timeout in (True, -1, "10"):
+        with pytest.raises(ConfigError, match=r"start_timeout_s must be seconds in \(0, 86400\]"):
+            EmbeddedRedis(start_timeout_s=timeout)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="give listen too"):  # numpy's port taken as a port, as everywhere
+        EmbeddedRedis(port=np.int64(6390))  # type: ignore[arg-type]
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()

@@ -102,6 +102,7 @@ def test_class_weight_is_looked_up_by_the_classes_present_not_a_table_up_to_the_
     ({"connect_timeout_s": math.nan}, "connect_timeout_s must be seconds"),
     ({"outage_s": 5}, r"outage_s must be seconds in \[assignment_timeout_s \(10\), 86400\], got 5"),
     ({"url": 123}, "url must be None .* or a Redis URL string, got 123"),
+    ({"coordinator": "false"}, r"coordinator must be True or False, got 'false' \(str\)"),  # had started one
 ])
 def test_session_options_are_refused_before_anything_starts(kwargs: dict[str, object], words: str, job: str) -> None:
     """Each had failed only after Redis and the coordinator started, or deep inside (a str timeout: TypeError)."""

@@ -173,6 +173,15 @@ def test_a_redis_that_does_not_answer_is_named_by_the_source_given_and_only_then
         answering("http://host", "j", source="--redis")
 
 
+def test_connection_settings_that_are_not_numbers_are_config_errors(redis_url: str, job: str) -> None:
+    """A socket_timeout_s of "5" (from a command line) had failed inside redis-py: '<' not supported between float
+    and str; a ttl_s of True was taken as a TTL of 1 second."""
+    with pytest.raises(ConfigError, match=r"socket_timeout_s must be seconds in \(0, 86400\], got '5'"):
+        Store.from_url(redis_url, job, socket_timeout_s="5")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="ttl_s must be an integer, got True"):
+        Store.from_url(redis_url, job, ttl_s=True)
+
+
 @pytest.mark.parametrize("cls", [Store, ClientHistory])
 def test_a_url_where_a_redis_client_belongs_says_to_use_from_url(cls: type) -> None:
     with pytest.raises(ConfigError, match=rf"{cls.__name__} takes a Redis client; for a URL, use "

@@ -260,7 +260,8 @@ def settings(url: str, job: str) -> dict:
     # JobConfig's own words (True had been read as a global batch of 1, "8" as a sequence of one cap)
     # (a global batch of 0 had been told "or min_batch=0 to let some ranks sit steps out", which cannot help it)
     for name, kwargs in (("policy_name", {"policy": "bsp"}), ("bool_batch", {"global_batch": True}),
-                         ("str_caps", {"max_batch": "8"}), ("zero_batch", {"global_batch": 0})):
+                         ("str_caps", {"max_batch": "8"}), ("zero_batch", {"global_batch": 0}),
+                         ("str_coordinator", {"coordinator": "false"})):  # "false" had started one
         try:
             Balancer.from_env(**{"global_batch": GLOBAL_BATCH, "redis": url, "job": job, **kwargs})
         except ConfigError as exc:
@@ -591,6 +592,7 @@ def test_settings_errors_say_what_to_do(outcomes: list[dict]) -> None:
     assert "global_batch must be an integer, got True (bool)" in result["bool_batch"]
     assert "global_batch must be an integer in [1, " in result["zero_batch"] and "min_batch" not in result["zero_batch"]
     assert "max_batch must be None, an integer or a sequence" in result["str_caps"]
+    assert "coordinator must be True or False, got 'false' (str)" in result["str_coordinator"]
     assert result["lag"] == 3 and result["first"] == ["initial"] * 3, result["first"]
 
 

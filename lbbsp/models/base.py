@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import repeat
 from operator import attrgetter, itemgetter
-from typing import Any, TypeVar, cast
+from typing import Any, Self, TypeVar, cast
 
 import numpy as np
 from sklearn import exceptions
@@ -342,7 +342,7 @@ class CapacityModel(BaseEstimator):
     _forgotten_for: list[str] | None = None  # the parameters whose new values made the model forget, until it relearns
     hardware_codes_: tuple[np.ndarray, np.ndarray] | None  # the cold-start prior's numbering (_hardware_codes)
 
-    def set_params(self, **params: Any) -> CapacityModel:
+    def set_params(self, **params: Any) -> Self:
         """scikit-learn's ``set_params``, checked at once: a bad value is a ConfigError and changes nothing. A new
         value of a parameter that shapes what was learned (``window``, ``lags``, ...) makes a fitted model forget
         it, as :meth:`fit` does, so that the model relearns with the value instead of ignoring it."""
@@ -375,7 +375,7 @@ class CapacityModel(BaseEstimator):
         """Apply new values of ``names`` (none structural) to what was learned, where a model caches what they
         shape; otherwise they apply from the next update."""
 
-    def fit(self, history: Iterable[Sequence[Report]] | Iterable[Report], y: None = None) -> CapacityModel:
+    def fit(self, history: Iterable[Sequence[Report]] | Iterable[Report], y: None = None) -> Self:
         """Forget what was learned, then learn from each iteration's reports in order: ``history`` holds one
         list of reports per iteration, or is one flat list of reports, taken iteration by iteration. ``y`` is
         scikit-learn's place for targets, which reports carry themselves: a TypeError if given."""
@@ -401,13 +401,13 @@ class CapacityModel(BaseEstimator):
             self.partial_fit(reports)
         return self
 
-    def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> CapacityModel:
+    def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> Self:
         """Learn from one iteration's reports (one report alone is taken as a list of one: :func:`as_reports`,
         which every model calls first); ``defer``: keep what the next forecast can do without for
         :meth:`finish_learning` (a model with nothing to defer ignores it)."""
         raise NotImplementedError(f"{type(self).__name__} must define {CONTRACT['partial_fit']} (docs/models.md)")
 
-    def finish_learning(self) -> CapacityModel:
+    def finish_learning(self) -> Self:
         """Do the learning that ``partial_fit(..., defer=True)`` left for later; nothing unless a model defers."""
         return self
 

@@ -10,6 +10,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -50,7 +51,7 @@ class PolicyRun:
     over_memory: int = 0  # iterations in which some worker was given more than its GPU memory holds
     failed_decisions: int = 0  # decisions that failed or broke the job's rules: the split in force was kept
 
-    def summary(self, oracle_mean_s: float | None = None) -> dict[str, float]:
+    def summary(self, oracle_mean_s: float | np.floating[Any] | None = None) -> dict[str, float]:
         """The run's figures for the table and the JSON: mean seconds per iteration, that over the oracle's
         ``oracle_mean_s`` (NaN without it: a comparison run without the oracle), idle share, decision times,
         iterations over a GPU's memory and failed decisions."""

@@ -20,7 +20,7 @@ from ..config import JobConfig, _integer, _real
 from ..errors import ConfigError, printable
 from ..models import AutoCapacityModel, CapacityModel, FLClientModel, MixedTime
 from ..models.fl_client import MAX_LOCAL_STEPS
-from ..protocol import MAX_BATCH, MAX_WORKERS, _is_integer
+from ..protocol import MAX_BATCH, MAX_WORKERS, _flag, _is_integer
 from .traces import TRACE_FEATURES, CPUTrace, load_traces
 
 #: Iterations past the last simulated one that a scenario generates: decisions run up to ``lag`` (at most 8)
@@ -145,8 +145,7 @@ class CPUContention(Scenario):
         if not traces or not all(isinstance(trace, CPUTrace) for trace in traces):
             raise ConfigError(f"traces must be None (the shipped ones) or a non-empty list of CPUTrace, as "
                               f"load_traces(directory) gives, got {given!r:.80}")
-        if not isinstance(noise, bool):
-            raise ConfigError(f"noise must be True or False, got {noise!r}")
+        noise = _flag(noise, "noise")
         rng, *replay_rngs = _streams(seed, 1 + len(traces))
         super().__init__("cpu-contention", _job("sim-cpu", num_workers, batch_per_worker * num_workers,
                                                    f"batch_per_worker {batch_per_worker}"),
