@@ -20,11 +20,21 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import repeat
 from operator import attrgetter, itemgetter
-from typing import Any, Self, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 
 import numpy as np
 from sklearn import exceptions
 from sklearn.base import BaseEstimator
+
+if TYPE_CHECKING:  # scikit-learn ships no types: a model subclassing it had been Any to its users' type checkers
+    class _Estimator:
+        """What CapacityModel takes from scikit-learn's BaseEstimator, as a type checker sees it."""
+
+        def get_params(self, deep: bool = True) -> dict[str, Any]: ...
+        def set_params(self, **params: Any) -> Self: ...
+        def __setstate__(self, state: dict[str, Any]) -> None: ...
+else:
+    _Estimator = BaseEstimator
 
 from ..allocation import LinearTime, TimeModel, numbers_per_worker
 from ..errors import ConfigError, LBBSPError
@@ -333,7 +343,7 @@ def check_contract(model: CapacityModel) -> None:
         pass
 
 
-class CapacityModel(BaseEstimator):
+class CapacityModel(_Estimator):
     """Base class: ``partial_fit`` one iteration's reports, ``predict`` next-iteration throughput. A scikit-learn
     estimator: ``get_params``, ``set_params`` and ``sklearn.base.clone`` work on every model."""
 

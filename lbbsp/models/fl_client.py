@@ -60,6 +60,10 @@ class FLClientModel(CapacityModel):
     it (None: no guard), as NARX's.
     """
 
+    speed_: np.ndarray  # per worker id: local compute throughput, samples per second (NaN: never measured)
+    download_s_: np.ndarray  # per worker id: seconds of a model download (NaN: never told)
+    upload_s_: np.ndarray  # and of an upload
+
     def __init__(self, local_steps: int = 1, *, alpha: float = 0.5, model_bytes: float | None = None,
                  availability_alpha: float = 0.2, spike: float | None = 4.0) -> None:
         self.local_steps = local_steps

@@ -340,6 +340,7 @@ class BatchTimeCurve(CapacityModel):
     mem_changes_seen_: int  # how many changes the ring has taken, all told
     mem_own_noise_: np.ndarray  # each worker's own standard deviation of one reading, from its own changes
     mem_own_changes_: np.ndarray  # (workers, _OWN_NOISE_PAIRS): each worker's latest |changes|, a ring
+    mem_own_seen_: np.ndarray  # per worker: how many changes its ring has taken, all told
     pending_: np.ndarray
 
     _STRUCTURAL = frozenset({"window"})
