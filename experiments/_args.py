@@ -1,17 +1,22 @@
-"""What the experiment scripts share: their command lines' --out, and how a run ends at Ctrl-C."""
+"""What the experiment scripts share: their command lines' --out, the run record their results carry, and how a run
+ends at Ctrl-C."""
 from __future__ import annotations
 
 import argparse
 import contextlib
 import ctypes
 import os
+import platform
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -19,6 +24,8 @@ from lbbsp.signals import ctrl_c_ignored, signals_held
 
 ROOT = Path(__file__).resolve().parents[1]
 _PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its parent ends
+#: The packages whose versions a run record gives, those of them the run had imported
+RECORDED_PACKAGES = ("lbbsp", "numpy", "torch", "tensorflow", "tf_keras", "flwr", "sklearn", "redis")
 
 
 def out_help(default: Path) -> str:
@@ -42,6 +49,45 @@ def results_file(parser: argparse.ArgumentParser, out: Path) -> Path:
     except OSError as exc:
         parser.error(f"--out {out}: cannot write results there ({exc.strerror or exc})")
     return path
+
+
+def run_record(root: Path = ROOT) -> dict[str, Any]:
+    """Where a results file's figures came from, to write beside them: the commit checked out at ``root`` and whether
+    tracked files differed from it (null without git or outside a checkout), the UTC time, and the machine."""
+    commit, dirty = _checkout(root)
+    return {"commit": commit, "dirty": dirty, "utc": datetime.now(UTC).isoformat(timespec="seconds"),
+            "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+                        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                        "cpu_model": _cpu_model(),
+                        "packages": {name: getattr(sys.modules[name], "__version__", None)
+                                     for name in RECORDED_PACKAGES if name in sys.modules}}}
+
+
+def _checkout(root: Path) -> tuple[str | None, bool | None]:
+    """The commit checked out at ``root`` and whether tracked files differ from it; (None, None) where git is missing
+    or fails, or ``root`` is not the top of a checkout (the code installed elsewhere, in another repository say)."""
+    try:
+        top, commit = _git(root, "rev-parse", "--show-toplevel", "HEAD").splitlines()
+        if Path(top).resolve() != root.resolve():
+            return None, None
+        return commit, bool(_git(root, "status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError, ValueError):  # no git; not a checkout; not two lines
+        return None, None
+
+
+def _git(root: Path, *args: str) -> str:
+    """``git args``'s output in ``root``, without the optional locks (a status beside the user's own git)."""
+    return subprocess.run(["git", "--no-optional-locks", "-C", str(root), *args], capture_output=True, text=True,
+                          check=True, timeout=30).stdout
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name as /proc/cpuinfo gives it; None where it gives none (not Linux, some ARM machines)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
+    except OSError:
+        return None
 
 
 def _refuse_a_file_as_folder(parser: argparse.ArgumentParser, out: Path, folder: Path) -> None:

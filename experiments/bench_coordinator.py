@@ -22,25 +22,28 @@ Full garbage collections (--skip-heap leaves them out): the decision-time runs a
 this process's heap as its imports left it against frozen as the coordinator's own process freezes it, in turns;
 the decision-time table after them runs frozen.
 
-    python experiments/bench_coordinator.py [--iterations 100] [--rounds 3] [--workers 4 16 64]
+    python experiments/bench_coordinator.py [--iterations 100] [--rounds 3] [--workers 4 16 64] [--out F]
 
-The defaults take many minutes on 2 cores (each table prints as it ends); the quickest figure, decision time
-at 1,024 workers, is `--skip-critical-path --skip-heap --decision-workers 1024` (about a minute).
+The defaults take many minutes on 2 cores (each table prints as it ends, and is written to --out then, with the
+arguments and the run's record: an interrupted run keeps the tables it finished); the quickest figure, decision
+time at 1,024 workers, is `--skip-critical-path --skip-heap --decision-workers 1024` (about a minute).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import gc
+import json
 import multiprocessing as mp
 import signal
 import time
 from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from multiprocessing.synchronize import Barrier
-from typing import cast
+from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
-from _args import interrupted_as_exit
+from _args import out_help, run_record, writing_results
 
 from lbbsp import Coordinator, EmbeddedRedis, JobConfig, LBBSPPolicy, Report, Store, WorkerClient
 from lbbsp.coordinator import MAX_AHEAD, freeze_heap
@@ -48,11 +51,14 @@ from lbbsp.errors import ConfigError, StoreUnavailable
 from lbbsp.models import AutoCapacityModel, BatchTimeCurve, CapacityModel, EWMAThroughput, FLClientModel, NARXThroughput
 from lbbsp.policies import Decision, Policy
 from lbbsp.protocol import MAX_WORKERS
+from lbbsp.store import redacted
 
 FORK = mp.get_context("fork")
 WARM_UP = 5  # iterations of each critical-path run left out: process start, first connections
 BARRIER_TIMEOUT_S = 60.0  # a worker that died leaves the others here; they fail instead of waiting for ever
 GOAL_WORKERS, GOAL_MS = 1024, 5.0  # issue 4's goal: prediction + allocation under 5 ms (p50) at 1,024 workers
+OUT = Path(__file__).resolve().parent / "results" / "bench_coordinator.json"
+Row = dict[str, Any]  # a table's row as written to --out: its labels, and its figures in ms
 
 
 def _worker(url: str, config_json: str, worker: int, iterations: int, compute_s: float, floor: bool, measured: bool,
@@ -215,8 +221,8 @@ def decision_times(url: str, workers: int, warmup: int, repeats: int, status_eve
                     # does); they still report, as the row times the decision, and draw from a generator of their
                     # own, so that the other rows see the same reports as without this one
                     missed = misses.random(config.num_workers) < 0.05
-                    model = cast(FLClientModel, cast(LBBSPPolicy, timed.inner).model)
-                    model.record_outcomes({i: not bool(m) for i, m in enumerate(missed)})
+                    fl_model = cast(FLClientModel, cast(LBBSPPolicy, timed.inner).model)
+                    fl_model.record_outcomes({i: not bool(m) for i, m in enumerate(missed)})
                 timed.seconds = timed.cpu_seconds = timed.learn_seconds = 0.0
                 started = time.perf_counter()
                 outcome = coordinator.decide(k)
@@ -234,22 +240,29 @@ def decision_times(url: str, workers: int, warmup: int, repeats: int, status_eve
     return {name: {key: np.array(v) for key, v in times.items()} for name, _, _, _, _, _, times, _ in runs}
 
 
-def status_line_costs(url: str, workers: int, warmup: int, repeats: int) -> None:
+def status_line_costs(url: str, workers: int, warmup: int, repeats: int) -> list[Row]:
     """The coordinator's cycle per decision with its workers' status lines written at every decision (as until
     2026-12-02) and at most once a second (since), side by side decision by decision, one model's pair at a time
-    (twelve coordinators in turn would space each one's decisions so far apart that most wrote them anyway)."""
+    (twelve coordinators in turn would space each one's decisions so far apart that most wrote them anyway); the
+    table's rows."""
     print(f"\nthe coordinator's whole cycle per decision at {workers} workers, its workers' status lines for `lbbsp "
           "status` written at every decision (@ 0) against at most once a second (@ 1), the two taking turns "
           "decision by decision, one model at a time")
     print(f"{'model':<26} {'step p50 @0 / @1':>17} {'cycle p50 @0 / @1':>18} {'@1/@0':>6} {'cycle mean @0 / @1':>19} "
           f"{'@1/@0':>6}   (ms)")
+    rows = []
     for name in MODELS:
         times = decision_times(url, workers, warmup, repeats, status_every=(0.0, 1.0), models={name: MODELS[name]})
         each, once = times[f"{name} @ 0"], times[f"{name} @ 1"]
+        rows.append({"model": name, "workers": workers, **{
+            f"{figure}_at_{every}_ms": value for every, t in (("0", each), ("1", once))
+            for figure, value in (("step_p50", _q(t["step"], 50)), ("cycle_p50", _q(t["cycle"], 50)),
+                                  ("cycle_mean", 1e3 * float(t["cycle"].mean())))}})
         print(f"{name:<26} {_ms(each['step'], 50):>8} {_ms(once['step'], 50):>8} {_ms(each['cycle'], 50):>9} "
               f"{_ms(once['cycle'], 50):>8} {np.median(once['cycle']) / np.median(each['cycle']):>6.2f} "
               f"{1e3 * each['cycle'].mean():>9.3f} {1e3 * once['cycle'].mean():>9.3f} "
               f"{once['cycle'].mean() / each['cycle'].mean():>6.2f}", flush=True)
+    return rows
 
 
 class _FullCollections:
@@ -274,10 +287,11 @@ class _FullCollections:
         gc.callbacks.remove(self._callback)
 
 
-def heap_pauses(url: str, workers: int, warmup: int, repeats: int, rounds: int) -> None:
+def heap_pauses(url: str, workers: int, warmup: int, repeats: int, rounds: int) -> list[Row]:
     """The decision-time runs with this process's heap as its imports left it, and frozen as the coordinator's
     own process freezes it (``freeze_heap``), taking turns round by round: the full collections' pauses, which
-    land inside decisions, and the whole step's p50, p99 and maximum over every model's decisions."""
+    land inside decisions, and the whole step's p50, p99 and maximum over every model's decisions; the table's
+    rows."""
     print(f"\nfull garbage collections in the coordinator's process at {workers} workers, the heap as imported "
           f"against frozen (freeze_heap, as CoordinatorProcess and `lbbsp coordinator` do); {rounds} rounds in turn")
     modes = ("imported", "frozen")
@@ -295,22 +309,33 @@ def heap_pauses(url: str, workers: int, warmup: int, repeats: int, rounds: int) 
         print(f"  round {r + 1}/{rounds} done", flush=True)
     print(f"{'heap':>9} {'full collections':>17} {'pause p50 ms':>13} {'pause max ms':>13} {'step p50':>9} "
           f"{'step p99':>9} {'step max':>9}   (step: every model's decisions pooled, ms)")
+    rows = []
     for mode in modes:
         p, pooled = np.array(pauses[mode] or [np.nan]), np.concatenate(steps[mode])
         print(f"{mode:>9} {len(pauses[mode]):>17} {1e3 * np.median(p):>13.2f} {1e3 * np.max(p):>13.2f} "
               f"{_ms(pooled, 50):>9} {_ms(pooled, 99):>9} {_ms(pooled, 100):>9}", flush=True)
+        rows.append({"heap": mode, "workers": workers, "full_collections": len(pauses[mode]),  # pauses null if none
+                     **{f"pause_{name}_ms": 1e3 * float(f(p)) if pauses[mode] else None
+                        for name, f in (("p50", np.median), ("max", np.max))},
+                     "step_p50_ms": _q(pooled, 50), "step_p99_ms": _q(pooled, 99), "step_max_ms": _q(pooled, 100)})
+    return rows
 
 
 def goal_verdict(policy_p50_ms: Mapping[str, float]) -> str:
     """One line on the decision-time goal from each model's policy p50 at GOAL_WORKERS: met by every model, or
     which models missed it and by how much, so a run's outcome does not have to be read off the table."""
-    over = {name: ms for name, ms in policy_p50_ms.items() if not ms < GOAL_MS}
+    over = _over_goal(policy_p50_ms)
     slowest = max(policy_p50_ms, key=policy_p50_ms.__getitem__)
     head = f"goal: policy p50 under {GOAL_MS:g} ms at {GOAL_WORKERS:,} workers:"
     if not over:
         return f"{head} met by every model (slowest: {slowest.strip()}, {policy_p50_ms[slowest]:.2f} ms)"
     missed = ", ".join(f"{name.strip()} {ms:.2f} ms" for name, ms in over.items())
     return f"{head} missed by {len(over)} of {len(policy_p50_ms)} models ({missed})"
+
+
+def _over_goal(policy_p50_ms: Mapping[str, float]) -> dict[str, float]:
+    """The models whose policy p50 missed the goal (NaN too), with it."""
+    return {name: ms for name, ms in policy_p50_ms.items() if not ms < GOAL_MS}
 
 
 def machine_speed_ms(repeats: int = 5) -> float:
@@ -328,15 +353,20 @@ def machine_speed_ms(repeats: int = 5) -> float:
     return 1e3 * float(np.median(times))
 
 
+def _q(values: np.ndarray, q: float) -> float:
+    """The ``q``-th percentile of ``values`` (seconds), in ms."""
+    return float(np.percentile(values, q) * 1e3)
+
+
 def _ms(values: np.ndarray, q: float) -> str:
-    return f"{np.percentile(values, q) * 1e3:8.3f}"
+    return f"{_q(values, q):8.3f}"
 
 
-def short_steps(url: str, args: argparse.Namespace) -> None:
+def short_steps(url: str, args: argparse.Namespace) -> list[Row]:
     """Steps shorter than a decision, lag 2: the coordinator running ahead (the default) against one decision per
-    iteration (``max_ahead=1``), the two taking turns round by round; wall time per iteration and added time.
-    The workers report the compute they measured, as an integration does, which is what the coordinator
-    compares its own time with."""
+    iteration (``max_ahead=1``), the two taking turns round by round; wall time per iteration and added time (the
+    table's rows). The workers report the compute they measured, as an integration does, which is what the
+    coordinator compares its own time with."""
     print(f"\nsteps of {args.short_compute_ms:g} ms, shorter than a decision: the coordinator running ahead (default, "
           f"up to {MAX_AHEAD} iterations a decision) against one decision per iteration (max_ahead=1)")
     modes = (("ahead", MAX_AHEAD), ("one", 1))
@@ -350,12 +380,18 @@ def short_steps(url: str, args: argparse.Namespace) -> None:
         print(f"  round {r + 1}/{args.rounds} done", flush=True)
     print(f"{'mode':>6} {'workers':>8} {'ms/iteration':>13} {'added p50':>10} {'added p99':>10} "
           f"{'ahead/one':>10}   (ms/iteration: median over the rounds; ahead/one: that ratio, per round: median (range))")
+    rows: list[Row] = []
     for (mode, n), seconds in pace.items():
         pooled = np.concatenate(added[mode, n])
         ratios = np.array(pace["ahead", n]) / np.array(pace["one", n])
         ratio = f"{np.median(ratios):.2f} ({ratios.min():.2f}-{ratios.max():.2f})" if mode == "ahead" else ""
         print(f"{mode:>6} {n:>8} {1e3 * float(np.median(seconds)):>13.2f} {_ms(pooled, 50):>10} {_ms(pooled, 99):>10} "
               f"{ratio:>10}", flush=True)
+        rows.append({"mode": mode, "workers": n, "ms_per_iteration": 1e3 * float(np.median(seconds)),
+                     "added_p50_ms": _q(pooled, 50), "added_p99_ms": _q(pooled, 99),
+                     "ahead_over_one": {"median": float(np.median(ratios)), "min": float(ratios.min()),
+                                        "max": float(ratios.max())} if mode == "ahead" else None})
+    return rows
 
 
 def main() -> None:
@@ -386,6 +422,7 @@ def main() -> None:
                         help="also compare, at the first --decision-workers, the coordinator's cycle with its workers' "
                              "status lines written at every decision against once a second (about 5 minutes)")
     parser.add_argument("--redis", help="Redis URL (default: an embedded redis-server)")
+    parser.add_argument("--out", type=Path, default=OUT, help=out_help(OUT))
     args = parser.parse_args()
     if args.iterations <= WARM_UP or args.rounds < 1:
         parser.error(f"--iterations must be more than {WARM_UP} (the warm-up left out) and --rounds at least 1")
@@ -404,11 +441,19 @@ def main() -> None:
                 store.ping()
         except (ConfigError, StoreUnavailable) as exc:
             parser.error(f"--redis: {exc}")
-    with interrupted_as_exit():  # SIGTERM too: the workers and the redis-server are stopped, as at Ctrl-C
-        run(args)
+    # Ctrl-C, or SIGTERM: the workers and the redis-server are stopped; the tables written by then stay in --out
+    with writing_results(parser, args.out) as out:
+        run(args, out)
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace, out: Path) -> None:
+    """Every table asked for, each written to ``out`` (with what came before it) as it ends."""
+    results: dict[str, Any] = {"args": {**vars(args), "redis": redacted(args.redis) if args.redis else None,
+                                        "out": str(out)}}
+
+    def write(complete: bool = False) -> None:
+        out.write_text(json.dumps({**results, "complete": complete, "run": run_record()}, indent=1) + "\n")
+
     server = None if args.redis else EmbeddedRedis()
     url = server.url if server is not None else args.redis
     try:
@@ -425,32 +470,51 @@ def run(args: argparse.Namespace) -> None:
                     added[label, n].append(critical_path(url, n, args.iterations, lag, args.compute_ms / 1e3, floor))
                 print(f"  round {r + 1}/{args.rounds} done", flush=True)
             print(f"{'lag':>5} {'workers':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
-            for (label, n), runs in added.items():
-                pooled = np.concatenate(runs)
+            results["critical_path"] = []
+            for label, lag, floor, n in rows:
+                pooled = np.concatenate(added[label, n])
                 print(f"{label:>5} {n:>8} {_ms(pooled, 50)} {_ms(pooled, 99)} {_ms(pooled, 100)}", flush=True)
-            short_steps(url, args)
+                results["critical_path"].append({"lag": lag, "floor": floor, "workers": n, "p50_ms": _q(pooled, 50),
+                                                 "p99_ms": _q(pooled, 99), "max_ms": _q(pooled, 100)})
+            write()
+            results["short_steps"] = short_steps(url, args)
+            write()
         if not args.skip_heap:
-            heap_pauses(url, args.decision_workers[0], args.warmup, args.repeats, args.rounds)
+            results["heap"] = heap_pauses(url, args.decision_workers[0], args.warmup, args.repeats, args.rounds)
+            write()
         freeze_heap()  # as the coordinator's own process does once it is set up
         if args.status_lines:
-            status_line_costs(url, args.decision_workers[0], args.warmup, args.repeats)
+            results["status_lines"] = status_line_costs(url, args.decision_workers[0], args.warmup, args.repeats)
+            write()
         print(f"\ndecision time in steady state (after {args.warmup} iterations), LB-BSP with each real model; "
               "the models take turns each iteration; this process's heap frozen, as the coordinator's")
         print(f"{'model':<26} {'workers':>8} {'policy p50':>11} {'policy p99':>11} {'cpu p50':>8} {'step p50':>9} "
               f"{'step p99':>9} {'learn p50':>10} {'cycle p50':>10}   (ms; policy = prediction + allocation, wall "
               "clock; cpu = its CPU time; step = + validation + Redis I/O + write; learn = after the write, off the "
               "decision's path; cycle = step + learn + the decision log and status lines: the coordinator's pace)")
+        results["decision_time"] = []
         for n in args.decision_workers:
-            print(f"(this machine's speed just before: reference workload {machine_speed_ms():.1f} ms)")
-            p50_ms = {}
+            speed_ms = machine_speed_ms()
+            print(f"(this machine's speed just before: reference workload {speed_ms:.1f} ms)")
+            p50_ms, table = {}, []
             for name, times in decision_times(url, n, args.warmup, args.repeats,
                                               progress=lambda line: print(line, flush=True)).items():
                 print(f"{name:<26} {n:>8} {_ms(times['policy'], 50):>11} {_ms(times['policy'], 99):>11} "
                       f"{_ms(times['policy_cpu'], 50):>8} {_ms(times['step'], 50):>9} {_ms(times['step'], 99):>9} "
                       f"{_ms(times['learn'], 50):>10} {_ms(times['cycle'], 50):>10}", flush=True)
-                p50_ms[name] = float(np.percentile(times["policy"], 50) * 1e3)
+                p50_ms[name] = _q(times["policy"], 50)
+                table.append({"model": name, "workers": n, **{f"{key}_p{q}_ms": _q(times[key], q) for key, q in (
+                    ("policy", 50), ("policy", 99), ("policy_cpu", 50), ("step", 50), ("step", 99), ("learn", 50),
+                    ("cycle", 50))}})
+            results["decision_time"].append({"workers": n, "machine_speed_ms": speed_ms, "rows": table})
             if n == GOAL_WORKERS:
-                print(goal_verdict(p50_ms), flush=True)
+                verdict = goal_verdict(p50_ms)
+                print(verdict, flush=True)
+                results["goal"] = {"workers": GOAL_WORKERS, "policy_p50_under_ms": GOAL_MS,
+                                   "met": not _over_goal(p50_ms), "verdict": verdict}
+            write()
+        write(complete=True)
+        print(f"\nwritten to {out}")
     finally:
         if server is not None:
             server.close()

@@ -38,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "flower_digits"))
 
-from _args import out_help, writing_results  # noqa: E402
+from _args import out_help, run_record, writing_results  # noqa: E402
 from flower_digits import client_app, server_app  # noqa: E402
 
 from lbbsp import EmbeddedRedis  # noqa: E402
@@ -166,7 +166,8 @@ def benchmark(args: argparse.Namespace) -> None:
         print(f"{name:32s} {res['mean_round_s']:12.2f} {to_target:>12s} {rounds:>7s} {res['final_accuracy']:9.3f} "
               f"{res['mean_round_s'] / base['mean_round_s']:11.3f} {ratio_t:>12s} {share_back:>12s}")
     args.out.write_text(json.dumps({"clients": args.clients, "rounds": args.rounds, "target": args.target,
-                                    "dropout": args.dropout, "emulated": True, "runs": results}, indent=1,
+                                    "dropout": args.dropout, "emulated": True, "runs": results,
+                                    "run": run_record()}, indent=1,
                                    allow_nan=False))
     print(f"written to {args.out}")
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _args import empty_folders_removed_on_failure, out_help, results_file
+from _args import empty_folders_removed_on_failure, out_help, results_file, run_record
 from torch import nn
 
 from lbbsp import Report
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     del ballast
     result = {"gpu": torch.cuda.get_device_name(gpu), "torch": torch.__version__, "python": platform.python_version(),
               "total_gib": total / GIB, "expandable_segments": expandable_segments(), "repeats": args.repeats, "curve": curve, "memory": memory}
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(json.dumps({**result, "run": run_record()}, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
 

@@ -27,7 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
-from _args import out_help, stop_process_trees, writing_results
+from _args import out_help, run_record, stop_process_trees, writing_results
 from record_cpu_trace import busy_loop
 
 from lbbsp.signals import ctrl_c_ignored
@@ -132,7 +132,7 @@ def benchmark(args: argparse.Namespace) -> None:
           f"each {', '.join(f'{x:.2f}' for x in ratios)})")
     args.out.write_text(json.dumps({"args": {**vars(args), "out": str(args.out)}, "runs": runs,
                                     "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
-                                    "time": time.time()}, indent=2))
+                                    "time": time.time(), "run": run_record()}, indent=2))
     print(f"written to {args.out}")
 
 

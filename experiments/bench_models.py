@@ -6,17 +6,21 @@ iteration k is the one the model gives after the report of k - h: h = 2 is what 
 one-step-ahead figure. NARX is built with ``horizon=h``; EWMA and LastValue forecast a flat line. "NARX
 no-feat" is the same network without the resource features (``exog_lags=0``), to show what they add. The
 first ``--skip`` iterations (warm-up) are not scored: each table gives a trace's rows and the iterations scored.
-The decision time of LB-BSP with each real model is printed by experiments/bench_coordinator.py.
+The tables' figures go to --out at the end, with the arguments and the run's record. The decision time of LB-BSP
+with each real model is printed by experiments/bench_coordinator.py.
 
-    python experiments/bench_models.py [--traces experiments/traces]
+    python experiments/bench_models.py [--traces experiments/traces] [--out F]
 """
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
-from _args import interrupted_as_exit
+from _args import empty_folders_removed_on_failure, interrupted_as_exit, out_help, results_file, run_record
 
 from lbbsp import Report
 from lbbsp.errors import ConfigError
@@ -33,6 +37,8 @@ MODELS: dict[str, Callable[[int], CapacityModel]] = {
 HORIZONS = (2, 1)
 #: The offline ceiling's inputs: log-throughput lags and feature rows as of k - horizon.
 CEILING_LAGS, CEILING_EXOG_LAGS = 8, 2
+GOAL_LOWER = 0.2  # NARX's goal: a mean MAPE at least 20% lower than the best baseline's
+OUT = Path(__file__).resolve().parent / "results" / "bench_models.json"
 
 
 def errors(model: CapacityModel, trace: CPUTrace, horizon: int = 2) -> np.ndarray:
@@ -87,9 +93,14 @@ def references(trace: CPUTrace, skip: int, window: int = 4) -> dict[str, float]:
             for name, p in (("level oracle", oracle), ("smoother", smooth))}
 
 
+def _lower_pct(value: float, reference: float) -> float:
+    """How many percent ``value`` lies below ``reference`` (negative: above)."""
+    return 100 * (1 - value / reference)
+
+
 def _relative(value: float, reference: float) -> str:
     """How far ``value`` lies below or above ``reference``, in words: "11.6% lower", "3.1% higher"."""
-    change = 100 * (1 - value / reference)
+    change = _lower_pct(value, reference)
     return f"{abs(change):.1f}% {'lower' if change >= 0 else 'higher'}"
 
 
@@ -100,11 +111,12 @@ def main() -> int:
 
 
 def benchmark() -> int:
-    """Parse the command line, score every model on every trace, print the tables."""
+    """Parse the command line, score every model on every trace, print the tables and write their figures."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", default=str(DEFAULT_TRACE_DIR),
                         help="folder of recorded CPU traces to score on (default: the shipped ones)")
     parser.add_argument("--skip", type=int, default=50, help="warm-up iterations not scored (default: 50)")
+    parser.add_argument("--out", type=Path, default=OUT, help=out_help(OUT))
     args = parser.parse_args()
     if args.skip < 0:
         parser.error("--skip must be at least 0")
@@ -117,40 +129,61 @@ def benchmark() -> int:
     if short := [t.name for t in traces if t.throughput.size <= shortest]:
         parser.error(f"traces {', '.join(short)} have no more than {shortest} iterations (--skip {args.skip}, "
                      "and the offline ceiling's lags): nothing to score")
-    width = max([16, *(len(t.name) for t in traces)])  # a longer name had pushed its row out of line
-    for horizon in HORIZONS:
-        print(f"\n{horizon} iteration{'s' * (horizon > 1)} ahead"
-              + (" (production: JobConfig.lag = 2)" if horizon == 2 else ""))
-        print(f"{'trace':<{width}} {'rows':>6} {'scored':>6} " + " ".join(f"{name + ' MAPE%':>18}" for name in MODELS))
-        scores: dict[str, list[float]] = {name: [] for name in MODELS}
-        halves: dict[str, list[float]] = {name: [] for name in (*MODELS, "offline ceiling")}
-        for trace in traces:
-            row, half = [], trace.throughput.size // 2
-            for name, factory in MODELS.items():
-                e = errors(factory(horizon), trace, horizon)
-                scores[name].append(float(np.mean(e[max(args.skip, horizon):])))
-                halves[name].append(float(np.mean(e[half:])))
-                row.append(f"{scores[name][-1]:>18.2f}")
-            halves["offline ceiling"].append(float(np.mean(offline_ceiling(trace, horizon)[half:])))
-            scored = trace.throughput.size - max(args.skip, horizon)  # the iterations each model's MAPE is over
-            print(f"{trace.name:<{width}} {trace.throughput.size:>6} {scored:>6} " + " ".join(row), flush=True)
-        mean = {name: float(np.mean(v)) for name, v in scores.items()}
-        best_baseline = min(mean["EWMA"], mean["LastValue"])
-        print(f"{'mean':<{width}} {'':>13} " + " ".join(f"{mean[n]:>18.2f}" for n in MODELS))
-        print(f"NARX vs best baseline: MAPE {_relative(mean['NARX'], best_baseline)} "
-              f"(goal: >= 20% lower, i.e. NARX mean <= {0.8 * best_baseline:.2f}); "
-              f"without the resource features {_relative(mean['NARX no-feat'], best_baseline)}")
-        print("  second half of each trace, mean MAPE%: " + ", ".join(
-            f"{name} {np.mean(v):.2f}" for name, v in halves.items())
-            + "\n  (offline ceiling: gradient boosting fit on the first half, answers known, 8 throughput lags;"
-            " --skip does not apply here: every figure on this line scores the same second half)")
-    refs = {trace.name: references(trace, args.skip) for trace in traces}
-    print("\nreferences that see the whole trace (not forecasts, any horizon; no floor: the models can beat them)")
-    for name in ("level oracle", "smoother"):
-        values = [r[name] for r in refs.values()]
-        print(f"  {name:<13} " + " ".join(f"{t} {v:.2f}" for t, v in zip(refs, values))
-              + f"   mean {np.mean(values):.2f}")
+    with empty_folders_removed_on_failure(args.out):
+        out = results_file(parser, args.out)
+        horizons = [horizon_table(traces, horizon, args.skip) for horizon in HORIZONS]
+        refs = {trace.name: references(trace, args.skip) for trace in traces}
+        print("\nreferences that see the whole trace (not forecasts, any horizon; no floor: the models can beat them)")
+        written: dict[str, dict[str, Any]] = {}
+        for name in ("level oracle", "smoother"):
+            values = [r[name] for r in refs.values()]
+            print(f"  {name:<13} " + " ".join(f"{t} {v:.2f}" for t, v in zip(refs, values))
+                  + f"   mean {np.mean(values):.2f}")
+            written[name] = {"per_trace": {t: r[name] for t, r in refs.items()}, "mean": float(np.mean(values))}
+        out.write_text(json.dumps({"args": {**vars(args), "out": str(out)}, "horizons": horizons,
+                                   "references_mape_pct": written, "run": run_record()}, indent=1) + "\n")
+        print(f"\nwritten to {out}")
     return 0
+
+
+def horizon_table(traces: list[CPUTrace], horizon: int, skip: int) -> dict[str, Any]:
+    """Every model scored on every trace ``horizon`` iterations ahead: the table printed, its figures returned."""
+    width = max([16, *(len(t.name) for t in traces)])  # a longer name had pushed its row out of line
+    print(f"\n{horizon} iteration{'s' * (horizon > 1)} ahead"
+          + (" (production: JobConfig.lag = 2)" if horizon == 2 else ""))
+    print(f"{'trace':<{width}} {'rows':>6} {'scored':>6} " + " ".join(f"{name + ' MAPE%':>18}" for name in MODELS))
+    scores: dict[str, list[float]] = {name: [] for name in MODELS}
+    halves: dict[str, list[float]] = {name: [] for name in (*MODELS, "offline ceiling")}
+    rows = []
+    for trace in traces:
+        row, half = [], trace.throughput.size // 2
+        for name, factory in MODELS.items():
+            e = errors(factory(horizon), trace, horizon)
+            scores[name].append(float(np.mean(e[max(skip, horizon):])))
+            halves[name].append(float(np.mean(e[half:])))
+            row.append(f"{scores[name][-1]:>18.2f}")
+        halves["offline ceiling"].append(float(np.mean(offline_ceiling(trace, horizon)[half:])))
+        scored = trace.throughput.size - max(skip, horizon)  # the iterations each model's MAPE is over
+        print(f"{trace.name:<{width}} {trace.throughput.size:>6} {scored:>6} " + " ".join(row), flush=True)
+        rows.append({"trace": trace.name, "rows": int(trace.throughput.size), "scored": int(scored),
+                     "mape_pct": {name: v[-1] for name, v in scores.items()}})
+    mean = {name: float(np.mean(v)) for name, v in scores.items()}
+    best_baseline = min(mean["EWMA"], mean["LastValue"])
+    print(f"{'mean':<{width}} {'':>13} " + " ".join(f"{mean[n]:>18.2f}" for n in MODELS))
+    print(f"NARX vs best baseline: MAPE {_relative(mean['NARX'], best_baseline)} "
+          f"(goal: >= {GOAL_LOWER:.0%} lower, i.e. NARX mean <= {(1 - GOAL_LOWER) * best_baseline:.2f}); "
+          f"without the resource features {_relative(mean['NARX no-feat'], best_baseline)}")
+    second_half = {name: float(np.mean(v)) for name, v in halves.items()}
+    print("  second half of each trace, mean MAPE%: " + ", ".join(f"{name} {v:.2f}" for name, v in second_half.items())
+          + "\n  (offline ceiling: gradient boosting fit on the first half, answers known, 8 throughput lags;"
+          " --skip does not apply here: every figure on this line scores the same second half)")
+    return {"horizon": horizon, "traces": rows, "mean_mape_pct": mean,
+            "narx_vs_best_baseline": {"best_baseline_mape_pct": best_baseline,
+                                      "narx_lower_pct": _lower_pct(mean["NARX"], best_baseline),
+                                      "narx_no_feat_lower_pct": _lower_pct(mean["NARX no-feat"], best_baseline),
+                                      "goal_lower_pct": 100 * GOAL_LOWER,
+                                      "goal_met": mean["NARX"] <= (1 - GOAL_LOWER) * best_baseline},
+            "second_half_mean_mape_pct": second_half}
 
 
 if __name__ == "__main__":

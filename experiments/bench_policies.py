@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _args import empty_folders_removed_on_failure, interrupted_as_exit, out_help, results_file
+from _args import empty_folders_removed_on_failure, interrupted_as_exit, out_help, results_file, run_record
 
 from lbbsp.errors import ConfigError
 from lbbsp.sim.cli import summarise
@@ -101,7 +101,8 @@ def main() -> None:
         kept = _kept(out, args.iterations, args.seeds)
         for scenario, sizes in results.items():  # a subset run replaces its own figures and keeps the file's others
             kept.setdefault(scenario, {}).update(sizes)
-        out.write_text(json.dumps({"iterations": args.iterations, "seeds": args.seeds, "policies": kept}, indent=1))
+        out.write_text(json.dumps({"iterations": args.iterations, "seeds": args.seeds, "policies": kept,
+                                   "run": run_record()}, indent=1))
         print(f"wrote {out}")
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _args import out_help, spawn_ranks, writing_results
+from _args import out_help, run_record, spawn_ranks, writing_results
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
@@ -218,7 +218,8 @@ def benchmark(args: argparse.Namespace) -> None:
         cases = os.path.join(tmp, "cases.json")
         spawn_ranks(_worker, (args, os.path.join(tmp, "rdv"), server.url, cases), WORLD)
         results = json.loads(Path(cases).read_text())
-    args.out.write_text(json.dumps({"args": {**vars(args), "out": str(args.out)}, "cases": results}))
+    args.out.write_text(json.dumps({"args": {**vars(args), "out": str(args.out)}, "cases": results,
+                                    "run": run_record()}))
     print(f"\n{'case':<6}{'DDP /s':>10}{'lbbsp /s':>10}{'lbbsp/DDP':>11}{'(range)':>13}{'oracle /s':>11}"
           f"{'lbbsp/oracle':>14}{'(range)':>13}{'oracle split':>14}{'param diff':>12}")
     for r in results:

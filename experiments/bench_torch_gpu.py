@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _args import out_help, results_file
+from _args import out_help, results_file, run_record
 from bench_gpu import cnn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     if out is None:
         print("dry run: not written (pass --out to keep its figures)")
         return 0
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(json.dumps({**result, "run": run_record()}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
 

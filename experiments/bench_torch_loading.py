@@ -28,7 +28,7 @@ import redis
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _args import out_help, spawn_ranks, writing_results
+from _args import out_help, run_record, spawn_ranks, writing_results
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
@@ -182,7 +182,7 @@ def benchmark(args: argparse.Namespace) -> None:
     result = {"args": {**vars(args), "out": str(args.out)}, "samples_per_s": rate,
               "vs_ddp": {m: statistics.median(r) for m, r in ratio.items()}, "vs_ddp_runs": ratio,
               "prefetched": raw["prefetched"], "redis_commands_per_step": per_step}
-    args.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(json.dumps({**result, "run": run_record()}, indent=1))
     print(f"\nwritten to {args.out}")
 
 

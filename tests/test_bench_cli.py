@@ -299,7 +299,7 @@ def test_bench_torch_gpus_one_rank_hears_no_batch_norm_warning(tmp_path: Path,
     assert "a later warning" in [str(w.message) for w in caught]  # the filter ends with the run
 
 
-@pytest.mark.parametrize("name", [name for name in SCRIPTS if name not in ("bench_coordinator", "bench_models")])
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_a_benchmarks_out_help_names_its_default_file_from_the_repository_root(name: str) -> None:
     """bench_policies's and bench_torch_gpu's --help showed this checkout's absolute path, the others "the one the
     docs quote": each now names the file as the docs do, and says it is in the checkout wherever they run."""

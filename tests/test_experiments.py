@@ -51,8 +51,7 @@ BAD_ARGUMENTS = [
 
 @pytest.mark.parametrize(("script", "bad"), BAD_ARGUMENTS, ids=[f"{s}{' '.join(a)}" for s, a in BAD_ARGUMENTS])
 def test_a_benchmark_refuses_a_bad_argument_before_it_runs(script: str, bad: list[str], tmp_path: Path) -> None:
-    out = [] if script in ("bench_coordinator.py", "bench_models.py") else ["--out", str(tmp_path / "out.json")]
-    result = subprocess.run([sys.executable, str(EXPERIMENTS / script), *out, *bad], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, str(EXPERIMENTS / script), "--out", str(tmp_path / "out.json"), *bad], capture_output=True, text=True,
                             timeout=120, check=False)
     assert result.returncode == 2 and "error:" in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert not (tmp_path / "out.json").exists()
@@ -215,7 +214,7 @@ def test_the_model_benchmarks_table_fits_its_longest_trace_name(tmp_path: Path) 
     """A trace name past 16 characters pushed its row, and only its row, out of line with the header."""
     for name in ("a_trace_named_past_sixteen_characters", "b"):
         _write_trace(tmp_path / f"{name}.json", [0] * 40 + [1] * 40)
-    result = _run("bench_models.py", "--traces", str(tmp_path), "--skip", "10")
+    result = _run("bench_models.py", "--traces", str(tmp_path), "--skip", "10", "--out", str(tmp_path / "m.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     for start in (i for i, line in enumerate(lines) if line.startswith("trace ")):
@@ -285,7 +284,8 @@ def test_the_model_benchmark_calls_its_references_references_not_a_noise_floor(t
     for name in ("a", "b"):
         _write_trace(tmp_path / f"{name}.json", [0] * 40 + [1] * 40)
     result = subprocess.run([sys.executable, str(EXPERIMENTS / "bench_models.py"), "--traces", str(tmp_path),
-                             "--skip", "10"], capture_output=True, text=True, timeout=300, check=False)
+                             "--skip", "10", "--out", str(tmp_path / "m.json")], capture_output=True, text=True,
+                            timeout=300, check=False)
     assert result.returncode == 0, result.stderr
     assert "noise floor" not in result.stdout
     assert "references that see the whole trace" in result.stdout
@@ -294,8 +294,8 @@ def test_the_model_benchmark_calls_its_references_references_not_a_noise_floor(t
 def test_the_model_benchmark_gives_the_iterations_it_scored_beside_the_rows(tmp_path: Path) -> None:
     """With the default --skip 50 a 72-row trace showed 72 under 'iterations', though 22 were scored."""
     _write_trace(tmp_path / "t.json", [0] * 36 + [1] * 36)
-    result = subprocess.run([sys.executable, str(EXPERIMENTS / "bench_models.py"), "--traces", str(tmp_path)],
-                            capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run([sys.executable, str(EXPERIMENTS / "bench_models.py"), "--traces", str(tmp_path),
+                             "--out", str(tmp_path / "m.json")], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     headers = [i for i, line in enumerate(lines) if line.startswith("trace ")]
