@@ -767,6 +767,9 @@ def cpu_group() -> dist.ProcessGroup | None:
         return None
     default = dist.distributed_c10d._get_default_group()
     if default not in _CPU_GROUPS:  # with the default group's timeout: new_group's own default is gloo's 30 minutes
+        # one default group at a time: an earlier one's side group went with it (a sweep that makes and destroys a
+        # process group each run had kept each run's two groups here, with their sockets)
+        _CPU_GROUPS.clear()
         _CPU_GROUPS[default] = dist.new_group(backend="gloo", timeout=_group_timeout(default))
     return _CPU_GROUPS[default]
 

@@ -1,4 +1,4 @@
-"""Single-process checks of the torch adapter's small parts (no process group needed)."""
+"""Single-process checks of the torch adapter's small parts (a process group of one rank where one is needed)."""
 from __future__ import annotations
 
 import dataclasses
@@ -177,3 +177,22 @@ def test_a_gpu_report_that_fails_to_send_raises_in_the_training_thread_once() ->
     reports.check()  # once
     reports.close()
     reports.wait()
+
+
+def test_a_sweep_that_remakes_its_process_group_keeps_one_side_group_not_one_per_run(tmp_path, monkeypatch) -> None:
+    """cpu_group() kept the gloo side group of every default group it was asked under: a sweep that made and destroyed
+    a process group per run held each run's groups and their sockets for good (taken here on the CPU as under NCCL)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from lbbsp.integrations import torch as lbbsp_torch  # noqa: PLC0415
+
+    monkeypatch.setattr(lbbsp_torch, "_collective_device", lambda group=None: torch.device("cuda"))
+    monkeypatch.setattr(lbbsp_torch, "_CPU_GROUPS", {})
+    for run in range(3):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / f'rendezvous-{run}'}", rank=0, world_size=1)
+        try:
+            side = lbbsp_torch.cpu_group()
+            assert side is not None and lbbsp_torch.cpu_group() is side  # made once per default group
+        finally:
+            dist.destroy_process_group()
+        assert len(lbbsp_torch._CPU_GROUPS) == 1
