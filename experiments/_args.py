@@ -64,13 +64,16 @@ def run_record(root: Path = ROOT) -> dict[str, Any]:
 
 
 def _checkout(root: Path) -> tuple[str | None, bool | None]:
-    """The commit checked out at ``root`` and whether tracked files differ from it; (None, None) where git is missing
-    or fails, or ``root`` is not the top of a checkout (the code installed elsewhere, in another repository say)."""
+    """The commit checked out at ``root`` and whether tracked files (the results aside) differ from it; (None, None)
+    where git is missing or fails, or ``root`` is not the top of a checkout (the code installed elsewhere, in another
+    repository say)."""
     try:
         top, commit = _git(root, "rev-parse", "--show-toplevel", "HEAD").splitlines()
         if Path(top).resolve() != root.resolve():
             return None, None
-        return commit, bool(_git(root, "status", "--porcelain", "--untracked-files=no"))
+        # results files left out: an earlier run's rewritten results would mark every later run dirty
+        return commit, bool(_git(root, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                 ":(exclude)experiments/results"))
     except (OSError, subprocess.SubprocessError, ValueError):  # no git; not a checkout; not two lines
         return None, None
 

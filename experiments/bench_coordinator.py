@@ -450,9 +450,10 @@ def run(args: argparse.Namespace, out: Path) -> None:
     """Every table asked for, each written to ``out`` (with what came before it) as it ends."""
     results: dict[str, Any] = {"args": {**vars(args), "redis": redacted(args.redis) if args.redis else None,
                                         "out": str(out)}}
+    record = run_record()  # the run's start, and git asked once, not at every table
 
     def write(complete: bool = False) -> None:
-        out.write_text(json.dumps({**results, "complete": complete, "run": run_record()}, indent=1) + "\n")
+        out.write_text(json.dumps({**results, "complete": complete, "run": record}, indent=1) + "\n")
 
     server = None if args.redis else EmbeddedRedis()
     url = server.url if server is not None else args.redis

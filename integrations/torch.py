@@ -171,13 +171,14 @@ class Balancer:
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialised: call dist.init_process_group first")
         rank, world = dist.get_rank(), dist.get_world_size()
-        coordinator = _flag(coordinator, "coordinator", job)  # "false" from a command line had started one
         url, _ = redis_url(redis, "redis=")
         _same_on_every_rank(world, global_batch=global_batch, min_batch=min_batch, max_batch=max_batch,
                             assignment_timeout_s=assignment_timeout_s, coordinator=coordinator,
                             lag=JobConfig.lag if lag is None else lag, max_ahead=MAX_AHEAD if max_ahead is None
                             else max_ahead,
                             given={"redis": redacted(url) if isinstance(url, str) else url, "job": job})
+        # after the ranks compared it, so that a rank's own "false" is told on every rank, not only on its own
+        coordinator = _flag(coordinator, "coordinator", job)  # "false" from a command line had started one
         # (a global batch under 1 is left to JobConfig's error: no min_batch makes it one)
         if _is_integer(min_batch) and _is_integer(global_batch) and min_batch * world > global_batch >= 1:
             raise ConfigError(f"global_batch={global_batch} cannot give each of the {world} ranks min_batch="
@@ -213,8 +214,7 @@ class Balancer:
                                              toward=os.environ.get("MASTER_ADDR"), who="rank",
                                              across=int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world)
                 owned += [server] if server is not None else []
-            caps = cast("int | tuple[int, ...] | None", max_batch)  # JobConfig takes any sequence, and names a str
-            config = JobConfig(job, world, global_batch, min_batch=min_batch, max_batch=caps,
+            config = JobConfig(job, world, global_batch, min_batch=min_batch, max_batch=max_batch,
                                assignment_timeout_s=assignment_timeout_s, **({} if lag is None else {"lag": lag}))
             checked_process_policy(policy, config)  # on every rank too: kinds outside the job, a policy not pickled
             store = Store.from_url(url, job, ttl_s=config.ttl_s,

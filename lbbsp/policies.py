@@ -204,7 +204,7 @@ class LBBSPPolicy(Policy):
         self.risk = ForecastRisk(hedge) if hedge else None
         self._seen = False
         self._warned_caps = False
-        self._warned_misled: set[int] = set()  # workers whose persistent forecast misses were warned about
+        self._warned_misled = np.zeros(0, dtype=bool)  # per worker id: its persistent forecast misses were warned about
         self._job_bounds: tuple[tuple[object, ...], np.ndarray, np.ndarray] | None = None  # (job's shape, bounds)
         self._caps_read: tuple[np.ndarray, np.ndarray | None] | None = None  # (upper bounds, caps) of bounds()
         self._split: tuple[tuple[int, ...], np.ndarray] | None = None  # the last split decided, and its array
@@ -431,21 +431,24 @@ class LBBSPPolicy(Policy):
         self._split = (split, sizes.copy()) if sizes.dtype == np.int64 else None
         return Decision(split, reason, tuple(predicted.tolist()), tuple(throughput.tolist()))
 
-
     def _warn_misled(self, job: str) -> None:
         """Warn, once a worker, where the model's forecasts of a worker keep missing one way by several times
         (:meth:`~lbbsp.hedging.ForecastRisk.misled`): the split can then hold still, with no other sign."""
         assert self.risk is not None
         ids, factors = self.risk.misled()
-        new = [(int(w), float(f)) for w, f in zip(ids.tolist(), factors.tolist()) if w not in self._warned_misled]
-        if not new:
+        if ids.size and ids[-1] >= self._warned_misled.size:
+            self._warned_misled = np.concatenate([self._warned_misled, np.zeros(ids[-1] + 1 - self._warned_misled.size,
+                                                                                dtype=bool)])
+        fresh = ~self._warned_misled[ids]  # (arrays: every worker of 10,000 misled had cost 1 ms a decision as a list)
+        if not fresh.any():
             return
-        self._warned_misled.update(w for w, _ in new)
+        self._warned_misled[ids[fresh]] = True
+        new = list(zip(ids[fresh].tolist(), factors[fresh].tolist()))
         said = ", ".join(f"worker {w} at {f:.3g}x" for w, f in new[:8]) + (f" and {len(new) - 8} more" if len(new) > 8
                                                                              else "")
-        log.warning("job %s: %s's forecasts keep missing the measured throughput (%s, forecast / measured, on average "
-                    "over their last %d or more iterations); a model that learns from the reports misses by tens of "
-                    "percent. Is it a model of your own, or do the reports' samples and compute_s say what the "
+        log.warning("job %s: %s's forecasts keep missing the measured throughput (%s, forecast / measured, an average "
+                    "weighted toward the latest ten iterations, after %d); a model that learns from the reports misses "
+                    "by tens of percent. Is it a model of your own, or do the reports' samples and compute_s say what the "
                     "workers did? The split gives these workers the wrong share, and the margins that cover a forecast "
                     "too high hold back the workers forecast like it, and can keep the split where it is; said once a "
                     "worker", job, type(self.model).__name__, said, MISLED_AFTER)

@@ -51,8 +51,8 @@ BAD_ARGUMENTS = [
 
 @pytest.mark.parametrize(("script", "bad"), BAD_ARGUMENTS, ids=[f"{s}{' '.join(a)}" for s, a in BAD_ARGUMENTS])
 def test_a_benchmark_refuses_a_bad_argument_before_it_runs(script: str, bad: list[str], tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, str(EXPERIMENTS / script), "--out", str(tmp_path / "out.json"), *bad], capture_output=True, text=True,
-                            timeout=120, check=False)
+    result = subprocess.run([sys.executable, str(EXPERIMENTS / script), "--out", str(tmp_path / "out.json"), *bad],
+                            capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 2 and "error:" in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert not (tmp_path / "out.json").exists()
 
@@ -295,7 +295,8 @@ def test_the_model_benchmark_gives_the_iterations_it_scored_beside_the_rows(tmp_
     """With the default --skip 50 a 72-row trace showed 72 under 'iterations', though 22 were scored."""
     _write_trace(tmp_path / "t.json", [0] * 36 + [1] * 36)
     result = subprocess.run([sys.executable, str(EXPERIMENTS / "bench_models.py"), "--traces", str(tmp_path),
-                             "--out", str(tmp_path / "m.json")], capture_output=True, text=True, timeout=120, check=False)
+                             "--out", str(tmp_path / "m.json")], capture_output=True, text=True, timeout=120,
+                            check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     headers = [i for i, line in enumerate(lines) if line.startswith("trace ")]

@@ -46,7 +46,11 @@ def test_the_rounds_are_read_in_batches_of_clients_each_client_once(redis_url: s
         history.worker_indices([f"c{w}" for w in range(5)])
         for k in range(3):
             history.record([Report(job, w, k, 10 + w, 0.1) for w in range(5) if (w + k) % 2 == 0], {})
+        calls: list[str] = []
+        call = history._call
+        monkeypatch.setattr(history, "_call", lambda fn, *a, **k: calls.append(fn.__name__) or call(fn, *a, **k))
         rounds = history.rounds()
+    assert calls == ["hgetall", "execute", "execute", "execute"]  # the index, then 5 clients 2 at a time
     assert [sorted((r.worker, r.samples) for r in reports) for reports in rounds] == [
         [(w, 10 + w) for w in range(5) if (w + k) % 2 == 0] for k in range(3)]
 

@@ -119,6 +119,9 @@ def test_sizes_must_be_a_sequence_and_an_assignment_is_named() -> None:
     for unordered in ({0: 3, 1: 5}, {3, 5}):  # a dict's keys had been scaled ((0, 4)), a set's in no set order
         with pytest.raises(ConfigError, match=f"sizes must be a sequence .* got {type(unordered).__name__}"):
             scale_split(unordered, 4)  # type: ignore[arg-type]
+    for payload in (None, 5):
+        with pytest.raises(ProtocolError, match="payload: report must be JSON as bytes or str"):
+            Report.from_json(payload)  # type: ignore[arg-type]
 
 
 def test_numpy_sizes_are_kept_as_plain_ints() -> None:
@@ -126,9 +129,6 @@ def test_numpy_sizes_are_kept_as_plain_ints() -> None:
     sampler = GlobalBatchSampler(1000, np.uint8(200), seed=np.int16(3))
     assert type(sampler.global_batch) is int and type(sampler.batch_size(4)) is int and sampler.batch_size(4) == 200
     assert sampler.global_indices(4).size == 200
-    for payload in (None, 5):
-        with pytest.raises(ProtocolError, match="payload: report must be JSON as bytes or str"):
-            Report.from_json(payload)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("step", "worker"), [(1.0, 0), ("1", 0), (0, 1.0), (0, "1"), (0, True)])

@@ -411,13 +411,13 @@ class CapacityModel(_Estimator):
             self.partial_fit(reports)
         return self
 
-    def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> Self:
+    def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> CapacityModel:
         """Learn from one iteration's reports (one report alone is taken as a list of one: :func:`as_reports`,
         which every model calls first); ``defer``: keep what the next forecast can do without for
         :meth:`finish_learning` (a model with nothing to defer ignores it)."""
         raise NotImplementedError(f"{type(self).__name__} must define {CONTRACT['partial_fit']} (docs/models.md)")
 
-    def finish_learning(self) -> Self:
+    def finish_learning(self) -> CapacityModel:
         """Do the learning that ``partial_fit(..., defer=True)`` left for later; nothing unless a model defers."""
         return self
 
