@@ -59,7 +59,8 @@ log = logging.getLogger("lbbsp.keras")
 
 __all__ = ["BalancedSource", "BatchStatisticsWarning",
            "LBBSPCallback",  # noqa: F822  (served by the module __getattr__ below)
-           "ServedBatch", "WorkerSession", "callback_class", "keras_module", "task_index", "training_tasks"]
+           "ServedBatch", "WorkerSession", "callback_class", "close_sessions", "keras_module", "task_index",
+           "training_tasks"]
 
 
 #: The values of TF_USE_LEGACY_KERAS that make TensorFlow's ``tf.keras`` tf_keras (tensorflow/__init__.py).
@@ -214,6 +215,7 @@ class WorkerSession:
         except BaseException:
             self.close()
             raise
+        _OPEN.add(self)
 
     def _local_embedded(self) -> str:
         """Worker 0 starts the embedded server on a unix socket in a folder named after the job, where the other
@@ -227,6 +229,7 @@ class WorkerSession:
         """Stop the client, the coordinator and the embedded server that this session started; idempotent. With the
         session's own server, whose folder (its data) goes with it, neither waits on a Redis that stopped answering:
         worker 0 had exited 11-20 s after the other workers, in the coordinator's grace and the server's shutdown."""
+        _OPEN.discard(self)
         if self.client is not None:
             self.client.close()
             self.client.store.close()
@@ -248,14 +251,31 @@ class WorkerSession:
         self.close()
 
 
+#: This process's WorkerSessions not closed yet (close_sessions); held, as their threads hold their servers anyway.
+_OPEN: set[WorkerSession] = set()
+
+
+def close_sessions(job: str | None = None) -> int:
+    """Close this process's WorkerSessions that are still open (of ``job``, or all) and return how many: in a
+    notebook, a session made outside ``with`` whose fit raised keeps its embedded Redis serving (its threads hold it),
+    and a new session of its job name is refused until it is closed."""
+    sessions = [s for s in list(_OPEN) if job is None or s.config.job == job]
+    for session in sessions:
+        session.close()
+    return len(sessions)
+
+
 def _start_embedded(directory: Path, listen: str | None = None) -> EmbeddedRedis:
     """Worker 0's embedded server in ``directory``: a fresh one (never another run's assignments), labelled so
     that a later start removes it if we are killed, and removed when it stops or fails to start (it holds the
     password's config file). A folder a server still answers in is another live session's of this job: refused."""
     if server_listening(directory / "redis.sock"):  # (False where there is no socket)
-        raise ConfigError(f"another WorkerSession of this job name runs on this machine: its embedded Redis answers "
-                          f"in {directory}, and a second one there would delete it under that run. Close it, or give "
-                          f"this run another job name")
+        own = [s.config.job for s in list(_OPEN) if s.server is not None and s.server.directory == directory]
+        where = (f"on this machine, in this process (one made outside `with` whose run raised, in a notebook cell run "
+                 f"again?): close it, or call lbbsp.integrations.keras.close_sessions({own[0]!r})," if own else
+                 f"on this machine: its embedded Redis answers in {directory}, and a second one there would delete it "
+                 "under that run. Close it,")
+        raise ConfigError(f"another WorkerSession of this job name runs {where} or give this run another job name")
     shutil.rmtree(directory, ignore_errors=True)
     return EmbeddedRedis(directory, listen=listen, own_directory=True)
 

@@ -23,7 +23,13 @@ from lbbsp.models import AutoCapacityModel
 from lbbsp.policies import Policy
 
 pytest.importorskip("tensorflow")
-from lbbsp.integrations.keras import WorkerSession, _embedded_directory, callback_class, task_index
+from lbbsp.integrations.keras import (
+    WorkerSession,
+    _embedded_directory,
+    callback_class,
+    close_sessions,
+    task_index,
+)
 
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
@@ -108,6 +114,19 @@ def test_a_second_session_of_a_job_name_in_use_on_the_machine_is_refused_and_the
         assert first.client is not None and first.client.assignment(0).sizes == (32,)
     with WorkerSession(config, 0):  # once the first closed
         pass
+
+
+def test_a_session_left_open_in_this_process_is_named_and_closed_by_close_sessions(job: str) -> None:
+    """In a notebook, a session made outside `with` whose fit raised stays open, held by its threads: a cell run again
+    was refused for good ("Close it"), with no handle left to close it by."""
+    config = JobConfig(job, num_workers=1, global_batch=32)
+    WorkerSession(config, 0)  # left open, no reference kept
+    with pytest.raises(ConfigError, match=rf"runs on this machine, in this process .*close_sessions\('{job}'\)"):
+        WorkerSession(config, 0)
+    assert close_sessions("another-job") == 0 and close_sessions(job) == 1 and close_sessions(job) == 0
+    with WorkerSession(config, 0) as again:
+        assert again.client is not None and again.client.assignment(0).sizes == (32,)
+    assert close_sessions() == 0  # a session closed by its `with` is not left to close
 
 
 def test_a_folder_another_user_made_for_the_jobs_server_is_refused_by_every_local_worker(job: str) -> None:
