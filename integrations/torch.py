@@ -408,7 +408,8 @@ class Balancer:
     def all_reduce_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
         """For code without DDP: after backward, set every grad to ``sum_i (b_i / B) grad_i``."""
         parameters = list(parameters)
-        if any(type(p).__name__ == "DTensor" for p in parameters):  # FSDP2's shards: all-reduce is not theirs
+        # FSDP2's shards, FSDP's flat parameters: all-reduce is not theirs
+        if any(type(p).__name__ in ("DTensor", "FlatParameter") for p in parameters):
             raise ConfigError(_FSDP_REFUSED)
         self._model_device = _parameter_device(parameters) or self._model_device
         all_reduce_gradients(self, parameters)
