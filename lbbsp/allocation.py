@@ -57,11 +57,12 @@ class LinearTime:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "idle_is_free", _flag(self.idle_is_free, "LinearTime idle_is_free"))  # "no": True
-        for name in ("speed", "overhead"):  # numbers only: strings had been parsed, bools read as speeds 1 and 0
-            if np.asarray(getattr(self, name)).dtype.kind not in "iuf":
+        given = {name: np.asarray(getattr(self, name)) for name in ("speed", "overhead")}  # a list is fine too
+        for name, values in given.items():  # numbers only: strings had been parsed, bools read as speeds 1 and 0
+            if values.dtype.kind not in "iuf":
                 raise ConfigError(f"LinearTime {name} must be numbers, got {getattr(self, name)!r:.80}")
-        speed = np.asarray(self.speed, dtype=float)  # a list is fine too; numbers are checked once, here
-        overhead = np.asarray(self.overhead, dtype=float)
+        speed = np.asarray(given["speed"], dtype=float)  # numbers are checked once, here
+        overhead = np.asarray(given["overhead"], dtype=float)
         if speed.ndim != 1 or not (speed >= 0).all():
             raise ConfigError(f"LinearTime speed must be one number >= 0 (samples per second) per worker, got "
                               f"{np.array2string(speed, threshold=8)}")
