@@ -351,7 +351,12 @@ def _coordinator(args: argparse.Namespace) -> int:
                 if (serving := probe.coordinator()) is not None:
                     _claim_lapsed(probe, serving, stop)
             store = Store.from_url(url, args.job)
-            coordinator = stop.serving(Coordinator(store, config, policy, max_ahead=args.max_ahead))
+            coordinator = Coordinator(store, config, policy, max_ahead=args.max_ahead)
+            # one that claimed the job since the check above (a signal during the wait: it stops before serving)
+            if stop.received is None and (serving := coordinator.claim()) is not None:
+                raise LBBSPError(f"job {args.job!r} is served by the coordinator {serving}, which started beside this "
+                                 "one: stop it first, or use another --job")
+            stop.serving(coordinator)
             print(f"coordinating job {args.job!r}: {args.workers} workers, global batch {args.global_batch}, policy "
                   f"{policy.name}{_model_said(args, policy)}", flush=True)
             freeze_heap()

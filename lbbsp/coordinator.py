@@ -861,6 +861,12 @@ class Coordinator:
                     self._drops, _DROP, why)
 
     # -- running ----------------------------------------------------------------------------------------
+    def claim(self) -> str | None:
+        """Claim the job for this coordinator before it serves, where no coordinator claims it (in one step with the
+        check); else the identity of the one that does, and nothing is claimed. ``lbbsp coordinator`` refuses to start
+        beside another that way: checked apart, two started together had both found the job free."""
+        return self.store.claim_if_free(self._identity, CLAIM_S)
+
     def run(self, *, max_decisions: int | None = None, poll_s: float = 0.5) -> None:
         """Serve until :meth:`stop` (or ``max_decisions``); survives Redis outages by retrying."""
         if max_decisions is not None:

@@ -329,6 +329,14 @@ class Store:
     return 0
     """
 
+    # KEYS[1] = coordinator string; ARGV = identity, ttl_s. The claim there, where a string holds one; else ARGV[1]'s
+    # claim is written (a key of another type is no claim, as the other scripts read it) and nil returned.
+    CLAIM_IF_FREE = """
+    if redis.call('TYPE', KEYS[1]).ok == 'string' then return redis.call('GET', KEYS[1]) end
+    redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+    return false
+    """
+
     # KEYS[1] = coordinator string, KEYS[2..] = the job's keys to delete (as listed by a scan)
     # Returns {0, the claim, its TTL in ms} and deletes nothing where KEYS[1] exists (a coordinator claims the job: one
     # that claimed it after the keys were listed keeps them), the claim false where it is no string; else {1, the number
@@ -364,6 +372,7 @@ class Store:
         self._post_report = client.register_script(self.POST_REPORT)
         self._publish = client.register_script(self.PUBLISH_ASSIGNMENT)
         self._release = client.register_script(self.RELEASE_COORDINATOR)
+        self._claim_if_free = client.register_script(self.CLAIM_IF_FREE)
         self._raise_watermark = client.register_script(self.RAISE_WATERMARK)
         self._forget_unclaimed = client.register_script(self.FORGET_UNCLAIMED)
 
@@ -695,6 +704,13 @@ class Store:
         if isinstance(previous, redis.ResponseError):
             return None
         return _claimant(previous) if previous != identity.encode() else None
+
+    def claim_if_free(self, identity: str, ttl_s: int) -> str | None:
+        """Mark ``identity`` as the job's coordinator for ``ttl_s`` seconds where no coordinator claims the job, in one
+        step: a check and a claim apart had let two coordinators started together both find the job free; else the
+        identity of the one that claims it (as :meth:`coordinator` reads it), and nothing is written."""
+        claim = self._claim_if_free(keys=[self.key("coordinator")], args=[identity, ttl_s])
+        return _claimant(cast("bytes | None", claim))
 
     def coordinator(self) -> str | None:
         """The identity (host:pid:tag) of the coordinator that claimed the job in the last few seconds, if any:

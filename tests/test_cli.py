@@ -702,6 +702,29 @@ def test_a_second_coordinator_of_a_served_job_is_refused_naming_the_one_that_ser
 
 
 @pytest.mark.timeout(60)
+def test_a_coordinator_that_claims_the_job_after_the_check_is_not_served_beside(
+        redis_url: str, job: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two commands started together had both found no claim at the check, and served the job side by side: the
+    claim is made in one step with a second check, before serving."""
+    original = Store.coordinator
+
+    def claimed_after_the_check(store: Store) -> str | None:
+        found = original(store)
+        store.claim_coordinator(SERVING, 5)  # the other command's first heartbeat, right after this one's check
+        return found
+
+    monkeypatch.setattr(Store, "coordinator", claimed_after_the_check)
+    status = main([*_flags(redis_url, job), "--max-decisions", "1"])
+    out, err = capsys.readouterr()
+    assert status == 2, (out, err)
+    assert err == (f"lbbsp: error: job {job!r} is served by the coordinator {SERVING}, which started beside this "
+                   "one: stop it first, or use another --job\n"), err
+    assert "coordinating job" not in out, out
+    with Store.from_url(redis_url, job) as store:
+        assert original(store) == SERVING, "the refused coordinator touched the other one's claim"
+
+
+@pytest.mark.timeout(60)
 def test_the_claim_a_crashed_coordinator_left_is_waited_out_then_the_job_served(
         redis_url: str, job: str, capsys: pytest.CaptureFixture[str]) -> None:
     """A restart right after a crash finds the dead coordinator's claim (up to 5 s left, never renewed): it says it

@@ -214,6 +214,16 @@ def test_a_claim_key_of_another_type_is_no_claim_and_is_replaced(redis_url: str,
         assert store.coordinator() == "host.example:4242:abcd"
 
 
+def test_a_claim_if_free_claims_only_a_job_nobody_claims(redis_url: str, job: str) -> None:
+    """In one step: two coordinators started together had both read no claim, and both served."""
+    with Store.from_url(redis_url, job) as store:
+        store.client.hset(store.key("coordinator"), "x", "1")  # another type: no claim, replaced
+        assert store.claim_if_free("host.example:4242:abcd", ttl_s=5) is None
+        assert store.claim_if_free("host.example:4243:ef01", ttl_s=5) == "host.example:4242:abcd"
+        assert store.coordinator() == "host.example:4242:abcd"  # the second wrote nothing
+        assert 0 < store.client.ttl(store.key("coordinator")) <= 5
+
+
 def test_the_given_url_wins_over_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LBBSP_REDIS_URL", "redis://env:6379/0")
     assert redis_url("redis://flag:6379/0") == ("redis://flag:6379/0", "--redis")
