@@ -147,21 +147,27 @@ class WorkerClient:
         self._duplicates = _EveryMinute()  # reports Redis ignored: this worker had reported their iteration already
         self._dropped = _EveryMinute()  # reports Redis did not take within the bound
         self._closed = False
+        self._closing = threading.Lock()  # report's check and queueing, and close's flag and stop marker, each at once
 
     # -- reporting --------------------------------------------------------------------------------------
     def report(self, iteration: int, samples: int, compute_s: float, *, comm_s: float | None = None,
                wait_s: float | None = None, features: Mapping[str, float] | None = None) -> Report:
         """Validate and queue this iteration's measurement; returns at once (a thread sends it)."""
         iteration = self._iteration(iteration)
-        if self._closed:  # the sender has stopped: the report would be dropped without a word
-            raise LBBSPError("report() after close(): the report would never be sent", job=self.config.job,
-                             worker=self.worker, iteration=iteration)
+        self._refuse_if_closed(iteration)
         report = Report(job=self.config.job, worker=self.worker, iteration=iteration, samples=samples,
                         compute_s=compute_s, comm_s=comm_s, wait_s=wait_s, features=features or {},  # Report copies it
                         device=self.device)
         report.to_json()  # size check at the edge, before it is queued
-        self._outbox.put(report)
+        with self._closing:  # a close() between the check and the queueing had put its stop marker first: the report
+            self._refuse_if_closed(iteration)  # queued behind it was never sent, without a word
+            self._outbox.put(report)
         return report
+
+    def _refuse_if_closed(self, iteration: int) -> None:
+        if self._closed:  # the sender has stopped: the report would be dropped without a word
+            raise LBBSPError("report() after close(): the report would never be sent", job=self.config.job,
+                             worker=self.worker, iteration=iteration)
 
     def _send_loop(self) -> None:
         while True:
@@ -601,18 +607,29 @@ class WorkerClient:
     def close(self) -> None:
         """Send what is queued, stop the sender thread and the subscription; safe to call twice. The job's only worker
         in an outage, which Redis has not answered since, does not wait for what it cannot send (logged)."""
-        self._closed = True
-        if self._sender.is_alive():
-            # the job's only worker in an outage: Redis has not answered since it last failed, and waiting out the
-            # retries of what is queued had held close for assignment_timeout_s + 1 (11 s)
-            self._abandoned = self._silent()
-            unsent = self._outbox.unfinished_tasks  # those queued and the one being sent
-            self._outbox.put(None)
+        with self._closing:
+            self._closed = True
+            sending = self._sender.is_alive()
+            if sending:
+                # the job's only worker in an outage: Redis has not answered since it last failed, and waiting out the
+                # retries of what is queued had held close for assignment_timeout_s + 1 (11 s)
+                self._abandoned = self._silent()
+                unsent = self._outbox.unfinished_tasks  # those queued and the one being sent
+                self._outbox.put(None)
+        if sending:
             self._sender.join(_SILENT_CLOSE_S if self._abandoned else self.config.assignment_timeout_s + 1)
             if self._abandoned and unsent:
                 log.info("job %s, worker %d: closed in a Redis outage: %d report(s) Redis had not taken are dropped, "
                          "but for one it may yet take (the job's only worker: nothing waits for them)",
                          self.config.job, self.worker, unsent)
+            elif self._sender.is_alive():  # each report queued has assignment_timeout_s of its own: with several
+                # queued in an outage, the sender had gone on posting them after close returned, through a store
+                # its owner then closed, and into a new run of the job
+                self._abandoned = True
+                self._sender.join(_SILENT_CLOSE_S)  # the rest dropped at once, but for a send under way
+                log.warning("job %s, worker %d: closed while Redis did not take this worker's reports within "
+                            "assignment_timeout_s: those still queued are dropped, but for one it may yet take",
+                            self.config.job, self.worker)
         self._drop_subscription()
 
     def __enter__(self) -> WorkerClient:

@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -102,6 +103,61 @@ def test_a_report_after_close_raises_instead_of_vanishing(redis_url: str, job: s
         with pytest.raises(LBBSPError, match="after close"):
             worker.report(0, 4, 0.1)
         assert store.reports(0) == {}
+
+
+def test_a_report_racing_close_is_sent_or_refused_never_dropped_in_silence(redis_url: str, job: str) -> None:
+    """A report() on another thread (torch's GPU report thread) that passed the closed check as close() ran had been
+    queued behind the sender's stop marker: accepted, and never sent, without a word (13 of 300 such races)."""
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with Store.from_url(redis_url, job) as store:
+            for k in range(100):
+                worker = WorkerClient(store, JobConfig(job, 2, 8), 0)
+                gate, outcome = threading.Barrier(2), []
+
+                def report(worker: WorkerClient = worker, k: int = k, gate: threading.Barrier = gate,
+                           outcome: list[str] = outcome) -> None:
+                    gate.wait()
+                    try:
+                        worker.report(k, 4, 0.1)
+                        outcome.append("queued")
+                    except LBBSPError:
+                        outcome.append("refused")
+
+                thread = threading.Thread(target=report)
+                thread.start()
+                gate.wait()
+                time.sleep(random.uniform(0, 2e-4))
+                worker.close()
+                thread.join()
+                assert outcome == ["refused"] or store.reports(k), f"race {k}: the report was accepted and never sent"
+    finally:
+        sys.setswitchinterval(switch)
+
+
+def test_close_stops_the_sender_with_several_reports_queued_in_an_outage(
+        job: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Each queued report has assignment_timeout_s of its own: close had returned after assignment_timeout_s + 1 with
+    the sender still retrying the rest, which it then posted, through the store its owner had closed, once Redis was
+    back. Now what is still queued then is dropped, and said so."""
+    config = JobConfig(job, 2, 64, assignment_timeout_s=1.0)
+    with EmbeddedRedis() as server:
+        store = Store.from_url(server.url, job, socket_timeout_s=0.3)
+        worker = WorkerClient(store, config, 0)
+        server.stop()
+        for k in range(4):
+            worker.report(k, 32, 0.01)
+        with caplog.at_level(logging.WARNING, logger="lbbsp.worker"):
+            worker.close()
+        alive = worker._sender.is_alive()
+        store.close()
+        server.start()
+        time.sleep(1.5)
+        with Store.from_url(server.url, job) as fresh:
+            posted = [k for k in range(4) if fresh.reports(k)]
+    assert not alive and posted == [], (alive, posted)
+    assert any("those still queued are dropped" in r.getMessage() for r in caplog.records), caplog.text
 
 
 def test_a_report_of_an_iteration_already_reported_is_warned_about(redis_url: str, job: str,
