@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import functools
 import importlib
 import json
 import logging
@@ -26,6 +27,7 @@ from .client_history import _index, flower_jobs, is_flower_job
 from .config import JobConfig, _job_name
 from .embedded import EmbeddedRedis
 from .errors import ConfigError, LBBSPError, printable
+from .signals import off_the_handler
 from .store import (
     PROBE_TIMEOUT_S,
     REDIS_ERRORS,
@@ -471,7 +473,7 @@ class _StopSignals:
         if self.received is None:
             self.received, self.signum, self._first_at = signal.Signals(signum).name, signum, time.monotonic()
             if self.coordinator is not None:
-                self.coordinator.stop(timeout_s=0)
+                off_the_handler(functools.partial(self.coordinator.stop, timeout_s=0))
             signal.setitimer(signal.ITIMER_REAL, STOP_GRACE_S, 0.25)
         elif signum == self.signum and time.monotonic() - self._first_at < _SAME_SIGNAL_S:
             return  # one stop sent twice: GNU timeout signals the process, then its group, microseconds apart

@@ -47,7 +47,7 @@ from .policies import (
     checked_policy,
 )
 from .protocol import MAX_POLICY_NAME_CHARS, MAX_REASON_CHARS, Assignment, Report
-from .signals import signals_held
+from .signals import off_the_handler, signals_held
 from .store import ITERATIONS_KEPT, PROBE_TIMEOUT_S, REDIS_ERRORS, REDIS_FAILURES, Store, _store, answering
 
 log = logging.getLogger("lbbsp.coordinator")
@@ -477,6 +477,7 @@ class Coordinator:
                         "name, or `lbbsp forget` the old one", self.config.job, stored)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()  # two start() calls at once had started two threads sharing one policy
 
     @property
     def failed_decisions(self) -> int:
@@ -1003,17 +1004,19 @@ class Coordinator:
         """Serve in a daemon thread of this process (still serving if it does already). A thread that
         :meth:`stop` left running, stuck in a call to a stalled Redis, is waited for up to ``timeout_s``;
         an :class:`LBBSPError` if it is still running then: two threads would share one policy."""
-        if self._thread is not None and self._thread.is_alive():
-            if not self._stop.is_set():
-                return self
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                raise LBBSPError(f"the coordinator's previous thread has not stopped within {timeout_s}s (a Redis "
-                                 "call stalled?): call start() again later", job=self.config.job)
-        self._stop.clear()
-        self._thread = threading.Thread(target=self.run, name=f"lbbsp-coordinator-{self.config.job}", daemon=True)
-        self._thread.start()
-        return self
+        with self._starting:
+            if self._thread is not None and self._thread.is_alive():
+                if not self._stop.is_set():
+                    return self
+                self._thread.join(timeout_s)
+                if self._thread.is_alive():
+                    raise LBBSPError(f"the coordinator's previous thread has not stopped within {timeout_s}s (a Redis "
+                                     "call stalled?): call start() again later", job=self.config.job)
+            self._stop.clear()
+            self._thread = threading.Thread(target=self.run, name=f"lbbsp-coordinator-{self.config.job}",
+                                            daemon=True)
+            self._thread.start()
+            return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop serving, waiting up to ``timeout_s`` for the thread to end; safe to call twice or before
@@ -1189,14 +1192,20 @@ def _main_not_rerun(*, rerun: bool) -> Iterator[None]:
         yield
         return
     names = ("__file__", "__spec__")
-    saved: dict[str, object] = {name: main.__dict__[name] for name in names if name in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__dict__["__spec__"] = None
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
+    with _MAIN_HIDDEN:  # a restart on the watch thread beside a new CoordinatorProcess: the second had saved what the
+        # first had hidden, and put it back last, leaving the script's __spec__ None for good
+        saved: dict[str, object] = {name: main.__dict__[name] for name in names if name in main.__dict__}
+        main.__dict__.pop("__file__", None)
+        main.__dict__["__spec__"] = None
+        try:
+            yield
+        finally:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
+
+
+#: Held while :func:`_main_not_rerun` hides the script's path, so that two starts never save one another's hiding.
+_MAIN_HIDDEN = threading.Lock()
 
 
 def _refers_to_main(policy: Policy | None, job: str) -> bool:
@@ -1246,7 +1255,7 @@ def _serve(url: str, config_json: str, policy: Policy | None, max_ahead: int, lo
     store = Store.from_url(url, config.job)
     coordinator = Coordinator(store, config, policy, max_ahead=max_ahead)
     freeze_heap()
-    signal.signal(signal.SIGTERM, lambda *_: coordinator.stop(timeout_s=0))
+    signal.signal(signal.SIGTERM, lambda *_: off_the_handler(lambda: coordinator.stop(timeout_s=0)))
     # a terminal's Ctrl-C reaches the whole process group: the child printed a KeyboardInterrupt traceback under
     # the training script's own; its parent stops it (stop(), or by exiting: _stop_when_orphaned)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

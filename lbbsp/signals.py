@@ -31,6 +31,13 @@ def _handled(signum: signal.Signals, handler: signal.Handlers | Callable[[int, o
         signal.signal(signum, previous)
 
 
+def off_the_handler(call: Callable[[], object]) -> None:
+    """Run ``call`` (a stop) on a thread of its own, from a signal handler: Python runs the handler on the main thread
+    between two bytecodes, where that thread may hold the lock of the very event the stop sets (inside
+    ``Event.wait``), and setting it there had deadlocked the process."""
+    threading.Thread(target=call, name="lbbsp-stop", daemon=True).start()
+
+
 def sigterm_as_exit() -> contextlib.AbstractContextManager[None]:
     """SIGTERM (kill, timeout(1), a CI job's cancel) as ``SystemExit(143)``, so that the cleanup of the ``with``
     blocks it passes through stops what they started: at its default it ends the process alone, and the children

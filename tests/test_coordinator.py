@@ -370,6 +370,59 @@ def test_start_after_a_stop_that_timed_out_does_not_start_a_second_thread(store:
     assert serving() == []
 
 
+def test_two_starts_at_once_start_one_serving_thread(redis_url: str) -> None:
+    """start() had checked its thread and then replaced it with no lock: two callers at once (a watchdog beside the
+    main thread) both started one, sharing one policy, and stop() joined only the second (76 of 200 such races)."""
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for k in range(15):
+            job = f"double-start-{k}-{uuid.uuid4().hex[:8]}"
+            with Store.from_url(redis_url, job) as store:
+                coordinator = Coordinator(store, JobConfig(job, 2, 64), BSPPolicy())
+                gate = threading.Barrier(2)
+                starts = [threading.Thread(target=lambda g=gate, c=coordinator: (g.wait(), c.start()))
+                          for _ in range(2)]
+                for thread in starts:
+                    thread.start()
+                for thread in starts:
+                    thread.join()
+                serving = [t for t in threading.enumerate() if t.name == f"lbbsp-coordinator-{job}"]
+                coordinator.stop()
+                assert len(serving) == 1, f"race {k}: {len(serving)} serving threads"
+    finally:
+        sys.setswitchinterval(switch)
+
+
+def test_two_coordinator_children_started_at_once_leave_the_script_as_it_was() -> None:
+    """A child's start hides the script's path from it (``_main_not_rerun``); a restart on the watch thread beside a
+    new CoordinatorProcess had saved the first one's hiding as the script's own, and put it back last: ``__spec__``
+    stayed None for good."""
+    main, names, missing = sys.modules["__main__"], ("__file__", "__spec__"), object()
+    before = {name: main.__dict__.get(name, missing) for name in names}
+    inside, leave, first_done = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with lbbsp.coordinator._main_not_rerun(rerun=False):
+            inside.set()
+            leave.wait(10)
+        first_done.set()
+
+    def second() -> None:
+        with lbbsp.coordinator._main_not_rerun(rerun=False):
+            first_done.wait(10)  # ends after the first
+
+    starts = [threading.Thread(target=first), threading.Thread(target=second)]
+    starts[0].start()
+    assert inside.wait(10)
+    starts[1].start()
+    time.sleep(0.05)  # the second start, under way while the first hides the script
+    leave.set()
+    for thread in starts:
+        thread.join(10)
+    assert {name: main.__dict__.get(name, missing) for name in names} == before
+
+
 def test_a_report_far_below_its_workers_previous_throughput_is_named_in_a_warning(
         store: Store, job: str, caplog: pytest.LogCaptureFixture) -> None:
     """A valid report of 86,400 s (a stall, or a timer that jumped) had taken its worker from 39 samples to 1 for

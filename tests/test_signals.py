@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
 import pytest
 
-from lbbsp.signals import ctrl_c_ignored, signals_held, sigterm_as_exit
+from lbbsp.signals import ctrl_c_ignored, off_the_handler, signals_held, sigterm_as_exit
 
 
 class Stopped(Exception):
@@ -101,3 +102,26 @@ def test_outside_the_main_thread_nothing_is_held_or_changed(block: Callable[[], 
     thread.start()
     thread.join()
     assert failed == [] and seen == [(signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))]
+
+
+@pytest.mark.timeout(20)
+def test_a_stop_set_off_the_handler_never_deadlocks_the_thread_waiting_on_it() -> None:
+    """The coordinator's SIGTERM handler had set its stop event itself: run between two bytecodes of the thread that
+    waits on that event (inside ``Event.wait``, which holds the event's lock a moment), it deadlocked the process, here
+    within a few signals. Run off the handler, the stop waits for the lock instead."""
+    stop, handled = threading.Event(), [0]
+
+    def handler(signum: int, frame: object) -> None:
+        handled[0] += 1
+        off_the_handler(stop.set)
+
+    previous = signal.signal(signal.SIGVTALRM, handler)
+    signal.setitimer(signal.ITIMER_VIRTUAL, 0.001, 0.001)  # a signal per millisecond of CPU (SIGALRM is the timeout's)
+    try:
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            stop.wait(1e-5)  # set: returns at once, its lock held a larger share of the time
+    finally:
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+        signal.signal(signal.SIGVTALRM, previous)
+    assert handled[0] > 100
