@@ -34,6 +34,7 @@ from .store import (
     REDIS_URL_VARIABLE,
     Store,
     answering,
+    explain,
     left_by_earlier_run,
     no_expiry,
     redacted,
@@ -1033,7 +1034,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lbbsp: error: cannot reach Redis ({exc}); check --redis or LBBSP_REDIS_URL", file=sys.stderr)
         return 2
     except redis.RedisError as exc:
-        print(f"lbbsp: error: Redis answered with an error: {exc}", file=sys.stderr)
+        print(f"lbbsp: error: {explain(exc) or f'Redis answered with an error: {exc}'}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: what was running stops, without a traceback
         print("lbbsp: interrupted", file=sys.stderr)

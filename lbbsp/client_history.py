@@ -26,7 +26,7 @@ import redis
 from .config import _integer, _job_name, _real
 from .errors import ConfigError, ProtocolError, StoreUnavailable
 from .protocol import MAX_ITERATION, MAX_PAYLOAD_BYTES, MAX_REASON_CHARS, MAX_WORKERS, Report
-from .store import REDIS_FAILURES, connect, not_a_url
+from .store import REDIS_FAILURES, connect, explain, not_a_url
 
 T = TypeVar("T")
 
@@ -308,6 +308,8 @@ class ClientHistory:
         try:
             return fn(*args, **kwargs)
         except REDIS_FAILURES as exc:  # unreachable, or refusing (out of memory, read-only replica, ...)
+            if (why := explain(exc)) is not None:  # a cluster, or a user without the rights: no retry clears it
+                raise ConfigError(why, job=self.job) from None
             raise StoreUnavailable(f"Redis unusable ({type(exc).__name__}): {exc}", job=self.job) from exc
 
 

@@ -436,6 +436,10 @@ class Coordinator:
         self._told_uncapped = simulated or isinstance(self.policy, BSPPolicy)
         self.store = store
         self.config = store.register(config)
+        if not simulated and (evicts := store.eviction_policy()) is not None:
+            log.warning("job %s: this Redis evicts keys when it is full (maxmemory-policy %s): an evicted split or "
+                        "claim costs the workers a wait of assignment_timeout_s and a fallback; give lbbsp a Redis "
+                        "with maxmemory-policy noeviction", config.job, evicts)
         self._renewed = time.monotonic()  # when this coordinator last renewed the job's TTL (register, each decision)
         self.decisions_made = 0
         self._identity = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -970,7 +974,8 @@ class Coordinator:
         else:
             why = (f"expired: no decision for {idle:.0f}s, past the job's ttl_s ({ttl}s); for pauses that long, raise "
                    "ttl_s, or, if the job is over, stop this coordinator; until the next decision, their expiries "
-                   "are logged at debug level only" if expired else "restarted without persistence, or flushed")
+                   "are logged at debug level only" if expired else
+                   "restarted without persistence, flushed, or evicted")
             log.warning("job %s's keys are gone from Redis (%s): registering the job again and republishing its last "
                         "%d assignments", self.config.job, why, len(self._written))
             if expired:

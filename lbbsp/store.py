@@ -190,6 +190,25 @@ def not_a_url(client: object, owner: str, job: object) -> None:
                           job=job if isinstance(job, str) else None)
 
 
+#: What lbbsp needs of a Redis user, as the errors below name it (docs/core.md, "Your own Redis").
+NEEDS = ("keys ~lbbsp:*, channels &lbbsp:* and scripting (EVALSHA), as `ACL SETUSER <user> on ~lbbsp:* resetchannels "
+         "&lbbsp:* +@all -@dangerous` grants")
+
+
+def explain(exc: BaseException) -> str | None:
+    """What a user can do about an error answer that no retry clears, where it is one: a Redis Cluster's (a job's keys
+    lie in several hash slots) or a permission the Redis user lacks; None for any other (an outage's, OOM...)."""
+    text = str(exc)
+    if isinstance(exc, (redis.exceptions.ClusterCrossSlotError, redis.exceptions.MovedError, redis.exceptions.AskError)
+                  ) or "CROSSSLOT" in text or "hash to the same slot" in text:
+        return (f"this Redis runs in cluster mode ({text}), which lbbsp does not support: its scripts touch several "
+                "of a job's keys at once, and those lie in different hash slots; use a standalone Redis (a primary "
+                "with replicas is fine)")
+    if isinstance(exc, redis.exceptions.NoPermissionError) or "user executing the script can't" in text:
+        return f"the Redis user may not do what lbbsp needs ({text}): lbbsp needs {NEEDS}"
+    return None
+
+
 def redacted(url: str) -> str:
     """``url`` without the password (what follows the user name before the last @), for error messages: with any
     scheme, or one written wrongly or left out, as in a malformed URL that an error quotes."""
@@ -323,6 +342,14 @@ class Store:
     return redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
     """
 
+    # KEYS = three of the job's keys (in three hash slots), ARGV[1] = a channel of the job's: what every worker and
+    # coordinator needs of its Redis (keys, scripting, publishing), tried at once, changing nothing
+    CHECK_ACCESS = """
+    redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[3])
+    redis.call('PUBLISH', ARGV[1], '')
+    return 1
+    """
+
     # KEYS[1] = coordinator string, ARGV[1] = identity: delete the claim only if it is still this identity's
     RELEASE_COORDINATOR = """
     if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -375,6 +402,7 @@ class Store:
         self._claim_if_free = client.register_script(self.CLAIM_IF_FREE)
         self._raise_watermark = client.register_script(self.RAISE_WATERMARK)
         self._forget_unclaimed = client.register_script(self.FORGET_UNCLAIMED)
+        self._check_access = client.register_script(self.CHECK_ACCESS)
 
     @classmethod
     def from_url(cls, url: str, job: str, *, ttl_s: int = 3600, socket_timeout_s: float = 5.0) -> Store:
@@ -427,6 +455,7 @@ class Store:
         self.ttl_s = config.ttl_s
         key = self.key("config")
         try:
+            self.check_access()
             with self._typed("config"):
                 self.client.set(key, config.to_json(), nx=True, ex=self.ttl_s)
                 stored = self._config_from(self.client.get(key) or b"{}")
@@ -441,6 +470,29 @@ class Store:
             raise ConfigError(f"job {self.job!r} already runs with {settings}; use another job name or the same "
                               "settings", job=self.job)
         return stored
+
+    def check_access(self) -> None:
+        """A ConfigError where this Redis is a cluster or its user may not do what lbbsp needs (:func:`explain`): at
+        the job's start, since a worker had taken the error answers for an outage, waited it out (60 s) and told the
+        user to bring Redis back, and a coordinator had logged them at every step, deciding nothing."""
+        try:
+            self._check_access(keys=[self.key("config"), self.key("ready"), self.key("coordinator")],
+                               args=[self.key("access")])
+        except redis.ResponseError as exc:
+            if (why := explain(exc)) is None:
+                raise
+            raise ConfigError(why, job=self.job) from None
+
+    def eviction_policy(self) -> str | None:
+        """The server's maxmemory-policy where it may evict the job's keys (a maxmemory set, and a policy other than
+        noeviction: every key of lbbsp's has a TTL, so a volatile-* policy evicts them as an allkeys-* one does); None
+        where it may not, or where the user may not run INFO."""
+        try:
+            memory = self.client.info("memory")
+        except redis.RedisError:
+            return None
+        policy = str(memory.get("maxmemory_policy", "noeviction"))
+        return policy if int(memory.get("maxmemory", 0) or 0) > 0 and policy != "noeviction" else None
 
     def run_is_over(self) -> bool:
         """Whether the job's keys are a finished run's: a coordinator decided for the job and none holds its claim now

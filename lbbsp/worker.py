@@ -535,9 +535,9 @@ class WorkerClient:
             return
         job = self.config.job
         if claim is None:
-            ask = (f"; no coordinator serves the job (no live claim on it: its coordinator stopped, or never started; "
-                   f"is a coordinator running for this job? lbbsp status), so its steps fall back without waiting "
-                   f"until one starts (`lbbsp coordinator --job {job} ...`)")
+            ask = (f"; no coordinator serves the job (no live claim on it: its coordinator stopped, or never started, "
+                   f"or Redis evicted the claim; is a coordinator running for this job? lbbsp status), so its steps "
+                   f"fall back without waiting until one starts (`lbbsp coordinator --job {job} ...`)")
         else:
             ask = (f"; a coordinator ({claim}) claimed the job in the last 5 s but decided late (slow, or stopped: "
                    "lbbsp status)")
