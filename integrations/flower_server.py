@@ -293,6 +293,7 @@ class LoadBalanced(Strategy):
         self._told_sit_out = False
         self._planned_indices: dict[int, int] = {}  # node -> worker index, as the latest plan() looked them up
         try:
+            history.check_access()  # a Redis Cluster, or a user without scripting: refused now, not at round 1
             stored = history.rounds()
             last = history.statuses()  # each client's last outcome: a start for its availability after a restart
         except StoreUnavailable as exc:  # not an outage to ride out, as in a round: nothing has started yet

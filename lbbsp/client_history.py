@@ -145,6 +145,12 @@ class ClientHistory:
     return out
     """
 
+    # KEYS = the keys ASSIGN_INDICES touches: what a history needs of its Redis (its keys, in three hash slots, and
+    # scripting), tried at once, changing nothing
+    CHECK_ACCESS = """
+    return redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[3])
+    """
+
     def __init__(self, client: redis.Redis, job: str, *, ttl_s: int = 7 * 86_400, max_reports: int = 50,
                  owns_client: bool = False) -> None:
         not_a_url(client, "ClientHistory", job)
@@ -155,6 +161,7 @@ class ClientHistory:
         self.prefix = _prefix(job)
         self._owns_client = owns_client
         self._assign = client.register_script(self.ASSIGN_INDICES)
+        self._check_access = client.register_script(self.CHECK_ACCESS)
         self._known: dict[str, int] = {}  # client key -> the index Redis last gave it here
         self._lowest_new = 0  # above every index handed out here, so that none is given twice after a data loss
 
@@ -183,6 +190,12 @@ class ClientHistory:
     def key(self, *parts: object) -> str:
         """The Redis key of this job's federated state named by ``parts`` (``key("reports", 3)``)."""
         return self.prefix + ":".join(str(p) for p in parts)
+
+    def check_access(self) -> None:
+        """A ConfigError where this Redis is a cluster or its user may not do what a history needs
+        (:func:`~lbbsp.store.explain`), StoreUnavailable where it does not answer: for a server to check as it starts,
+        not at its first round."""
+        self._call(self._check_access, keys=[self.key("ids"), self.key("next"), self.key("status")])
 
     def worker_index(self, client_key: str | int) -> int:
         """The stable small index of a client (Reports and capacity models key workers by it)."""

@@ -1184,6 +1184,10 @@ def _end(process: multiprocessing.process.BaseProcess, timeout_s: float) -> None
     process.join()
 
 
+#: Held by :func:`_main_not_rerun` around a child's start, so that no start saves, or reads, another one's hiding.
+_MAIN_HIDDEN = threading.Lock()
+
+
 @contextlib.contextmanager
 def _main_not_rerun(*, rerun: bool) -> Iterator[None]:
     """Start a spawned child without running the parent's ``__main__`` again: spawn re-imports the main
@@ -1193,12 +1197,17 @@ def _main_not_rerun(*, rerun: bool) -> Iterator[None]:
     something defined in the script needs the script in the child to be unpickled, so then (``rerun``, from
     :func:`_refers_to_main`) it is re-run."""
     main = sys.modules.get("__main__")
-    if main is None or rerun:
+    if main is None:
         yield
         return
-    names = ("__file__", "__spec__")
-    with _MAIN_HIDDEN:  # a restart on the watch thread beside a new CoordinatorProcess: the second had saved what the
-        # first had hidden, and put it back last, leaving the script's __spec__ None for good
+    # a restart on the watch thread beside a new CoordinatorProcess: the second had saved what the first had hidden,
+    # and put it back last, leaving the script's __spec__ None for good (and a start that re-runs the script had found
+    # it hidden)
+    with _MAIN_HIDDEN:
+        if rerun:
+            yield
+            return
+        names = ("__file__", "__spec__")
         saved: dict[str, object] = {name: main.__dict__[name] for name in names if name in main.__dict__}
         main.__dict__.pop("__file__", None)
         main.__dict__["__spec__"] = None
@@ -1207,10 +1216,6 @@ def _main_not_rerun(*, rerun: bool) -> Iterator[None]:
         finally:
             main.__dict__.pop("__spec__", None)
             main.__dict__.update(saved)
-
-
-#: Held while :func:`_main_not_rerun` hides the script's path, so that two starts never save one another's hiding.
-_MAIN_HIDDEN = threading.Lock()
 
 
 def _refers_to_main(policy: Policy | None, job: str) -> bool:

@@ -199,14 +199,31 @@ def explain(exc: BaseException) -> str | None:
     """What a user can do about an error answer that no retry clears, where it is one: a Redis Cluster's (a job's keys
     lie in several hash slots) or a permission the Redis user lacks; None for any other (an outage's, OOM...)."""
     text = str(exc)
+    # (redis-py before 6 raised a cluster's redirections as plain error answers "MOVED 1234 host:port")
     if isinstance(exc, (redis.exceptions.ClusterCrossSlotError, redis.exceptions.MovedError, redis.exceptions.AskError)
-                  ) or "CROSSSLOT" in text or "hash to the same slot" in text:
+                  ) or text.startswith(("MOVED ", "ASK ")) or "CROSSSLOT" in text or "hash to the same slot" in text:
         return (f"this Redis runs in cluster mode ({text}), which lbbsp does not support: its scripts touch several "
                 "of a job's keys at once, and those lie in different hash slots; use a standalone Redis (a primary "
                 "with replicas is fine)")
-    if isinstance(exc, redis.exceptions.NoPermissionError) or "user executing the script can't" in text:
+    # a refusal inside a script: "The user executing the script can't ..." (Redis 6.2, 7.0), "ERR ACL failure in
+    # script: ..." (7.2 on, Valkey), which redis-py raises as a plain error answer
+    if isinstance(exc, redis.exceptions.NoPermissionError) or any(
+            said in text for said in ("user executing the script", "ACL failure in script")):
         return f"the Redis user may not do what lbbsp needs ({text}): lbbsp needs {NEEDS}"
     return None
+
+
+@contextlib.contextmanager
+def explained(job: str) -> Iterator[None]:
+    """An error answer that :func:`explain` explains (a cluster's, a permission's) as a ConfigError that says what to
+    do: at a job's start, where a worker had taken it for an outage, waited it out (60 s) and told the user to bring
+    Redis back, and a coordinator had logged it at every step, deciding nothing."""
+    try:
+        yield
+    except redis.ResponseError as exc:
+        if (why := explain(exc)) is None:
+            raise
+        raise ConfigError(why, job=job) from None
 
 
 def redacted(url: str) -> str:
@@ -455,10 +472,12 @@ class Store:
         self.ttl_s = config.ttl_s
         key = self.key("config")
         try:
-            self.check_access()
-            with self._typed("config"):
-                self.client.set(key, config.to_json(), nx=True, ex=self.ttl_s)
-                stored = self._config_from(self.client.get(key) or b"{}")
+            with explained(self.job):
+                self._check_access(keys=[self.key("config"), self.key("ready"), self.key("coordinator")],
+                                   args=[self.key("access")])
+                with self._typed("config"):  # (a user whose keys are read-only passes the check: refused here)
+                    self.client.set(key, config.to_json(), nx=True, ex=self.ttl_s)
+                    stored = self._config_from(self.client.get(key) or b"{}")
         except REDIS_ERRORS:
             self.ping()  # a StoreUnavailable that names the URL, where Redis does not answer
             raise
@@ -470,18 +489,6 @@ class Store:
             raise ConfigError(f"job {self.job!r} already runs with {settings}; use another job name or the same "
                               "settings", job=self.job)
         return stored
-
-    def check_access(self) -> None:
-        """A ConfigError where this Redis is a cluster or its user may not do what lbbsp needs (:func:`explain`): at
-        the job's start, since a worker had taken the error answers for an outage, waited it out (60 s) and told the
-        user to bring Redis back, and a coordinator had logged them at every step, deciding nothing."""
-        try:
-            self._check_access(keys=[self.key("config"), self.key("ready"), self.key("coordinator")],
-                               args=[self.key("access")])
-        except redis.ResponseError as exc:
-            if (why := explain(exc)) is None:
-                raise
-            raise ConfigError(why, job=self.job) from None
 
     def eviction_policy(self) -> str | None:
         """The server's maxmemory-policy where it may evict the job's keys (a maxmemory set, and a policy other than

@@ -4,7 +4,9 @@ answers for an outage, waited 60 s and said to bring Redis back; a coordinator h
 traceback every 10 s); a Redis that evicts keys when full is warned about. A user with what lbbsp needs works."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -84,25 +86,57 @@ def test_the_command_line_and_the_flower_history_refuse_such_a_user_naming_what_
         history.worker_indices(["client-a"])
 
 
+def test_the_flower_strategy_refuses_such_a_user_as_it_is_built_not_at_its_first_round(
+        own_server: EmbeddedRedis, job: str) -> None:
+    pytest.importorskip("flwr")
+    from flwr.serverapp.strategy import FedAvg  # noqa: PLC0415  (optional: the flower extra)
+
+    from lbbsp.integrations.flower import LoadBalanced  # noqa: PLC0415
+
+    url = _user(own_server, "noscript", *GRANTED, "-@scripting")
+    with ClientHistory.from_url(url, job) as history, pytest.raises(ConfigError, match="may not do what lbbsp needs"):
+        LoadBalanced(FedAvg(), history)
+
+
+def _free_port_pair() -> int:
+    """A TCP port p below 55536 where p and p + 10000 are both free on the loopback (for a moment)."""
+    for _ in range(100):
+        with contextlib.ExitStack() as held:
+            first = held.enter_context(socket.socket())
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            if port >= 55536:
+                continue
+            try:
+                held.enter_context(socket.socket()).bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+            return int(port)
+    raise AssertionError("no two free ports 10000 apart")
+
+
 @pytest.fixture
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A one-node Redis Cluster holding every hash slot, on a unix socket: its URL."""
     folder = Path(tmp_path_factory.mktemp("cluster", numbered=True))
-    socket = folder / "r.sock"
-    process = subprocess.Popen([redis_server_binary(), "--port", "0", "--unixsocket", str(socket), "--dir", str(folder),
-                                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--save", "",
-                                "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    path = folder / "r.sock"
+    # the cluster's bus listens on the port + 10000 (on every interface with port 0: 10000, which a second run clashed
+    # with): two free ones, on the loopback only
+    process = subprocess.Popen([redis_server_binary(), "--port", str(_free_port_pair()), "--bind", "127.0.0.1",
+                                "--unixsocket", str(path), "--dir", str(folder), "--cluster-enabled", "yes",
+                                "--cluster-config-file", "nodes.conf", "--save", "", "--appendonly", "no"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 10
-        while not socket.exists():
+        while not path.exists():
             assert time.monotonic() < deadline and process.poll() is None, "the cluster's redis-server did not start"
             time.sleep(0.02)
-        with redis.Redis(unix_socket_path=str(socket)) as admin:
+        with redis.Redis(unix_socket_path=str(path)) as admin:
             admin.execute_command("CLUSTER", "ADDSLOTS", *range(16384))
             while admin.execute_command("CLUSTER", "INFO").decode().find("cluster_state:ok") < 0:
                 assert time.monotonic() < deadline, "the one-node cluster did not come up"
                 time.sleep(0.05)
-        yield f"unix://{socket}"
+        yield f"unix://{path}"
     finally:
         process.terminate()
         process.wait(10)
