@@ -645,7 +645,8 @@ def test_a_coordinator_process_stops_when_its_parent_is_killed(redis_url: str, j
             "print(p._process.pid, flush=True)\ntime.sleep(120)\n")
     parent = subprocess.Popen([sys.executable, "-c", code, redis_url, job], stdout=subprocess.PIPE, text=True)
     assert parent.stdout is not None
-    child = int(parent.stdout.readline())
+    with parent.stdout:
+        child = int(parent.stdout.readline())
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + 30

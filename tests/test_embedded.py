@@ -56,7 +56,8 @@ def _server_in_a_child() -> tuple[subprocess.Popen[str], int, Path]:
                                "time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
-    pid, directory = child.stdout.readline().split()
+    with child.stdout:  # the one line is all it prints
+        pid, directory = child.stdout.readline().split()
     return child, int(pid), Path(directory)
 
 

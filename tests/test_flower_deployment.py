@@ -188,7 +188,7 @@ def test_the_flower_launcher_stops_what_it_started_when_it_is_sent_sigterm(tmp_p
         return [p for p in psutil.process_iter(["cmdline"]) if started in " ".join(p.info["cmdline"] or [])]
 
     proc = subprocess.Popen([sys.executable, "-c", LAUNCH, str(EXAMPLES / "flower_digits" / "run.py"), str(bin_dir),
-                             str(tmp_path / "work"), redis_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             str(tmp_path / "work"), redis_url], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
         while len(stand_ins()) < 3 and time.monotonic() < deadline:  # the SuperLink and both SuperNodes

@@ -108,7 +108,7 @@ def test_keras3_resumed_run_takes_the_epoch_keras_resumes_at(redis_url: str, job
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
         # Keras 3 keeps the restored epoch on the model and had started the next fit there too, which took it for a
         # restore again and served epochs 2 and 3 once more: the callback clears it as the fit ends
-        model.fit(resumed.tf_dataset(), epochs=2, steps_per_epoch=len(resumed), verbose=0,
+        model.fit(resumed.tf_dataset(), epochs=2, steps_per_epoch=len(resumed), shuffle=False, verbose=0,
                   callbacks=[callback_class(keras)(session.client, resumed)])
     assert [b.epoch for b in list(resumed.served)[-10:]] == [4] * 5 + [5] * 5
 

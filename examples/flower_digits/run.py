@@ -138,8 +138,11 @@ class LogFollower:
         return self.process.poll() is not None
 
     def join(self) -> None:
-        """Wait for the thread to print what the stream gave before it ended (its process ended or was stopped)."""
+        """Wait for the thread to print what the stream gave before it ended (its process ended or was stopped), then
+        close the stream (each run of a notebook had left a pipe open)."""
         self._thread.join(timeout=5)
+        if self.process.stdout is not None and not self._thread.is_alive():  # (never under a thread still reading)
+            self.process.stdout.close()
 
 
 def run_deployment(clients: int, run_config: Mapping[str, object], *, timeout_s: float = 600,
