@@ -195,7 +195,12 @@ class ClientHistory:
         """A ConfigError where this Redis is a cluster or its user may not do what a history needs
         (:func:`~lbbsp.store.explain`), StoreUnavailable where it does not answer: for a server to check as it starts,
         not at its first round."""
-        self._call(self._check_access, keys=[self.key("ids"), self.key("next"), self.key("status")])
+        try:
+            self._call(self._check_access, keys=[self.key("ids"), self.key("next"), self.key("status")])
+        except StoreUnavailable as exc:
+            if exc.__cause__ is not None and (why := explain(exc.__cause__)) is not None:
+                raise ConfigError(why, job=self.job) from None
+            raise
 
     def worker_index(self, client_key: str | int) -> int:
         """The stable small index of a client (Reports and capacity models key workers by it)."""
@@ -320,10 +325,11 @@ class ClientHistory:
     def _call(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         try:
             return fn(*args, **kwargs)
-        except REDIS_FAILURES as exc:  # unreachable, or refusing (out of memory, read-only replica, ...)
-            if (why := explain(exc)) is not None:  # a cluster, or a user without the rights: no retry clears it
-                raise ConfigError(why, job=self.job) from None
-            raise StoreUnavailable(f"Redis unusable ({type(exc).__name__}): {exc}", job=self.job) from exc
+        except REDIS_FAILURES as exc:  # unreachable, or refusing (out of memory, read-only replica, ...): in a round,
+            # the round goes on without the history, as in an outage (a permission revoked mid-run too: raised, it
+            # had lost the round's aggregation); check_access refuses what no retry clears at the start
+            raise StoreUnavailable(f"Redis unusable ({type(exc).__name__}): {explain(exc) or exc}",
+                                   job=self.job) from exc
 
 
 def flower_jobs(client: redis.Redis) -> list[str]:

@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 import redis
 
-from lbbsp import BSPPolicy, ConfigError, Coordinator, EmbeddedRedis, JobConfig, Store, WorkerClient
+from lbbsp import (
+    BSPPolicy,
+    ConfigError,
+    Coordinator,
+    EmbeddedRedis,
+    JobConfig,
+    Store,
+    StoreUnavailable,
+    WorkerClient,
+)
 from lbbsp.cli import main
 from lbbsp.client_history import ClientHistory
 from lbbsp.embedded import redis_server_binary
@@ -82,8 +91,12 @@ def test_the_command_line_and_the_flower_history_refuse_such_a_user_naming_what_
                    "--max-decisions", "1"])
     err = capsys.readouterr().err
     assert status == 2 and "the Redis user may not do what lbbsp needs" in err and PASSWORD not in err, err
-    with ClientHistory.from_url(url, job) as history, pytest.raises(ConfigError, match="may not do what lbbsp needs"):
-        history.worker_indices(["client-a"])
+    with ClientHistory.from_url(url, job) as history:
+        with pytest.raises(ConfigError, match="may not do what lbbsp needs"):
+            history.check_access()
+        # in a round, as an outage: the round goes on without the history (raised, it had lost the round's results)
+        with pytest.raises(StoreUnavailable, match="may not do what lbbsp needs"):
+            history.worker_indices(["client-a"])
 
 
 def test_the_flower_strategy_refuses_such_a_user_as_it_is_built_not_at_its_first_round(
