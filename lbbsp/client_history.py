@@ -26,7 +26,7 @@ import redis
 from .config import _integer, _job_name, _real
 from .errors import ConfigError, ProtocolError, StoreUnavailable
 from .protocol import MAX_ITERATION, MAX_PAYLOAD_BYTES, MAX_REASON_CHARS, MAX_WORKERS, Report
-from .store import REDIS_FAILURES, connect, explain, not_a_url
+from .store import REDIS_FAILURES, connect, explain, explained, not_a_url
 
 T = TypeVar("T")
 
@@ -195,12 +195,11 @@ class ClientHistory:
         """A ConfigError where this Redis is a cluster or its user may not do what a history needs
         (:func:`~lbbsp.store.explain`), StoreUnavailable where it does not answer: for a server to check as it starts,
         not at its first round."""
-        try:
-            self._call(self._check_access, keys=[self.key("ids"), self.key("next"), self.key("status")])
-        except StoreUnavailable as exc:
-            if exc.__cause__ is not None and (why := explain(exc.__cause__)) is not None:
-                raise ConfigError(why, job=self.job) from None
-            raise
+        def check() -> None:
+            with explained(self.job):  # a ConfigError, which _call passes on
+                self._check_access(keys=[self.key("ids"), self.key("next"), self.key("status")])
+
+        self._call(check)
 
     def worker_index(self, client_key: str | int) -> int:
         """The stable small index of a client (Reports and capacity models key workers by it)."""
