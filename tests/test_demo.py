@@ -465,5 +465,5 @@ def test_piped_demo_summary_keeps_each_sentence_on_one_line(monkeypatch: pytest.
     assert "BSP vs LB-BSP (same model, same global batches)" in lines[0]
     assert "speedup of LB-BSP over BSP: 1.67x" in lines
     assert "parameter trajectories: max relative difference 1.00e-12 over 7 checkpoints -> match" in lines
-    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich's own switch: write as to a terminal
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich>=13.0 and 14 both read it: write as to a terminal
     assert not _console().soft_wrap

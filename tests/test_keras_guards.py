@@ -296,7 +296,7 @@ def test_layers_that_see_each_workers_own_batch_are_warned_of_once() -> None:
     assert "(plain): build them with BatchNormalization(synchronized=True)" in message and "synced" not in message
     assert "activity regularizers average over each worker's own batch (penalised)" in message
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error", BatchStatisticsWarning)  # tf_keras<2.19 warns of random.randint(1, 1e9)
         _warn_of_batch_statistics(model)  # once per model
         _warn_of_batch_statistics(tf_keras.Sequential([layers.Input((3,)), layers.Dense(2, kernel_regularizer="l2"),
                                                        layers.BatchNormalization(synchronized=True)]))
