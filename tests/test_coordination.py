@@ -92,9 +92,20 @@ def test_every_worker_uses_one_vector_through_delays_crashes_and_a_redis_restart
     iterations = 60
     config = JobConfig(job, 4, 120, assignment_timeout_s=timeout)
     speeds = [[2000.0], [4000.0, 1500.0], [3000.0], [6000.0, 6000.0, 1000.0]]
-    with EmbeddedRedis(tmp_path / "redis") as server:
+    with EmbeddedRedis(tmp_path / "redis") as server, Store.from_url(server.url, job) as store:
+
+        def serving(not_by: str | None = None) -> str | None:
+            """The identity of the coordinator that claims the job, once one other than ``not_by`` does: a spawned
+            coordinator takes seconds to import on a loaded machine, and the workers' 15 iterations had all run on
+            fallbacks before it served (the test failed: no 'lbbsp' split)."""
+            deadline = time.monotonic() + 60
+            while (claim := store.coordinator()) in (None, not_by) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            return claim
+
         coordinator = SPAWN.Process(target=run_coordinator, args=(server.url, config.to_json(), 0.6, 0.15, 1))
         coordinator.start()
+        first = serving()
         procs, paths = start_workers(server.url, config, speeds, iterations, tmp_path)
 
         def progress() -> int:
@@ -112,6 +123,7 @@ def test_every_worker_uses_one_vector_through_delays_crashes_and_a_redis_restart
         wait_for(20)  # the workers go on, on fallback vectors
         coordinator = SPAWN.Process(target=run_coordinator, args=(server.url, config.to_json(), 0.6, 0.15, 2))
         coordinator.start()
+        serving(not_by=first)
         wait_for(35)
         server.restart(kill=True)  # redis-server crashes and comes back on the same socket
         join_all(procs, 150)
