@@ -385,7 +385,7 @@ def allocate_sitting_out(model: TimeModel, global_batch: int, lower: Sequence[in
         return everyone
     try:
         without = allocate(model, global_batch, low, high)
-    except AllocationError:  # nor where their times turn infinite short of their bounds (a memory wall, a speed of 0)
+    except AllocationError:  # a model of one's own whose time at 0 samples it refuses (below 0, NaN)
         return everyone
     faster = predicted_makespan(model, without) * (1 + min_gain) < predicted_makespan(model, everyone)
     return without if faster else everyone

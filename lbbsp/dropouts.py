@@ -259,7 +259,7 @@ def dropout_bounds(model: TimeModel, global_batch: int, lower: np.ndarray, upper
             break
         try:
             sizes = split(capped)
-        except AllocationError:  # the room left is with workers predicted never to finish
+        except AllocationError:  # a caller's split that refuses the cap
             break
         cost = costs(sizes)
         if cost < best[2]:

@@ -506,13 +506,14 @@ def _whole_caps(model: CapacityModel, workers: WorkerIds, upper: np.ndarray) -> 
     answer = model.max_batch(workers)
     if answer is None:
         return None
-    if np.asarray(answer).dtype.kind == "b":  # True had been read as a cap of 1 sample on every worker
+    try:
+        given = np.asarray(answer)
+        caps: np.ndarray | None = given.astype(float)
+    except (TypeError, ValueError):  # ragged (numpy's "inhomogeneous shape" had been the message), or not numbers
+        given, caps = np.asarray(None), None
+    if given.dtype.kind == "b":  # True had been read as a cap of 1 sample on every worker
         raise ConfigError(f"{type(model).__name__}.max_batch returned {str(answer)[:80]}: it must return one cap "
                           "(samples; NaN where unknown) per worker asked, or None, not booleans")
-    try:
-        caps: np.ndarray | None = np.asarray(answer, dtype=float)
-    except (TypeError, ValueError):  # ragged, or not numbers
-        caps = None
     if caps is None or caps.shape not in ((), upper.shape):
         what = f"{caps.size} values" if caps is not None and caps.ndim == 1 else str(answer)[:80]
         raise ConfigError(f"{type(model).__name__}.max_batch returned {what} for {upper.size} workers: it must "
@@ -755,10 +756,7 @@ class LeaderStragglerPolicy(Policy):
         """Move what the workers ``over`` their upper bound (a memory cap that shrank) hold beyond it to the
         fastest workers with room, before any search step: the search only ever takes from the straggler."""
         excess = int((sizes[over] - upper[over]).sum())
-        room = np.where(over, 0, upper - sizes)
-        if room.sum() < excess:
-            return Decision(tuple(int(s) for s in sizes), f"worker(s) {np.flatnonzero(over)[:8].tolist()} over "
-                                                          "their memory caps, and the others have no room for it")
+        room = np.where(over, 0, upper - sizes)  # at least the excess: the bounds hold B (JobConfig, _capped)
         sizes = np.minimum(sizes, upper)
         left = excess
         for worker in np.argsort(np.where(np.isnan(mean_time), np.inf, mean_time), kind="stable").tolist():

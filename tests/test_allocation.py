@@ -234,6 +234,11 @@ def test_a_large_overhead_does_not_blur_the_part_the_sizes_change() -> None:
     (2**62, [0] * 3, [2**62] * 3, "global_batch must be a whole number"),
     (60, [0, 0.5, 0], [60] * 3, "lower bounds must be whole numbers"),
     (60, [0] * 3, [60, float("nan"), 60], "upper bounds must be whole numbers"),
+    (60, [0] * 3, [60] * 2, "bounds must be two 1-D arrays of one length"),
+    (60, [[0] * 3], [[60] * 3], "bounds must be two 1-D arrays of one length"),
+    (0, [], [], "bounds must be two 1-D arrays of one length"),
+    (60, [-1, 0, 0], [60] * 3, "0 <= lower <= upper for every worker"),
+    (60, [0, 61, 0], [60] * 3, "0 <= lower <= upper for every worker"),
 ])
 def test_bad_arguments_are_a_clear_allocation_error(global_batch: object, lower: list, upper: list,
                                                     message: str) -> None:
@@ -544,3 +549,36 @@ def test_a_short_final_batch_of_many_workers_gives_each_emptied_worker_one_from_
     sizes = (global_batch - (workers - 1),) + (1,) * (workers - 1)
     sampler = GlobalBatchSampler(global_batch + workers + 5, global_batch, shuffle=False)
     assert sampler.split_for(1, sizes) == (6,) + (1,) * (workers - 1)
+
+
+def test_the_split_lands_on_b_where_the_deadlines_run_out_of_floats() -> None:
+    """An overhead of 1e6 s beside compute of 1e-6 s: the bracket closes to two adjacent floats with many samples
+    between them, where neither interpolation nor bisection moves (the search then fills greedily). The split still
+    sums to B within the bounds, and finishes within a float's step of the best."""
+    speed = 1e11 * np.linspace(1.0, 2.0, 20)  # more than _FEW_WIDE workers, so the bracket is what ends the search
+    model = LinearTime(speed, overhead=1e6)
+    x = allocate(model, 100_000, np.zeros(20, dtype=np.int64), np.full(20, 100_000))
+    assert x.sum() == 100_000 and (x >= 0).all()
+    assert predicted_makespan(model, x) - 1e6 <= 100_000 / speed.sum() + 2 * np.spacing(1e6)
+
+
+class NegativeAtZero:
+    """A model of one's own fitted as a line whose intercept came out below 0: its time of 0 samples is negative,
+    which the allocator refuses; at 1 sample and more it is fine."""
+
+    def __init__(self, speed: list[float]) -> None:
+        self.speed = np.asarray(speed, dtype=float)
+
+    def time(self, sizes: np.ndarray) -> np.ndarray:
+        return -0.05 + np.asarray(sizes, dtype=float) / self.speed  # >= 0 from 1 sample at speeds up to 20
+
+
+def test_sitting_out_that_the_model_cannot_time_keeps_everyone_in() -> None:
+    """Sitting a worker out asks the model for its time at 0 samples; where the allocator refuses that answer, the
+    split of everyone (which never asks it) is the decision, not an AllocationError."""
+    model = NegativeAtZero([1.0, 10.0, 10.0, 10.0])
+    everyone = allocate(model, 100, [1] * 4, [100] * 4)
+    with pytest.raises(AllocationError, match="below 0"):  # what sitting worker 0 out would run into
+        allocate(model, 100, [0, 1, 1, 1], [0, 100, 100, 100])
+    sizes = allocate_sitting_out(model, 100, [1] * 4, [100] * 4, share=0.25)
+    assert sizes.tolist() == everyone.tolist() and sizes.sum() == 100 and sizes.min() >= 1

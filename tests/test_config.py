@@ -133,3 +133,14 @@ def test_joined_names_the_setting_that_differs_not_the_ttl_it_took() -> None:
     with pytest.raises(ConfigError, match=r"serves job 'j' with assignment_timeout_s=5\.0, but this run asks for "
                                           r"assignment_timeout_s=20\.0"):
         JobConfig("j", 2, 30, assignment_timeout_s=20).joined(stored, caller="the test")
+
+
+def test_joining_a_job_not_served_yet_keeps_this_config_and_warns_once_asked(caplog: pytest.LogCaptureFixture) -> None:
+    """Before the coordinator has stored its settings there is nothing to agree with: this run's config is the one
+    in force, with a warning that names the job (unless a caller that is one of many says not to)."""
+    mine = JobConfig("j", 2, 30, lag=1)
+    with caplog.at_level("WARNING", logger="lbbsp"):
+        assert mine.joined(None, caller="the test", warn=False) is mine
+        assert not caplog.records
+        assert mine.joined(None, caller="the test") is mine
+    assert len(caplog.records) == 1 and "job 'j' is not on this Redis yet" in caplog.records[0].getMessage()

@@ -9,8 +9,15 @@ import pytest
 
 from lbbsp import JobConfig, LBBSPPolicy, LinearTime, Report, allocate
 from lbbsp.allocation import allocate_sitting_out
-from lbbsp.dropouts import MIN_SAVING, _least_shortfall, dropout_bounds, expected_shortfall, weighed_dropout
-from lbbsp.errors import ConfigError
+from lbbsp.dropouts import (
+    MIN_SAVING,
+    _least_shortfall,
+    dropout_bounds,
+    expected_cost,
+    expected_shortfall,
+    weighed_dropout,
+)
+from lbbsp.errors import AllocationError, ConfigError
 from lbbsp.models import AutoCapacityModel, FLClientModel
 from lbbsp.models.auto import MAX_EARLY_ROUNDS
 from lbbsp.sim import FLClients, compare, standard_policies
@@ -262,3 +269,37 @@ def test_the_even_mix_keeps_a_client_that_sits_out_at_zero() -> None:
     _, sizes = dropout_bounds(model, 320, lower, upper, np.full(16, 0.9), split)
     assert sizes[15] == 0 and sizes.sum() == 320
     assert sizes[:15].min() >= 15  # the mix: capping alone had left the slowest client 9 of 320
+
+
+def test_a_split_whose_slowest_workers_never_finish_costs_inf_not_nan() -> None:
+    """The early finish of a round whose slowest workers never finish is not counted: with two of them, inf - inf
+    had made its cost NaN, which loses every comparison, so such a split could not be told dearer than one that
+    finishes."""
+    model = LinearTime(np.array([10.0, 0.0, 0.0, 10.0]), overhead=np.full(4, 1.0))
+    assert expected_cost(model, np.array([10, 1, 1, 10]), np.full(4, 0.5)) == np.inf
+    assert expected_cost(model, np.array([11, 0, 0, 11]), np.full(4, 0.5)) < np.inf
+
+
+def test_a_split_that_refuses_a_cap_ends_the_search_with_the_best_so_far() -> None:
+    """A policy's split (``split``) that raises AllocationError for a cap ends the search for caps there, as one the
+    others cannot hold does, instead of failing the decision; the result is still a split of B within the bounds."""
+    model, lower, upper, dropout = _one_fast(0.05)
+
+    def split(bounds: np.ndarray) -> np.ndarray:
+        if (bounds < upper).any():
+            raise AllocationError("no split within these caps")
+        return allocate(model, 320, lower, bounds)
+
+    bounds, sizes = dropout_bounds(model, 320, lower, upper, dropout, split)
+    assert sizes.sum() == 320 and (sizes >= lower).all() and (sizes <= bounds).all() and (bounds <= upper).all()
+    assert expected_cost(model, sizes, dropout) <= expected_cost(model, allocate(model, 320, lower, upper), dropout)
+
+
+def test_the_even_mix_stops_at_a_memory_cap_under_the_even_share() -> None:
+    """Seven clients capped at 12 samples, under the even share of 20: the mix toward the even split would put more
+    on them than their memory holds, so it stops there, and the split returned stays within every cap."""
+    model, lower, upper, _ = _one_fast(0.05)
+    upper = upper.copy()
+    upper[1:8] = 12
+    bounds, sizes = dropout_bounds(model, 320, lower, upper, np.full(16, 0.9))
+    assert sizes.sum() == 320 and (sizes >= lower).all() and (sizes <= upper).all() and (sizes <= bounds).all()

@@ -84,3 +84,9 @@ def test_a_client_of_weight_zero_or_many_steps_still_has_a_positive_scale() -> N
     assert (scales > 0).all() and np.isfinite(scales).all()
     merged = fednova([np.zeros(2)], [[np.ones(2)], [np.full(2, 3.0)]], [3, 1], [0, 10])
     np.testing.assert_allclose(merged[0], [3.0, 3.0])
+
+
+def test_a_client_model_of_another_number_of_arrays_is_refused() -> None:
+    """zip would pair the arrays the two share and silently drop the rest of the model."""
+    with pytest.raises(LBBSPError, match="model has 2 arrays, client sent 1"):
+        rescale_update([np.zeros(2), np.zeros(3)], [np.ones(2)], 2.0)

@@ -487,3 +487,23 @@ def test_forecasts_that_keep_missing_several_times_over_are_warned_about_once_a_
     assert runs["buggy ids"] == [2] and len(runs["buggy"]) == 1  # once, however many decisions follow
     assert "job misled: _TenfoldForWorker2's forecasts" in runs["buggy"][0]
     assert re.search(r"\(worker 2 at (9\.\d+|1[01](\.\d+)?)x, forecast / measured", runs["buggy"][0])
+
+
+def test_expect_matches_workers_by_id_and_skips_an_iteration_never_recorded() -> None:
+    """expect takes the workers in any order, or some of them (a policy of one's own with its own with_margins): each
+    throughput rescores the forecast of its own worker, the others keep theirs; for an iteration with no forecast
+    recorded there is nothing to rescore, and nothing is added."""
+    risk = ForecastRisk()
+    risk.record(5, [0, 1, 2], np.array([100.0, 100.0, 100.0]))
+    risk.expect(5, [2, 0], np.array([50.0, 200.0]))
+    ids, throughput, _ = risk.forecasts_[5]
+    assert ids.tolist() == [0, 1, 2] and throughput.tolist() == [200.0, 100.0, 50.0]
+    risk.expect(6, [0, 1, 2], np.ones(3))
+    assert sorted(risk.forecasts_) == [5] and risk.forecasts_[5][1].tolist() == [200.0, 100.0, 50.0]
+
+
+def test_reports_against_a_forecast_of_no_workers_pool_nothing() -> None:
+    risk = ForecastRisk(min_samples=1)
+    risk.record(3, [], np.zeros(0))
+    risk.observe([Report("h", w, 3, 64, 0.64) for w in range(2)])
+    assert risk.pooled_.sum() == 0

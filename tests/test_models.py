@@ -745,3 +745,40 @@ def test_reports_out_of_iteration_order_are_sorted_and_read_afresh() -> None:
     reports = as_reports(given)
     assert field(reports, "iteration").tolist() == [7, 7, 8]
     assert [(r.worker, r.iteration) for r in reports] == [(1, 7), (0, 7), (0, 8)]  # a stable sort
+
+
+def test_a_ragged_forecast_is_a_config_error_naming_the_model() -> None:
+    """numpy refuses a ragged list outright (a ValueError): it is no numbers, said as the model's answer."""
+    class Ragged(CapacityModel):
+        def partial_fit(self, reports: Any, *, defer: bool = False) -> Ragged:
+            return self
+
+        def predict(self, workers: Any) -> Any:
+            return [[10.0, 20.0], [30.0]]
+
+    with pytest.raises(ConfigError, match=r"Ragged.predict returned \[\[10.0, 20.0\], \[30.0\]\], not numbers"):
+        Ragged().time_model([0, 1])
+
+
+class _Speeds(CapacityModel):
+    """A model of one's own with an array parameter (its speeds), which ``==`` cannot read as one bool."""
+
+    def __init__(self, speeds: np.ndarray | None = None) -> None:
+        self.speeds = speeds
+
+    def partial_fit(self, reports: Any, *, defer: bool = False) -> _Speeds:
+        return self
+
+    def predict(self, workers: Any) -> np.ndarray:
+        return np.asarray(self.speeds, dtype=float)[np.asarray(workers)]
+
+    def _parameters_changed(self, names: set[str]) -> None:
+        self.changed_ = names
+
+
+def test_a_new_array_parameter_is_taken_as_changed() -> None:
+    """set_params compares old and new values with ==; for arrays that is no bool (numpy's "truth value of an array
+    is ambiguous"), which had failed set_params after the value was set. Such a value is taken as changed."""
+    model = _Speeds(np.array([10.0, 20.0]))
+    assert model.set_params(speeds=np.array([30.0, 40.0])) is model
+    assert model.changed_ == {"speeds"} and model.predict([0, 1]).tolist() == [30.0, 40.0]

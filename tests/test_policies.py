@@ -24,7 +24,9 @@ from lbbsp import (
     StaticProportionalPolicy,
     Store,
 )
+from lbbsp.allocation import TimeModel
 from lbbsp.coordinator import checked_process_policy
+from lbbsp.hedging import hedged
 from lbbsp.models import AutoCapacityModel, BatchTimeCurve, CapacityModel, EWMAThroughput, FLClientModel
 from lbbsp.models.auto import MixedTime
 from lbbsp.models.base import WorkerIds, as_reports
@@ -937,3 +939,59 @@ def test_a_normal_run_through_a_real_coordinator_never_resets_the_leader_straggl
         scenario = GPUMix(4, 40, 0)
         run_policy(scenario, "leader-straggler", Watched(model=scenario.capacity_model()), 40, url)
     assert resets == [] and len(moves) >= 2
+
+
+class _DoubledMargins(LBBSPPolicy):
+    """A policy of one's own that plans every worker at twice its forecast time, by its own with_margins."""
+
+    def with_margins(self, iteration: int, time_model: TimeModel,
+                     throughput: np.ndarray) -> tuple[TimeModel, np.ndarray]:
+        factor = np.full(throughput.size, 2.0)
+        return hedged(time_model, factor), factor
+
+
+def test_a_policy_with_its_own_margins_reports_the_finish_of_the_model_it_planned_with() -> None:
+    """Where with_margins is a subclass's, the finish said is that of the model it returned (2 s), not the forecast's
+    (1 s): only LBBSPPolicy's own margins are known to scale the forecast's seconds."""
+    policy = _DoubledMargins()
+    policy.observe(_reports(0, np.full(4, 200)))
+    decision = policy.decide(1, (200,) * 4, CONFIG)
+    assert decision.sizes == (100, 200, 400, 100)
+    assert "finish with margins 2s (was 4s)" in decision.reason, decision.reason
+
+
+class _RawCaps(EWMAThroughput):
+    """Memory caps handed back exactly as given: a ragged list, or strings."""
+
+    def __init__(self, caps: object = None) -> None:
+        super().__init__()
+        self.caps = caps
+
+    def max_batch(self, workers: WorkerIds) -> Any:
+        return self.caps
+
+
+@pytest.mark.parametrize("caps", [
+    pytest.param([[300, 300], [300], 300, 300], id="ragged"),  # numpy's "inhomogeneous shape" had been the error
+    pytest.param(["a lot", "300", "300", "300"], id="strings"),
+])
+def test_memory_caps_that_are_not_numbers_are_a_config_error_naming_the_model(caps: object) -> None:
+    policy = LBBSPPolicy(_RawCaps(caps), hedge=None)
+    policy.observe(_reports(0, np.full(4, 200)))
+    with pytest.raises(ConfigError, match=r"_RawCaps.max_batch returned .* for 4 workers: it must return one cap"):
+        policy.decide(1, (200,) * 4, CONFIG)
+
+
+def test_the_band_of_a_split_whose_slowest_worker_never_finishes_is_the_forecasts_whole() -> None:
+    """A worker predicted at 0 samples/s, given samples, never finishes: its time is all forecast, so the band is
+    the whole dead band. (inf - overhead) / inf had made the share NaN, and the band the narrowest, MIN_BAND."""
+    policy = LBBSPPolicy(FLClientModel())
+    assert policy.risk is not None
+    policy.risk.typical_miss = lambda: 0.05  # type: ignore[method-assign]
+    stalled = LinearTime(np.array([0.0, 100.0, 100.0, 100.0]), overhead=np.full(4, 9.0))
+    assert policy.band(stalled, np.full(4, 100)) == pytest.approx(0.03)
+
+
+def test_the_oracle_asked_to_decide_before_it_is_shown_the_truth_says_so() -> None:
+    with pytest.raises(ConfigError, match=r"reveal\(truth\) before each decision"):
+        OraclePolicy().decide(1, (200,) * 4, CONFIG)

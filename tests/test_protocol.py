@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pickle
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -259,3 +260,30 @@ def test_a_feature_like_none_known_is_refused_with_the_known_ones_only() -> None
     with pytest.raises(ProtocolError, match=r"features\.temperature: unknown feature \(known: cpu_util, ") as caught:
         Report("w", 0, 0, 10, 1.0, features={"temperature": 60.0})
     assert "did you mean" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("build", "field", "said"), [
+    (lambda: Report("", 0, 0, 8, 0.1), "job", "must not be empty"),
+    (lambda: Report("j", 0, 0, 8, 0.1, features=[("cpu_util", 0.5)]),  # type: ignore[arg-type]
+     "features", "must be an object"),
+    (lambda: Assignment("j", 3, (), "lbbsp"), "sizes", "must hold 1 to 100000 sizes, got 0"),
+    (lambda: Assignment("j", 3, (5, 5), "lbbsp", fallback=1),  # type: ignore[arg-type]
+     "fallback", "must be a boolean"),
+], ids=["empty-job", "features-not-a-mapping", "no-sizes", "fallback-not-a-bool"])
+def test_reports_and_assignments_built_in_code_are_refused_naming_the_field(build: Callable[[], object], field: str,
+                                                                              said: str) -> None:
+    with pytest.raises(ProtocolError, match=said) as info:
+        build()
+    assert info.value.field == field
+
+
+def test_a_stored_assignment_of_another_job_or_without_a_list_of_sizes_is_refused() -> None:
+    """The split read from a job's key must be that job's; sizes must be a JSON list (a string of digits is not)."""
+    stored = Assignment("j", 3, (5, 5), "lbbsp", "because").to_json()
+    with pytest.raises(ProtocolError, match="assignment is for job 'j', not 'k'") as info:
+        Assignment.from_json(stored, job="k")
+    assert info.value.field == "job"
+    with pytest.raises(ProtocolError, match="sizes: must be a list"):
+        Assignment.from_json(stored.replace(b"[5,5]", b'"55"'))
+    with pytest.raises(ProtocolError, match="fallback: must be a boolean"):
+        Assignment.from_json(stored.replace(b'"fallback":false', b'"fallback":0'))

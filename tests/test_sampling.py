@@ -168,3 +168,19 @@ def test_scale_split_breaks_ties_to_the_lower_index() -> None:
     assert sampler.split_for(1, sizes) == (589, 463, 188)
     parts = [sampler.worker_indices(1, sizes, w) for w in range(3)]
     assert np.concatenate(parts).tolist() == list(range(sum(sizes), sum(sizes) + 1240))
+
+
+@pytest.mark.parametrize("sizes", [(0, 0), ()], ids=["zeros", "none"])
+def test_a_split_of_no_samples_cannot_be_scaled(sizes: tuple[int, ...]) -> None:
+    """There is no proportion to keep: an error, not a division by zero or a split of nothing called the total."""
+    with pytest.raises(ConfigError, match="cannot scale an empty split"):
+        scale_split(sizes, 3)
+    assert scale_split(sizes, 0) == sizes  # scaled to what it already sums to: nothing to do
+
+
+@pytest.mark.parametrize("worker", [-1, 2])
+def test_a_worker_outside_the_split_is_a_config_error(worker: int) -> None:
+    """-1 would index from the end (the last worker's samples, computed twice), 2 of 2 an empty slice."""
+    sampler = GlobalBatchSampler(20, 10)
+    with pytest.raises(ConfigError, match=f"worker {worker} is not in a split of 2 workers"):
+        sampler.worker_indices(0, (5, 5), worker)

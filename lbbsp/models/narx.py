@@ -131,9 +131,8 @@ class NARXThroughput(CapacityModel):
             exog = np.where(missing, self.exog_[workers, -1], exog)
         # each worker's rows and bases as one ring of ``horizon`` slots; the slot of this report held the row made
         # ``horizon`` measurements ago, which now has its target (where it was full), and takes the row made now
-        if not (self.rows_.flags.c_contiguous and self.bases_.flags.c_contiguous):  # written through the flat views
-            self.rows_, self.bases_ = np.ascontiguousarray(self.rows_), np.ascontiguousarray(self.bases_)
-        rows, bases = self.rows_.reshape(-1, self.rows_.shape[-1]), self.bases_.reshape(-1)  # views of them
+        # views of them (np.zeros and np.concatenate make them contiguous), written through
+        rows, bases = self.rows_.reshape(-1, self.rows_.shape[-1]), self.bases_.reshape(-1)
         slot = workers * self.horizon + count % self.horizon
         due = None if fewest >= self.lags + self.horizon - 1 else count >= self.lags + self.horizon - 1
         if due is None:
