@@ -654,7 +654,10 @@ class EmbeddedRedis:
             "--auto-aof-rewrite-min-size", AOF_REWRITE_MIN,
             "--daemonize", "no", "--loglevel", "warning", "--logfile", str(log_file),
         ]
-        self._process = _launcher.popen(args)
+        try:
+            self._process = _launcher.popen(args)
+        except OSError as exc:  # no execute bit, a noexec mount, another architecture: not Redis's address
+            raise StoreUnavailable(f"embedded redis-server {args[0]} cannot be run: {exc.strerror or exc}") from exc
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if (code := self._process.poll()) is not None:

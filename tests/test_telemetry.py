@@ -710,3 +710,103 @@ def test_gpu_readings_out_of_range_are_left_out(monkeypatch: pytest.MonkeyPatch,
             Report("j", 0, 0, 1, 0.1, features=features, device="cuda:0")
     assert not {"gpu_mem_used", "gpu_mem_free", "gpu_util"} & set(features)
     assert caplog.text.count("out of range") == 2, caplog.text  # memory and utilisation, once each
+
+
+class NVMLError_LibraryNotFound(Exception):  # pynvml's name for it: the warning quotes it
+    pass
+
+
+def test_nvml_that_does_not_start_leaves_gpu_features_out_with_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """nvidia-ml-py installed on a machine without the NVIDIA driver (lbbsp[gpu] on a CPU node): nvmlInit raises
+    NVMLError_LibraryNotFound; the monitor works on without GPU features."""
+    fake_nvml(monkeypatch)
+
+    def no_driver() -> None:
+        raise NVMLError_LibraryNotFound("NVML Shared Library Not Found")
+
+    sys.modules["pynvml"].nvmlInit = no_driver  # type: ignore[attr-defined]
+    with caplog.at_level(logging.WARNING, logger="lbbsp.telemetry"):
+        monitor = ResourceMonitor(gpu_index=0, min_interval_s=0.0)
+        features = monitor.sample()
+    assert not {"gpu_mem_used", "gpu_mem_free", "gpu_util"} & set(features) and "cpu_util" in features
+    assert "GPU 0: NVML does not start (NVMLError_LibraryNotFound: NVML Shared Library Not Found)" in caplog.text
+    Report("j", 0, 0, 1, 0.1, features=monitor.sample(), device="cuda:0")
+
+
+def test_readings_that_fail_when_the_monitor_is_made_are_left_out_and_the_machine_share_comes_back(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """This process unreadable (no /proc/<pid> in a sandbox) and /proc/stat failing once, at the constructor: the
+    first sample has no baseline for the machine's CPU (unknown, not a share of CPU time since boot); the next has
+    it. The process's own CPU, and so the co-located load, stay out."""
+    def gone(*args: object, **kwargs: object) -> None:
+        raise psutil.NoSuchProcess(os.getpid())
+
+    cpu_times = psutil.cpu_times
+    calls = itertools.count()
+
+    def fails_once(*args: Any, **kwargs: Any) -> Any:
+        if next(calls) == 0:
+            raise FileNotFoundError(2, "No such file or directory", "/proc/stat")
+        return cpu_times(*args, **kwargs)
+
+    monkeypatch.setattr(psutil, "Process", gone)
+    monkeypatch.setattr(psutil, "cpu_times", fails_once)
+    with caplog.at_level(logging.WARNING, logger="lbbsp.telemetry"):
+        monitor = ResourceMonitor(min_interval_s=0.0)
+        first = monitor.sample()
+        time.sleep(0.05)
+        second = monitor.sample()
+    assert set(first) == {"cores", "mem_util"}
+    assert set(second) == {"cores", "mem_util", "cpu_util"}
+    for features in (first, second):
+        Report("j", 0, 0, 1, 0.1, features=features)
+    assert caplog.text.count("process CPU cannot be read") == 1 and caplog.text.count("machine CPU") == 1
+
+
+def test_descendants_that_end_while_they_are_listed_are_skipped(monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A child (a DataLoader worker at an epoch's end) that ends between the kernel's listing and its read is left
+    out, not the whole listing: the others' CPU still counts in that window, and nothing is logged."""
+    if not telemetry._kernel_lists_children():
+        pytest.skip("the kernel keeps no lists of children here")
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    assert telemetry._descendant_pids(ended.pid) == []  # its /proc entries are gone
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        monitor = ResourceMonitor(min_interval_s=0.0)
+        monkeypatch.setattr(telemetry, "_descendant_pids", lambda pid: [ended.pid, live.pid])
+        with caplog.at_level(logging.WARNING, logger="lbbsp.telemetry"):
+            assert [child.pid for child in monitor._list_descendants()] == [live.pid]
+            monitor.sample()
+        assert caplog.text == ""
+    finally:
+        live.kill()
+        live.wait()
+
+
+class _Unborn(_Child):
+    """A descendant whose creation time cannot be read (AccessDenied, as psutil may raise on macOS)."""
+
+    def create_time(self) -> float:
+        raise psutil.AccessDenied(self.pid)
+
+
+def test_a_new_child_whose_start_cannot_be_read_counts_from_its_first_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not known to be born in the window, its 50 CPU-seconds so far are not this window's: only its baseline."""
+    child = _Unborn(11, 50.0)
+    monitor, clock = _fake_tree(monkeypatch, [0.0], lambda: 0.0, iter([[], [child], [child]]))
+    clock[0] += 2.0
+    assert monitor.sample()["proc_cpu"] == 0.0
+    clock[0] += 2.0
+    child.cpu_s = 51.0
+    assert monitor.sample()["proc_cpu"] == pytest.approx(0.5)
+
+
+def test_without_a_cgroup_file_the_machines_cores_are_the_workers(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """No /proc/self/cgroup (not Linux, /proc not mounted): no quota, no cpuset, all the machine's cores."""
+    monkeypatch.setattr(telemetry, "_PROC_SELF_CGROUP", str(tmp_path / "absent"))
+    assert telemetry._cgroup_cpu_quota() is None and telemetry._cgroup_cpuset_size() is None
+    assert telemetry.available_cores() == (psutil.cpu_count() or 1)
