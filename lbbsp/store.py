@@ -478,8 +478,10 @@ class Store:
                 with self._typed("config"):  # (a user whose keys are read-only passes the check: refused here)
                     self.client.set(key, config.to_json(), nx=True, ex=self.ttl_s)
                     stored = self._config_from(self.client.get(key) or b"{}")
-        except REDIS_ERRORS:
-            self.ping()  # a StoreUnavailable that names the URL, where Redis does not answer
+        except (*REDIS_ERRORS, redis.ResponseError):
+            # a StoreUnavailable that names the URL where Redis does not answer; a ConfigError where it refuses the
+            # connection's settings (a database it does not have: redis-py selects it as it connects)
+            self.ping()
             raise
         differ = stored.differences(config)
         if differ:

@@ -33,7 +33,17 @@ from lbbsp import (
     Store,
     WorkerClient,
 )
-from lbbsp.cli import _model_said, _policy, _redis_flag, _setting, batch_caps, build_parser, main
+from lbbsp.cli import (
+    STOP_GRACE_S,
+    _model_said,
+    _policy,
+    _redis_flag,
+    _setting,
+    _StopSignals,
+    batch_caps,
+    build_parser,
+    main,
+)
 from lbbsp.embedded import ipv6_available
 from lbbsp.models import AutoCapacityModel
 from lbbsp.store import UNKNOWN_CLAIM, redacted
@@ -260,6 +270,8 @@ def test_ctrl_c_is_a_short_message_not_a_traceback(monkeypatch: pytest.MonkeyPat
 @pytest.mark.parametrize(("argv", "says"), [
     (["coordinator", "--workers", "0", "--global-batch", "8"], "argument --workers: must be at least 1"),
     (["coordinator", "--workers", "2", "--global-batch", "8", "--timeout", "-1"], "argument --timeout"),
+    (["coordinator", "--workers", "2", "--global-batch", "8", "--timeout", "ten"],
+     "argument --timeout: expected a number of seconds, got 'ten'"),
     (["coordinator", "--workers", "2", "--global-batch", "8", "--ttl", "5"], "argument --ttl: must be at least 10"),
     (["coordinator", "--workers", "2", "--global-batch", "8", "--ttl", "10", "--timeout", "20"],
      r"--ttl \(10\) must be at least --timeout \(20\)"),
@@ -837,6 +849,18 @@ def test_the_forget_command_offered_can_be_pasted(url: str, flag: str) -> None:
     a shell splits."""
     assert _redis_flag(url, "--redis") == flag
     assert _redis_flag(url, "$LBBSP_REDIS_URL") == ""  # read again from the variable
+
+
+def test_a_stop_signals_repeat_at_once_neither_cuts_short_nor_shortens_the_grace() -> None:
+    """The handler itself, called as the signals would call it: the subprocess test below cannot tell where its second
+    SIGTERM lands (a -15 exit, the handlers gone, passes too). GNU timeout's repeat of the first stop, microseconds
+    later, is that stop: no _CutShort, and the grace before the clean-up is cut stays STOP_GRACE_S."""
+    with _StopSignals() as stops:
+        stops._stop(signal.SIGTERM, None)
+        stops._stop(signal.SIGTERM, None)
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+    assert stops.received == "SIGTERM" and stops._cut is None
+    assert STOP_GRACE_S - 1.0 < left <= STOP_GRACE_S, left  # a second stop had set it to 0.25 s
 
 
 @pytest.mark.timeout(90)

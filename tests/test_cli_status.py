@@ -16,6 +16,7 @@ from lbbsp import BSPPolicy, Coordinator, EmbeddedRedis, JobConfig, Report, Stor
 from lbbsp.cli import main
 from lbbsp.client_history import ClientHistory
 from test_cli import LBBSP, _decided, _ended, _pause, _serving, two_iterations
+from test_redis_access import GRANTED, _user
 
 
 def test_status_of_a_job_whose_key_holds_another_type_names_the_key(redis_url: str, job: str,
@@ -584,3 +585,14 @@ def test_status_of_one_worker_and_one_decision_reads_right(
     _decided(store, iteration=1, sizes=[30])
     assert f"last 2 decisions of job {store.job}, newest first" in _status_output(redis_url, store.job, capsys,
                                                                                   "--decisions", "3")
+
+
+def test_status_for_a_user_who_may_not_scan_says_what_lbbsp_needs(own_server: EmbeddedRedis,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The list of jobs takes a SCAN, which the rules the docs give grant (+@all -@dangerous): a user without it got
+    Redis's error answer, with no word of what lbbsp needs."""
+    url = _user(own_server, "noscan", *GRANTED, "-scan")
+    assert main(["status", "--redis", url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lbbsp: error: the Redis user may not do what lbbsp needs (") and "'scan'" in err, err
+    assert " ".join(GRANTED) in err and "acl-test-pw" not in err, err

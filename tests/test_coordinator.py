@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import math
+import multiprocessing
 import os
 import re
 import signal
@@ -282,8 +283,8 @@ class Predicting(Policy):
         return Decision(tuple(current), "keep", predicted_throughput=self.predicted)
 
 
-@pytest.mark.parametrize("predicted", [(1.0,), ("a",) * 4, (1.0, 2.0, None, 4.0), 3.0],
-                         ids=["too few", "strings", "none", "not a sequence"])
+@pytest.mark.parametrize("predicted", [(1.0,), ("a",) * 4, (1.0, 2.0, None, 4.0), 3.0, (1.0, [2.0, 3.0], 3.0, 4.0)],
+                         ids=["too few", "strings", "none", "not a sequence", "ragged"])
 def test_bad_predictions_are_dropped_and_the_decision_still_counts(store: Store, job: str, predicted: object,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     """Predictions that did not fit the workers raised after the split was out: the decision was never
@@ -302,6 +303,26 @@ def test_bad_predictions_are_dropped_and_the_decision_still_counts(store: Store,
     assert "predicted throughput" in caplog.text
     statuses = {int(w): json.loads(s) for w, s in store.worker_statuses().items()}
     assert [statuses[w]["predicted_throughput"] for w in range(4)] == [None] * 4
+
+
+class _RaggedSizes(Policy):
+    """Answers sizes that are no flat sequence of numbers: numpy cannot make an array of them."""
+
+    name = "ragged"
+
+    def decide(self, iteration: int, current: Sequence[int], config: JobConfig) -> Decision:
+        ragged: Any = ((1, 2), 3, 4, 5)
+        return Decision(ragged, "ragged")
+
+
+def test_sizes_that_are_no_array_keep_the_split_with_an_error_that_says_so(store: Store, job: str) -> None:
+    coordinator = Coordinator(store, JobConfig(job, 4, 40, lag=1), _RaggedSizes())
+    for worker in range(4):
+        store.post_report(Report(job, worker, 0, 10, 0.1), 4)
+    outcome = coordinator.decide(0)
+    assert outcome.written and outcome.assignment.sizes == (10,) * 4  # the split kept, as for any policy failure
+    assert "invalid split: sizes are not numbers" in outcome.assignment.reason, outcome.assignment.reason
+    assert coordinator.decisions_made == 1
 
 
 def test_predictions_as_an_array_are_recorded_as_numbers(store: Store, job: str) -> None:
@@ -1829,3 +1850,78 @@ def test_a_sigterm_half_way_through_starting_the_coordinator_process_leaves_no_h
     assert done.returncode == 128 + signal.SIGTERM, done.stderr[-2000:]
     assert "NOT STOPPED" not in done.stdout
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_coordinator_that_keeps_up_again_decides_one_iteration_at_a_time_again(store: Store, job: str,
+                                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Decisions slower than the workers' steps make each decision cover several iterations (ahead > 1); once the
+    decisions are fast again (a policy's model that no longer refits, say), ahead must come back to 1, or the split
+    would follow the workers' speeds ``ahead`` iterations late for the rest of the run. Driven through _pace with
+    chosen times: the decision's time is perf_counter() - started."""
+    coordinator = Coordinator(store, JobConfig(job, 2, 10, lag=2), BSPPolicy())
+    fast_steps = [Report(job, w, 0, 5, 0.01) for w in range(2)]
+    for k in range(5):  # 0.3 s a decision against steps of 10 ms
+        coordinator._pace(k, time.perf_counter() - 0.3, fast_steps)
+    assert coordinator.ahead > 1
+    slow_steps = [Report(job, w, 0, 5, 1.0) for w in range(2)]
+    coordinator._next_pace_log = 0.0  # the change is logged at most once a minute
+    with caplog.at_level(logging.INFO, logger="lbbsp.coordinator"):
+        for k in range(5, 10):  # decisions of about nothing against steps of 1 s
+            coordinator._pace(k, time.perf_counter(), slow_steps)
+    assert coordinator.ahead == 1
+    assert "keeps up with the workers again" in caplog.text
+
+
+def _construct_in_daemon(url: str, job: str, answers: Any) -> None:
+    try:
+        CoordinatorProcess(url, JobConfig(job, 2, 8))
+    except LBBSPError as exc:
+        answers.put(exc.message)
+    else:
+        answers.put("started")
+
+
+def test_a_daemonic_process_is_told_how_to_start_the_coordinator_instead() -> None:
+    """A daemonic process cannot have children: multiprocessing's own AssertionError ("daemonic processes are not
+    allowed to have children") named neither lbbsp nor what to do. Refused before Redis is asked (none listens at
+    this URL)."""
+    context = multiprocessing.get_context("fork")
+    answers = context.Queue()
+    child = context.Process(target=_construct_in_daemon, args=("redis://127.0.0.1:1/0", "daemonic", answers),
+                            daemon=True)
+    child.start()
+    try:
+        said = answers.get(timeout=30)
+    finally:
+        child.join(10)
+    assert "a daemonic process cannot start the coordinator process" in said and "daemon=False" in said, said
+
+
+class _FailsInTheChild(BSPPolicy):
+    """Pickles, but its unpickling fails in the coordinator's child (int("...") raises), as a policy whose module the
+    child cannot import does: the child exits before it serves."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (int, ("not a policy in the child",))
+
+
+@pytest.mark.timeout(60)
+def test_a_child_that_exits_before_it_serves_is_an_error_and_a_restart_that_fails_is_logged(
+        redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    config = JobConfig(job, 2, 8)
+    with pytest.raises(LBBSPError, match=r"the coordinator process exited or did not start within 20s "
+                                         r"\(exit code 1\); its traceback is above \[job="):
+        CoordinatorProcess(redis_url, config, _FailsInTheChild(), start_timeout_s=20)
+    # a child that served, then died, whose restart fails so: logged, and left dead once RESTARTS are spent (no loop)
+    running = CoordinatorProcess(redis_url, config, BSPPolicy(), start_timeout_s=20)
+    running.RESTARTS = 1
+    try:
+        running._args = (running._args[0], running._args[1], _FailsInTheChild(), *running._args[3:])
+        with caplog.at_level(logging.WARNING, logger="lbbsp.coordinator"):
+            os.kill(running._process.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            _until(lambda: "not starting it again" in caplog.text, 30.0)
+        assert f"could not start the coordinator process of job {job} again" in caplog.text
+        assert "(exit code 1); its traceback is above" in caplog.text
+        assert not running.alive and running.restarts == 0
+    finally:
+        running.stop()

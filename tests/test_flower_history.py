@@ -286,3 +286,56 @@ def test_a_new_client_after_the_index_map_is_lost_gets_no_index_with_a_stored_hi
         history.client.delete(history.key("ids"), history.key("next"))
     with ClientHistory.from_url(redis_url, job) as restarted:
         assert restarted.worker_index(8) not in restarted.statuses()
+
+
+def test_stored_statuses_no_lbbsp_process_wrote_are_skipped_and_the_good_ones_read(
+        redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Each is refused where read, with the field named, as where made: the strategy's model then goes on from the
+    clients' good statuses, never from a payload of another writer's."""
+    good = ClientStatus(3, "ok", "", 5.0)
+    with ClientHistory.from_url(redis_url, job) as history:
+        history.client.hset(history.key("status"), mapping={
+            "0": good.to_json(), "1": b"{",  # not JSON; then too large, and a reason longer than any written
+            "2": json.dumps({"round": 3, "status": "ok", "reason": "x" * 5000, "at": 5.0}),
+            "3": json.dumps({"round": 3, "status": "ok", "reason": "x" * (MAX_REASON_CHARS + 1), "at": 5.0})})
+        with caplog.at_level("WARNING", logger="lbbsp.client_history"):
+            assert history.statuses() == {0: good}
+    said = sorted(r.getMessage() for r in caplog.records)
+    assert len(said) == 3, said
+    assert "payload: status is not valid JSON" in said[0] and "payload: status payload too large" in said[1], said
+    assert "reason: must be a short string" in said[2], said
+
+
+@pytest.mark.parametrize("key", ["", "k" * (client_history.MAX_CLIENT_KEY_CHARS + 1)], ids=["empty", "too long"])
+def test_a_client_key_that_is_empty_or_too_long_is_refused_naming_the_bounds(redis_url: str, job: str,
+                                                                             key: str) -> None:
+    with ClientHistory.from_url(redis_url, job) as history:
+        with pytest.raises(ProtocolError, match="client key must be 1 to 128 characters") as caught:
+            history.worker_indices(["a", key])
+        assert caught.value.field == "client"
+        assert history.workers() == {}  # none indexed, "a" neither: the call is refused whole
+
+
+def test_client_id_entries_no_lbbsp_process_wrote_are_skipped_and_the_others_listed(
+        redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    with ClientHistory.from_url(redis_url, job) as history:
+        assert history.worker_indices(["a", "b"]) == [0, 1]
+        history.client.hset(history.key("ids"), mapping={b"\xff": "3", "c": "not an index"})
+        with caplog.at_level("WARNING", logger="lbbsp.client_history"):
+            assert history.workers() == {"a": 0, "b": 1}
+        assert caplog.text.count("skipping a bad client id entry") == 2
+
+
+def test_the_federated_jobs_listed_leave_out_keys_whose_job_name_no_job_has(redis_url: str, job: str) -> None:
+    """`lbbsp status` lists them by their keys: a foreign writer's key under lbbsp:*:fl: with no valid job name in it
+    (not UTF-8, or a name lbbsp refuses) is no job."""
+    foreign = [b"lbbsp:\xff\xfe:fl:ids", f"lbbsp:{job} bad\n:fl:ids".encode()]
+    with ClientHistory.from_url(redis_url, job) as history:
+        assert history.worker_indices(["a"]) == [0]
+        history.client.set(foreign[0], 1)
+        history.client.set(foreign[1], 1)
+        try:
+            jobs = client_history.flower_jobs(history.client)
+        finally:
+            history.client.delete(*foreign, *history.client.keys(f"lbbsp:{job}:*"))
+    assert job in jobs and all(name.startswith(job) is (name == job) for name in jobs), jobs

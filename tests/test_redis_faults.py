@@ -158,17 +158,29 @@ class News:
         return any(told >= iteration - 1 for told in self.told)
 
 
-@pytest.mark.parametrize("news", [True, False], ids=["with-news", "without"])
-def test_a_worker_that_hears_another_waited_out_redis_falls_back_without_its_own_wait(job: str, news: bool) -> None:
+class BrokenNews(News):
+    """A channel of one's own that fails both ways (a collective that timed out, say)."""
+
+    def tell(self, iteration: int) -> None:
+        raise RuntimeError("cannot tell")
+
+    def heard(self, iteration: int) -> bool:
+        raise RuntimeError("cannot hear")
+
+
+@pytest.mark.parametrize("news", ["with", "without", "broken"], ids=["with-news", "without", "broken-news"])
+def test_a_worker_that_hears_another_waited_out_redis_falls_back_without_its_own_wait(job: str, news: str) -> None:
     """Worker 0 read iteration 1's vector just before Redis went; worker 1 did not, waited the bound out and fell
     back. Worker 0's next step had waited the whole timeout again: a second stall of the job. With the news of
-    worker 1's fallback it falls back at its first failure; the first fallback of each worker is told, once."""
+    worker 1's fallback it falls back at its first failure; the first fallback of each worker is told, once. A channel
+    that fails is no news: each worker waits its bound, as without one, and neither step fails on it."""
     config = JobConfig(job, 2, 10, assignment_timeout_s=1.5, lag=1)
-    channel = News()
+    channel = BrokenNews() if news == "broken" else News()
     with EmbeddedRedis() as server:
         stores = [Store.from_url(server.url, job, socket_timeout_s=worker_socket_timeout(config.assignment_timeout_s))
                   for _ in range(2)]
-        workers = [WorkerClient(store, config, w, agree=lambda agreed: agreed, outage_news=channel if news else None)
+        workers = [WorkerClient(store, config, w, agree=lambda agreed: agreed,
+                                outage_news=None if news == "without" else channel)
                    for w, store in enumerate(stores)]
         try:
             stores[0].publish_or_read(Assignment(job, 1, (4, 6), "test", "decided"))
@@ -185,8 +197,8 @@ def test_a_worker_that_hears_another_waited_out_redis_falls_back_without_its_own
             for worker, store in zip(workers, stores):
                 worker.close()
                 store.close()
-    assert (waited < 0.75) if news else (waited >= 1.5), waited
-    assert channel.told == ([1, 2] if news else [])
+    assert (waited < 0.75) if news == "with" else (waited >= 1.5), waited
+    assert channel.told == ([1, 2] if news == "with" else [])
 
 
 def test_outage_news_that_cannot_tell_or_hear_is_refused_where_the_worker_is_made(store: Store, job: str) -> None:
@@ -294,6 +306,32 @@ def test_an_iteration_queued_again_is_not_decided_again_nor_taken_for_a_new_run(
         assert store.client.llen(store.key("ready")) == 0 and coordinator.decisions_made == 4
     assert caplog.text.count("iteration(s) 1 queued again as complete") == 1, caplog.text
     assert "went back" not in caplog.text
+
+
+def test_a_ready_list_of_iterations_decided_or_deleted_already_decides_nothing_and_deletes_nothing(
+        redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A foreign writer's pushes: an iteration decided from already, alone on the list, and one whose keys a clean-up
+    deleted (as another coordinator's does while this one is paused): no decision from either (one from iteration 2
+    would replace nothing, but deciding from it had deleted the assignments before it), the later splits kept, and
+    the second warned about once, not at each push."""
+    config = JobConfig(job, 2, 10, lag=1)
+    with Store.from_url(redis_url, job) as store:
+        coordinator = Coordinator(store, config, policy=BSPPolicy())
+        for k in range(6):
+            for worker in (0, 1):
+                store.post_report(Report(job, worker, k, 5, 0.1), config.num_workers)
+            assert coordinator.step(timeout_s=0.5) is not None
+        store.client.rpush(store.key("ready"), 5)
+        assert coordinator.step(timeout_s=0.5) is None
+        store.client.delete(store.key("assign", 2), store.key("reports", 2))
+        with caplog.at_level(logging.WARNING, logger="lbbsp.coordinator"):
+            for _ in range(2):
+                store.client.rpush(store.key("ready"), 2)
+                assert coordinator.step(timeout_s=0.5) is None
+        assert coordinator.decisions_made == 6 and store.decision_count() == 6
+        assert all(store.get_assignment(k) is not None for k in range(3, 7))
+    behind = [r.getMessage() for r in caplog.records if "behind the job's latest decision" in r.getMessage()]
+    assert len(behind) == 1 and "iterations 2, queued as complete" in behind[0] and "(from iteration 5)" in behind[0]
 
 
 def test_status_skips_entries_no_coordinator_wrote(redis_url: str, job: str,

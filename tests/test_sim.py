@@ -207,6 +207,23 @@ def test_a_policy_that_has_run_is_refused_for_another_run() -> None:
     assert set(compare(scenario, 6, standard_policies(scenario))) == set(policies)  # fresh ones run
 
 
+@pytest.mark.parametrize("name", ["", 3], ids=["empty", "not a string"])
+def test_a_policy_without_a_name_is_refused_before_any_runs(name: object) -> None:
+    """The name keys the results, the table and the plot's legend: refused before any policy runs."""
+    bsp = BSPPolicy()
+    with pytest.raises(ConfigError, match=f"policy names must be non-empty strings, got {name!r}"):
+        compare(GPUMix(4, 6, seed=0), 6, {"bsp": bsp, name: BSPPolicy()})  # type: ignore[dict-item]
+    assert set(compare(GPUMix(4, 6, seed=0), 6, {"bsp": bsp})) == {"bsp"}  # bsp had not run
+
+
+def test_a_level_oracle_on_a_scenario_without_a_noise_free_truth_says_so() -> None:
+    """The level oracles are references only where a scenario separates its noise from its slow process (the engine
+    adds them there itself); given one elsewhere, the error names the scenario and why."""
+    with pytest.raises(ConfigError, match="scenario gpu-mix does not separate noise from its slow process: no level "
+                                          "oracle"):
+        compare(GPUMix(4, 6, seed=0), 6, {"level": engine.LevelOracle()})
+
+
 def test_a_round_none_of_its_asked_clients_reaches_is_charged_as_if_they_came(redis_url: str) -> None:
     """Every client of this 2-client run drops out of round 23, and lbbsp-sit-out's one asked client drops out
     of some rounds of the other: such a round trains nothing. It is charged as the asked clients' round, so

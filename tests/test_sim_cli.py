@@ -650,6 +650,19 @@ def test_results_that_cannot_be_written_are_an_out_error_not_a_redis_one(tmp_pat
     assert f"--out {tmp_path} is not a folder results can be written to" in err and "Redis" not in err
 
 
+def test_an_out_folder_in_a_symlink_loop_is_refused_as_one_results_cannot_be_written_to(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Comparing it with the traces' folder cannot resolve it (a RuntimeError or OSError, by Python version): that check
+    passes it on, and the check of --out refuses it, naming the loop."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    assert main(["simulate", "--scenario", "gpu-mix", "--workers", "4", "--iterations", "3", "--out",
+                 str(tmp_path / "a" / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path / 'a' / 'out'} is not a folder results can be written to" in err, err
+    assert "symbolic links" in err and "Traceback" not in err, err
+
+
 def test_the_plots_ratio_axis_has_round_ticks_across_the_range() -> None:
     """Its log axis had labelled only 0.9 and 1.0, with lines at 1.2-1.5 x the oracle."""
     assert cli._ratio_ticks(0.95, 1.5) == [0.95, 1.0, 1.1, 1.2, 1.3, 1.5]
@@ -676,3 +689,10 @@ def test_the_level_references_note_gives_the_lag_in_words_that_agree(lag: int, s
     row = {"mean_iteration_s": 1.0, "vs_oracle": 1.0, "idle_fraction": 0.0, "decision_ms_mean": 0.1,
            "decision_ms_p99": 0.1, "over_memory_iterations": 0, "failed_decisions": 0}
     assert said in cli.table(scenario, {"oracle": row, "oracle-level": row})
+
+
+def test_numpy_values_a_scenario_of_ones_own_returns_are_written_as_json_numbers() -> None:
+    """A result holding numpy's numbers (a scenario or policy of one's own) is written as numbers: a numpy integer
+    had been written as the string "3"."""
+    written = json.dumps({"count": np.int64(3), "share": np.float32(0.5), "sizes": np.arange(2)}, default=cli._plain)
+    assert json.loads(written) == {"count": 3, "share": 0.5, "sizes": [0, 1]}

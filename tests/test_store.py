@@ -26,6 +26,7 @@ from lbbsp import (
     Report,
     Store,
     StoreUnavailable,
+    WorkerClient,
 )
 from lbbsp.cli import main
 from lbbsp.client_history import ClientHistory
@@ -283,6 +284,43 @@ def test_the_store_and_the_command_give_one_hint_for_a_finished_runs_keys(
     said = capsys.readouterr().err  # with the --redis that reaches the keys, which the command was given
     hint = _hint(job, f"--redis {redis_url}")
     assert said == f"lbbsp: error: job {job!r} was started with --workers 2 (not 3); {hint}\n"
+
+
+def _missing_database(url: str) -> str:
+    """``url`` with a database number no Redis has by default (16 databases)."""
+    if url.startswith("unix://"):
+        return url.split("?")[0] + "?db=9999"
+    return url.rsplit("/", 1)[0] + "/9999"
+
+
+def test_a_database_the_server_does_not_have_is_a_config_error_that_says_so(
+        redis_url: str, job: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """redis-py selects the URL's database as it connects, and Redis answers an error ("DB index is out of range"):
+    no outage to wait out, nor a StoreUnavailable's "cannot reach"."""
+    url = _missing_database(redis_url)
+    with Store.from_url(url, job) as store, pytest.raises(ConfigError) as raised:
+        store.ping()
+    assert raised.value.message == "Redis refused the connection's settings: DB index is out of range"
+    assert main(["status", "--redis", url, "--job", job]) == 2
+    assert "lbbsp: error: Redis refused the connection's settings: DB index is out of range" in capsys.readouterr().err
+
+
+def test_a_worker_or_coordinator_given_a_database_the_server_does_not_have_gets_the_config_error(
+        redis_url: str, job: str) -> None:
+    """Where ``lbbsp status`` and CoordinatorProcess (which ping first) say "Redis refused the connection's
+    settings", a Coordinator or WorkerClient built on the store had raised redis-py's bare ResponseError, no
+    LBBSPError."""
+    with Store.from_url(_missing_database(redis_url), job) as store:
+        with pytest.raises(ConfigError, match="refused the connection"):
+            Coordinator(store, JobConfig(job, 2, 10))
+        with pytest.raises(ConfigError, match="refused the connection"):
+            WorkerClient(store, JobConfig(job, 2, 10), 0)
+
+
+def test_a_store_refuses_the_settings_of_another_job(store: Store) -> None:
+    with pytest.raises(ConfigError, match=f"config is for job 'other', store for {store.job!r}"):
+        store.register(JobConfig("other", 2, 10))
+    assert not store.has_config()
 
 
 # -- 2. the claim and its lifetime, in one round trip -------------------------------------------------------------

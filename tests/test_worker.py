@@ -910,6 +910,45 @@ def test_a_peek_in_the_only_workers_outage_does_not_ask_the_stalled_redis(server
         _close(client)
 
 
+def test_a_peek_gives_the_vector_the_worker_used_and_none_for_what_is_not_a_vector(store: Store, job: str) -> None:
+    """A peek at an iteration the worker ran gives the vector it used, without asking Redis (its key deleted here);
+    one whose key holds what lbbsp does not write is None, not an error on the prefetch thread: the step's own
+    assignment() then says what is wrong."""
+    config = JobConfig(job, 2, 10, assignment_timeout_s=0.3, lag=1)
+    with WorkerClient(store, config, 0) as client:
+        used = client.assignment(1)
+        store.client.delete(store.key("assign", 1))
+        assert client.peek(1) == used
+        store.client.set(store.key("assign", 3), b"not an assignment")
+        assert client.peek(3) is None
+        assert client.peek(4) is None  # nothing stored yet
+
+
+def test_the_only_worker_that_sends_nothing_finds_redis_back_by_the_senders_ping(
+        server: EmbeddedRedis, job: str) -> None:
+    """Steps that report nothing while Redis is back (a long evaluation, steps slower than the sender's 0.5 s idle
+    wait): the sender's ping, not a report, tells that Redis answers again, and the next step asks it (here: no
+    coordinator, so it waits its bound and falls back for that, not for an unusable Redis)."""
+    config = JobConfig(job, 1, 8, assignment_timeout_s=0.6, lag=1)
+    client = _client(server, config, outage_s=60.0)
+    try:
+        assert client.assignment(0).sizes == (8,)
+        _stall(server)
+        assert client.assignment(1).reason.startswith("Redis unusable")  # waits its bound: the outage begins
+        assert client.assignment(2).reason.startswith("Redis unusable")  # rides it out, Redis not asked
+    finally:
+        _stall(server, signal.SIGCONT)
+    try:
+        time.sleep(2.0)  # a few idle turns of the sender: pings
+        began = time.monotonic()
+        back = client.assignment(3)
+        waited = time.monotonic() - began
+    finally:
+        _close(client)
+    assert back.reason.startswith("coordinator late"), back
+    assert waited >= 0.5, waited
+
+
 def test_the_only_worker_closed_in_a_stall_returns_at_once_and_says_what_it_did_not_send(
         server: EmbeddedRedis, job: str, caplog: pytest.LogCaptureFixture) -> None:
     """The job's only worker, closed in a Redis outage (a stall: the server accepts and answers nothing): close returns

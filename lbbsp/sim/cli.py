@@ -472,4 +472,6 @@ def _finite(value: object) -> object:
 
 
 def _plain(value: object) -> object:
-    return value.tolist() if isinstance(value, np.ndarray) else str(value)
+    """What json writes for a value it has no form of: numpy's arrays and numbers as lists and numbers (a numpy
+    integer had been written as a string), anything else as its str."""
+    return value.tolist() if isinstance(value, (np.ndarray, np.generic)) else str(value)
