@@ -518,6 +518,10 @@ class LoadBalanced(Strategy):
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         sent = self._pending.pop(server_round, None)
+        if sent is None:  # Flower's loop configures each round before it aggregates it: a direct call, or a wrapper's
+            log(WARNING, "lbbsp round %d: LoadBalanced sent no workload for this round (aggregated already, or not "
+                         "configured through it): its replies are not checked against a plan, nor recorded",
+                server_round)
         replies = [_with_printable_error(m) for m in self._first_reply_each(server_round, _addressed(replies, sent))]
         if sent is not None:
             predicted = "" if sent.predicted_s is None else f" (predicted {sent.predicted_s:.3g}s)"

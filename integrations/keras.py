@@ -757,8 +757,9 @@ class _CallbackLogic:
         order = epoch + self._restore_offset
         if order < 0:
             raise ConfigError(f"Keras resumes this fit at epoch {epoch} (BackupAndRestore), which the source's count "
-                              f"puts before its first epoch ({self._restore_offset:+d}): set source.epochs_trained to "
-                              "the epochs the stopped run's source had trained before its fit",
+                              f"puts before its first epoch ({self._restore_offset:+d}): give fit the stopped fit's "
+                              "initial_epoch, or set source.epochs_trained to the epochs the stopped run's source had "
+                              "trained before its fit, plus this fit's initial_epoch less the stopped one's",
                               job=self.client.config.job)
         log.info("LBBSPCallback: Keras resumes this fit at epoch %d, step %d (BackupAndRestore): the source at its "
                  "order %d", epoch, step, order)
@@ -776,6 +777,7 @@ class _CallbackLogic:
                               "and build BalancedSource with the same steps_per_execution (tf_keras goes on retuning "
                               "a model compiled once with 'auto', even compiled again: set "
                               "model.autotune_steps_per_execution = False)", job=job)
+        self._undo_a_cut_execution()
         per_execution = getattr(self.model, "_steps_per_execution", None)  # tf_keras: a tf.Variable
         per_execution = int(per_execution.numpy()) if per_execution is not None else int(self.model.steps_per_execution)
         if per_execution != self.source.steps_per_execution:
@@ -796,6 +798,21 @@ class _CallbackLogic:
                               f"last execution of an epoch of {steps} steps would read into the next epoch: use a "
                               f"steps_per_execution that divides {steps} (in compile and BalancedSource), or "
                               "source.py_dataset()", job=job)
+
+    def _undo_a_cut_execution(self) -> None:
+        """tf_keras cuts an epoch's last execution to the steps left (5 steps in executions of 3: the last runs 2) by
+        setting the model's steps_per_execution variable, and sets it back once that execution ends: a fit stopped
+        within it (an error, Ctrl-C, a preemption that BackupAndRestore resumes in the same process) leaves the model
+        at the cut, every later fit's executions that short, and the source's 3-step iterations had refused the fit
+        again for good, with "model.compile(steps_per_execution=2)". Such a value is set back to the source's."""
+        variable = getattr(self.model, "_steps_per_execution", None)  # tf_keras only
+        steps, wanted = self.params.get("steps"), self.source.steps_per_execution
+        if variable is None or not steps or not steps % wanted or int(variable.numpy()) != steps % wanted:
+            return
+        variable.assign(wanted)
+        log.warning("the model's steps_per_execution was %d, the length of an epoch's last execution of %d steps in "
+                    "executions of %d, as a fit stopped within that execution leaves it: set back to %d, the source's",
+                    steps % wanted, steps, wanted, wanted)
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         """Start timing this execution's compute (tf_keras: again as its train function is called, after every

@@ -1852,8 +1852,8 @@ def test_a_sigterm_half_way_through_starting_the_coordinator_process_leaves_no_h
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
-def test_a_coordinator_that_keeps_up_again_decides_one_iteration_at_a_time_again(store: Store, job: str,
-                                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_a_coordinator_that_keeps_up_again_decides_one_iteration_at_a_time_again(
+        store: Store, job: str, caplog: pytest.LogCaptureFixture) -> None:
     """Decisions slower than the workers' steps make each decision cover several iterations (ahead > 1); once the
     decisions are fast again (a policy's model that no longer refits, say), ahead must come back to 1, or the split
     would follow the workers' speeds ``ahead`` iterations late for the rest of the run. Driven through _pace with

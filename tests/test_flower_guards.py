@@ -380,3 +380,31 @@ def test_a_dp_accountant_inside_is_refused_where_the_weights_cannot_be_equal(red
         LoadBalanced(wrapped, history, weight_by="data")  # equal data sizes give equal weights
         LoadBalanced(DifferentialPrivacyServerSideFixedClipping(FedAvg(), noise_multiplier=1.0, clipping_norm=1.0,
                                                                 num_sampled_clients=3), history, weight_by="samples")
+
+
+def test_a_step_count_past_the_most_a_round_can_take_is_named_as_the_steps() -> None:
+    """A claim of more local steps than any workload may give is refused while the metrics are read, before the
+    workload check: the only check a reply to a round LoadBalanced did not send gets."""
+    metrics: dict[str, int | float | list[int] | list[float]] = {
+        "lbbsp-samples": 8, "lbbsp-steps": MAX_LOCAL_STEPS, "lbbsp-compute-s": 1.0, "lbbsp-download-s": 0.0,
+        "lbbsp-upload-s": 0.0}
+    assert ClientResult.from_metrics(MetricRecord(metrics)).steps == MAX_LOCAL_STEPS
+    with pytest.raises(ProtocolError, match=rf"lbbsp-steps: must be at most {MAX_LOCAL_STEPS}$") as refused:
+        ClientResult.from_metrics(MetricRecord({**metrics, "lbbsp-steps": MAX_LOCAL_STEPS + 1}))
+    assert refused.value.field == "lbbsp-steps"
+
+
+def test_an_unknown_adapt_or_weight_by_is_a_config_error_by_name(redis_url: str, job: str) -> None:
+    with ClientHistory.from_url(redis_url, job) as history:
+        with pytest.raises(ConfigError, match=r"adapt must be 'batch' or 'steps', got 'batches'"):
+            LoadBalanced(FedAvg(), history, adapt="batches")  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=r"weight_by must be 'auto', 'samples' or 'data', got 'examples'"):
+            LoadBalanced(FedAvg(), history, weight_by="examples")  # type: ignore[arg-type]
+
+
+def test_a_closed_local_grid_refuses_new_messages() -> None:
+    """A grid used after close() (a second start() on it) says so, rather than start threads no one joins."""
+    grid = LocalGrid(ClientApp(), [{}])
+    grid.close()
+    with pytest.raises(RuntimeError, match="LocalGrid is closed"):
+        grid.push_messages([a_train_message()])

@@ -611,3 +611,69 @@ def test_local_grid_logs_a_raising_client_apps_traceback(caplog: pytest.LogCaptu
     (logged,) = [r.getMessage() for r in caplog.records if "LocalGrid: the ClientApp of node" in r.getMessage()]
     assert "Traceback (most recent call last)" in logged and "in _train" in logged, logged
     assert logged.endswith("ValueError: the client's data is gone"), logged
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("weight_by", ["auto", "data"])
+def test_a_data_size_of_0_that_would_weigh_the_reply_is_refused_and_the_others_aggregated(
+        redis_url: str, job: str, weight_by: str) -> None:
+    """A reply weighted by its data size weighs nothing at 0: averaged in, it would count as trained but change
+    nothing (and a round of such replies would divide by 0)."""
+    grid = LocalGrid(client_app=None, node_configs=[{}, {}])  # type: ignore[arg-type]  # no ClientApp is called
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = LoadBalanced(fedavg(), history, batch_size=8, local_steps=5,
+                                weight_by=weight_by)  # type: ignore[arg-type]
+        sent = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord([np.zeros(1)]),
+                                                                             ConfigRecord(), grid)}
+        arrays, _ = strategy.aggregate_train(1, [_reply(sent[1], 1.0, **{"lbbsp-data-size": 10}),
+                                                 _reply(sent[2], 2.0, **{"lbbsp-data-size": 0})])
+        statuses = {node: history.statuses()[history.worker_index(node)] for node in (1, 2)}
+    grid.close()
+    assert arrays is not None and arrays.to_numpy_ndarrays()[0].tolist() == [1.0]  # node 1's alone
+    assert statuses[1].status == "ok" and statuses[2].status == "failed"
+    assert statuses[2].reason == (f"bad reply: lbbsp-data-size: is 0, and with weight_by={weight_by!r} the reply "
+                                  "would weigh nothing")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("record", "says"), [
+    (MetricRecord({"loss": 1.0}), "metrics: must hold one MetricRecord, holds 2"),
+    (ArrayRecord([np.ones(1)]), "arrays: must hold one ArrayRecord, holds 2"),
+], ids=["metrics", "arrays"])
+def test_replies_that_all_carry_a_second_record_are_each_refused_by_name(
+        redis_url: str, job: str, record: MetricRecord | ArrayRecord, says: str) -> None:
+    """Alike, they pass the check for a reply unlike the others; FedAvg would refuse them (one ArrayRecord and one
+    MetricRecord a reply): each is left out, named, and recorded as failed, and the model is kept."""
+    grid = LocalGrid(client_app=None, node_configs=[{}, {}])  # type: ignore[arg-type]  # no ClientApp is called
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = LoadBalanced(fedavg(), history, batch_size=8, local_steps=5)
+        sent = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord([np.zeros(1)]),
+                                                                             ConfigRecord(), grid)}
+        replies = [_reply(sent[node], float(node)) for node in (1, 2)]
+        for message in replies:
+            message.content["extra"] = record
+        arrays, _ = strategy.aggregate_train(1, replies)
+        reasons = {history.statuses()[history.worker_index(node)].reason for node in (1, 2)}
+    grid.close()
+    assert arrays is None
+    assert reasons == {f"bad reply: {says}"}
+
+
+@pytest.mark.timeout(60)
+def test_a_round_aggregated_a_second_time_is_not_recorded_again(redis_url: str, job: str,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """aggregate_train of a round LoadBalanced has no workload for (aggregated already, or never configured) passes the
+    replies on to the wrapped strategy, and records nothing: a round's samples are counted in the history once. It
+    says so: such replies are not checked against a plan (a NaN one had been averaged in silence)."""
+    grid = LocalGrid(client_app=None, node_configs=[{}, {}])  # type: ignore[arg-type]  # no ClientApp is called
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = LoadBalanced(fedavg(), history, batch_size=8, local_steps=5)
+        sent = {m.metadata.dst_node_id: m for m in strategy.configure_train(1, ArrayRecord([np.zeros(1)]),
+                                                                             ConfigRecord(), grid)}
+        for _ in range(2):
+            arrays, _ = strategy.aggregate_train(1, [_reply(sent[1], 1.0), _reply(sent[2], 3.0)])
+            assert arrays is not None and arrays.to_numpy_ndarrays()[0].tolist() == [2.0]
+        reports = {node: history.reports(history.worker_index(node)) for node in (1, 2)}
+    grid.close()
+    assert {node: [r.iteration for r in rs] for node, rs in reports.items()} == {1: [1], 2: [1]}
+    assert len(warnings_like(caplog, r"lbbsp round 1: LoadBalanced sent no workload for this round")) == 1

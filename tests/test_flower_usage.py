@@ -318,3 +318,63 @@ def test_load_balanced_built_while_redis_is_down_says_it_needs_redis_then() -> N
                                                    r"\(ConnectionError\): .*127\.0\.0\.1:1") as raised:
             LoadBalanced(FedAvg(), history)
     assert isinstance(raised.value.__cause__, StoreUnavailable) and raised.value.job == "walkthrough"
+
+
+def _train_to_nothing(msg: Message, context: Context) -> Message:
+    rnd = LocalRound(msg, link=EmulatedLink(1e9, 1e9))
+    for _ in rnd.batches():
+        pass
+    return rnd.reply(ArrayRecord([np.zeros(1)]))
+
+
+@pytest.mark.timeout(60)
+def test_a_plan_override_that_sizes_the_nodes_itself_is_sent_and_recorded(redis_url: str, job: str) -> None:
+    """plan() is an extension point: an override that never calls LoadBalanced.plan had no worker indices looked up
+    for its nodes; they are looked up after it, and its workloads are what the clients train and report."""
+    planned: list[int] = []
+
+    class FixedPlan(LoadBalanced):
+        def plan(self, server_round: int, nodes: list[int]) -> dict[int, Workload]:
+            planned.extend(nodes)
+            return {node: Workload(4 * node, 2) for node in nodes}
+
+    app = ClientApp()
+    app.train()(_train_to_nothing)
+    grid = LocalGrid(app, [{}, {}])
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = FixedPlan(FedAvg(fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2), history)
+        try:
+            strategy.start(grid=grid, initial_arrays=ArrayRecord([np.zeros(1)]), num_rounds=1, timeout=30)
+        finally:
+            grid.close()
+        reports = {node: history.reports(history.worker_index(node)) for node in (1, 2)}
+        statuses = {node: history.statuses()[history.worker_index(node)].status for node in (1, 2)}
+    assert sorted(planned) == [1, 2]
+    assert {node: [r.samples for r in rs] for node, rs in reports.items()} == {1: [8], 2: [16]}  # 2 steps of 4 n
+    assert statuses == {1: "ok", 2: "ok"}
+
+
+@pytest.mark.timeout(60)
+def test_a_query_answer_without_hardware_is_logged_and_the_nodes_still_train(
+        redis_url: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    """An ``@app.query()`` of the user's own, which answers without lbbsp's hardware record, is no hardware: the nodes
+    are planned as typical clients, in one line that says why, and their round goes on."""
+    app = ClientApp()
+    app.train()(_train_to_nothing)
+
+    @app.query()
+    def _query(msg: Message, context: Context) -> Message:
+        return Message(RecordDict({"answer": MetricRecord({"free-disk-gb": 12})}), reply_to=msg)
+
+    grid = LocalGrid(app, [{}, {}])
+    with ClientHistory.from_url(redis_url, job) as history:
+        strategy = LoadBalanced(FedAvg(fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2), history,
+                                batch_size=8, ask_hardware_s=5.0)
+        try:
+            strategy.start(grid=grid, initial_arrays=ArrayRecord([np.zeros(1)]), num_rounds=1, timeout=30)
+        finally:
+            grid.close()
+        assert {s.status for s in history.statuses().values()} == {"ok"}
+    logged = [r.getMessage() for r in caplog.records if "gave no hardware" in r.getMessage()]
+    assert logged == ["lbbsp round 1: nodes [1, 2] gave no hardware (lbbsp-hardware: is missing from the answer): "
+                      "planned as typical clients"]

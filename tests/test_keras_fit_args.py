@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -258,3 +259,74 @@ def test_weights_are_never_narrower_than_float32(job: str, x_dtype: str, weight_
     _, _, weights = data[0]
     assert weights.dtype == np.dtype(weight_dtype)
     assert weights[0] == pytest.approx(2 * 0.67 / 3, rel=1e-6)
+
+
+@pytest.mark.timeout(180)
+def test_tf_keras_resumed_from_a_backup_of_an_epochs_last_execution_starts_the_next_epoch(
+        redis_url: str, job: str, tmp_path: Path) -> None:
+    """5 steps an epoch in executions of 3: tf_keras backs up the epoch's last execution (steps 3-4) as step 3 and
+    would resume at step 4, which it trained; the source starts at the next epoch's step 0, and the run ends with the
+    weights of one that was never interrupted (backed up after 2 executions, stopped after 3)."""
+    from test_keras_backup_restore import GLOBAL_BATCH as BACKUP_BATCH  # noqa: PLC0415
+    from test_keras_backup_restore import _data as backup_data  # noqa: PLC0415
+    from test_keras_backup_restore import _interrupted_then_resumed, _uninterrupted  # noqa: PLC0415
+
+    with WorkerSession(JobConfig(job, num_workers=1, global_batch=BACKUP_BATCH), 0, url=redis_url) as session:
+        model, resumed = _interrupted_then_resumed(tf_keras, session, tmp_path / "backup", save_freq=2, stop_at=3,
+                                                   per_execution=3)
+    assert [(b.epoch, b.step) for b in resumed.served] == [(e, s) for e in (1, 2, 3) for s in range(5)]
+    for got, want in zip(model.get_weights(), _uninterrupted(tf_keras, *backup_data()), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(180)
+def test_a_fit_resumed_before_the_sources_first_epoch_is_refused(redis_url: str, job: str, tmp_path: Path) -> None:
+    """A retry with initial_epoch=4 on a backup saved at epoch 2 (the stopped fit had initial_epoch=0): the source's
+    order of Keras epoch 2 would be 2 + 0 - 4 < 0, an order no fit of it trained. Refused before a batch, by name."""
+    keras = pytest.importorskip("keras")
+    from test_keras_backup_restore import GLOBAL_BATCH as BACKUP_BATCH  # noqa: PLC0415
+    from test_keras_backup_restore import _data as backup_data  # noqa: PLC0415
+    from test_keras_backup_restore import _model as backup_model  # noqa: PLC0415
+
+    class StopAtEpoch2(keras.callbacks.Callback):  # type: ignore[name-defined]
+        def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+            if epoch == 2:
+                raise RuntimeError("interrupted")
+
+    callback = callback_class(keras)
+    with WorkerSession(JobConfig(job, num_workers=1, global_batch=BACKUP_BATCH), 0, url=redis_url) as session:
+        model = backup_model(keras)
+        for initial_epoch, epochs, extra in ((0, 4, [StopAtEpoch2()]), (4, 6, [])):
+            source = BalancedSource(*backup_data(), session.config, 0, seed=SEED)
+            with pytest.raises(RuntimeError if extra else ConfigError) as raised:
+                model.fit(source.tf_dataset(), epochs=epochs, initial_epoch=initial_epoch,
+                          steps_per_epoch=len(source), shuffle=False, verbose=0,
+                          callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path / "backup")),
+                                     callback(session.client, source), *extra])
+    assert re.search(r"Keras resumes this fit at epoch 2 \(BackupAndRestore\), which the source's count puts before "
+                     r"its first epoch \(-4\): give fit the stopped fit.s initial_epoch, or set source.epochs_trained",
+                     str(raised.value)), raised.value
+    assert not source.served
+
+
+@pytest.mark.timeout(180)
+def test_tf_keras_stopped_within_an_epochs_cut_execution_resumes_in_whole_executions(
+        redis_url: str, job: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """5 steps an epoch in executions of 3: tf_keras runs the epoch's last execution as 2 steps by setting the model's
+    steps_per_execution variable to 2, and sets it back once that execution ends. A fit stopped within it leaves the
+    model at 2, and the fit again (BackupAndRestore resuming it, in the same process) had been refused for good:
+    "model.compile(steps_per_execution=2) but the source was built with steps_per_execution=3". Set back to 3, with a
+    warning, the run resumes at the next epoch and ends with the weights of one never interrupted."""
+    from test_keras_backup_restore import EPOCHS as BACKUP_EPOCHS  # noqa: PLC0415
+    from test_keras_backup_restore import GLOBAL_BATCH as BACKUP_BATCH  # noqa: PLC0415
+    from test_keras_backup_restore import _data as backup_data  # noqa: PLC0415
+    from test_keras_backup_restore import _interrupted_then_resumed, _uninterrupted  # noqa: PLC0415
+
+    with WorkerSession(JobConfig(job, num_workers=1, global_batch=BACKUP_BATCH), 0, url=redis_url) as session:
+        model, resumed = _interrupted_then_resumed(tf_keras, session, tmp_path / "backup", save_freq=1, stop_at=2,
+                                                   per_execution=3)  # stopped in the execution of steps 3-4
+    assert "steps_per_execution was 2, the length of an epoch's last execution of 5 steps" in caplog.text
+    assert [(b.epoch, b.step) for b in resumed.served] == [(e, s) for e in range(1, BACKUP_EPOCHS) for s in range(5)]
+    assert int(model._steps_per_execution.numpy()) == 3
+    for got, want in zip(model.get_weights(), _uninterrupted(tf_keras, *backup_data()), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

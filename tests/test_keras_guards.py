@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lbbsp import ConfigError, JobConfig
+from lbbsp import Assignment, ConfigError, JobConfig, LBBSPError
 
 pytest.importorskip("tensorflow")
 from lbbsp.integrations.keras import BalancedSource, LBBSPCallback, WorkerSession, task_index, training_tasks
@@ -300,3 +300,127 @@ def test_layers_that_see_each_workers_own_batch_are_warned_of_once() -> None:
         _warn_of_batch_statistics(model)  # once per model
         _warn_of_batch_statistics(tf_keras.Sequential([layers.Input((3,)), layers.Dense(2, kernel_regularizer="l2"),
                                                        layers.BatchNormalization(synchronized=True)]))
+
+
+@pytest.mark.parametrize(("raw", "words"), [
+    ('{"cluster": {"worker": ["a:1"], "ps": ["b:1"]}, "task": {"type": "ps", "index": 0}}',
+     "TF_CONFIG task type 'ps' is not a training worker"),
+    ('{"task": {"type": "evaluator"}}', "TF_CONFIG task type 'evaluator' is not a training worker"),
+    ("{'task': {}}", "TF_CONFIG is not valid JSON: "),  # Python's quotes, not JSON's
+    ('[{"task": {}}]', "TF_CONFIG must be a JSON object, got list"),
+])
+def test_a_tf_config_that_names_no_training_worker_is_refused_by_name(raw: str, words: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A parameter server or evaluator given the training script gets no worker index (it would have counted as one
+    of the workers, and waited for a vector), and a TF_CONFIG that is no JSON object says so, not json's error."""
+    monkeypatch.setenv("TF_CONFIG", raw)
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
+        task_index()
+
+
+def test_a_callback_whose_client_and_source_are_of_different_jobs_is_refused(redis_url: str, job: str) -> None:
+    x, y = _data()
+    config = JobConfig(job, num_workers=1, global_batch=32)
+    with WorkerSession(config, 0, url=redis_url) as session:
+        other_job = BalancedSource(x, y, JobConfig(job + "-b", num_workers=1, global_batch=32), 0)
+        with pytest.raises(ConfigError, match="the client and the source belong to different workers or jobs"):
+            LBBSPCallback(session.client, other_job)
+
+
+@pytest.mark.timeout(120)
+def test_a_fit_whose_epoch_is_not_the_sources_is_refused_before_a_step(redis_url: str, job: str) -> None:
+    """steps_per_epoch shorter than the source's epoch had left each epoch's last batches for the next, out of step
+    with the iterations the callback counts; it is refused at on_train_begin, naming both counts."""
+    config = JobConfig(job, num_workers=1, global_batch=32)
+    x, y = _data()
+    with WorkerSession(config, 0, url=redis_url) as session:
+        source = BalancedSource(x, y, config, 0)
+        steps = len(source)
+        with pytest.raises(ConfigError, match=rf"model.fit runs {steps - 1} steps per epoch but the source has "
+                                              rf"{steps}: .*steps_per_epoch=len\(source\)"):
+            _model().fit(source.tf_dataset(), epochs=1, steps_per_epoch=steps - 1, verbose=0, shuffle=False,
+                         callbacks=[LBBSPCallback(session.client, source)])
+        assert not source.served  # refused before a batch was cut
+
+
+@pytest.mark.timeout(120)
+def test_a_pipeline_built_during_fit_stops_the_fit_by_name(redis_url: str, job: str) -> None:
+    """A pipeline built mid-fit (a callback of the user's evaluating on a new source.tf_dataset()) detaches the source
+    from the running fit: the next step's vector is refused with what to do, not waited for."""
+    config = JobConfig(job, num_workers=1, global_batch=32)
+    x, y = _data()
+    with WorkerSession(config, 0, url=redis_url) as session:
+        source = BalancedSource(x, y, config, 0)
+
+        class BuildsAPipeline(keras.callbacks.Callback):  # type: ignore[name-defined]
+            def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+                if batch == 1:
+                    source.tf_dataset()
+
+        with warnings.catch_warnings(), pytest.raises(ConfigError, match="the source was detached during model.fit: "
+                                                                          "build its pipelines before fit"):
+            warnings.simplefilter("ignore")
+            _model().fit(source.tf_dataset(), epochs=1, steps_per_epoch=len(source), verbose=0, shuffle=False,
+                         callbacks=[LBBSPCallback(session.client, source), BuildsAPipeline()])
+
+
+def test_tf_keras_takes_no_loader_arguments_in_py_dataset(job: str) -> None:
+    """Keras 3's PyDataset takes workers=; tf_keras's Sequence does not (fit does): they were dropped unsaid."""
+    source = BalancedSource(*_data(), JobConfig(job, num_workers=1, global_batch=32), 0)
+    with pytest.raises(ConfigError, match=r"tf_keras takes \['workers'\] as model.fit arguments, not here"):
+        source.py_dataset(keras=tf_keras, workers=2)
+
+
+@pytest.mark.timeout(120)
+def test_a_strategy_of_several_replicas_in_one_worker_is_refused_by_the_dataset() -> None:
+    """Each worker's batch is split across its replicas by the strategy, not by the source: one replica per worker.
+    (A subprocess: the two logical CPUs and tf_keras must be set before TensorFlow starts.)"""
+    probe = """if True:
+        import numpy as np, tensorflow as tf
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        from lbbsp import ConfigError, JobConfig
+        from lbbsp.integrations.keras import BalancedSource
+        source = BalancedSource(np.zeros((64, 2), "float32"), np.zeros((64, 1), "float32"),
+                                JobConfig("j", num_workers=2, global_batch=32), 0)
+        try:
+            source.tf_dataset(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+        except ConfigError as exc:
+            print("refused:", exc)
+    """
+    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=110,
+                         check=True)
+    assert "refused: one replica per worker is supported (one device per worker process)" in out.stdout, out.stderr
+
+
+def test_a_batch_whose_vector_never_comes_fails_after_wait_timeout_s_saying_why(job: str) -> None:
+    """An attached source whose callback publishes no vector (left out of fit's callbacks after an earlier fit, or
+    stuck on Redis) had waited for good: it fails after wait_timeout_s, naming the likely causes."""
+    config = JobConfig(job, num_workers=1, global_batch=8)
+    source = BalancedSource(np.arange(32.0).reshape(16, 2), np.zeros(16), config, 0, wait_timeout_s=0.5)
+    sequence = source.py_dataset(tf_keras)
+    source.attach(0, 0)
+    source.publish(Assignment(job, 0, (8,), "scripted"))
+    sequence[0]
+    with pytest.raises(LBBSPError, match=r"no agreed vector after 0.5s: is LBBSPCallback in model.fit's callbacks") \
+            as raised:
+        sequence[1]  # iteration 1: never published
+    assert raised.value.iteration == 1
+    assert [b.iteration for b in source.served] == [0]
+
+
+def test_resume_at_is_refused_outside_a_fit_and_once_the_fit_read_a_batch(job: str) -> None:
+    """resume_at moves where the attached fit starts; called before attach, or after the fit read a batch, it would
+    have moved a fit that is not there, or skipped (or replayed) batches under a running one."""
+    config = JobConfig(job, num_workers=1, global_batch=8)
+    source = BalancedSource(np.arange(32.0).reshape(16, 2), np.zeros(16), config, 0)
+    sequence = source.py_dataset(tf_keras)
+    with pytest.raises(ConfigError, match="resume_at is for the callback, before the fit it attached to reads a batch"):
+        source.resume_at(0, 1)
+    source.attach(0, 0)
+    source.publish(Assignment(job, 0, (8,), "scripted"))
+    sequence[0]
+    with pytest.raises(ConfigError, match="resume_at is for the callback, before the fit it attached to reads a batch"):
+        source.resume_at(0, 1)
+    assert [(b.epoch, b.step) for b in source.served] == [(0, 0)]

@@ -71,6 +71,16 @@ def test_session_refuses_a_strategy_that_does_not_span_the_workers(job: str) -> 
         assert "for one process, JobConfig(num_workers=1)" in str(refused.value)  # the README's 2, run alone
 
 
+def test_session_refuses_a_one_process_strategy_with_devices_for_a_job_of_two_workers(job: str) -> None:
+    """A MirroredStrategy of this process's devices reduces, but over one worker: the job's other worker is not in it
+    (its index never turns up in the all-reduce), so it is refused as not spanning the job, not waited on."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    config = JobConfig(job, num_workers=2, global_batch=32)
+    with pytest.raises(ConfigError, match="the strategy given does not span the job's 2 workers"):
+        WorkerSession(config, 0, strategy=tf.distribute.MirroredStrategy(["/cpu:0"]), url="redis://unused")
+
+
 @pytest.mark.parametrize("worker", [-1, 2, True, 1.0])
 def test_session_refuses_a_worker_index_outside_the_job(worker: object, job: str) -> None:
     with pytest.raises(ConfigError, match=r"worker must be this worker's index, an integer in \[0, 2\).*pass task_index\(\)"):
