@@ -467,3 +467,78 @@ def test_piped_demo_summary_keeps_each_sentence_on_one_line(monkeypatch: pytest.
     assert "parameter trajectories: max relative difference 1.00e-12 over 7 checkpoints -> match" in lines
     monkeypatch.setenv("FORCE_COLOR", "1")  # rich>=13.0 and 14 both read it: write as to a terminal
     assert not _console().soft_wrap
+
+
+def failing_worker(rank: int, *args: Any) -> None:
+    """The demo's worker with its training replaced: rank 0 fails as $DEMO_FAILURE says (an exception, or an exit
+    with no word, as a process the OOM killer ends), rank 1 trains on (waits) until the launcher stops it."""
+    from lbbsp.integrations import demo  # noqa: PLC0415
+
+    def fails(rank: int, config: object, init: str, url: str, events: Any) -> None:
+        if rank != 0:
+            time.sleep(300)
+        elif os.environ["DEMO_FAILURE"] == "raises":
+            raise ValueError("a bug in the training of worker 0")
+        else:
+            os._exit(3)
+
+    demo._train_both = fails
+    demo._worker(rank, *args)
+
+
+def launch_with_failing_workers(how: str, *argv: str) -> int:
+    """``lbbsp *argv`` (a demo) whose workers are :func:`failing_worker`, rank 0 failing as ``how`` says; prints
+    each worker's pid as it starts."""
+    import multiprocessing.process  # noqa: PLC0415
+
+    from lbbsp.integrations import demo  # noqa: PLC0415
+
+    start = multiprocessing.process.BaseProcess.start
+
+    def start_and_say(process: multiprocessing.process.BaseProcess) -> None:
+        start(process)
+        print(f"started {process.pid}", flush=True)
+
+    multiprocessing.process.BaseProcess.start = start_and_say  # type: ignore[method-assign, assignment]
+    os.environ["DEMO_FAILURE"] = how  # the spawned workers inherit it
+    demo._worker = failing_worker  # type: ignore[assignment]
+    return main(list(argv))
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("how", "said"), [
+    ("raises", r"demo worker 0 failed:\nTraceback .*ValueError: a bug in the training of worker 0"),
+    ("exits", r"a demo worker died; see its output above"),
+])
+def test_a_failing_worker_ends_the_demo_with_its_error_and_stops_the_others(how: str, said: str) -> None:
+    """A worker's exception reaches the launcher with its traceback; a worker gone without a word (killed) is
+    found by its exit code. Either ends the demo at once (not after the other worker's 300 s), with exit code 2 and
+    no worker left running."""
+    launcher = run_launcher("launch_with_failing_workers", how, "demo", "--steps", "10", "--hidden", "8",
+                            timeout_s=120)
+    assert launcher.returncode == 2, launcher.stdout + launcher.stderr
+    assert re.search(said, launcher.stderr, re.DOTALL), launcher.stderr
+    workers = [int(pid) for pid in re.findall(r"^started (\d+)$", launcher.stdout, re.MULTILINE)]
+    assert len(workers) == 2 and not any(map(_running, workers)), launcher.stdout
+
+
+def test_the_live_table_shows_each_workers_batch_speed_and_load() -> None:
+    """In a terminal the launcher shows a row per worker: its core, its load (on the slow worker's core only, while
+    on), its batch, compute time and samples per second ("-" before a report came)."""
+    view = demo._View(demo.DemoConfig(steps=20, slow_worker=1), cores=[3, 5])
+    view.update(("step", "LB-BSP", 1, 4, 160, 0.08, True))
+    view.update(("step", "LB-BSP", 0, 4, 352, None, True))  # as _train_phase sends them: rank 0 says the load
+    console = Console(record=True, width=120, file=io.StringIO())
+    console.print(view.table())
+    text = console.export_text()
+    assert "LB-BSP: step 5/20, load ON on worker 1" in text
+    rows = [line.replace("│", " ").split() for line in text.splitlines() if re.match(r"^│\s+\d+\s+│", line)]
+    assert rows == [["0", "3", "-", "352", "-", "-"], ["1", "5", "busy", "160", "80.0", "2000"]], text
+
+
+@needs_torch
+def test_a_global_batch_smaller_than_the_workers_is_refused_before_anything_starts(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--workers", "4", "--global-batch", "3", "--redis", NOWHERE]) == 2
+    err = capsys.readouterr().err
+    assert "global batch must be in [4, 1797] (the digits data), got 3" in err, err

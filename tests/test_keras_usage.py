@@ -9,18 +9,16 @@ import logging
 import re
 import shutil
 import textwrap
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-from lbbsp import Assignment, ConfigError, EmbeddedRedis, JobConfig, LBBSPPolicy
+from lbbsp import Assignment, ConfigError, EmbeddedRedis, JobConfig
 from lbbsp.errors import StoreUnavailable
 from lbbsp.integrations.keras import BalancedSource
-from lbbsp.models import AutoCapacityModel
-from lbbsp.policies import Policy
+from refused_policies import REFUSALS, refused_policy
 
 pytest.importorskip("tensorflow")
 from lbbsp.integrations.keras import (
@@ -205,23 +203,6 @@ def test_callback_refuses_a_model_of_the_other_keras(model_keras: str, redis_url
                                               f" model .*{fix}"):
             model.fit(source.tf_dataset(), epochs=1, steps_per_epoch=len(source), callbacks=[callback], verbose=0,
                       shuffle=False)
-
-
-class Locked(LBBSPPolicy):
-    """A policy holding a lock: it cannot be pickled to the coordinator's child process."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lock = threading.Lock()
-
-
-def refused_policy(what: str) -> Policy:
-    """A policy that rank 0's CoordinatorProcess refuses, in a job of 2 workers."""
-    return LBBSPPolicy(AutoCapacityModel(kinds={5: "gpu"})) if what == "kinds" else Locked()
-
-
-REFUSALS = {"kinds": "AutoCapacityModel's kinds pin worker(s) [5], outside the job's workers 0..1",
-            "pickle": "policy Locked cannot be pickled to the coordinator's child process"}
 
 
 @pytest.mark.parametrize("what", list(REFUSALS))

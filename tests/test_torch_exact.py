@@ -64,21 +64,24 @@ ACCUMULATE = 2
 #: lb.attach(DDP(torch.compile(m))) with aot_eager (no C++ build); "chunks" cuts each slice into micro-batches of
 #: CHUNK weighted by scale_loss(..., samples=), "sum" is docs/torch.md's recipe for a global sum (reduction="sum" /
 #: len(y) * lb.step.total, against single-process SGD on the sum at lr / B); "own-hook" and "own-hook-loss" pass
-#: DDP's own allreduce_hook (a mean, as compression hooks reduce) as the script's comm_hook, in each form.
-MODES = {"hook": ("hook", 0), "loss": ("loss", 2), "accumulate": ("loss", 0), "amp": ("hook", 0),
-         "compiled": ("hook", 0), "compiled-dynamic": ("hook", 0), "compiled-module": ("loss", 0), "chunks": ("loss", 0),
-         "sum": ("hook", 0), "own-hook": ("hook", 0), "own-hook-loss": ("loss", 0)}
+#: DDP's own allreduce_hook (a mean, as compression hooks reduce) as the script's comm_hook, in each form; "no-ddp"
+#: trains the module without DDP, through lb.all_reduce_gradients (an empty slice's NaN gradients must weigh nothing).
+MODES: dict[str, tuple[str | None, int]] = {
+    "hook": ("hook", 0), "loss": ("loss", 2), "accumulate": ("loss", 0), "amp": ("hook", 0), "compiled": ("hook", 0),
+    "compiled-dynamic": ("hook", 0), "compiled-module": ("loss", 0), "chunks": ("loss", 0), "sum": ("hook", 0),
+    "own-hook": ("hook", 0), "own-hook-loss": ("loss", 0), "no-ddp": (None, 0)}
 CHUNK, LR = 7, 0.5
 
 
 def _train(mode: str, rank: int, url: str, job: str, device: str = "cpu") -> dict:
     weighting, workers = MODES[mode]
     module = mlp().to(device)
-    model = DDP(torch.compile(module, backend="aot_eager") if mode == "compiled-module" else module)
+    model = DDP(torch.compile(module, backend="aot_eager") if mode == "compiled-module" else module) if weighting \
+        else module
     lb = Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-{mode}", policy=ChangingSplit(), min_batch=0)
-    if mode.startswith("own-hook"):
+    if mode.startswith("own-hook") and weighting:
         lb.attach(model, weighting, comm_hook=default_hooks.allreduce_hook, comm_state=None)
-    else:
+    elif weighting:
         lb.attach(model, weighting)
     forward = model
     if mode.startswith("compiled") and mode != "compiled-module":  # "compiled": a new batch size, one recompile
@@ -111,6 +114,11 @@ def _train(mode: str, rank: int, url: str, job: str, device: str = "cpu") -> dic
                 if weighting == "loss":
                     loss = lb.scale_loss(loss) / (ACCUMULATE if mode == "accumulate" else 1)
                 (scaler.scale(loss) if scaler else loss).backward()
+            if weighting is None:
+                if not len(y):  # as a mean over no sample gives where it reaches a parameter (a learned loss weight)
+                    for p in module.parameters():
+                        p.grad.fill_(float("nan"))
+                lb.all_reduce_gradients(module.parameters())
             if last:
                 if scaler:
                     scaler.step(opt)

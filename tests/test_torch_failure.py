@@ -18,7 +18,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from lbbsp import EmbeddedRedis  # noqa: E402
 from lbbsp.integrations.torch import Balancer  # noqa: E402
-from test_keras_usage import REFUSALS, refused_policy  # noqa: E402
+from refused_policies import REFUSALS, refused_policy  # noqa: E402
 from test_torch_usage import GLOBAL_BATCH, SAMPLES, data, linear, trainer  # noqa: E402
 
 FAILING_RANK, FAILING_STEP = 1, 2

@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 from collections.abc import Callable
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, NoReturn
+from unittest import mock
 
 import numpy as np
+import psutil
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,9 +24,12 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import Dataset, TensorDataset  # noqa: E402
 
-from lbbsp import EmbeddedRedis, GlobalBatchSampler  # noqa: E402
+import lbbsp.integrations.torch as lbbsp_torch  # noqa: E402
+from lbbsp import ConfigError, EmbeddedRedis, GlobalBatchSampler, LBBSPError  # noqa: E402
+from lbbsp.integrations import torch_data  # noqa: E402
 from lbbsp.integrations.torch import Balancer  # noqa: E402
 from test_torch_exact import ChangingSplit, each_recorded, in_gloo_group, run_ranks  # noqa: E402
+from test_torch_resume import alone_in_a_group, loader_alone  # noqa: E402
 
 SAMPLES, GLOBAL_BATCH, SEED = 53, 10, 4  # 5 full global batches and a short one of 3
 
@@ -346,3 +355,101 @@ def test_a_mean_over_weights_is_exact_with_the_global_count(ranks: list[dict], w
         opt.zero_grad()
     for rank in outcome(ranks, f"global_count_{weighting}"):
         assert_params(rank["params"], params(model))
+
+
+# -- a script's mistakes met in one process (a gloo group of this test process alone) -----------------------------
+def test_a_scripts_mistakes_in_porting_get_errors_that_say_what_to_do(tmp_path: Path, redis_url: str) -> None:
+    """from_env before init_process_group, a model that is not DDP's, a comm_hook that is no function, a gradient
+    weight asked for before any step, scale_loss under the hook form: each a clear error that leaves the Balancer
+    usable, which then trains and closes (twice: close is idempotent)."""
+    with pytest.raises(ConfigError, match="torch.distributed is not initialised: call dist.init_process_group first"):
+        Balancer.from_env(GLOBAL_BATCH, redis=redis_url)
+    with alone_in_a_group(tmp_path):
+        lb = Balancer.from_env(GLOBAL_BATCH, redis=redis_url)
+        with pytest.raises(ConfigError, match="attach expects a DistributedDataParallel model, got Linear; without "
+                                              r"DDP call all_reduce_gradients\(model.parameters\(\)\)"):
+            lb.attach(linear())
+        model = DDP(linear())
+        with pytest.raises(ConfigError, match="comm_hook must be a DDP communication hook .*, got str"):
+            lb.attach(model, comm_hook="fp16")  # type: ignore[arg-type]
+        with pytest.raises(LBBSPError, match=r"no step in progress: draw batches from Balancer.loader\(...\)"):
+            lb.gradient_weight()
+        lb.attach(model)  # the refused comm_hook left the model without one
+        seen: list[int] = []
+        for x, y, index in lb.loader(indexed(), seed=SEED):
+            loss = F.mse_loss(model(x), y)
+            with pytest.raises(ConfigError, match="scale_loss with the weighted hook would weight twice"):
+                lb.scale_loss(loss)
+            loss.backward()
+            seen += index.tolist()
+        assert sorted(seen) == list(range(SAMPLES)) and lb.last_report is not None
+        lb.close()
+        lb.close()
+        assert lb.closed
+        del model
+        gc.collect()
+
+
+def test_a_start_that_fails_after_rank_0s_coordinator_started_leaves_nothing_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure (here Ctrl-C) after rank 0 has started its embedded Redis and its coordinator process, as the
+    worker's client is made: from_env stops both before it raises."""
+    started: dict[str, Any] = {}
+
+    class Coordinator(lbbsp_torch.CoordinatorProcess):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            started["coordinator"] = self._process
+
+    class Server(lbbsp_torch.EmbeddedRedis):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            started["server"] = self.pid
+
+    def interrupted(*args: object, **kwargs: object) -> NoReturn:
+        raise KeyboardInterrupt
+
+    monkeypatch.delenv("LBBSP_REDIS_URL", raising=False)  # rank 0 serves its own Redis
+    monkeypatch.setattr(lbbsp_torch, "CoordinatorProcess", Coordinator)
+    monkeypatch.setattr(lbbsp_torch, "EmbeddedRedis", Server)
+    monkeypatch.setattr(lbbsp_torch, "WorkerClient", interrupted)
+    with alone_in_a_group(tmp_path), pytest.raises(KeyboardInterrupt):
+        Balancer.from_env(GLOBAL_BATCH)
+    assert set(started) == {"coordinator", "server"}, started
+    assert not started["coordinator"].is_alive()
+    assert not psutil.pid_exists(started["server"]) or psutil.Process(started["server"]).status() == "zombie"
+
+
+def test_an_empty_slice_with_a_count_it_cannot_cut_says_so_once() -> None:
+    """A rank with an empty slice gets the batch's structure cut to no sample; a collate_fn's count of samples cannot
+    be cut (it keeps the other rank's sample's 1), which is said once, as the tensors' rows are what to count by."""
+
+    def counted(samples: list[dict]) -> dict:
+        return {**collate(samples), "count": len(samples)}
+
+    loader = loader_alone(Records(), GLOBAL_BATCH, collate_fn=counted)
+    said = []
+    with mock.patch.object(torch_data.log, "warning", side_effect=lambda *a: said.append(a[0] % a[1:])):
+        for _ in range(2):
+            empty = loader._slice(0, [])
+            assert empty["x"].shape == (0, 5) and empty["y"].shape == (0, 1) and empty["id"] == []
+            assert empty["count"] == 1
+    assert len(said) == 1 and "cannot cut to no sample (int)" in said[0], said
+
+
+def test_an_empty_slice_keeps_what_is_not_per_sample_and_names_what_it_cannot_cut() -> None:
+    """Parts of a batch that are the same for one sample and two (a constant tensor or array a collate_fn adds, in a
+    read-only mapping) are kept as they are, silently; a tensor the collate_fn squeezes for one sample (another
+    number of axes than for two) cannot be cut and is named."""
+    one = MappingProxyType({"x": torch.ones(1, 2), "grid": torch.arange(3), "mask": np.ones(4),
+                            "squeezed": torch.ones(2)})
+    two = MappingProxyType({"x": torch.ones(2, 2), "grid": torch.arange(3), "mask": np.ones(4),
+                            "squeezed": torch.ones(2, 2)})
+    leaks: list[str] = []
+    empty = torch_data._emptied(one, two, leaks)
+    assert isinstance(empty, MappingProxyType) and empty["x"].shape == (0, 2)
+    assert empty["grid"] is one["grid"] and empty["mask"] is one["mask"] and empty["squeezed"] is one["squeezed"]
+    assert leaks == ["Tensor"]
+    leaks.clear()  # a constant that differs between the two batches is named too
+    torch_data._emptied({"grid": np.zeros(3)}, {"grid": np.ones(3)}, leaks)
+    assert leaks == ["ndarray"]

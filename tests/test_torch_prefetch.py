@@ -180,6 +180,8 @@ def test_prefetch_true_without_loader_workers_is_refused() -> None:
     with pytest.raises(ConfigError, match="prefetch=True needs DataLoader worker processes: pass num_workers >= 1"):
         loader_alone(Positions(), 8, prefetch=True)
     assert not loader_alone(Positions(), 8).prefetch  # and off by default without them
+    with pytest.raises(ConfigError, match=r"prefetch must be True, False or None \(with loader workers\), got 'no'"):
+        loader_alone(Positions(), 8, prefetch="no", num_workers=1)  # a truthy string had turned it on
 
 
 def test_a_prefetch_cut_by_another_vector_is_dropped() -> None:

@@ -3,16 +3,21 @@ loader's state with the model; 3 ranks, under a new job, load it and finish. The
 SGD on the same global batches, and every sample of the interrupted epoch is used once."""
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
@@ -24,6 +29,7 @@ from test_torch_exact import (  # noqa: E402
     GLOBAL_BATCH,
     SEED,
     ChangingSplit,
+    destroy_group,
     digits,
     in_gloo_group,
     mlp,
@@ -190,3 +196,43 @@ def test_a_state_from_another_loader_is_refused_and_changes_nothing(change: dict
     assert (loader.sampler.epoch, loader.state_dict()["step"]) == (0, 0)
     with pytest.raises(ConfigError, match="not a BalancedLoader state"):
         loader.load_state_dict([0, 7])
+
+
+@contextlib.contextmanager
+def alone_in_a_group(folder: Path) -> Iterator[None]:
+    """This test process as the only rank of a gloo group (a real Balancer, in one process), destroyed afterwards."""
+    dist.init_process_group("gloo", init_method=f"file://{folder / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        destroy_group()
+
+
+def test_a_state_of_another_epoch_than_the_one_iterated_serves_that_epoch_whole_and_says_what_is_skipped(
+        tmp_path: Path, redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A state saved mid-epoch 0, then set_epoch(1) (a script that resumes at the checkpoint's epoch + 1): epoch 1
+    is served from its first batch, every sample once, and the rest of epoch 0 is said to be skipped. Loading a state
+    while the loader is iterated is refused and leaves the loop as it was."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with alone_in_a_group(tmp_path), Balancer.from_env(GLOBAL_BATCH, redis=redis_url) as lb:
+        loader = lb.loader(digits(), seed=SEED)
+        saved = {**loader.state_dict(), "step": STOP_AFTER}
+        loader.load_state_dict(saved)
+        loader.set_epoch(1)
+        assert (loader.state_dict()["epoch"], loader.state_dict()["step"]) == (1, 0)
+        seen: list[int] = []
+        for step, (x, y, index) in enumerate(loader):
+            if step == 1:
+                with pytest.raises(ConfigError, match="load_state_dict while the loader is being iterated"):
+                    loader.load_state_dict(saved)
+            F.cross_entropy(model(x), y).backward()
+            lb.all_reduce_gradients(model.parameters())
+            opt.step()
+            opt.zero_grad()
+            seen += index.tolist()
+        assert sorted(seen) == list(range(1797)) and loader.sampler.epoch == 1
+        assert loader.state_dict()["step"] == len(loader)
+    warned = [r.getMessage() for r in caplog.records if r.name == "lbbsp.torch" and r.levelno == logging.WARNING]
+    assert any(f"resumes epoch 0 at global batch {STOP_AFTER}, but epoch 1 is iterated" in m
+               and "the rest of epoch 0 is not served" in m for m in warned), warned

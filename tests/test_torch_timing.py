@@ -15,8 +15,10 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch.utils.data import ConcatDataset, Subset, TensorDataset  # noqa: E402
 
 from lbbsp.integrations.torch import Balancer  # noqa: E402
+from lbbsp.integrations.torch_data import _subset_fingerprint  # noqa: E402
 from lbbsp.policies import BSPPolicy  # noqa: E402
 from test_torch_exact import destroy_group, digits, mlp, run_ranks, spawn  # noqa: E402
 from test_torch_units import GatedGPUClock  # noqa: E402
@@ -169,3 +171,20 @@ def test_a_gpu_steps_report_waits_for_its_events_in_a_thread_not_in_the_next_ste
     assert result["queued"] and result["next_step_s"] < 5, result
     assert result["first"] == [0, 0.25]
     assert result["raised"] == "Redis refused the report"
+
+
+def test_equal_shards_inside_a_concat_dataset_are_told_apart() -> None:
+    """A shard per rank of one size inside a ConcatDataset (a dataset of several files, one sharded): only the
+    Subset's indices tell the ranks' datasets apart, and the epoch check's fingerprint reaches them through the
+    ConcatDataset; the same parts on every rank agree, and parts without a Subset give none (0)."""
+    data = digits()
+    extra = TensorDataset(torch.zeros(10, 64, dtype=torch.float64), torch.zeros(10, dtype=torch.int64),
+                          torch.arange(10))
+
+    def sharded(rank: int) -> ConcatDataset:
+        return ConcatDataset([extra, Subset(data, range(rank, 1796, 2))])
+
+    assert len(sharded(0)) == len(sharded(1))
+    assert _subset_fingerprint(sharded(0)) != _subset_fingerprint(sharded(1))
+    assert _subset_fingerprint(sharded(1)) == _subset_fingerprint(sharded(1)) != 0
+    assert _subset_fingerprint(ConcatDataset([extra, data])) == 0
