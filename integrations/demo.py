@@ -136,10 +136,11 @@ class DemoConfig:
         if self.workers < 2:
             raise ConfigError(f"the demo needs at least 2 workers, got {self.workers}")
         if not 0 <= self.slow_worker < self.workers:
-            raise ConfigError(f"slow worker {self.slow_worker} is not one of {self.workers} workers")
+            raise ConfigError(f"--slow-worker {self.slow_worker} is not one of the {self.workers} workers "
+                              f"(0 to {self.workers - 1})")
         if self.global_batch < self.workers or self.global_batch > 1797:
-            raise ConfigError(f"global batch must be in [{self.workers}, 1797] (the digits data), "
-                              f"got {self.global_batch}")
+            raise ConfigError(f"--global-batch must be in [{self.workers}, 1797] (a sample for each of the "
+                              f"{self.workers} workers, at most the digits data), got {self.global_batch}")
         for name, value, least in (("steps", self.steps, 10), ("hidden", self.hidden, 1),
                                    ("load_procs", self.load_procs, 0)):
             if value < least:  # each named as its flag: the launcher's options are these fields

@@ -537,8 +537,13 @@ def test_the_live_table_shows_each_workers_batch_speed_and_load() -> None:
 
 
 @needs_torch
-def test_a_global_batch_smaller_than_the_workers_is_refused_before_anything_starts(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--workers", "4", "--global-batch", "3", "--redis", NOWHERE]) == 2
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--global-batch", "3"], "--global-batch must be in [4, 1797] (a sample for each of the 4 workers, at most the "
+                              "digits data), got 3"),
+    (["--slow-worker", "4"], "--slow-worker 4 is not one of the 4 workers (0 to 3)"),
+], ids=["global-batch", "slow-worker"])
+def test_flags_that_do_not_fit_the_workers_are_refused_by_name_before_anything_starts(
+        flags: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--workers", "4", *flags, "--redis", NOWHERE]) == 2
     err = capsys.readouterr().err
-    assert "global batch must be in [4, 1797] (the digits data), got 3" in err, err
+    assert said in err, err
