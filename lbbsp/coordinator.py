@@ -1137,10 +1137,10 @@ class CoordinatorProcess:
                 if self._stopping.is_set():
                     return
                 if not budget.allow(self.RESTARTS):
-                    log.error("the coordinator process of job %s died %d times in 5 minutes: not starting it "
-                              "again. The workers now keep the split before (the first step waits assignment_timeout_s); start "
-                              "`lbbsp coordinator` for the job, with the same settings and its Redis URL",
-                              self._job, self.RESTARTS + 1)
+                    log.error("the coordinator process of job %s died, or did not start again, %d times in 5 "
+                              "minutes: not starting it again. The workers now keep the split before (the first step "
+                              "waits assignment_timeout_s); start `lbbsp coordinator` for the job, with the same "
+                              "settings and its Redis URL", self._job, self.RESTARTS + 1)
                     return
                 log.warning("the coordinator process of job %s died (%s): starting it again; it resumes from the "
                             "job's state in Redis", self._job, _how_it_ended(self._process.exitcode))
