@@ -76,13 +76,14 @@ CHUNK, LR = 7, 0.5
 def _train(mode: str, rank: int, url: str, job: str, device: str = "cpu") -> dict:
     weighting, workers = MODES[mode]
     module = mlp().to(device)
-    model = DDP(torch.compile(module, backend="aot_eager") if mode == "compiled-module" else module) if weighting \
-        else module
+    wrapped = torch.compile(module, backend="aot_eager") if mode == "compiled-module" else module
+    model = module if weighting is None else DDP(wrapped)  # "no-ddp": the module, through lb.all_reduce_gradients
     lb = Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-{mode}", policy=ChangingSplit(), min_batch=0)
-    if mode.startswith("own-hook") and weighting:
-        lb.attach(model, weighting, comm_hook=default_hooks.allreduce_hook, comm_state=None)
-    elif weighting:
-        lb.attach(model, weighting)
+    if weighting is not None:
+        if mode.startswith("own-hook"):
+            lb.attach(model, weighting, comm_hook=default_hooks.allreduce_hook, comm_state=None)
+        else:
+            lb.attach(model, weighting)
     forward = model
     if mode.startswith("compiled") and mode != "compiled-module":  # "compiled": a new batch size, one recompile
         forward = torch.compile(model, dynamic=True if mode == "compiled-dynamic" else None)
