@@ -48,7 +48,7 @@ from .policies import (
 )
 from .protocol import MAX_POLICY_NAME_CHARS, MAX_REASON_CHARS, Assignment, Report
 from .signals import off_the_handler, signals_held
-from .store import ITERATIONS_KEPT, PROBE_TIMEOUT_S, REDIS_ERRORS, REDIS_FAILURES, Store, _store, answering
+from .store import ITERATIONS_KEPT, PROBE_TIMEOUT_S, REDIS_ERRORS, REDIS_FAILURES, Store, _store, answering, refusing
 
 log = logging.getLogger("lbbsp.coordinator")
 
@@ -893,12 +893,12 @@ class Coordinator:
                 self._heartbeat()
                 if self.step(poll_s) is None:  # idle: the rows STATUS_EVERY_S held back, if any
                     self._write_statuses()
-            except REDIS_ERRORS as exc:
-                self._outage(exc)
-                self._stop.wait(0.05)
-                self._republish()
-                continue
             except Exception as exc:  # noqa: BLE001  (whatever one step hits, the coordinator keeps serving)
+                if isinstance(exc, REDIS_ERRORS) or refusing(exc):  # a full disk had logged tracebacks twice a second
+                    self._outage(exc)
+                    self._stop.wait(0.05)
+                    self._republish()
+                    continue
                 self._failed(exc)
                 self._stop.wait(0.05)
             if self._outage_since is not None:

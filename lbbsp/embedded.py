@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import errno
 import functools
 import ipaddress
 import json
@@ -143,6 +144,14 @@ _launcher = _Launcher()
 def temp_parent() -> str:
     """Where servers without a given directory live: /dev/shm (memory, so fsync costs nothing), else the temp dir."""
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _full_disk_advice(exc: OSError) -> str:
+    """What to do about a file system with no room left (``exc`` ENOSPC or EDQUOT): "" for any other error."""
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return ""
+    return ("; free some room there (in a container, /dev/shm is 64 MB unless `docker run --shm-size` gives more, and "
+            "PyTorch's DataLoader workers fill it too), or give lbbsp the URL of a Redis of your own")
 
 
 def _pid_namespace() -> str:
@@ -500,12 +509,16 @@ class EmbeddedRedis:
                               "leave port out for a server on its unix socket only")
         address = _listen_address(listen) if listen is not None else None
         self._owns_dir = directory is None or own_directory
-        if directory is None:
-            parent = temp_parent()
-            remove_stale_folders(parent)
-            directory = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=parent))
-        directory = Path(directory).absolute()  # redis-server opens its log and socket after changing into it
-        self.directory = _claim(directory) if self._owns_dir else directory
+        where = temp_parent() if directory is None else directory
+        try:
+            if directory is None:
+                remove_stale_folders(where)
+                directory = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=where))
+            directory = Path(directory).absolute()  # redis-server opens its log and socket after changing into it
+            self.directory = _claim(directory) if self._owns_dir else directory
+        except OSError as exc:  # a full /dev/shm had reached the CLI as "cannot reach Redis ([Errno 28] ...)"
+            raise StoreUnavailable(f"cannot make the embedded Redis's folder in {where}: {exc.strerror or exc}"
+                                   f"{_full_disk_advice(exc)}") from exc
         self.socket_path = self.directory / "redis.sock"
         self.listen = address
         self.port = port
@@ -648,7 +661,13 @@ class EmbeddedRedis:
                                             else [str(self.listen)])]
         args += [
             "--port", str(port), "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
-            "--dir", str(self.directory), "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+            # everysec, not always: a write that failed (a full /dev/shm, which a container's DataLoader workers share)
+            # made an "always" server exit, and at each restart again, so the watch gave up within seconds and the job
+            # had no Redis after the disk had room again. Now it refuses writes (MISCONF) until then, and goes on by
+            # itself. Each write still reaches the file before its reply (but for the one whose append failed, kept in
+            # memory), so a server killed loses nothing; a machine that fails loses the last second (on a slow disk,
+            # up to 2 s held behind an fsync)
+            "--dir", str(self.directory), "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
             # compacted once past twice its size at the last rewrite and AOF_REWRITE_MIN: at Redis's default of 64 MB
             # a 64 MB /dev/shm (Docker's default) filled first, the server died at every restart and the job with it
             "--auto-aof-rewrite-min-size", AOF_REWRITE_MIN,

@@ -62,6 +62,22 @@ def _wrong_type(exc: redis.ResponseError) -> bool:
     return "WRONGTYPE" in str(exc)
 
 
+#: Redis's error answers for a state of the server that clears by itself: a full disk under its append-only file
+#: (MISCONF), no memory left (OOM), a read-only replica or a lost primary in a failover, a script that runs long.
+#: redis-py gives some their own classes and drops the code from the text; in a script's error the code stays.
+_REFUSAL = re.compile(r"(?:^|: -?)(?:MISCONF|OOM|READONLY|NOREPLICAS|MASTERDOWN|BUSY)\b")
+_REFUSAL_CLASSES = tuple(getattr(redis.exceptions, name) for name in ("OutOfMemoryError", "ReadOnlyError",
+                                                                      "MasterDownError")
+                         if hasattr(redis.exceptions, name))  # (redis-py 5.0 has no MasterDownError)
+
+
+def refusing(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis refusing for a while, as a command, in a pipeline ("Command # 2 (...) of pipeline
+    caused error: MISCONF ...") or in a script: an outage to wait out, not a fault of the step."""
+    return isinstance(exc, _REFUSAL_CLASSES) or (isinstance(exc, redis.ResponseError)
+                                                 and _REFUSAL.search(str(exc)) is not None)
+
+
 def _claimant(claim: bytes | None) -> str | None:
     """The identity in a coordinator's claim as read from Redis; UNKNOWN_CLAIM where it is none that lbbsp writes: it
     is logged and printed, and a newline, a terminal escape or a megabyte there came out as they were."""
@@ -461,6 +477,8 @@ class Store:
             raise StoreUnavailable(f"the server at {url} does not answer as Redis does ({exc}): another service on "
                                    f"that port?" + (f" {hint}" if hint else ""), job=self.job or None) from exc
         except redis.ResponseError as exc:  # e.g. a database number the server does not have
+            if refusing(exc):  # a full disk under its append-only file refuses even a ping: no setting of ours
+                raise StoreUnavailable(f"Redis at {url} refuses for now: {exc}", job=self.job or None) from exc
             raise ConfigError(f"Redis refused the connection's settings: {exc}", job=self.job or None) from exc
 
     # -- configuration ------------------------------------------------------------------------------------
