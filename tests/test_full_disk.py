@@ -169,3 +169,22 @@ def test_training_rides_out_a_full_disk_with_one_split_per_iteration(
     assert "coordinator step failed" not in said, said
     assert "Redis unavailable for" in said and "MISCONF Errors writing to the AOF file" in said, said
     assert "Redis is back after" in said, said
+
+
+@pytest.mark.parametrize(("error", "refused"), [
+    (redis.ResponseError("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to "
+                         "disk. Commands that may modify the data set are disabled"), True),  # a save that failed
+    (redis.exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."), True),
+    (redis.exceptions.ReadOnlyError("You can't write against a read only replica."), True),
+    (redis.ResponseError("NOREPLICAS Not enough good replicas to write."), True),
+    (redis.ResponseError("BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE."),
+     True),
+    (redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"), False),
+    (redis.ResponseError("BUSYKEY Target key name already exists."), False),
+    (redis.ResponseError("ERR unknown command 'FCALL'"), False),
+    (redis.ConnectionError("Error 111 connecting"), False),  # an outage already, by its class
+])
+def test_refusals_are_told_from_faults_of_the_command(error: Exception, refused: bool) -> None:
+    """What the coordinator waits out as an outage (a state of the server that clears by itself), and what it logs
+    as a failed step: the texts are Redis's own, as redis-py raises them."""
+    assert refusing(error) is refused
