@@ -31,7 +31,7 @@ import numpy as np
 from .allocation import sit_out_share
 from .child_logging import ParentLogging
 from .config import JobConfig, _integer, _job_config, _real
-from .embedded import RestartBudget, release_cpu_pinning
+from .embedded import SHM_IN_CONTAINERS, RestartBudget, no_room, release_cpu_pinning
 from .errors import ConfigError, LBBSPError, PolicyError, ProtocolError
 from .models import AutoCapacityModel, CapacityModel, FLClientModel, worker_kind
 from .models.auto import default_models
@@ -76,6 +76,8 @@ CLAIM_S = 5
 #: the integration's own embedded one, deleted next: its last writes (status rows, its claim) are lost anyway, and a
 #: child inside a call to a Redis that stopped answering never ends by itself (5 s a call, three tries).
 GRACE_BEFORE_OWN_SERVER_S = 1.0
+#: Seconds between tries to start a coordinator process again where a start failed for a cause that clears
+_RETRY_START_S = 10.0
 _OUTAGE_GRACE_S = 3.0  # a coordinator whose training process ended is stopped by then (_stop_when_orphaned)
 _REJECTED_AGAIN = " ({} earlier ones like it, logged at most every 10 s)"  # a rejection's count (_rejected)
 #: The most rejected reports a decision's record lists, the rest counted: a reports hash of 20,000 fields that are no
@@ -1095,12 +1097,18 @@ class CoordinatorProcess:
         """Start a child serving the job and wait until it serves; a clear LBBSPError if it does not."""
         policy = self._args[2]
         context = multiprocessing.get_context("spawn")
-        ready = context.Event()
-        process = context.Process(target=_serve, args=(*self._args, ready), name=f"lbbsp-coordinator-{self._job}",
-                                  daemon=True)
         reruns_main = _refers_to_main(policy, self._job)
-        with _main_not_rerun(rerun=reruns_main), signals_held():  # a child started whole, however it is stopped
-            process.start()
+        try:  # a full /dev/shm had ended the restart watch's thread with its OSError: no restart ever again
+            ready = context.Event()  # (a semaphore, in /dev/shm)
+            process = context.Process(target=_serve, args=(*self._args, ready), name=f"lbbsp-coordinator-{self._job}",
+                                      daemon=True)
+            with _main_not_rerun(rerun=reruns_main), signals_held():  # a child started whole, however it is stopped
+                process.start()
+        except OSError as exc:
+            where = f" (its semaphores live in /dev/shm: free some room there; {SHM_IN_CONTAINERS})" if no_room(
+                exc) else ""
+            raise LBBSPError(f"cannot start the coordinator process: {exc.strerror or exc}{where}",
+                             job=self._job) from exc
         deadline = time.monotonic() + self._start_timeout_s
         try:
             self._wait_ready(process, ready, deadline, reruns_main)
@@ -1129,7 +1137,7 @@ class CoordinatorProcess:
 
     def _supervise(self, poll_s: float = 0.5) -> None:
         """Start the child again when it died before :meth:`stop`, within the limit of ``RESTARTS``."""
-        budget = RestartBudget()
+        budget, retrying = RestartBudget(), False
         while not self._stopping.wait(poll_s):
             if self._process.is_alive():
                 continue
@@ -1142,13 +1150,22 @@ class CoordinatorProcess:
                               "waits assignment_timeout_s); start `lbbsp coordinator` for the job, with the same "
                               "settings and its Redis URL", self._job, self.RESTARTS + 1)
                     return
-                log.warning("the coordinator process of job %s died (%s): starting it again; it resumes from the "
-                            "job's state in Redis", self._job, _how_it_ended(self._process.exitcode))
+                if not retrying:  # (the death was told before the try that failed)
+                    log.warning("the coordinator process of job %s died (%s): starting it again; it resumes from the "
+                                "job's state in Redis", self._job, _how_it_ended(self._process.exitcode))
                 try:
                     self._process = self._spawn()
-                    self.restarts += 1
                 except LBBSPError as exc:
-                    log.error("could not start the coordinator process of job %s again: %s", self._job, exc)
+                    retrying = isinstance(exc.__cause__, OSError)  # no room, no memory: it clears, unlike a crash
+                    log.error("could not start the coordinator process of job %s again: %s%s", self._job, exc,
+                              f"; trying again in {_RETRY_START_S:g} s" if retrying else "")
+                    if retrying:
+                        budget.refund()
+                else:
+                    self.restarts += 1
+                    retrying = False
+            if retrying:
+                self._stopping.wait(_RETRY_START_S)  # (not holding the lock, which stop() takes)
 
     @property
     def alive(self) -> bool:

@@ -146,12 +146,14 @@ def temp_parent() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-def _full_disk_advice(exc: OSError) -> str:
-    """What to do about a file system with no room left (``exc`` ENOSPC or EDQUOT): "" for any other error."""
-    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-        return ""
-    return ("; free some room there (in a container, /dev/shm is 64 MB unless `docker run --shm-size` gives more, and "
-            "PyTorch's DataLoader workers fill it too), or give lbbsp the URL of a Redis of your own")
+#: Why /dev/shm may have no room left, for errors that say so
+SHM_IN_CONTAINERS = ("in a container, /dev/shm is 64 MB unless `docker run --shm-size` gives more, and PyTorch's "
+                     "DataLoader workers fill it too")
+
+
+def no_room(exc: OSError) -> bool:
+    """Whether ``exc`` says that a file system has no room left (ENOSPC, or a quota's EDQUOT)."""
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _pid_namespace() -> str:
@@ -476,6 +478,11 @@ class RestartBudget:
         self._times.append(now)
         return True
 
+    def refund(self) -> None:
+        """Take back the last restart counted: it could not start for a cause that clears (no room, no memory)."""
+        if self._times:
+            self._times.pop()
+
 
 class EmbeddedRedis:
     """Start a private redis-server on a unix socket; ``url`` connects to it; ``close()`` stops it.
@@ -517,8 +524,10 @@ class EmbeddedRedis:
             directory = Path(directory).absolute()  # redis-server opens its log and socket after changing into it
             self.directory = _claim(directory) if self._owns_dir else directory
         except OSError as exc:  # a full /dev/shm had reached the CLI as "cannot reach Redis ([Errno 28] ...)"
+            advice = (f"; free some room there ({SHM_IN_CONTAINERS}), or give lbbsp the URL of a Redis of your own"
+                      if no_room(exc) else "")
             raise StoreUnavailable(f"cannot make the embedded Redis's folder in {where}: {exc.strerror or exc}"
-                                   f"{_full_disk_advice(exc)}") from exc
+                                   f"{advice}") from exc
         self.socket_path = self.directory / "redis.sock"
         self.listen = address
         self.port = port

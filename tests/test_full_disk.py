@@ -6,9 +6,11 @@ elsewhere those tests skip."""
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -188,3 +190,62 @@ def test_refusals_are_told_from_faults_of_the_command(error: Exception, refused:
     """What the coordinator waits out as an outage (a state of the server that clears by itself), and what it logs
     as a failed step: the texts are Redis's own, as redis-py raises them."""
     assert refusing(error) is refused
+
+
+_COORDINATOR_WITHOUT_ROOM = r"""
+import json, logging, os, signal, subprocess, sys, tempfile, threading, time
+import lbbsp.coordinator
+from lbbsp import CoordinatorProcess, EmbeddedRedis, JobConfig
+
+if __name__ == "__main__":
+    lbbsp.coordinator._RETRY_START_S = 1.0
+    logging.basicConfig(level=logging.WARNING)
+    said = []
+    logging.getLogger("lbbsp.coordinator").addHandler(type("H", (logging.Handler,), {
+        "emit": lambda self, record: said.append(record.getMessage())})())
+    with EmbeddedRedis(tempfile.mkdtemp(dir="/tmp"), own_directory=True) as server:  # not in /dev/shm
+        process = CoordinatorProcess(server.url, JobConfig("no-room", 2, 16))
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", "/dev/shm"], check=True)  # this namespace's
+        filler = "/dev/shm/filler"
+        with open(filler, "wb") as f:
+            try:
+                while True:
+                    f.write(bytes(65536))
+                    f.flush()
+            except OSError:
+                pass
+        os.kill(process._process.pid, signal.SIGKILL)
+        time.sleep(4)  # several tries, each failing: more than RESTARTS (3) had it counted them
+        during = {"alive": process.alive, "watching": any(t.name.startswith("lbbsp-coordinator-watch")
+                                                          for t in threading.enumerate())}
+        os.remove(filler)
+        deadline = time.monotonic() + 20
+        while not process.alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+        print(json.dumps({"during": during, "after": process.alive, "restarts": process.restarts, "said": said}))
+        process.stop()
+"""
+
+
+def test_a_coordinator_process_that_cannot_start_for_want_of_room_is_started_once_there_is_room(
+        tmp_path: Path) -> None:
+    """A full /dev/shm (where the start's semaphore lives) had ended the restart watch's thread with an OSError, so
+    the coordinator, killed once, stayed dead for the rest of training. Run in a mount namespace of its own, whose
+    /dev/shm is a full 1 MB tmpfs (needs root)."""
+    script = tmp_path / "no_room.py"
+    script.write_text(_COORDINATOR_WITHOUT_ROOM)
+    try:
+        run = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, str(script)],
+                             capture_output=True, text=True, timeout=120, check=False)
+    except FileNotFoundError:
+        pytest.skip("no unshare command here")
+    if "unshare failed" in run.stderr or "mount: " in run.stderr:
+        pytest.skip(f"cannot make a mount namespace with a small /dev/shm here (needs root): {run.stderr[-300:]}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["during"] == {"alive": False, "watching": True}, result
+    assert result["after"] is True and result["restarts"] == 1, result
+    tries = [line for line in result["said"] if "could not start the coordinator process" in line]
+    assert len(tries) >= 3 and all("No space left on device (its semaphores live in /dev/shm" in line
+                                   and line.endswith("trying again in 1 s") for line in tries), result["said"]
+    assert sum("died" in line for line in result["said"]) == 1, result["said"]  # the death told once
