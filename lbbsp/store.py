@@ -68,7 +68,7 @@ def _wrong_type(exc: redis.ResponseError) -> bool:
 _REFUSAL = re.compile(r"(?:^|: -?)(?:MISCONF|OOM|READONLY|NOREPLICAS|MASTERDOWN|BUSY)\b")
 _REFUSAL_CLASSES = tuple(getattr(redis.exceptions, name) for name in ("OutOfMemoryError", "ReadOnlyError",
                                                                       "MasterDownError")
-                         if hasattr(redis.exceptions, name))  # (redis-py 5.0 has no MasterDownError)
+                         if hasattr(redis.exceptions, name))  # (those this redis-py has)
 
 
 def refusing(exc: BaseException) -> bool:
