@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 import numpy as np
+import redis
 
 from .allocation import sit_out_share
 from .child_logging import ParentLogging
 from .config import JobConfig, _integer, _job_config, _real
-from .embedded import SHM_IN_CONTAINERS, RestartBudget, no_room, release_cpu_pinning
-from .errors import ConfigError, LBBSPError, PolicyError, ProtocolError
+from .embedded import _RETRY_START_S, SHM_IN_CONTAINERS, RestartBudget, no_room, release_cpu_pinning
+from .errors import ConfigError, LBBSPError, PolicyError, ProtocolError, StoreUnavailable
 from .models import AutoCapacityModel, CapacityModel, FLClientModel, worker_kind
 from .models.auto import default_models
 from .models.base import predicted_throughput
@@ -76,8 +77,9 @@ CLAIM_S = 5
 #: the integration's own embedded one, deleted next: its last writes (status rows, its claim) are lost anyway, and a
 #: child inside a call to a Redis that stopped answering never ends by itself (5 s a call, three tries).
 GRACE_BEFORE_OWN_SERVER_S = 1.0
-#: Seconds between tries to start a coordinator process again where a start failed for a cause that clears
-_RETRY_START_S = 10.0
+#: The exit code of a coordinator child that could not set up because Redis was unusable (down, stalled, refusing):
+#: a cause that clears, which its restart watch does not count against RESTARTS (sysexits' EX_TEMPFAIL)
+_EXIT_REDIS_UNUSABLE = 75
 _OUTAGE_GRACE_S = 3.0  # a coordinator whose training process ended is stopped by then (_stop_when_orphaned)
 _REJECTED_AGAIN = " ({} earlier ones like it, logged at most every 10 s)"  # a rejection's count (_rejected)
 #: The most rejected reports a decision's record lists, the rest counted: a reports hash of 20,000 fields that are no
@@ -1128,6 +1130,9 @@ class CoordinatorProcess:
                          "level to load it: guard the script's training with `if __name__ == \"__main__\":` and "
                          "start nothing at module level (a MultiWorkerMirroredStrategy there starts a server the "
                          "child cannot bind), or move the class into a module")
+                if exited and process.exitcode == _EXIT_REDIS_UNUSABLE:
+                    raise StoreUnavailable("the coordinator process could not start: Redis is unusable for now (down, "
+                                           "stalled or refusing writes; its log says why)", job=self._job)
                 if exited:
                     hint = f"; its traceback is above ({guard})" if reruns_main else "; its traceback is above"
                 else:
@@ -1156,7 +1161,9 @@ class CoordinatorProcess:
                 try:
                     self._process = self._spawn()
                 except LBBSPError as exc:
-                    retrying = isinstance(exc.__cause__, OSError)  # no room, no memory: it clears, unlike a crash
+                    # no room, no memory, a Redis unusable for now: it clears, unlike a crash. Counted, a Redis
+                    # outage of a few seconds after a death had spent RESTARTS, and no coordinator ever came back
+                    retrying = isinstance(exc.__cause__, OSError) or isinstance(exc, StoreUnavailable)
                     log.error("could not start the coordinator process of job %s again: %s%s", self._job, exc,
                               f"; trying again in {_RETRY_START_S:g} s" if retrying else "")
                     if retrying:
@@ -1280,7 +1287,14 @@ def _serve(url: str, config_json: str, policy: Policy | None, max_ahead: int, lo
     parent = os.getppid()
     config = JobConfig.from_json(config_json)
     store = Store.from_url(url, config.job)
-    coordinator = Coordinator(store, config, policy, max_ahead=max_ahead)
+    try:
+        coordinator = Coordinator(store, config, policy, max_ahead=max_ahead)
+    except (StoreUnavailable, *REDIS_ERRORS, redis.ResponseError) as exc:
+        if isinstance(exc, redis.ResponseError) and not refusing(exc):
+            raise
+        log.warning("job %s: the coordinator process cannot set up, Redis unusable for now: %s", config.job, exc)
+        store.close()
+        sys.exit(_EXIT_REDIS_UNUSABLE)
     freeze_heap()
     signal.signal(signal.SIGTERM, lambda *_: off_the_handler(lambda: coordinator.stop(timeout_s=0)))
     # a terminal's Ctrl-C reaches the whole process group: the child printed a KeyboardInterrupt traceback under

@@ -460,6 +460,18 @@ def serve_embedded(index: int, all_gather: Callable[[str | None], Sequence[str |
     return server, url
 
 
+#: Seconds between tries to start a server or a coordinator process again where a start failed for a cause that
+#: clears (no room, no memory, no process to be had, a Redis unusable for now): such tries are not counted
+_RETRY_START_S = 10.0
+
+
+def _clears(exc: BaseException) -> bool:
+    """Whether a start failed for a cause that clears by itself: fork or exec without memory or processes (ENOMEM,
+    EAGAIN: a pids limit, the memory of a machine under pressure), a file system without room."""
+    cause = exc.__cause__ if exc.__cause__ is not None else exc  # (a StoreUnavailable is an OSError too)
+    return isinstance(cause, OSError) and cause.errno in (errno.EAGAIN, errno.ENOMEM, errno.ENOSPC, errno.EDQUOT)
+
+
 class RestartBudget:
     """Restarts of a part that died by itself, at most ``limit`` within any ``window_s`` seconds: one that keeps
     dying is then left dead, with an error, rather than started again in a loop."""
@@ -565,25 +577,36 @@ class EmbeddedRedis:
 
     def _watch(self, poll_s: float = 0.5) -> None:
         """Start the server again where it died without :meth:`stop` (which sets ``_process`` to None first)."""
-        budget = RestartBudget()
+        budget, retrying = RestartBudget(), False
         while not self._closed.wait(poll_s):
             with self._lock:
                 process = self._process
                 if process is None or process.poll() is None:  # stopped on purpose, or running (reaped if not)
+                    retrying = False
                     continue
                 if not budget.allow(self.RESTARTS):
                     log.error("embedded redis-server at %s died %d times in 5 minutes: not starting it again",
                               self.socket_path, self.RESTARTS + 1)
                     self._process = None
                     return
-                said = _log_since(self.directory / "redis.log", self._log_offset).strip()[-500:]
-                log.warning("embedded redis-server at %s died (exit code %s%s): starting it again; its append-only "
-                            "file keeps the jobs' state", self.socket_path, process.returncode,
-                            f"; its log: {said}" if said else "")
+                if not retrying:  # (the death was told before the try that failed)
+                    said = _log_since(self.directory / "redis.log", self._log_offset).strip()[-500:]
+                    log.warning("embedded redis-server at %s died (exit code %s%s): starting it again; its "
+                                "append-only file keeps the jobs' state", self.socket_path, process.returncode,
+                                f"; its log: {said}" if said else "")
                 try:
                     self._start_once()
+                    retrying = False
                 except (StoreUnavailable, OSError) as exc:
-                    log.error("could not start the embedded redis-server again: %s", exc)
+                    # fork failing for want of processes or memory, no room: counted at a try every 0.5 s, a few
+                    # seconds of it had spent RESTARTS, and the job had no Redis for the rest of training
+                    retrying = _clears(exc)
+                    log.error("could not start the embedded redis-server again: %s%s", exc,
+                              f"; trying again in {_RETRY_START_S:g} s" if retrying else "")
+                    if retrying:
+                        budget.refund()
+            if retrying:
+                self._closed.wait(_RETRY_START_S)  # (not holding the lock, which stop() and close() take)
 
     @property
     def url(self) -> str:

@@ -20,10 +20,12 @@ and the coordinator's decision from it, delete them), which every worker has fin
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import inspect
 import os
 import re
+import resource
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
@@ -261,6 +263,26 @@ def _tls_hint(client: redis.Redis, exc: BaseException) -> str:
     return " (the URL asks for TLS (rediss://): if the server has none, use redis://)"
 
 
+def _files_hint(exc: BaseException) -> str:
+    """A hint for a connection that failed for want of file descriptors: this process near its ``ulimit -n`` (an
+    EMFILE, or, where the server took the same limit, as an embedded one does, its maxclients: "max number of clients
+    reached", or the broken pipe of a connection it closed at once), or the server's maxclients. Each Store (each
+    WorkerClient) holds a connection of its own: at 1,000 in one process under ``ulimit -n 1024`` the error had read
+    "cannot reach Redis ...: Broken pipe"."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError as err:  # none left even to list them (EMFILE), or no /proc
+        used = soft if err.errno in (errno.EMFILE, errno.ENFILE) else 0
+    if 0 < soft != resource.RLIM_INFINITY and soft - used <= max(64, soft // 10):
+        return (f" (this process has {used} files open of its limit of {soft}, `ulimit -n`: each Store, and each "
+                "WorkerClient's, holds a Redis connection; raise the limit before the process starts, which an "
+                "embedded Redis started from it takes as its own bound on clients too)")
+    if isinstance(exc, getattr(redis.exceptions, "MaxClientsReachedError", ())):
+        return " (the server's maxclients: each Store holds a connection; raise maxclients, or the server's ulimit -n)"
+    return ""
+
+
 def no_expiry(key: str, claimant: str) -> str:
     """The error for a claim on a job that never expires, which no coordinator of lbbsp's writes (each renews one of 5
     s): it would pass for a live coordinator's for good, and lock the job out of `lbbsp forget` and new coordinators."""
@@ -471,7 +493,8 @@ class Store:
             raise StoreUnavailable(f"Redis at {url} {why}: give it as redis://:PASSWORD@host:port/db (or "
                                    "redis://USER:PASSWORD@...)", job=self.job or None) from exc
         except REDIS_ERRORS as exc:
-            detail = str(exc).rstrip(".") + _tls_hint(self.client, exc) + (f"; {hint}" if hint else "")
+            detail = (str(exc).rstrip(".") + _tls_hint(self.client, exc) + _files_hint(exc) +
+                      (f"; {hint}" if hint else ""))
             raise StoreUnavailable(f"cannot reach Redis at {url}: {detail}", job=self.job or None) from exc
         except redis.InvalidResponse as exc:  # something answers there, but not in Redis's protocol
             raise StoreUnavailable(f"the server at {url} does not answer as Redis does ({exc}): another service on "

@@ -198,7 +198,7 @@ import lbbsp.coordinator
 from lbbsp import CoordinatorProcess, EmbeddedRedis, JobConfig
 
 if __name__ == "__main__":
-    lbbsp.coordinator._RETRY_START_S = 1.0
+    lbbsp.coordinator._RETRY_START_S = 1.0  # (imported from lbbsp.embedded)
     logging.basicConfig(level=logging.WARNING)
     said = []
     logging.getLogger("lbbsp.coordinator").addHandler(type("H", (logging.Handler,), {

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import re
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -607,3 +610,39 @@ def test_a_job_that_runs_without_a_coordinator_keeps_its_keys_bounded_and_its_se
         assert store.client.exists(*(store.key("assign", k) for k in range(150))) == 0
         assert store.forgotten_through() == 149
         assert store.client.ttl(store.key("config")) > 30 and job in set(store.jobs())
+
+
+#: Stores made one after another in one process, as tests/emulated.py's worker_clients makes a WorkerClient's
+#: each, until one fails; the embedded Redis is started from this process, so it takes the same limit on its clients
+_FILES_SCRIPT = textwrap.dedent("""
+    import uuid
+    from lbbsp import EmbeddedRedis, JobConfig, StoreUnavailable, Store
+
+    server = EmbeddedRedis()
+    config = JobConfig(f"fds-{uuid.uuid4().hex[:8]}", 1, 8)
+    stores = []
+    try:
+        for _ in range(2000):
+            store = Store.from_url(server.url, config.job)
+            store.register(config)
+            stores.append(store)
+    except StoreUnavailable as exc:
+        print(f"FAILED after {len(stores)}: {exc}")
+    finally:
+        for store in stores:
+            store.close()
+        server.close()
+""")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("limit", ["-n 256", "-Sn 256"])  # the server bound by the limit too, or raising its own
+def test_running_out_of_file_descriptors_is_named_as_such(limit: str) -> None:
+    """Many Stores in one process under a small `ulimit -n` (1,000 WorkerClients under 1024): the error had read
+    "cannot reach Redis" with redis-py's "Broken pipe", "max number of clients reached" or "Too many open files"."""
+    done = subprocess.run(["bash", "-c", f'ulimit {limit} && exec "$0" -c "$1"', sys.executable, _FILES_SCRIPT],
+                          capture_output=True, text=True, timeout=100, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("FAILED after"))
+    assert int(line.split()[2].rstrip(":")) > 100  # it did run out, far from the start
+    assert "ulimit -n" in line and "limit of 256" in line, line  # what to raise, and where it stands
