@@ -7,6 +7,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("flwr")
@@ -19,7 +20,7 @@ from lbbsp.integrations.flower_local import LocalGrid
 APP = Path(__file__).resolve().parents[1] / "examples" / "flower_digits"
 sys.path.insert(0, str(APP))
 
-from flower_digits import client_app, server_app  # noqa: E402
+from flower_digits import client_app, server_app, task  # noqa: E402
 
 
 def run_config(**overrides: object) -> dict[str, int | float | str | bool]:
@@ -63,3 +64,15 @@ def test_the_server_app_starts_its_own_redis_when_the_url_is_empty(tmp_path: Pat
     rounds = result["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2] and rounds[-1]["accuracy"] > rounds[0]["accuracy"]
     assert any(line.startswith("lbbsp round 2: took") for line in result["plans"])  # the measured time of round 2
+
+
+@pytest.mark.parametrize(("clients", "alpha"), [(500, 0.5), (10, 0.1), (1438, 0.5)])
+def test_every_client_has_data_and_every_training_sample_one_client(clients: int, alpha: float) -> None:
+    """The Dirichlet draw had left some clients without a sample (28 of 500 at the default alpha, one of 10 at
+    alpha 0.1), and each of them failed every round, drawing a batch from nothing."""
+    parts = task.partitions(clients, alpha, 0)
+    train, _ = task.train_test_indices(0)
+    assert len(parts) == clients and min(len(p) for p in parts) >= 1
+    assert sorted(np.concatenate(parts).tolist()) == sorted(train.tolist())
+    with pytest.raises(ValueError, match="1439 clients are more than the 1438 training samples"):
+        task.partitions(len(train) + 1, alpha, 0)
