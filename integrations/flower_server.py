@@ -18,6 +18,7 @@ wrapped strategy still samples the clients and aggregates; around it, each round
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import Counter
@@ -151,6 +152,13 @@ class _Round:
     predicted_s: float | None  # the round's predicted seconds; None before any measurement
     started: float  # time.monotonic() when the messages were handed to Flower
     messages: list[Message]  # as handed to Flower, whose grid gives each its message id as it sends it
+
+    @functools.cached_property
+    def layout(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Each global array's shape and dtype as its bytes decode, once a round: the check of every reply had
+        decoded the whole model again."""
+        return {name: (decoded.shape, decoded.dtype) for name, decoded in
+                ((name, array.numpy()) for name, array in self.arrays.items())}
 
 
 #: The most characters of a client's error reason that are logged, stored and passed on, once escaped: room for
@@ -597,7 +605,7 @@ class LoadBalanced(Strategy):
         if sent is not None:  # every train reply, a plain Flower one too: it is averaged into the model
             if message.metadata.src_node_id not in sent.plan:
                 raise ProtocolError("this node was sent no workload this round", field="node")
-            _check_arrays(sent.arrays, message.content)
+            _check_arrays(sent, message.content)
         if len(records) != 1:  # the strategy would refuse the round (InconsistentMessageReplies), not the reply
             raise ProtocolError(f"must hold one MetricRecord, holds {len(records)}", field="metrics")
         metrics = next(iter(records.values()))
@@ -845,9 +853,11 @@ def _hardware_said(hardware: tuple[str, int]) -> str:
     return f"device {printable(device, 64)!r} ({cores} cores)" if cores else f"device {printable(device, 64)!r}"
 
 
-def _check_arrays(model: ArrayRecord, content: RecordDict) -> None:
-    """Raise a ProtocolError unless ``content`` holds one ArrayRecord with the arrays of ``model``, by name, shape
-    and dtype (in any order), and finite: one NaN, or a complex or string array, would spoil or stop the average."""
+def _check_arrays(sent: _Round, content: RecordDict) -> None:
+    """Raise a ProtocolError unless ``content`` holds one ArrayRecord with the arrays of the model ``sent``, by name,
+    shape and dtype (in any order), and finite: one NaN, or a complex or string array, would spoil or stop the
+    average."""
+    model = sent.arrays
     if len(content.array_records) != 1:
         raise ProtocolError(f"must hold one ArrayRecord, holds {len(content.array_records)}", field="arrays")
     local = next(iter(content.array_records.values()))
@@ -864,10 +874,10 @@ def _check_arrays(model: ArrayRecord, content: RecordDict) -> None:
             values = array.numpy()
         except (ValueError, TypeError) as exc:
             raise ProtocolError(f"cannot be read as an array: {exc}", field=f"arrays.{name}") from None
-        expected = model[name].numpy()
-        if values.shape != expected.shape or not _dtype_fits(values.dtype, expected.dtype):
+        shape, dtype = sent.layout[name]
+        if values.shape != shape or not _dtype_fits(values.dtype, dtype):
             raise ProtocolError(f"holds a {values.dtype} array of shape {values.shape}, the model's is "
-                                f"{expected.dtype} of shape {expected.shape}", field=f"arrays.{name}")
+                                f"{dtype} of shape {shape}", field=f"arrays.{name}")
         if values.dtype.kind in "fc" and not np.isfinite(values).all():
             raise ProtocolError("holds NaN or infinite values", field=f"arrays.{name}")
 
