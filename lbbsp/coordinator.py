@@ -27,12 +27,11 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 import numpy as np
-import redis
 
 from .allocation import sit_out_share
 from .child_logging import ParentLogging
 from .config import JobConfig, _integer, _job_config, _real
-from .embedded import _RETRY_START_S, SHM_IN_CONTAINERS, RestartBudget, no_room, release_cpu_pinning
+from .embedded import SHM_IN_CONTAINERS, RestartBudget, no_room, release_cpu_pinning
 from .errors import ConfigError, LBBSPError, PolicyError, ProtocolError, StoreUnavailable
 from .models import AutoCapacityModel, CapacityModel, FLClientModel, worker_kind
 from .models.auto import default_models
@@ -49,7 +48,7 @@ from .policies import (
 )
 from .protocol import MAX_POLICY_NAME_CHARS, MAX_REASON_CHARS, Assignment, Report
 from .signals import off_the_handler, signals_held
-from .store import ITERATIONS_KEPT, PROBE_TIMEOUT_S, REDIS_ERRORS, REDIS_FAILURES, Store, _store, answering, refusing
+from .store import ITERATIONS_KEPT, PROBE_TIMEOUT_S, REDIS_FAILURES, Store, _store, answering, unusable
 
 log = logging.getLogger("lbbsp.coordinator")
 
@@ -898,7 +897,7 @@ class Coordinator:
                 if self.step(poll_s) is None:  # idle: the rows STATUS_EVERY_S held back, if any
                     self._write_statuses()
             except Exception as exc:  # noqa: BLE001  (whatever one step hits, the coordinator keeps serving)
-                if isinstance(exc, REDIS_ERRORS) or refusing(exc):  # a full disk had logged tracebacks twice a second
+                if unusable(exc):  # a full disk had logged tracebacks twice a second
                     self._outage(exc)
                     self._stop.wait(0.05)
                     self._republish()
@@ -1142,7 +1141,7 @@ class CoordinatorProcess:
 
     def _supervise(self, poll_s: float = 0.5) -> None:
         """Start the child again when it died before :meth:`stop`, within the limit of ``RESTARTS``."""
-        budget, retrying = RestartBudget(), False
+        budget = RestartBudget()
         while not self._stopping.wait(poll_s):
             if self._process.is_alive():
                 continue
@@ -1155,7 +1154,7 @@ class CoordinatorProcess:
                               "waits assignment_timeout_s); start `lbbsp coordinator` for the job, with the same "
                               "settings and its Redis URL", self._job, self.RESTARTS + 1)
                     return
-                if not retrying:  # (the death was told before the try that failed)
+                if not budget.retrying:  # (the death was told before the try that failed)
                     log.warning("the coordinator process of job %s died (%s): starting it again; it resumes from the "
                                 "job's state in Redis", self._job, _how_it_ended(self._process.exitcode))
                 try:
@@ -1163,16 +1162,14 @@ class CoordinatorProcess:
                 except LBBSPError as exc:
                     # no room, no memory, a Redis unusable for now: it clears, unlike a crash. Counted, a Redis
                     # outage of a few seconds after a death had spent RESTARTS, and no coordinator ever came back
-                    retrying = isinstance(exc.__cause__, OSError) or isinstance(exc, StoreUnavailable)
+                    clears = isinstance(exc.__cause__, OSError) or isinstance(exc, StoreUnavailable)
                     log.error("could not start the coordinator process of job %s again: %s%s", self._job, exc,
-                              f"; trying again in {_RETRY_START_S:g} s" if retrying else "")
-                    if retrying:
-                        budget.refund()
+                              budget.failed(clears))
                 else:
                     self.restarts += 1
-                    retrying = False
-            if retrying:
-                self._stopping.wait(_RETRY_START_S)  # (not holding the lock, which stop() takes)
+                    budget.started()
+            if budget.retrying:
+                self._stopping.wait(budget.retry_s)  # (not holding the lock, which stop() takes)
 
     @property
     def alive(self) -> bool:
@@ -1289,8 +1286,8 @@ def _serve(url: str, config_json: str, policy: Policy | None, max_ahead: int, lo
     store = Store.from_url(url, config.job)
     try:
         coordinator = Coordinator(store, config, policy, max_ahead=max_ahead)
-    except (StoreUnavailable, *REDIS_ERRORS, redis.ResponseError) as exc:
-        if isinstance(exc, redis.ResponseError) and not refusing(exc):
+    except Exception as exc:
+        if not unusable(exc):
             raise
         log.warning("job %s: the coordinator process cannot set up, Redis unusable for now: %s", config.job, exc)
         store.close()

@@ -469,15 +469,18 @@ def _clears(exc: BaseException) -> bool:
     """Whether a start failed for a cause that clears by itself: fork or exec without memory or processes (ENOMEM,
     EAGAIN: a pids limit, the memory of a machine under pressure), a file system without room."""
     cause = exc.__cause__ if exc.__cause__ is not None else exc  # (a StoreUnavailable is an OSError too)
-    return isinstance(cause, OSError) and cause.errno in (errno.EAGAIN, errno.ENOMEM, errno.ENOSPC, errno.EDQUOT)
+    return isinstance(cause, OSError) and (cause.errno in (errno.EAGAIN, errno.ENOMEM) or no_room(cause))
 
 
 class RestartBudget:
     """Restarts of a part that died by itself, at most ``limit`` within any ``window_s`` seconds: one that keeps
-    dying is then left dead, with an error, rather than started again in a loop."""
+    dying is then left dead, with an error, rather than started again in a loop. A start that failed for a cause
+    that clears is not counted: ``retrying`` then says to try again after ``retry_s``, the death already told."""
 
     def __init__(self, window_s: float = 300.0) -> None:
         self.window_s = window_s
+        self.retry_s = _RETRY_START_S
+        self.retrying = False
         self._times: deque[float] = deque()
 
     def allow(self, limit: int) -> bool:
@@ -490,10 +493,19 @@ class RestartBudget:
         self._times.append(now)
         return True
 
-    def refund(self) -> None:
-        """Take back the last restart counted: it could not start for a cause that clears (no room, no memory)."""
+    def started(self) -> None:
+        """The restart that :meth:`allow` counted started."""
+        self.retrying = False
+
+    def failed(self, clears: bool) -> str:
+        """The restart that :meth:`allow` counted did not start; one whose cause ``clears`` (no room, no memory, a
+        Redis unusable for now) is taken back and tried again. What to add to the failure's log line."""
+        self.retrying = clears
+        if not clears:
+            return ""
         if self._times:
             self._times.pop()
+        return f"; trying again in {self.retry_s:g} s"
 
 
 class EmbeddedRedis:
@@ -577,36 +589,32 @@ class EmbeddedRedis:
 
     def _watch(self, poll_s: float = 0.5) -> None:
         """Start the server again where it died without :meth:`stop` (which sets ``_process`` to None first)."""
-        budget, retrying = RestartBudget(), False
+        budget = RestartBudget()
         while not self._closed.wait(poll_s):
             with self._lock:
                 process = self._process
                 if process is None or process.poll() is None:  # stopped on purpose, or running (reaped if not)
-                    retrying = False
+                    budget.started()  # (a start() of the caller's, after a try that failed)
                     continue
                 if not budget.allow(self.RESTARTS):
                     log.error("embedded redis-server at %s died %d times in 5 minutes: not starting it again",
                               self.socket_path, self.RESTARTS + 1)
                     self._process = None
                     return
-                if not retrying:  # (the death was told before the try that failed)
+                if not budget.retrying:  # (the death was told before the try that failed)
                     said = _log_since(self.directory / "redis.log", self._log_offset).strip()[-500:]
                     log.warning("embedded redis-server at %s died (exit code %s%s): starting it again; its "
                                 "append-only file keeps the jobs' state", self.socket_path, process.returncode,
                                 f"; its log: {said}" if said else "")
                 try:
                     self._start_once()
-                    retrying = False
+                    budget.started()
                 except (StoreUnavailable, OSError) as exc:
                     # fork failing for want of processes or memory, no room: counted at a try every 0.5 s, a few
                     # seconds of it had spent RESTARTS, and the job had no Redis for the rest of training
-                    retrying = _clears(exc)
-                    log.error("could not start the embedded redis-server again: %s%s", exc,
-                              f"; trying again in {_RETRY_START_S:g} s" if retrying else "")
-                    if retrying:
-                        budget.refund()
-            if retrying:
-                self._closed.wait(_RETRY_START_S)  # (not holding the lock, which stop() and close() take)
+                    log.error("could not start the embedded redis-server again: %s%s", exc, budget.failed(_clears(exc)))
+            if budget.retrying:
+                self._closed.wait(budget.retry_s)  # (not holding the lock, which stop() and close() take)
 
     @property
     def url(self) -> str:

@@ -80,6 +80,11 @@ def refusing(exc: BaseException) -> bool:
                                                  and _REFUSAL.search(str(exc)) is not None)
 
 
+def unusable(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis out of reach or :func:`refusing` for now: an outage to wait out."""
+    return isinstance(exc, REDIS_ERRORS) or refusing(exc)
+
+
 def _claimant(claim: bytes | None) -> str | None:
     """The identity in a coordinator's claim as read from Redis; UNKNOWN_CLAIM where it is none that lbbsp writes: it
     is logged and printed, and a newline, a terminal escape or a megabyte there came out as they were."""

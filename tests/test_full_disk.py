@@ -194,11 +194,11 @@ def test_refusals_are_told_from_faults_of_the_command(error: Exception, refused:
 
 _COORDINATOR_WITHOUT_ROOM = r"""
 import json, logging, os, signal, subprocess, sys, tempfile, threading, time
-import lbbsp.coordinator
+import lbbsp.embedded
 from lbbsp import CoordinatorProcess, EmbeddedRedis, JobConfig
 
 if __name__ == "__main__":
-    lbbsp.coordinator._RETRY_START_S = 1.0  # (imported from lbbsp.embedded)
+    lbbsp.embedded._RETRY_START_S = 1.0  # the restart watch's pause between tries, shortened
     logging.basicConfig(level=logging.WARNING)
     said = []
     logging.getLogger("lbbsp.coordinator").addHandler(type("H", (logging.Handler,), {

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-import lbbsp.coordinator
+import lbbsp.embedded
 from lbbsp import BSPPolicy, CoordinatorProcess, EmbeddedRedis, JobConfig
 from test_coordinator import _until
 
@@ -26,7 +26,7 @@ from test_coordinator import _until
 def test_a_coordinator_process_restarted_while_redis_is_unusable_serves_again_once_it_is_back(
         unusable: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Down, or refusing writes (a full Redis's OOM): each restart's child died in its set-up (Store.register)."""
-    monkeypatch.setattr(lbbsp.coordinator, "_RETRY_START_S", 1.0)  # the watch's pause between tries, shortened
+    monkeypatch.setattr(lbbsp.embedded, "_RETRY_START_S", 1.0)  # the watch's pause between tries, shortened
     with EmbeddedRedis() as server:
         running = CoordinatorProcess(server.url, JobConfig(f"unusable-{unusable[:4]}", 2, 8), BSPPolicy())
         running.RESTARTS = 1  # what a few seconds of outage spent of the default 3
