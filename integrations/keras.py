@@ -673,6 +673,21 @@ class _CallbackLogic:
         self._first_epoch_begun = False  # this fit's: a Keras 3 fit that BackupAndRestore resumed starts later
         self._restore_offset = 0  # a resumed fit's order of Keras epoch e is e + this (on_train_begin)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A new callback of the same worker, as ``LBBSPCallback(session.client, source)`` builds it: the client and
+        the source are shared, not copied (a copy of either would be a second worker of the job, and neither copies).
+        KerasTuner deep-copies the callbacks of each trial; the copy's fit carries on where the latest fit left the job.
+        """
+        return type(self)(self.client, self.source, monitor=self.monitor)
+
+    def __copy__(self) -> Any:
+        return self.__deepcopy__({})
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        raise ConfigError("LBBSPCallback cannot be pickled: it holds this worker's live client of the job (its Redis "
+                          "connection); build one in each process with LBBSPCallback(session.client, source)",
+                          job=self.client.config.job)
+
     def set_model(self, model: Any) -> None:
         """Refuse a model of the other Keras (tf_keras vs Keras 3), or Keras 3 on a backend other than TensorFlow's,
         which fail later with obscure errors."""

@@ -172,6 +172,12 @@ class BalancedSource:
         self._running: Callable[[], bool] | None = None  # whether the attached fit still runs (see attach)
         _SOURCES.add(self)
 
+    def __reduce_ex__(self, protocol: object) -> Any:
+        raise ConfigError("BalancedSource cannot be copied or pickled: it cuts each batch at the size its callback "
+                          "publishes in this process, and a copy would wait for sizes nobody publishes; build its "
+                          "pipelines with source.tf_dataset() or source.py_dataset() (worker threads), in this process",
+                          job=self.config.job, worker=self.worker)
+
     # -- shape of an epoch ------------------------------------------------------------------------------
     def __len__(self) -> int:
         """Steps (global batches) per epoch: pass it to ``model.fit(steps_per_epoch=...)``."""

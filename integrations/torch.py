@@ -377,7 +377,11 @@ class Balancer:
             # for a slow one inside the step; the clock leaves it out (it stops before DDP.forward, resumes as
             # the wrapped module's forward starts, after the broadcast)
             self._hooks.append(model.register_forward_pre_hook(lambda *_: self._clock.pause()))
-            self._hooks.append(model.module.register_forward_pre_hook(lambda *_: self._clock.resume()))
+            # by name and by module, not a closure over self: the module is what a script copies (an EMA's
+            # deepcopy, torch.save of the whole module), and a lambda there had made torch.save fail and the copy's
+            # forward resume this Balancer's clock
+            _RESUMED_BY.setdefault(model.module, weakref.WeakSet()).add(self)
+            self._hooks.append(model.module.register_forward_pre_hook(_resume_clocks))
         return model
 
     def scale_loss(self, loss: torch.Tensor, samples: int | None = None) -> torch.Tensor:
@@ -563,6 +567,8 @@ class Balancer:
                 loader.close()
             for handle in self._hooks:
                 handle.remove()
+            for balancers in _RESUMED_BY.values():
+                balancers.discard(self)
             self._gpu_reports.close(self.config.assignment_timeout_s if failing else None)
             failure = failure or self._gpu_reports.failure()
             self.client.close()
@@ -579,11 +585,33 @@ class Balancer:
         if failure is not None and not failing:
             raise failure
 
+    def __reduce_ex__(self, protocol: object) -> Any:
+        raise ConfigError(_NOT_COPIED.format(what="a Balancer"), job=self.config.job, worker=self.rank)
+
     def __enter__(self) -> Balancer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: Why a Balancer, a loader of one, or a DDP model attached to one is not copied or pickled.
+_NOT_COPIED = ("{what} cannot be copied or pickled: it is this rank's live part of the job (its Redis connection, "
+               "the step in progress, rank 0's coordinator), and a copy would take part in the job as a second one. "
+               "Copy or save the wrapped module instead (copy.deepcopy(ddp_model.module) for an EMA, "
+               "torch.save(ddp_model.module.state_dict())), and the loader's position as loader.state_dict() "
+               "(docs/torch.md, Checkpoints and restarts)")
+
+#: Per wrapped module of an attached DDP model, the Balancers whose clock its forward resumes (_resume_clocks).
+_RESUMED_BY: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[Balancer]] = weakref.WeakKeyDictionary()
+
+
+def _resume_clocks(module: nn.Module, inputs: object) -> None:
+    """Forward pre-hook of an attached DDP model's wrapped module: resume the clocks paused at DDP's forward, after its
+    buffer broadcast. A copy of the module (``copy.deepcopy``, ``torch.save`` of the whole module) carries this
+    function, which finds no Balancer for the copy and does nothing."""
+    for balancer in list(_RESUMED_BY.get(module, ())):
+        balancer._clock.resume()
 
 
 class _GPUReports:

@@ -233,6 +233,12 @@ class BalancedLoader:
         self.set_epoch(epoch)
         self._resume = (epoch, step)
 
+    def __reduce_ex__(self, protocol: object) -> Any:
+        from .torch import _NOT_COPIED  # noqa: PLC0415  (torch imports this module)
+
+        raise ConfigError(_NOT_COPIED.format(what="a BalancedLoader"), job=self.balancer.config.job,
+                          worker=self.balancer.rank)
+
     def close(self) -> None:
         """Stop the loader's worker processes (they persist between steps); :meth:`Balancer.close` calls it."""
         self._cancel_ahead()

@@ -19,7 +19,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import redis
 
@@ -164,6 +164,11 @@ class ClientHistory:
         self._check_access = client.register_script(self.CHECK_ACCESS)
         self._known: dict[str, int] = {}  # client key -> the index Redis last gave it here
         self._lowest_new = 0  # above every index handed out here, so that none is given twice after a data loss
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        raise ConfigError("a ClientHistory (and the LoadBalanced strategy that holds one) cannot be copied or pickled: "
+                          "it holds a live Redis connection; make one in each process with ClientHistory.from_url(url, "
+                          "job), which reads the same stored history", job=self.job)
 
     @classmethod
     def from_url(cls, url: str, job: str, *, ttl_s: int = 7 * 86_400, max_reports: int = 50,

@@ -262,3 +262,20 @@ def test_plan_called_directly_still_numbers_the_nodes(redis_url: str, job: str) 
         assert {n: w.batch_size for n, w in plan.items()} == {7: 8, 9: 8}
         assert sorted(int(node) for node in history.workers()) == [7, 9]
         assert strategy.plan(2, []) == {}
+
+
+def test_a_history_and_its_strategy_refuse_copies_with_lbbsps_error(redis_url: str, job: str) -> None:
+    """deepcopy or pickle of a ClientHistory, or of a LoadBalanced holding one, is lbbsp's ConfigError, not pickle's
+    "cannot pickle '_thread.lock' object" from inside the Redis connection."""
+    import copy  # noqa: PLC0415
+    import pickle  # noqa: PLC0415
+
+    from lbbsp import ConfigError  # noqa: PLC0415
+
+    history = ClientHistory.from_url(redis_url, job)
+    strategy = LoadBalanced(FedAvg(fraction_evaluate=0.0), history, batch_size=8, local_steps=2)
+    for what in (history, strategy):
+        for how in (copy.deepcopy, pickle.dumps):
+            with pytest.raises(ConfigError, match="ClientHistory .* cannot be copied or pickled"):
+                how(what)
+    history.close()
