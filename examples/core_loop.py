@@ -63,10 +63,22 @@ def worker(rank: int, url: str, config: JobConfig, epochs: int, to_launcher: Que
             compute_s = time.perf_counter() - t0  # no waiting inside: the exchange below is not timed
             client.report(k, len(idx), compute_s, features=monitor.sample())  # returns at once
             to_launcher.put((rank, k, sizes, gradient_sum, len(idx)))
-            w = from_launcher.get()
+            w = receive(from_launcher)
             k += 1
     client.close()
     store.close()
+
+
+def receive(from_launcher: Queue) -> np.ndarray:
+    """The launcher's next weights; SystemExit once the launcher is gone. Killed (SIGKILL, or a SIGTERM or SIGHUP
+    at its default), it had left both workers waiting here for ever."""
+    while True:
+        try:
+            return from_launcher.get(timeout=1)
+        except queue.Empty:
+            launcher = mp.parent_process()
+            if launcher is not None and not launcher.is_alive():
+                raise SystemExit("the launcher is gone") from None
 
 
 def reference(epochs: int, global_batch: int, lr: float) -> np.ndarray:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from lbbsp.child_logging import ParentLogging
 from lbbsp.cli import piped_console, probe_redis, whole_number
 from lbbsp.errors import ConfigError, LBBSPError
-from lbbsp.signals import ctrl_c_ignored, signals_held, sigterm_as_exit
+from lbbsp.signals import ctrl_c_ignored, signals_held, term_and_hangup_as_exit, tracker_ignoring_hangup
 from lbbsp.store import redacted, redis_url
 
 if TYPE_CHECKING:
@@ -323,10 +323,11 @@ def run(args: argparse.Namespace) -> int:
     # a clear error here, not one traceback per worker process; the variable's URL named as the other commands do
     probe_redis(url, "", redis_url(args.redis)[1] if given else "", socket_timeout_s=5.0).close()
     ctx = mp.get_context("spawn")
+    tracker_ignoring_hangup()  # before the queue's semaphores: it unlinks them once this process is gone
     events = ctx.Queue()
     view = _View(config, cores)
     logs = ParentLogging.of_this_process()  # spawned, the workers start with no logging
-    with tempfile.TemporaryDirectory(prefix="lbbsp-demo-") as tmp, sigterm_as_exit():
+    with tempfile.TemporaryDirectory(prefix="lbbsp-demo-") as tmp, term_and_hangup_as_exit():
         procs = [ctx.Process(target=_worker, args=(r, config, os.path.join(tmp, "rdv"), url, events, logs),
                              daemon=False)
                  for r in range(config.workers)]

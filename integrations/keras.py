@@ -42,6 +42,7 @@ from lbbsp.embedded import (
     FOLDER_PREFIX,
     EmbeddedRedis,
     check_private,
+    remove_stale_folders,
     serve_embedded,
     server_listening,
     temp_parent,
@@ -276,6 +277,7 @@ def _start_embedded(directory: Path, listen: str | None = None) -> EmbeddedRedis
                  f"on this machine: its embedded Redis answers in {directory}, and a second one there would delete it "
                  "under that run. Close it,")
         raise ConfigError(f"another WorkerSession of this job name runs {where} or give this run another job name")
+    remove_stale_folders(directory.parent)  # killed runs' folders beside it, as a start without a folder does
     shutil.rmtree(directory, ignore_errors=True)
     return EmbeddedRedis(directory, listen=listen, own_directory=True)
 

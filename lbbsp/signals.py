@@ -38,11 +38,28 @@ def off_the_handler(call: Callable[[], object]) -> None:
     threading.Thread(target=call, name="lbbsp-stop", daemon=True).start()
 
 
-def sigterm_as_exit() -> contextlib.AbstractContextManager[None]:
-    """SIGTERM (kill, timeout(1), a CI job's cancel) as ``SystemExit(143)``, so that the cleanup of the ``with``
-    blocks it passes through stops what they started: at its default it ends the process alone, and the children
-    run on. Elsewhere than in the main thread, nothing changes."""
-    return _handled(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+@contextlib.contextmanager
+def term_and_hangup_as_exit() -> Iterator[None]:
+    """SIGTERM (kill, timeout(1), a CI job's cancel) as ``SystemExit(143)``, and SIGHUP (an ssh session that drops, a
+    closed terminal) as ``SystemExit(129)`` unless it is ignored (nohup), so that the cleanup of the ``with`` blocks
+    they pass through stops what they started: at their default they end the process alone, its temp folders stay,
+    and the children run on. Elsewhere than in the main thread, nothing changes."""
+    with contextlib.ExitStack() as stack:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            if signum == signal.SIGTERM or signal.getsignal(signum) != signal.SIG_IGN:
+                stack.enter_context(_handled(signum, lambda number, frame: sys.exit(128 + number)))
+        yield
+
+
+def tracker_ignoring_hangup() -> None:
+    """Start multiprocessing's resource tracker now, with SIGHUP ignored (it ignores SIGINT and SIGTERM itself): a
+    hangup to the process group killed it, so the spawn queue's semaphores stayed in /dev/shm, or the launcher's exit
+    started another that printed a KeyError traceback per semaphore. Call it before creating them; once it runs, this
+    does nothing. Elsewhere than in the main thread, it starts the tracker as is."""
+    from multiprocessing import resource_tracker  # noqa: PLC0415
+
+    with _handled(signal.SIGHUP, signal.SIG_IGN):
+        resource_tracker.ensure_running()
 
 
 def ctrl_c_ignored() -> contextlib.AbstractContextManager[None]:

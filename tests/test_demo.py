@@ -547,3 +547,42 @@ def test_flags_that_do_not_fit_the_workers_are_refused_by_name_before_anything_s
     assert main(["demo", "--workers", "4", *flags, "--redis", NOWHERE]) == 2
     err = capsys.readouterr().err
     assert said in err, err
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("group", [True, False], ids=["session-hangup", "demo-alone"])
+def test_a_hangup_stops_the_demo_as_sigterm_does_and_leaves_no_folder_or_process(tmp_path: Path, group: bool) -> None:
+    """SIGHUP (an ssh session that drops, a closed terminal) ended the launcher at its default, without its cleanup:
+    its temp folder in $TMPDIR stayed for good, with its embedded Redis's folder in /dev/shm and, where the group got
+    it, the spawn queue's semaphores; sent to the launcher alone, its workers trained on without it."""
+    demo = subprocess.Popen([*LBBSP, "demo", "--steps", "2000", "--hidden", "64"], start_new_session=True, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "TMPDIR": str(tmp_path)},
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # noqa: PLW1509
+    assert demo.stdout is not None
+    started: dict[int, str] = {}
+    shm_before = set(os.listdir("/dev/shm"))
+    try:
+        for line in demo.stdout:
+            if " step " in line:  # training: workers, load, coordinator process and redis-server all run
+                break
+        started = {p.pid: " ".join(p.cmdline()) for p in psutil.Process(demo.pid).children(recursive=True)}
+        assert sum("redis-server" in cmd for cmd in started.values()) == 1
+        if group:
+            os.killpg(demo.pid, signal.SIGHUP)
+        else:
+            demo.send_signal(signal.SIGHUP)
+        assert demo.wait(timeout=60) == 128 + signal.SIGHUP
+        for pid, cmd in started.items():
+            _gone_within(pid, f"{cmd} outlived a hung-up lbbsp demo")
+        rest = demo.stdout.read()
+    finally:
+        for pid in [demo.pid, *started]:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        demo.stdout.close()
+    assert "Traceback" not in rest and "resource_tracker" not in rest, rest
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("lbbsp-demo-")] == []
+    assert not [name for name in set(os.listdir("/dev/shm")) - shm_before
+                if name.startswith("lbbsp-redis-") and (Path("/dev/shm", name, "owner").read_text().split()[0]
+                                                       == str(demo.pid))]

@@ -3,8 +3,10 @@ core_loop.py, torch_digits.py and keras_digits.py refuse what they cannot run, o
 why without a traceback."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +73,30 @@ def test_the_core_loop_ends_naming_a_worker_that_died_instead_of_waiting_for_it(
     assert launcher.returncode not in (0, None) and "exited" in out and "worker" in out, out[-2000:]
     _, alive = psutil.wait_procs(everything, timeout=10)
     assert not alive, f"left running: {[p.cmdline() for p in alive]}"
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM, signal.SIGHUP])
+def test_the_core_loops_workers_end_when_the_launcher_is_killed(how: signal.Signals) -> None:
+    """The launcher killed mid-run (the OOM killer, kill, a dropped ssh session) had left both workers waiting for
+    its weights for ever, each with the resource tracker it shares: still running 60 s later."""
+    launcher = subprocess.Popen([sys.executable, str(EXAMPLES / "core_loop.py"), "--epochs", "500"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # noqa: PLW1509
+    everything: list[psutil.Process] = []
+    try:
+        assert launcher.stdout is not None
+        assert "iteration   0" in launcher.stdout.readline()  # the workers train
+        everything = psutil.Process(launcher.pid).children(recursive=True)
+        launcher.send_signal(how)
+        assert launcher.wait(timeout=10) == -how
+        _, alive = psutil.wait_procs(everything, timeout=15)
+        assert not alive, f"left running: {[p.cmdline() for p in alive]}"
+    finally:
+        for child in everything:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        launcher.kill()
+        launcher.communicate()
 
 
 def test_the_torch_example_run_without_torchrun_says_how_to_run_it() -> None:

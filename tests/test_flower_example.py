@@ -76,3 +76,44 @@ def test_every_client_has_data_and_every_training_sample_one_client(clients: int
     assert sorted(np.concatenate(parts).tolist()) == sorted(train.tolist())
     with pytest.raises(ValueError, match="1439 clients are more than the 1438 training samples"):
         task.partitions(len(train) + 1, alpha, 0)
+
+
+@pytest.mark.timeout(240)
+def test_the_deployments_processes_end_when_its_launcher_is_killed() -> None:
+    """run.py killed (SIGKILL, the OOM killer) had left the SuperLink, the SuperNodes, their SuperExecs and the
+    ServerApp running for good, each in a session of its own: still there 60 s later."""
+    import subprocess  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    import psutil  # noqa: PLC0415
+
+    launcher = subprocess.Popen([sys.executable, str(APP / "run.py"), "--clients", "2", "--rounds", "100"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started: list[psutil.Process] = []
+    try:
+        assert launcher.stdout is not None
+        for line in launcher.stdout:
+            if "submitted run" in line:
+                break
+        time.sleep(5)  # the SuperExecs and the ServerApp start
+        started = psutil.Process(launcher.pid).children(recursive=True)
+        assert any("flwr-serverapp" in " ".join(p.cmdline()) for p in started)
+        launcher.kill()
+        launcher.wait()
+        _, alive = psutil.wait_procs(started, timeout=30)
+        left = []
+        for process in alive:
+            try:
+                if process.status() != psutil.STATUS_ZOMBIE:  # a zombie waits on its parent, left above
+                    left.append(" ".join(process.cmdline())[:120])
+            except psutil.NoSuchProcess:
+                pass
+        assert not left, left
+    finally:
+        for process in started:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if launcher.poll() is None:
+            launcher.kill()

@@ -325,7 +325,7 @@ def test_without_a_url_worker_0_serves_an_embedded_redis_that_a_later_start_can_
         assert session.server is not None
         folder = session.server.directory
         # named and labelled as the stale-folder cleanup expects: if this process were killed, the next
-        # embedded server's start would remove the folder (tests/test_embedded.py shows that part)
+        # worker 0 start would remove the folder (tests/test_keras_failure.py shows that part)
         assert folder.name.startswith(FOLDER_PREFIX)
         assert (folder / "owner").read_text().split()[0] == str(os.getpid())
         session.client.store.ping()  # raises if unreachable

@@ -3,6 +3,7 @@ raised leaving no prefetch thread to hang or stall the process, a Redis outage d
 at outage_s), a connect timeout that holds, and examples/keras_digits.py's launcher stopped with SIGTERM."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -286,3 +287,29 @@ def test_a_py_dataset_fit_that_raised_leaves_no_prefetch_to_stall_the_process(re
                           timeout=150, check=False)
     assert done.returncode == 0 and "raised" in done.stdout, done.stderr[-2000:]
     assert float(done.stdout.split("released after ")[1].rstrip().rstrip("s")) < 10, done.stdout
+
+
+@pytest.mark.timeout(120)
+def test_worker_0s_start_removes_the_embedded_folders_of_killed_keras_runs(job: str) -> None:
+    """Worker 0's embedded Redis lives in a folder named after the job, and only a start with no folder given removed
+    killed runs' folders: a worker 0 killed (SIGKILL, or its launcher's SIGTERM) left its folder in /dev/shm for good,
+    a few MB each, on a machine that ran Keras jobs alone."""
+    script = ("import os, sys, time\nfrom lbbsp import JobConfig\nfrom lbbsp.integrations.keras import WorkerSession\n"
+              "session = WorkerSession(JobConfig(sys.argv[1], num_workers=1, global_batch=32), 0)\n"
+              "print(session.server.directory, session.server.pid, flush=True)\ntime.sleep(120)\n")
+    child = subprocess.Popen([sys.executable, "-c", script, f"{job}-killed"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        folder_text, server_pid = child.stdout.readline().split()
+        folder = Path(folder_text)
+        assert folder.is_dir()
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()  # type: ignore[union-attr]
+    with contextlib.suppress(psutil.NoSuchProcess):
+        psutil.Process(int(server_pid)).wait(timeout=30)  # the server ends with its parent
+    assert folder.is_dir()  # no cleanup ran in the killed process
+    with WorkerSession(JobConfig(job, num_workers=1, global_batch=32), 0) as session:
+        assert session.server is not None and session.server.directory.parent == folder.parent
+        assert not folder.exists()

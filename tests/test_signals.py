@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager
 
 import pytest
 
-from lbbsp.signals import ctrl_c_ignored, off_the_handler, signals_held, sigterm_as_exit
+from lbbsp.signals import ctrl_c_ignored, off_the_handler, signals_held, term_and_hangup_as_exit
 
 
 class Stopped(Exception):
@@ -70,11 +70,26 @@ def test_the_block_exits_with_its_own_error_chained_to_the_signals(sigterm_raise
 
 
 def test_a_sigterm_is_a_system_exit_of_143_inside_and_the_handler_of_before_after(sigterm_raises: list[int]) -> None:
-    with pytest.raises(SystemExit) as raised, sigterm_as_exit():
+    with pytest.raises(SystemExit) as raised, term_and_hangup_as_exit():
         os.kill(os.getpid(), signal.SIGTERM)
     assert raised.value.code == 128 + signal.SIGTERM and sigterm_raises == []
     with pytest.raises(Stopped):
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_hangup_is_a_system_exit_of_129_inside_unless_nohup_ignores_it() -> None:
+    """A dropped ssh session's SIGHUP had ended `lbbsp demo` at its default, without the cleanup of its blocks."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        with pytest.raises(SystemExit) as raised, term_and_hangup_as_exit():
+            os.kill(os.getpid(), signal.SIGHUP)
+        assert raised.value.code == 128 + signal.SIGHUP and signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts it
+        with term_and_hangup_as_exit():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def test_ctrl_c_is_ignored_inside_and_its_handler_is_back_after() -> None:
@@ -85,7 +100,7 @@ def test_ctrl_c_is_ignored_inside_and_its_handler_is_back_after() -> None:
     assert signal.getsignal(signal.SIGINT) is before
 
 
-@pytest.mark.parametrize("block", [signals_held, sigterm_as_exit, ctrl_c_ignored])
+@pytest.mark.parametrize("block", [signals_held, term_and_hangup_as_exit, ctrl_c_ignored])
 def test_outside_the_main_thread_nothing_is_held_or_changed(block: Callable[[], AbstractContextManager[None]]) \
         -> None:
     seen: list[object] = []

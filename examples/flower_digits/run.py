@@ -15,6 +15,7 @@ report them (``count_delivery=True``), so lbbsp's plans mostly keep the equal sp
 from __future__ import annotations
 
 import argparse
+import ctypes
 import difflib
 import json
 import os
@@ -35,7 +36,7 @@ import click
 from flwr.common.config import parse_config_args
 
 from lbbsp import EmbeddedRedis
-from lbbsp.signals import sigterm_as_exit
+from lbbsp.signals import term_and_hangup_as_exit
 
 APP_DIR = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -116,12 +117,21 @@ def _check_run(flwr: str, run_id: str, env: Mapping[str, str], out: Path) -> Non
                        f"{run.get('status-details', '')}\n{log[-3000:]}")
 
 
+def _stop_with_launcher() -> None:
+    """In each Flower process, before exec: SIGKILL once the launcher is gone (their SuperExecs follow them: they
+    watch their --parent-pid). Killed (SIGKILL, the OOM killer), it had left the SuperLink, the SuperNodes, their
+    SuperExecs and the ServerApp serving for good, in sessions of their own; SIGTERM left the SuperLink waiting on the
+    ServerApp."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class LogFollower:
     """Streams a run's log (`flwr log RUN_ID local`, which ends when the run does) and prints its progress lines as
     they come, from a thread: one process waiting on the SuperLink's stream, not one started per poll."""
 
     def __init__(self, flwr: str, run_id: str, env: Mapping[str, str]) -> None:
         self.process = subprocess.Popen([flwr, "log", run_id, "local"], env=env, stdout=subprocess.PIPE,
+                                        preexec_fn=_stop_with_launcher,  # noqa: PLW1509
                                         stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True,
                                         errors="replace", start_new_session=True)
         self._thread = threading.Thread(target=self._echo, args=(self.process.stdout or (),), daemon=True)
@@ -148,7 +158,7 @@ class LogFollower:
 def run_deployment(clients: int, run_config: Mapping[str, object], *, timeout_s: float = 600,
                    workdir: Path | None = None, redis_url: str | None = None) -> dict[str, object]:
     """Run the app on a fresh SuperLink with ``clients`` SuperNodes; returns the ServerApp's results."""
-    with sigterm_as_exit():
+    with term_and_hangup_as_exit():
         return _deploy(clients, run_config, timeout_s, workdir, redis_url)
 
 
@@ -171,7 +181,8 @@ def _deploy(clients: int, run_config: Mapping[str, object], timeout_s: float, wo
     def start(args: list[str], log_name: str) -> None:
         with open(work / log_name, "wb") as log_file:
             processes.append(subprocess.Popen(args, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                              stdin=subprocess.DEVNULL, start_new_session=True))
+                                              stdin=subprocess.DEVNULL, start_new_session=True,
+                                              preexec_fn=_stop_with_launcher))  # noqa: PLW1509
 
     try:
         start([superlink, "--insecure", "--port", str(port),
