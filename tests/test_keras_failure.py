@@ -69,7 +69,7 @@ def test_worker0_closes_without_waiting_on_its_stalled_embedded_redis(job: str, 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(480)
 def test_a_fit_that_raised_leaves_no_prefetch_thread_to_hang_the_exit(redis_url: str, job: str) -> None:
     """Keras 3 from a tf_dataset: tf.data's injected prefetch thread waited in the generator for the next vector,
     and the GC at exit destroyed the iterator and waited for that thread forever (often, not always: 3 tries)."""
@@ -78,10 +78,11 @@ def test_a_fit_that_raised_leaves_no_prefetch_thread_to_hang_the_exit(redis_url:
     for attempt in range(3):
         try:
             done = subprocess.run([sys.executable, "-c", _RAISE_IN_FIT, redis_url, f"{job}-{attempt}"], env=env,
-                                  capture_output=True, text=True, timeout=40, check=False)
-        except subprocess.TimeoutExpired:
+                                  capture_output=True, text=True, timeout=150, check=False)
+        except subprocess.TimeoutExpired:  # TensorFlow's import and the fit alone took 40-50 s on a loaded machine
             pytest.fail(f"the process hung at exit after a fit that raised (try {attempt + 1})")
         assert done.returncode == 0 and "raised" in done.stdout, done.stderr[-2000:]
+        assert float(done.stdout.split("released after ")[1].rstrip().rstrip("s")) < 10, done.stdout
 
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "keras_digits.py"
