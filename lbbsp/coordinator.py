@@ -1132,6 +1132,9 @@ class CoordinatorProcess:
                 if exited and process.exitcode == _EXIT_REDIS_UNUSABLE:
                     raise StoreUnavailable("the coordinator process could not start: Redis is unusable for now (down, "
                                            "stalled or refusing writes; its log says why)", job=self._job)
+                if exited and process.exitcode is not None and process.exitcode < 0:  # killed: it left no traceback
+                    raise LBBSPError(f"the coordinator process was killed as it started "
+                                     f"({_how_it_ended(process.exitcode)})", job=self._job)
                 if exited:
                     hint = f"; its traceback is above ({guard})" if reruns_main else "; its traceback is above"
                 else:

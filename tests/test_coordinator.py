@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -1903,6 +1904,32 @@ class _FailsInTheChild(BSPPolicy):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (int, ("not a policy in the child",))
+
+
+class _SlowInTheChild(BSPPolicy):
+    """Its unpickling in the coordinator's child sleeps a minute: the child is still starting."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (time.sleep, (60,))
+
+
+@pytest.mark.timeout(60)
+def test_a_child_killed_as_it_starts_is_said_so_not_sent_to_a_traceback(redis_url: str, job: str) -> None:
+    """A child killed before it served (a SIGTERM to the process group as a job starts) had been reported as
+    "(exit code -15); its traceback is above", where there was none."""
+    def kill_the_child() -> None:
+        while True:
+            starting = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+            if starting:
+                starting[0].send_signal(signal.SIGTERM)
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=kill_the_child, daemon=True).start()
+    with pytest.raises(LBBSPError, match=r"the coordinator process was killed as it started \(exit code -15, "
+                                         r"SIGTERM\) \[job=") as raised:
+        CoordinatorProcess(redis_url, JobConfig(job, 2, 8), _SlowInTheChild(), start_timeout_s=50)
+    assert "traceback" not in str(raised.value)
 
 
 @pytest.mark.timeout(60)
