@@ -52,6 +52,18 @@ def _gone_within(pid: int, what: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def _started_once_training(demo: subprocess.Popen[str]) -> dict[int, str]:
+    """Every process the demo started, with its command line, read once it trains: workers, load, coordinator process
+    and its one redis-server all run then."""
+    assert demo.stdout is not None
+    for line in demo.stdout:
+        if " step " in line:
+            break
+    started = {p.pid: " ".join(p.cmdline()) for p in psutil.Process(demo.pid).children(recursive=True)}
+    assert sum("redis-server" in cmd for cmd in started.values()) == 1
+    return started
+
+
 @pytest.mark.timeout(180)
 def test_ctrl_c_in_the_demo_prints_no_traceback_and_leaves_nothing_running() -> None:
     """Ctrl-C (SIGINT to the terminal's process group) mid-demo printed the coordinator process's traceback,
@@ -61,11 +73,7 @@ def test_ctrl_c_in_the_demo_prints_no_traceback_and_leaves_nothing_running() -> 
     assert demo.stdout is not None
     started: dict[int, str] = {}  # every process the demo started, with its command line
     try:
-        for line in demo.stdout:
-            if " step " in line:  # training: workers, load, coordinator process and redis-server all run
-                break
-        started = {p.pid: " ".join(p.cmdline()) for p in psutil.Process(demo.pid).children(recursive=True)}
-        assert sum("redis-server" in cmd for cmd in started.values()) == 1
+        started = _started_once_training(demo)
         assert sum("spawn_main" in cmd for cmd in started.values()) == 3  # 2 workers and 1 coordinator
         os.killpg(demo.pid, signal.SIGINT)
         assert demo.wait(timeout=60) == 130
@@ -563,11 +571,7 @@ def test_a_hangup_stops_the_demo_as_sigterm_does_and_leaves_no_folder_or_process
     started: dict[int, str] = {}
     shm_before = set(os.listdir("/dev/shm"))
     try:
-        for line in demo.stdout:
-            if " step " in line:  # training: workers, load, coordinator process and redis-server all run
-                break
-        started = {p.pid: " ".join(p.cmdline()) for p in psutil.Process(demo.pid).children(recursive=True)}
-        assert sum("redis-server" in cmd for cmd in started.values()) == 1
+        started = _started_once_training(demo)
         if group:
             os.killpg(demo.pid, signal.SIGHUP)
         else:
