@@ -343,3 +343,31 @@ def test_a_callback_whose_fit_reads_arrays_says_so_once(redis_url: str, job: str
         _model().fit(x, y, batch_size=32, epochs=2, steps_per_epoch=len(source), verbose=0,
                      callbacks=[LBBSPCallback(session.client, source)])
     assert caplog.text.count("did not read the source's batches") == 1, caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_a_deep_copied_callback_trains_on_as_the_same_worker_and_live_objects_refuse_pickling(
+        redis_url: str, job: str) -> None:
+    """A callbacks list deep-copied for each fit, as KerasTuner copies it for each trial, trains on as the same worker,
+    carrying on the job's iterations (it had raised "cannot pickle '_thread.lock' object"); the source, and a callback
+    pickled, refuse with lbbsp's ConfigError."""
+    import copy  # noqa: PLC0415
+    import pickle  # noqa: PLC0415
+
+    config = JobConfig(job, num_workers=1, global_batch=32)
+    x, y = _data()
+    with WorkerSession(config, 0, url=redis_url) as session:
+        source = BalancedSource(x, y, config, 0, seed=1)
+        callbacks = [LBBSPCallback(session.client, source), keras.callbacks.History()]
+        for _ in range(2):  # KerasTuner: a new model and a deep copy of the callbacks for each trial
+            copied = copy.deepcopy(callbacks)
+            assert copied[0].client is session.client and copied[0].source is source
+            _model().fit(source.tf_dataset(), epochs=1, steps_per_epoch=len(source), callbacks=copied, verbose=0,
+                         shuffle=False)
+        assert copied[0].iteration == 2 * len(source)  # the second trial carried on the job's iterations
+        assert [b.iteration for b in source.served] == list(range(2 * len(source)))  # each once, in order
+        for what in (callbacks[0], source):
+            with pytest.raises(ConfigError, match="cannot be (copied or )?pickled"):
+                pickle.dumps(what)
+        with pytest.raises(ConfigError, match="BalancedSource cannot be copied or pickled"):
+            copy.deepcopy(source)
