@@ -128,7 +128,7 @@ def _worker(rank: int, args: argparse.Namespace, init: str, url: str, out: str) 
     cores = cores_for(WORLD)  # before pinning: afterwards this process may use its own core only
     os.sched_setaffinity(0, {cores[rank]})
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", store=dist.FileStore(init, WORLD), rank=rank, world_size=WORLD)
     loads = [ColocatedLoad(cores[SLOW], 1) for _ in range(2)] if rank == 0 else None
     results = []
     try:

@@ -188,7 +188,8 @@ def measure(sizes: list[int], lags: list[int], loops: list[str], steps: int, rep
             device: torch.device) -> tuple[list[dict[str, Any]], str]:
     """Every loop at every size, ``repeats`` times in turn, and lbbsp's host parts; the rows and the device's name."""
     cuda = device.type == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(rendezvous, 1), rank=0,
+                            world_size=1)
     name = torch.cuda.get_device_name(device) if cuda else f"CPU (dry run, {torch.get_num_threads()} threads)"
     print(f"{name}, torch {torch.__version__}, backend {dist.get_backend()}", flush=True)
     generator = torch.Generator().manual_seed(0)

@@ -114,7 +114,7 @@ def train(mode: str, args: argparse.Namespace, url: str) -> tuple[float, int, in
 
 def _worker(rank: int, args: argparse.Namespace, init: str, url: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", store=dist.FileStore(init, WORLD), rank=rank, world_size=WORLD)
     seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
     issued: dict[str, list[int]] = {mode: [] for mode in MODES}
     prefetched: list[int] = []

@@ -198,7 +198,11 @@ def _train_both(rank: int, config: DemoConfig, init: str, url: str, events: Any)
     cores = cores_for(config.workers)  # before pinning: afterwards this process may use its own core only
     os.sched_setaffinity(0, {cores[rank]})
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=config.workers)
+    # a store, not a file:// URL, whose path torch takes unquoted up to a '?' or '#': in a TMPDIR with '?' in its name
+    # each worker failed with an IndexError, and with '#' they met in a file outside the run's folder (and waited
+    # there for good where one of that name was the user's)
+    dist.init_process_group("gloo", store=dist.FileStore(init, config.workers), rank=rank,
+                            world_size=config.workers)
     events.put(("joined", rank))
     load = ColocatedLoad(cores[config.slow_worker], config.load_procs) if rank == 0 else None
     reference: dict[int, Any] = {}

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType, ModuleType
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 
@@ -224,7 +225,7 @@ class WorkerSession:
         directory = _embedded_directory(self.config.job)
         if self.worker == 0:
             self.server = _start_embedded(directory)
-        return f"unix://{directory / 'redis.sock'}"
+        return f"unix://{quote(str(directory / 'redis.sock'))}"  # quoted as EmbeddedRedis.url is
 
     def close(self) -> None:
         """Stop the client, the coordinator and the embedded server that this session started; idempotent. With the

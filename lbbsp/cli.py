@@ -25,7 +25,7 @@ import redis
 from . import __version__
 from .client_history import _index, flower_jobs, is_flower_job
 from .config import JobConfig, _job_name
-from .embedded import EmbeddedRedis
+from .embedded import EmbeddedRedis, no_room
 from .errors import ConfigError, LBBSPError, printable
 from .signals import off_the_handler
 from .store import (
@@ -1023,7 +1023,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         code = int(runner(args) or 0)
-        sys.stdout.flush()  # here, not at exit: a reader gone by then (`| head`) had Python print a traceback
+        if sys.stdout is not None:  # None where it was closed (`>&-`): what was printed went nowhere
+            sys.stdout.flush()  # here, not at exit: a reader gone by then (`| head`) had Python print a traceback
         return code
     except LBBSPError as exc:
         print(f"lbbsp: error: {exc}", file=sys.stderr)
@@ -1031,6 +1032,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of stdout stopped (`| head`): no "cannot reach Redis", no traceback
         return _reader_gone()
     except REDIS_ERRORS as exc:
+        if isinstance(exc, OSError) and (no_room(exc) or exc.errno in (errno.EFBIG, errno.EIO)):
+            print(f"lbbsp: error: {_cannot_write(exc)}", file=sys.stderr)
+            return 2
         print(f"lbbsp: error: cannot reach Redis ({exc}); check --redis or LBBSP_REDIS_URL", file=sys.stderr)
         return 2
     except redis.RedisError as exc:
@@ -1039,6 +1043,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: what was running stops, without a traceback
         print("lbbsp: interrupted", file=sys.stderr)
         return 130
+
+
+def _cannot_write(exc: OSError) -> str:
+    """What a file or device of this machine that failed a write says: a bare OSError that redis-py, which raises its
+    own errors for its connections, never does. Output to a full disk (`> /dev/full`), a terminal gone (EIO) or a
+    queue's semaphore in a full /dev/shm had been told as "cannot reach Redis ([Errno 28] ...); check --redis"."""
+    where = exc.filename or "the output, or /dev/shm, where the semaphores of its processes' queues live"
+    return f"cannot write to {where}: {exc.strerror or exc}"
 
 
 def _reader_gone() -> int:

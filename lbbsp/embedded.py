@@ -540,9 +540,10 @@ class EmbeddedRedis:
                               "leave port out for a server on its unix socket only")
         address = _listen_address(listen) if listen is not None else None
         self._owns_dir = directory is None or own_directory
-        where = temp_parent() if directory is None else directory
+        where = directory
         try:
-            if directory is None:
+            if directory is None:  # (inside: no writable temp dir at all had been told as "cannot reach Redis")
+                where = temp_parent()
                 remove_stale_folders(where)
                 directory = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=where))
             directory = Path(directory).absolute()  # redis-server opens its log and socket after changing into it
@@ -550,8 +551,8 @@ class EmbeddedRedis:
         except OSError as exc:  # a full /dev/shm had reached the CLI as "cannot reach Redis ([Errno 28] ...)"
             advice = (f"; free some room there ({SHM_IN_CONTAINERS}), or give lbbsp the URL of a Redis of your own"
                       if no_room(exc) else "")
-            raise StoreUnavailable(f"cannot make the embedded Redis's folder in {where}: {exc.strerror or exc}"
-                                   f"{advice}") from exc
+            raise StoreUnavailable(f"cannot make the embedded Redis's folder{f' in {where}' if where else ''}: "
+                                   f"{exc.strerror or exc}{advice}") from exc
         self.socket_path = self.directory / "redis.sock"
         self.listen = address
         self.port = port
@@ -618,9 +619,10 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        """The URL of the unix socket (with the password, where the server listens on TCP too)."""
+        """The URL of the unix socket (with the password, where the server listens on TCP too), its path quoted: redis-py
+        unquotes it, and a path with '#', '?' or '%' in it (a TMPDIR such as /scratch/C#) had named another file."""
         secret = f":{self._password}@" if self._password else ""
-        return f"unix://{secret}{self.socket_path}"
+        return f"unix://{secret}{quote(str(self.socket_path))}"
 
     def command_name(self, command: str) -> str:
         """The name this server answers ``command`` by, one of :data:`RENAMED_COMMANDS` (``CONFIG``, ``DEBUG``, ...),

@@ -977,3 +977,20 @@ def test_lbbsp_forget_refuses_a_job_a_coordinator_claims_while_it_runs(
     assert err == (f"lbbsp: error: job {store.job!r} is served by the coordinator {SERVING}: stop that coordinator "
                    "first (its workers would lose their settings and splits), then forget the job\n"), err
     assert _store_keys(store) == sorted([*kept, store.key("coordinator").encode()])
+
+
+@pytest.mark.timeout(60)
+def test_output_closed_or_into_a_full_disk_is_told_as_such_not_as_redis(redis_url: str, decided: str) -> None:
+    """`lbbsp status >&-` (a cron job, a service without a stdout): Python has no sys.stdout, and the flush at the end
+    ended a job's status, printed to nowhere, with an AttributeError traceback and 1, which --check means for a job
+    unserved. `lbbsp status --json > /dev/full` said "cannot reach Redis ([Errno 28] No space left on device)"."""
+    command = [*LBBSP, "status", "--redis", redis_url, "--job", decided]
+    closed = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", *command, "--brief"], capture_output=True,
+                            text=True, timeout=30, check=False)
+    assert (closed.returncode, closed.stderr) == (0, ""), closed.stderr
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([*command, "--json"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=30,
+                                check=False)
+    assert result.returncode == 2
+    assert "cannot write to the output" in result.stderr and "No space left on device" in result.stderr, result.stderr
+    assert "Redis" not in result.stderr and "Traceback" not in result.stderr, result.stderr

@@ -247,6 +247,23 @@ def test_a_quiet_demo_prints_its_results_alone_and_runs_on_the_variables_redis()
 
 
 @needs_torch
+@pytest.mark.timeout(180)
+def test_the_demo_runs_in_a_temp_dir_whose_name_a_url_reads_otherwise(tmp_path: Path) -> None:
+    """The workers met through a file:// URL of a file in the temp dir, whose path torch takes as it is, up to a '?'
+    or '#': in a TMPDIR with '?' in its name each worker failed with an IndexError traceback, and with '#' they met
+    in a file outside the run's folder (one of that name of the user's held them for good)."""
+    odd = tmp_path / "q?a#b"
+    odd.mkdir()
+    with EmbeddedRedis() as server:
+        env = {**_env(), "LBBSP_REDIS_URL": server.url, "TMPDIR": str(odd)}
+        run = subprocess.run([*LBBSP, "demo", "-q", "--steps", "10", "--hidden", "8"], capture_output=True, text=True,
+                             timeout=150, check=False, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.rstrip().endswith("-> match"), run.stdout
+    assert sorted(tmp_path.iterdir()) == [odd]  # nothing written beside the temp dir
+
+
+@needs_torch
 def test_quiet_keeps_the_demos_warnings(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(demo, "cores_for", lambda workers: [0] * workers)
     assert main(["demo", "-q", "--redis", NOWHERE]) == 2  # stops at the Redis check, after the warning

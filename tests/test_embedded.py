@@ -567,6 +567,18 @@ def test_a_socket_path_too_long_for_a_unix_socket_is_a_config_error_at_once(tmp_
     assert time.monotonic() - started < 1.5
 
 
+def test_no_writable_temp_dir_at_all_is_told_as_the_folder_it_cannot_make(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither /dev/shm nor TMPDIR, /tmp, /var/tmp or the current folder writable (read-only mounts, a sandbox): what
+    tempfile raises had reached the commands as "cannot reach Redis ([Errno 2] No usable temporary directory ...);
+    check --redis", past the error for a folder the server cannot have."""
+    def none_writable() -> str:  # what tempfile.gettempdir() raises then
+        raise FileNotFoundError(2, "No usable temporary directory found in ['/nonexistent', '/tmp', '/var/tmp']")
+
+    monkeypatch.setattr(embedded, "temp_parent", none_writable)
+    with pytest.raises(StoreUnavailable, match="cannot make the embedded Redis's folder: No usable temporary dir"):
+        EmbeddedRedis(start_timeout_s=2.0)
+
+
 def test_a_server_that_dies_by_itself_is_logged_with_what_it_said(caplog: pytest.LogCaptureFixture) -> None:
     """What the server said as it ended is only in its log, in a folder close() removes; the warning had said 'died
     (exit code 1)' alone. Here someone else's SIGTERM ends it (a full disk, the first case seen, no longer does:
@@ -795,3 +807,15 @@ def test_a_peer_host_without_a_route_leaves_the_other_addresses() -> None:
     """MASTER_ADDR a link-local IPv6 address without its interface: no route leaves for it (EINVAL), so no address
     comes first; the others are offered as without a peer, loopback last."""
     assert local_addresses("fe80::1", ipv6=True) == local_addresses(ipv6=True)
+
+
+@pytest.mark.parametrize("name", ["C#", "q?a=1", "100%41", "with space ü"])
+def test_a_server_in_a_folder_whose_name_a_url_reads_otherwise_is_reached_by_its_url(tmp_path: Path, name: str,
+                                                                                        job: str) -> None:
+    """The URL carried the socket's path as it was, and redis-py unquotes a URL's path, which ends at a '?' or '#':
+    in a TMPDIR such as /scratch/C# (where /dev/shm is not writable) every command said 'cannot reach Redis at
+    unix:///scratch/C', and in one with %41 in its name it looked for the socket in another folder."""
+    with EmbeddedRedis(tmp_path / name, own_directory=True, start_timeout_s=5.0) as server, \
+            Store.from_url(server.url, job) as store:
+        store.ping()
+        assert store.client.connection_pool.connection_kwargs["path"] == str(server.socket_path)
