@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         FLClientModel,
         LastValue,
         NARXThroughput,
+        TimeWeightedThroughput,
     )
     from .policies import (
         BackupWorkersPolicy,
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 #: what needs none of them (`lbbsp status`, a worker) does not wait for it.
 _LAZY = {"Coordinator": ".coordinator", "CoordinatorProcess": ".coordinator",
          **dict.fromkeys(["AutoCapacityModel", "BatchTimeCurve", "CapacityModel", "EWMAThroughput", "FLClientModel",
-                          "LastValue", "NARXThroughput"], ".models"),
+                          "LastValue", "NARXThroughput", "TimeWeightedThroughput"], ".models"),
          **dict.fromkeys(["BSPPolicy", "BackupWorkersPolicy", "Decision", "LBBSPPolicy", "LeaderStragglerPolicy",
                           "OraclePolicy", "PerEpochPolicy", "Policy", "StaticProportionalPolicy"], ".policies")}
 
@@ -71,5 +72,6 @@ __all__ = [
     "EmbeddedRedis", "FLClientModel", "GlobalBatchSampler", "JobConfig", "LBBSPError", "LBBSPPolicy", "LastValue",
     "LeaderStragglerPolicy", "LinearTime", "NARXThroughput", "OraclePolicy", "PerEpochPolicy", "Policy",
     "PolicyError", "ProtocolError", "Report", "ResourceMonitor", "StaticProportionalPolicy", "Store",
-    "OutageNews", "StoreUnavailable", "WorkerClient", "allocate", "equal_split", "scale_split",
+    "OutageNews", "StoreUnavailable", "TimeWeightedThroughput", "WorkerClient", "allocate", "equal_split",
+    "scale_split",
 ]

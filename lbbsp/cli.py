@@ -87,11 +87,13 @@ def _models() -> dict[str, Callable[[int, int], CapacityModel]]:
         FLClientModel,
         LastValue,
         NARXThroughput,
+        TimeWeightedThroughput,
     )
 
     return {
         "auto": lambda lag, steps: AutoCapacityModel({"fl": FLClientModel(steps)} if steps > 1 else None, horizon=lag),
         "narx": lambda lag, steps: NARXThroughput(horizon=lag), "ewma": lambda lag, steps: EWMAThroughput(),
+        "time-weighted": lambda lag, steps: TimeWeightedThroughput(),
         "last-value": lambda lag, steps: LastValue(), "gpu-curve": lambda lag, steps: BatchTimeCurve(),
         "fl-client": lambda lag, steps: FLClientModel(steps),
     }

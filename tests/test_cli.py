@@ -85,6 +85,7 @@ def test_coordinator_process_and_status_table(redis_url: str, job: str) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("flags", "policy", "third"), [(["--policy", "bsp"], "bsp", (15, 15)),
                                                         (["--model", "ewma"], "lbbsp", (7, 23)),
+                                                        (["--model", "time-weighted"], "lbbsp", (7, 23)),
                                                         (["--max-ahead", "1"], "lbbsp", (7, 23)),
                                                         (["--policy", "per-epoch"], "per-epoch", (15, 15)),
                                                         (["--policy", "per-epoch", "--epoch-iterations", "1"],

@@ -25,6 +25,7 @@ from lbbsp.models import (
     LastValue,
     NARXThroughput,
     NotFittedError,
+    TimeWeightedThroughput,
     fit_hinge,
     similar_hardware_prior,
     worker_kind,
@@ -328,8 +329,8 @@ def test_auto_model_plans_the_first_gpu_of_a_cpu_job_at_the_jobs_median_speed() 
     assert decision.sizes == (128, 128, 128, 128) and "predicted finish 0.32s" in decision.reason
 
 
-@pytest.mark.parametrize("factory", [LastValue, EWMAThroughput, NARXThroughput, BatchTimeCurve, FLClientModel,
-                                     AutoCapacityModel])
+@pytest.mark.parametrize("factory", [LastValue, EWMAThroughput, TimeWeightedThroughput, NARXThroughput, BatchTimeCurve,
+                                     FLClientModel, AutoCapacityModel])
 def test_contract(factory: type) -> None:
     model = factory()
     with pytest.raises(sklearn.exceptions.NotFittedError):  # ours, also scikit-learn's
@@ -366,6 +367,7 @@ def test_contract(factory: type) -> None:
 
 @pytest.mark.parametrize(("factory", "bad", "shaping", "tuning"), [
     (EWMAThroughput, {"alpha": 0.0}, None, {"alpha": 0.9}),
+    (TimeWeightedThroughput, {"alpha": 1.5}, None, {"alpha": 0.9}),
     (FLClientModel, {"local_steps": 0}, None, {"alpha": 0.9}),
     (BatchTimeCurve, {"window": 1}, {"window": 4}, {"half_life": 5.0}),
     (NARXThroughput, {"hidden": "16"}, {"lags": 6}, {"learning_rate": 1e-2}),
@@ -504,7 +506,8 @@ def test_auto_model_refit_forgets_how_it_grouped_workers() -> None:
 
 
 @pytest.mark.parametrize("model", [
-    EWMAThroughput(alpha="0.5"), BatchTimeCurve(memory_floor=None), FLClientModel(model_bytes="1e6"),
+    EWMAThroughput(alpha="0.5"), TimeWeightedThroughput(alpha=0), BatchTimeCurve(memory_floor=None),
+    FLClientModel(model_bytes="1e6"),
     NARXThroughput(learning_rate="1"), NARXThroughput(warmup=None), NARXThroughput(random_state=-1),
     NARXThroughput(learning_rate=float("inf")), AutoCapacityModel(kinds=[0]), AutoCapacityModel(horizon=0),
     AutoCapacityModel(kinds={"1": "gpu"}), FLClientModel(local_steps=True),
@@ -619,8 +622,9 @@ def test_an_equal_list_for_a_tuple_parameter_forgets_nothing() -> None:
         model.set_params(hidden=[8]).predict([0])
 
 
-@pytest.mark.parametrize("model", [LastValue(), EWMAThroughput(), NARXThroughput(), BatchTimeCurve(),
-                                   FLClientModel(), AutoCapacityModel()], ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("model", [LastValue(), EWMAThroughput(), TimeWeightedThroughput(), NARXThroughput(),
+                                   BatchTimeCurve(), FLClientModel(), AutoCapacityModel()],
+                         ids=lambda m: type(m).__name__)
 def test_an_iteration_nobody_reported_in_leaves_a_model_unfitted_and_a_table_of_ids_is_refused(model) -> None:  # type: ignore[no-untyped-def]
     """predict had answered NaN after partial_fit([]) (docs: NotFittedError before any report), and flattened a
     2-D array of ids into four predictions."""
@@ -633,8 +637,8 @@ def test_an_iteration_nobody_reported_in_leaves_a_model_unfitted_and_a_table_of_
         model.predict([[0, 1], [1, 0]])
 
 
-@pytest.mark.parametrize("model", [LastValue, EWMAThroughput, NARXThroughput, BatchTimeCurve, FLClientModel,
-                                   AutoCapacityModel])
+@pytest.mark.parametrize("model", [LastValue, EWMAThroughput, TimeWeightedThroughput, NARXThroughput, BatchTimeCurve,
+                                   FLClientModel, AutoCapacityModel])
 def test_reports_of_several_iterations_are_learned_in_iteration_order(model: type) -> None:
     # a worker's last report is its latest: given out of order, iteration 4 had overwritten iteration 5
     history = _cpu_history(12)
@@ -646,7 +650,7 @@ def test_reports_of_several_iterations_are_learned_in_iteration_order(model: typ
     np.testing.assert_allclose(latest.predict([0, 1, 2]), [r.samples / r.compute_s for r in history[-1]])
 
 
-@pytest.mark.parametrize("model", [EWMAThroughput(), NARXThroughput(), FLClientModel()])
+@pytest.mark.parametrize("model", [EWMAThroughput(), TimeWeightedThroughput(), NARXThroughput(), FLClientModel()])
 def test_an_unsigned_id_above_the_int64_range_is_named_as_given(model: EWMAThroughput) -> None:
     """np.uint64(2**64 - 1) had been cast to -1 and refused as 'worker ids must be >= 0, got -1'."""
     model.partial_fit(_reports(range(2)))
@@ -656,7 +660,8 @@ def test_an_unsigned_id_above_the_int64_range_is_named_as_given(model: EWMAThrou
             model.predict(ids)
 
 
-@pytest.mark.parametrize("build", [EWMAThroughput, LastValue, lambda: NARXThroughput(random_state=0),
+@pytest.mark.parametrize("build", [EWMAThroughput, TimeWeightedThroughput, LastValue,
+                                   lambda: NARXThroughput(random_state=0),
                                    BatchTimeCurve, FLClientModel, AutoCapacityModel])
 def test_reports_of_several_iterations_in_one_call_are_learnt_iteration_by_iteration(build: Callable[[], Any]) -> None:
     """partial_fit given three iterations at once had kept only each worker's last report (an EWMA predicted
@@ -696,6 +701,15 @@ def test_a_model_that_forgot_for_a_new_parameter_says_so() -> None:
 def test_ewma_blends_at_its_alpha() -> None:
     model = EWMAThroughput(alpha=0.2).partial_fit([Report("g", 0, 0, 100, 1.0)]).partial_fit([Report("g", 0, 1, 200, 1.0)])
     assert model.predict([0])[0] == pytest.approx(120.0)
+
+
+def test_time_weighted_throughput_is_smoothed_samples_over_smoothed_seconds() -> None:
+    """A worker that did 100 samples in 1 s, then 100 in 0.25 s: 400/s counts by its 0.25 s, not as a whole step
+    (EWMAThroughput: 0.5 x 100 + 0.5 x 400 = 250/s); an empty step says nothing; workers are apart."""
+    model = TimeWeightedThroughput()
+    model.partial_fit([Report("g", 0, 0, 100, 1.0), Report("g", 1, 0, 50, 1.0)])
+    model.partial_fit([Report("g", 0, 1, 100, 0.25), Report("g", 1, 1, 0, 0.0)])
+    np.testing.assert_allclose(model.predict([0, 1]), [100 / 0.625, 50.0])
 
 
 def test_a_worker_with_no_forecast_is_planned_at_the_median_speed() -> None:

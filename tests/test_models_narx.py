@@ -338,11 +338,24 @@ def test_narx_forecasts_are_scale_free() -> None:
     np.testing.assert_allclose(large.predict([0, 1, 2]), 100 * small.predict([0, 1, 2]), rtol=1e-6)
 
 
-def test_narx_answers_with_its_ewma_level_before_warm_up() -> None:
+def test_narx_answers_with_its_level_before_warm_up_samples_and_seconds_smoothed_apart() -> None:
     model = NARXThroughput(alpha_ewma=0.3)
-    for k, speed in enumerate([100.0, 200.0]):
-        model.partial_fit(Report("n", 0, k, 100, 100 / speed))
-    assert model.predict([0])[0] == pytest.approx(np.exp(0.3 * np.log(200) + 0.7 * np.log(100)))  # 123.1
+    for k, (samples, seconds) in enumerate([(100, 1.0), (300, 1.5)]):  # 100/s, then 200/s
+        model.partial_fit(Report("n", 0, k, samples, seconds))
+    assert model.predict([0])[0] == pytest.approx((0.3 * 300 + 0.7 * 100) / (0.3 * 1.5 + 0.7 * 1.0))  # 139.1
+
+
+def test_narx_level_of_a_throttled_worker_is_its_rate_over_time_not_its_typical_step() -> None:
+    """Under a CPU quota, a short step runs at full speed (20 samples in 0.02 s) or waits out the period (0.14 s): the
+    worker does 40 samples in 0.16 s, 250/s. Its level swings with each step, about 250/s over a pair of them; an
+    average of the steps' log-rates would read it 1.5x faster (378/s), and it would get too many samples."""
+    model = NARXThroughput(alpha_ewma=0.5, warmup=10**6)  # the level alone
+    forecasts = []
+    for k in range(40):
+        model.partial_fit(Report("n", 0, k, 20, 0.14 if k % 2 else 0.02))
+        forecasts.append(model.predict([0])[0])
+    assert np.exp(np.mean(np.log(forecasts[20:]))) == pytest.approx(250, rel=0.05)
+
 
 
 def test_narx_refuses_a_learning_rate_past_one() -> None:

@@ -1,4 +1,5 @@
-"""Baseline capacity model: an exponentially weighted moving average of each worker's throughput."""
+"""Capacity models that smooth each worker's throughput by exponential weighting: of each step's rate (the baseline),
+or of its samples and seconds apart (its rate over time)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -7,7 +8,7 @@ import numpy as np
 
 from ..config import _real
 from ..protocol import Report
-from .base import CapacityModel, WorkerIds, as_reports, by_iteration, measured_throughput, smoothed
+from .base import CapacityModel, WorkerIds, as_reports, by_iteration, field, measured_throughput, smoothed
 
 
 class EWMAThroughput(CapacityModel):
@@ -34,3 +35,24 @@ class EWMAThroughput(CapacityModel):
     def predict(self, workers: WorkerIds) -> np.ndarray:
         self._check_is_fitted("throughput_")
         return self._with_prior(self.throughput_, workers)
+
+
+class TimeWeightedThroughput(EWMAThroughput):
+    """throughput_i <- EWMA(samples_i) / EWMA(compute_s_i): the rate over the recent steps' time. Each step counts by
+    its seconds, as at the barrier; an average of each step's rate reads a worker under a CPU quota, whose short steps
+    run at full speed or stall until the quota's next period, as faster than it is."""
+
+    @by_iteration
+    def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> TimeWeightedThroughput:
+        reports = as_reports(reports)
+        self._check_params()
+        if not reports:
+            return self
+        self._remember_hardware(reports)
+        samples, seconds = field(reports, "samples"), field(reports, "compute_s")
+        measured = (samples > 0) & (seconds > 0)
+        workers = field(reports, "worker")[measured]
+        self.samples_ = smoothed(getattr(self, "samples_", None), workers, samples[measured], self.alpha)
+        self.seconds_ = smoothed(getattr(self, "seconds_", None), workers, seconds[measured], self.alpha)
+        self.throughput_ = self.samples_ / self.seconds_
+        return self

@@ -2,7 +2,7 @@
 
 NARX = nonlinear autoregression with exogenous inputs. One small MLP is shared by all workers (so it
 learns from every report and costs one forward pass per decision). It is scale-free: the inputs are the
-worker's recent log-throughputs relative to its latest one, the gap between its EWMA level and its latest
+worker's recent log-throughputs relative to its latest one, the gap between its level and its latest
 throughput, and the last ``exog_lags`` values of its resource features, each a share of the machine
 (``proc_cpu``, reported in cores, is divided by the report's ``cores``, so the network reads a 2-core and a
 64-core host alike); the target is the log-ratio of the
@@ -11,12 +11,17 @@ default): a decision for iteration k is made from the reports of k - lag. The lo
 relative error forecast / actual - 1, which is what a wrong split costs and what MAPE scores; with a small
 ``huber_delta`` it is close to the absolute relative error, so the forecast is a (1/actual-weighted) median
 rather than a mean: co-located load makes rare very slow iterations that a squared loss would chase. An
-untrained network outputs about zero, i.e. the last value. The model answers with the EWMA level instead
+untrained network outputs about zero, i.e. the last value. The model answers with the level instead
 until ``warmup`` updates have run and for as long as the network's recent error, scored on each pair
-before it is trained on, is not below the EWMA level's: a small job with little data never gets a worse
+before it is trained on, is not below the level's: a small job with little data never gets a worse
 forecast than the smoothed speed.
 
-A measurement more than ``spike`` times what the worker was expected to do (the largest of its EWMA level and its
+The level is the worker's rate over its recent steps' time: its samples and its seconds, each an exponentially
+weighted average, divided. An average of each step's rate (or of their logarithms) weighs a short fast step as much
+as a long slow one, where the barrier waits on time: a worker under a CPU quota, whose short steps either run at
+full speed or stall until the quota's next period, read as up to 40% faster than it was, and got too many samples.
+
+A measurement more than ``spike`` times what the worker was expected to do (the largest of its level and its
 last ``lags`` measurements) is held back until its next one confirms it: a timing glitch that claims a hundredfold
 speed would otherwise hand that worker most of the batch for several iterations, while a real speed-up is
 followed one report late. Slowdowns are taken at once: they must be, and a false one costs only that
@@ -40,13 +45,13 @@ from .base import CapacityModel, WorkerIds, as_reports, by_iteration, feature, f
 
 DEFAULT_FEATURES = ("cpu_util", "proc_cpu", "colocated_load", "mem_util")
 #: The report features NARX may take: shares and cores per core, on the scale of its log-ratio inputs (bytes, seconds
-#: and bytes per second, fed raw at 1e9, had left the network worse than the EWMA level and never used, unsaid).
+#: and bytes per second, fed raw at 1e9, had left the network worse than the level and never used, unsaid).
 NARX_FEATURES = ("colocated_load", "cpu_util", "gpu_util", "mem_util", "proc_cpu")
 #: Bounds on the network's size, so that an absurd value is a ConfigError naming it, not a MemoryError or numpy's
 #: "maximum allowed dimension exceeded" (a hidden=(10**5, 10**5) asked for 75 GiB of weights).
 MAX_LAGS, MAX_LAYERS, MAX_WIDTH = 256, 8, 1024
 MAX_BUFFER_VALUES = 2**26  # float64 values in the replay buffer: 512 MiB
-#: The most one forecast's miss counts when the network and the EWMA level are compared: 300%, a measurement 4x off
+#: The most one forecast's miss counts when the network and the level are compared: 300%, a measurement 4x off
 #: (the default ``spike``); beyond, one glitched worker would decide for the whole job. The shipped traces' figures
 #: are the same with it (a cap of 100% had cost 0.1-0.2 points of MAPE there: contention that arrives is missed by more)
 MAX_MISS = 3.0
@@ -68,7 +73,7 @@ class NARXThroughput(CapacityModel):
     bases_: np.ndarray  # the log-throughput each of those rows is relative to (C-contiguous)
 
     def __init__(self, lags: int = 4, exog_lags: int = 2, features: Sequence[str] = DEFAULT_FEATURES, *,
-                 horizon: int = 2, hidden: tuple[int, ...] = (16, 16), alpha_ewma: float = 0.3,
+                 horizon: int = 2, hidden: tuple[int, ...] = (16, 16), alpha_ewma: float = 0.5,
                  learning_rate: float = 3e-3, huber_delta: float = 0.02, buffer_size: int = 4096,
                  rows_per_update: int = 256, warmup: int = 30, spike: float | None = 4.0,
                  random_state: int = 0) -> None:
@@ -122,6 +127,7 @@ class NARXThroughput(CapacityModel):
                 return self
             taken = np.flatnonzero(kept) if taken is None else taken[kept]
             workers, count, log_thr = workers[kept], count[kept], log_thr[kept]
+            samples, seconds = samples[kept], seconds[kept]
             history, level = history[kept], level[kept]
         exog = self._exogenous(reports)
         if taken is not None:
@@ -142,8 +148,15 @@ class NARXThroughput(CapacityModel):
         # shift the new measurement into each worker's history; of a worker twice in ``reports``, the last stays
         history = np.concatenate([history[:, 1:], log_thr[:, None]], axis=1)
         exog = np.concatenate([self.exog_[workers, 1:], exog[:, None]], axis=1)
-        smoothed = self.alpha_ewma * log_thr + (1 - self.alpha_ewma) * level
-        level = smoothed if fewest else np.where(count == 0, log_thr, smoothed)
+        # the level: samples and seconds smoothed apart, a worker's first measurement taken as is
+        alpha = self.alpha_ewma
+        level_samples = alpha * samples + (1 - alpha) * self.level_samples_[workers]
+        level_seconds = alpha * seconds + (1 - alpha) * self.level_seconds_[workers]
+        if not fewest:
+            level_samples = np.where(count == 0, samples, level_samples)
+            level_seconds = np.where(count == 0, seconds, level_seconds)
+        level = np.log(level_samples / level_seconds)
+        self.level_samples_[workers], self.level_seconds_[workers] = level_samples, level_seconds
         self.log_thr_[workers], self.exog_[workers], self.log_level_[workers] = history, exog, level
         self.count_[workers] = count + 1
         full = None if fewest >= self.lags - 1 else count >= self.lags - 1
@@ -158,7 +171,7 @@ class NARXThroughput(CapacityModel):
         return self
 
     def finish_learning(self) -> NARXThroughput:
-        """Score the network and the EWMA level on the pairs that got their targets, then train on them."""
+        """Score the network and the level on the pairs that got their targets, then train on them."""
         pending, self.pending_ = self.pending_, None
         if pending is not None:
             self._score(*pending)
@@ -177,7 +190,7 @@ class NARXThroughput(CapacityModel):
     def _unless_spike(self, workers: np.ndarray, log_thr: np.ndarray, count: np.ndarray, history: np.ndarray,
                       level: np.ndarray) -> np.ndarray | None:
         """Which measurements to learn from (None: all): all but a first one over ``spike`` times the worker's
-        expected throughput (the largest of its EWMA ``level`` and its measurements in ``history``, the last
+        expected throughput (the largest of its ``level`` and its measurements in ``history``, the last
         ``lags`` as logs, of which ``count`` are real), which is held back (``held_``) until the worker's next
         measurement confirms the jump. A worker back at the speed it had before one slow measurement is not a spike
         (its return had been held too, and its forecast kept at the glitch one report longer)."""
@@ -242,14 +255,15 @@ class NARXThroughput(CapacityModel):
         self.updates_ = 0
         self.log_thr_ = np.zeros((0, self.lags))
         self.exog_ = np.zeros((0, max(self.exog_lags, 1), len(self.features)))
-        self.log_level_ = np.zeros(0)
+        self.log_level_ = np.zeros(0)  # log(level_samples_ / level_seconds_)
+        self.level_samples_, self.level_seconds_ = np.zeros(0), np.zeros(0)
         self.count_ = np.zeros(0, dtype=np.int64)
         self.held_ = np.zeros(0, dtype=bool)  # whose latest measurement was held back as a possible spike
         self.rows_ = np.zeros((0, self.horizon, width))  # input row made at each of the last horizon reports
         self.bases_ = np.zeros((0, self.horizon))  # the log-throughput each of those rows is relative to
         self.forecast_ = None
         self.pending_ = None
-        self.recent_error_ = np.full(2, np.inf)  # (network, EWMA level), smoothed over updates
+        self.recent_error_ = np.full(2, np.inf)  # (network, level), smoothed over updates
 
     def _shapes(self) -> list[tuple[int, int]]:
         """(fan in, fan out) of each layer."""
@@ -281,6 +295,7 @@ class NARXThroughput(CapacityModel):
             self.log_thr_, self.exog_, self.log_level_ = grown(self.log_thr_), grown(self.exog_), grown(self.log_level_)
             self.count_, self.rows_, self.bases_ = grown(self.count_), grown(self.rows_), grown(self.bases_)
             self.held_ = grown(self.held_)
+            self.level_samples_, self.level_seconds_ = grown(self.level_samples_), grown(self.level_seconds_)
 
     def _exogenous(self, reports: Sequence[Report]) -> np.ndarray:
         """The ``features`` columns of each report, NaN where one is missing (``partial_fit`` then takes the worker's
@@ -291,8 +306,8 @@ class NARXThroughput(CapacityModel):
         return np.array(columns, dtype=float).reshape(len(columns), len(reports)).T
 
     def _inputs(self, history: np.ndarray, level: np.ndarray, exog: np.ndarray) -> np.ndarray:
-        """One input row per worker from its ``history`` of log-throughputs, EWMA ``level`` and ``exog`` features
-        (as ``log_thr_``, ``log_level_`` and ``exog_`` hold them): lagged log-ratios, EWMA gap, lagged features."""
+        """One input row per worker from its ``history`` of log-throughputs, ``level`` and ``exog`` features
+        (as ``log_thr_``, ``log_level_`` and ``exog_`` hold them): lagged log-ratios, level gap, lagged features."""
         parts = [history[:, :-1], level[:, None]]
         if self.exog_lags:
             parts.append(exog[:, -self.exog_lags:].reshape(len(history), -1))
@@ -301,7 +316,7 @@ class NARXThroughput(CapacityModel):
         return rows
 
     def _forecast_all(self) -> np.ndarray:
-        """Every known worker's forecast (NaN for ids never seen): the network's once warm, else the EWMA level."""
+        """Every known worker's forecast (NaN for ids never seen): the network's once warm, else the level."""
         forecast = np.where(self.count_ > 0, np.exp(self.log_level_), np.nan)
         if self.updates_ >= self.warmup and self.recent_error_[0] < self.recent_error_[1]:  # the network is trusted
             full = np.flatnonzero(self.count_ >= self.lags)
@@ -312,11 +327,11 @@ class NARXThroughput(CapacityModel):
         return forecast
 
     def _score(self, rows: np.ndarray, targets: np.ndarray, weight: float = 0.1) -> None:
-        """Track the mean relative error of the network and of the EWMA level on pairs not yet trained on, each pair's
+        """Track the mean relative error of the network and of the level on pairs not yet trained on, each pair's
         counted at most ``MAX_MISS``: one measurement 1,000x too slow had made both errors 1,000-fold, their small gap
         on that one worker outweighed every other worker's, and the whole job lost the network for dozens of updates."""
         network = np.clip(self._net(rows)[-1][:, 0], -3.0, 3.0)
-        level = rows[:, self.lags - 1]  # the input column that holds log(EWMA level / latest)
+        level = rows[:, self.lags - 1]  # the input column that holds log(level / latest)
         errors = np.array([np.mean(np.minimum(np.abs(np.expm1(network - targets)), MAX_MISS)),
                            np.mean(np.minimum(np.abs(np.expm1(level - targets)), MAX_MISS))])
         self.recent_error_ = errors if np.isinf(self.recent_error_).all() else (
