@@ -176,7 +176,7 @@ def _claim(folder: Path) -> Path:
         if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():  # ours, made under a umask of 002 perhaps
             folder.chmod(0o700)
     check_private(folder)
-    (folder / _OWNER_FILE).write_text(f"{os.getpid()} {_pid_namespace()}\n")
+    (folder / _OWNER_FILE).write_text(f"{os.getpid()} {_pid_namespace()}\n", encoding="utf-8")
     return folder
 
 
@@ -208,7 +208,7 @@ def _owner_alive(folder: Path) -> bool | None:
     A label from another pid namespace (a container sharing /dev/shm) counts as alive: its pid means nothing here.
     """
     try:
-        pid_text, namespace = (folder / _OWNER_FILE).read_text().split()
+        pid_text, namespace = (folder / _OWNER_FILE).read_text(encoding="utf-8").split()
         pid = int(pid_text)
     except (OSError, ValueError):
         return None

@@ -216,7 +216,7 @@ def _write_pair(stem: Path, text: str, draw: Callable[[Path], None]) -> None:
     json_path, png_path = (stem.with_name(f"{stem.name}.{kind}") for kind in ("json", "png"))
     hidden = [stem.with_name(f".{stem.name}.{os.getpid()}.part.{kind}") for kind in ("json", "png")]  # plot reads .png
     try:
-        hidden[0].write_text(text)
+        hidden[0].write_text(text, encoding="utf-8")
         draw(hidden[1])
         os.replace(hidden[0], json_path)
         os.replace(hidden[1], png_path)

@@ -38,7 +38,7 @@ class CPUTrace:
         holds values a replay cannot use."""
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
             if not text.strip():
                 raise ValueError("the file is empty")
             try:
