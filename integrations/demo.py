@@ -341,8 +341,10 @@ def run(args: argparse.Namespace) -> int:
             with ctrl_c_ignored(), signals_held():
                 for proc in procs:
                     proc.start()
+            # a dumb terminal (TERM=dumb: Emacs' shell, some CI consoles) gets a live table drawn once, at its end:
+            # the lines of a pipe instead
             live = (Live(view.table(), console=console, refresh_per_second=4)
-                    if console.is_terminal and not args.quiet else None)
+                    if console.is_terminal and not console.is_dumb_terminal and not args.quiet else None)
             progress = _Progress(view, console.print, live=live, quiet=args.quiet)
             with live or contextlib.nullcontext():
                 while len(view.phases) < 2:

@@ -7,6 +7,7 @@ import contextlib
 import errno
 import functools
 import importlib
+import io
 import json
 import logging
 import math
@@ -16,7 +17,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -572,6 +573,7 @@ def _read_job(url: str, job: str, args: argparse.Namespace) -> _JobStatus | None
 def _print_status(status: _JobStatus, decisions_shown: int) -> None:
     """The job's sentence, its workers' table and, for ``decisions_shown``, its latest decisions."""
     from rich.table import Table  # noqa: PLC0415  (only this view draws tables)
+    from rich.text import Text  # noqa: PLC0415
 
     console = piped_console()
     job, config, serving, decisions, statuses = (status.job, status.config, status.serving, status.decisions,
@@ -598,8 +600,10 @@ def _print_status(status: _JobStatus, decisions_shown: int) -> None:
         s = statuses[worker]
         kind = (_shown(str(s.get("kind") or "-")[:8]),) * kinds
         predicted = "no model" if _predicts(s) is False else _fmt(s["predicted_throughput"])
-        table.add_row(str(worker), str(s["size"]), predicted, _fmt(s["measured_throughput"]), _fmt(s["compute_s"]),
-                      _fmt(s["wait_s"]), *kind)
+        # in a narrow terminal (under 70 columns) a number folds onto a second line where rich had cut it: "1…"
+        numbers = (str(worker), str(s["size"]), predicted, *map(_fmt, (s["measured_throughput"], s["compute_s"],
+                                                                         s["wait_s"])))
+        table.add_row(*(Text(number, overflow="fold") for number in numbers), *kind)
     console.print(table)
     if decisions_shown and not decisions:
         console.print(f"no decisions yet for job {job}", soft_wrap=True, markup=False, highlight=False)
@@ -1024,7 +1028,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if verbose or getattr(args, "verbose", False) else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        code = int(runner(args) or 0)
+        with _unencodable_replaced():
+            code = int(runner(args) or 0)
         if sys.stdout is not None:  # None where it was closed (`>&-`): what was printed went nowhere
             sys.stdout.flush()  # here, not at exit: a reader gone by then (`| head`) had Python print a traceback
         return code
@@ -1045,6 +1050,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: what was running stops, without a traceback
         print("lbbsp: interrupted", file=sys.stderr)
         return 130
+
+
+@contextlib.contextmanager
+def _unencodable_replaced() -> Iterator[None]:
+    """stdout writing "?" for a character its encoding lacks, where it raised UnicodeEncodeError: under
+    PYTHONIOENCODING=ascii or a Latin-1 locale, rich's "…" in a cell cut to fit a narrow terminal ended `lbbsp status`
+    in a traceback and exit 1, which ``--check`` means by a job unserved. Put back after, for callers that go on."""
+    stream = sys.stdout
+    if not isinstance(stream, io.TextIOWrapper) or stream.errors != "strict":
+        yield
+        return
+    stream.reconfigure(errors="replace")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):  # a reader gone, or a stdout closed meanwhile
+            stream.reconfigure(errors="strict")
 
 
 def _cannot_write(exc: OSError) -> str:

@@ -995,3 +995,13 @@ def test_output_closed_or_into_a_full_disk_is_told_as_such_not_as_redis(redis_ur
     assert result.returncode == 2
     assert "cannot write to the output" in result.stderr and "No space left on device" in result.stderr, result.stderr
     assert "Redis" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_status_to_an_ascii_stdout_replaces_what_it_cannot_encode(redis_url: str, decided: str) -> None:
+    """Under PYTHONIOENCODING=ascii (or a Latin-1 locale), a cell rich cut to fit 40 columns ("…") ended the command
+    in a UnicodeEncodeError traceback, exit 1: what --check means by a job unserved."""
+    status = subprocess.run([*LBBSP, "status", "--redis", redis_url, "--job", decided], capture_output=True,
+                            timeout=30, check=False, env={**os.environ, "PYTHONIOENCODING": "ascii", "COLUMNS": "40"})
+    assert (status.returncode, status.stderr) == (0, b""), status.stderr.decode()
+    assert decided.encode() in status.stdout

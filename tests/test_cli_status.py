@@ -596,3 +596,15 @@ def test_status_for_a_user_who_may_not_scan_says_what_lbbsp_needs(own_server: Em
     err = capsys.readouterr().err
     assert err.startswith("lbbsp: error: the Redis user may not do what lbbsp needs (") and "'scan'" in err, err
     assert " ".join(GRANTED) in err and "acl-test-pw" not in err, err
+
+
+def test_a_narrow_terminal_folds_the_workers_numbers_rather_than_cut_them(redis_url: str, decided: str,
+                                                                          capsys: pytest.CaptureFixture[str],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 40 columns (a split pane) rich had cut a cell to fit: a size of 114 showed as "1…", a compute time as
+    "0.1…"; the numbers fold onto a second line instead (the headers, known, may still be cut)."""
+    monkeypatch.setenv("COLUMNS", "40")
+    assert main(["status", "--redis", redis_url, "--job", decided]) == 0
+    out = capsys.readouterr().out
+    body = out[out.index("┡"):out.index("└")].splitlines()[1:]
+    assert body and not [line for line in body if "…" in line], out
