@@ -434,7 +434,7 @@ class _View:
                       f"{self.phase}: step {self.step + 1}/{self.config.steps}, load "
                       f"{'ON' if self.load else 'off'} on worker {self.config.slow_worker}")
         for column in ("worker", "core", "load", "batch", "compute ms", "samples/s"):
-            table.add_column(column, justify="right")
+            table.add_column(column, justify="right", overflow="fold")  # a narrow terminal: "2000" folds, not "2…"
         for rank in sorted(self.rows):
             samples, compute_s = self.rows[rank]
             loaded = self.load and rank == self.config.slow_worker

@@ -559,6 +559,10 @@ def test_the_live_table_shows_each_workers_batch_speed_and_load() -> None:
     assert "LB-BSP: step 5/20, load ON on worker 1" in text
     rows = [line.replace("│", " ").split() for line in text.splitlines() if re.match(r"^│\s+\d+\s+│", line)]
     assert rows == [["0", "3", "-", "352", "-", "-"], ["1", "5", "busy", "160", "80.0", "2000"]], text
+    narrow = Console(record=True, width=30, file=io.StringIO())  # a split pane: rich had cut 2000 to "2…"
+    narrow.print(view.table())
+    cells = [line for line in narrow.export_text().splitlines() if line.startswith("│")]
+    assert cells and not [line for line in cells if "…" in line], narrow.export_text()
 
 
 @needs_torch
