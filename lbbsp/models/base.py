@@ -554,8 +554,14 @@ def feature_column(features: Sequence[Mapping[str, float]], name: str, missing: 
         return np.fromiter(map(dict.get, plain, repeat(name), repeat(missing)), dtype=float, count=len(features))
 
 
+def measured(reports: Sequence[Report]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(worker ids, samples, compute seconds) of the reports that measured something, as arrays."""
+    samples, seconds = field(reports, "samples"), field(reports, "compute_s")
+    kept = (samples > 0) & (seconds > 0)
+    return field(reports, "worker")[kept], samples[kept], seconds[kept]
+
+
 def measured_throughput(reports: Sequence[Report]) -> tuple[np.ndarray, np.ndarray]:
     """(worker ids, samples per second) of the reports that measured something, as arrays."""
-    samples, seconds = field(reports, "samples"), field(reports, "compute_s")
-    measured = (samples > 0) & (seconds > 0)
-    return field(reports, "worker")[measured], samples[measured] / seconds[measured]
+    workers, samples, seconds = measured(reports)
+    return workers, samples / seconds

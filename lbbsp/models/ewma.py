@@ -8,7 +8,7 @@ import numpy as np
 
 from ..config import _real
 from ..protocol import Report
-from .base import CapacityModel, WorkerIds, as_reports, by_iteration, field, measured_throughput, smoothed
+from .base import CapacityModel, WorkerIds, as_reports, by_iteration, measured, measured_throughput, smoothed
 
 
 class EWMAThroughput(CapacityModel):
@@ -24,10 +24,14 @@ class EWMAThroughput(CapacityModel):
         if not reports:  # an iteration nobody reported in: nothing to learn, and an unfitted model stays so
             return self
         self._remember_hardware(reports)
-        # a report that computed nothing (an empty final slice) says nothing about speed
-        workers, measured = measured_throughput(reports)
-        self.throughput_ = smoothed(getattr(self, "throughput_", None), workers, measured, self.alpha)
+        self._learn(reports)
         return self
+
+    def _learn(self, reports: Sequence[Report]) -> None:
+        """Blend the reports' throughputs in; a report that computed nothing (an empty final slice) says nothing about
+        speed."""
+        workers, throughputs = measured_throughput(reports)
+        self.throughput_ = smoothed(getattr(self, "throughput_", None), workers, throughputs, self.alpha)
 
     def _check_params(self) -> None:
         _real(self.alpha, "alpha", 0.0, 1.0, "in (0, 1]", lo_open=True)
@@ -42,17 +46,8 @@ class TimeWeightedThroughput(EWMAThroughput):
     its seconds, as at the barrier; an average of each step's rate reads a worker under a CPU quota, whose short steps
     run at full speed or stall until the quota's next period, as faster than it is."""
 
-    @by_iteration
-    def partial_fit(self, reports: Sequence[Report] | Report, *, defer: bool = False) -> TimeWeightedThroughput:
-        reports = as_reports(reports)
-        self._check_params()
-        if not reports:
-            return self
-        self._remember_hardware(reports)
-        samples, seconds = field(reports, "samples"), field(reports, "compute_s")
-        measured = (samples > 0) & (seconds > 0)
-        workers = field(reports, "worker")[measured]
-        self.samples_ = smoothed(getattr(self, "samples_", None), workers, samples[measured], self.alpha)
-        self.seconds_ = smoothed(getattr(self, "seconds_", None), workers, seconds[measured], self.alpha)
+    def _learn(self, reports: Sequence[Report]) -> None:
+        workers, samples, seconds = measured(reports)
+        self.samples_ = smoothed(getattr(self, "samples_", None), workers, samples, self.alpha)
+        self.seconds_ = smoothed(getattr(self, "seconds_", None), workers, seconds, self.alpha)
         self.throughput_ = self.samples_ / self.seconds_
-        return self
