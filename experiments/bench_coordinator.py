@@ -46,7 +46,8 @@ import numpy as np
 from _args import out_help, run_record, writing_results
 
 from lbbsp import Coordinator, EmbeddedRedis, JobConfig, LBBSPPolicy, Report, Store, WorkerClient
-from lbbsp.coordinator import MAX_AHEAD, freeze_heap
+from lbbsp.coordinator import MAX_AHEAD
+from lbbsp.coordinator_process import freeze_heap
 from lbbsp.errors import ConfigError, StoreUnavailable
 from lbbsp.models import AutoCapacityModel, BatchTimeCurve, CapacityModel, EWMAThroughput, FLClientModel, NARXThroughput
 from lbbsp.policies import Decision, Policy

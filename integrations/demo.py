@@ -34,7 +34,7 @@ from lbbsp.store import redacted, redis_url
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from lbbsp.coordinator import CoordinatorProcess
+    from lbbsp.coordinator_process import CoordinatorProcess
     from lbbsp.policies import Policy
 
 _PR_SET_PDEATHSIG = 1

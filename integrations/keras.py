@@ -31,12 +31,12 @@ from urllib.parse import quote
 import numpy as np
 
 from lbbsp.config import JobConfig, _is_integer, _real
-from lbbsp.coordinator import (
+from lbbsp.coordinator import checked_max_ahead
+from lbbsp.coordinator_process import (
     EXTERNAL_MAX_AHEAD,
     EXTERNAL_POLICY,
     GRACE_BEFORE_OWN_SERVER_S,
     CoordinatorProcess,
-    checked_max_ahead,
     checked_process_policy,
 )
 from lbbsp.embedded import (

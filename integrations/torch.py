@@ -43,13 +43,12 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from lbbsp.config import JobConfig, _is_integer
-from lbbsp.coordinator import (
+from lbbsp.coordinator import MAX_AHEAD, checked_max_ahead
+from lbbsp.coordinator_process import (
     EXTERNAL_MAX_AHEAD,
     EXTERNAL_POLICY,
     GRACE_BEFORE_OWN_SERVER_S,
-    MAX_AHEAD,
     CoordinatorProcess,
-    checked_max_ahead,
     checked_process_policy,
 )
 from lbbsp.embedded import EmbeddedRedis, serve_embedded

@@ -19,7 +19,8 @@ from .telemetry import ResourceMonitor
 from .worker import OutageNews, WorkerClient
 
 if TYPE_CHECKING:
-    from .coordinator import Coordinator, CoordinatorProcess
+    from .coordinator import Coordinator
+    from .coordinator_process import CoordinatorProcess
     from .models import (
         AutoCapacityModel,
         BatchTimeCurve,
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 #: The exports whose modules import scikit-learn (seconds), by module: imported on first use (PEP 562), so that
 #: what needs none of them (`lbbsp status`, a worker) does not wait for it.
-_LAZY = {"Coordinator": ".coordinator", "CoordinatorProcess": ".coordinator",
+_LAZY = {"Coordinator": ".coordinator", "CoordinatorProcess": ".coordinator_process",
          **dict.fromkeys(["AutoCapacityModel", "BatchTimeCurve", "CapacityModel", "EWMAThroughput", "FLClientModel",
                           "LastValue", "NARXThroughput", "TimeWeightedThroughput"], ".models"),
          **dict.fromkeys(["BSPPolicy", "BackupWorkersPolicy", "Decision", "LBBSPPolicy", "LeaderStragglerPolicy",

@@ -331,7 +331,8 @@ def _model_said(args: argparse.Namespace, policy: Policy) -> str:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from .coordinator import Coordinator, freeze_heap  # noqa: PLC0415  (scikit-learn: see the imports above)
+    from .coordinator import Coordinator  # noqa: PLC0415  (scikit-learn: see the imports above)
+    from .coordinator_process import freeze_heap  # noqa: PLC0415  (scikit-learn: see the imports above)
 
     config = _job_config(args)  # bad flags: no server
     policy = _policy(args)

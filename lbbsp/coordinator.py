@@ -1,54 +1,33 @@
 """The BatchSize Manager: turns the reports of iteration k into the one assignment of iteration k + lag."""
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
-import gc
 import json
 import logging
 import math
-import multiprocessing
-import multiprocessing.synchronize
-import numbers
 import os
-import pickle
-import signal
 import socket
 import statistics
-import sys
 import threading
 import time
-import traceback
 import uuid
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 
 import numpy as np
 
-from .allocation import sit_out_share
-from .child_logging import ParentLogging
 from .config import JobConfig, _integer, _job_config, _real
-from .embedded import SHM_IN_CONTAINERS, RestartBudget, no_room, release_cpu_pinning
-from .errors import ConfigError, LBBSPError, PolicyError, ProtocolError, StoreUnavailable
+from .errors import ConfigError, LBBSPError, ProtocolError
+from .guarded_policy import GuardedPolicy, check_outside_simulator, warn_uncapped
 from .models import AutoCapacityModel, CapacityModel, FLClientModel, worker_kind
-from .models.auto import default_models
 from .models.base import predicted_throughput
-from .policies import (
-    BackupWorkersPolicy,
-    BSPPolicy,
-    Decision,
-    LBBSPPolicy,
-    OraclePolicy,
-    Policy,
-    StaticProportionalPolicy,
-    checked_policy,
-)
-from .protocol import MAX_POLICY_NAME_CHARS, MAX_REASON_CHARS, Assignment, Report
-from .signals import off_the_handler, signals_held
-from .store import ITERATIONS_KEPT, PROBE_TIMEOUT_S, REDIS_FAILURES, Store, _store, answering, unusable
+from .policies import BSPPolicy, Decision, LBBSPPolicy, Policy
+from .protocol import Assignment, Report
+from .repeats import Repeats, failure_site
+from .store import ITERATIONS_KEPT, REDIS_FAILURES, Store, _store, unusable
 
 log = logging.getLogger("lbbsp.coordinator")
 
@@ -72,13 +51,6 @@ _DROP = 100  # a report under 1/_DROP of its worker's previous throughput is wor
 #: How long a serving coordinator's claim on its job lasts, renewed every second (_heartbeat); `lbbsp coordinator`
 #: waits that long at most for a stale one to lapse.
 CLAIM_S = 5
-#: Seconds an integration gives its coordinator process to stop, before it is killed, where the Redis it serves on is
-#: the integration's own embedded one, deleted next: its last writes (status rows, its claim) are lost anyway, and a
-#: child inside a call to a Redis that stopped answering never ends by itself (5 s a call, three tries).
-GRACE_BEFORE_OWN_SERVER_S = 1.0
-#: The exit code of a coordinator child that could not set up because Redis was unusable (down, stalled, refusing):
-#: a cause that clears, which its restart watch does not count against RESTARTS (sysexits' EX_TEMPFAIL)
-_EXIT_REDIS_UNUSABLE = 75
 _OUTAGE_GRACE_S = 3.0  # a coordinator whose training process ended is stopped by then (_stop_when_orphaned)
 _REJECTED_AGAIN = " ({} earlier ones like it, logged at most every 10 s)"  # a rejection's count (_rejected)
 #: The most rejected reports a decision's record lists, the rest counted: a reports hash of 20,000 fields that are no
@@ -123,286 +95,6 @@ def _worker_field(field: str, num_workers: int) -> bool:
     return field.isdecimal() and str(int(field)) == field and int(field) < num_workers
 
 
-def _clipped(text: str, limit: int) -> str:
-    """``text`` cut to ``limit`` characters, ending in an ellipsis where it was cut."""
-    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
-
-
-class _Repeats:
-    """Whether a failure is worth a log line now: a new one at once, the same one again (a bug that fails every
-    step, 20 times a second) only every 10 s, saying how many times in a row it came (``counted``, its ``{}`` the
-    count). An exception is the same as the last where it is of the same type with the same traceback, whatever its
-    message: a policy's error that named the iteration or a sum had logged a traceback at every decision."""
-
-    def __init__(self, counted: str = " ({} times in a row)") -> None:
-        self._counted = counted
-        self._what, self._count, self._next = "", 0, 0.0
-
-    def note(self, failure: object) -> str | None:
-        """Count ``failure`` (an exception, or what names one); None if it is not to be logged now, else what to
-        add to the line ("" or a count)."""
-        now, what = time.monotonic(), _failure_site(failure)
-        again = what == self._what
-        told = None
-        if not again or now >= self._next:
-            told = self._counted.format(self._count) if again and self._count > 1 else ""
-            self._next = now + 10.0
-        self._what, self._count = what, self._count + 1 if again else 1
-        return told
-
-
-def _failure_site(failure: object) -> str:
-    """What makes two failures the same one: an exception's type and the lines its traceback passed through (its
-    message where it has no traceback); any other object's text."""
-    if not isinstance(failure, BaseException) or failure.__traceback__ is None:
-        return f"{type(failure).__name__}: {failure}"
-    lines = (f"{frame.f_code.co_filename}:{line}" for frame, line in traceback.walk_tb(failure.__traceback__))
-    return f"{type(failure).__name__} via {' '.join(lines)}"
-
-
-def _check_for_job(policy: Policy | None, config: JobConfig, *, warn: bool = True) -> None:
-    """A ConfigError for worker kinds pinned outside the job (a typo, or a rank off by one, had been kept
-    silently) or backup workers that would drop every gradient (refused at each decision, and the job ran on), and
-    (``warn``) a warning where the model, or a model an AutoCapacityModel is given, forecasts further or less far
-    ahead than the job's lag (a hand-built model does not take the lag; the default and `lbbsp coordinator --model`
-    do)."""
-    if isinstance(policy, BackupWorkersPolicy):
-        policy.aggregated(config.num_workers)
-    model = getattr(policy, "model", None)
-    pinned = getattr(model, "kinds", None) if isinstance(model, AutoCapacityModel) else None
-    # numpy's integers too (a pin map built from np.flatnonzero had gone unchecked)
-    outside = sorted(w for w in map(_as_int, pinned or {}) if w is not None and not 0 <= w < config.num_workers)
-    if outside:
-        raise ConfigError(f"AutoCapacityModel's kinds pin worker(s) {outside[:8]}, outside the job's workers "
-                          f"0..{config.num_workers - 1}", job=config.job)
-    for name, horizon in _horizons(model) if warn else ():
-        if horizon != config.lag:
-            log.warning("job %s: the model%s forecasts %d iteration(s) ahead (horizon=%d), but each split is decided "
-                        "%d ahead (lag=%d): give it horizon=%d (LBBSPPolicy()'s own model: LBBSPPolicy("
-                        "AutoCapacityModel(horizon=%d)))", config.job, name, horizon, horizon, config.lag,
-                        config.lag, config.lag, config.lag)
-
-
-def _as_int(value: object) -> int | None:
-    """``value`` as an int where it is an integer (numpy's too) and not a bool, else None."""
-    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else None
-
-
-def _horizons(model: object, name: str = "") -> Iterator[tuple[str, int]]:
-    """(what the warning calls it after "the model", horizon) for ``model`` and for each model an
-    :class:`AutoCapacityModel` is given, where it has a whole ``horizon``: the automatic model's own counts only where
-    it builds the CPU workers' NARX (no model given for "cpu"); those given in ``models`` had gone unchecked."""
-    if isinstance(model, AutoCapacityModel):
-        given = model.models if isinstance(model.models, Mapping) else {}
-        if "cpu" not in given:
-            yield from _whole(model.horizon, name)
-        for kind, inner in given.items():
-            yield from _horizons(inner, f" models[{kind!r}] ({type(inner).__name__})")
-        return
-    yield from _whole(getattr(model, "horizon", None), name)
-
-
-def _whole(horizon: object, name: str) -> Iterator[tuple[str, int]]:
-    """(``name``, ``horizon``) where ``horizon`` is a whole number of iterations; nothing otherwise."""
-    if isinstance(horizon, (int, np.integer)) and not isinstance(horizon, bool):
-        yield name, int(horizon)
-
-
-def _check_outside_simulator(policy: Policy | None, config: JobConfig, *, warn: bool = True) -> None:
-    """A ConfigError for the oracle, which needs each coming iteration's true speeds, known only to the simulator (a
-    job's coordinator had failed every decision, the job left on the equal split), and (``warn``) a warning for
-    backup workers, whose dropped gradients no integration implements (a job had run them as plain BSP, unsaid).
-    Where a coordinator is made for a job, not where the simulator makes one (``Coordinator(..., simulated=True)``)."""
-    if isinstance(policy, OraclePolicy):
-        raise ConfigError(f"{type(policy).__name__} is the simulator's limit, not a policy a job can run: it decides "
-                          "from each coming iteration's true speeds, which only lbbsp.sim knows (`lbbsp simulate`, "
-                          "lbbsp.sim.compare); for a job, use LBBSPPolicy()", job=config.job)
-    if warn and isinstance(policy, BackupWorkersPolicy):
-        log.warning("job %s: backup workers drop the slowest %d gradient(s) of each iteration, which breaks "
-                    "exactness (each global batch's samples no longer all count); a job's workers aggregate every "
-                    "gradient, so this one runs as plain BSP, the equal split: lbbsp.sim runs backup workers as they "
-                    "are meant, to compare against", config.job, policy.backups)
-
-
-class GuardedPolicy:
-    """A policy held to the job's rules, as the coordinator runs it: a split that breaks them, or a policy that
-    fails, keeps the split in force (logged with the reason) instead of stopping the job. The simulator runs
-    its policies through this too, so that a split it measures is one a job would have written. ``name``: what
-    its log lines call the policy (the simulator's name of the run); the policy's own name by default."""
-
-    def __init__(self, policy: Policy, config: JobConfig, name: str | None = None) -> None:
-        checked_policy(policy, config.job)
-        _check_for_job(policy, config)
-        self.policy, self.config = policy, config
-        self.name = str(policy.name) if name is None else name
-        # how many workers a decision may leave at 0 below their lower bound: a policy of one's own that let
-        # workers sit out (any true sit_out) had been let leave all but one at 0
-        try:
-            self._may_sit_out = int(sit_out_share(policy.sit_out) * config.num_workers + 1e-9)
-        except ConfigError as exc:
-            raise ConfigError(f"policy {self.name}'s {exc.message}", job=config.job) from None
-        self._bounds = tuple(np.asarray(b, dtype=np.int64) for b in config.bounds())
-        # an assignment holds a name and a reason of bounded length: longer ones are cut, not refused (a policy
-        # error's long message made even the split kept in force invalid, and nothing was written)
-        self._name = _clipped(str(policy.name), MAX_POLICY_NAME_CHARS)
-        #: Decisions that failed or broke the job's rules, each kept the split in force (and was logged).
-        self.failures = 0
-        self._repeats, self._learn_repeats, self._prediction_repeats = _Repeats(), _Repeats(), _Repeats()
-
-    def decide(self, target: int, current: tuple[int, ...], reports: list[Report]) -> tuple[Decision, Assignment]:
-        """Observe ``reports`` and decide the assignment of ``target``; ``current`` (the split of ``target - 1``)
-        is kept if the policy fails or breaks the rules."""
-        try:
-            self.policy.observe(reports)
-            decision = self.policy.decide(target, current, self.config)
-            assignment = self._checked(target, decision)
-            return dataclasses.replace(decision, predicted_throughput=self._predictions(target, decision)), assignment
-        # a policy's bug, an OSError too (none is Redis's here), a sys.exit() in it or a library it calls (which had
-        # ended the coordinator's thread without a word): keep the split in force. Ctrl-C still stops the coordinator.
-        except (Exception, SystemExit) as exc:
-            self.failures += 1
-            if (repeats := self._repeats.note(exc)) is not None:
-                log.exception("job %s: policy %s failed to decide iteration %d%s; keeping the current split",
-                              self.config.job, self.name, target, repeats)
-            decision = Decision(current, f"policy failed ({type(exc).__name__}: {exc}); kept the split")
-            return decision, Assignment(self.config.job, target, current, self._name, _clipped(decision.reason,
-                                                                                               MAX_REASON_CHARS))
-
-    def learn(self, iteration: int) -> None:
-        """Let the policy learn from the reports of ``iteration`` once the split is out; a failure is logged."""
-        try:
-            self.policy.learn()
-        except (Exception, SystemExit) as exc:  # as above: logged, and the next decision goes on
-            if (repeats := self._learn_repeats.note(exc)) is not None:
-                log.exception("job %s: policy %s failed to learn from iteration %d%s", self.config.job, self.name,
-                              iteration, repeats)
-
-    def _predictions(self, target: int, decision: Decision) -> tuple[float, ...] | None:
-        """The decision's predicted throughputs as one float per worker (NaN or inf where the model knows none:
-        shown as null), or None, with a warning, if they are not that: the split is good, and the status the
-        coordinator records after writing it must not fail on them."""
-        if decision.predicted_throughput is None:
-            return None
-        try:
-            predicted = np.asarray(decision.predicted_throughput)
-        except (TypeError, ValueError):  # ragged
-            predicted = np.asarray(None)
-        if predicted.shape != (self.config.num_workers,) or predicted.dtype.kind not in "iuf":
-            # at every decision otherwise: every 10 s, with a count
-            if (repeats := self._prediction_repeats.note("predicted throughput")) is not None:
-                log.warning("job %s: policy %s's predicted throughput for iteration %d is not one number per worker "
-                            "(%.80r); recording none%s", self.config.job, self.name, target,
-                            decision.predicted_throughput, repeats)
-            return None
-        return tuple(predicted.astype(float, copy=False).tolist())
-
-    def _checked(self, target: int, decision: Decision) -> Assignment:
-        """The decision as the assignment of ``target``, or a :class:`PolicyError` if it breaks the job's rules
-        (an integer size per worker, within its bounds or 0 where the policy lets workers sit out, summing to
-        the global batch): once written it could not be replaced, and every worker would refuse it. Checked
-        on arrays: a fraction of a millisecond at 1,024 workers."""
-        def refuse(why: str) -> PolicyError:
-            return PolicyError(f"policy {self.name} returned an invalid split: {why}", job=self.config.job,
-                               iteration=target)
-
-        if not isinstance(decision, Decision):  # the bare sizes, say: it had failed on a missing attribute
-            raise refuse(f"decide must return a Decision(sizes, reason), got {type(decision).__name__}")
-        if not isinstance(decision.reason, str):  # it had failed on len() with no word of the reason
-            raise refuse(f"the reason must be a string, got {type(decision.reason).__name__}")
-        try:
-            raw = np.asarray(decision.sizes)
-        except (TypeError, ValueError) as exc:
-            raise refuse(f"sizes are not numbers ({exc})") from exc
-        if raw.shape != (self.config.num_workers,):
-            what = f"{raw.size} sizes" if raw.ndim == 1 else f"sizes of shape {raw.shape}"
-            raise refuse(f"{what} for {self.config.num_workers} workers")
-        whole = raw.dtype.kind in "iu" or (raw.dtype.kind == "f" and bool(np.isfinite(raw).all())
-                                           and np.array_equal(raw, np.round(raw)))  # inf had read as -2**63 samples
-        if not whole:  # an int past int64 (10**30) makes an object array: integers, but no size a batch holds
-            kind = "at most the global batch" if raw.dtype.kind == "O" else "integers"
-            raise refuse(f"sizes must be {kind}, got {raw[:8].tolist()}")
-        if raw.dtype.kind == "u" and (raw > self.config.global_batch).any():  # 2**63 had wrapped to a negative
-            raise refuse(f"sizes must be at most the global batch, got {raw[:8].tolist()}")
-        sizes = raw.astype(np.int64)
-        lower, upper = self._bounds
-        outside = (sizes < lower) | (sizes > upper)
-        if self._may_sit_out:  # such a policy gives a worker sitting out 0, up to its share of the workers
-            sitting = outside & (sizes == 0)
-            if (count := int(sitting.sum())) > self._may_sit_out:
-                raise refuse(f"{count} workers given 0 samples, where its sit_out of "
-                             f"{self.policy.sit_out:g} lets at most {self._may_sit_out} of {sizes.size} sit out")
-            outside &= ~sitting
-        if outside.any():
-            w = int(np.argmax(outside))
-            raise refuse(f"worker {w} got {sizes[w]} samples, outside its bounds [{lower[w]}, {upper[w]}] "
-                         f"({int(outside.sum())} workers outside)")
-        try:
-            return Assignment(self.config.job, target, tuple(sizes.tolist()), self._name,
-                              _clipped(decision.reason, MAX_REASON_CHARS)).validate(global_batch=self.config.global_batch)
-        except ProtocolError as exc:
-            raise refuse(exc.message) from exc
-
-
-def _warn_uncapped(job: str, policy: Policy, reports: list[Report]) -> bool:
-    """Warn, and say True, where ``reports`` read GPU memory but ``policy``'s model sets no memory caps (it has no
-    ``max_batch`` of its own): their workers' sizes are then not held below what their cards fit (per-epoch's own slow
-    EWMA had given GPUs that held 716 samples 787-932, unsaid). A policy of one's own without a ``model`` is not asked."""
-    if not hasattr(policy, "model"):
-        return True
-    model = policy.model
-    if isinstance(model, AutoCapacityModel):  # a kind's model of the user's own, or a GPU worker pinned to another kind
-        return _warn_uncapped_kinds(job, policy, model, reports)
-    if _sets_caps(model):
-        return True
-    gpus = sorted({report.worker for report in reports if "gpu_mem_used" in report.features})
-    if gpus:
-        name = getattr(policy, "name", type(policy).__name__)
-        why = ("has no model to set memory caps" if model is None
-               else f"has a model, {type(model).__name__}, that sets no memory caps")
-        remedy = ("use a policy that takes a model, with AutoCapacityModel() (lbbsp coordinator --policy lbbsp)"
-                  if isinstance(policy, StaticProportionalPolicy) else
-                  "give it AutoCapacityModel() or BatchTimeCurve() (lbbsp coordinator --model auto)")
-        log.warning("job %s: worker(s) %s report GPU memory, but the %s policy %s, so their sizes are not held below "
-                    "what their cards fit: %s", job, gpus[:8], name, why, remedy)
-    return bool(gpus)
-
-
-def _sets_caps(model: object) -> bool:
-    """Whether ``model`` has a ``max_batch`` of its own, and so can hold workers below what their cards fit."""
-    return isinstance(model, CapacityModel) and type(model).max_batch is not CapacityModel.max_batch
-
-
-def _warn_uncapped_kinds(job: str, policy: Policy, model: AutoCapacityModel, reports: list[Report]) -> bool:
-    """:func:`_warn_uncapped` for an :class:`AutoCapacityModel`: the workers that read GPU memory and go (by their pin,
-    else by their report) to the CPU or GPU kind whose model sets no caps. Federated clients are left out: their
-    model plans transfers, not a card's memory. True at once where no worker can go to such a kind, as a CPU-only
-    job's reports had been scanned at every decision (3 ms at 100,000 workers)."""
-    pins, given = dict(model.kinds or {}), dict(model.models or {})
-    capping = {kind: _sets_caps(kind_model) for kind, kind_model in (default_models(1) | given).items()}
-    if capping["gpu"] and all(capping.get(kind, True) or kind == "fl" for kind in pins.values()):
-        return True
-    gpus = [report for report in reports if "gpu_mem_used" in report.features]
-    if not gpus:
-        return False
-    uncapped: dict[str, list[int]] = {}
-    for report in gpus:
-        kind = pins.get(report.worker, worker_kind(report))
-        if kind != "fl" and not capping.get(kind, True):  # a kind the model does not know: it refuses that itself
-            uncapped.setdefault(kind, []).append(report.worker)
-    for kind, workers in sorted(uncapped.items()):
-        pinned = kind != "gpu" and any(w in pins for w in workers)
-        why = f"to kind {kind!r}" + (" (pinned there)" if pinned else "") + (
-            f", whose model, {type(given[kind]).__name__}, sets no memory caps" if kind in given
-            else ", whose default model sets no memory caps")
-        remedy = ("pin them to 'gpu', or leave them unpinned" if pinned
-                  else f"give that kind BatchTimeCurve(), the default for 'gpu' (lbbsp coordinator: --kind-model "
-                       f"{kind}=gpu-curve)")
-        log.warning("job %s: worker(s) %s report GPU memory, but the %s policy's AutoCapacityModel routes them %s, so "
-                    "their sizes are not held below what their cards fit: %s", job, sorted(set(workers))[:8],
-                    getattr(policy, "name", type(policy).__name__), why, remedy)
-    return True
-
-
 class Coordinator:
     """Collect the reports of each iteration, ask the policy, write the next assignment exactly once.
 
@@ -434,7 +126,7 @@ class Coordinator:
         self.policy = policy if policy is not None else LBBSPPolicy(AutoCapacityModel(horizon=config.lag))
         self._guarded = GuardedPolicy(self.policy, config)  # checks the policy, before the job is registered
         if not simulated:
-            _check_outside_simulator(self.policy, config)
+            check_outside_simulator(self.policy, config)
         # whether GPU workers' reports were seen by a policy whose model sets no memory caps (the equal split needs none)
         self._told_uncapped = simulated or isinstance(self.policy, BSPPolicy)
         self.store = store
@@ -450,11 +142,11 @@ class Coordinator:
         self._warned_about: str | None = None
         self._outage_since: float | None = None
         self._next_outage_log = 0.0
-        self._repeats = _Repeats()  # failed steps, see _failed
-        self._ready_repeats = _Repeats()  # iterations queued that no worker ran, see _out_of_line
+        self._repeats = Repeats()  # failed steps, see _failed
+        self._ready_repeats = Repeats()  # iterations queued that no worker ran, see _out_of_line
         self._decided_from: dict[int, bytes] = {}  # the latest iterations decided from: worker 0's report (_repeated)
-        self._repeats_seen = _Repeats(" ({} times)")  # iterations queued again, see _repeated
-        self._rejections: dict[tuple[str | None, str], _Repeats] = {}  # rejected reports by worker and check (_rejected)
+        self._repeats_seen = Repeats(" ({} times)")  # iterations queued again, see _repeated
+        self._rejections: dict[tuple[str | None, str], Repeats] = {}  # rejected reports by worker and check (_rejected)
         self._expired_after: int | None = None  # decisions made when the job's keys last expired, see _put_back
         self._expiries = 0  # how often they expired since then
         #: How many iterations the next decision covers: 1 while the coordinator keeps up with the workers' steps.
@@ -564,7 +256,7 @@ class Coordinator:
         targets = self._targets(iteration)
         reports, rejected = self._parse_reports(iteration)
         if not self._told_uncapped:
-            self._told_uncapped = _warn_uncapped(self.config.job, self.policy, reports)
+            self._told_uncapped = warn_uncapped(self.config.job, self.policy, reports)
         decision, assignment = self._guarded.decide(targets[0], self._in_force(targets[0] - 1).sizes, reports)
         covered = [assignment, *(dataclasses.replace(assignment, iteration=t) for t in targets[1:])]
         written = self.store.publish_all(covered, decided_from=iteration)
@@ -690,14 +382,14 @@ class Coordinator:
 
     def _rejected(self, worker: str, iteration: int, exc: ProtocolError) -> None:
         """Log a rejected report: at once where it is the worker's first, or failed another check than its earlier
-        ones, the same again only every 10 s with a count (:class:`_Repeats`, one per worker and check): a worker
+        ones, the same again only every 10 s with a count (:class:`Repeats`, one per worker and check): a worker
         whose every report was refused had a warning at every decision. The fields that name no worker of the job
         (only a writer past POST_REPORT's check makes one) share one, and are logged quoted: thousands of them had a
         line each, and a limiter each for good, and a newline in one had made a log line of its own. The decision
         log records the first ones (_RECORDED_REJECTIONS)."""
         valid = _worker_field(worker, self.config.num_workers)
-        repeats = self._rejections.setdefault((worker if valid else None, _failure_site(exc)),
-                                              _Repeats(_REJECTED_AGAIN))
+        repeats = self._rejections.setdefault((worker if valid else None, failure_site(exc)),
+                                              Repeats(_REJECTED_AGAIN))
         if (told := repeats.note(exc)) is not None:
             log.warning("job %s: rejected report of worker %s for iteration %d: %s%s", self.config.job,
                         worker if valid else repr(worker), iteration, exc, told)
@@ -924,7 +616,7 @@ class Coordinator:
 
     def _failed(self, exc: Exception) -> None:
         """Log a failed step with its traceback; the same failure again (a key of the wrong type that someone
-        left in the job's keys fails every step) only every 10 s, with a count (:class:`_Repeats`)."""
+        left in the job's keys fails every step) only every 10 s, with a count (:class:`Repeats`)."""
         if (repeats := self._repeats.note(exc)) is not None:
             log.exception("job %s: coordinator step failed%s; still serving", self.config.job, repeats)
 
@@ -1035,275 +727,3 @@ class Coordinator:
             if not self._thread.is_alive():
                 self._thread = None
 
-
-#: Why a worker that joins an external coordinator (``coordinator=False``) refuses a policy of its own.
-EXTERNAL_POLICY = ("policy= is the coordinator's: with an external one (coordinator=False), name the policy by its "
-                   "--policy and --model flags")
-#: Why such a worker refuses a max_ahead of its own.
-EXTERNAL_MAX_AHEAD = ("max_ahead= is the coordinator's: with an external one (coordinator=False), set its "
-                      "--max-ahead")
-
-
-def checked_process_policy(policy: Policy | None, config: JobConfig) -> None:
-    """The checks :class:`CoordinatorProcess` makes of ``policy`` before its child starts, for the integrations to
-    make on every worker: a ConfigError for a policy that is none, is the simulator's oracle, pins worker kinds
-    outside the job, or cannot be pickled to the child (on rank 0 alone, the other ranks had gone on and failed later,
-    in gloo's words)."""
-    checked_policy(policy, config.job)
-    _check_for_job(policy, config, warn=False)  # the child's coordinator warns
-    _check_outside_simulator(policy, config, warn=False)
-    _refers_to_main(policy, config.job)
-
-
-class CoordinatorProcess:
-    """A coordinator in a child process of its own: no GIL or CPU core shared with a training worker.
-
-    ``CoordinatorProcess(url, config, policy)`` starts serving at once; :meth:`stop` ends it; ``max_ahead`` is
-    :class:`Coordinator`'s. The child drops any CPU pinning it inherited, so the kernel can run it beside
-    whichever worker is idle, and freezes its heap once it is set up (:func:`freeze_heap`). A child that dies
-    before :meth:`stop` (the OOM killer, a stray ``kill -9``) is started again, with the policy as given (its
-    model learns afresh) and resuming from the job's state in Redis, at most ``RESTARTS`` times in 5 minutes:
-    without a coordinator every step would wait ``assignment_timeout_s`` and fall back, to the end of training.
-    """
-
-    #: Restarts of a dead child allowed within 5 minutes (:class:`RestartBudget`); then it is left dead, with an error.
-    RESTARTS = 3
-
-    def __init__(self, url: str, config: JobConfig, policy: Policy | None = None, *,
-                 max_ahead: int = MAX_AHEAD, start_timeout_s: float = 60.0) -> None:
-        config = _job_config(config)
-        max_ahead = checked_max_ahead(max_ahead, config.job)
-        checked_policy(policy, config.job)
-        _check_for_job(policy, config, warn=False)  # the child's coordinator warns; _spawn checks the pickling
-        _check_outside_simulator(policy, config, warn=False)
-        if multiprocessing.current_process().daemon:
-            raise LBBSPError("a daemonic process cannot start the coordinator process: start this worker with "
-                             "daemon=False, or run Coordinator(store, config).start() in a thread", job=config.job)
-        with answering(url, config.job, socket_timeout_s=PROBE_TIMEOUT_S):  # a Redis that accepts and never
-            pass  # answers had held the constructor 30 s (5 s tries, then a ping) before its StoreUnavailable
-        with Store.from_url(url, config.job, ttl_s=config.ttl_s) as store:
-            store.register(config)  # a mismatch with the job's stored settings is raised here, not in the child
-        self._args = (url, config.to_json(), policy, max_ahead, ParentLogging.of_this_process())
-        self._job, self._start_timeout_s = config.job, start_timeout_s
-        self._stopping = threading.Event()
-        # a restart and stop() take turns: stop() never leaves a new child running. Reentrant: a signal handler may
-        # call stop() while the thread it interrupted is inside stop()
-        self._lock = threading.RLock()
-        self.restarts = 0
-        self._process = self._spawn()
-        atexit.register(self._stopping.set)  # runs before multiprocessing ends its children: no restart then
-        threading.Thread(target=self._supervise, name=f"lbbsp-coordinator-watch-{config.job}", daemon=True).start()
-
-    def _spawn(self) -> multiprocessing.process.BaseProcess:
-        """Start a child serving the job and wait until it serves; a clear LBBSPError if it does not."""
-        policy = self._args[2]
-        context = multiprocessing.get_context("spawn")
-        reruns_main = _refers_to_main(policy, self._job)
-        try:  # a full /dev/shm had ended the restart watch's thread with its OSError: no restart ever again
-            ready = context.Event()  # (a semaphore, in /dev/shm)
-            process = context.Process(target=_serve, args=(*self._args, ready), name=f"lbbsp-coordinator-{self._job}",
-                                      daemon=True)
-            with _main_not_rerun(rerun=reruns_main), signals_held():  # a child started whole, however it is stopped
-                process.start()
-        except OSError as exc:
-            where = f" (its semaphores live in /dev/shm: free some room there; {SHM_IN_CONTAINERS})" if no_room(
-                exc) else ""
-            raise LBBSPError(f"cannot start the coordinator process: {exc.strerror or exc}{where}",
-                             job=self._job) from exc
-        deadline = time.monotonic() + self._start_timeout_s
-        try:
-            self._wait_ready(process, ready, deadline, reruns_main)
-        except BaseException:  # Ctrl-C in the wait too: the child had served on, an orphan, as long as we lived
-            _end(process, 5.0)
-            raise
-        return process
-
-    def _wait_ready(self, process: multiprocessing.process.BaseProcess, ready: multiprocessing.synchronize.Event,
-                    deadline: float, reruns_main: bool) -> None:
-        """Wait until the child serves; a clear LBBSPError if it exits or does not serve by ``deadline``."""
-        while not ready.wait(0.1):  # serving before training starts, or a clear error
-            if not process.is_alive() or time.monotonic() > deadline:
-                exited = not process.is_alive()
-                _end(process, 5.0)
-                guard = ("the policy's class is defined in the script itself, so the child runs the script's top "
-                         "level to load it: guard the script's training with `if __name__ == \"__main__\":` and "
-                         "start nothing at module level (a MultiWorkerMirroredStrategy there starts a server the "
-                         "child cannot bind), or move the class into a module")
-                if exited and process.exitcode == _EXIT_REDIS_UNUSABLE:
-                    raise StoreUnavailable("the coordinator process could not start: Redis is unusable for now (down, "
-                                           "stalled or refusing writes; its log says why)", job=self._job)
-                if exited and process.exitcode is not None and process.exitcode < 0:  # killed: it left no traceback
-                    raise LBBSPError(f"the coordinator process was killed as it started "
-                                     f"({_how_it_ended(process.exitcode)})", job=self._job)
-                if exited:
-                    hint = f"; its traceback is above ({guard})" if reruns_main else "; its traceback is above"
-                else:
-                    hint = f"; {guard} (unguarded, the child trains instead of serving)" if reruns_main else ""
-                raise LBBSPError(f"the coordinator process exited or did not start within {self._start_timeout_s}s "
-                                 f"(exit code {process.exitcode}){hint}", job=self._job)
-
-    def _supervise(self, poll_s: float = 0.5) -> None:
-        """Start the child again when it died before :meth:`stop`, within the limit of ``RESTARTS``."""
-        budget = RestartBudget()
-        while not self._stopping.wait(poll_s):
-            if self._process.is_alive():
-                continue
-            with self._lock:
-                if self._stopping.is_set():
-                    return
-                if not budget.allow(self.RESTARTS):
-                    log.error("the coordinator process of job %s died, or did not start again, %d times in 5 "
-                              "minutes: not starting it again. The workers now keep the split before (the first step "
-                              "waits assignment_timeout_s); start `lbbsp coordinator` for the job, with the same "
-                              "settings and its Redis URL", self._job, self.RESTARTS + 1)
-                    return
-                if not budget.retrying:  # (the death was told before the try that failed)
-                    log.warning("the coordinator process of job %s died (%s): starting it again; it resumes from the "
-                                "job's state in Redis", self._job, _how_it_ended(self._process.exitcode))
-                try:
-                    self._process = self._spawn()
-                except LBBSPError as exc:
-                    # no room, no memory, a Redis unusable for now: it clears, unlike a crash. Counted, a Redis
-                    # outage of a few seconds after a death had spent RESTARTS, and no coordinator ever came back
-                    clears = isinstance(exc.__cause__, OSError) or isinstance(exc, StoreUnavailable)
-                    log.error("could not start the coordinator process of job %s again: %s%s", self._job, exc,
-                              budget.failed(clears))
-                else:
-                    self.restarts += 1
-                    budget.started()
-            if budget.retrying:
-                self._stopping.wait(budget.retry_s)  # (not holding the lock, which stop() takes)
-
-    @property
-    def alive(self) -> bool:
-        """Whether the coordinator's process is running (it may be between a death and its restart)."""
-        return self._process.is_alive()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop serving; safe to call twice."""
-        self._stopping.set()
-        with self._lock:  # waits for a restart under way: its child is stopped too
-            _end(self._process, timeout_s)
-        atexit.unregister(self._stopping.set)
-
-
-def _how_it_ended(code: int | None) -> str:
-    """A dead coordinator child's exit code, with what it tells: a signal's name, a SIGTERM (its handler ends the
-    child cleanly, with 0), or an error."""
-    if code is not None and code < 0:
-        name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
-        return f"exit code {code}, {name}" + (": the OOM killer, or a kill -9?" if code == -signal.SIGKILL else "")
-    if code == 0:
-        return "exit code 0: a SIGTERM stopped it"
-    return f"exit code {code}: an error, its traceback above"
-
-
-def _end(process: multiprocessing.process.BaseProcess, timeout_s: float) -> None:
-    """Stop ``process`` (SIGTERM, then SIGKILL after ``timeout_s``) and reap it."""
-    if process.is_alive():
-        process.terminate()
-        process.join(timeout_s)
-        if process.is_alive():
-            process.kill()
-    process.join()
-
-
-#: Held by :func:`_main_not_rerun` around a child's start, so that no start saves, or reads, another one's hiding.
-_MAIN_HIDDEN = threading.Lock()
-
-
-@contextlib.contextmanager
-def _main_not_rerun(*, rerun: bool) -> Iterator[None]:
-    """Start a spawned child without running the parent's ``__main__`` again: spawn re-imports the main
-    script, so a training script without an ``if __name__ == "__main__":`` guard would start training (and,
-    under torchrun, join the process group) in the coordinator's child, and one with the guard would still
-    import its framework there. Hiding the script's path for the start does it; a policy that refers to
-    something defined in the script needs the script in the child to be unpickled, so then (``rerun``, from
-    :func:`_refers_to_main`) it is re-run."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    # a restart on the watch thread beside a new CoordinatorProcess: the second had saved what the first had hidden,
-    # and put it back last, leaving the script's __spec__ None for good (and a start that re-runs the script had found
-    # it hidden)
-    with _MAIN_HIDDEN:
-        if rerun:
-            yield
-            return
-        names = ("__file__", "__spec__")
-        saved: dict[str, object] = {name: main.__dict__[name] for name in names if name in main.__dict__}
-        main.__dict__.pop("__file__", None)
-        main.__dict__["__spec__"] = None
-        try:
-            yield
-        finally:
-            main.__dict__.pop("__spec__", None)
-            main.__dict__.update(saved)
-
-
-def _refers_to_main(policy: Policy | None, job: str) -> bool:
-    """Whether unpickling ``policy`` needs the main script: its class, or anything it holds, defined there
-    (named ``__main__``, or ``__mp_main__`` in a process that multiprocessing itself spawned). A ConfigError naming
-    the policy if it cannot be pickled at all: pickle's own words ("cannot pickle '_thread.lock' object") named
-    neither the policy nor the way around it."""
-    if policy is None:
-        return False
-    try:
-        data = pickle.dumps(policy)
-    except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:  # ValueError: a ctypes pointer
-        raise ConfigError(f"policy {type(policy).__name__} cannot be pickled to the coordinator's child process "
-                          f"({exc}): keep no lock, lambda or open file in it, or serve it in a thread of this process "
-                          "with Coordinator(store, config, policy).start()", job=job) from exc
-    return b"__main__" in data or b"__mp_main__" in data
-
-
-def _stop_when_orphaned(coordinator: Coordinator, parent: int, poll_s: float = 0.5) -> None:
-    """Stop serving once the process that started this one is gone (killed with SIGKILL, say, by the OOM
-    killer: no stop() comes then, and the child served on, logging that Redis was unavailable, for good). Said at
-    INFO: what ended the parent is said where it ended (torchrun, a launcher), and a warning here came under every
-    interrupted run whose peers a collective's error had aborted before the parent's own stop could run."""
-    while not coordinator._stop.wait(poll_s):
-        if os.getppid() != parent:
-            log.info("job %s: the process that started this coordinator (pid %d) is gone: stopping",
-                     coordinator.config.job, parent)
-            coordinator.stop(timeout_s=0)
-            return
-
-
-def freeze_heap() -> None:
-    """Put every object alive now, the imports' mostly (about 95,000 with scikit-learn), out of the garbage
-    collector's reach, so that its full collections scan only what serving allocates: in a process that only
-    coordinates, each paused a decision at 1,024 workers by 50-70 ms, and by under 2 ms after this. For a process
-    of the coordinator's own only: it changes the collector for everything in the process."""
-    gc.collect()  # what is garbage already is freed, not frozen for good
-    gc.freeze()
-
-
-def _serve(url: str, config_json: str, policy: Policy | None, max_ahead: int, logs: ParentLogging,
-           ready: threading.Event) -> None:
-    logs.apply()  # the coordinator's warnings and INFO lines as the parent logs (spawned, it had none)
-    release_cpu_pinning()
-    parent = os.getppid()
-    config = JobConfig.from_json(config_json)
-    store = Store.from_url(url, config.job)
-    try:
-        coordinator = Coordinator(store, config, policy, max_ahead=max_ahead)
-    except Exception as exc:
-        if not unusable(exc):
-            raise
-        log.warning("job %s: the coordinator process cannot set up, Redis unusable for now: %s", config.job, exc)
-        store.close()
-        sys.exit(_EXIT_REDIS_UNUSABLE)
-    freeze_heap()
-    signal.signal(signal.SIGTERM, lambda *_: off_the_handler(lambda: coordinator.stop(timeout_s=0)))
-    # a terminal's Ctrl-C reaches the whole process group: the child printed a KeyboardInterrupt traceback under
-    # the training script's own; its parent stops it (stop(), or by exiting: _stop_when_orphaned)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_stop_when_orphaned, args=(coordinator, parent), name="lbbsp-parent-watch",
-                     daemon=True).start()
-    ready.set()
-    try:
-        coordinator.run()
-    finally:
-        store.close()

@@ -46,7 +46,8 @@ from lbbsp import (
     WorkerClient,
 )
 from lbbsp.cli import main
-from lbbsp.coordinator import GuardedPolicy, _stop_when_orphaned, checked_process_policy
+from lbbsp.coordinator_process import _stop_when_orphaned, checked_process_policy
+from lbbsp.guarded_policy import GuardedPolicy
 from lbbsp.models import AutoCapacityModel, BatchTimeCurve, FLClientModel, NARXThroughput
 from lbbsp.models.base import CapacityModel
 from lbbsp.policies import BackupWorkersPolicy, Decision, OraclePolicy, Policy
@@ -425,13 +426,13 @@ def test_two_coordinator_children_started_at_once_leave_the_script_as_it_was() -
     inside, leave, first_done = threading.Event(), threading.Event(), threading.Event()
 
     def first() -> None:
-        with lbbsp.coordinator._main_not_rerun(rerun=False):
+        with lbbsp.coordinator_process._main_not_rerun(rerun=False):
             inside.set()
             leave.wait(10)
         first_done.set()
 
     def second() -> None:
-        with lbbsp.coordinator._main_not_rerun(rerun=False):
+        with lbbsp.coordinator_process._main_not_rerun(rerun=False):
             first_done.wait(10)  # ends after the first
 
     starts = [threading.Thread(target=first), threading.Thread(target=second)]
@@ -556,6 +557,7 @@ def test_a_report_rejected_at_every_decision_is_logged_every_10_s_with_a_count_a
     iterations); another worker, or another check failed, is still news, logged at once."""
     clock = _Clock()
     monkeypatch.setattr("lbbsp.coordinator.time", clock)
+    monkeypatch.setattr("lbbsp.repeats.time", clock)  # which says when a repeat is logged again
     coordinator = Coordinator(store, JobConfig(job, 2, 64))
     with caplog.at_level(logging.WARNING, logger="lbbsp.coordinator"):
         for k in range(40):
@@ -1387,7 +1389,7 @@ def test_a_script_whose_formatter_class_is_its_own_starts_the_coordinator_proces
     script.write_text(textwrap.dedent(f"""
         import logging
         from lbbsp import JobConfig
-        from lbbsp.coordinator import CoordinatorProcess
+        from lbbsp.coordinator_process import CoordinatorProcess
 
         class MyFormatter(logging.Formatter):
             pass
@@ -1826,7 +1828,7 @@ def test_a_sigterm_half_way_through_starting_the_coordinator_process_leaves_no_h
         import builtins, os, signal, sys
         import multiprocessing.popen_spawn_posix as popen
         from lbbsp import JobConfig
-        from lbbsp.coordinator import CoordinatorProcess
+        from lbbsp.coordinator_process import CoordinatorProcess
 
         class StoppedHalfWay:
             def __init__(self, *args, **kwargs):

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from lbbsp import ConfigError, CoordinatorProcess, EmbeddedRedis, JobConfig, LBBSPPolicy, LinearTime, Report, allocate
-from lbbsp.coordinator import GuardedPolicy, checked_process_policy
+from lbbsp.coordinator_process import checked_process_policy
 from lbbsp.errors import AllocationError
+from lbbsp.guarded_policy import GuardedPolicy
 from lbbsp.models import AutoCapacityModel, EWMAThroughput, FLClientModel, LastValue
 from lbbsp.models.base import CapacityModel, WorkerIds, as_reports, measured_throughput
 from lbbsp.policies import Decision, LeaderStragglerPolicy, OraclePolicy, PerEpochPolicy, Policy

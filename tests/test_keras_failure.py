@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from lbbsp import EmbeddedRedis, JobConfig
-from lbbsp.coordinator import CoordinatorProcess
+from lbbsp.coordinator_process import CoordinatorProcess
 from lbbsp.errors import StoreUnavailable
 
 tf = pytest.importorskip("tensorflow")

@@ -22,7 +22,7 @@ from lbbsp import (
     StaticProportionalPolicy,
     Store,
 )
-from lbbsp.coordinator import _warn_uncapped
+from lbbsp.guarded_policy import warn_uncapped
 from lbbsp.models import NO_CAP, AutoCapacityModel, BatchTimeCurve, EWMAThroughput, fit_memory_cap
 from lbbsp.models.base import WorkerIds, whole_caps
 from lbbsp.policies import Policy
@@ -659,9 +659,9 @@ def test_workers_pinned_to_gpu_are_told_to_give_the_gpu_kind_a_curve(redis_url: 
 
 def test_a_cpu_only_job_is_not_scanned_at_every_decision() -> None:
     """With the default models no worker can go uncapped: settled at the first decision, whatever the reports."""
-    assert _warn_uncapped("j", LBBSPPolicy(), [])
-    assert _warn_uncapped("j", LBBSPPolicy(AutoCapacityModel(kinds={3: "fl"})), [])
-    assert not _warn_uncapped("j", LBBSPPolicy(AutoCapacityModel(kinds={3: "cpu"})), [])  # a GPU may come, pinned
+    assert warn_uncapped("j", LBBSPPolicy(), [])
+    assert warn_uncapped("j", LBBSPPolicy(AutoCapacityModel(kinds={3: "fl"})), [])
+    assert not warn_uncapped("j", LBBSPPolicy(AutoCapacityModel(kinds={3: "cpu"})), [])  # a GPU may come, pinned
 
 
 def test_federated_clients_reading_gpu_memory_are_not_told_to_take_a_gpu_curve(
@@ -670,5 +670,5 @@ def test_federated_clients_reading_gpu_memory_are_not_told_to_take_a_gpu_curve(
     report = Report("j", 0, 0, 10, 1.0, device="cuda:0",
                     features={"download_s": 1.0, "upload_s": 1.0, "gpu_mem_used": 1e9, "gpu_mem_free": 1e9})
     with caplog.at_level(logging.WARNING, logger="lbbsp.coordinator"):
-        _warn_uncapped("j", LBBSPPolicy(AutoCapacityModel(models={"gpu": EWMAThroughput()})), [report])
+        warn_uncapped("j", LBBSPPolicy(AutoCapacityModel(models={"gpu": EWMAThroughput()})), [report])
     assert "report GPU memory" not in caplog.text

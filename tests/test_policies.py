@@ -25,7 +25,7 @@ from lbbsp import (
     Store,
 )
 from lbbsp.allocation import TimeModel
-from lbbsp.coordinator import checked_process_policy
+from lbbsp.coordinator_process import checked_process_policy
 from lbbsp.hedging import hedged
 from lbbsp.models import AutoCapacityModel, BatchTimeCurve, CapacityModel, EWMAThroughput, FLClientModel
 from lbbsp.models.auto import MixedTime

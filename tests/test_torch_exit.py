@@ -56,7 +56,7 @@ def test_gloo_threads_stop_once_the_ddp_model_and_the_group_are_gone(tmp_path: P
 RANK0 = """
 import sys
 import torch.distributed as dist
-from lbbsp.coordinator import CoordinatorProcess
+from lbbsp.coordinator_process import CoordinatorProcess
 from lbbsp.integrations.torch import Balancer
 
 graces = []

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 
 from ..config import JobConfig, _integer
-from ..coordinator import Coordinator, GuardedPolicy
+from ..coordinator import Coordinator
 from ..errors import ConfigError, LBBSPError
+from ..guarded_policy import GuardedPolicy
 from ..models import AutoCapacityModel, CapacityModel, EWMAThroughput, FLClientModel
 from ..models.auto import default_models
 from ..models.base import learns_availability
