@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lbbsp.child_logging import ParentLogging
-from lbbsp.cli import piped_console, probe_redis, whole_number
+from lbbsp.cli import probe_redis, whole_number
 from lbbsp.errors import ConfigError, LBBSPError
+from lbbsp.job_status import piped_console
 from lbbsp.signals import ctrl_c_ignored, signals_held, term_and_hangup_as_exit, tracker_ignoring_hangup
 from lbbsp.store import redacted, redis_url
 
