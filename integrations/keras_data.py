@@ -34,6 +34,8 @@ from lbbsp.errors import ConfigError, LBBSPError
 from lbbsp.protocol import Assignment
 from lbbsp.sampling import GlobalBatchSampler
 
+from .keras_session import keras_module, require_tf_keras
+
 #: What a source takes as x or y: an array, or one level of a dict, tuple or list of arrays (kept as a tuple).
 Arrays = np.ndarray | dict[str, np.ndarray] | tuple[np.ndarray, ...] | list[np.ndarray]
 
@@ -558,8 +560,6 @@ class BalancedSource:
 
     def _check_distributed(self, strategy: Any) -> None:
         """A multi-replica strategy must be tf_keras's MultiWorkerMirroredStrategy, one replica per worker."""
-        from .keras import require_tf_keras  # noqa: PLC0415
-
         require_tf_keras(self.config.job)
         if getattr(strategy.extended, "_num_workers", 1) != strategy.num_replicas_in_sync:
             raise ConfigError("one replica per worker is supported (one device per worker process)",
@@ -577,7 +577,6 @@ class BalancedSource:
         if kwargs.get("use_multiprocessing"):
             raise ConfigError("use_multiprocessing=True is not supported: the agreed size of each batch is only "
                               "known in the training process; use workers=N threads", job=self.config.job)
-        from .keras import keras_module  # noqa: PLC0415
 
         keras = keras or keras_module()
         if not hasattr(getattr(keras, "utils", None), "Sequence"):

@@ -21,13 +21,8 @@ from lbbsp.integrations.keras import BalancedSource
 from refused_policies import REFUSALS, refused_policy
 
 pytest.importorskip("tensorflow")
-from lbbsp.integrations.keras import (
-    WorkerSession,
-    _embedded_directory,
-    callback_class,
-    close_sessions,
-    task_index,
-)
+from lbbsp.integrations.keras import WorkerSession, callback_class, close_sessions, task_index
+from lbbsp.integrations.keras_session import _embedded_directory
 
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
