@@ -78,7 +78,9 @@ def _train(mode: str, rank: int, url: str, job: str, device: str = "cpu") -> dic
     module = mlp().to(device)
     wrapped = torch.compile(module, backend="aot_eager") if mode == "compiled-module" else module
     model = module if weighting is None else DDP(wrapped)  # "no-ddp": the module, through lb.all_reduce_gradients
-    lb = Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-{mode}", policy=ChangingSplit(), min_batch=0)
+    # max_ahead=1: every step its own split, empty slices too (a coordinator behind the steps writes one for several)
+    lb = Balancer.from_env(GLOBAL_BATCH, redis=url, job=f"{job}-{mode}", policy=ChangingSplit(), min_batch=0,
+                           max_ahead=1)
     if weighting is not None:
         if mode.startswith("own-hook"):
             lb.attach(model, weighting, comm_hook=default_hooks.allreduce_hook, comm_state=None)

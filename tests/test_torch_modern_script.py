@@ -226,7 +226,9 @@ SCRIPTS: dict[str, tuple[Callable[[Run], dict], str]] = {
 
 def _scripts(url: str, job: str) -> dict:
     """Every script in turn on one Balancer, each with its own DDP model (starting ranks is the slow part)."""
-    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, policy=ChangingSplit(), min_batch=0) as lb:
+    # max_ahead=1: every step its own split, empty slices included; a coordinator behind the steps (a loaded machine)
+    # writes one split for several, and in a CI run under load had left out every split with an empty slice
+    with Balancer.from_env(GLOBAL_BATCH, redis=url, job=job, policy=ChangingSplit(), min_batch=0, max_ahead=1) as lb:
 
         def scripted(script: Callable[[Run], dict], weighting: str) -> Callable[[], dict]:
             def go() -> dict:
