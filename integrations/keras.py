@@ -11,6 +11,7 @@ Works with tf_keras (``TF_USE_LEGACY_KERAS=1``) single- and multi-worker under
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import sys
@@ -25,11 +26,19 @@ from typing import Any
 import numpy as np
 
 from lbbsp.errors import ConfigError
+from lbbsp.sampling import GlobalBatchSampler
 from lbbsp.telemetry import ResourceMonitor
 from lbbsp.worker import WorkerClient
 
 from .keras_data import BalancedSource, ServedBatch
-from .keras_session import WorkerSession, close_sessions, keras_module, task_index, training_tasks
+from .keras_session import (
+    WorkerSession,
+    all_gathered,
+    close_sessions,
+    keras_module,
+    task_index,
+    training_tasks,
+)
 
 log = logging.getLogger("lbbsp.keras")
 
@@ -369,6 +378,8 @@ class _CallbackLogic:
         # lists built up front had replayed iteration 0 and epoch 0's order, and every report was refused)
         self.iteration = _NEXT_ITERATION.get(self.client, self.iteration)
         self.epochs_done = self.source.epochs_trained
+        if replicas > 1:  # on every worker, before anything of the fit that one worker alone may refuse
+            _check_sources_agree(self.model.distribute_strategy, self.source, self.epochs_done)
         self.source.attach(self.iteration, self.epochs_done, replicas, running=_fit_running())
         if _keras_of(type(self)) == "tf_keras":
             jit = bool(self.model.jit_compile)
@@ -546,6 +557,28 @@ class _CallbackLogic:
             self.model._initial_epoch = None  # restored, and starts every later fit there, serving those epochs again
         self.source.detach(self.iteration)
         self.client.flush()
+
+
+def _check_sources_agree(strategy: Any, source: BalancedSource, epoch: int) -> None:
+    """A ConfigError on every worker unless all workers' sources split the same ``epoch``: one dataset size, shuffle,
+    drop_last and seed (the epoch order's fingerprint). A seed per worker had trained on some samples twice and on
+    others never, without an error; another dataset size had failed fit in TensorFlow's all-reduce (a shape
+    mismatch of a collective instance) once one worker ran out of batches."""
+    ours = source.sampler
+    order = GlobalBatchSampler(ours.dataset_size, source.config.global_batch, seed=ours.seed, shuffle=ours.shuffle,
+                               drop_last=ours.drop_last)
+    order.set_epoch(epoch)
+    mine = {"dataset size": ours.dataset_size, "shuffle": ours.shuffle, "drop_last": ours.drop_last,
+            "epoch": epoch, "seed (the epoch order's fingerprint)": order.fingerprint()}
+    gathered = all_gathered(strategy, 1, source.config.num_workers, source.worker, json.dumps(mine))
+    every = [json.loads(str(theirs)) for theirs in gathered]
+    for name in mine:
+        values = [theirs[name] for theirs in every]
+        if any(value != values[0] for value in values):
+            raise ConfigError(f"the workers' sources differ in {name} ({values}, by worker): every worker must build "
+                              "BalancedSource from the whole dataset (not a shard: the source splits it) with the same "
+                              "seed, shuffle and drop_last, and train as many epochs before this fit",
+                              job=source.config.job, worker=source.worker)
 
 
 def _time_from_the_train_function(model: Any, called: Callable[[], None] | None) -> None:

@@ -324,7 +324,7 @@ def _gatherer(strategy: Any, config: JobConfig, worker: int,
                           "counts a chief first", job=config.job)
     if taken.sum() != workers:
         raise does_not_span
-    gather = functools.partial(_all_gathered, strategy, replicas, workers, worker)
+    gather = functools.partial(all_gathered, strategy, replicas, workers, worker)
     ours = json.loads(config.to_json())
     for index, theirs in enumerate(json.loads(str(c)) for c in gather(config.to_json())):
         differ = [f"{name}={theirs[name]!r} against {value!r}" for name, value in ours.items() if theirs[name] != value]
@@ -343,7 +343,7 @@ def _replicas_per_worker(strategy: Any) -> int | None:
         return None
 
 
-def _all_gathered(strategy: Any, replicas: int, workers: int, worker: int, value: str | None) -> list[str | None]:
+def all_gathered(strategy: Any, replicas: int, workers: int, worker: int, value: str | None) -> list[str | None]:
     """Every worker's ``value``, in worker order: their UTF-8 bytes summed into a table over the strategy."""
     data = np.frombuffer(value.encode(), np.uint8) if value is not None else np.zeros(0, np.uint8)
     lengths = np.zeros(workers, np.float32)

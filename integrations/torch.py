@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
+from lbbsp import __version__
 from lbbsp.config import JobConfig, _is_integer
 from lbbsp.coordinator import MAX_AHEAD, checked_max_ahead
 from lbbsp.coordinator_process import (
@@ -60,7 +61,7 @@ from lbbsp.store import Store, agreed_config, redacted, redis_url, worker_socket
 from lbbsp.telemetry import ResourceMonitor
 from lbbsp.worker import WorkerClient
 
-from .torch_data import BalancedLoader
+from .torch_data import BalancedLoader, meet_at_close
 from .torch_grad import (
     BatchNormWarning,
     CommHook,
@@ -203,7 +204,7 @@ class Balancer:
         owned: list[Any] = []
         running = None
         try:
-            gather = functools.partial(_all_gathered, world=world)
+            gather = functools.partial(all_gathered, world=world)
             shared: list[Any] = [url, job or (f"torch-{uuid.uuid4().hex[:12]}" if rank == 0 else None),
                                  uuid.uuid4().hex[:12]]
             dist.broadcast_object_list(shared, src=0)  # rank 0's Redis URL and job name, and this Balancer's token
@@ -572,7 +573,7 @@ class Balancer:
             failure = failure or self._gpu_reports.failure()
             self.client.close()
             if not failing and dist.is_initialized():
-                dist.barrier()  # nobody still talks to the Redis or coordinator that rank 0 is about to stop
+                meet_at_close(self)  # nobody still talks to the Redis or coordinator that rank 0 is about to stop
         finally:
             self._closed = True
             if self.coordinator is not None and any(isinstance(r, EmbeddedRedis) for r in self._owned):
@@ -687,11 +688,19 @@ def _same_on_every_rank(world: int, *, given: dict[str, object], **settings: obj
     mismatch error on rank 0 that blamed a job name it had just made up, the others of the connection it left.
     ``given`` (the Redis URL, the job name) may be left out (None) on ranks other than 0, which take rank 0's; one
     given otherwise had been replaced by rank 0's unsaid, and a rank that named the right Redis by another address
-    failed to reach rank 0's, blaming its own setting."""
-    ours = {name: _plain(v) for name, v in settings.items()}
+    failed to reach rank 0's, blaming its own setting. The lbbsp version is compared first: a rank of another version
+    had failed here with a KeyError for a setting the other did not send, or later in gloo, aborted by a collective
+    of another size."""
+    ours = {"lbbsp": __version__} | {name: _plain(v) for name, v in settings.items()}
     gathered: list[tuple[dict[str, object], dict[str, object]] | None] = [None] * world
     dist.all_gather_object(gathered, (ours, given))
     every = cast("list[tuple[dict[str, object], dict[str, object]]]", gathered)
+    versions = [theirs[0].get("lbbsp") for theirs in every]  # None: a version from before it was compared
+    if len(set(versions)) > 1:  # first: another version may gather other settings, or other collectives next
+        shown = "; ".join(f"{v or 'an older one'} on rank {r}" for r, v in enumerate(versions) if v != versions[0])
+        raise ConfigError(f"the ranks run different versions of lbbsp ({versions[0] or 'an older one'} on rank 0; "
+                          f"{shown}): install one version on every machine, as each version's steps take part in "
+                          "collectives of their own")
     differ = []
     for name in ours:
         groups: list[tuple[object, list[int]]] = []  # each value (10 and 10.0 are one; so is NaN) and its ranks
@@ -732,7 +741,7 @@ def _same(a: object, b: object) -> bool:
         return repr(a) == repr(b)
 
 
-def _all_gathered(value: str | None, *, world: int) -> list[str | None]:
+def all_gathered(value: str | None, *, world: int) -> list[str | None]:
     """Every rank's ``value``, in rank order."""
     values: list[str | None] = [None] * world
     dist.all_gather_object(values, value)

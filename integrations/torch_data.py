@@ -367,12 +367,12 @@ def _check_ranks_agree(sampler: GlobalBatchSampler, balancer: Balancer, first: i
     last as it differs whenever another does)."""
     if balancer.world_size < 2:
         return
-    mine = torch.tensor([sampler.dataset_size, int(sampler.shuffle), int(sampler.drop_last), sampler.epoch, first,
-                         _subset_fingerprint(dataset), sampler.fingerprint()], dtype=torch.int64,
-                        device=_collective_device(balancer.group))
-    everyone = [torch.empty_like(mine) for _ in range(balancer.world_size)]
-    dist.all_gather(everyone, mine, group=balancer.group)
-    rows = torch.stack(everyone).cpu().tolist()
+    rows = _gathered_rows(balancer, [sampler.dataset_size, int(sampler.shuffle), int(sampler.drop_last), sampler.epoch,
+                                     first, _subset_fingerprint(dataset), sampler.fingerprint()])
+    closed = [r for r, row in enumerate(rows) if row == _CLOSING]
+    if closed:
+        raise ConfigError(f"rank(s) {closed[:8]} closed the Balancer as this rank began epoch {sampler.epoch} of "
+                          f"lb.loader: {_SAME_EPOCHS}", job=balancer.config.job, worker=balancer.rank)
     for j, name in enumerate(_AGREED):
         values = [row[j] for row in rows]
         if len(set(values)) > 1:
@@ -380,6 +380,33 @@ def _check_ranks_agree(sampler: GlobalBatchSampler, balancer: Balancer, first: i
                               "whole dataset (not a shard: the loader splits it) with the same seed, shuffle and "
                               "drop_last, call set_epoch with the same epoch, and load the same loader state",
                               job=balancer.config.job, worker=balancer.rank)
+
+
+#: What a closing rank gathers where the others gather their loader's ``_AGREED`` (no dataset has -1 samples).
+_CLOSING = [-1] + [0] * (len(_AGREED) - 1)
+_SAME_EPOCHS = ("every rank must run the same number of epochs (loops over lb.loader) before Balancer.close; each "
+                "rank waits for the others in both, and one closing while another began an epoch had both waiting "
+                "until the process group's timeout")
+
+
+def _gathered_rows(balancer: Balancer, row: list[int]) -> list[list[int]]:
+    """Every rank's ``row`` of ``len(_AGREED)`` integers, in rank order (one all-gather over the balancer's group)."""
+    mine = torch.tensor(row, dtype=torch.int64, device=_collective_device(balancer.group))
+    everyone = [torch.empty_like(mine) for _ in range(balancer.world_size)]
+    dist.all_gather(everyone, mine, group=balancer.group)
+    return torch.stack(everyone).cpu().tolist()
+
+
+def meet_at_close(balancer: Balancer) -> None:
+    """Wait for every rank to close ``balancer`` (a barrier that the epoch check of a rank still training meets: both
+    raise a ConfigError, where a barrier had left both waiting until the process group's timeout)."""
+    if balancer.world_size < 2:
+        dist.barrier(group=balancer.group)
+        return
+    training = [r for r, row in enumerate(_gathered_rows(balancer, _CLOSING)) if row != _CLOSING]
+    if training:
+        raise ConfigError(f"rank(s) {training[:8]} began another epoch of lb.loader as this rank closed the Balancer: "
+                          f"{_SAME_EPOCHS}", job=balancer.config.job, worker=balancer.rank)
 
 
 def _emptied(one: Any, two: Any, leaks: list[str]) -> Any:

@@ -11,6 +11,7 @@ standing in for the all-reduce's wait, that wait is not reported as compute (a t
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -254,6 +255,29 @@ def run_misconfigured_worker(index: int, ports: list[int], job: str, out: Path) 
         except ConfigError as exc:
             refused[name] = str(exc)
     (out / f"refused{index}.json").write_text(json.dumps(refused))
+
+
+def run_disagreeing_worker(index: int, ports: list[int], url: str, job: str, out: Path) -> None:
+    """Two MWMS workers whose sources differ, first in seed, then in dataset size: each fit is refused on both."""
+    join_cluster(index, ports)
+    import tensorflow as tf  # noqa: PLC0415
+    import tf_keras as keras  # noqa: PLC0415
+
+    from lbbsp.integrations.keras import LBBSPCallback  # noqa: PLC0415
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    config = JobConfig(job, num_workers=2, global_batch=GLOBAL_BATCH, assignment_timeout_s=30.0)
+    x, y = make_data()
+    refused = {}
+    with WorkerSession(config, index, url=url, strategy=strategy) as session:
+        with strategy.scope():
+            model = build_model(keras)
+        for misuse, seed, size in [("seed", SEED + index, SAMPLES), ("size", SEED, SAMPLES - 20 * index)]:
+            source = BalancedSource(x[:size], y[:size], config, session.worker, seed=seed)
+            fit = functools.partial(model.fit, source.tf_dataset(strategy), epochs=1, steps_per_epoch=len(source),
+                                    verbose=0, callbacks=[LBBSPCallback(session.client, source)])
+            refused[misuse] = _refusal(fit)
+    (out / f"disagreed{index}.json").write_text(json.dumps(refused))
 
 
 def run_keras3_worker(index: int, ports: list[int], url: str, job: str, out: Path) -> None:
@@ -617,6 +641,20 @@ def test_workers_that_share_an_index_or_name_different_jobs_all_refuse(tmp_path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_workers_whose_sources_disagree_all_refuse_the_fit(tmp_path: Path, redis_url: str, job: str) -> None:
+    """Checked through the strategy as fit begins: a seed per worker had trained on some samples twice and on others
+    never, without an error, and a dataset of another size had failed fit with a shape mismatch in TensorFlow's
+    all-reduce once one worker ran out of batches."""
+    _run_workers("disagreeing", [redis_url, job, str(tmp_path)], legacy=True)
+    for index in range(2):
+        refused = json.loads((tmp_path / f"disagreed{index}.json").read_text())
+        assert refused["seed"].startswith("the workers' sources differ in seed (the epoch order's fingerprint)"), refused
+        assert refused["size"].startswith(f"the workers' sources differ in dataset size ([{SAMPLES}, {SAMPLES - 20}], "
+                                          "by worker)"), refused
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_keras3_multi_worker_is_refused(tmp_path: Path, redis_url: str, job: str) -> None:
     _run_workers("keras3", [redis_url, job, str(tmp_path)], legacy=False)
     for index in range(2):
@@ -770,6 +808,9 @@ elif __name__ == "__main__" and sys.argv[1:2] == ["keras3"]:
 elif __name__ == "__main__" and sys.argv[1:2] == ["across"]:
     _, _, index, ports, job, out, reachable = sys.argv
     run_across_worker(int(index), [int(p) for p in ports.split(",")], job, Path(out), reachable == "reachable")
+elif __name__ == "__main__" and sys.argv[1:2] == ["disagreeing"]:
+    _, _, index, ports, url, job, out = sys.argv
+    run_disagreeing_worker(int(index), [int(p) for p in ports.split(",")], url, job, Path(out))
 elif __name__ == "__main__" and sys.argv[1:2] == ["misconfigured"]:
     _, _, index, ports, job, out = sys.argv
     run_misconfigured_worker(int(index), [int(p) for p in ports.split(",")], job, Path(out))
