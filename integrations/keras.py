@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 
 from lbbsp.errors import ConfigError
-from lbbsp.sampling import GlobalBatchSampler
 from lbbsp.telemetry import ResourceMonitor
 from lbbsp.worker import WorkerClient
 
@@ -565,9 +564,7 @@ def _check_sources_agree(strategy: Any, source: BalancedSource, epoch: int) -> N
     others never, without an error; another dataset size had failed fit in TensorFlow's all-reduce (a shape
     mismatch of a collective instance) once one worker ran out of batches."""
     ours = source.sampler
-    order = GlobalBatchSampler(ours.dataset_size, source.config.global_batch, seed=ours.seed, shuffle=ours.shuffle,
-                               drop_last=ours.drop_last)
-    order.set_epoch(epoch)
+    order = source._sampler_for(epoch)  # the epoch's sampler the source cuts with, its permutation drawn once
     mine = {"dataset size": ours.dataset_size, "shuffle": ours.shuffle, "drop_last": ours.drop_last,
             "epoch": epoch, "seed (the epoch order's fingerprint)": order.fingerprint()}
     gathered = all_gathered(strategy, 1, source.config.num_workers, source.worker, json.dumps(mine))

@@ -204,7 +204,7 @@ class Balancer:
         owned: list[Any] = []
         running = None
         try:
-            gather = functools.partial(all_gathered, world=world)
+            gather = functools.partial(_all_gathered, world=world)
             shared: list[Any] = [url, job or (f"torch-{uuid.uuid4().hex[:12]}" if rank == 0 else None),
                                  uuid.uuid4().hex[:12]]
             dist.broadcast_object_list(shared, src=0)  # rank 0's Redis URL and job name, and this Balancer's token
@@ -741,7 +741,7 @@ def _same(a: object, b: object) -> bool:
         return repr(a) == repr(b)
 
 
-def all_gathered(value: str | None, *, world: int) -> list[str | None]:
+def _all_gathered(value: str | None, *, world: int) -> list[str | None]:
     """Every rank's ``value``, in rank order."""
     values: list[str | None] = [None] * world
     dist.all_gather_object(values, value)
